@@ -1,0 +1,116 @@
+"""objckpt's one error hierarchy.
+
+Every error objckpt raises on purpose is an :class:`ObjckptError`. The classes that
+mean "not there" also subclass :class:`FileNotFoundError` and the ones that mean
+"already committed" subclass :class:`FileExistsError`, so code written against the
+standard library's meanings keeps working. Backend errors (botocore, aiohttp, OS)
+are translated at the store boundary and kept as ``__cause__``.
+
+Messages name the URL or object and what was expected, and never contain
+credentials or ``storage_options`` values: torch's checkpoint logger prints
+exception text at ERROR level, so an error message is as public as a log line.
+
+::
+
+    ObjckptError
+    ├── ConfigurationError (ValueError)       bad option, URL or protocol
+    ├── StateDictError (TypeError)            a state-dict entry that cannot be saved
+    ├── StoreError (OSError)                  the store refused or failed a request
+    │   ├── StoreUnreachableError (ConnectionError)
+    │   ├── AccessDeniedError (PermissionError)
+    │   │   └── MissingCredentialsError
+    │   ├── BucketNotFoundError (FileNotFoundError)
+    │   └── UploadError                       an object could not be written (upload aborted)
+    ├── CheckpointNotFoundError (FileNotFoundError)
+    │   └── CheckpointNotCommittedError       payload present, no manifest
+    ├── CheckpointExistsError (FileExistsError)
+    ├── ManifestError (ValueError)            manifest unreadable, malformed or too new
+    └── IntegrityError                        bytes on the store do not match the manifest
+        ├── ChecksumMismatchError
+        └── SizeMismatchError
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AccessDeniedError",
+    "BucketNotFoundError",
+    "CheckpointExistsError",
+    "CheckpointNotCommittedError",
+    "CheckpointNotFoundError",
+    "ChecksumMismatchError",
+    "ConfigurationError",
+    "IntegrityError",
+    "ManifestError",
+    "MissingCredentialsError",
+    "ObjckptError",
+    "SizeMismatchError",
+    "StateDictError",
+    "StoreError",
+    "StoreUnreachableError",
+    "UploadError",
+]
+
+
+class ObjckptError(Exception):
+    """Base of every error objckpt raises on purpose."""
+
+
+class ConfigurationError(ObjckptError, ValueError):
+    """An option, URL or protocol the caller gave cannot work."""
+
+
+class StateDictError(ObjckptError, TypeError):
+    """A state-dict entry cannot be serialized into a checkpoint."""
+
+
+class StoreError(ObjckptError, OSError):
+    """The object store refused or failed a request."""
+
+
+class StoreUnreachableError(StoreError, ConnectionError):
+    """The store's endpoint could not be reached in the allotted time."""
+
+
+class AccessDeniedError(StoreError, PermissionError):
+    """The store answered, but refused the credentials for this operation."""
+
+
+class MissingCredentialsError(AccessDeniedError):
+    """No credentials were found for a store that needs them."""
+
+
+class BucketNotFoundError(StoreError, FileNotFoundError):
+    """The bucket (or local root directory) named by the URL does not exist."""
+
+
+class UploadError(StoreError):
+    """An object could not be written; any multipart upload was aborted."""
+
+
+class CheckpointNotFoundError(ObjckptError, FileNotFoundError):
+    """Nothing that looks like a checkpoint exists at the URL."""
+
+
+class CheckpointNotCommittedError(CheckpointNotFoundError):
+    """Payload objects exist at the URL, but no manifest commits them."""
+
+
+class CheckpointExistsError(ObjckptError, FileExistsError):
+    """A committed checkpoint already exists where a new one was to be written."""
+
+
+class ManifestError(ObjckptError, ValueError):
+    """The manifest is not JSON, fails validation, or is from a newer format."""
+
+
+class IntegrityError(ObjckptError):
+    """Bytes on the store differ from what the manifest recorded."""
+
+
+class ChecksumMismatchError(IntegrityError):
+    """An object's CRC32C differs from the manifest's."""
+
+
+class SizeMismatchError(IntegrityError):
+    """An object is shorter or longer than the manifest says."""

@@ -1,0 +1,46 @@
+"""Names of the objects that make up a checkpoint on the store.
+
+::
+
+    <ckpt>/__<rank>_<i>.<attempt>.distcp   payload (DCP's own naming plus the attempt id)
+    <ckpt>/.metadata                       DCP's pickled Metadata, for stock DCP readers
+    <ckpt>/manifest.json                   the commit, written last and create-only
+
+The attempt id in payload names means a zombie writer from a crashed attempt can
+never overwrite bytes that a newer manifest points at, and it is how an
+uncommitted objckpt checkpoint is told apart from a stock DCP one (stock names
+have no attempt id).
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+
+__all__ = [
+    "MANIFEST_KEY",
+    "METADATA_KEY",
+    "is_objckpt_payload",
+    "new_attempt_id",
+    "payload_key",
+]
+
+MANIFEST_KEY = "manifest.json"
+METADATA_KEY = ".metadata"
+_PAYLOAD = re.compile(r"^__\d+_\d+\.([0-9a-f]{16})\.distcp$")
+
+
+def new_attempt_id() -> str:
+    """16 hex digits: seconds since the epoch, then random bits (sorts by time)."""
+    return f"{int(time.time()) & 0xFFFFFFFF:08x}{secrets.token_hex(4)}"
+
+
+def payload_key(rank: int, index: int, attempt: str) -> str:
+    """The key of payload object ``index`` of ``rank`` in ``attempt``."""
+    return f"__{rank}_{index}.{attempt}.distcp"
+
+
+def is_objckpt_payload(name: str) -> bool:
+    """Whether a key (or path's last segment) is an objckpt payload name."""
+    return bool(_PAYLOAD.match(name.rsplit("/", 1)[-1]))

@@ -1,0 +1,157 @@
+"""Serialize write items into one payload object, checksumming on the way.
+
+Each tensor is written with ``torch.save`` exactly as DCP's own writers do, so a
+stock ``FileSystemReader``/``FsspecReader`` can load an objckpt checkpoint.
+``torch.save`` streams into a sink that feeds the store's upload directly and
+updates two CRC32Cs (the item's and the object's) on the same bytes, so there is
+no second pass and no whole-object buffer unless the store family needs one.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import io
+
+import torch
+from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from objckpt.checksum import BytesLike, Crc32c
+from objckpt.dcp_json import StoredItem
+from objckpt.errors import StateDictError
+from objckpt.plan import ObjectPlan
+from objckpt.writers.base import ObjectUpload
+
+__all__ = ["WrittenObject", "resolve_bytes_items", "write_object"]
+
+
+class _Sink:
+    """The file-like ``torch.save`` writes into."""
+
+    def __init__(self, upload: ObjectUpload) -> None:
+        self.upload = upload
+        self.pos = 0
+        self.object_crc = Crc32c()
+        self.item_crc = Crc32c()
+
+    def write(self, data: BytesLike) -> int:
+        view = memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        self.object_crc.update(view)
+        self.item_crc.update(view)
+        self.upload.write(view)
+        self.pos += view.nbytes
+        return view.nbytes
+
+    def flush(self) -> None:
+        return None
+
+    def tell(self) -> int:
+        return self.pos
+
+
+@dataclasses.dataclass(frozen=True)
+class _Placed:
+    item: WriteItem
+    offset: int
+    length: int
+    crc32c: str
+
+
+@dataclasses.dataclass(frozen=True)
+class WrittenObject:
+    """A payload object handed to the store; ``done`` resolves once it is visible."""
+
+    key: str
+    size: int
+    crc32c: str
+    placed: tuple[_Placed, ...]
+    done: concurrent.futures.Future[None]
+
+    def write_results(self) -> list[WriteResult]:
+        return [
+            WriteResult(
+                index=p.item.index,
+                size_in_bytes=p.length,
+                storage_data=StoredItem(
+                    relative_path=self.key,
+                    offset=p.offset,
+                    length=p.length,
+                    crc32c=p.crc32c,
+                    object_size=self.size,
+                    object_crc32c=self.crc32c,
+                ),
+            )
+            for p in self.placed
+        ]
+
+
+def _cpu_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor whose storage holds exactly its elements.
+
+    ``torch.save`` writes a view's whole storage, so views of larger tensors are
+    cloned first (as DCP's own writer does).
+    """
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+def resolve_bytes_items(items: list[WriteItem], planner: SavePlanner) -> dict[int, io.BytesIO]:
+    """Serialize every non-tensor entry up front, so a bad one fails before any upload.
+
+    Raises:
+        StateDictError: An entry cannot be pickled; the message names its key.
+    """
+    out: dict[int, io.BytesIO] = {}
+    for n, item in enumerate(items):
+        if item.type != WriteItemType.BYTE_IO:
+            continue
+        try:
+            data = planner.resolve_data(item)
+        except Exception as exc:
+            raise StateDictError(
+                f"state-dict entry {item.index.fqn!r} cannot be serialized "
+                f"({type(exc).__name__}: {exc}); store tensors, or picklable plain values"
+            ) from exc
+        if not isinstance(data, io.BytesIO):
+            raise StateDictError(f"planner returned {type(data).__name__} for bytes entry {item.index.fqn!r}")
+        out[n] = data
+    return out
+
+
+def write_object(
+    obj: ObjectPlan,
+    upload: ObjectUpload,
+    planner: SavePlanner,
+    resolved: dict[int, io.BytesIO],
+    position: dict[int, int],
+) -> WrittenObject:
+    """Write ``obj``'s items into ``upload`` and close it.
+
+    Args:
+        resolved: Pre-serialized byte items, keyed by their position in the plan.
+        position: ``id(item)`` to that position.
+
+    The caller aborts ``upload`` if this raises.
+    """
+    sink = _Sink(upload)
+    placed = []
+    for item in obj.items:
+        start = sink.pos
+        sink.item_crc = Crc32c()
+        if item.type == WriteItemType.BYTE_IO:
+            sink.write(resolved[position[id(item)]].getbuffer())
+        else:
+            data = planner.resolve_data(item)
+            if not isinstance(data, torch.Tensor):
+                raise StateDictError(f"entry {item.index.fqn!r} was planned as a tensor but is {type(data).__name__}")
+            torch.save(_cpu_tensor(data), sink)
+        placed.append(_Placed(item, start, sink.pos - start, sink.item_crc.hexdigest()))
+    done = upload.close()
+    return WrittenObject(obj.key, sink.pos, sink.object_crc.hexdigest(), tuple(placed), done)

@@ -1,0 +1,84 @@
+"""Translate backend errors into objckpt's hierarchy, at the store boundary.
+
+Backends disagree on how they say the same thing: botocore raises
+``NoCredentialsError``, s3fs turns a 403 into ``PermissionError``, aiohttp raises
+``ClientConnectorError`` and gcsfs an ``HttpError``. Callers of objckpt see one
+class per meaning, with the original kept as ``__cause__``.
+
+Backend messages can quote request URLs, and a presigned URL carries a signature,
+so query strings are cut from any text that is copied into our messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+from objckpt.errors import (
+    AccessDeniedError,
+    BucketNotFoundError,
+    MissingCredentialsError,
+    ObjckptError,
+    StoreError,
+    StoreUnreachableError,
+)
+
+__all__ = ["describe", "translate"]
+
+_QUERY = re.compile(r"\?[^\s'\"]*")
+_CREDENTIAL_ERRORS = ("NoCredentialsError", "PartialCredentialsError", "DefaultCredentialsError")
+_UNREACHABLE_ERRORS = (
+    "EndpointConnectionError",
+    "ConnectTimeoutError",
+    "ReadTimeoutError",
+    "ClientConnectorError",
+    "ServerDisconnectedError",
+    "FSTimeoutError",
+    "ConnectionClosedError",
+)
+
+
+def describe(exc: BaseException, limit: int = 300) -> str:
+    """A short, credential-free description of a backend exception."""
+    text = _QUERY.sub("?…", str(exc)).strip()
+    if len(text) > limit:
+        text = text[:limit] + "…"
+    name = type(exc).__name__
+    return f"{name}: {text}" if text else name
+
+
+def _names(exc: BaseException) -> set[str]:
+    return {cls.__name__ for cls in type(exc).__mro__}
+
+
+def translate(exc: BaseException, *, url: str, action: str, missing_is_bucket: bool = False) -> ObjckptError:
+    """Map a backend exception to objckpt's hierarchy.
+
+    Args:
+        exc: What the backend raised.
+        url: The URL (or object URL) the operation was about; it is named in the message.
+        action: What was being done, e.g. ``"uploading"``, for the message.
+        missing_is_bucket: A "not found" here means the bucket is missing.
+
+    Returns:
+        The error to raise (with ``raise ... from exc``). objckpt errors pass through.
+    """
+    if isinstance(exc, ObjckptError):
+        return exc
+    names = _names(exc)
+    detail = describe(exc)
+    if names & set(_CREDENTIAL_ERRORS):
+        return MissingCredentialsError(
+            f"no credentials found while {action} {url}: set them in the environment "
+            f"(AWS_ACCESS_KEY_ID/AWS_PROFILE, GOOGLE_APPLICATION_CREDENTIALS) or storage_options"
+        )
+    if isinstance(exc, PermissionError) or "AccessDenied" in detail or "403" in detail.split(":")[0]:
+        return AccessDeniedError(f"access denied while {action} {url}: {detail}")
+    if isinstance(exc, FileNotFoundError) and missing_is_bucket:
+        return BucketNotFoundError(f"bucket or root of {url} does not exist ({detail})")
+    if (
+        names & set(_UNREACHABLE_ERRORS)
+        or isinstance(exc, (ConnectionError, TimeoutError, asyncio.TimeoutError))
+    ):
+        return StoreUnreachableError(f"store unreachable while {action} {url}: {detail}")
+    return StoreError(f"store error while {action} {url}: {detail}")

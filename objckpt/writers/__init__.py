@@ -1,0 +1,28 @@
+"""Per-store-family upload code behind one protocol (:mod:`objckpt.writers.base`)."""
+
+from __future__ import annotations
+
+from objckpt.location import Location
+from objckpt.options import UploadOptions
+from objckpt.writers.base import ObjectStore, ObjectUpload
+from objckpt.writers.generic import GcsStore, GenericStore, MemoryStore
+from objckpt.writers.local import LocalStore
+from objckpt.writers.s3 import S3Store
+
+__all__ = ["ObjectStore", "ObjectUpload", "open_store"]
+
+_FAMILIES: dict[str, type[ObjectStore]] = {
+    "s3": S3Store,
+    "s3a": S3Store,
+    "gs": GcsStore,
+    "gcs": GcsStore,
+    "file": LocalStore,
+    "local": LocalStore,
+    "memory": MemoryStore,
+}
+
+
+def open_store(location: Location, options: UploadOptions | None = None) -> ObjectStore:
+    """The store family for ``location``'s protocol (generic fsspec otherwise)."""
+    family = _FAMILIES.get(location.protocol, GenericStore)
+    return family(location, options or UploadOptions())

@@ -1,0 +1,239 @@
+"""The narrow seam between objckpt and a store family: how bytes get onto it.
+
+One :class:`ObjectStore` per store family (S3, GCS, local disk, memory, and a
+generic fsspec fallback). Reading needs no per-store code: fsspec's
+``cat_ranges`` already does concurrent ranged reads everywhere.
+
+Call order during one save, per rank (rank 0 is the coordinator)::
+
+    store = open_store(location, upload_options)  # every rank
+    store.preflight(timeout)                      # every rank, before staging/planning
+    up = store.begin(key, size_hint)              # every rank, once per payload object
+    up.write(...); ...; fut = up.close()          #   (or up.abort() on any failure)
+    fut.result()                                  #   object visible once this returns
+    store.put(".metadata", ...)                   # coordinator, after every rank's objects
+    store.create("manifest.json", ...)            # coordinator, LAST: the commit
+    store.close()
+
+``create`` is the only commit primitive and must be atomic and create-only on
+the store: it raises :class:`FileExistsError` if the key exists. The caller
+settles a conflict by reading the manifest back (a retried PUT can meet its own
+earlier write whose response was lost).
+"""
+
+from __future__ import annotations
+
+import abc
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Coroutine
+from typing import Any
+
+from fsspec import AbstractFileSystem
+from fsspec.asyn import AsyncFileSystem, sync
+
+from objckpt.checksum import BytesLike
+from objckpt.errors import BucketNotFoundError
+from objckpt.location import Location
+from objckpt.options import UploadOptions
+from objckpt.translate import translate
+
+__all__ = ["BufferedUpload", "ObjectStore", "ObjectUpload", "translated_future"]
+
+logger = logging.getLogger(__name__)
+
+
+class ObjectUpload(abc.ABC):
+    """One object being written. Not thread-safe: one writer thread per upload."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    @abc.abstractmethod
+    def write(self, data: BytesLike) -> None:
+        """Append bytes. May block while too many parts are in flight (backpressure).
+
+        The bytes are copied or written before this returns, so the caller may
+        reuse ``data`` afterwards.
+        """
+
+    @abc.abstractmethod
+    def close(self) -> concurrent.futures.Future[None]:
+        """Finish the object; it is visible on the store once the future resolves.
+
+        A failure aborts any multipart upload before the future raises.
+        """
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Give the object up: abort its multipart upload or delete its partial bytes."""
+
+
+class ObjectStore(abc.ABC):
+    """Writes objects under one checkpoint location (see the module docstring)."""
+
+    def __init__(self, location: Location, options: UploadOptions, fs: AbstractFileSystem | None = None) -> None:
+        self.location = location
+        self.options = options
+        self.fs = fs if fs is not None else location.open_fs(fresh=True)
+        # Bounds concurrent requests and the memory held by their buffers.
+        self._slots = threading.BoundedSemaphore(options.max_inflight)
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
+    # -- helpers shared by the families ------------------------------------------------
+    @property
+    def is_async(self) -> bool:
+        return isinstance(self.fs, AsyncFileSystem)
+
+    def submit_coro(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
+        """Run a coroutine on the filesystem's own event loop thread."""
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coro, self.fs.loop)
+
+    def run_coro(self, coro: Coroutine[Any, Any, Any], timeout: float | None = None) -> Any:
+        return sync(self.fs.loop, lambda: coro, timeout=timeout)
+
+    def submit_call(self, fn: Any, *args: Any) -> concurrent.futures.Future[Any]:
+        """Run a blocking call on a small thread pool owned by this store."""
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=self.options.max_inflight, thread_name_prefix="objckpt-io"
+                )
+            return self._pool.submit(fn, *args)
+
+    def acquire_slot(self) -> None:
+        self._slots.acquire()
+
+    def release_slot(self, _: object = None) -> None:
+        self._slots.release()
+
+    def path(self, key: str) -> str:
+        return self.location.key_path(key)
+
+    # -- the protocol ------------------------------------------------------------------
+    def preflight(self, timeout: float) -> None:
+        """Fail fast, in bounded time, if the location cannot be written.
+
+        The default checks that the parent of the checkpoint prefix is reachable.
+
+        Raises:
+            BucketNotFoundError, AccessDeniedError, MissingCredentialsError,
+            StoreUnreachableError: named for the URL.
+        """
+        bucket = self.location.bucket
+        try:
+            if self.is_async:
+                exists = self.run_coro(self.fs._exists(bucket), timeout=timeout)  # type: ignore[attr-defined]
+            else:
+                exists = self.submit_call(self.fs.exists, bucket).result(timeout=timeout)
+        except concurrent.futures.TimeoutError as exc:
+            raise translate(TimeoutError(f"no answer in {timeout} s"), url=self.location.url,
+                            action="checking") from exc
+        except Exception as exc:
+            raise translate(exc, url=self.location.url, action="checking", missing_is_bucket=True) from exc
+        if not exists:
+            raise BucketNotFoundError(f"bucket {bucket!r} of {self.location.url} does not exist")
+
+    @abc.abstractmethod
+    def begin(self, key: str, size_hint: int) -> ObjectUpload:
+        """Start writing the object ``key`` of about ``size_hint`` bytes."""
+
+    def put(self, key: str, data: bytes) -> None:
+        """Write a small object in one request (overwriting is allowed)."""
+        try:
+            self.fs.pipe_file(self.path(key), data)
+        except Exception as exc:
+            raise translate(exc, url=self.location.url_of(key), action="writing") from exc
+
+    @abc.abstractmethod
+    def create(self, key: str, data: bytes, *, overwrite: bool = False) -> None:
+        """Write ``key`` only if it does not exist, atomically (the commit).
+
+        Args:
+            overwrite: Replace an existing object instead (still one atomic write).
+
+        Raises:
+            FileExistsError: ``key`` exists and ``overwrite`` is False.
+            StoreError: Any other failure.
+        """
+
+    def read(self, key: str) -> bytes:
+        """The whole object. Raises FileNotFoundError (plain) when it is absent."""
+        try:
+            return bytes(self.fs.cat_file(self.path(key)))
+        except FileNotFoundError:
+            raise
+        except Exception as exc:
+            raise translate(exc, url=self.location.url_of(key), action="reading") from exc
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.fs.invalidate_cache(self.path(key))
+            return bool(self.fs.exists(self.path(key)))
+        except Exception as exc:
+            raise translate(exc, url=self.location.url_of(key), action="checking") from exc
+
+    def close(self) -> None:
+        with self._pool_lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+
+
+class BufferedUpload(ObjectUpload):
+    """Collects the object in memory and writes it in one call on close.
+
+    Used by stores without a parallel multipart API in objckpt yet (GCS, memory,
+    any fsspec store). Memory use is the object's size.
+    """
+
+    def __init__(self, store: ObjectStore, key: str, size_hint: int) -> None:
+        super().__init__(key)
+        self._store = store
+        self._buf = bytearray()
+        self._closed = False
+
+    def write(self, data: BytesLike) -> None:
+        self._buf += data
+
+    def close(self) -> concurrent.futures.Future[None]:
+        self._closed = True
+        store, path, data = self._store, self._store.path(self.key), self._buf
+        store.acquire_slot()
+        fut: concurrent.futures.Future[None]
+        if store.is_async:
+            fut = store.submit_coro(store.fs._pipe_file(path, data))  # type: ignore[attr-defined]
+        else:
+            fut = store.submit_call(store.fs.pipe_file, path, bytes(data))
+        fut.add_done_callback(store.release_slot)
+        return translated_future(fut, store.location.url_of(self.key), "uploading")
+
+    def abort(self) -> None:
+        self._buf = bytearray()
+        if self._closed:
+            try:
+                self._store.fs.rm_file(self._store.path(self.key))
+            except Exception:  # best effort: an uncommitted object is garbage for gc anyway
+                logger.debug("could not remove aborted object %s", self.key, exc_info=True)
+
+
+def translated_future(fut: concurrent.futures.Future[Any], url: str, action: str) -> concurrent.futures.Future[None]:
+    """A future that fails with an objckpt error when ``fut`` fails."""
+    out: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    def done(f: concurrent.futures.Future[Any]) -> None:
+        exc = f.exception()
+        if exc is None:
+            out.set_result(None)
+        else:
+            err = translate(exc, url=url, action=action)
+            err.__cause__ = exc
+            out.set_exception(err)
+
+    fut.add_done_callback(done)
+    return out
+

@@ -1,0 +1,68 @@
+"""Any fsspec store: GCS, memory, and a best-effort fallback for the rest.
+
+GCS commits with ``ifGenerationMatch=0`` (gcsfs's ``mode="create"``), which the
+service enforces atomically. The memory store is process-local, so a lock makes
+its check-then-write atomic. Other protocols have no create-only write that
+objckpt knows of; they get an existence check before the write and a warning,
+because two writers racing on the same URL could both believe they committed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from objckpt.translate import translate
+from objckpt.writers.base import BufferedUpload, ObjectStore, ObjectUpload
+
+__all__ = ["GcsStore", "GenericStore", "MemoryStore"]
+
+logger = logging.getLogger(__name__)
+
+
+class GenericStore(ObjectStore):
+    """Buffered uploads through fsspec, check-then-write commit (not atomic)."""
+
+    def begin(self, key: str, size_hint: int) -> ObjectUpload:
+        return BufferedUpload(self, key, size_hint)
+
+    def create(self, key: str, data: bytes, *, overwrite: bool = False) -> None:
+        logger.warning(
+            "%s:// has no create-only write known to objckpt; committing %s with a "
+            "check-then-write that is not atomic against a concurrent writer",
+            self.location.protocol,
+            self.location.url_of(key),
+        )
+        if not overwrite and self.exists(key):
+            raise FileExistsError(self.location.url_of(key))
+        self.put(key, data)
+
+
+class GcsStore(GenericStore):
+    """GCS through gcsfs: the commit is an ``ifGenerationMatch=0`` upload."""
+
+    def create(self, key: str, data: bytes, *, overwrite: bool = False) -> None:
+        try:
+            self.fs.pipe_file(self.path(key), data, mode="overwrite" if overwrite else "create")
+        except FileExistsError:
+            raise
+        except Exception as exc:
+            raise translate(exc, url=self.location.url_of(key), action="committing") from exc
+        finally:
+            self.fs.invalidate_cache(self.path(key))
+
+
+class MemoryStore(GenericStore):
+    """fsspec's in-process memory store; a lock makes the commit create-only."""
+
+    # The memory filesystem's contents are process-global, so its commit lock is too.
+    _commit_lock = threading.Lock()
+
+    def preflight(self, timeout: float) -> None:
+        return None
+
+    def create(self, key: str, data: bytes, *, overwrite: bool = False) -> None:
+        with self._commit_lock:
+            if not overwrite and self.fs.exists(self.path(key)):
+                raise FileExistsError(self.location.url_of(key))
+            self.fs.pipe_file(self.path(key), data)
