@@ -1,0 +1,83 @@
+"""pytest fixtures for checkpoint tests against real store servers.
+
+One server process per test session, reset before each test that asks for a
+bucket, so tests are isolated without paying a process start each time.
+
+Fixtures:
+    moto_server: the session's :class:`~objckpt.testing.MotoServer`.
+    s3_bucket: a fresh, empty bucket on it, as a :class:`StoreTarget`.
+    gcs_emulator: the session's :class:`~objckpt.testing.GcsEmulator`.
+    gcs_bucket: a fresh, empty bucket on it, as a :class:`StoreTarget`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from objckpt.testing.servers import GcsEmulator, MotoServer, start_gcs_emulator, start_moto_server
+
+__all__ = ["StoreTarget"]
+
+BUCKET = "objckpt-test"
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreTarget:
+    """A bucket ready for a test: where to write, and how to reach it.
+
+    Attributes:
+        root: URL of an empty prefix in the bucket (``s3://objckpt-test/t``).
+        storage_options: fsspec options that reach the server.
+        bucket: The bucket name.
+    """
+
+    root: str
+    storage_options: dict[str, Any]
+    bucket: str = BUCKET
+
+    def url(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Keep SDKs off the network: no EC2 metadata probe, no gRPC bucket probe
+    # (gcsfs reads this before it is imported anywhere in the session).
+    os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+    os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+
+@pytest.fixture(scope="session")
+def moto_server() -> Iterator[MotoServer]:
+    server = start_moto_server()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_bucket(moto_server: MotoServer) -> StoreTarget:
+    moto_server.reset()
+    moto_server.boto3_client().create_bucket(Bucket=BUCKET)
+    return StoreTarget(root=f"s3://{BUCKET}/t", storage_options=moto_server.storage_options())
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator() -> Iterator[GcsEmulator]:
+    server = start_gcs_emulator()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def gcs_bucket(gcs_emulator: GcsEmulator) -> StoreTarget:
+    gcs_emulator.reset()
+    gcs_emulator.create_bucket(BUCKET)
+    return StoreTarget(root=f"gs://{BUCKET}/t", storage_options=gcs_emulator.storage_options())
