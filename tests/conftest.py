@@ -1,0 +1,66 @@
+"""Shared fixtures: one store target per family, and state-dict builders."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+import torch
+
+from objckpt.testing.plugin import StoreTarget
+
+
+@pytest.fixture(params=["memory", "file", "s3", "gcs"])
+def store(request: pytest.FixtureRequest, tmp_path: Any) -> StoreTarget:
+    """The same test against every store family, on real servers where there are any."""
+    kind = request.param
+    if kind == "memory":
+        return StoreTarget(root=f"memory://objckpt-test/{uuid.uuid4().hex}", storage_options={})
+    if kind == "file":
+        return StoreTarget(root=f"file://{tmp_path}/root", storage_options={})
+    if kind == "s3":
+        return request.getfixturevalue("s3_bucket")
+    return request.getfixturevalue("gcs_bucket")
+
+
+def sample_state(seed: int = 0, big: int = 3 * 1024 * 1024) -> dict[str, Any]:
+    """A state dict with several dtypes, a large tensor, a view, and plain values."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(64, 64, generator=g)
+    return {
+        "model": {
+            "w": torch.randn(256, 512, generator=g),
+            "b": torch.randn(512, generator=g).to(torch.bfloat16),
+            "big": torch.randn(big, generator=g),
+            "view": base[8:16],  # a view of a larger storage
+            "ids": torch.randint(0, 1000, (100,), generator=g),
+            "mask": torch.rand(33, generator=g) > 0.5,
+        },
+        "step": 1234,
+        "extra": {"name": "run-1", "lr": [0.1, 0.01]},
+    }
+
+
+def empty_like_state(state: dict[str, Any]) -> dict[str, Any]:
+    def blank(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return torch.zeros_like(v)
+        if isinstance(v, dict):
+            return {k: blank(x) for k, x in v.items()}
+        return None
+
+    return blank(state)
+
+
+def assert_state_equal(got: Any, want: Any) -> None:
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got, want)
+    elif isinstance(want, dict):
+        assert set(got) == set(want)
+        for k in want:
+            assert_state_equal(got[k], want[k])
+    else:
+        assert got == want

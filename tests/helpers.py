@@ -1,0 +1,54 @@
+"""Small helpers shared by test modules."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import fsspec
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+import objckpt
+from objckpt.testing.plugin import StoreTarget
+
+
+def carried(exc: BaseException) -> BaseException:
+    """The error torch's CheckpointException carries (rank 0's), or ``exc`` itself."""
+    if isinstance(exc, CheckpointException):
+        failure = next(iter(exc.failures.values()))
+        # torch stores (exception, traceback frames) per rank
+        return failure[0] if isinstance(failure, tuple) else failure
+    return exc
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def save(state: dict[str, Any], url: str, target: StoreTarget, **kw: Any) -> objckpt.ObjectStoreWriter:
+    writer = objckpt.ObjectStoreWriter(url, storage_options=target.storage_options, **kw)
+    with quiet():
+        dcp.save(state, storage_writer=writer)
+    return writer
+
+
+def load(state: dict[str, Any], url: str, target: StoreTarget, **kw: Any) -> objckpt.ObjectStoreReader:
+    reader = objckpt.ObjectStoreReader(url, storage_options=target.storage_options, **kw)
+    with quiet():
+        dcp.load(state, storage_reader=reader)
+    return reader
+
+
+def fs_of(target: StoreTarget) -> fsspec.AbstractFileSystem:
+    loc = objckpt.Location.parse(target.root, target.storage_options)
+    return loc.open_fs(fresh=True)
+
+
+def path_of(target: StoreTarget, url: str) -> str:
+    return objckpt.Location.parse(url).path

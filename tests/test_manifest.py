@@ -1,0 +1,53 @@
+import json
+
+import pytest
+
+from objckpt.errors import ManifestError
+from objckpt.manifest import Manifest, ObjectEntry
+
+
+def _manifest(**kw) -> Manifest:
+    base = dict(
+        attempt="0123456789abcdef",
+        created=Manifest.now(),
+        world_size=2,
+        objckpt_version="0.1.0",
+        torch_version="2.13.0",
+        objects=(ObjectEntry("__0_0.0123456789abcdef.distcp", 10, "0000abcd"), ObjectEntry(".metadata", 5, "ffffffff")),
+        metadata={"state_dict": {}, "storage": []},
+    )
+    base.update(kw)
+    return Manifest(**base)
+
+
+def test_roundtrip() -> None:
+    m = _manifest()
+    doc = json.loads(m.to_json_bytes())
+    assert doc["format"] == "objckpt.manifest" and doc["version"] == 1 and doc["total_bytes"] == 15
+    assert Manifest.from_json_bytes(m.to_json_bytes(), url="u") == m
+
+
+def _mutate(fn) -> bytes:
+    doc = json.loads(_manifest().to_json_bytes())
+    fn(doc)
+    return json.dumps(doc).encode()
+
+
+@pytest.mark.parametrize(
+    ("data", "needle"),
+    [
+        (b"not json", "not valid JSON"),
+        (b"[]", "not an objckpt manifest"),
+        (_mutate(lambda d: d.update(version=2)), "newer than this objckpt"),
+        (_mutate(lambda d: d["objects"][0].update(key="../../etc/passwd")), "escapes the checkpoint"),
+        (_mutate(lambda d: d["objects"][0].update(key="/abs")), "escapes the checkpoint"),
+        (_mutate(lambda d: d["objects"][0].update(crc32c="xyz")), "crc32c"),
+        (_mutate(lambda d: d["objects"][0].update(size=-1)), "size"),
+        (_mutate(lambda d: d.update(total_bytes=1)), "total_bytes"),
+        (_mutate(lambda d: d.pop("attempt")), "'attempt'"),
+    ],
+)
+def test_bad_manifests_are_refused_with_the_url(data: bytes, needle: str) -> None:
+    with pytest.raises(ManifestError) as info:
+        Manifest.from_json_bytes(data, url="s3://b/c/manifest.json")
+    assert needle in str(info.value) and "s3://b/c/manifest.json" in str(info.value)
