@@ -67,7 +67,9 @@ def commit_checkpoint(
             if not isinstance(item, StoredItem):
                 raise StoreError(f"unexpected storage_data {type(item).__name__} from a rank")
             items[wr.index] = item
-            objects[item.relative_path] = ObjectEntry(item.relative_path, item.object_size, item.object_crc32c)
+            objects[item.relative_path] = ObjectEntry(
+                item.relative_path, item.object_size, item.object_crc32c
+            )
 
     url = store.location.url
     storage_meta = StorageMeta(checkpoint_id=url, save_id=attempt)
@@ -76,7 +78,8 @@ def commit_checkpoint(
         version=_DCP_VERSION,
         storage_meta=storage_meta,
         storage_data={
-            index: _StorageInfo(item.relative_path, item.offset, item.length) for index, item in items.items()
+            index: _StorageInfo(item.relative_path, item.offset, item.length)
+            for index, item in items.items()
         },
     )
     blob = pickle.dumps(stock)
@@ -108,8 +111,11 @@ def commit_checkpoint(
         if existing.attempt != attempt:
             raise CheckpointExistsError(
                 f"{url} is already committed by attempt {existing.attempt}; "
-                f"this save (attempt {attempt}) was not committed and the existing checkpoint is intact"
+                f"this save (attempt {attempt}) was not committed; "
+                "the existing checkpoint is intact"
             ) from exc
         logger.info("manifest of %s was already written by this attempt (retried PUT)", url)
-    logger.info("committed %s (%d objects, %d bytes)", url, len(manifest.objects), manifest.total_bytes)
+    logger.info(
+        "committed %s (%d objects, %d bytes)", url, len(manifest.objects), manifest.total_bytes
+    )
     return manifest

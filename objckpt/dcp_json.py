@@ -77,7 +77,9 @@ def _encode_path(value: Any) -> Any:
     raise TypeError(type(value).__name__)
 
 
-def metadata_to_json(metadata: Metadata, items: Mapping[MetadataIndex, StoredItem]) -> dict[str, Any]:
+def metadata_to_json(
+    metadata: Metadata, items: Mapping[MetadataIndex, StoredItem]
+) -> dict[str, Any]:
     """Encode DCP metadata and the stored items as JSON-ready data."""
     tensors: dict[str, Any] = {}
     for fqn, md in metadata.state_dict_metadata.items():
@@ -104,7 +106,9 @@ def metadata_to_json(metadata: Metadata, items: Mapping[MetadataIndex, StoredIte
                 "offset": item.offset,
                 "length": item.length,
                 "crc32c": item.crc32c,
-                "transforms": list(item.transform_descriptors) if item.transform_descriptors else None,
+                "transforms": list(item.transform_descriptors)
+                if item.transform_descriptors
+                else None,
             }
         )
     planner_data: Any = None
@@ -129,14 +133,18 @@ def metadata_to_json(metadata: Metadata, items: Mapping[MetadataIndex, StoredIte
     }
 
 
-def metadata_from_json(doc: Mapping[str, Any], *, url: str) -> tuple[Metadata, dict[MetadataIndex, StoredItem]]:
+def metadata_from_json(
+    doc: Mapping[str, Any], *, url: str
+) -> tuple[Metadata, dict[MetadataIndex, StoredItem]]:
     """Rebuild DCP metadata and stored-item locations; ManifestError on bad input."""
     try:
         return _decode(doc)
     except ManifestError as exc:
         raise ManifestError(f"manifest {url}: {exc}") from exc
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise ManifestError(f"manifest {url}: malformed DCP metadata ({type(exc).__name__}: {exc})") from exc
+        raise ManifestError(
+            f"manifest {url}: malformed DCP metadata ({type(exc).__name__}: {exc})"
+        ) from exc
 
 
 def _decode(doc: Mapping[str, Any]) -> tuple[Metadata, dict[MetadataIndex, StoredItem]]:
@@ -146,7 +154,9 @@ def _decode(doc: Mapping[str, Any]) -> tuple[Metadata, dict[MetadataIndex, Store
             sd_md[fqn] = BytesStorageMetadata()
         elif raw["type"] == "tensor":
             sd_md[fqn] = TensorStorageMetadata(
-                properties=TensorProperties(dtype=_dtype(raw["dtype"]), requires_grad=bool(raw["requires_grad"])),
+                properties=TensorProperties(
+                    dtype=_dtype(raw["dtype"]), requires_grad=bool(raw["requires_grad"])
+                ),
                 size=torch.Size([int(s) for s in raw["size"]]),
                 chunks=[
                     ChunkStorageMetadata(
@@ -161,7 +171,9 @@ def _decode(doc: Mapping[str, Any]) -> tuple[Metadata, dict[MetadataIndex, Store
     items: dict[MetadataIndex, StoredItem] = {}
     for raw in doc["storage"]:
         offset = raw["chunk_offset"]
-        index = MetadataIndex(raw["fqn"], None if offset is None else [int(o) for o in offset], raw["index"])
+        index = MetadataIndex(
+            raw["fqn"], None if offset is None else [int(o) for o in offset], raw["index"]
+        )
         length, start = int(raw["length"]), int(raw["offset"])
         if length < 0 or start < 0:
             raise ValueError(f"negative offset or length for {raw['fqn']!r}")

@@ -49,7 +49,10 @@ class DemoResult:
 
 def _model(width: int) -> torch.nn.Module:
     return torch.nn.Sequential(
-        torch.nn.Linear(32, width), torch.nn.ReLU(), torch.nn.Linear(width, width), torch.nn.ReLU(),
+        torch.nn.Linear(32, width),
+        torch.nn.ReLU(),
+        torch.nn.Linear(width, width),
+        torch.nn.ReLU(),
         torch.nn.Linear(width, 1),
     )
 
@@ -85,7 +88,11 @@ def _latest_step(root: Location) -> int:
 
 
 def run_demo(
-    *, steps: int = 300, every: int = 50, width: int = 256, url: str | None = None,
+    *,
+    steps: int = 300,
+    every: int = 50,
+    width: int = 256,
+    url: str | None = None,
     storage_options: Mapping[str, Any] | None = None,
 ) -> DemoResult:
     """Train, checkpoint every ``every`` steps, restore the latest, compare weights."""
@@ -109,7 +116,9 @@ def run_demo(
             opt.step()
             if step % every == 0:
                 ckpt = root.child(f"step-{step:010d}")
-                writer = ObjectStoreWriter(ckpt.url, storage_options=storage_options, overwrite=True)
+                writer = ObjectStoreWriter(
+                    ckpt.url, storage_options=storage_options, overwrite=True
+                )
                 t0 = time.perf_counter()
                 dcp.save(_state(model, opt, step), storage_writer=writer, no_dist=True)
                 elapsed = time.perf_counter() - t0
@@ -117,7 +126,9 @@ def run_demo(
                 writer.close()
                 saves.append(SaveRecord(step, size, elapsed))
                 snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}
-                logger.info("step %d loss %.4f saved %d bytes in %.2f s", step, loss.item(), size, elapsed)
+                logger.info(
+                    "step %d loss %.4f saved %d bytes in %.2f s", step, loss.item(), size, elapsed
+                )
 
         # "Restart": a fresh model and optimizer, restored from the newest commit.
         latest = _latest_step(root)
@@ -129,7 +140,9 @@ def run_demo(
         restored_opt.step()  # materialise optimizer state so DCP can load into it
         state = _state(restored, restored_opt, 0)
         t0 = time.perf_counter()
-        reader = ObjectStoreReader(root.child(f"step-{latest:010d}").url, storage_options=storage_options)
+        reader = ObjectStoreReader(
+            root.child(f"step-{latest:010d}").url, storage_options=storage_options
+        )
         dcp.load(state, storage_reader=reader, no_dist=True)
         load_seconds = time.perf_counter() - t0
         restored.load_state_dict(state["model"])

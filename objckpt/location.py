@@ -50,7 +50,9 @@ class Location:
     )
 
     @classmethod
-    def parse(cls, url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> Location:
+    def parse(
+        cls, url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+    ) -> Location:
         """Validate ``url`` and split it into protocol and path.
 
         Raises:
@@ -86,13 +88,18 @@ class Location:
                 raise ConfigurationError(f"checkpoint URL {url} names no bucket or path")
             if protocol not in ("memory",) and "/" not in path:
                 raise ConfigurationError(
-                    f"checkpoint URL {url} names only a bucket; give a prefix, e.g. {url.rstrip('/')}/ckpt"
+                    f"checkpoint URL {url} names only a bucket; "
+                    f"give a prefix, e.g. {url.rstrip('/')}/ckpt"
                 )
         norm = f"{protocol}://{path}" if protocol not in _LOCAL else f"file://{path}"
         if protocol == "memory":
             path = "/" + path
-        return cls(url=norm.rstrip("/"), protocol=protocol, path=path.rstrip("/") or "/",
-                   storage_options=dict(storage_options or {}))
+        return cls(
+            url=norm.rstrip("/"),
+            protocol=protocol,
+            path=path.rstrip("/") or "/",
+            storage_options=dict(storage_options or {}),
+        )
 
     @property
     def is_local(self) -> bool:

@@ -30,7 +30,12 @@ def check_key(key: object, where: str) -> str:
     if not isinstance(key, str) or not key:
         raise ManifestError(f"{where}: object key must be a non-empty string, got {key!r}")
     parts = key.split("/")
-    if key.startswith("/") or "\\" in key or "://" in key or any(p in ("", ".", "..") for p in parts):
+    if (
+        key.startswith("/")
+        or "\\" in key
+        or "://" in key
+        or any(p in ("", ".", "..") for p in parts)
+    ):
         raise ManifestError(f"{where}: object key {key!r} escapes the checkpoint directory")
     return key
 
@@ -111,7 +116,7 @@ class Manifest:
 
         def field(name: str, kind: type | tuple[type, ...]) -> Any:
             value = doc.get(name)
-            if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
+            if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
                 raise ManifestError(f"manifest {url}: field {name!r} is missing or not {kind}")
             return value
 
@@ -123,7 +128,11 @@ class Manifest:
             size, crc = raw.get("size"), raw.get("crc32c")
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
                 raise ManifestError(f"{where}: size must be a non-negative integer")
-            if not isinstance(crc, str) or len(crc) != 8 or any(c not in "0123456789abcdef" for c in crc):
+            if (
+                not isinstance(crc, str)
+                or len(crc) != 8
+                or any(c not in "0123456789abcdef" for c in crc)
+            ):
                 raise ManifestError(f"{where}: crc32c must be 8 lowercase hex digits")
             objects.append(ObjectEntry(check_key(raw.get("key"), where), size, crc))
         manifest = cls(

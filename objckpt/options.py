@@ -47,15 +47,21 @@ class UploadOptions:
     def __post_init__(self) -> None:
         _require(
             isinstance(self.part_size, int) and S3_MIN_PART <= self.part_size <= S3_MAX_PART,
-            "part_size", self.part_size, "an int between 5 MiB and 5 GiB (S3's part limits)",
+            "part_size",
+            self.part_size,
+            "an int between 5 MiB and 5 GiB (S3's part limits)",
         )
         _require(
             isinstance(self.object_size, int) and self.object_size >= 1,
-            "object_size", self.object_size, "a positive int (bytes)",
+            "object_size",
+            self.object_size,
+            "a positive int (bytes)",
         )
         _require(
             isinstance(self.max_inflight, int) and 1 <= self.max_inflight <= 256,
-            "max_inflight", self.max_inflight, "an int between 1 and 256",
+            "max_inflight",
+            self.max_inflight,
+            "an int between 1 and 256",
         )
 
     def part_size_for(self, size_hint: int) -> int:
@@ -86,13 +92,19 @@ class ReadOptions:
         _require(isinstance(self.verify, bool), "verify", self.verify, "True or False")
         _require(
             isinstance(self.range_size, int) and self.range_size >= 64 * 1024,
-            "range_size", self.range_size, "an int >= 64 KiB",
+            "range_size",
+            self.range_size,
+            "an int >= 64 KiB",
         )
         _require(
             isinstance(self.coalesce_gap, int) and self.coalesce_gap >= 0,
-            "coalesce_gap", self.coalesce_gap, "an int >= 0",
+            "coalesce_gap",
+            self.coalesce_gap,
+            "an int >= 0",
         )
         _require(
             isinstance(self.max_inflight_bytes, int) and self.max_inflight_bytes >= self.range_size,
-            "max_inflight_bytes", self.max_inflight_bytes, "an int >= range_size",
+            "max_inflight_bytes",
+            self.max_inflight_bytes,
+            "an int >= range_size",
         )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import io
+from typing import IO, cast
 
 import torch
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
@@ -120,7 +121,9 @@ def resolve_bytes_items(items: list[WriteItem], planner: SavePlanner) -> dict[in
                 f"({type(exc).__name__}: {exc}); store tensors, or picklable plain values"
             ) from exc
         if not isinstance(data, io.BytesIO):
-            raise StateDictError(f"planner returned {type(data).__name__} for bytes entry {item.index.fqn!r}")
+            raise StateDictError(
+                f"planner returned {type(data).__name__} for bytes entry {item.index.fqn!r}"
+            )
         out[n] = data
     return out
 
@@ -150,8 +153,10 @@ def write_object(
         else:
             data = planner.resolve_data(item)
             if not isinstance(data, torch.Tensor):
-                raise StateDictError(f"entry {item.index.fqn!r} was planned as a tensor but is {type(data).__name__}")
-            torch.save(_cpu_tensor(data), sink)
+                raise StateDictError(
+                    f"entry {item.index.fqn!r} was planned as a tensor but is {type(data).__name__}"
+                )
+            torch.save(_cpu_tensor(data), cast(IO[bytes], sink))
         placed.append(_Placed(item, start, sink.pos - start, sink.item_crc.hexdigest()))
     done = upload.close()
     return WrittenObject(obj.key, sink.pos, sink.object_crc.hexdigest(), tuple(placed), done)

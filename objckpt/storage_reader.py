@@ -22,15 +22,15 @@ import logging
 import os
 import pickle
 from collections.abc import Iterator, Mapping
-from torch.futures import Future
 from typing import Any
 
 import torch
 from fsspec import AbstractFileSystem
 from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
 
 from objckpt.checksum import Crc32c
 from objckpt.dcp_json import StoredItem, metadata_from_json
@@ -125,17 +125,23 @@ class ObjectStoreReader(StorageReader):
         known = {o.key for o in self.manifest.objects}
         for item in self._items.values():
             if item.relative_path not in known:
-                raise ManifestError(f"manifest of {url} places an item in {item.relative_path!r}, "
-                                    "which its object list does not name")
+                raise ManifestError(
+                    f"manifest of {url} places an item in {item.relative_path!r}, "
+                    "which its object list does not name"
+                )
             if item.transform_descriptors:
-                raise ManifestError(f"{url} uses stream transforms {item.transform_descriptors}, "
-                                    "which objckpt does not support")
+                raise ManifestError(
+                    f"{url} uses stream transforms {item.transform_descriptors}, "
+                    "which objckpt does not support"
+                )
         self._sizes = {o.key: o.size for o in self.manifest.objects}
 
     def _open_without_manifest(self) -> None:
         url = self.location.url
         try:
-            names = [str(n).rsplit("/", 1)[-1] for n in self.fs.ls(self.location.path, detail=False)]
+            names = [
+                str(n).rsplit("/", 1)[-1] for n in self.fs.ls(self.location.path, detail=False)
+            ]
         except FileNotFoundError:
             names = []
         except Exception as exc:
@@ -143,11 +149,14 @@ class ObjectStoreReader(StorageReader):
         if any(is_objckpt_payload(n) for n in names):
             raise CheckpointNotCommittedError(
                 f"{url} is not committed: it holds objckpt payload objects but no {MANIFEST_KEY} "
-                "(the save that wrote them failed or is still running). Load an earlier checkpoint; "
+                "(the save that wrote them failed or is still running). "
+                "Load an earlier checkpoint; "
                 "`objckpt gc` removes the leftovers."
             )
         if METADATA_KEY not in names:
-            raise CheckpointNotFoundError(f"no checkpoint at {url}: no {MANIFEST_KEY} and no {METADATA_KEY}")
+            raise CheckpointNotFoundError(
+                f"no checkpoint at {url}: no {MANIFEST_KEY} and no {METADATA_KEY}"
+            )
         logger.warning(
             "%s has no objckpt manifest: loading it as a stock DCP checkpoint, read-only and "
             "without checksum verification (its .metadata pickle is trusted)",
@@ -157,7 +166,9 @@ class ObjectStoreReader(StorageReader):
             blob = self.fs.cat_file(self.location.key_path(METADATA_KEY))
             metadata = pickle.loads(blob)  # stock DCP format; see the trust model in the README
         except Exception as exc:
-            raise ManifestError(f"{self.location.url_of(METADATA_KEY)} is not a readable DCP metadata file") from exc
+            raise ManifestError(
+                f"{self.location.url_of(METADATA_KEY)} is not a readable DCP metadata file"
+            ) from exc
         if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
             raise ManifestError(f"{self.location.url_of(METADATA_KEY)} is not DCP metadata")
         self._metadata = metadata
@@ -166,7 +177,8 @@ class ObjectStoreReader(StorageReader):
                 relative_path=info.relative_path,
                 offset=int(info.offset),
                 length=int(info.length),
-                transform_descriptors=tuple(getattr(info, "transform_descriptors", None) or ()) or None,
+                transform_descriptors=tuple(getattr(info, "transform_descriptors", None) or ())
+                or None,
             )
             for index, info in metadata.storage_data.items()
         }
@@ -185,7 +197,9 @@ class ObjectStoreReader(StorageReader):
         meta = self._metadata.storage_meta or StorageMeta()
         return dataclasses.replace(self._metadata, storage_meta=dataclasses.replace(meta))
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
         return None
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -204,7 +218,9 @@ class ObjectStoreReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         batches = list(self._batches(self._ranges(plan.items)))
-        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="objckpt-read") as prefetch:
+        with concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="objckpt-read"
+        ) as prefetch:
             pending = prefetch.submit(self._fetch, batches[0]) if batches else None
             for n in range(len(batches)):
                 assert pending is not None
@@ -285,7 +301,9 @@ class ObjectStoreReader(StorageReader):
             if isinstance(piece, BaseException):
                 url = self.location.url_of(batch[n].key)
                 if isinstance(piece, FileNotFoundError):
-                    raise SizeMismatchError(f"{url} is missing, but the manifest lists it") from piece
+                    raise SizeMismatchError(
+                        f"{url} is missing, but the manifest lists it"
+                    ) from piece
                 raise translate(piece, url=url, action="reading") from piece
             if len(piece) != end - start:
                 raise SizeMismatchError(
@@ -304,7 +322,8 @@ class ObjectStoreReader(StorageReader):
                 crc.update(data)
                 if crc.hexdigest() != item.crc32c:
                     raise ChecksumMismatchError(
-                        f"{self.location.url_of(item.relative_path)}: CRC32C of {req.storage_index.fqn!r} "
+                        f"{self.location.url_of(item.relative_path)}: "
+                        f"CRC32C of {req.storage_index.fqn!r} "
                         f"(bytes {item.offset}-{item.offset + item.length}) is {crc.hexdigest()}, "
                         f"the manifest says {item.crc32c}; the object is corrupt"
                     )
@@ -316,9 +335,9 @@ class ObjectStoreReader(StorageReader):
             target = planner.resolve_tensor(req).detach()
             if target.size() != tensor.size():
                 raise StateDictError(
-                    f"{req.storage_index.fqn!r}: checkpoint slice has shape {tuple(tensor.size())}, "
+                    f"{req.storage_index.fqn!r}: checkpoint slice has shape "
+                    f"{tuple(tensor.size())}, "
                     f"the state dict expects {tuple(target.size())}"
                 )
             target.copy_(tensor)
             planner.commit_tensor(req, target)
-

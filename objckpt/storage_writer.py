@@ -19,17 +19,23 @@ import dataclasses
 import logging
 import os
 from collections.abc import Mapping
-from torch.futures import Future
 from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
 
 from objckpt.commit import commit_checkpoint, read_manifest
 from objckpt.errors import CheckpointExistsError, ConfigurationError, ManifestError
-from objckpt.layout import MANIFEST_KEY, METADATA_KEY, is_objckpt_payload, new_attempt_id, payload_key
+from objckpt.layout import (
+    MANIFEST_KEY,
+    METADATA_KEY,
+    is_objckpt_payload,
+    new_attempt_id,
+    payload_key,
+)
 from objckpt.location import Location
 from objckpt.manifest import Manifest
 from objckpt.options import UploadOptions
@@ -72,9 +78,13 @@ class ObjectStoreWriter(StorageWriter):
     ) -> None:
         super().__init__()
         if not isinstance(overwrite, bool):
-            raise ConfigurationError(f"option overwrite={overwrite!r} is invalid: expected True or False")
+            raise ConfigurationError(
+                f"option overwrite={overwrite!r} is invalid: expected True or False"
+            )
         if not (isinstance(preflight_timeout, (int, float)) and preflight_timeout > 0):
-            raise ConfigurationError(f"option preflight_timeout={preflight_timeout!r} must be a positive number")
+            raise ConfigurationError(
+                f"option preflight_timeout={preflight_timeout!r} must be a positive number"
+            )
         self.location = Location.parse(url, storage_options)
         self.overwrite = overwrite
         self.upload = upload or UploadOptions()
@@ -119,7 +129,10 @@ class ObjectStoreWriter(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         attempt = new_attempt_id()
         self._attempt = attempt
-        return [dataclasses.replace(p, storage_data=RankPlan(rank=i, attempt=attempt)) for i, p in enumerate(plans)]
+        return [
+            dataclasses.replace(p, storage_data=RankPlan(rank=i, attempt=attempt))
+            for i, p in enumerate(plans)
+        ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         rank_plan = plan.storage_data
@@ -131,7 +144,9 @@ class ObjectStoreWriter(StorageWriter):
         resolved = resolve_bytes_items(items, planner)
         position = {id(item): n for n, item in enumerate(items)}
         objects = assign_objects(
-            items, self.upload.object_size, lambda i: payload_key(rank_plan.rank, i, rank_plan.attempt)
+            items,
+            self.upload.object_size,
+            lambda i: payload_key(rank_plan.rank, i, rank_plan.attempt),
         )
         written: list[WrittenObject] = []
         try:
@@ -150,7 +165,9 @@ class ObjectStoreWriter(StorageWriter):
             for w in written:  # let in-flight uploads settle (they abort themselves on failure)
                 w.done.exception()
             raise
-        logger.debug("rank %d wrote %d objects to %s", rank_plan.rank, len(written), self.location.url)
+        logger.debug(
+            "rank %d wrote %d objects to %s", rank_plan.rank, len(written), self.location.url
+        )
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -193,7 +210,8 @@ class ObjectStoreWriter(StorageWriter):
             manifest = None
         except ManifestError:
             raise CheckpointExistsError(
-                f"{url} holds a manifest objckpt cannot read; refusing to write over it (pass overwrite=True)"
+                f"{url} holds a manifest objckpt cannot read; "
+                "refusing to write over it (pass overwrite=True)"
             ) from None
         if manifest is not None:
             raise CheckpointExistsError(

@@ -51,7 +51,9 @@ def _names(exc: BaseException) -> set[str]:
     return {cls.__name__ for cls in type(exc).__mro__}
 
 
-def translate(exc: BaseException, *, url: str, action: str, missing_is_bucket: bool = False) -> ObjckptError:
+def translate(
+    exc: BaseException, *, url: str, action: str, missing_is_bucket: bool = False
+) -> ObjckptError:
     """Map a backend exception to objckpt's hierarchy.
 
     Args:
@@ -72,13 +74,16 @@ def translate(exc: BaseException, *, url: str, action: str, missing_is_bucket: b
             f"no credentials found while {action} {url}: set them in the environment "
             f"(AWS_ACCESS_KEY_ID/AWS_PROFILE, GOOGLE_APPLICATION_CREDENTIALS) or storage_options"
         )
-    if isinstance(exc, PermissionError) or "AccessDenied" in detail or "403" in detail.split(":")[0]:
+    if (
+        isinstance(exc, PermissionError)
+        or "AccessDenied" in detail
+        or "403" in detail.split(":")[0]
+    ):
         return AccessDeniedError(f"access denied while {action} {url}: {detail}")
     if isinstance(exc, FileNotFoundError) and missing_is_bucket:
         return BucketNotFoundError(f"bucket or root of {url} does not exist ({detail})")
-    if (
-        names & set(_UNREACHABLE_ERRORS)
-        or isinstance(exc, (ConnectionError, TimeoutError, asyncio.TimeoutError))
+    if names & set(_UNREACHABLE_ERRORS) or isinstance(
+        exc, (ConnectionError, TimeoutError, asyncio.TimeoutError)
     ):
         return StoreUnreachableError(f"store unreachable while {action} {url}: {detail}")
     return StoreError(f"store error while {action} {url}: {detail}")

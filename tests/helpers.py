@@ -31,14 +31,18 @@ def quiet() -> Iterator[None]:
         yield
 
 
-def save(state: dict[str, Any], url: str, target: StoreTarget, **kw: Any) -> objckpt.ObjectStoreWriter:
+def save(
+    state: dict[str, Any], url: str, target: StoreTarget, **kw: Any
+) -> objckpt.ObjectStoreWriter:
     writer = objckpt.ObjectStoreWriter(url, storage_options=target.storage_options, **kw)
     with quiet():
         dcp.save(state, storage_writer=writer)
     return writer
 
 
-def load(state: dict[str, Any], url: str, target: StoreTarget, **kw: Any) -> objckpt.ObjectStoreReader:
+def load(
+    state: dict[str, Any], url: str, target: StoreTarget, **kw: Any
+) -> objckpt.ObjectStoreReader:
     reader = objckpt.ObjectStoreReader(url, storage_options=target.storage_options, **kw)
     with quiet():
         dcp.load(state, storage_reader=reader)

@@ -2,7 +2,9 @@ import objckpt
 
 
 def test_public_names_are_exactly_the_contract() -> None:
-    assert objckpt.__all__ == sorted(objckpt.__all__, key=str.lower) or objckpt.__all__ == sorted(objckpt.__all__)
+    assert objckpt.__all__ == sorted(objckpt.__all__, key=str.lower) or objckpt.__all__ == sorted(
+        objckpt.__all__
+    )
     assert set(objckpt.__all__) == {
         "Location",
         "Manifest",

@@ -13,7 +13,10 @@ def _manifest(**kw) -> Manifest:
         world_size=2,
         objckpt_version="0.1.0",
         torch_version="2.13.0",
-        objects=(ObjectEntry("__0_0.0123456789abcdef.distcp", 10, "0000abcd"), ObjectEntry(".metadata", 5, "ffffffff")),
+        objects=(
+            ObjectEntry("__0_0.0123456789abcdef.distcp", 10, "0000abcd"),
+            ObjectEntry(".metadata", 5, "ffffffff"),
+        ),
         metadata={"state_dict": {}, "storage": []},
     )
     base.update(kw)
@@ -39,7 +42,10 @@ def _mutate(fn) -> bytes:
         (b"not json", "not valid JSON"),
         (b"[]", "not an objckpt manifest"),
         (_mutate(lambda d: d.update(version=2)), "newer than this objckpt"),
-        (_mutate(lambda d: d["objects"][0].update(key="../../etc/passwd")), "escapes the checkpoint"),
+        (
+            _mutate(lambda d: d["objects"][0].update(key="../../etc/passwd")),
+            "escapes the checkpoint",
+        ),
         (_mutate(lambda d: d["objects"][0].update(key="/abs")), "escapes the checkpoint"),
         (_mutate(lambda d: d["objects"][0].update(crc32c="xyz")), "crc32c"),
         (_mutate(lambda d: d["objects"][0].update(size=-1)), "size"),

@@ -6,9 +6,9 @@ import json
 
 import pytest
 import torch
-
 from conftest import assert_state_equal, empty_like_state, sample_state
 from helpers import carried, fs_of, load, path_of, save
+
 from objckpt import ObjectStoreReader, UploadOptions
 from objckpt.errors import (
     CheckpointExistsError,
@@ -85,7 +85,9 @@ def test_nothing_there(store: StoreTarget) -> None:
 
 def _payload_path(store: StoreTarget, url: str, reader: ObjectStoreReader) -> str:
     assert reader.manifest is not None
-    biggest = max((o for o in reader.manifest.objects if is_objckpt_payload(o.key)), key=lambda o: o.size)
+    biggest = max(
+        (o for o in reader.manifest.objects if is_objckpt_payload(o.key)), key=lambda o: o.size
+    )
     return path_of(store, url) + "/" + biggest.key
 
 

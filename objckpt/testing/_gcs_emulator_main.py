@@ -36,7 +36,9 @@ def _object_name(request: Any) -> str | None:
     return None
 
 
-def _insert_with_preconditions(request: Any, response: Any, storage: Any, *args: Any, **kwargs: Any) -> Any:
+def _insert_with_preconditions(
+    request: Any, response: Any, storage: Any, *args: Any, **kwargs: Any
+) -> Any:
     if request.query.get("ifGenerationMatch", [None])[0] != "0":
         return _original_insert(request, response, storage, *args, **kwargs)
     name = _object_name(request)

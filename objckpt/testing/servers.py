@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import socket
@@ -67,7 +68,9 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server for {url} exited with code {proc.returncode} before answering")
+            raise RuntimeError(
+                f"server for {url} exited with code {proc.returncode} before answering"
+            )
         try:
             with urllib.request.urlopen(url, timeout=1):
                 return
@@ -127,7 +130,9 @@ class MotoServer:
                 self.process.wait()
 
 
-def start_moto_server(host: str = "127.0.0.1", port: int | None = None, timeout: float = 60) -> MotoServer:
+def start_moto_server(
+    host: str = "127.0.0.1", port: int | None = None, timeout: float = 60
+) -> MotoServer:
     """Start ``moto.server`` in a subprocess and wait until it answers."""
     port = port or free_port(host)
     env = {**os.environ, **offline_env()}
@@ -169,7 +174,7 @@ class GcsEmulator:
             pass
 
     def create_bucket(self, name: str) -> None:
-        body = ('{"name": "%s"}' % name).encode()
+        body = json.dumps({"name": name}).encode()
         req = urllib.request.Request(
             f"{self.endpoint_url}/storage/v1/b?project=objckpt-test",
             data=body,
@@ -189,7 +194,9 @@ class GcsEmulator:
                 self.process.wait()
 
 
-def start_gcs_emulator(host: str = "127.0.0.1", port: int | None = None, timeout: float = 60) -> GcsEmulator:
+def start_gcs_emulator(
+    host: str = "127.0.0.1", port: int | None = None, timeout: float = 60
+) -> GcsEmulator:
     """Start the GCS emulator (with preconditions enforced) in a subprocess."""
     port = port or free_port(host)
     env = {**os.environ, **offline_env()}

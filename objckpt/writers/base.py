@@ -73,7 +73,9 @@ class ObjectUpload(abc.ABC):
 class ObjectStore(abc.ABC):
     """Writes objects under one checkpoint location (see the module docstring)."""
 
-    def __init__(self, location: Location, options: UploadOptions, fs: AbstractFileSystem | None = None) -> None:
+    def __init__(
+        self, location: Location, options: UploadOptions, fs: AbstractFileSystem | None = None
+    ) -> None:
         self.location = location
         self.options = options
         self.fs = fs if fs is not None else location.open_fs(fresh=True)
@@ -127,14 +129,17 @@ class ObjectStore(abc.ABC):
         bucket = self.location.bucket
         try:
             if self.is_async:
-                exists = self.run_coro(self.fs._exists(bucket), timeout=timeout)  # type: ignore[attr-defined]
+                exists = self.run_coro(self.fs._exists(bucket), timeout=timeout)
             else:
                 exists = self.submit_call(self.fs.exists, bucket).result(timeout=timeout)
         except concurrent.futures.TimeoutError as exc:
-            raise translate(TimeoutError(f"no answer in {timeout} s"), url=self.location.url,
-                            action="checking") from exc
+            raise translate(
+                TimeoutError(f"no answer in {timeout} s"), url=self.location.url, action="checking"
+            ) from exc
         except Exception as exc:
-            raise translate(exc, url=self.location.url, action="checking", missing_is_bucket=True) from exc
+            raise translate(
+                exc, url=self.location.url, action="checking", missing_is_bucket=True
+            ) from exc
         if not exists:
             raise BucketNotFoundError(f"bucket {bucket!r} of {self.location.url} does not exist")
 
@@ -206,7 +211,7 @@ class BufferedUpload(ObjectUpload):
         store.acquire_slot()
         fut: concurrent.futures.Future[None]
         if store.is_async:
-            fut = store.submit_coro(store.fs._pipe_file(path, data))  # type: ignore[attr-defined]
+            fut = store.submit_coro(store.fs._pipe_file(path, data))
         else:
             fut = store.submit_call(store.fs.pipe_file, path, bytes(data))
         fut.add_done_callback(store.release_slot)
@@ -221,7 +226,9 @@ class BufferedUpload(ObjectUpload):
                 logger.debug("could not remove aborted object %s", self.key, exc_info=True)
 
 
-def translated_future(fut: concurrent.futures.Future[Any], url: str, action: str) -> concurrent.futures.Future[None]:
+def translated_future(
+    fut: concurrent.futures.Future[Any], url: str, action: str
+) -> concurrent.futures.Future[None]:
     """A future that fails with an objckpt error when ``fut`` fails."""
     out: concurrent.futures.Future[None] = concurrent.futures.Future()
 
@@ -236,4 +243,3 @@ def translated_future(fut: concurrent.futures.Future[Any], url: str, action: str
 
     fut.add_done_callback(done)
     return out
-

@@ -41,10 +41,15 @@ class LocalStore(ObjectStore):
         while not os.path.exists(parent):
             parent = os.path.dirname(parent)
         if not os.path.isdir(parent):
-            raise BucketNotFoundError(f"{parent} is not a directory (checkpoint URL {self.location.url})")
+            raise BucketNotFoundError(
+                f"{parent} is not a directory (checkpoint URL {self.location.url})"
+            )
         if not os.access(parent, os.W_OK):
-            raise translate(PermissionError(f"{parent} is not writable"), url=self.location.url,
-                            action="checking")
+            raise translate(
+                PermissionError(f"{parent} is not writable"),
+                url=self.location.url,
+                action="checking",
+            )
 
     def begin(self, key: str, size_hint: int) -> ObjectUpload:
         return LocalUpload(self, key)
@@ -101,7 +106,9 @@ class LocalUpload(ObjectUpload):
                 os.makedirs(os.path.dirname(self._path), exist_ok=True)
                 self._file = open(self._path, "xb")  # noqa: SIM115 - closed in close()/abort()
             except Exception as exc:
-                raise translate(exc, url=self._store.location.url_of(self.key), action="writing") from exc
+                raise translate(
+                    exc, url=self._store.location.url_of(self.key), action="writing"
+                ) from exc
         return self._file
 
     def write(self, data: BytesLike) -> None:
@@ -109,7 +116,9 @@ class LocalUpload(ObjectUpload):
         try:
             f.write(data)
         except Exception as exc:
-            raise translate(exc, url=self._store.location.url_of(self.key), action="writing") from exc
+            raise translate(
+                exc, url=self._store.location.url_of(self.key), action="writing"
+            ) from exc
 
     def close(self) -> concurrent.futures.Future[None]:
         f = self._open()

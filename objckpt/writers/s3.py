@@ -36,14 +36,16 @@ class S3Store(ObjectStore):
         return bucket, prefix
 
     async def call(self, method: str, **kwargs: Any) -> Any:
-        return await self.fs._call_s3(method, **kwargs)  # type: ignore[attr-defined]
+        return await self.fs._call_s3(method, **kwargs)
 
     def preflight(self, timeout: float) -> None:
         bucket = self.location.bucket
         try:
             self.run_coro(self.call("head_bucket", Bucket=bucket), timeout=timeout)
         except FileNotFoundError as exc:
-            raise BucketNotFoundError(f"bucket {bucket!r} of {self.location.url} does not exist") from exc
+            raise BucketNotFoundError(
+                f"bucket {bucket!r} of {self.location.url} does not exist"
+            ) from exc
         except Exception as exc:
             if type(exc).__name__ == "FSTimeoutError":
                 exc = TimeoutError(f"no answer within {timeout} s")
@@ -116,7 +118,9 @@ class S3Upload(ObjectUpload):
                 self._store.call("create_multipart_upload", Bucket=self._bucket, Key=self._obj)
             )
         except Exception as exc:
-            raise translate(exc, url=self._store.location.url_of(self.key), action="uploading") from exc
+            raise translate(
+                exc, url=self._store.location.url_of(self.key), action="uploading"
+            ) from exc
         self._upload_id = out["UploadId"]
 
     def _send(self, data: bytearray) -> None:
@@ -183,7 +187,10 @@ class S3Upload(ObjectUpload):
         await asyncio.gather(*(asyncio.wrap_future(p) for p in self._parts), return_exceptions=True)
         try:
             await self._store.call(
-                "abort_multipart_upload", Bucket=self._bucket, Key=self._obj, UploadId=self._upload_id
+                "abort_multipart_upload",
+                Bucket=self._bucket,
+                Key=self._obj,
+                UploadId=self._upload_id,
             )
             logger.info("aborted multipart upload of %s", self._store.location.url_of(self.key))
         except Exception:

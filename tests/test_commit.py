@@ -1,0 +1,84 @@
+"""The commit is create-only on every store, and a retried commit settles by read-back."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+
+import pytest
+import torch
+from helpers import carried, load, save
+from torch.distributed.checkpoint.metadata import Metadata
+
+from objckpt import Location, UploadOptions
+from objckpt.commit import commit_checkpoint, read_manifest
+from objckpt.errors import CheckpointExistsError
+from objckpt.testing.plugin import StoreTarget
+from objckpt.writers import open_store
+
+
+def _store(target: StoreTarget, name: str):
+    return open_store(Location.parse(target.url(name), target.storage_options), UploadOptions())
+
+
+def test_create_is_exclusive_under_a_race(store: StoreTarget) -> None:
+    s = _store(store, "race")
+    if s.location.protocol == "file":
+        import os
+
+        os.makedirs(s.location.path, exist_ok=True)
+    barrier = threading.Barrier(6)
+
+    def attempt(n: int) -> bool:
+        barrier.wait()
+        try:
+            s.create("k", f"writer {n}".encode())
+            return True
+        except FileExistsError:
+            return False
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        wins = list(pool.map(attempt, range(6)))
+    assert wins.count(True) == 1
+    assert s.read("k") == f"writer {wins.index(True)}".encode()
+
+
+def test_retried_commit_of_the_same_attempt_is_settled(store: StoreTarget) -> None:
+    s = _store(store, "c")
+    if s.location.protocol == "file":
+        import os
+
+        os.makedirs(s.location.path, exist_ok=True)
+    empty = Metadata(state_dict_metadata={})
+    commit_checkpoint(s, empty, [], attempt="aaaaaaaaaaaaaaaa", world_size=1, overwrite=False)
+    # The same attempt again (a PUT whose response was lost, retried): treated as ours.
+    commit_checkpoint(s, empty, [], attempt="aaaaaaaaaaaaaaaa", world_size=1, overwrite=False)
+    with pytest.raises(
+        CheckpointExistsError, match="already committed by attempt aaaaaaaaaaaaaaaa"
+    ):
+        commit_checkpoint(s, empty, [], attempt="bbbbbbbbbbbbbbbb", world_size=1, overwrite=False)
+    assert read_manifest(s).attempt == "aaaaaaaaaaaaaaaa"
+
+
+def test_two_jobs_saving_the_same_step(store: StoreTarget) -> None:
+    url = store.url("step")
+    states = [{"w": torch.full((1000,), float(n))} for n in range(2)]
+    barrier = threading.Barrier(2)
+
+    def job(n: int) -> BaseException | None:
+        barrier.wait()
+        try:
+            save(states[n], url, store)
+        except BaseException as exc:
+            return carried(exc)
+        return None
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        outcomes = list(pool.map(job, range(2)))
+    winners = [n for n, o in enumerate(outcomes) if o is None]
+    assert len(winners) == 1, outcomes
+    loser = outcomes[1 - winners[0]]
+    assert isinstance(loser, CheckpointExistsError)
+    got = {"w": torch.zeros(1000)}
+    load(got, url, store)
+    assert torch.equal(got["w"], states[winners[0]]["w"])

@@ -1,0 +1,36 @@
+"""The README's first command works, in-process and through the CLI."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from objckpt.cli import main
+from objckpt.demo import run_demo
+
+
+def test_demo_restores_matching_weights(s3_bucket) -> None:
+    result = run_demo(
+        steps=40,
+        every=20,
+        width=32,
+        url=s3_bucket.url("demo"),
+        storage_options=s3_bucket.storage_options,
+    )
+    assert [s.step for s in result.saves] == [20, 40]
+    assert result.restored_step == 40 and result.weights_match
+
+
+def test_cli_demo_with_embedded_server() -> None:
+    out = CliRunner().invoke(
+        main, ["demo", "--steps", "30", "--every", "10", "--width", "16", "--json"]
+    )
+    assert out.exit_code == 0, out.output
+    doc = json.loads(out.output.strip().splitlines()[-1])
+    assert doc["weights_match"] is True and doc["restored_step"] == 30 and len(doc["saves"]) == 3
+
+
+def test_cli_rejects_bad_arguments() -> None:
+    out = CliRunner().invoke(main, ["demo", "--steps", "5", "--every", "10"])
+    assert out.exit_code != 0 and "--every" in out.output

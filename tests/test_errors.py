@@ -1,0 +1,147 @@
+"""Bad input: each gets a clear error naming the culprit, in bounded time, before any commit."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+from helpers import carried, fs_of, path_of, save
+
+from objckpt import ObjectStoreReader, ObjectStoreWriter
+from objckpt.errors import (
+    BucketNotFoundError,
+    ConfigurationError,
+    MissingCredentialsError,
+    StateDictError,
+    StoreUnreachableError,
+)
+from objckpt.testing import MotoServer, free_port
+from objckpt.testing.plugin import StoreTarget
+
+
+def test_unknown_protocol_at_construction() -> None:
+    with pytest.raises(ConfigurationError, match=r"unknown protocol 'nosuch'.*nosuch://b/c"):
+        ObjectStoreWriter("nosuch://b/c")
+    with pytest.raises(ConfigurationError, match="unknown protocol"):
+        ObjectStoreReader("nosuch://b/c")
+
+
+@pytest.mark.parametrize("option", [{"overwrite": "yes"}, {"preflight_timeout": -1}])
+def test_bad_writer_options_named(option: dict) -> None:
+    name = next(iter(option))
+    with pytest.raises(ConfigurationError, match=name):
+        ObjectStoreWriter("memory://b/c", **option)
+
+
+def test_missing_s3_bucket(moto_server: MotoServer) -> None:
+    target = StoreTarget(
+        root="s3://no-such-bucket/x", storage_options=moto_server.storage_options()
+    )
+    with pytest.raises(BaseException) as info:
+        save({"w": torch.ones(3)}, target.root, target)
+    err = carried(info.value)
+    assert isinstance(err, BucketNotFoundError) and isinstance(err, FileNotFoundError)
+    assert "no-such-bucket" in str(err)
+
+
+def test_missing_gcs_bucket(gcs_bucket: StoreTarget) -> None:
+    target = StoreTarget(root="gs://no-such-bucket/x", storage_options=gcs_bucket.storage_options)
+    with pytest.raises(BaseException) as info:
+        save({"w": torch.ones(3)}, target.root, target)
+    err = carried(info.value)
+    assert isinstance(err, BucketNotFoundError) and "no-such-bucket" in str(err)
+
+
+def test_local_root_under_a_file(tmp_path) -> None:
+    (tmp_path / "afile").write_text("x")
+    target = StoreTarget(root=f"file://{tmp_path}/afile/ck", storage_options={})
+    with pytest.raises(BaseException) as info:
+        save({"w": torch.ones(3)}, target.root, target)
+    assert isinstance(carried(info.value), BucketNotFoundError)
+
+
+@pytest.mark.timeout(60)
+def test_refused_endpoint_is_unreachable_in_bounded_time() -> None:
+    opts = {
+        "endpoint_url": f"http://127.0.0.1:{free_port()}",
+        "key": "k",
+        "secret": "SECRET-VALUE-1",
+    }
+    target = StoreTarget(root="s3://bucket/x", storage_options=opts)
+    with pytest.raises(BaseException) as info:
+        save({"w": torch.ones(3)}, target.root, target, preflight_timeout=20)
+    err = carried(info.value)
+    assert isinstance(err, StoreUnreachableError) and "s3://bucket/x" in str(err)
+    assert "SECRET-VALUE-1" not in str(err)
+
+
+@pytest.fixture
+def black_hole() -> Iterator[str]:
+    """An endpoint that accepts connections and never answers."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    accepted: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        sock.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                accepted.append(sock.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    stop.set()
+    thread.join()
+    for c in accepted:
+        c.close()
+    sock.close()
+
+
+@pytest.mark.timeout(60)
+def test_silent_endpoint_times_out(black_hole: str) -> None:
+    target = StoreTarget(
+        root="s3://bucket/x",
+        storage_options={"endpoint_url": black_hole, "key": "k", "secret": "s"},
+    )
+    with pytest.raises(BaseException) as info:
+        save({"w": torch.ones(3)}, target.root, target, preflight_timeout=2)
+    err = carried(info.value)
+    assert isinstance(err, StoreUnreachableError) and "no answer within 2" in str(err)
+
+
+def test_missing_credentials(
+    moto_server: MotoServer, monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    target = StoreTarget(
+        root="s3://bucket/x", storage_options={"endpoint_url": moto_server.endpoint_url}
+    )
+    with pytest.raises(BaseException) as info:
+        save({"w": torch.ones(3)}, target.root, target, preflight_timeout=20)
+    err = carried(info.value)
+    assert isinstance(err, MissingCredentialsError) and "s3://bucket/x" in str(err)
+
+
+def test_unserializable_entry_fails_before_upload(store: StoreTarget) -> None:
+    url = store.url("c1")
+    state = {"w": torch.ones(1000), "lock": threading.Lock()}
+    with pytest.raises(BaseException) as info:
+        save(state, url, store)
+    err = carried(info.value)
+    assert isinstance(err, StateDictError) and "'lock'" in str(err)
+    fs = fs_of(store)
+    path = path_of(store, url)
+    leftovers = fs.ls(path, detail=False) if fs.exists(path) else []
+    assert leftovers == [], "nothing may be written for a state dict that cannot be saved"

@@ -1,0 +1,77 @@
+"""S3 uploads: multipart for large objects, one PUT for small ones, abort on failure."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import carried, save
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import WriteItem
+
+from objckpt import ObjectStoreReader, UploadOptions
+from objckpt.layout import is_objckpt_payload
+from objckpt.testing import MotoServer
+from objckpt.testing.plugin import StoreTarget
+
+MiB = 1024 * 1024
+
+
+def _objects(moto: MotoServer, prefix: str) -> dict[str, dict]:
+    client = moto.boto3_client()
+    out = client.list_objects_v2(Bucket="objckpt-test", Prefix=prefix).get("Contents", [])
+    return {o["Key"].rsplit("/", 1)[-1]: o for o in out}
+
+
+def test_large_objects_go_multipart_small_ones_single(
+    s3_bucket: StoreTarget, moto_server: MotoServer
+) -> None:
+    state = {"big": torch.randn(4 * MiB), "small": torch.randn(100)}  # 16 MiB + tiny
+    opts = UploadOptions(part_size=5 * MiB, object_size=8 * MiB)
+    save(state, s3_bucket.url("c"), s3_bucket, upload=opts)
+    reader = ObjectStoreReader(s3_bucket.url("c"), storage_options=s3_bucket.storage_options)
+    assert reader.manifest is not None
+    objs = _objects(moto_server, "t/c/")
+    payload = {k: v for k, v in objs.items() if is_objckpt_payload(k)}
+    multipart = [k for k, v in payload.items() if "-" in v["ETag"]]
+    single = [k for k, v in payload.items() if "-" not in v["ETag"]]
+    assert len(multipart) == 1 and payload[multipart[0]]["Size"] > 16 * MiB
+    assert payload[multipart[0]]["ETag"].strip('"').endswith("-4")  # 16 MiB in 5 MiB parts
+    assert len(single) == 1
+    client = moto_server.boto3_client()
+    assert not client.list_multipart_uploads(Bucket="objckpt-test").get("Uploads")
+
+
+class _FailOn(DefaultSavePlanner):
+    """Fails while serializing one tensor, after earlier parts are in flight."""
+
+    def __init__(self, fqn: str) -> None:
+        super().__init__()
+        self.fqn = fqn
+
+    def resolve_data(self, write_item: WriteItem):  # type: ignore[override]
+        if write_item.index.fqn == self.fqn:
+            raise RuntimeError(f"injected failure on {self.fqn}")
+        return super().resolve_data(write_item)
+
+
+def test_failure_mid_object_aborts_the_upload(
+    s3_bucket: StoreTarget, moto_server: MotoServer
+) -> None:
+    state = {"a": torch.randn(4 * MiB), "b": torch.randn(4 * MiB)}
+    opts = UploadOptions(part_size=5 * MiB, object_size=64 * MiB)  # both tensors in one object
+    import torch.distributed.checkpoint as dcp
+    from helpers import quiet
+
+    from objckpt import ObjectStoreWriter
+
+    writer = ObjectStoreWriter(
+        s3_bucket.url("c"), storage_options=s3_bucket.storage_options, upload=opts
+    )
+    with quiet(), pytest.raises(BaseException) as info:
+        dcp.save(state, storage_writer=writer, planner=_FailOn("b"))
+    assert "injected failure" in str(carried(info.value))
+    client = moto_server.boto3_client()
+    assert not client.list_multipart_uploads(Bucket="objckpt-test").get("Uploads"), (
+        "upload left open"
+    )
+    assert "manifest.json" not in _objects(moto_server, "t/c/")
