@@ -101,6 +101,15 @@ class Location:
             storage_options=dict(storage_options or {}),
         )
 
+    @classmethod
+    def is_valid(cls, url: str | os.PathLike[str]) -> bool:
+        """Whether ``url`` parses (DCP's ``validate_checkpoint_id`` hook)."""
+        try:
+            cls.parse(url)
+        except ConfigurationError:
+            return False
+        return True
+
     @property
     def is_local(self) -> bool:
         return self.protocol in _LOCAL

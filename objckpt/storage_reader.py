@@ -38,7 +38,6 @@ from objckpt.errors import (
     CheckpointNotCommittedError,
     CheckpointNotFoundError,
     ChecksumMismatchError,
-    ConfigurationError,
     ManifestError,
     SizeMismatchError,
     StateDictError,
@@ -210,11 +209,7 @@ class ObjectStoreReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        try:
-            Location.parse(checkpoint_id)
-        except ConfigurationError:
-            return False
-        return True
+        return Location.is_valid(checkpoint_id)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         batches = list(self._batches(self._ranges(plan.items)))

@@ -187,11 +187,7 @@ class ObjectStoreWriter(StorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        try:
-            Location.parse(checkpoint_id)
-        except ConfigurationError:
-            return False
-        return True
+        return Location.is_valid(checkpoint_id)
 
     # -- helpers ----------------------------------------------------------------------------
     @property

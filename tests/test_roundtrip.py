@@ -83,24 +83,28 @@ def test_nothing_there(store: StoreTarget) -> None:
         ObjectStoreReader(store.url("never"), storage_options=store.storage_options)
 
 
-def _payload_path(store: StoreTarget, url: str, reader: ObjectStoreReader) -> str:
-    assert reader.manifest is not None
-    biggest = max(
-        (o for o in reader.manifest.objects if is_objckpt_payload(o.key)), key=lambda o: o.size
-    )
-    return path_of(store, url) + "/" + biggest.key
-
-
-def test_flipped_byte_is_detected_and_named(store: StoreTarget) -> None:
+def _damage_biggest(store: StoreTarget, damage) -> tuple[str, str, dict]:
+    """Save a checkpoint, rewrite its biggest payload object with ``damage(bytes)``."""
     url = store.url("c1")
     state = sample_state()
     save(state, url, store, upload=SMALL_PARTS)
     reader = ObjectStoreReader(url, storage_options=store.storage_options)
-    path = _payload_path(store, url, reader)
+    assert reader.manifest is not None
+    payload = (o for o in reader.manifest.objects if is_objckpt_payload(o.key))
+    path = path_of(store, url) + "/" + max(payload, key=lambda o: o.size).key
     fs = fs_of(store)
-    data = bytearray(fs.cat_file(path))
-    data[len(data) // 2] ^= 0x01
-    fs.pipe_file(path, bytes(data))
+    fs.pipe_file(path, damage(fs.cat_file(path)))
+    return url, path, state
+
+
+def _flip_middle_bit(data: bytes) -> bytes:
+    out = bytearray(data)
+    out[len(out) // 2] ^= 0x01
+    return bytes(out)
+
+
+def test_flipped_byte_is_detected_and_named(store: StoreTarget) -> None:
+    url, path, state = _damage_biggest(store, _flip_middle_bit)
     with pytest.raises(BaseException) as info:
         load(empty_like_state(state), url, store)
     err = carried(info.value)
@@ -111,13 +115,7 @@ def test_flipped_byte_is_detected_and_named(store: StoreTarget) -> None:
 
 
 def test_truncated_object_is_detected(store: StoreTarget) -> None:
-    url = store.url("c1")
-    state = sample_state()
-    save(state, url, store, upload=SMALL_PARTS)
-    reader = ObjectStoreReader(url, storage_options=store.storage_options)
-    path = _payload_path(store, url, reader)
-    fs = fs_of(store)
-    fs.pipe_file(path, fs.cat_file(path)[:1000])
+    url, _, state = _damage_biggest(store, lambda data: data[:1000])
     with pytest.raises(BaseException) as info:
         load(empty_like_state(state), url, store)
     err = carried(info.value)

@@ -10,7 +10,6 @@ checkpointing code against the same servers.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -21,7 +20,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from typing import Any
 
 __all__ = [
@@ -81,17 +79,49 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
     raise TimeoutError(f"server did not answer at {url} within {timeout} s")
 
 
+def _spawn(argv: list[str], url: str, probe: str, timeout: float) -> subprocess.Popen[bytes]:
+    """Start ``python -m <argv>`` and wait until ``url + probe`` answers over HTTP."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", *argv],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, **offline_env()},
+        start_new_session=True,
+    )
+    try:
+        _wait_http(url + probe, proc, timeout)
+    except BaseException:
+        proc.kill()
+        raise
+    logger.info("%s listening at %s (pid %d)", argv[0], url, proc.pid)
+    return proc
+
+
 @dataclasses.dataclass
-class MotoServer:
+class _ServerProcess:
+    """A server process on loopback; ``stop`` ends it (kill it to simulate an outage)."""
+
+    endpoint_url: str
+    process: subprocess.Popen[bytes]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+@dataclasses.dataclass
+class MotoServer(_ServerProcess):
     """A moto S3 server process.
 
     Attributes:
         endpoint_url: ``http://127.0.0.1:<port>``.
         process: The server's process (kill it to simulate an outage).
     """
-
-    endpoint_url: str
-    process: subprocess.Popen[bytes]
 
     def storage_options(self) -> dict[str, Any]:
         """s3fs options that reach this server with the test credentials."""
@@ -120,50 +150,25 @@ class MotoServer:
             region_name="us-east-1",
         )
 
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-
 
 def start_moto_server(
     host: str = "127.0.0.1", port: int | None = None, timeout: float = 60
 ) -> MotoServer:
     """Start ``moto.server`` in a subprocess and wait until it answers."""
-    port = port or free_port(host)
-    env = {**os.environ, **offline_env()}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", host, "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=env,
-        start_new_session=True,
-    )
-    url = f"http://{host}:{port}"
-    try:
-        _wait_http(f"{url}/moto-api/", proc, timeout)
-    except BaseException:
-        proc.kill()
-        raise
-    logger.info("moto S3 server at %s (pid %d)", url, proc.pid)
+    url = f"http://{host}:{port or free_port(host)}"
+    port_s = url.rsplit(":", 1)[1]
+    proc = _spawn(["moto.server", "-H", host, "-p", port_s], url, "/moto-api/", timeout)
     return MotoServer(endpoint_url=url, process=proc)
 
 
 @dataclasses.dataclass
-class GcsEmulator:
+class GcsEmulator(_ServerProcess):
     """A gcp-storage-emulator process that enforces ``ifGenerationMatch=0``.
 
     The stock emulator ignores generation preconditions, which would make the
     create-only commit untestable; :mod:`objckpt.testing._gcs_emulator_main`
     runs it with that precondition enforced.
     """
-
-    endpoint_url: str
-    process: subprocess.Popen[bytes]
 
     def storage_options(self) -> dict[str, Any]:
         return {"endpoint_url": self.endpoint_url, "token": "anon", "project": "objckpt-test"}
@@ -184,44 +189,14 @@ class GcsEmulator:
         with urllib.request.urlopen(req, timeout=10):
             pass
 
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-
 
 def start_gcs_emulator(
     host: str = "127.0.0.1", port: int | None = None, timeout: float = 60
 ) -> GcsEmulator:
     """Start the GCS emulator (with preconditions enforced) in a subprocess."""
-    port = port or free_port(host)
-    env = {**os.environ, **offline_env()}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "objckpt.testing._gcs_emulator_main", host, str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=env,
-        start_new_session=True,
+    url = f"http://{host}:{port or free_port(host)}"
+    port_s = url.rsplit(":", 1)[1]
+    proc = _spawn(
+        ["objckpt.testing._gcs_emulator_main", host, port_s], url, "/storage/v1/b", timeout
     )
-    url = f"http://{host}:{port}"
-    try:
-        _wait_http(f"{url}/storage/v1/b", proc, timeout)
-    except BaseException:
-        proc.kill()
-        raise
-    logger.info("GCS emulator at %s (pid %d)", url, proc.pid)
     return GcsEmulator(endpoint_url=url, process=proc)
-
-
-@contextlib.contextmanager
-def moto_server() -> Iterator[MotoServer]:
-    """Context manager around :func:`start_moto_server`."""
-    server = start_moto_server()
-    try:
-        yield server
-    finally:
-        server.stop()
