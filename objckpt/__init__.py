@@ -7,19 +7,27 @@ never leaves a checkpoint that looks valid.
 
 from objckpt import errors
 from objckpt._version import __version__
+from objckpt.async_save import AsyncCheckpointer, AsyncOptions, SaveHandle, async_save
 from objckpt.location import Location
 from objckpt.manifest import Manifest
 from objckpt.options import ReadOptions, UploadOptions
+from objckpt.queue import AsyncCallsQueue, AsyncRequest
 from objckpt.storage_reader import ObjectStoreReader
 from objckpt.storage_writer import ObjectStoreWriter
 
 __all__ = [
+    "AsyncCallsQueue",
+    "AsyncCheckpointer",
+    "AsyncOptions",
+    "AsyncRequest",
     "Location",
     "Manifest",
     "ObjectStoreReader",
     "ObjectStoreWriter",
     "ReadOptions",
+    "SaveHandle",
     "UploadOptions",
     "__version__",
+    "async_save",
     "errors",
 ]

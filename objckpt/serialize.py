@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import io
+from collections.abc import Iterable, Iterator
 from typing import IO, cast
 
 import torch
@@ -24,7 +25,14 @@ from objckpt.errors import StateDictError
 from objckpt.plan import ObjectPlan
 from objckpt.writers.base import ObjectUpload
 
-__all__ = ["WrittenObject", "resolve_bytes_items", "write_object"]
+__all__ = [
+    "PayloadRecord",
+    "WrittenObject",
+    "resolve_bytes_items",
+    "resolve_entries",
+    "write_payload",
+    "written_object",
+]
 
 
 class _Sink:
@@ -128,35 +136,62 @@ def resolve_bytes_items(items: list[WriteItem], planner: SavePlanner) -> dict[in
     return out
 
 
-def write_object(
-    obj: ObjectPlan,
-    upload: ObjectUpload,
-    planner: SavePlanner,
-    resolved: dict[int, io.BytesIO],
-    position: dict[int, int],
-) -> WrittenObject:
-    """Write ``obj``'s items into ``upload`` and close it.
+@dataclasses.dataclass(frozen=True)
+class PayloadRecord:
+    """What writing one payload object produced: its size, CRC32C and item places."""
 
-    Args:
-        resolved: Pre-serialized byte items, keyed by their position in the plan.
-        position: ``id(item)`` to that position.
+    size: int
+    crc32c: str
+    places: tuple[tuple[int, int, int, str], ...]  # (item id, offset, length, crc32c)
 
-    The caller aborts ``upload`` if this raises.
+
+def write_payload(
+    upload: ObjectUpload, entries: Iterable[tuple[int, torch.Tensor | BytesLike]]
+) -> PayloadRecord:
+    """Serialize ``entries`` (id, tensor or raw bytes) into ``upload``, in order.
+
+    Tensors are written with ``torch.save`` (DCP's own payload format); bytes as
+    they are. Used by the synchronous writer and by the upload workers alike. The
+    caller closes or aborts ``upload``.
     """
     sink = _Sink(upload)
-    placed = []
-    for item in obj.items:
+    places = []
+    for ident, data in entries:
         start = sink.pos
         sink.item_crc = Crc32c()
-        if item.type == WriteItemType.BYTE_IO:
-            sink.write(resolved[position[id(item)]].getbuffer())
-        else:
-            data = planner.resolve_data(item)
-            if not isinstance(data, torch.Tensor):
-                raise StateDictError(
-                    f"entry {item.index.fqn!r} was planned as a tensor but is {type(data).__name__}"
-                )
+        if isinstance(data, torch.Tensor):
             torch.save(_cpu_tensor(data), cast(IO[bytes], sink))
-        placed.append(_Placed(item, start, sink.pos - start, sink.item_crc.hexdigest()))
-    done = upload.close()
-    return WrittenObject(obj.key, sink.pos, sink.object_crc.hexdigest(), tuple(placed), done)
+        else:
+            sink.write(data)
+        places.append((ident, start, sink.pos - start, sink.item_crc.hexdigest()))
+    return PayloadRecord(sink.pos, sink.object_crc.hexdigest(), tuple(places))
+
+
+def resolve_entries(
+    obj: ObjectPlan, planner: SavePlanner, resolved: dict[int, io.BytesIO], position: dict[int, int]
+) -> Iterator[tuple[int, torch.Tensor | BytesLike]]:
+    """The (plan position, data) pairs of ``obj``, resolved lazily through the planner."""
+    for item in obj.items:
+        pos = position[id(item)]
+        if item.type == WriteItemType.BYTE_IO:
+            yield pos, resolved[pos].getbuffer()
+            continue
+        data = planner.resolve_data(item)
+        if not isinstance(data, torch.Tensor):
+            raise StateDictError(
+                f"entry {item.index.fqn!r} was planned as a tensor but is {type(data).__name__}"
+            )
+        yield pos, data
+
+
+def written_object(
+    obj: ObjectPlan,
+    items: list[WriteItem],
+    record: PayloadRecord,
+    done: concurrent.futures.Future[None],
+) -> WrittenObject:
+    """Pair a payload record with the write items it placed."""
+    placed = tuple(
+        _Placed(items[ident], off, length, crc) for ident, off, length, crc in record.places
+    )
+    return WrittenObject(obj.key, record.size, record.crc32c, placed, done)

@@ -40,7 +40,13 @@ from objckpt.location import Location
 from objckpt.manifest import Manifest
 from objckpt.options import UploadOptions
 from objckpt.plan import RankPlan, assign_objects
-from objckpt.serialize import WrittenObject, resolve_bytes_items, write_object
+from objckpt.serialize import (
+    WrittenObject,
+    resolve_bytes_items,
+    resolve_entries,
+    write_payload,
+    written_object,
+)
 from objckpt.writers import ObjectStore, open_store
 
 __all__ = ["ObjectStoreWriter"]
@@ -153,7 +159,10 @@ class ObjectStoreWriter(StorageWriter):
             for obj in objects:
                 upload = store.begin(obj.key, obj.size_hint)
                 try:
-                    written.append(write_object(obj, upload, planner, resolved, position))
+                    record = write_payload(
+                        upload, resolve_entries(obj, planner, resolved, position)
+                    )
+                    written.append(written_object(obj, items, record, upload.close()))
                 except BaseException:
                     upload.abort()
                     raise

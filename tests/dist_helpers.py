@@ -27,6 +27,12 @@ def full_state() -> dict[str, torch.Tensor]:
 
 def _init(rank: int, world: int, init_file: str) -> Any:
     os.environ.update(offline_env())
+    import logging
+
+    logging.basicConfig(
+        level=logging.DEBUG if os.environ.get("OBJCKPT_DEBUG") else logging.WARNING,
+        format=f"[r{rank}] %(asctime)s %(name)s %(message)s",
+    )
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -64,5 +70,84 @@ def load_sharded(rank: int, world: int, init_file: str, url: str, options: dict[
             got = state["model"][k].full_tensor()
             assert torch.equal(got, v), f"rank {rank}: {k} differs after load"
         assert state["step"] == 7
+    finally:
+        dist.destroy_process_group()
+
+
+def async_save_sharded(
+    rank: int, world: int, init_file: str, url: str, options: dict[str, Any]
+) -> None:
+    mesh = _init(rank, world, init_file)
+    try:
+        state = {
+            "model": {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full_state().items()},
+            "step": 7,
+        }
+        opts = objckpt.AsyncOptions(workers=1, barrier_timeout=120)
+        with objckpt.AsyncCheckpointer(storage_options=options, options=opts) as ckpt:
+            handle = ckpt.save(state, url)
+            for v in state["model"].values():
+                v.to_local().add_(1)  # the loop moves on; the checkpoint must not see this
+            manifest = handle.result(timeout=120)
+            if rank == 0:
+                assert manifest is not None and manifest.world_size == world
+            else:
+                assert manifest is None
+    finally:
+        dist.destroy_process_group()
+
+
+def async_save_with_silent_rank(
+    rank: int, world: int, init_file: str, url: str, options: dict[str, Any]
+) -> None:
+    """Rank 1 never reports its uploads (as if it hung): everyone gets a timeout naming it."""
+    from objckpt import finalize
+
+    mesh = _init(rank, world, init_file)
+    try:
+        if rank == 1:
+            finalize.RankExchange.post = lambda self, ok, payload: None  # type: ignore[method-assign]
+        state = {
+            "model": {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full_state().items()}
+        }
+        opts = objckpt.AsyncOptions(workers=1, barrier_timeout=3)
+        with objckpt.AsyncCheckpointer(storage_options=options, options=opts) as ckpt:
+            handle = ckpt.save(state, url)
+            try:
+                handle.result(timeout=60)
+            except objckpt.errors.ObjckptError as exc:
+                # rank 0 times out naming rank 1; rank 1 hears rank 0's verdict
+                assert "rank1" in str(exc) and "rank0" not in str(exc), str(exc)
+            else:
+                raise AssertionError("a save with a silent rank must not commit")
+    finally:
+        dist.destroy_process_group()
+
+
+def queue_across_ranks(
+    rank: int, world: int, init_file: str, url: str, options: dict[str, Any]
+) -> None:
+    """Finalize runs only once every rank's work is done."""
+    import time
+
+    from objckpt import AsyncCallsQueue, AsyncRequest
+    from objckpt.finalize import StoreBarrier
+
+    _init(rank, world, init_file)
+    try:
+        finalized: list[int] = []
+        queue = AsyncCallsQueue(barrier=StoreBarrier(), finalize_timeout=60)
+        delay = 2.0 if rank == 1 else 0.0
+        idx = queue.schedule_async_request(
+            AsyncRequest(time.sleep, (delay,), [lambda: finalized.append(rank)])
+        )
+        assert idx == 0
+        if rank == 0:
+            time.sleep(0.5)
+            assert queue.maybe_finalize_async_calls(blocking=False) == []  # rank 1 still busy
+            assert finalized == []
+        assert queue.maybe_finalize_async_calls(blocking=True) == [0]
+        assert finalized == [rank] and queue.get_num_unfinalized_calls() == 0
+        queue.close()
     finally:
         dist.destroy_process_group()

@@ -37,3 +37,21 @@ def test_reshard_save_on_4_load_on_2_and_1(s3_bucket: StoreTarget, tmp_path) -> 
     for k, v in expected.items():
         assert torch.equal(state["model"][k], v), k
     assert state["step"] == 7
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_async_save_at_world_size(world: int, s3_bucket: StoreTarget, tmp_path) -> None:
+    url = s3_bucket.url(f"async-ws{world}")
+    _run(dist_helpers.async_save_sharded, world, tmp_path, url, s3_bucket.storage_options)
+    _run(dist_helpers.load_sharded, 2, tmp_path, url, s3_bucket.storage_options)
+
+
+def test_async_save_names_a_rank_that_never_reports(s3_bucket: StoreTarget, tmp_path) -> None:
+    url = s3_bucket.url("silent")
+    _run(dist_helpers.async_save_with_silent_rank, 2, tmp_path, url, s3_bucket.storage_options)
+    with pytest.raises(FileNotFoundError):
+        ObjectStoreReader(url, storage_options=s3_bucket.storage_options)
+
+
+def test_queue_finalizes_only_when_every_rank_is_done(tmp_path) -> None:
+    _run(dist_helpers.queue_across_ranks, 2, tmp_path, "", {})

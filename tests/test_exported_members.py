@@ -6,6 +6,12 @@ def test_public_names_are_exactly_the_contract() -> None:
         objckpt.__all__
     )
     assert set(objckpt.__all__) == {
+        "AsyncCallsQueue",
+        "AsyncCheckpointer",
+        "AsyncOptions",
+        "AsyncRequest",
+        "SaveHandle",
+        "async_save",
         "Location",
         "Manifest",
         "ObjectStoreReader",

@@ -1,0 +1,468 @@
+"""Async saves: stage, plan, hand uploads to workers, commit in the background.
+
+``AsyncCheckpointer.save`` returns as soon as three things are done on the
+calling rank: the state dict is copied into staging memory, DCP has planned the
+save (its usual collectives, on the caller's thread, like any ``dcp.save``), and
+the payload objects are queued for the upload workers. Everything after that —
+uploads, gathering every rank's results, writing ``.metadata`` and committing
+the manifest — happens in worker processes and a background thread per save,
+with no call the training loop has to make. The handle reports the outcome.
+
+The order of events for one save on one rank::
+
+    caller:      stage -> dcp.save(staged, _DeferredWriter) -> handle returned
+    workers:     serialize + upload each payload object (multipart, CRC32C)
+    background:  wait for this rank's uploads -> post results (c10d store)
+                 rank 0: gather all ranks (timeout) -> .metadata -> manifest
+                 others: wait for rank 0's outcome (timeout)
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import warnings
+from collections.abc import Callable, Mapping
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from objckpt.commit import commit_checkpoint
+from objckpt.errors import ConfigurationError, ObjckptError, UploadError
+from objckpt.finalize import RankExchange, group_store
+from objckpt.layout import payload_key
+from objckpt.manifest import Manifest
+from objckpt.options import UploadOptions
+from objckpt.plan import ObjectPlan, RankPlan, assign_objects, estimate_size
+from objckpt.serialize import PayloadRecord, resolve_bytes_items, written_object
+from objckpt.stage import Staged, Stager
+from objckpt.storage_writer import ObjectStoreWriter
+from objckpt.translate import describe
+from objckpt.workers import WorkerPool, upload_object
+
+__all__ = ["AsyncCheckpointer", "AsyncOptions", "SaveHandle", "async_save"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AsyncOptions:
+    """How async saves run.
+
+    Attributes:
+        workers: Upload processes per rank (each with ``UploadOptions.max_inflight``
+            requests in flight).
+        max_in_flight: Saves that may be uploading at once; a further ``save``
+            waits for the oldest to finish (each in-flight save holds its own staging).
+        barrier_timeout: Seconds the commit waits for every rank's uploads (and
+            other ranks wait for the commit) before failing with an error naming
+            the missing ranks.
+    """
+
+    workers: int = 2
+    max_in_flight: int = 1
+    barrier_timeout: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.workers, int) or self.workers < 1:
+            raise ConfigurationError(
+                f"option workers={self.workers!r} is invalid: expected an int >= 1"
+            )
+        if not isinstance(self.max_in_flight, int) or self.max_in_flight < 1:
+            raise ConfigurationError(
+                f"option max_in_flight={self.max_in_flight!r} is invalid: expected an int >= 1"
+            )
+        if not (isinstance(self.barrier_timeout, (int, float)) and self.barrier_timeout > 0):
+            raise ConfigurationError(
+                f"option barrier_timeout={self.barrier_timeout!r} must be a positive number"
+            )
+
+
+class SaveHandle:
+    """The outcome of one async save.
+
+    ``result()`` returns the committed :class:`~objckpt.Manifest` on the
+    coordinator and None on other ranks (once the coordinator has committed).
+    """
+
+    def __init__(self, url: str, future: concurrent.futures.Future[Manifest | None]) -> None:
+        self.url = url
+        self._future = future
+
+    def done(self) -> bool:
+        """True once the save has committed or failed (never blocks)."""
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> Manifest | None:
+        """Wait for the commit; re-raises the save's error.
+
+        Raises:
+            TimeoutError: Not finished within ``timeout`` seconds.
+        """
+        try:
+            return self._future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            if self._future.done():  # the save's own error is a TimeoutError (barrier)
+                raise
+            raise TimeoutError(f"save of {self.url} not finished within {timeout} s") from None
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return self._future.exception(timeout)
+
+    def add_done_callback(self, fn: Callable[[SaveHandle], Any]) -> None:
+        self._future.add_done_callback(lambda _: fn(self))
+
+
+@dataclasses.dataclass
+class _Pending:
+    obj: ObjectPlan
+    future: concurrent.futures.Future[PayloadRecord]
+
+
+class _DeferredWriter(ObjectStoreWriter):
+    """A DCP writer whose ``write_data`` queues uploads and whose ``finish`` defers the commit."""
+
+    def __init__(self, *args: Any, pool: WorkerPool, staged: Staged, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._pool = pool
+        self._staged = staged
+        self.pending: list[_Pending] = []
+        self.items: list[Any] = []
+        self.rank_plan: RankPlan | None = None
+        self.metadata: Metadata | None = None
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        rank_plan = plan.storage_data
+        if not isinstance(rank_plan, RankPlan):
+            raise ConfigurationError("write_data got a plan this writer did not prepare")
+        self.rank_plan = rank_plan
+        self._attempt = rank_plan.attempt
+        items = list(plan.items)
+        self.items = items
+        resolved = resolve_bytes_items(items, planner)  # fails here, before any upload
+        position = {id(item): n for n, item in enumerate(items)}
+        objects = assign_objects(
+            items,
+            self.upload.object_size,
+            lambda i: payload_key(rank_plan.rank, i, rank_plan.attempt),
+        )
+        for obj in objects:
+            entries: list[tuple[int, Any]] = []
+            for item in obj.items:
+                pos = position[id(item)]
+                if item.type == WriteItemType.BYTE_IO:
+                    entries.append((pos, resolved[pos].getvalue()))
+                    continue
+                tensor = planner.resolve_data(item)
+                ref = self._staged.ref_of(tensor) if isinstance(tensor, torch.Tensor) else None
+                entries.append((pos, ref if ref is not None else tensor))
+            future = self._pool.submit(upload_object, self.location, self.upload, obj.key, entries)
+            self.pending.append(_Pending(obj, future))
+        # DCP gathers these now; the real locations travel through the c10d store later.
+        placeholders = [
+            WriteResult(index=i.index, size_in_bytes=estimate_size(i), storage_data=None)
+            for i in items
+        ]
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(placeholders)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        self.metadata = metadata  # committed later, by the background thread
+
+
+class AsyncCheckpointer:
+    """Runs async saves with persistent staging memory and upload workers.
+
+    Use one per training job (every rank builds its own) and close it at the end
+    (or use it as a context manager). Every public method may be called from any
+    thread.
+
+    Args:
+        storage_options: Passed untouched to fsspec for every save.
+        upload: Object and part sizing for the workers.
+        options: Worker count, saves in flight, barrier timeout.
+        on_commit: Called on the coordinator with (url, manifest) after each commit.
+    """
+
+    def __init__(
+        self,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        upload: UploadOptions | None = None,
+        options: AsyncOptions | None = None,
+        on_commit: Callable[[str, Manifest], Any] | None = None,
+    ) -> None:
+        self.storage_options = dict(storage_options or {})
+        self.upload = upload or UploadOptions()
+        self.options = options or AsyncOptions()
+        self._on_commit = on_commit
+        self._stager = Stager(max_cached_sets=self.options.max_in_flight)
+        self._pool = WorkerPool(self.options.workers)
+        self._inflight: list[SaveHandle] = []
+        self._errors: list[BaseException] = []
+        self._lock = threading.RLock()
+        self._closed = False
+
+    # -- saving ---------------------------------------------------------------------------
+    def save(
+        self,
+        state_dict: dict[str, Any],
+        url: str,
+        *,
+        process_group: Any | None = None,
+        overwrite: bool = False,
+        user_metadata: Mapping[str, Any] | None = None,
+    ) -> SaveHandle:
+        """Stage ``state_dict`` and start saving it to ``url``; returns once staged.
+
+        Must be called on every rank of ``process_group`` (DCP plans collectively).
+
+        Raises:
+            ConfigurationError, StateDictError, CheckpointExistsError, StoreError:
+                before anything is uploaded (wrapped by torch's CheckpointException
+                when raised inside DCP's planning).
+        """
+        if self._closed:
+            raise ConfigurationError("AsyncCheckpointer is closed")
+        if url.startswith("memory://"):
+            raise ConfigurationError(
+                f"async save cannot write {url}: memory:// is private to one process and the "
+                "uploads run in worker processes; use file://, s3:// or gs://"
+            )
+        self._throttle()
+        staged = self._stager.stage(state_dict)
+        writer = _DeferredWriter(
+            url,
+            storage_options=self.storage_options,
+            overwrite=overwrite,
+            upload=self.upload,
+            user_metadata=user_metadata,
+            pool=self._pool,
+            staged=staged,
+        )
+        distributed = dist.is_available() and dist.is_initialized()
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.save(
+                    staged.state,
+                    storage_writer=writer,
+                    process_group=process_group,
+                    no_dist=not distributed,
+                )
+        except BaseException:
+            self._settle(writer)
+            self._stager.release(staged)
+            raise
+        world = dist.get_world_size(process_group) if distributed else 1
+        future: concurrent.futures.Future[Manifest | None] = concurrent.futures.Future()
+        handle = SaveHandle(writer.location.url, future)
+        with self._lock:
+            self._inflight.append(handle)
+        thread = threading.Thread(
+            target=self._finalize,
+            args=(
+                writer,
+                staged,
+                future,
+                world,
+                process_group if distributed else None,
+                distributed,
+            ),
+            name=f"objckpt-commit-{writer.rank_plan.attempt if writer.rank_plan else ''}",
+            daemon=True,
+        )
+        thread.start()
+        return handle
+
+    def _throttle(self) -> None:
+        while True:
+            with self._lock:
+                self._inflight = [h for h in self._inflight if not h.done()]
+                if len(self._inflight) < self.options.max_in_flight:
+                    return
+                oldest = self._inflight[0]
+            oldest.exception()  # wait; its error is reported by check_for_errors
+
+    @staticmethod
+    def _settle(writer: _DeferredWriter) -> None:
+        for p in writer.pending:
+            p.future.exception()
+
+    def _finalize(
+        self,
+        writer: _DeferredWriter,
+        staged: Staged,
+        future: concurrent.futures.Future[Manifest | None],
+        world: int,
+        process_group: Any | None,
+        distributed: bool,
+    ) -> None:
+        url = writer.location.url
+        try:
+            results, error = self._collect(writer)
+            self._stager.release(staged)
+            rank_plan = writer.rank_plan
+            assert rank_plan is not None
+            if not distributed:
+                if error is not None:
+                    raise error
+                manifest: Manifest | None = self._commit(writer, [results], world)
+            else:
+                exchange = RankExchange(
+                    group_store(process_group),
+                    rank_plan.attempt,
+                    rank_plan.rank,
+                    world,
+                    self.options.barrier_timeout,
+                    url,
+                )
+                exchange.post(error is None, results if error is None else describe(error))
+                if rank_plan.rank == 0:
+                    manifest = self._coordinate(writer, exchange, world)
+                else:
+                    if error is not None:
+                        raise error
+                    outcome = exchange.outcome()
+                    if outcome is not None:
+                        raise UploadError(outcome)
+                    manifest = None
+            future.set_result(manifest)
+        except BaseException as exc:
+            logger.error("async save of %s failed: %s", url, describe(exc))
+            with self._lock:
+                self._errors.append(exc)
+            future.set_exception(exc)
+
+    def _collect(self, writer: _DeferredWriter) -> tuple[list[WriteResult], BaseException | None]:
+        results: list[WriteResult] = []
+        error: BaseException | None = None
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        done.set_result(None)
+        for p in writer.pending:
+            try:
+                record = p.future.result()
+            except BrokenProcessPool as exc:
+                error = error or UploadError(
+                    f"an upload worker died while saving {writer.location.url} "
+                    "(killed or out of memory); the save was not committed"
+                )
+                error.__cause__ = exc
+                continue
+            except BaseException as exc:
+                error = error or exc
+                continue
+            results.extend(written_object(p.obj, writer.items, record, done).write_results())
+        return results, error
+
+    def _coordinate(self, writer: _DeferredWriter, exchange: RankExchange, world: int) -> Manifest:
+        try:
+            all_results = exchange.gather()
+            manifest = self._commit(writer, all_results, world)
+        except BaseException as exc:
+            exchange.publish_outcome(describe(exc))
+            raise
+        exchange.publish_outcome(None)
+        return manifest
+
+    def _commit(
+        self, writer: _DeferredWriter, results: list[list[WriteResult]], world: int
+    ) -> Manifest:
+        if writer.metadata is None or writer.rank_plan is None:
+            raise ObjckptError("internal: commit without DCP metadata on the coordinator")
+        manifest = commit_checkpoint(
+            writer.store,
+            writer.metadata,
+            results,
+            attempt=writer.rank_plan.attempt,
+            world_size=world,
+            overwrite=writer.overwrite,
+            user=writer.user_metadata,
+        )
+        writer.close()
+        if self._on_commit is not None:
+            self._on_commit(writer.location.url, manifest)
+        return manifest
+
+    # -- Orbax-style hooks ----------------------------------------------------------------
+    def wait_until_finished(self) -> None:
+        """Wait for every save in flight, then raise the first error not yet reported."""
+        with self._lock:
+            handles = list(self._inflight)
+        for h in handles:
+            h.exception()
+        self.check_for_errors()
+
+    def check_for_errors(self) -> None:
+        """Raise the oldest error of a finished save not reported before (each once)."""
+        with self._lock:
+            if not self._errors:
+                return
+            exc = self._errors.pop(0)
+        raise exc
+
+    def close(self) -> None:
+        """Wait for saves in flight, stop the workers and free staging memory."""
+        if self._closed:
+            return
+        try:
+            with self._lock:
+                handles = list(self._inflight)
+            for h in handles:
+                h.exception()
+        finally:
+            self._closed = True
+            self._pool.close()
+            self._stager.close()
+
+    def __enter__(self) -> AsyncCheckpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """PIDs of the upload workers (for diagnostics and fault tests)."""
+        return self._pool.pids()
+
+
+def async_save(
+    state_dict: dict[str, Any],
+    url: str,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    process_group: Any | None = None,
+    checkpointer: AsyncCheckpointer | None = None,
+    overwrite: bool = False,
+    **kwargs: Any,
+) -> SaveHandle:
+    """Save asynchronously; returns a handle as soon as ``state_dict`` is staged.
+
+    Pass a long-lived ``checkpointer`` to reuse staging memory and worker
+    processes across saves (the fast path). Without one, a checkpointer is built
+    for this save and closed when it finishes.
+
+    Args:
+        kwargs: ``upload``, ``options`` and ``on_commit`` for the one-off checkpointer.
+    """
+    if checkpointer is not None:
+        return checkpointer.save(state_dict, url, process_group=process_group, overwrite=overwrite)
+    ckpt = AsyncCheckpointer(storage_options=storage_options, **kwargs)
+    try:
+        handle = ckpt.save(state_dict, url, process_group=process_group, overwrite=overwrite)
+    except BaseException:
+        ckpt.close()
+        raise
+    handle.add_done_callback(lambda _: threading.Thread(target=ckpt.close, daemon=True).start())
+    return handle

@@ -1,0 +1,289 @@
+"""Staging: copy a state dict into host memory objckpt owns, reused across saves.
+
+Staging is the only part of an async save the training loop waits for. Every
+tensor is copied into one shared-memory segment (a file in ``/dev/shm`` mapped
+by this process and by the upload workers), so workers read the bytes where they
+lie: a task names (segment, offset, length, dtype, shape), never the tensor
+itself. That avoids torch's per-tensor file-descriptor passing, which for a
+state dict of thousands of small tensors runs into the open-file limit.
+
+Segments are kept per state-dict structure (names, shapes, dtypes) and reused
+while it is unchanged: allocating and faulting in a GiB of shared memory costs
+far more than copying into it. A segment is leased by a save until its uploads
+finish, so a second save in flight gets a second segment. For CUDA tensors the
+segment is page-locked (``cudaHostRegister``) and the device-to-host copies run
+non-blocking, then are waited for before ``stage`` returns, so the caller may
+change its tensors as soon as it returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import mmap
+import os
+import tempfile
+import threading
+from collections.abc import Hashable
+from typing import Any, cast
+
+import torch
+
+from objckpt.errors import StateDictError
+
+__all__ = ["SegmentRef", "Staged", "Stager", "attach_tensor", "structure_of"]
+
+logger = logging.getLogger(__name__)
+_ALIGN = 64
+
+
+def _dtensor_local(value: torch.Tensor) -> torch.Tensor | None:
+    to_local = getattr(value, "to_local", None)
+    return to_local() if callable(to_local) and hasattr(value, "device_mesh") else None
+
+
+def structure_of(state: Any) -> tuple[Hashable, ...]:
+    """A hashable description of a state dict's layout (values excluded)."""
+    out: list[Hashable] = []
+
+    def walk(value: Any, path: str) -> None:
+        if isinstance(value, torch.Tensor):
+            local = _dtensor_local(value)
+            t = value if local is None else local
+            out.append((path, type(value).__name__, tuple(t.shape), str(t.dtype), t.device.type))
+        elif isinstance(value, dict):
+            for k in value:
+                walk(value[k], f"{path}.{k}")
+        elif isinstance(value, (list, tuple)):
+            out.append((path, type(value).__name__, len(value)))
+            for i, v in enumerate(value):
+                walk(v, f"{path}[{i}]")
+        else:
+            out.append((path, type(value).__name__))
+
+    walk(state, "")
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentRef:
+    """Where a staged tensor's bytes are: picklable, sent to upload workers."""
+
+    path: str
+    offset: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+class _Segment:
+    """A shared-memory file mapped into this process."""
+
+    def __init__(self, size: int) -> None:
+        shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        fd, self.path = tempfile.mkstemp(prefix=f"objckpt-{os.getpid()}-", dir=shm_dir)
+        try:
+            os.ftruncate(fd, max(size, 1))
+            self.map = mmap.mmap(fd, max(size, 1))
+        finally:
+            os.close(fd)
+        self.size = size
+        self.base = torch.frombuffer(self.map, dtype=torch.uint8)
+        self.registered = False
+
+    def view(
+        self, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]
+    ) -> torch.Tensor:
+        return self.base[offset : offset + nbytes].view(dtype).view(shape)
+
+    def pin(self) -> None:
+        """Page-lock the segment so device-to-host copies can run asynchronously."""
+        if not self.registered and torch.cuda.is_available():
+            ptr = self.base.data_ptr()
+            err = torch.cuda.cudart().cudaHostRegister(ptr, self.size, 0)
+            self.registered = int(err) == 0
+            if not self.registered:
+                logger.warning("cudaHostRegister failed (%s); D2H copies will be synchronous", err)
+
+    def close(self) -> None:
+        if self.registered:
+            torch.cuda.cudart().cudaHostUnregister(self.base.data_ptr())
+            self.registered = False
+        del self.base
+        with contextlib.suppress(BufferError):
+            self.map.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+@dataclasses.dataclass
+class _Buffers:
+    """One staging set: a segment and the views laid out in it, by structure."""
+
+    segment: _Segment
+    views: list[torch.Tensor]
+    refs: dict[int, SegmentRef]  # data_ptr of a view -> where it lives
+
+
+@dataclasses.dataclass(frozen=True)
+class Staged:
+    """A staged copy of a state dict. ``state`` mirrors the input with tensors in shared memory."""
+
+    state: dict[str, Any]
+    structure: tuple[Hashable, ...]
+    nbytes: int
+    buffers: _Buffers
+
+    def ref_of(self, tensor: torch.Tensor) -> SegmentRef | None:
+        """The segment location of a staged (contiguous, whole) tensor, if it is one."""
+        ref = self.buffers.refs.get(tensor.data_ptr())
+        if ref is None or not tensor.is_contiguous():
+            return None
+        if (
+            tuple(tensor.shape) != ref.shape
+            or str(tensor.dtype).removeprefix("torch.") != ref.dtype
+        ):
+            return None
+        return ref
+
+
+def _tensors(state: Any) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            local = _dtensor_local(value)
+            if local is None and value.layout != torch.strided:
+                raise StateDictError(f"async save does not support {value.layout} tensors")
+            out.append(value if local is None else local)
+        elif isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v)
+
+    walk(state)
+    return out
+
+
+def _rebuild(state: Any, views: list[torch.Tensor]) -> Any:
+    """``state`` with each tensor replaced by its staged view, in traversal order."""
+    it = iter(views)
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            view = next(it)
+            if _dtensor_local(value) is None:
+                return view
+            from torch.distributed.tensor import DTensor
+
+            dt = cast(Any, value)
+            return DTensor.from_local(
+                view,
+                dt.device_mesh,
+                dt.placements,
+                run_check=False,
+                shape=value.shape,
+                stride=value.stride(),
+            )
+        if isinstance(value, dict):
+            return {k: walk(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [walk(v) for v in value]
+        if isinstance(value, tuple):
+            return tuple(walk(v) for v in value)
+        return value
+
+    return walk(state)
+
+
+def attach_tensor(ref: SegmentRef, cache: dict[str, Any]) -> torch.Tensor:
+    """Worker side: a tensor over a staged segment's bytes (the mapping is cached)."""
+    mapped = cache.get(ref.path)
+    if mapped is None:
+        fd = os.open(ref.path, os.O_RDWR)
+        try:
+            mapped = mmap.mmap(fd, 0)
+        finally:
+            os.close(fd)
+        cache[ref.path] = mapped
+    base = torch.frombuffer(mapped, dtype=torch.uint8)
+    dtype = getattr(torch, ref.dtype)
+    return base[ref.offset : ref.offset + ref.nbytes].view(dtype).view(ref.shape)
+
+
+class Stager:
+    """Owns the staging segments of one checkpointer (close it to free them).
+
+    Args:
+        max_cached_sets: Idle staging sets kept for reuse.
+    """
+
+    def __init__(self, max_cached_sets: int = 2) -> None:
+        self._free: dict[tuple[Hashable, ...], list[_Buffers]] = {}
+        self._max = max_cached_sets
+        self._lock = threading.Lock()
+        self._all: list[_Buffers] = []
+
+    def _allocate(self, tensors: list[torch.Tensor]) -> _Buffers:
+        layout, offset = [], 0
+        for t in tensors:
+            nbytes = t.numel() * t.element_size()
+            layout.append((offset, nbytes, t.dtype, tuple(t.shape)))
+            offset += -(-nbytes // _ALIGN) * _ALIGN
+        segment = _Segment(offset)
+        views, refs = [], {}
+        for off, nbytes, dtype, shape in layout:
+            view = segment.view(off, nbytes, dtype, shape)
+            views.append(view)
+            refs[view.data_ptr()] = SegmentRef(
+                segment.path, off, nbytes, str(dtype).removeprefix("torch."), shape
+            )
+        if len(refs) != len(views):  # zero-byte tensors share addresses; drop them from the map
+            refs = {p: r for p, r in refs.items() if r.nbytes}
+        logger.debug(
+            "allocated %d bytes of staging for %d tensors at %s", offset, len(views), segment.path
+        )
+        buffers = _Buffers(segment, views, refs)
+        with self._lock:
+            self._all.append(buffers)
+        return buffers
+
+    def stage(self, state_dict: dict[str, Any]) -> Staged:
+        """Copy ``state_dict`` into owned shared memory; returns once the copy is complete."""
+        structure = structure_of(state_dict)
+        tensors = _tensors(state_dict)
+        with self._lock:
+            free = self._free.get(structure)
+            buffers = free.pop() if free else None
+        if buffers is None:
+            buffers = self._allocate(tensors)
+        cuda = any(t.device.type == "cuda" for t in tensors)
+        if cuda:
+            buffers.segment.pin()
+        with torch.no_grad():
+            for src, dst in zip(tensors, buffers.views, strict=True):
+                dst.copy_(src.detach(), non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize()
+        state = _rebuild(state_dict, buffers.views)
+        return Staged(state, structure, buffers.segment.size, buffers)
+
+    def release(self, staged: Staged) -> None:
+        """Return a staging set for reuse once its uploads are finished."""
+        with self._lock:
+            free = self._free.setdefault(staged.structure, [])
+            if len(free) < self._max:
+                free.append(staged.buffers)
+                return
+            self._all.remove(staged.buffers)
+        staged.buffers.segment.close()
+
+    def close(self) -> None:
+        """Unmap and delete every segment (no save may be in flight)."""
+        with self._lock:
+            all_buffers, self._all, self._free = self._all, [], {}
+        for b in all_buffers:
+            b.segment.close()

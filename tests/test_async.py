@@ -1,0 +1,162 @@
+"""Async saves: staging semantics, workers, handles, errors, dcp.async_save."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import assert_state_equal, empty_like_state, sample_state
+from helpers import carried, load, quiet
+
+from objckpt import (
+    AsyncCheckpointer,
+    AsyncOptions,
+    ObjectStoreReader,
+    ObjectStoreWriter,
+    async_save,
+)
+from objckpt.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ConfigurationError,
+    UploadError,
+)
+from objckpt.testing import MotoServer
+from objckpt.testing.plugin import StoreTarget
+
+MiB = 1024 * 1024
+
+
+@pytest.fixture(params=["file", "s3"])
+def target(request: pytest.FixtureRequest, tmp_path) -> StoreTarget:
+    if request.param == "file":
+        return StoreTarget(root=f"file://{tmp_path}/root", storage_options={})
+    return request.getfixturevalue("s3_bucket")
+
+
+def _snapshot(state):
+    if isinstance(state, torch.Tensor):
+        return state.clone()
+    if isinstance(state, dict):
+        return {k: _snapshot(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_snapshot(v) for v in state]
+    return state
+
+
+def _mutate(state) -> None:
+    for v in state.values():
+        if isinstance(v, torch.Tensor):
+            v.bitwise_not_() if v.dtype == torch.bool else v.add_(1)
+        elif isinstance(v, dict):
+            _mutate(v)
+
+
+def test_checkpoint_holds_values_at_call_time(target: StoreTarget) -> None:
+    state = sample_state(big=2 * MiB)
+    with AsyncCheckpointer(storage_options=target.storage_options) as ckpt:
+        for step in range(3):
+            expected = _snapshot(state)
+            handle = ckpt.save(state, target.url(f"step-{step}"))
+            _mutate(state)  # the training loop moves on immediately
+            state["step"] = -1
+            manifest = handle.result(timeout=120)
+            assert handle.done() and manifest is not None and manifest.world_size == 1
+            got = empty_like_state(expected)
+            load(got, target.url(f"step-{step}"), target)
+            assert_state_equal(got, expected)
+            state["step"] = expected["step"]
+        # One staging segment serves every save of an unchanged structure.
+        assert len(ckpt._stager._all) == 1
+
+
+def test_async_save_function_and_on_commit(target: StoreTarget) -> None:
+    committed = []
+    state = {"w": torch.randn(100, 100)}
+    handle = async_save(
+        state,
+        target.url("c"),
+        storage_options=target.storage_options,
+        on_commit=lambda url, m: committed.append((url, m.attempt)),
+    )
+    manifest = handle.result(timeout=120)
+    assert manifest is not None and committed == [(handle.url, manifest.attempt)]
+    got = {"w": torch.zeros(100, 100)}
+    load(got, target.url("c"), target)
+    assert torch.equal(got["w"], state["w"])
+
+
+def test_errors_before_upload_are_raised_by_save(target: StoreTarget) -> None:
+    with AsyncCheckpointer(storage_options=target.storage_options) as ckpt:
+        ckpt.save({"w": torch.ones(3)}, target.url("c")).result(timeout=120)
+        with pytest.raises(BaseException) as info:
+            ckpt.save({"w": torch.ones(3)}, target.url("c"))
+        assert isinstance(carried(info.value), CheckpointExistsError)
+        with pytest.raises(ConfigurationError, match="memory:// is private"):
+            ckpt.save({"w": torch.ones(3)}, "memory://b/c")
+        ckpt.check_for_errors()  # nothing failed in the background
+
+
+def test_options_are_validated() -> None:
+    with pytest.raises(ConfigurationError, match="option workers="):
+        AsyncOptions(workers=0)
+    with pytest.raises(ConfigurationError, match="option max_in_flight="):
+        AsyncOptions(max_in_flight=0)
+
+
+@pytest.mark.timeout(180)
+def test_killed_worker_fails_the_save_and_the_next_save_works(
+    s3_bucket: StoreTarget, moto_server: MotoServer
+) -> None:
+    state = {"w": torch.randn(48 * MiB)}  # 192 MiB: uploads take seconds against moto
+    with AsyncCheckpointer(
+        storage_options=s3_bucket.storage_options, options=AsyncOptions(workers=2)
+    ) as ckpt:
+        ckpt.save({"warm": torch.ones(1)}, s3_bucket.url("warm")).result(timeout=60)
+        handle = ckpt.save(state, s3_bucket.url("killed"))
+        for pid in ckpt.worker_pids:
+            os.kill(pid, signal.SIGKILL)
+        with pytest.raises(UploadError, match="upload worker died"):
+            handle.result(timeout=60)
+        with pytest.raises(UploadError):
+            ckpt.check_for_errors()  # reported once here too...
+        ckpt.check_for_errors()  # ...and only once
+        with pytest.raises(CheckpointNotFoundError):  # nothing visible; maybe not even payload
+            ObjectStoreReader(s3_bucket.url("killed"), storage_options=s3_bucket.storage_options)
+        # The pool is rebuilt: the next save commits.
+        small = {"w": torch.randn(1000)}
+        ckpt.save(small, s3_bucket.url("after")).result(timeout=60)
+    got = {"w": torch.zeros(1000)}
+    load(got, s3_bucket.url("after"), s3_bucket)
+    assert torch.equal(got["w"], small["w"])
+
+
+def test_max_in_flight_bounds_concurrent_saves(tmp_path) -> None:
+    target = StoreTarget(root=f"file://{tmp_path}", storage_options={})
+    with AsyncCheckpointer(options=AsyncOptions(max_in_flight=1)) as ckpt:
+        handles = [
+            ckpt.save({"w": torch.full((MiB,), float(i))}, target.url(f"s{i}")) for i in range(3)
+        ]
+        # Each save waited for the previous one before staging.
+        assert all(h.done() for h in handles[:-1])
+        ckpt.wait_until_finished()
+    for i in range(3):
+        got = {"w": torch.zeros(MiB)}
+        load(got, target.url(f"s{i}"), target)
+        assert float(got["w"][0]) == float(i)
+
+
+def test_torch_async_save_with_objckpt_writer(target: StoreTarget) -> None:
+    state = {"w": torch.randn(200, 200), "step": 9}
+    writer = ObjectStoreWriter(target.url("dcp-async"), storage_options=target.storage_options)
+    with quiet():
+        future = dcp.async_save(state, storage_writer=writer)
+        deadline = time.monotonic() + 120
+        future.result(timeout=max(1.0, deadline - time.monotonic()))
+    got = {"w": torch.zeros(200, 200), "step": 0}
+    load(got, target.url("dcp-async"), target)
+    assert torch.equal(got["w"], state["w"]) and got["step"] == 9
