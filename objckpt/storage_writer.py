@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch.distributed as dist
+from fsspec import AbstractFileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -98,6 +99,9 @@ class ObjectStoreWriter(StorageWriter):
         self.user_metadata = dict(user_metadata or {})
         self._store: ObjectStore | None = None
         self._store_pid = -1
+        self._fs: AbstractFileSystem | None = None  # shared by a checkpointer across saves
+        self._fs_pid = -1
+        self._needs_preflight = True
         self._rank = 0
         self._is_coordinator = True
         self._attempt: str | None = None
@@ -127,7 +131,8 @@ class ObjectStoreWriter(StorageWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         store = self.store
-        store.preflight(self.preflight_timeout)
+        if self._needs_preflight:
+            store.preflight(self.preflight_timeout)
         if not self.overwrite:
             self._refuse_existing(store)
         return plan
@@ -203,7 +208,8 @@ class ObjectStoreWriter(StorageWriter):
     def store(self) -> ObjectStore:
         """This process's store object (built lazily, never shared across processes)."""
         if self._store is None or self._store_pid != os.getpid():
-            self._store = open_store(self.location, self.upload)
+            fs = self._fs if self._fs is not None and self._fs_pid == os.getpid() else None
+            self._store = open_store(self.location, self.upload, fs)
             self._store_pid = os.getpid()
         return self._store
 
@@ -241,6 +247,7 @@ class ObjectStoreWriter(StorageWriter):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_store"] = None  # filesystem clients never cross a process boundary
+        state["_fs"] = None
         return state
 
 

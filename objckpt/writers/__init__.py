@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from fsspec import AbstractFileSystem
+
 from objckpt.location import Location
 from objckpt.options import UploadOptions
 from objckpt.writers.base import ObjectStore, ObjectUpload
@@ -22,7 +24,14 @@ _FAMILIES: dict[str, type[ObjectStore]] = {
 }
 
 
-def open_store(location: Location, options: UploadOptions | None = None) -> ObjectStore:
-    """The store family for ``location``'s protocol (generic fsspec otherwise)."""
+def open_store(
+    location: Location, options: UploadOptions | None = None, fs: AbstractFileSystem | None = None
+) -> ObjectStore:
+    """The store family for ``location``'s protocol (generic fsspec otherwise).
+
+    Args:
+        fs: An existing filesystem for the same protocol and options to reuse
+            (its clients and connections); a fresh one is opened when None.
+    """
     family = _FAMILIES.get(location.protocol, GenericStore)
-    return family(location, options or UploadOptions())
+    return family(location, options or UploadOptions(), fs)
