@@ -224,7 +224,8 @@ class AsyncCheckpointer:
 
     Args:
         storage_options: Passed untouched to fsspec for every save.
-        upload: Object and part sizing for the workers.
+        upload: Object and part sizing for the workers (default: 4 parts in flight
+            per worker).
         options: Worker count, saves in flight, barrier timeout.
         on_commit: Called on the coordinator with (url, manifest) after each commit.
     """
@@ -238,7 +239,9 @@ class AsyncCheckpointer:
         on_commit: Callable[[str, Manifest], Any] | None = None,
     ) -> None:
         self.storage_options = dict(storage_options or {})
-        self.upload = upload or UploadOptions()
+        # Measured on 2 cores against moto (1 GiB, medians of 3): 2 workers x 4 parts in
+        # flight committed in 9.9 s, 2 x 8 in 10.8 s, 1 x 8 in 11.5 s, 1 x 16 in 12.1 s.
+        self.upload = upload or UploadOptions(max_inflight=4)
         self.options = options or AsyncOptions()
         self._on_commit = on_commit
         self._stager = Stager(max_cached_sets=self.options.max_in_flight)
