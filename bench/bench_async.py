@@ -37,11 +37,11 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from bench_sync import MiB, nbytes, transformer_state
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 import objckpt
-from bench_sync import MiB, nbytes, transformer_state
 from objckpt.testing.servers import offline_env, start_moto_server
 
 log = logging.getLogger("bench")
@@ -114,7 +114,11 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     opts = server.storage_options()
     client = server.boto3_client()
     client.create_bucket(Bucket="bench")
-    fsspec_kwargs = {"endpoint_url": opts["endpoint_url"], "key": opts["key"], "secret": opts["secret"]}
+    fsspec_kwargs = {
+        "endpoint_url": opts["endpoint_url"],
+        "key": opts["key"],
+        "secret": opts["secret"],
+    }
     res: dict[str, Any] = {"bytes": size}
     try:
         res["copy_limit"] = copy_limit(state, args.saves)
@@ -132,8 +136,13 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                     handle.result()
                     commits.append(time.perf_counter() - t0)
                 peaks.append(mem.peak - baseline)
-                log.info("objckpt async save %d: stall %.3f s, commit %.2f s, peak +%.0f MiB",
-                         i, stalls[-1], commits[-1], peaks[-1] / MiB)
+                log.info(
+                    "objckpt async save %d: stall %.3f s, commit %.2f s, peak +%.0f MiB",
+                    i,
+                    stalls[-1],
+                    commits[-1],
+                    peaks[-1] / MiB,
+                )
         res["objckpt_async"] = {"stall": stalls, "commit": commits, "peak_extra_bytes": peaks}
 
         # torch's process executor needs a process group, even for one rank.
@@ -144,7 +153,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         for kind in (AsyncCheckpointerType.THREAD, AsyncCheckpointerType.PROCESS):
             d_stalls, d_done = [], []
             for i in range(min(args.saves, 3)):
-                writer = FsspecWriter(f"s3://bench/dcp-{kind.value}/step-{i}", sync_files=False, **fsspec_kwargs)
+                writer = FsspecWriter(
+                    f"s3://bench/dcp-{kind.value}/step-{i}", sync_files=False, **fsspec_kwargs
+                )
                 t0 = time.perf_counter()
                 try:
                     out = dcp.async_save(state, storage_writer=writer, async_checkpointer_type=kind)
@@ -156,14 +167,25 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                     log.warning("dcp.async_save (%s) failed: %r", kind.value, exc)
                     res[f"dcp_async_{kind.value}_error"] = repr(exc)
                     break
-                log.info("dcp async (%s) %d: stall %.3f s, done %.2f s", kind.value, i, d_stalls[-1], d_done[-1])
+                log.info(
+                    "dcp async (%s) %d: stall %.3f s, done %.2f s",
+                    kind.value,
+                    i,
+                    d_stalls[-1],
+                    d_done[-1],
+                )
             res[f"dcp_async_{kind.value}"] = {"stall": d_stalls, "commit": d_done}
 
         dist.destroy_process_group()
         syncs = []
         for i in range(min(args.saves, 3)):
             t0 = time.perf_counter()
-            dcp.save(state, storage_writer=objckpt.ObjectStoreWriter(f"s3://bench/sync/step-{i}", storage_options=opts))
+            dcp.save(
+                state,
+                storage_writer=objckpt.ObjectStoreWriter(
+                    f"s3://bench/sync/step-{i}", storage_options=opts
+                ),
+            )
             syncs.append(time.perf_counter() - t0)
         res["objckpt_sync"] = syncs
         log.info("objckpt sync %s", syncs)
@@ -172,8 +194,16 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
-def _rank_main(rank: int, world: int, init: str, url: str, options: dict[str, Any], size_mib: int, saves: int,
-               out_dir: str) -> None:
+def _rank_main(
+    rank: int,
+    world: int,
+    init: str,
+    url: str,
+    options: dict[str, Any],
+    size_mib: int,
+    saves: int,
+    out_dir: str,
+) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -207,15 +237,29 @@ def bench_world(world: int, size_mib: int, saves: int) -> list[list[float]]:
     server.boto3_client().create_bucket(Bucket="bench")
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            mp.spawn(_rank_main, args=(world, f"{tmp}/init", f"s3://bench/ws{world}", server.storage_options(),
-                                       size_mib, saves, tmp), nprocs=world, join=True)
+            mp.spawn(
+                _rank_main,
+                args=(
+                    world,
+                    f"{tmp}/init",
+                    f"s3://bench/ws{world}",
+                    server.storage_options(),
+                    size_mib,
+                    saves,
+                    tmp,
+                ),
+                nprocs=world,
+                join=True,
+            )
             return [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(world)]
     finally:
         server.stop()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--size-mib", type=int, default=1024)
     parser.add_argument("--saves", type=int, default=5)
     parser.add_argument("--world", type=int, nargs="*", default=[])
@@ -247,7 +291,9 @@ def main() -> None:
         "commit_vs_sync_save": summary["objckpt_commit_s"] / summary["objckpt_sync_s"],
     }
     if "dcp_async_thread_stall_s" in summary:
-        ratios["stall_vs_dcp_async_thread"] = summary["objckpt_stall_later_s"] / summary["dcp_async_thread_stall_s"]
+        ratios["stall_vs_dcp_async_thread"] = (
+            summary["objckpt_stall_later_s"] / summary["dcp_async_thread_stall_s"]
+        )
     if "dcp_async_process_stall_s" in summary:
         ratios["stall_vs_dcp_async_process"] = (
             summary["objckpt_stall_later_s"] / summary["dcp_async_process_stall_s"]
@@ -255,13 +301,19 @@ def main() -> None:
     worlds = {}
     for w in args.world:
         per_rank = bench_world(w, args.size_mib, max(3, min(args.saves, 4)))
-        worlds[str(w)] = {"stall_per_rank": per_rank,
-                          "median_later_stall_s": med([s for r in per_rank for s in r[1:]])}
+        worlds[str(w)] = {
+            "stall_per_rank": per_rank,
+            "median_later_stall_s": med([s for r in per_rank for s in r[1:]]),
+        }
         log.info("world %d: %s", w, worlds[str(w)])
     record = {
         "benchmark": "async",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+        },
         "bytes": res["bytes"],
         "raw": res,
         "summary": summary,
@@ -269,7 +321,9 @@ def main() -> None:
         "world": worlds,
     }
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"async-{datetime.date.today().isoformat()}-{args.size_mib}mib.json")
+    path = os.path.join(
+        args.out, f"async-{datetime.date.today().isoformat()}-{args.size_mib}mib.json"
+    )
     with open(path, "w") as f:
         json.dump(record, f, indent=2)
     for k, v in {**summary, **ratios}.items():
