@@ -95,13 +95,6 @@ class RankExchange:
         result: str | None = pickle.loads(self._store.get(key))
         return result
 
-    def cleanup(self) -> None:
-        for key in [*(self._key(r) for r in range(self.world)), f"{self._prefix}/outcome"]:
-            try:
-                self._store.delete_key(key)
-            except Exception:  # some stores cannot delete; keys are unique per attempt
-                logger.debug("could not delete store key %s", key)
-
 
 class StoreBarrier:
     """:class:`~objckpt.queue.RankBarrier` over the c10d store (for AsyncCallsQueue)."""

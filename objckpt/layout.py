@@ -18,10 +18,13 @@ import re
 import secrets
 import time
 
+from fsspec import AbstractFileSystem
+
 __all__ = [
     "MANIFEST_KEY",
     "METADATA_KEY",
     "is_objckpt_payload",
+    "list_names",
     "new_attempt_id",
     "payload_key",
 ]
@@ -39,6 +42,19 @@ def new_attempt_id() -> str:
 def payload_key(rank: int, index: int, attempt: str) -> str:
     """The key of payload object ``index`` of ``rank`` in ``attempt``."""
     return f"__{rank}_{index}.{attempt}.distcp"
+
+
+def list_names(fs: AbstractFileSystem, path: str) -> list[str]:
+    """Names of the objects directly under ``path`` (empty if there is none).
+
+    One listing answers every "what is here" question (manifest? .metadata?
+    objckpt payload?) in a single request instead of one per object.
+    """
+    fs.invalidate_cache(path)
+    try:
+        return [str(n).rstrip("/").rsplit("/", 1)[-1] for n in fs.ls(path, detail=False)]
+    except FileNotFoundError:
+        return []
 
 
 def is_objckpt_payload(name: str) -> bool:

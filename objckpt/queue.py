@@ -19,7 +19,6 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -187,14 +186,3 @@ class AsyncCallsQueue:
         finally:
             if self._own_executor:
                 self._executor.shutdown(wait=True)
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
-    """Poll ``predicate`` until it is true or ``timeout`` seconds pass."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if predicate():
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(interval)

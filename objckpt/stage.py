@@ -32,7 +32,7 @@ import torch
 
 from objckpt.errors import StateDictError
 
-__all__ = ["SegmentRef", "Staged", "Stager", "attach_tensor", "structure_of"]
+__all__ = ["SegmentRef", "Staged", "Stager", "attach_tensor", "scan"]
 
 logger = logging.getLogger(__name__)
 _ALIGN = 64
@@ -43,27 +43,32 @@ def _dtensor_local(value: torch.Tensor) -> torch.Tensor | None:
     return to_local() if callable(to_local) and hasattr(value, "device_mesh") else None
 
 
-def structure_of(state: Any) -> tuple[Hashable, ...]:
-    """A hashable description of a state dict's layout (values excluded)."""
-    out: list[Hashable] = []
+def scan(state: Any) -> tuple[tuple[Hashable, ...], list[torch.Tensor]]:
+    """One walk over a state dict: its layout (hashable, values excluded) and its
+    tensors in traversal order (DTensors as their local shards)."""
+    layout: list[Hashable] = []
+    tensors: list[torch.Tensor] = []
 
     def walk(value: Any, path: str) -> None:
         if isinstance(value, torch.Tensor):
             local = _dtensor_local(value)
+            if local is None and value.layout != torch.strided:
+                raise StateDictError(f"async save does not support {value.layout} tensors ({path})")
             t = value if local is None else local
-            out.append((path, type(value).__name__, tuple(t.shape), str(t.dtype), t.device.type))
+            layout.append((path, type(value).__name__, tuple(t.shape), str(t.dtype), t.device.type))
+            tensors.append(t)
         elif isinstance(value, dict):
             for k in value:
                 walk(value[k], f"{path}.{k}")
         elif isinstance(value, (list, tuple)):
-            out.append((path, type(value).__name__, len(value)))
+            layout.append((path, type(value).__name__, len(value)))
             for i, v in enumerate(value):
                 walk(v, f"{path}[{i}]")
         else:
-            out.append((path, type(value).__name__))
+            layout.append((path, type(value).__name__))
 
     walk(state, "")
-    return tuple(out)
+    return tuple(layout), tensors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +137,6 @@ class Staged:
 
     state: dict[str, Any]
     structure: tuple[Hashable, ...]
-    nbytes: int
     buffers: _Buffers
 
     def ref_of(self, tensor: torch.Tensor) -> SegmentRef | None:
@@ -146,26 +150,6 @@ class Staged:
         ):
             return None
         return ref
-
-
-def _tensors(state: Any) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-
-    def walk(value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            local = _dtensor_local(value)
-            if local is None and value.layout != torch.strided:
-                raise StateDictError(f"async save does not support {value.layout} tensors")
-            out.append(value if local is None else local)
-        elif isinstance(value, dict):
-            for v in value.values():
-                walk(v)
-        elif isinstance(value, (list, tuple)):
-            for v in value:
-                walk(v)
-
-    walk(state)
-    return out
 
 
 def _rebuild(state: Any, views: list[torch.Tensor]) -> Any:
@@ -253,8 +237,7 @@ class Stager:
 
     def stage(self, state_dict: dict[str, Any]) -> Staged:
         """Copy ``state_dict`` into owned shared memory; returns once the copy is complete."""
-        structure = structure_of(state_dict)
-        tensors = _tensors(state_dict)
+        structure, tensors = scan(state_dict)
         with self._lock:
             free = self._free.get(structure)
             buffers = free.pop() if free else None
@@ -269,7 +252,7 @@ class Stager:
         if cuda:
             torch.cuda.synchronize()
         state = _rebuild(state_dict, buffers.views)
-        return Staged(state, structure, buffers.segment.size, buffers)
+        return Staged(state, structure, buffers)
 
     def release(self, staged: Staged) -> None:
         """Return a staging set for reuse once its uploads are finished."""

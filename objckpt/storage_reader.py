@@ -42,7 +42,7 @@ from objckpt.errors import (
     SizeMismatchError,
     StateDictError,
 )
-from objckpt.layout import MANIFEST_KEY, METADATA_KEY, is_objckpt_payload
+from objckpt.layout import MANIFEST_KEY, METADATA_KEY, is_objckpt_payload, list_names
 from objckpt.location import Location
 from objckpt.manifest import Manifest
 from objckpt.options import ReadOptions
@@ -133,16 +133,11 @@ class ObjectStoreReader(StorageReader):
                     f"{url} uses stream transforms {item.transform_descriptors}, "
                     "which objckpt does not support"
                 )
-        self._sizes = {o.key: o.size for o in self.manifest.objects}
 
     def _open_without_manifest(self) -> None:
         url = self.location.url
         try:
-            names = [
-                str(n).rsplit("/", 1)[-1] for n in self.fs.ls(self.location.path, detail=False)
-            ]
-        except FileNotFoundError:
-            names = []
+            names = list_names(self.fs, self.location.path)
         except Exception as exc:
             raise translate(exc, url=url, action="listing") from exc
         if any(is_objckpt_payload(n) for n in names):
@@ -181,7 +176,6 @@ class ObjectStoreReader(StorageReader):
             )
             for index, info in metadata.storage_data.items()
         }
-        self._sizes = {}
 
     # -- DCP protocol ---------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -233,12 +227,9 @@ class ObjectStoreReader(StorageReader):
         try:
             return self._items[req.storage_index]
         except KeyError:
-            found = next((i for k, i in self._items.items() if k == req.storage_index), None)
-            if found is None:
-                raise StateDictError(
-                    f"{self.location.url} has no stored item for {req.storage_index.fqn!r}"
-                ) from None
-            return found
+            raise StateDictError(
+                f"{self.location.url} has no stored item for {req.storage_index.fqn!r}"
+            ) from None
 
     def _ranges(self, reads: list[ReadItem]) -> list[_Range]:
         by_key: dict[str, list[tuple[ReadItem, StoredItem]]] = {}

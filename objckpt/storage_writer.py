@@ -34,6 +34,7 @@ from objckpt.layout import (
     MANIFEST_KEY,
     METADATA_KEY,
     is_objckpt_payload,
+    list_names,
     new_attempt_id,
     payload_key,
 )
@@ -48,6 +49,7 @@ from objckpt.serialize import (
     write_payload,
     written_object,
 )
+from objckpt.translate import translate
 from objckpt.writers import ObjectStore, open_store
 
 __all__ = ["ObjectStoreWriter"]
@@ -216,20 +218,22 @@ class ObjectStoreWriter(StorageWriter):
     def _refuse_existing(self, store: ObjectStore) -> None:
         url = self.location.url
         try:
-            manifest = read_manifest(store)
-        except FileNotFoundError:
-            manifest = None
-        except ManifestError:
+            names = list_names(store.fs, self.location.path)
+        except Exception as exc:
+            raise translate(exc, url=url, action="listing") from exc
+        if MANIFEST_KEY in names:
+            try:
+                attempt = read_manifest(store).attempt
+            except ManifestError:
+                raise CheckpointExistsError(
+                    f"{url} holds a manifest objckpt cannot read; "
+                    "refusing to write over it (pass overwrite=True)"
+                ) from None
             raise CheckpointExistsError(
-                f"{url} holds a manifest objckpt cannot read; "
-                "refusing to write over it (pass overwrite=True)"
-            ) from None
-        if manifest is not None:
-            raise CheckpointExistsError(
-                f"{url} already holds a committed checkpoint (attempt {manifest.attempt}); "
+                f"{url} already holds a committed checkpoint (attempt {attempt}); "
                 "pass overwrite=True to replace it"
             )
-        if store.exists(METADATA_KEY) and not _has_objckpt_payload(store):
+        if METADATA_KEY in names and not any(is_objckpt_payload(n) for n in names):
             raise CheckpointExistsError(
                 f"{url} already holds a stock DCP checkpoint (.metadata without a manifest); "
                 "pass overwrite=True to replace it"
@@ -249,11 +253,3 @@ class ObjectStoreWriter(StorageWriter):
         state["_store"] = None  # filesystem clients never cross a process boundary
         state["_fs"] = None
         return state
-
-
-def _has_objckpt_payload(store: ObjectStore) -> bool:
-    try:
-        names = store.fs.ls(store.location.path, detail=False)
-    except FileNotFoundError:
-        return False
-    return any(is_objckpt_payload(str(n)) for n in names if not str(n).endswith(MANIFEST_KEY))
