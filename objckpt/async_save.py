@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
@@ -44,6 +45,7 @@ from objckpt.layout import payload_key
 from objckpt.manifest import Manifest
 from objckpt.options import UploadOptions
 from objckpt.plan import ObjectPlan, RankPlan, assign_objects, estimate_size
+from objckpt.plan_cache import CachedPlan, PlanCacheStats, agree, cache_key, group_ranks
 from objckpt.serialize import PayloadRecord, resolve_bytes_items, written_object
 from objckpt.stage import Staged, Stager
 from objckpt.storage_writer import ObjectStoreWriter
@@ -132,20 +134,36 @@ class _Pending:
 class _DeferredWriter(ObjectStoreWriter):
     """A DCP writer whose ``write_data`` queues uploads and whose ``finish`` defers the commit."""
 
-    def __init__(self, *args: Any, pool: WorkerPool, staged: Staged, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, pool: WorkerPool, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._pool = pool
-        self._staged = staged
+        self._staged: Staged | None = None  # set once the state dict is staged
         self.pending: list[_Pending] = []
         self.items: list[Any] = []
         self.rank_plan: RankPlan | None = None
         self.metadata: Metadata | None = None
+        self.final_plan: SavePlan | None = None
+        #: The attempt id every rank agreed on before planning.
+        self.agreed_attempt: str | None = None
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan  # preflight and the existence check ran before planning
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        if self.agreed_attempt is None:
+            raise ConfigurationError("internal: global plan before the attempt was agreed")
+        self._attempt = self.agreed_attempt
+        return [
+            dataclasses.replace(p, storage_data=RankPlan(rank=i, attempt=self.agreed_attempt))
+            for i, p in enumerate(plans)
+        ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         rank_plan = plan.storage_data
         if not isinstance(rank_plan, RankPlan):
             raise ConfigurationError("write_data got a plan this writer did not prepare")
         self.rank_plan = rank_plan
+        self.final_plan = plan
         self._attempt = rank_plan.attempt
         items = list(plan.items)
         self.items = items
@@ -164,7 +182,9 @@ class _DeferredWriter(ObjectStoreWriter):
                     entries.append((pos, resolved[pos].getvalue()))
                     continue
                 tensor = planner.resolve_data(item)
-                ref = self._staged.ref_of(tensor) if isinstance(tensor, torch.Tensor) else None
+                ref = None
+                if isinstance(tensor, torch.Tensor) and self._staged is not None:
+                    ref = self._staged.ref_of(tensor)
                 entries.append((pos, ref if ref is not None else tensor))
             future = self._pool.submit(upload_object, self.location, self.upload, obj.key, entries)
             self.pending.append(_Pending(obj, future))
@@ -215,6 +235,23 @@ def _plan_and_queue(
             inner(state, storage_writer=writer, process_group=process_group, no_dist=no_dist)
 
 
+def _replay(cached: CachedPlan, staged: Staged, writer: _DeferredWriter, rank: int) -> None:
+    """Queue the uploads of a save whose structure equals the cached plan's.
+
+    The cached final local plan names the same items; only the attempt changes.
+    The planner is set up on the new staged state so items resolve to its tensors.
+    """
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(
+        state_dict=staged.state, storage_meta=writer.storage_meta(), is_coordinator=rank == 0
+    )
+    attempt = writer.agreed_attempt
+    assert attempt is not None
+    plan = dataclasses.replace(cached.plan, storage_data=RankPlan(rank=rank, attempt=attempt))
+    writer.write_data(plan, planner)
+    writer.metadata = cached.metadata
+
+
 class AsyncCheckpointer:
     """Runs async saves with persistent staging memory and upload workers.
 
@@ -252,6 +289,9 @@ class AsyncCheckpointer:
         # stall should not pay for a new HTTP session or a preflight round trip.
         self._filesystems: dict[str, Any] = {}
         self._checked: set[tuple[str, str]] = set()
+        self._plan_cache: CachedPlan | None = None
+        self._checker = concurrent.futures.ThreadPoolExecutor(1, "objckpt-check")
+        self._cache_stats = PlanCacheStats()
         self._lock = threading.RLock()
         self._closed = False
 
@@ -282,7 +322,6 @@ class AsyncCheckpointer:
                 "uploads run in worker processes; use file://, s3:// or gs://"
             )
         self._throttle()
-        staged = self._stager.stage(_plain_state_dict(state_dict))
         writer = _DeferredWriter(
             url,
             storage_options=self.storage_options,
@@ -290,7 +329,6 @@ class AsyncCheckpointer:
             upload=self.upload,
             user_metadata=user_metadata,
             pool=self._pool,
-            staged=staged,
         )
         loc = writer.location
         with self._lock:
@@ -299,9 +337,17 @@ class AsyncCheckpointer:
                 fs = self._filesystems[loc.protocol] = loc.open_fs(fresh=True)
             writer._fs, writer._fs_pid = fs, os.getpid()
             writer._needs_preflight = (loc.protocol, loc.bucket) not in self._checked
+        # The target check is a round trip to the store: run it while the copy runs.
+        check = self._checker.submit(ObjectStoreWriter.prepare_local_plan, writer, SavePlan([]))
+        try:
+            staged = self._stager.stage(_plain_state_dict(state_dict))
+        except BaseException:
+            check.exception()
+            raise
+        writer._staged = staged
         distributed = dist.is_available() and dist.is_initialized()
         try:
-            _plan_and_queue(staged.state, writer, process_group, distributed)
+            self._plan(staged, writer, check.exception(), process_group, distributed)
         except BaseException:
             self._settle(writer)
             self._stager.release(staged)
@@ -328,6 +374,75 @@ class AsyncCheckpointer:
         )
         thread.start()
         return handle
+
+    def _plan(
+        self,
+        staged: Staged,
+        writer: _DeferredWriter,
+        refusal: BaseException | None,
+        process_group: Any,
+        distributed: bool,
+    ) -> None:
+        """Agree with the other ranks (on the cache and on refusals), then replay or plan.
+
+        ``refusal`` is this rank's error from the target check (preflight and
+        "already committed?"), which ran while the state dict was staged.
+        """
+        rank = dist.get_rank(process_group) if distributed else 0
+        world = dist.get_world_size(process_group) if distributed else 1
+        group = group_ranks(process_group) if distributed else (0,)
+        key = cache_key(staged.structure, rank, world, group)
+        cached = self._plan_cache
+        writer.set_up_storage_writer(rank == 0, rank=rank)
+        agreement = agree(
+            cached is not None and cached.key == key,
+            refusal is not None,
+            rank,
+            process_group,
+            distributed,
+        )
+        if agreement.refused_by is not None:
+            if refusal is not None:
+                raise refusal
+            raise ObjckptError(
+                f"save of {writer.location.url} was refused on rank {agreement.refused_by} "
+                "(see that rank's error); nothing was uploaded"
+            )
+        writer.agreed_attempt = agreement.attempt
+        if agreement.hit and cached is not None:
+            self._cache_stats = dataclasses.replace(
+                self._cache_stats, hits=self._cache_stats.hits + 1
+            )
+            try:
+                _replay(cached, staged, writer, rank)
+            except BaseException as exc:
+                if distributed:  # the others learn it from the exchange, not a collective
+                    self._exchange(writer, process_group, world).post(False, describe(exc))
+                raise
+            return
+        self._cache_stats = dataclasses.replace(
+            self._cache_stats, misses=self._cache_stats.misses + 1
+        )
+        self._plan_cache = None
+        _plan_and_queue(staged.state, writer, process_group, distributed)
+        if writer.final_plan is not None:
+            self._plan_cache = CachedPlan(key, writer.final_plan, writer.metadata)
+
+    @property
+    def plan_cache_stats(self) -> PlanCacheStats:
+        """Saves on this rank that reused the previous plan (hits) or planned anew."""
+        return self._cache_stats
+
+    def _exchange(self, writer: _DeferredWriter, process_group: Any, world: int) -> RankExchange:
+        assert writer.agreed_attempt is not None
+        return RankExchange(
+            group_store(process_group),
+            writer.agreed_attempt,
+            writer._rank,
+            world,
+            self.options.barrier_timeout,
+            writer.location.url,
+        )
 
     def _throttle(self) -> None:
         while True:
@@ -363,14 +478,7 @@ class AsyncCheckpointer:
                     raise error
                 manifest: Manifest | None = self._commit(writer, [results], world)
             else:
-                exchange = RankExchange(
-                    group_store(process_group),
-                    rank_plan.attempt,
-                    rank_plan.rank,
-                    world,
-                    self.options.barrier_timeout,
-                    url,
-                )
+                exchange = self._exchange(writer, process_group, world)
                 exchange.post(error is None, results if error is None else describe(error))
                 if rank_plan.rank == 0:
                     manifest = self._coordinate(writer, exchange, world)
@@ -466,6 +574,7 @@ class AsyncCheckpointer:
                 h.exception()
         finally:
             self._closed = True
+            self._checker.shutdown()
             self._pool.close()
             self._stager.close()
 

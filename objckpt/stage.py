@@ -43,9 +43,18 @@ def _dtensor_local(value: torch.Tensor) -> torch.Tensor | None:
     return to_local() if callable(to_local) and hasattr(value, "device_mesh") else None
 
 
+def _mesh_id(mesh: Any) -> Hashable:
+    return (tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), mesh.device_type)
+
+
 def scan(state: Any) -> tuple[tuple[Hashable, ...], list[torch.Tensor]]:
     """One walk over a state dict: its layout (hashable, values excluded) and its
-    tensors in traversal order (DTensors as their local shards)."""
+    tensors in traversal order (DTensors as their local shards).
+
+    The layout is everything DCP's plan depends on, so equal layouts plan alike:
+    paths, types, shapes, dtypes, devices, and for DTensors the global shape,
+    placements and mesh.
+    """
     layout: list[Hashable] = []
     tensors: list[torch.Tensor] = []
 
@@ -55,7 +64,17 @@ def scan(state: Any) -> tuple[tuple[Hashable, ...], list[torch.Tensor]]:
             if local is None and value.layout != torch.strided:
                 raise StateDictError(f"async save does not support {value.layout} tensors ({path})")
             t = value if local is None else local
-            layout.append((path, type(value).__name__, tuple(t.shape), str(t.dtype), t.device.type))
+            entry: tuple[Hashable, ...] = (
+                path,
+                type(value).__name__,
+                tuple(t.shape),
+                str(t.dtype),
+                t.device.type,
+            )
+            if local is not None:  # where the shard sits in the global tensor
+                dt = cast(Any, value)
+                entry += (tuple(value.shape), str(dt.placements), _mesh_id(dt.device_mesh))
+            layout.append(entry)
             tensors.append(t)
         elif isinstance(value, dict):
             for k in value:

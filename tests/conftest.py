@@ -48,6 +48,8 @@ def empty_like_state(state: dict[str, Any]) -> dict[str, Any]:
             return torch.zeros_like(v)
         if isinstance(v, dict):
             return {k: blank(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [blank(x) for x in v]
         return None
 
     return blank(state)
@@ -62,5 +64,9 @@ def assert_state_equal(got: Any, want: Any) -> None:
         assert set(got) == set(want)
         for k in want:
             assert_state_equal(got[k], want[k])
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want)
+        for g, w in zip(got, want, strict=True):
+            assert_state_equal(g, w)
     else:
         assert got == want

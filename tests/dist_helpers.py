@@ -151,3 +151,49 @@ def queue_across_ranks(
         queue.close()
     finally:
         dist.destroy_process_group()
+
+
+def async_plan_cache(
+    rank: int, world: int, init_file: str, url: str, options: dict[str, Any]
+) -> None:
+    """Saves 1-4: unchanged, unchanged, changed on rank 1 only, unchanged.
+
+    Every rank must agree on hit or miss (a rank that replays while another plans
+    would deadlock in DCP's collectives), and every save must hold its own values.
+    """
+    from objckpt.plan_cache import PlanCacheStats
+
+    mesh = _init(rank, world, init_file)
+    try:
+        base = full_state()
+        opts = objckpt.AsyncOptions(workers=1, barrier_timeout=120)
+        with objckpt.AsyncCheckpointer(storage_options=options, options=opts) as ckpt:
+            state: dict[str, Any] = {}
+            for step in range(4):
+                state = {
+                    "model": {
+                        k: distribute_tensor(v + step, mesh, [Shard(0)]) for k, v in base.items()
+                    },
+                    "step": step,
+                }
+                if step >= 2 and rank == 1:
+                    state["rank1_only"] = torch.full((3,), float(step))
+                ckpt.save(state, f"{url}/step-{step}").result(timeout=120)
+            assert ckpt.plan_cache_stats == PlanCacheStats(hits=2, misses=2), ckpt.plan_cache_stats
+            # A refusal on one rank fails the save on every rank, before any upload.
+            if rank == 1:
+                objckpt.ObjectStoreWriter._refuse_existing = _refuse  # type: ignore[method-assign]
+            try:
+                ckpt.save(state, f"{url}/refused")
+            except objckpt.errors.ObjckptError as exc:
+                expected = "injected refusal" if rank == 1 else "refused on rank 1"
+                assert expected in str(exc), str(exc)
+            else:
+                raise AssertionError("a save refused on rank 1 must fail on every rank")
+            assert ckpt.plan_cache_stats.hits == 2  # the refusal counted as neither
+    finally:
+        dist.destroy_process_group()
+
+
+def _refuse(self: Any, store: Any) -> None:
+    raise objckpt.errors.CheckpointExistsError(f"injected refusal for {self.location.url}")

@@ -6,7 +6,7 @@ import dist_helpers
 import pytest
 import torch
 import torch.multiprocessing as mp
-from helpers import load
+from helpers import fs_of, load, path_of
 
 from objckpt import ObjectStoreReader
 from objckpt.testing.plugin import StoreTarget
@@ -55,3 +55,25 @@ def test_async_save_names_a_rank_that_never_reports(s3_bucket: StoreTarget, tmp_
 
 def test_queue_finalizes_only_when_every_rank_is_done(tmp_path) -> None:
     _run(dist_helpers.queue_across_ranks, 2, tmp_path, "", {})
+
+
+def test_async_plan_cache_agrees_across_ranks(s3_bucket: StoreTarget, tmp_path) -> None:
+    url = s3_bucket.url("cache")
+    _run(dist_helpers.async_plan_cache, 2, tmp_path, url, s3_bucket.storage_options)
+    expected = dist_helpers.full_state()
+    attempts = set()
+    for step in range(4):
+        got = {"model": {k: torch.zeros_like(v) for k, v in expected.items()}, "step": -1}
+        if step >= 2:
+            got["rank1_only"] = torch.zeros(3)
+        reader = load(got, f"{url}/step-{step}", s3_bucket)
+        assert reader.manifest is not None
+        attempts.add(reader.manifest.attempt)
+        assert got["step"] == step
+        for k, v in expected.items():
+            assert torch.equal(got["model"][k], v + step), (step, k)
+        if step >= 2:
+            assert torch.equal(got["rank1_only"], torch.full((3,), float(step)))
+    assert len(attempts) == 4
+    # The refused save uploaded nothing on either rank.
+    assert not fs_of(s3_bucket).exists(path_of(s3_bucket, f"{url}/refused"))

@@ -1,0 +1,119 @@
+"""The async plan cache: reuse when the structure is unchanged, never when it changed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from conftest import assert_state_equal, empty_like_state
+from helpers import load
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from objckpt import AsyncCheckpointer
+from objckpt.plan_cache import PlanCacheStats
+from objckpt.testing.plugin import StoreTarget
+
+
+def _state(step: int) -> dict[str, Any]:
+    return {
+        "model": {"w": torch.full((4, 8), float(step)), "b": torch.arange(8) + step},
+        "optim": {
+            "lr": 0.1 * step,
+            "moments": [torch.full((2,), float(step + i)) for i in range(2)],
+        },
+        "step": step,
+    }
+
+
+@pytest.fixture
+def target(tmp_path) -> StoreTarget:
+    return StoreTarget(root=f"file://{tmp_path}/root", storage_options={})
+
+
+@pytest.fixture
+def planned(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts DCP local planning calls (a cache hit makes none)."""
+    calls: list[int] = []
+    original = DefaultSavePlanner.create_local_plan
+
+    def counting(self: DefaultSavePlanner) -> Any:
+        calls.append(1)
+        return original(self)
+
+    monkeypatch.setattr(DefaultSavePlanner, "create_local_plan", counting)
+    return calls
+
+
+def _roundtrip(ckpt: AsyncCheckpointer, state: dict[str, Any], url: str, target) -> str:
+    manifest = ckpt.save(state, url).result(timeout=120)
+    assert manifest is not None
+    got = empty_like_state(state)
+    load(got, url, target)
+    assert_state_equal(got, state)
+    return manifest.attempt
+
+
+def test_unchanged_structure_reuses_the_plan(target: StoreTarget, planned: list[int]) -> None:
+    with AsyncCheckpointer() as ckpt:
+        attempts = {_roundtrip(ckpt, _state(s), target.url(f"step-{s}"), target) for s in range(4)}
+        assert ckpt.plan_cache_stats == PlanCacheStats(hits=3, misses=1)
+    assert len(planned) == 1  # DCP planned the first save only
+    assert len(attempts) == 4  # every save its own attempt id
+
+
+def _shape(s: dict[str, Any]) -> None:
+    s["model"]["w"] = torch.ones(5, 8)
+
+
+def _dtype(s: dict[str, Any]) -> None:
+    s["model"]["b"] = s["model"]["b"].to(torch.int32)
+
+
+def _new_key(s: dict[str, Any]) -> None:
+    s["model"]["extra"] = torch.ones(3)
+
+
+def _dropped_key(s: dict[str, Any]) -> None:
+    del s["model"]["b"]
+
+
+def _value_to_tensor(s: dict[str, Any]) -> None:
+    s["optim"]["lr"] = torch.tensor(0.5)
+
+
+def _list_length(s: dict[str, Any]) -> None:
+    s["optim"]["moments"] = [torch.ones(2) * i for i in range(3)]
+
+
+def _renamed(s: dict[str, Any]) -> None:
+    s["model"]["w2"] = s["model"].pop("w")
+
+
+@pytest.mark.parametrize(
+    "change", [_shape, _dtype, _new_key, _dropped_key, _value_to_tensor, _list_length, _renamed]
+)
+def test_changed_structure_plans_again(
+    change: Callable[[dict[str, Any]], None], target: StoreTarget, planned: list[int]
+) -> None:
+    with AsyncCheckpointer() as ckpt:
+        _roundtrip(ckpt, _state(1), target.url("a"), target)
+        changed = _state(2)
+        change(changed)
+        _roundtrip(ckpt, changed, target.url("b"), target)  # loads with the new structure
+        assert ckpt.plan_cache_stats == PlanCacheStats(hits=0, misses=2)
+        again = _state(3)
+        change(again)
+        _roundtrip(ckpt, again, target.url("c"), target)
+        assert ckpt.plan_cache_stats == PlanCacheStats(hits=1, misses=2)
+    assert len(planned) == 2
+
+
+def test_a_refused_save_keeps_the_cache(target: StoreTarget) -> None:
+    with AsyncCheckpointer() as ckpt:
+        _roundtrip(ckpt, _state(1), target.url("a"), target)
+        with pytest.raises(FileExistsError, match="already holds a committed checkpoint"):
+            ckpt.save(_state(2), target.url("a"))
+        _roundtrip(ckpt, _state(3), target.url("b"), target)
+        assert ckpt.plan_cache_stats == PlanCacheStats(hits=1, misses=1)
