@@ -47,7 +47,7 @@ from objckpt.options import UploadOptions
 from objckpt.plan import ObjectPlan, RankPlan, assign_objects, estimate_size
 from objckpt.plan_cache import CachedPlan, PlanCacheStats, agree, cache_key, group_ranks
 from objckpt.serialize import PayloadRecord, resolve_bytes_items, written_object
-from objckpt.stage import Staged, Stager
+from objckpt.stage import Staged, Stager, Wave
 from objckpt.storage_writer import ObjectStoreWriter
 from objckpt.translate import describe
 from objckpt.workers import WorkerPool, upload_object
@@ -69,11 +69,18 @@ class AsyncOptions:
         barrier_timeout: Seconds the commit waits for every rank's uploads (and
             other ranks wait for the commit) before failing with an error naming
             the missing ranks.
+        staging_budget: Bytes of staging memory one save may hold (None: as much
+            as the state dict). A larger state dict is staged in waves: ``save``
+            copies a budget's worth, hands it to the workers, waits for those
+            uploads, and goes on, returning once every tensor is copied. The stall
+            then includes the upload of all but the last wave. A wave always holds
+            the largest tensor, even above the budget.
     """
 
     workers: int = 2
     max_in_flight: int = 1
     barrier_timeout: float = 600.0
+    staging_budget: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.workers, int) or self.workers < 1:
@@ -83,6 +90,15 @@ class AsyncOptions:
         if not isinstance(self.max_in_flight, int) or self.max_in_flight < 1:
             raise ConfigurationError(
                 f"option max_in_flight={self.max_in_flight!r} is invalid: expected an int >= 1"
+            )
+        if self.staging_budget is not None and (
+            not isinstance(self.staging_budget, int)
+            or isinstance(self.staging_budget, bool)
+            or self.staging_budget < 1
+        ):
+            raise ConfigurationError(
+                f"option staging_budget={self.staging_budget!r} is invalid: "
+                "expected a number of bytes >= 1, or None"
             )
         if not (isinstance(self.barrier_timeout, (int, float)) and self.barrier_timeout > 0):
             raise ConfigurationError(
@@ -169,11 +185,16 @@ class _DeferredWriter(ObjectStoreWriter):
         self.items = items
         resolved = resolve_bytes_items(items, planner)  # fails here, before any upload
         position = {id(item): n for n, item in enumerate(items)}
+        staged = self._staged
+        wave = staged.wave if staged is not None else None
+        # In waves, no packed object may be larger than a wave.
+        object_size = self.upload.object_size
+        if wave is not None:
+            object_size = min(object_size, wave.capacity)
         objects = assign_objects(
-            items,
-            self.upload.object_size,
-            lambda i: payload_key(rank_plan.rank, i, rank_plan.attempt),
+            items, object_size, lambda i: payload_key(rank_plan.rank, i, rank_plan.attempt)
         )
+        this_wave: list[concurrent.futures.Future[PayloadRecord]] = []
         for obj in objects:
             entries: list[tuple[int, Any]] = []
             for item in obj.items:
@@ -183,11 +204,14 @@ class _DeferredWriter(ObjectStoreWriter):
                     continue
                 tensor = planner.resolve_data(item)
                 ref = None
-                if isinstance(tensor, torch.Tensor) and self._staged is not None:
-                    ref = self._staged.ref_of(tensor)
+                if isinstance(tensor, torch.Tensor) and staged is not None and wave is None:
+                    ref = staged.ref_of(tensor)
                 entries.append((pos, ref if ref is not None else tensor))
+            if wave is not None and staged is not None:
+                entries = self._into_wave(wave, entries, this_wave, staged.cuda)
             future = self._pool.submit(upload_object, self.location, self.upload, obj.key, entries)
             self.pending.append(_Pending(obj, future))
+            this_wave.append(future)
         # DCP gathers these now; the real locations travel through the c10d store later.
         placeholders = [
             WriteResult(index=i.index, size_in_bytes=estimate_size(i), storage_data=None)
@@ -199,6 +223,31 @@ class _DeferredWriter(ObjectStoreWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         self.metadata = metadata  # committed later, by the background thread
+
+    def _into_wave(
+        self,
+        wave: Wave,
+        entries: list[tuple[int, Any]],
+        this_wave: list[concurrent.futures.Future[PayloadRecord]],
+        cuda: bool,
+    ) -> list[tuple[int, Any]]:
+        """Copy one object's tensors into the wave segment, first draining a full wave."""
+        tensors = [v for _, v in entries if isinstance(v, torch.Tensor)]
+        if not wave.fits_all(tensors):
+            logger.debug("staging wave full (%d bytes); waiting for its uploads", wave.used)
+            for f in this_wave:
+                try:
+                    f.result()
+                except BrokenProcessPool as exc:
+                    raise UploadError(
+                        f"an upload worker died while saving {self.location.url} in staging "
+                        "waves (killed or out of memory); nothing was committed"
+                    ) from exc
+            this_wave.clear()
+            wave.reset()
+        out = [(pos, wave.put(v) if isinstance(v, torch.Tensor) else v) for pos, v in entries]
+        wave.sync(cuda)
+        return out
 
 
 def _plain_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -281,7 +330,9 @@ class AsyncCheckpointer:
         self.upload = upload or UploadOptions(max_inflight=4)
         self.options = options or AsyncOptions()
         self._on_commit = on_commit
-        self._stager = Stager(max_cached_sets=self.options.max_in_flight)
+        self._stager = Stager(
+            max_cached_sets=self.options.max_in_flight, budget=self.options.staging_budget
+        )
         self._pool = WorkerPool(self.options.workers)
         self._inflight: list[SaveHandle] = []
         self._errors: list[BaseException] = []

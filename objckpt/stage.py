@@ -32,7 +32,7 @@ import torch
 
 from objckpt.errors import StateDictError
 
-__all__ = ["SegmentRef", "Staged", "Stager", "attach_tensor", "scan"]
+__all__ = ["SegmentRef", "Staged", "Stager", "Wave", "attach_tensor", "scan"]
 
 logger = logging.getLogger(__name__)
 _ALIGN = 64
@@ -150,13 +150,77 @@ class _Buffers:
     refs: dict[int, SegmentRef]  # data_ptr of a view -> where it lives
 
 
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+class Wave:
+    """Copies tensors into a bounded segment, one wave at a time.
+
+    Used when a state dict is larger than the staging budget: the writer copies
+    the tensors of a few objects, hands them to the workers, and once the segment
+    is full waits for those uploads before reusing it for the next wave.
+    """
+
+    def __init__(self, segment: _Segment) -> None:
+        self._segment = segment
+        self.capacity = segment.size
+        self.used = 0
+
+    def fits(self, nbytes: int) -> bool:
+        return self.used + _aligned(nbytes) <= self.capacity
+
+    def fits_all(self, tensors: list[torch.Tensor]) -> bool:
+        need = sum(_aligned(t.numel() * t.element_size()) for t in tensors)
+        return self.used + need <= self.capacity
+
+    def put(self, tensor: torch.Tensor) -> SegmentRef:
+        """Copy ``tensor`` in (non-blocking from CUDA; call ``sync`` before uploading)."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if not self.fits(nbytes):
+            raise StateDictError(
+                f"internal: a {nbytes}-byte tensor does not fit the staging wave "
+                f"({self.capacity - self.used} of {self.capacity} bytes free)"
+            )
+        shape = tuple(tensor.shape)
+        view = self._segment.view(self.used, nbytes, tensor.dtype, shape)
+        with torch.no_grad():
+            view.copy_(tensor.detach(), non_blocking=tensor.device.type == "cuda")
+        ref = SegmentRef(
+            self._segment.path, self.used, nbytes, str(tensor.dtype).removeprefix("torch."), shape
+        )
+        self.used += _aligned(nbytes)
+        return ref
+
+    @staticmethod
+    def sync(tensors_on_cuda: bool) -> None:
+        if tensors_on_cuda:
+            torch.cuda.synchronize()
+
+    def reset(self) -> None:
+        """Start the next wave (the previous wave's uploads must be finished)."""
+        self.used = 0
+
+
 @dataclasses.dataclass(frozen=True)
 class Staged:
-    """A staged copy of a state dict. ``state`` mirrors the input with tensors in shared memory."""
+    """A staged copy of a state dict. ``state`` mirrors the input with tensors in shared memory.
+
+    When the state dict exceeds the staging budget, nothing is copied yet:
+    ``state`` is the caller's own and ``wave`` is set; the writer copies wave by
+    wave and returns only once every tensor has been copied.
+    """
 
     state: dict[str, Any]
     structure: tuple[Hashable, ...]
     buffers: _Buffers
+    wave: Wave | None = None
+    cuda: bool = False
+
+    @property
+    def pool_key(self) -> tuple[Hashable, ...]:
+        """Which idle sets this one can stand in for: same structure, or same wave size."""
+        return ("waves", self.buffers.segment.size) if self.wave else self.structure
 
     def ref_of(self, tensor: torch.Tensor) -> SegmentRef | None:
         """The segment location of a staged (contiguous, whole) tensor, if it is one."""
@@ -222,11 +286,14 @@ class Stager:
 
     Args:
         max_cached_sets: Idle staging sets kept for reuse.
+        budget: Bytes one staging set may take; a larger state dict is staged in
+            waves (see :class:`Wave`). None: no bound.
     """
 
-    def __init__(self, max_cached_sets: int = 2) -> None:
+    def __init__(self, max_cached_sets: int = 2, budget: int | None = None) -> None:
         self._free: dict[tuple[Hashable, ...], list[_Buffers]] = {}
         self._max = max_cached_sets
+        self._budget = budget
         self._lock = threading.Lock()
         self._all: list[_Buffers] = []
 
@@ -235,7 +302,7 @@ class Stager:
         for t in tensors:
             nbytes = t.numel() * t.element_size()
             layout.append((offset, nbytes, t.dtype, tuple(t.shape)))
-            offset += -(-nbytes // _ALIGN) * _ALIGN
+            offset += _aligned(nbytes)
         segment = _Segment(offset)
         views, refs = [], {}
         for off, nbytes, dtype, shape in layout:
@@ -255,14 +322,23 @@ class Stager:
         return buffers
 
     def stage(self, state_dict: dict[str, Any]) -> Staged:
-        """Copy ``state_dict`` into owned shared memory; returns once the copy is complete."""
+        """Copy ``state_dict`` into owned shared memory; returns once the copy is complete.
+
+        Over the budget, returns a :class:`Staged` with a wave segment instead
+        and copies nothing. A wave must hold the largest tensor, so the segment
+        is never smaller than that (with a warning).
+        """
         structure, tensors = scan(state_dict)
+        cuda = any(t.device.type == "cuda" for t in tensors)
+        if self._budget is not None:
+            sizes = [_aligned(t.numel() * t.element_size()) for t in tensors]
+            if sum(sizes) > self._budget:
+                return self._wave(state_dict, structure, max(sizes), cuda)
         with self._lock:
             free = self._free.get(structure)
             buffers = free.pop() if free else None
         if buffers is None:
             buffers = self._allocate(tensors)
-        cuda = any(t.device.type == "cuda" for t in tensors)
         if cuda:
             buffers.segment.pin()
         with torch.no_grad():
@@ -273,10 +349,35 @@ class Stager:
         state = _rebuild(state_dict, buffers.views)
         return Staged(state, structure, buffers)
 
+    def _wave(
+        self, state_dict: dict[str, Any], structure: tuple[Hashable, ...], floor: int, cuda: bool
+    ) -> Staged:
+        assert self._budget is not None
+        capacity = max(self._budget, floor)
+        if capacity > self._budget:
+            logger.warning(
+                "staging budget %d bytes is below the largest tensor (%d bytes); "
+                "staging waves use %d bytes",
+                self._budget,
+                floor,
+                capacity,
+            )
+        key: tuple[Hashable, ...] = ("waves", capacity)
+        with self._lock:
+            free = self._free.get(key)
+            buffers = free.pop() if free else None
+        if buffers is None:
+            buffers = _Buffers(_Segment(capacity), [], {})
+            with self._lock:
+                self._all.append(buffers)
+        if cuda:
+            buffers.segment.pin()
+        return Staged(state_dict, structure, buffers, Wave(buffers.segment), cuda)
+
     def release(self, staged: Staged) -> None:
         """Return a staging set for reuse once its uploads are finished."""
         with self._lock:
-            free = self._free.setdefault(staged.structure, [])
+            free = self._free.setdefault(staged.pool_key, [])
             if len(free) < self._max:
                 free.append(staged.buffers)
                 return

@@ -106,6 +106,52 @@ def test_options_are_validated() -> None:
         AsyncOptions(workers=0)
     with pytest.raises(ConfigurationError, match="option max_in_flight="):
         AsyncOptions(max_in_flight=0)
+    for bad in (0, -5, 1.5, True, "1GiB"):
+        with pytest.raises(ConfigurationError, match="option staging_budget="):
+            AsyncOptions(staging_budget=bad)  # type: ignore[arg-type]
+
+
+def _wave_state() -> dict:
+    g = torch.Generator().manual_seed(3)
+    state = {f"big{i}": torch.randn(MiB // 4, generator=g) for i in range(6)}  # 6 x 1 MiB
+    state["small"] = {f"p{i}": torch.randn(1000, generator=g) for i in range(50)}
+    state["step"] = 5
+    return state
+
+
+def test_staging_budget_stages_in_waves(target: StoreTarget, caplog) -> None:
+    state = _wave_state()
+    budget = 2 * MiB + 4096
+    opts = AsyncOptions(staging_budget=budget)
+    with AsyncCheckpointer(storage_options=target.storage_options, options=opts) as ckpt:
+        for step in range(2):  # the second save replays the plan, still in waves
+            expected = _snapshot(state)
+            with caplog.at_level("DEBUG", logger="objckpt.async_save"):
+                handle = ckpt.save(state, target.url(f"w{step}"))
+            _mutate(state)  # every wave was copied before save returned
+            handle.result(timeout=120)
+            got = empty_like_state(expected)
+            load(got, target.url(f"w{step}"), target)
+            assert_state_equal(got, expected)
+            state["step"] = 5
+        waits = [r for r in caplog.records if "staging wave full" in r.getMessage()]
+        assert len(waits) >= 4  # > 6 MiB through a 2 MiB segment: at least 3 waves a save
+        sizes = [b.segment.size for b in ckpt._stager._all]
+        assert sizes == [budget]  # one bounded segment, reused by both saves
+        assert ckpt.plan_cache_stats.hits == 1
+
+
+def test_staging_budget_below_the_largest_tensor_grows_to_fit(tmp_path, caplog) -> None:
+    state = {"huge": torch.randn(MiB), "small": torch.ones(10)}  # 4 MiB tensor
+    opts = AsyncOptions(staging_budget=MiB)
+    url = f"file://{tmp_path}/c"
+    with AsyncCheckpointer(options=opts) as ckpt:
+        ckpt.save(state, url).result(timeout=120)
+        assert [b.segment.size for b in ckpt._stager._all] == [4 * MiB]
+    assert "below the largest tensor" in caplog.text
+    got = {"huge": torch.zeros(MiB), "small": torch.zeros(10)}
+    load(got, url, StoreTarget(root=url, storage_options={}))
+    assert torch.equal(got["huge"], state["huge"]) and torch.equal(got["small"], state["small"])
 
 
 @pytest.mark.timeout(180)
