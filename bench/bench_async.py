@@ -143,7 +143,41 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                     commits[-1],
                     peaks[-1] / MiB,
                 )
-        res["objckpt_async"] = {"stall": stalls, "commit": commits, "peak_extra_bytes": peaks}
+            cache = ckpt.plan_cache_stats
+        res["objckpt_async"] = {
+            "stall": stalls,
+            "commit": commits,
+            "peak_extra_bytes": peaks,
+            "plan_cache": {"hits": cache.hits, "misses": cache.misses},
+        }
+
+        if args.budget_mib:
+            # The same saves with staging bounded: waves trade stall for memory.
+            opts_b = objckpt.AsyncOptions(staging_budget=args.budget_mib * MiB)
+            b_stalls, b_commits, b_peaks = [], [], []
+            with objckpt.AsyncCheckpointer(storage_options=opts, options=opts_b) as ckpt:
+                for i in range(min(args.saves, 3)):
+                    with PeakMemory({server.process.pid}) as mem:
+                        t0 = time.perf_counter()
+                        handle = ckpt.save(state, f"s3://bench/budget/step-{i}")
+                        b_stalls.append(time.perf_counter() - t0)
+                        handle.result()
+                        b_commits.append(time.perf_counter() - t0)
+                    b_peaks.append(mem.peak - baseline)
+                    log.info(
+                        "budget %d MiB save %d: stall %.2f s, commit %.2f s, peak +%.0f MiB",
+                        args.budget_mib,
+                        i,
+                        b_stalls[-1],
+                        b_commits[-1],
+                        b_peaks[-1] / MiB,
+                    )
+            res["objckpt_async_budget"] = {
+                "budget_bytes": args.budget_mib * MiB,
+                "stall": b_stalls,
+                "commit": b_commits,
+                "peak_extra_bytes": b_peaks,
+            }
 
         # torch's process executor needs a process group, even for one rank.
         import torch.distributed as dist
@@ -263,6 +297,9 @@ def main() -> None:
     parser.add_argument("--size-mib", type=int, default=1024)
     parser.add_argument("--saves", type=int, default=5)
     parser.add_argument("--world", type=int, nargs="*", default=[])
+    parser.add_argument(
+        "--budget-mib", type=int, default=0, help="also measure saves with this staging budget"
+    )
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -298,6 +335,11 @@ def main() -> None:
         ratios["stall_vs_dcp_async_process"] = (
             summary["objckpt_stall_later_s"] / summary["dcp_async_process_stall_s"]
         )
+    if "objckpt_async_budget" in res:
+        b = res["objckpt_async_budget"]
+        summary["budget_stall_s"] = med(b["stall"])
+        summary["budget_commit_s"] = med(b["commit"])
+        summary["budget_peak_extra_over_state"] = max(b["peak_extra_bytes"]) / res["bytes"]
     worlds = {}
     for w in args.world:
         per_rank = bench_world(w, args.size_mib, max(3, min(args.saves, 4)))

@@ -8,10 +8,13 @@ never leaves a checkpoint that looks valid.
 from objckpt import errors
 from objckpt._version import __version__
 from objckpt.async_save import AsyncCheckpointer, AsyncOptions, SaveHandle, async_save
+from objckpt.config import Config, load_config
 from objckpt.location import Location
+from objckpt.manager import CheckpointManager
 from objckpt.manifest import Manifest
 from objckpt.options import ReadOptions, UploadOptions
 from objckpt.queue import AsyncCallsQueue, AsyncRequest
+from objckpt.retention import RetentionPolicy
 from objckpt.storage_reader import ObjectStoreReader
 from objckpt.storage_writer import ObjectStoreWriter
 
@@ -20,14 +23,18 @@ __all__ = [
     "AsyncCheckpointer",
     "AsyncOptions",
     "AsyncRequest",
+    "CheckpointManager",
+    "Config",
     "Location",
     "Manifest",
     "ObjectStoreReader",
     "ObjectStoreWriter",
     "ReadOptions",
+    "RetentionPolicy",
     "SaveHandle",
     "UploadOptions",
     "__version__",
     "async_save",
     "errors",
+    "load_config",
 ]

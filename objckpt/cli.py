@@ -1,22 +1,38 @@
 """The ``objckpt`` command line (click).
 
-Only ``demo`` exists so far; ``ls``, ``info``, ``verify``, ``gc``, ``rm`` and ``cp``
-arrive with the CheckpointManager work. Endpoint and credentials come from the
-standard environment and from repeatable ``--storage-option KEY=VALUE``.
+Commands: ``ls``, ``info``, ``verify``, ``gc``, ``rm``, ``cp``, ``demo``. Endpoint
+and credentials come from the standard environment (``AWS_ENDPOINT_URL``,
+``AWS_ACCESS_KEY_ID``, ``AWS_PROFILE``, ``STORAGE_EMULATOR_HOST``, ...), from a
+config file (``--config`` or ``OBJCKPT_CONFIG``) and from repeatable
+``--storage-option KEY=VALUE`` (which wins). ``--json`` prints one JSON document
+on stdout for scripts; logs and progress go to stderr.
+
+Exit codes: 0 success; 1 a check failed (``verify`` found a bad object); 2 usage
+error; 3 no such checkpoint, or not committed; 4 any other objckpt error
+(store unreachable, access denied, invalid manifest or config).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import datetime
+import functools
 import json
 import logging
 import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import click
 
-from objckpt.errors import ObjckptError
+from objckpt.errors import CheckpointNotFoundError, ObjckptError
 
 __all__ = ["main"]
+
+EXIT_CHECK_FAILED = 1
+EXIT_NOT_FOUND = 3
+EXIT_ERROR = 4
 
 
 def _parse_options(pairs: tuple[str, ...]) -> dict[str, Any]:
@@ -34,12 +50,348 @@ def _parse_options(pairs: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class _Context:
+    """What the group's options give every command."""
+
+    config_path: str | None
+    options: dict[str, Any]
+    as_json: bool
+
+    @functools.cached_property
+    def config(self) -> Any:
+        from objckpt.config import load_config
+
+        return load_config(self.config_path) if self.config_path else None
+
+    def storage_options(self, url: str) -> dict[str, Any]:
+        """Options for ``url``: the config's, then --storage-option; none for local paths."""
+        from objckpt.location import Location
+
+        if Location.parse(url).is_local:
+            return {}
+        merged = dict(self.config.storage_options) if self.config else {}
+        merged.update(self.options)
+        return merged
+
+    def location(self, url: str | None, what: str) -> Any:
+        from objckpt.location import Location
+
+        if url is None:
+            if self.config is None:
+                raise click.UsageError(f"give {what} or a config file (--config) naming the root")
+            url = self.config.root
+        return Location.parse(url, self.storage_options(url))
+
+    def emit(self, doc: Any, human: Callable[[], None]) -> None:
+        if self.as_json:
+            click.echo(json.dumps(doc, indent=2, default=str))
+        else:
+            human()
+
+
+@contextlib.contextmanager
+def _errors() -> Iterator[None]:
+    """objckpt errors become one line on stderr and a documented exit code."""
+    try:
+        yield
+    except CheckpointNotFoundError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_NOT_FOUND)
+    except ObjckptError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_ERROR)
+
+
+def _command(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Common options of every store command: --storage-option and --json."""
+
+    @click.option(
+        "--storage-option",
+        "storage_option",
+        multiple=True,
+        metavar="KEY=VALUE",
+        help="fsspec option (repeatable; JSON values allowed).",
+    )
+    @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+    @click.pass_obj
+    @functools.wraps(fn)
+    def wrapper(
+        obj: dict[str, Any], storage_option: tuple[str, ...], as_json: bool, **kw: Any
+    ) -> Any:
+        ctx = _Context(obj.get("config"), _parse_options(storage_option), as_json)
+        with _errors():
+            return fn(ctx, **kw)
+
+    return wrapper
+
+
+def _progress(total: int, label: str, quiet: bool) -> Any:
+    """A progress bar on stderr (drawn only on a terminal, never with --json)."""
+    if quiet:
+        return contextlib.nullcontext(None)
+    return click.progressbar(length=total, label=label, file=sys.stderr, show_pos=False)
+
+
+def _when(ts: float | None) -> str | None:
+    if ts is None:
+        return None
+    return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).isoformat(timespec="seconds")
+
+
 @click.group()
 @click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
-def main(verbose: int) -> None:
+@click.option(
+    "--config",
+    "config",
+    envvar="OBJCKPT_CONFIG",
+    type=click.Path(dir_okay=False),
+    help="TOML config file (root, storage, retention); env OBJCKPT_CONFIG.",
+)
+@click.pass_context
+def main(ctx: click.Context, verbose: int, config: str | None) -> None:
     """objckpt: PyTorch distributed checkpoints on object stores."""
     level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    ctx.obj = {"config": config}
+
+
+@main.command("ls")
+@click.argument("root", required=False)
+@_command
+def ls_command(ctx: _Context, root: str | None) -> None:
+    """List the steps under ROOT: committed or not, objects, bytes, time."""
+    from objckpt.steps import inventory, steps_of
+    from objckpt.writers import open_store
+
+    loc = ctx.location(root, "ROOT")
+    store = open_store(loc)
+    try:
+        steps = steps_of(inventory(store.fs, loc), loc)
+    finally:
+        store.close()
+    doc = [
+        {
+            "step": s.step,
+            "url": s.url,
+            "committed": s.committed,
+            "objects": s.objects,
+            "bytes": s.bytes,
+            "modified": _when(s.modified),
+        }
+        for s in steps
+    ]
+
+    def human() -> None:
+        if not steps:
+            click.echo(f"no steps under {loc.url}")
+            return
+        click.echo(f"{'step':>12}  {'state':<11} {'objects':>7} {'bytes':>15}  modified")
+        for d in doc:
+            state = "committed" if d["committed"] else "incomplete"
+            click.echo(
+                f"{d['step']:>12}  {state:<11} {d['objects']:>7} {d['bytes']:>15,}  "
+                f"{d['modified'] or '-'}"
+            )
+
+    ctx.emit({"root": loc.url, "steps": doc}, human)
+
+
+@main.command("info")
+@click.argument("ckpt")
+@click.option("--tensors/--no-tensors", default=True, help="List every tensor (default on).")
+@_command
+def info_command(ctx: _Context, ckpt: str, tensors: bool) -> None:
+    """Summarise the committed checkpoint CKPT (manifest and tensors)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from objckpt.dcp_json import metadata_from_json
+    from objckpt.verify import open_manifest
+    from objckpt.writers import open_store
+
+    loc = ctx.location(ckpt, "CKPT")
+    store = open_store(loc)
+    try:
+        m = open_manifest(store)
+    finally:
+        store.close()
+    metadata, _ = metadata_from_json(m.metadata, url=loc.url)
+    entries: list[dict[str, Any]] = []
+    for fqn, md in sorted(metadata.state_dict_metadata.items()):
+        if isinstance(md, TensorStorageMetadata):
+            dtype = str(md.properties.dtype).removeprefix("torch.")
+            entries.append({"name": fqn, "shape": list(md.size), "dtype": dtype})
+        else:
+            entries.append({"name": fqn, "shape": None, "dtype": "bytes"})
+    doc = {
+        "url": loc.url,
+        "attempt": m.attempt,
+        "created": m.created,
+        "world_size": m.world_size,
+        "objckpt_version": m.objckpt_version,
+        "torch_version": m.torch_version,
+        "objects": len(m.objects),
+        "bytes": m.total_bytes,
+        "user": dict(m.user),
+        "entries": entries if tensors else len(entries),
+    }
+
+    def human() -> None:
+        click.echo(f"{loc.url}")
+        click.echo(f"  committed  {m.created} (attempt {m.attempt})")
+        click.echo(f"  world size {m.world_size}")
+        click.echo(f"  objects    {len(m.objects)} ({m.total_bytes:,} bytes)")
+        click.echo(f"  written by objckpt {m.objckpt_version}, torch {m.torch_version}")
+        if m.user:
+            click.echo(f"  user       {json.dumps(dict(m.user))}")
+        click.echo(f"  entries    {len(entries)}")
+        if tensors:
+            for e in entries:
+                shape = "x".join(map(str, e["shape"])) if e["shape"] is not None else "-"
+                click.echo(f"    {e['name']:<48} {e['dtype']:<10} {shape}")
+
+    ctx.emit(doc, human)
+
+
+@main.command("verify")
+@click.argument("ckpt")
+@_command
+def verify_command(ctx: _Context, ckpt: str) -> None:
+    """Check every object of CKPT against the manifest's size and CRC32C.
+
+    Exits 1 and names each object that fails; never loads anything into torch.
+    """
+    from objckpt.verify import open_manifest, verify_checkpoint
+    from objckpt.writers import open_store
+
+    loc = ctx.location(ckpt, "CKPT")
+    store = open_store(loc)
+    try:
+        total = open_manifest(store).total_bytes
+    finally:
+        store.close()
+    with _progress(total, "verifying", ctx.as_json) as bar:
+        report = verify_checkpoint(loc, progress=bar.update if bar is not None else None)
+    doc = {
+        "url": loc.url,
+        "ok": report.ok,
+        "objects": len(report.objects),
+        "bytes": report.manifest.total_bytes,
+        "failures": [
+            {
+                "key": f.key,
+                "problem": f.problem,
+                "size": f.size,
+                "actual_size": f.actual_size,
+                "crc32c": f.crc32c,
+                "actual_crc32c": f.actual_crc32c,
+            }
+            for f in report.failures
+        ],
+    }
+
+    def human() -> None:
+        for f in report.failures:
+            click.echo(f"FAIL {loc.url_of(f.key)}: {f.problem}")
+        verdict = "ok" if report.ok else f"{len(report.failures)} of {len(report.objects)} failed"
+        click.echo(f"{loc.url}: {len(report.objects)} objects checked, {verdict}")
+
+    ctx.emit(doc, human)
+    if not report.ok:
+        sys.exit(EXIT_CHECK_FAILED)
+
+
+@main.command("gc")
+@click.argument("root", required=False)
+@click.option("--apply", is_flag=True, help="Delete (default: only print what would go).")
+@click.option(
+    "--grace",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Spare objects younger than this many seconds (default 3600, or the config's).",
+)
+@_command
+def gc_command(ctx: _Context, root: str | None, apply: bool, grace: float | None) -> None:
+    """Remove what no committed manifest names under ROOT, and stale multipart uploads."""
+    from objckpt.gc import DEFAULT_GRACE, collect_garbage
+
+    loc = ctx.location(root, "ROOT")
+    if grace is None:
+        grace = ctx.config.gc_grace if ctx.config else DEFAULT_GRACE
+    report = collect_garbage(loc, grace=grace, dry_run=not apply)
+    doc = dataclasses.asdict(report)
+
+    def human() -> None:
+        verb = "removed" if apply else "would remove"
+        for key in report.deleted:
+            click.echo(f"{verb} {loc.url_of(key)}")
+        for key in report.aborted_uploads:
+            click.echo(f"{'aborted' if apply else 'would abort'} upload {loc.url_of(key)}")
+        click.echo(
+            f"{verb} {len(report.deleted)} objects ({report.bytes_reclaimed:,} bytes) and "
+            f"{len(report.aborted_uploads)} open uploads; spared {len(report.spared)} younger "
+            f"than {grace:g} s"
+        )
+        if not apply and (report.deleted or report.aborted_uploads):
+            click.echo("dry run: pass --apply to delete")
+
+    ctx.emit(doc, human)
+
+
+@main.command("rm")
+@click.argument("ckpt")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@_command
+def rm_command(ctx: _Context, ckpt: str, yes: bool) -> None:
+    """Delete the checkpoint CKPT (its manifest first, so it vanishes at once)."""
+    from objckpt.gc import delete_step
+
+    loc = ctx.location(ckpt, "CKPT")
+    if not yes and not ctx.as_json:
+        click.confirm(f"delete {loc.url}?", abort=True, err=True)
+    removed = delete_step(loc)
+    ctx.emit(
+        {"url": loc.url, "deleted_objects": removed},
+        lambda: click.echo(f"deleted {loc.url} ({removed} objects)"),
+    )
+
+
+@main.command("cp")
+@click.argument("src")
+@click.argument("dst")
+@click.option("--overwrite", is_flag=True, help="Replace a committed checkpoint at DST.")
+@_command
+def cp_command(ctx: _Context, src: str, dst: str, overwrite: bool) -> None:
+    """Copy the committed checkpoint SRC to DST, checking CRC32C, manifest last."""
+    from objckpt.verify import copy_checkpoint, open_manifest
+    from objckpt.writers import open_store
+
+    src_loc = ctx.location(src, "SRC")
+    dst_loc = ctx.location(dst, "DST")
+    store = open_store(src_loc)
+    try:
+        total = open_manifest(store).total_bytes
+    finally:
+        store.close()
+    with _progress(total, "copying", ctx.as_json) as bar:
+        manifest = copy_checkpoint(
+            src_loc,
+            dst_loc,
+            overwrite=overwrite,
+            progress=bar.update if bar is not None else None,
+        )
+    ctx.emit(
+        {
+            "src": src_loc.url,
+            "dst": dst_loc.url,
+            "objects": len(manifest.objects),
+            "bytes": manifest.total_bytes,
+        },
+        lambda: click.echo(
+            f"copied {src_loc.url} -> {dst_loc.url} "
+            f"({len(manifest.objects)} objects, {manifest.total_bytes:,} bytes)"
+        ),
+    )
 
 
 @main.command()

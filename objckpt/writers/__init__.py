@@ -6,12 +6,12 @@ from fsspec import AbstractFileSystem
 
 from objckpt.location import Location
 from objckpt.options import UploadOptions
-from objckpt.writers.base import ObjectStore, ObjectUpload
+from objckpt.writers.base import ObjectStore, ObjectUpload, OpenUpload
 from objckpt.writers.generic import GcsStore, GenericStore, MemoryStore
 from objckpt.writers.local import LocalStore
 from objckpt.writers.s3 import S3Store
 
-__all__ = ["ObjectStore", "ObjectUpload", "open_store"]
+__all__ = ["ObjectStore", "ObjectUpload", "OpenUpload", "open_store"]
 
 _FAMILIES: dict[str, type[ObjectStore]] = {
     "s3": S3Store,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import abc
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 from collections.abc import Coroutine
@@ -39,7 +40,7 @@ from objckpt.location import Location
 from objckpt.options import UploadOptions
 from objckpt.translate import translate
 
-__all__ = ["BufferedUpload", "ObjectStore", "ObjectUpload", "translated_future"]
+__all__ = ["BufferedUpload", "ObjectStore", "ObjectUpload", "OpenUpload", "translated_future"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,21 @@ class ObjectUpload(abc.ABC):
     @abc.abstractmethod
     def abort(self) -> None:
         """Give the object up: abort its multipart upload or delete its partial bytes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OpenUpload:
+    """A multipart upload left open.
+
+    Attributes:
+        key: Relative to the store's location.
+        last_activity: When it was started or last received a part (seconds
+            since the epoch), None if the store does not say.
+    """
+
+    key: str
+    upload_id: str
+    last_activity: float | None
 
 
 class ObjectStore(abc.ABC):
@@ -181,6 +197,18 @@ class ObjectStore(abc.ABC):
             return bool(self.fs.exists(self.path(key)))
         except Exception as exc:
             raise translate(exc, url=self.location.url_of(key), action="checking") from exc
+
+    def open_uploads(self) -> list[OpenUpload]:
+        """Multipart uploads started under this location and never completed.
+
+        Only stores that can list them say anything (S3); elsewhere an
+        unfinished upload leaves nothing behind or nothing listable.
+        """
+        return []
+
+    def abort_upload(self, upload: OpenUpload) -> None:
+        """Abort one open multipart upload (frees the parts it holds)."""
+        raise NotImplementedError(f"{type(self).__name__} has no multipart uploads to abort")
 
     def close(self) -> None:
         with self._pool_lock:

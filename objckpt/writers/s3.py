@@ -21,7 +21,7 @@ from objckpt.checksum import BytesLike
 from objckpt.errors import BucketNotFoundError, UploadError
 from objckpt.options import MAX_PARTS
 from objckpt.translate import translate
-from objckpt.writers.base import ObjectStore, ObjectUpload, translated_future
+from objckpt.writers.base import ObjectStore, ObjectUpload, OpenUpload, translated_future
 
 __all__ = ["S3Store"]
 
@@ -68,6 +68,64 @@ class S3Store(ObjectStore):
 
     def put(self, key: str, data: bytes) -> None:
         self.create(key, data, overwrite=True)
+
+    def open_uploads(self) -> list[OpenUpload]:
+        bucket, prefix = self._bucket_key("")
+        out: list[OpenUpload] = []
+        markers: dict[str, str] = {}
+        while True:
+            try:
+                page = self.run_coro(
+                    self.call("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **markers)
+                )
+            except Exception as exc:
+                raise translate(
+                    exc, url=self.location.url, action="listing multipart uploads"
+                ) from exc
+            for u in page.get("Uploads", []):
+                times = [u["Initiated"].timestamp()] if u.get("Initiated") else []
+                times += self._part_times(bucket, u["Key"], u["UploadId"])
+                out.append(
+                    OpenUpload(
+                        key=u["Key"][len(prefix) :],
+                        upload_id=u["UploadId"],
+                        last_activity=max(times) if times else None,
+                    )
+                )
+            if not page.get("IsTruncated"):
+                return out
+            markers = {
+                "KeyMarker": page.get("NextKeyMarker", ""),
+                "UploadIdMarker": page.get("NextUploadIdMarker", ""),
+            }
+
+    def _part_times(self, bucket: str, key: str, upload_id: str) -> list[float]:
+        """Upload times of an open upload's parts: a live upload keeps getting parts,
+        and some S3-compatible servers report a fixed ``Initiated`` (moto does)."""
+        try:
+            page = self.run_coro(
+                self.call("list_parts", Bucket=bucket, Key=key, UploadId=upload_id)
+            )
+        except FileNotFoundError:
+            return []  # finished or aborted since the listing
+        except Exception as exc:
+            raise translate(exc, url=self.location.url, action="listing upload parts") from exc
+        return [
+            p["LastModified"].timestamp() for p in page.get("Parts", []) if p.get("LastModified")
+        ]
+
+    def abort_upload(self, upload: OpenUpload) -> None:
+        bucket, key = self._bucket_key(upload.key)
+        try:
+            self.run_coro(
+                self.call(
+                    "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload.upload_id
+                )
+            )
+        except FileNotFoundError:
+            pass  # already completed or aborted
+        except Exception as exc:
+            raise translate(exc, url=self.location.url_of(upload.key), action="aborting") from exc
 
 
 class S3Upload(ObjectUpload):

@@ -1,0 +1,283 @@
+"""``CheckpointManager``: steps under a root, async saves, retention, resume.
+
+The glue every training loop writes around DCP, done once and carefully:
+
+* step N lives at ``<root>/step-<N, 10 digits>/``; a step exists only once its
+  manifest is committed, so ``latest_step()`` never names a half-written step;
+* saves are async (:class:`~objckpt.AsyncCheckpointer`), one staging area and
+  one set of upload workers reused for the whole run;
+* retention runs on the coordinator right after a step commits, over committed
+  steps only, and always keeps the newest: a step still uploading is invisible to
+  it, and the last good step is never deleted before a newer one is committed.
+
+Every rank of a process group builds its own manager with the same arguments
+and calls ``save`` together; only the coordinator (rank 0) deletes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from objckpt.async_save import AsyncCheckpointer, AsyncOptions, SaveHandle
+from objckpt.errors import CheckpointNotFoundError, ConfigurationError, ObjckptError
+from objckpt.gc import DEFAULT_GRACE, GcReport, collect_garbage, delete_step
+from objckpt.location import Location
+from objckpt.manifest import Manifest
+from objckpt.options import ReadOptions, UploadOptions
+from objckpt.retention import RetentionPolicy
+from objckpt.steps import StepInfo, inventory, parse_step, step_name, steps_of
+from objckpt.storage_reader import ObjectStoreReader
+from objckpt.writers import open_store
+
+__all__ = ["CheckpointManager"]
+
+logger = logging.getLogger(__name__)
+
+
+def unwrap(exc: BaseException) -> BaseException:
+    """The objckpt error torch's ``CheckpointException`` carries, else ``exc``."""
+    if isinstance(exc, CheckpointException):
+        for failure in exc.failures.values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, ObjckptError):
+                return inner
+    return exc
+
+
+class CheckpointManager:
+    """Numbered steps of one training run under ``root_url``.
+
+    Args:
+        root_url: Where steps live (``s3://bucket/run-1``).
+        storage_options: Passed untouched to fsspec.
+        keep_last, keep_every, keep_newer_than: Retention rules (see
+            :class:`~objckpt.retention.RetentionPolicy`); or pass ``retention``.
+        retention: A policy value instead of the three keywords.
+        process_group: The group that saves together (default: the default group).
+        upload: Object and part sizing for the upload workers.
+        async_options: Workers, saves in flight, barrier timeout, staging budget.
+
+    Raises:
+        ConfigurationError: Bad URL or option.
+        StoreError: The root cannot be listed (at construction).
+    """
+
+    def __init__(
+        self,
+        root_url: str,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        keep_newer_than: float | None = None,
+        retention: RetentionPolicy | None = None,
+        process_group: Any | None = None,
+        upload: UploadOptions | None = None,
+        async_options: AsyncOptions | None = None,
+    ) -> None:
+        rules = (keep_last, keep_every, keep_newer_than)
+        if retention is not None and any(r is not None for r in rules):
+            raise ConfigurationError(
+                "pass either retention=RetentionPolicy(...) or keep_* options, not both"
+            )
+        self.retention = retention or RetentionPolicy(
+            keep_last=keep_last, keep_every=keep_every, keep_newer_than=keep_newer_than
+        )
+        self.root = Location.parse(root_url, storage_options)
+        self.storage_options = dict(storage_options or {})
+        self.process_group = process_group
+        distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank(process_group) if distributed else 0
+        self._lock = threading.RLock()
+        self._steps: dict[int, StepInfo] = {}
+        self._finished: list[int] = []
+        self._handles: dict[int, SaveHandle] = {}
+        self.reload()
+        self._checkpointer = AsyncCheckpointer(
+            storage_options=self.storage_options,
+            upload=upload,
+            options=async_options,
+            on_commit=self._on_commit,
+        )
+
+    @classmethod
+    def from_config(cls, path: str, **overrides: Any) -> CheckpointManager:
+        """A manager built from a TOML config file (see :mod:`objckpt.config`)."""
+        from objckpt.config import load_config
+
+        return load_config(path).manager(**overrides)
+
+    # -- steps ------------------------------------------------------------------------------
+    def reload(self) -> None:
+        """Re-list the root (steps committed by another process show up)."""
+        store = open_store(self.root)
+        try:
+            found = steps_of(inventory(store.fs, self.root), self.root)
+        finally:
+            store.close()
+        with self._lock:
+            self._steps = {s.step: s for s in found if s.committed}
+
+    def all_steps(self) -> list[int]:
+        """Committed steps, ascending."""
+        with self._lock:
+            return sorted(self._steps)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None when there is none."""
+        with self._lock:
+            return max(self._steps) if self._steps else None
+
+    def step_url(self, step: int) -> str:
+        return self.root.child(step_name(step)).url
+
+    # -- saving -----------------------------------------------------------------------------
+    def save(
+        self,
+        step: int,
+        state_dict: dict[str, Any],
+        *,
+        user_metadata: Mapping[str, Any] | None = None,
+    ) -> SaveHandle:
+        """Start saving ``state_dict`` as ``step``; returns once it is staged.
+
+        Raises:
+            CheckpointExistsError: ``step`` is already committed.
+            ConfigurationError, StateDictError, StoreError: before any upload.
+        """
+        url = self.step_url(step)
+        try:
+            handle = self._checkpointer.save(
+                state_dict, url, process_group=self.process_group, user_metadata=user_metadata
+            )
+        except BaseException as exc:
+            inner = unwrap(exc)
+            if inner is exc:
+                raise
+            raise inner from exc
+        with self._lock:
+            self._handles[step] = handle
+        handle.add_done_callback(lambda h: self._on_done(step, h))
+        return handle
+
+    def _on_done(self, step: int, handle: SaveHandle) -> None:
+        if handle.exception() is not None:
+            return
+        with self._lock:
+            self._finished.append(step)
+            if step not in self._steps:  # non-coordinators learn of the commit here
+                self._steps[step] = StepInfo(step, self.step_url(step), True, 0, 0, time.time())
+
+    def _on_commit(self, url: str, manifest: Manifest) -> None:
+        """Coordinator, background thread: record the step, then apply retention."""
+        step = parse_step(url)
+        if step is None:
+            return
+        info = StepInfo(step, url, True, len(manifest.objects), manifest.total_bytes, time.time())
+        with self._lock:
+            self._steps[step] = info
+            doomed = self.retention.to_delete(list(self._steps.values()), time.time())
+        for old in doomed:
+            try:
+                self.delete(old)
+            except Exception as exc:  # the save committed; a failed deletion is retried later
+                logger.warning("retention could not delete step %d: %s", old, exc)
+
+    def maybe_finalize(self) -> list[int]:
+        """Steps that committed since the last call (cheap; never blocks)."""
+        with self._lock:
+            done, self._finished = self._finished, []
+            self._handles = {s: h for s, h in self._handles.items() if not h.done()}
+        return sorted(done)
+
+    def wait_until_finished(self) -> None:
+        """Wait for every save in flight; raise the first error not yet reported."""
+        self._checkpointer.wait_until_finished()
+
+    def check_for_errors(self) -> None:
+        """Raise the oldest unreported error of a finished save (each once)."""
+        self._checkpointer.check_for_errors()
+
+    # -- loading ----------------------------------------------------------------------------
+    def load(
+        self,
+        state_dict: dict[str, Any],
+        step: int | None = None,
+        *,
+        read: ReadOptions | None = None,
+    ) -> int:
+        """Load ``step`` (the latest committed when None) into ``state_dict`` in place.
+
+        Returns the step loaded.
+
+        Raises:
+            CheckpointNotFoundError: No committed step (or not this one) under the root.
+            IntegrityError: An object fails its size or CRC32C check.
+        """
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise CheckpointNotFoundError(f"no committed step under {self.root.url}")
+        reader = ObjectStoreReader(
+            self.step_url(step), storage_options=self.storage_options, read=read
+        )
+        distributed = dist.is_available() and dist.is_initialized()
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(
+                    state_dict,
+                    storage_reader=reader,
+                    process_group=self.process_group,
+                    no_dist=not distributed,
+                )
+        except BaseException as exc:
+            inner = unwrap(exc)
+            if inner is exc:
+                raise
+            raise inner from exc
+        return step
+
+    # -- deleting ---------------------------------------------------------------------------
+    def delete(self, step: int) -> None:
+        """Delete one step (manifest first). Coordinator only.
+
+        Raises:
+            CheckpointNotFoundError: Nothing is stored for ``step``.
+        """
+        self._coordinator_only("delete")
+        delete_step(self.root.child(step_name(step)))
+        with self._lock:
+            self._steps.pop(step, None)
+        logger.info("deleted step %d under %s", step, self.root.url)
+
+    def gc(self, *, grace: float = DEFAULT_GRACE, dry_run: bool = False) -> GcReport:
+        """Remove objects no committed manifest names and open uploads older than ``grace``."""
+        self._coordinator_only("gc")
+        return collect_garbage(self.root, grace=grace, dry_run=dry_run)
+
+    def _coordinator_only(self, what: str) -> None:
+        if self.rank != 0:
+            raise ConfigurationError(
+                f"{what} runs on the coordinator (rank 0), not rank {self.rank}"
+            )
+
+    # -- lifetime ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Wait for saves in flight, then stop the workers (errors stay for check_for_errors)."""
+        self._checkpointer.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,212 @@
+"""Checking and copying committed checkpoints without loading them into torch.
+
+``verify_checkpoint`` reads every object the manifest names and compares its
+size and CRC32C with the manifest: the check a job should be able to run on a
+checkpoint before trusting it (or before deleting the only other copy).
+
+``copy_checkpoint`` streams each object from one store to another, checking
+the CRC32C on the way, and writes the manifest last, create-only: a copy that
+stops half-way is, like a failed save, invisible and garbage for ``gc``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Callable
+
+from objckpt.checksum import Crc32c
+from objckpt.commit import read_manifest
+from objckpt.errors import (
+    CheckpointExistsError,
+    CheckpointNotCommittedError,
+    CheckpointNotFoundError,
+    ChecksumMismatchError,
+    SizeMismatchError,
+)
+from objckpt.layout import MANIFEST_KEY, METADATA_KEY, list_names
+from objckpt.location import Location
+from objckpt.manifest import Manifest, ObjectEntry
+from objckpt.options import UploadOptions
+from objckpt.translate import translate
+from objckpt.writers import ObjectStore, open_store
+
+__all__ = ["ObjectCheck", "VerifyReport", "copy_checkpoint", "open_manifest", "verify_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+_CHUNK = 8 * 1024 * 1024
+Progress = Callable[[int], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectCheck:
+    """One object's check. ``problem`` is None when size and CRC32C match."""
+
+    key: str
+    size: int
+    crc32c: str
+    actual_size: int | None
+    actual_crc32c: str | None
+    problem: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyReport:
+    url: str
+    manifest: Manifest
+    objects: tuple[ObjectCheck, ...]
+
+    @property
+    def ok(self) -> bool:
+        return all(o.problem is None for o in self.objects)
+
+    @property
+    def failures(self) -> tuple[ObjectCheck, ...]:
+        return tuple(o for o in self.objects if o.problem is not None)
+
+
+def open_manifest(store: ObjectStore) -> Manifest:
+    """The committed manifest at ``store.location``.
+
+    Raises:
+        CheckpointNotFoundError: Nothing is there.
+        CheckpointNotCommittedError: Objects but no manifest (a failed or running save).
+        ManifestError: The manifest is invalid.
+    """
+    try:
+        return read_manifest(store)
+    except FileNotFoundError:
+        url = store.location.url
+        if list_names(store.fs, store.location.path):
+            raise CheckpointNotCommittedError(
+                f"{url} has no {MANIFEST_KEY}: the save that wrote it never committed"
+            ) from None
+        raise CheckpointNotFoundError(f"no checkpoint at {url}") from None
+
+
+def _stream(
+    store: ObjectStore, key: str, sink: Callable[[bytes], None], progress: Progress | None
+) -> tuple[int, str]:
+    """Read one object in chunks; returns (size, crc32c)."""
+    crc = Crc32c()
+    size = 0
+    try:
+        with store.fs.open(store.path(key), "rb", block_size=_CHUNK) as f:
+            while chunk := f.read(_CHUNK):
+                crc.update(chunk)
+                size += len(chunk)
+                sink(chunk)
+                if progress is not None:
+                    progress(len(chunk))
+    except FileNotFoundError:
+        raise
+    except Exception as exc:
+        raise translate(exc, url=store.location.url_of(key), action="reading") from exc
+    return size, crc.hexdigest()
+
+
+def _check(store: ObjectStore, entry: ObjectEntry, progress: Progress | None) -> ObjectCheck:
+    def problem(msg: str, size: int | None = None, crc: str | None = None) -> ObjectCheck:
+        return ObjectCheck(entry.key, entry.size, entry.crc32c, size, crc, msg)
+
+    try:
+        size, crc = _stream(store, entry.key, lambda _: None, progress)
+    except FileNotFoundError:
+        return problem("missing")
+    if size != entry.size:
+        return problem(f"size {size} != {entry.size} in the manifest", size, crc)
+    if crc != entry.crc32c:
+        return problem(f"CRC32C {crc} != {entry.crc32c} in the manifest", size, crc)
+    return ObjectCheck(entry.key, entry.size, entry.crc32c, size, crc, None)
+
+
+def verify_checkpoint(
+    location: Location, *, progress: Progress | None = None, parallel: int = 4
+) -> VerifyReport:
+    """Read every object of a committed checkpoint and check it against the manifest.
+
+    Args:
+        progress: Called with bytes read, as reading goes (from worker threads).
+
+    Raises:
+        CheckpointNotFoundError, CheckpointNotCommittedError, ManifestError,
+        StoreError: the checkpoint cannot be verified at all. Object mismatches
+        are reported in the returned report, every one of them.
+    """
+    store = open_store(location)
+    try:
+        manifest = open_manifest(store)
+        with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
+            checks = list(pool.map(lambda e: _check(store, e, progress), manifest.objects))
+    finally:
+        store.close()
+    for c in checks:
+        if c.problem:
+            logger.error("%s: %s", location.url_of(c.key), c.problem)
+    return VerifyReport(location.url, manifest, tuple(checks))
+
+
+def _copy_object(
+    src: ObjectStore, dst: ObjectStore, entry: ObjectEntry, progress: Progress | None
+) -> None:
+    upload = dst.begin(entry.key, entry.size)
+    try:
+        size, crc = _stream(src, entry.key, upload.write, progress)
+        where = src.location.url_of(entry.key)
+        if size != entry.size:
+            raise SizeMismatchError(f"{where} is {size} bytes, the manifest says {entry.size}")
+        if crc != entry.crc32c:
+            raise ChecksumMismatchError(
+                f"{where} has CRC32C {crc}, the manifest says {entry.crc32c}"
+            )
+        upload.close().result()
+    except BaseException:
+        upload.abort()
+        raise
+
+
+def copy_checkpoint(
+    src: Location,
+    dst: Location,
+    *,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+    parallel: int = 4,
+) -> Manifest:
+    """Copy a committed checkpoint; the manifest is written last, create-only.
+
+    Every object is checked against the source manifest while it streams, so a
+    corrupt source never produces a committed copy.
+
+    Raises:
+        CheckpointNotFoundError, CheckpointNotCommittedError: at ``src``.
+        CheckpointExistsError: ``dst`` already holds a committed checkpoint.
+        IntegrityError: A source object fails its check (nothing committed at ``dst``).
+    """
+    src_store = open_store(src)
+    dst_store = open_store(dst, UploadOptions())
+    try:
+        manifest = open_manifest(src_store)
+        raw = src_store.read(MANIFEST_KEY)
+        if not overwrite and dst_store.exists(MANIFEST_KEY):
+            raise CheckpointExistsError(
+                f"{dst.url} already holds a committed checkpoint; pass overwrite to replace it"
+            )
+        with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
+            futures = [
+                pool.submit(_copy_object, src_store, dst_store, e, progress)
+                for e in manifest.objects
+            ]
+            for f in futures:
+                f.result()
+        with contextlib.suppress(FileNotFoundError):  # .metadata: stock readers load it too
+            dst_store.put(METADATA_KEY, src_store.read(METADATA_KEY))
+        dst_store.create(MANIFEST_KEY, raw, overwrite=overwrite)
+    finally:
+        src_store.close()
+        dst_store.close()
+    logger.info("copied %s to %s (%d objects)", src.url, dst.url, len(manifest.objects))
+    return manifest

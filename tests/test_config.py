@@ -1,0 +1,94 @@
+"""The TOML config file: schema, secrets by reference, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from objckpt import AsyncOptions, RetentionPolicy, load_config
+from objckpt.config import parse_config
+from objckpt.errors import ConfigurationError
+
+GOOD = """
+root = "s3://bucket/run-1"
+
+[storage]
+options = { endpoint_url = "http://localhost:9000", client_kwargs = { region_name = "eu-west-1" } }
+env = { key = "MY_KEY_VAR", secret = "MY_SECRET_VAR" }
+profile = "training"
+
+[retention]
+keep_last = 3
+keep_every = 1000
+
+[async]
+workers = 3
+staging_budget = 1073741824
+
+[gc]
+grace = 600
+
+[[backups]]
+url = "file:///backups/run-1"
+
+[[backups]]
+url = "gs://replica/run-1"
+storage = { env = { token = "GCS_TOKEN" } }
+"""
+
+ENV = {"MY_KEY_VAR": "AKIA-TEST", "MY_SECRET_VAR": "s3cr3t", "GCS_TOKEN": "anon"}
+
+
+def test_a_full_config_parses(tmp_path) -> None:
+    path = tmp_path / "objckpt.toml"
+    path.write_text(GOOD)
+    cfg = load_config(path, environ=ENV)
+    assert cfg.root == "s3://bucket/run-1"
+    assert cfg.storage_options == {
+        "endpoint_url": "http://localhost:9000",
+        "client_kwargs": {"region_name": "eu-west-1"},
+        "key": "AKIA-TEST",
+        "secret": "s3cr3t",
+        "profile": "training",
+    }
+    assert cfg.retention == RetentionPolicy(keep_last=3, keep_every=1000)
+    assert cfg.async_options == AsyncOptions(workers=3, staging_budget=1 << 30)
+    assert cfg.gc_grace == 600
+    assert [b.url for b in cfg.backups] == ["file:///backups/run-1", "gs://replica/run-1"]
+    assert cfg.backups[1].storage_options == {"token": "anon"}
+    assert "s3cr3t" not in repr(cfg)  # secrets stay out of reprs and logs
+
+
+def test_only_root_is_required() -> None:
+    cfg = parse_config('root = "file:///tmp/x"', environ={})
+    assert cfg.retention.keeps_everything and cfg.backups == () and cfg.gc_grace == 3600
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("root = ", "is not valid TOML"),
+        ("[retention]\nkeep_last = 3", "root .* is required"),
+        ('root = "s3://b/r"\nroot_url = "x"', "unknown key 'root_url'"),
+        ('root = "s3://b/r"\n[retention]\nkeep_lst = 3', r"unknown key retention\.'keep_lst'"),
+        ('root = "s3://b/r"\n[retention]\nkeep_last = 0', r"\[retention\] option keep_last="),
+        ('root = "s3://b/r"\n[async]\nworkers = "two"', r"\[async\] option workers="),
+        (
+            'root = "s3://b/r"\n[storage]\noptions = { secret = "x" }',
+            "storage.options.secret looks",
+        ),
+        ('root = "s3://b/r"\n[storage]\nenv = { key = "NOPE_UNSET" }', "NOPE_UNSET, which is not"),
+        ('root = "nope://b/r"', "unknown protocol 'nope'"),
+        ('root = "s3://b/r"\n[gc]\ngrace = -1', "gc.grace must be"),
+        ('root = "s3://b/r"\n[[backups]]\nstorage = {}', r"backups\[0\]\.url is required"),
+        ('root = "s3://b/r"\nbackups = "x"', "backups must be an array"),
+    ],
+)
+def test_mistakes_name_the_file_and_key(text: str, message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message) as info:
+        parse_config(text, source="run.toml", environ={})
+    assert str(info.value).startswith("run.toml")
+
+
+def test_missing_file_is_named(tmp_path) -> None:
+    with pytest.raises(ConfigurationError, match=r"cannot read config file .*nope\.toml"):
+        load_config(tmp_path / "nope.toml")

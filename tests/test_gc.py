@@ -1,0 +1,131 @@
+"""Garbage collection and deletion, including after a save killed mid-upload."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from killed_save import state
+
+from objckpt import CheckpointManager, Location
+from objckpt.errors import CheckpointNotFoundError, ConfigurationError
+from objckpt.gc import collect_garbage, delete_step
+from objckpt.steps import step_name
+from objckpt.testing import MotoServer, offline_env
+from objckpt.testing.plugin import StoreTarget
+
+HERE = os.path.dirname(__file__)
+
+
+def _open_uploads(moto_server: MotoServer, bucket: str) -> list[dict]:
+    return moto_server.boto3_client().list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+
+
+def _uploads_with_parts(moto_server: MotoServer, bucket: str) -> list[dict]:
+    client = moto_server.boto3_client()
+    return [
+        u
+        for u in _open_uploads(moto_server, bucket)
+        if client.list_parts(Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"]).get("Parts")
+    ]
+
+
+def _keys(moto_server: MotoServer, bucket: str, prefix: str) -> list[str]:
+    resp = moto_server.boto3_client().list_objects_v2(Bucket=bucket, Prefix=prefix)
+    return [o["Key"] for o in resp.get("Contents", [])]
+
+
+@pytest.mark.timeout(240)
+def test_gc_after_a_save_killed_mid_upload(moto_server: MotoServer, s3_bucket: StoreTarget) -> None:
+    root = s3_bucket.url("killed")
+    opts = s3_bucket.storage_options
+    child = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "killed_save.py"), root, json.dumps(opts), "6"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **offline_env()},
+        start_new_session=True,  # its upload workers share its process group
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "committed"
+        assert child.stdout.readline().strip() == "uploading"
+        deadline = time.monotonic() + 60
+        killed = f"{Location.parse(root).path.split('/', 1)[1]}/{step_name(2)}/"
+        # Kill mid-upload: some of step 2's objects complete, another one's parts in flight.
+        while not (
+            _keys(moto_server, s3_bucket.bucket, killed)
+            and _uploads_with_parts(moto_server, s3_bucket.bucket)
+        ):
+            assert time.monotonic() < deadline, "never caught the save mid-upload"
+            time.sleep(0.01)
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait(timeout=30)
+    time.sleep(0.5)  # let moto finish any request the dead workers had sent
+
+    # The killed step is invisible; the previous step loads bit-exact.
+    with CheckpointManager(root, storage_options=opts) as mgr:
+        assert mgr.all_steps() == [1]
+        got = {k: torch.zeros_like(v) for k, v in state(1, 1).items()}
+        assert mgr.load(got) == 1
+        for k, v in state(1, 1).items():
+            assert torch.equal(got[k], v), k
+        # A young save might still be running: the default grace spares it.
+        spared = mgr.gc()
+        assert spared.deleted == () and spared.aborted_uploads == ()
+        assert spared.spared and all(k.startswith(step_name(2)) for k in spared.spared)
+        assert spared.spared_uploads
+        # Once the grace period has passed, gc removes the objects and the open uploads.
+        dry = collect_garbage(mgr.root, grace=0, dry_run=True)
+        assert dry.aborted_uploads and _open_uploads(moto_server, s3_bucket.bucket)
+        report = mgr.gc(grace=0)
+        assert report.deleted == dry.deleted and report.bytes_reclaimed == dry.bytes_reclaimed
+        assert report.deleted and all(k.startswith(step_name(2) + "/") for k in report.deleted)
+        assert report.aborted_uploads
+    assert _open_uploads(moto_server, s3_bucket.bucket) == []
+    assert _keys(moto_server, s3_bucket.bucket, killed) == []
+    with CheckpointManager(root, storage_options=opts) as mgr:  # step 1 untouched
+        got = {k: torch.zeros_like(v) for k, v in state(1, 1).items()}
+        assert mgr.load(got) == 1 and all(torch.equal(got[k], v) for k, v in state(1, 1).items())
+
+
+def test_gc_keeps_committed_objects_and_removes_zombie_payloads(s3_bucket: StoreTarget) -> None:
+    root = s3_bucket.url("zombie")
+    with CheckpointManager(root, storage_options=s3_bucket.storage_options) as mgr:
+        mgr.save(1, {"w": torch.ones(10)}).result(timeout=120)
+        fs = mgr.root.open_fs(fresh=True)
+        step = mgr.root.child(step_name(1)).path
+        # A zombie writer of a lost attempt left a payload beside the committed step,
+        # and something not objckpt's lives beside the steps.
+        fs.pipe_file(f"{step}/__0_0.0123456789abcdef.distcp", b"x" * 100)
+        fs.pipe_file(f"{mgr.root.path}/notes.txt", b"keep me")
+        report = mgr.gc(grace=0)
+        assert report.deleted == (f"{step_name(1)}/__0_0.0123456789abcdef.distcp",)
+        assert report.bytes_reclaimed == 100
+        fs.invalidate_cache()
+        assert fs.exists(f"{mgr.root.path}/notes.txt")
+        got = {"w": torch.zeros(10)}
+        assert mgr.load(got) == 1 and torch.equal(got["w"], torch.ones(10))
+
+
+def test_delete_refuses_what_is_not_one_checkpoint(tmp_path) -> None:
+    root = Location.parse(f"file://{tmp_path}/root")
+    with CheckpointManager(root.url) as mgr:
+        mgr.save(1, {"w": torch.ones(3)}).result(timeout=120)
+    with pytest.raises(ConfigurationError, match="is not one checkpoint"):
+        delete_step(root)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "data.bin").write_bytes(b"1")
+    with pytest.raises(ConfigurationError, match="does not look like an objckpt checkpoint"):
+        delete_step(Location.parse(f"file://{tmp_path}/other"))
+    with pytest.raises(CheckpointNotFoundError, match="no checkpoint at"):
+        delete_step(root.child("step-0000000099"))
+    assert delete_step(root.child(step_name(1))) == 3
+    assert not (tmp_path / "root" / step_name(1)).exists()
