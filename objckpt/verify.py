@@ -24,6 +24,7 @@ from objckpt.errors import (
     CheckpointNotCommittedError,
     CheckpointNotFoundError,
     ChecksumMismatchError,
+    ManifestError,
     SizeMismatchError,
 )
 from objckpt.layout import MANIFEST_KEY, METADATA_KEY, list_names
@@ -152,20 +153,28 @@ def verify_checkpoint(
 def _copy_object(
     src: ObjectStore, dst: ObjectStore, entry: ObjectEntry, progress: Progress | None
 ) -> None:
+    if entry.key == METADATA_KEY:  # small, and replaced in place on an overwrite
+        chunks: list[bytes] = []
+        size, crc = _stream(src, entry.key, chunks.append, progress)
+        _check_copy(src, entry, size, crc)
+        dst.put(entry.key, b"".join(chunks))
+        return
     upload = dst.begin(entry.key, entry.size)
     try:
         size, crc = _stream(src, entry.key, upload.write, progress)
-        where = src.location.url_of(entry.key)
-        if size != entry.size:
-            raise SizeMismatchError(f"{where} is {size} bytes, the manifest says {entry.size}")
-        if crc != entry.crc32c:
-            raise ChecksumMismatchError(
-                f"{where} has CRC32C {crc}, the manifest says {entry.crc32c}"
-            )
+        _check_copy(src, entry, size, crc)
         upload.close().result()
     except BaseException:
         upload.abort()
         raise
+
+
+def _check_copy(src: ObjectStore, entry: ObjectEntry, size: int, crc: str) -> None:
+    where = src.location.url_of(entry.key)
+    if size != entry.size:
+        raise SizeMismatchError(f"{where} is {size} bytes, the manifest says {entry.size}")
+    if crc != entry.crc32c:
+        raise ChecksumMismatchError(f"{where} has CRC32C {crc}, the manifest says {entry.crc32c}")
 
 
 def copy_checkpoint(
@@ -191,10 +200,15 @@ def copy_checkpoint(
     try:
         manifest = open_manifest(src_store)
         raw = src_store.read(MANIFEST_KEY)
-        if not overwrite and dst_store.exists(MANIFEST_KEY):
-            raise CheckpointExistsError(
-                f"{dst.url} already holds a committed checkpoint; pass overwrite to replace it"
-            )
+        if dst_store.exists(MANIFEST_KEY):
+            if not overwrite:
+                raise CheckpointExistsError(
+                    f"{dst.url} already holds a committed checkpoint; pass overwrite to replace it"
+                )
+            with contextlib.suppress(ManifestError, FileNotFoundError):
+                if read_manifest(dst_store).attempt == manifest.attempt:
+                    logger.info("%s already holds this checkpoint (same attempt)", dst.url)
+                    return manifest
         with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
             futures = [
                 pool.submit(_copy_object, src_store, dst_store, e, progress)
@@ -202,8 +216,6 @@ def copy_checkpoint(
             ]
             for f in futures:
                 f.result()
-        with contextlib.suppress(FileNotFoundError):  # .metadata: stock readers load it too
-            dst_store.put(METADATA_KEY, src_store.read(METADATA_KEY))
         dst_store.create(MANIFEST_KEY, raw, overwrite=overwrite)
     finally:
         src_store.close()
