@@ -441,6 +441,7 @@ def demo(
                         {"step": s.step, "bytes": s.bytes, "save_seconds": s.save_seconds}
                         for s in result.saves
                     ],
+                    "kept_steps": list(result.kept_steps),
                     "restored_step": result.restored_step,
                     "load_seconds": result.load_seconds,
                     "weights_match": result.weights_match,
@@ -449,9 +450,10 @@ def demo(
         )
     else:
         click.echo(f"checkpoints under {result.url}")
-        click.echo(f"{'step':>6} {'bytes':>12} {'save s':>8}")
+        click.echo(f"{'step':>6} {'bytes':>12} {'stall s':>8}")
         for s in result.saves:
             click.echo(f"{s.step:>6} {s.bytes:>12,} {s.save_seconds:>8.3f}")
+        click.echo(f"kept steps (keep_last=3): {', '.join(map(str, result.kept_steps))}")
         click.echo(
             f"restored step {result.restored_step} in {result.load_seconds:.3f} s; "
             f"weights match: {'yes' if result.weights_match else 'NO'}"

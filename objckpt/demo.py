@@ -1,8 +1,10 @@
 """The demo behind ``objckpt demo``: train, checkpoint, restart, verify.
 
-It trains a small MLP on CPU, checkpoints every few steps to an S3 bucket (an
-embedded moto server it starts itself, or ``--url``), then builds a fresh model,
-restores the newest committed checkpoint and checks that every weight matches.
+It trains a small MLP on CPU and checkpoints every few steps with a
+:class:`~objckpt.CheckpointManager` (async saves, keep the last 3) to an S3
+bucket: an embedded moto server it starts itself, or ``--url``. Then it builds a
+fresh manager and model as a restarted job would, restores the newest committed
+step and checks that every weight matches the values at the moment of the save.
 """
 
 from __future__ import annotations
@@ -11,31 +13,27 @@ import contextlib
 import dataclasses
 import logging
 import os
-import re
 import time
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 
-from objckpt.errors import CheckpointNotFoundError
+from objckpt.errors import ConfigurationError
 from objckpt.location import Location
-from objckpt.storage_reader import ObjectStoreReader
-from objckpt.storage_writer import ObjectStoreWriter
+from objckpt.manager import CheckpointManager
 
 __all__ = ["DemoResult", "SaveRecord", "run_demo"]
 
 logger = logging.getLogger(__name__)
-_STEP = re.compile(r"step-(\d{10})$")
 
 
 @dataclasses.dataclass(frozen=True)
 class SaveRecord:
     step: int
     bytes: int
-    save_seconds: float
+    save_seconds: float  # how long training waited (the async save's stall)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +43,7 @@ class DemoResult:
     load_seconds: float
     weights_match: bool
     url: str
+    kept_steps: tuple[int, ...] = ()
 
 
 def _model(width: int) -> torch.nn.Module:
@@ -75,18 +74,6 @@ def _embedded_s3() -> Iterator[tuple[str, dict[str, Any]]]:
         server.stop()
 
 
-def _latest_step(root: Location) -> int:
-    fs = root.open_fs(fresh=True)
-    steps = []
-    for name in fs.ls(root.path, detail=False):
-        m = _STEP.search(str(name).rstrip("/"))
-        if m and fs.exists(f"{root.path}/{m.group(0)}/manifest.json"):
-            steps.append(int(m.group(1)))
-    if not steps:
-        raise CheckpointNotFoundError(f"no committed step under {root.url}")
-    return max(steps)
-
-
 def run_demo(
     *,
     steps: int = 300,
@@ -94,6 +81,7 @@ def run_demo(
     width: int = 256,
     url: str | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    keep_last: int = 3,
 ) -> DemoResult:
     """Train, checkpoint every ``every`` steps, restore the latest, compare weights."""
     with contextlib.ExitStack() as stack:
@@ -109,29 +97,34 @@ def run_demo(
         x, y = torch.randn(512, 32), torch.randn(512, 1)
         saves = []
         snapshot: dict[str, torch.Tensor] = {}
+        mgr = stack.enter_context(
+            CheckpointManager(root.url, storage_options=storage_options, keep_last=keep_last)
+        )
+        if mgr.all_steps():
+            raise ConfigurationError(
+                f"the demo needs an empty root; {root.url} already holds steps {mgr.all_steps()}"
+            )
+        pending: list[tuple[int, float, Any]] = []
         for step in range(1, steps + 1):
             opt.zero_grad()
             loss = torch.nn.functional.mse_loss(model(x), y)
             loss.backward()
             opt.step()
             if step % every == 0:
-                ckpt = root.child(f"step-{step:010d}")
-                writer = ObjectStoreWriter(
-                    ckpt.url, storage_options=storage_options, overwrite=True
-                )
                 t0 = time.perf_counter()
-                dcp.save(_state(model, opt, step), storage_writer=writer, no_dist=True)
-                elapsed = time.perf_counter() - t0
-                size = writer.last_manifest.total_bytes if writer.last_manifest else 0
-                writer.close()
-                saves.append(SaveRecord(step, size, elapsed))
+                handle = mgr.save(step, _state(model, opt, step))
+                stall = time.perf_counter() - t0
+                # The checkpoint holds the values at the call: training goes on at once.
                 snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}
-                logger.info(
-                    "step %d loss %.4f saved %d bytes in %.2f s", step, loss.item(), size, elapsed
-                )
+                pending.append((step, stall, handle))
+                logger.info("step %d loss %.4f: save returned in %.3f s", step, loss.item(), stall)
+        mgr.wait_until_finished()
+        for step, stall, handle in pending:
+            manifest = handle.result()
+            saves.append(SaveRecord(step, manifest.total_bytes if manifest else 0, stall))
 
-        # "Restart": a fresh model and optimizer, restored from the newest commit.
-        latest = _latest_step(root)
+        # "Restart": a fresh manager, model and optimizer, restored from the newest commit.
+        resumed = stack.enter_context(CheckpointManager(root.url, storage_options=storage_options))
         torch.manual_seed(1)
         restored = _model(width)
         restored_opt = torch.optim.AdamW(restored.parameters(), lr=1e-3)
@@ -140,13 +133,11 @@ def run_demo(
         restored_opt.step()  # materialise optimizer state so DCP can load into it
         state = _state(restored, restored_opt, 0)
         t0 = time.perf_counter()
-        reader = ObjectStoreReader(
-            root.child(f"step-{latest:010d}").url, storage_options=storage_options
-        )
-        dcp.load(state, storage_reader=reader, no_dist=True)
+        latest = resumed.load(state)
         load_seconds = time.perf_counter() - t0
         restored.load_state_dict(state["model"])
         match = state["step"] == latest and all(
             torch.equal(snapshot[k], v) for k, v in restored.state_dict().items()
         )
-        return DemoResult(tuple(saves), latest, load_seconds, bool(match), root.url)
+        kept = tuple(resumed.all_steps())
+        return DemoResult(tuple(saves), latest, load_seconds, bool(match), root.url, kept)

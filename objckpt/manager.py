@@ -174,8 +174,10 @@ class CheckpointManager:
             return
         with self._lock:
             self._finished.append(step)
-            if step not in self._steps:  # non-coordinators learn of the commit here
+            if self.rank != 0:  # others learn of the commit, and of retention, here
                 self._steps[step] = StepInfo(step, self.step_url(step), True, 0, 0, time.time())
+                for old in self.retention.to_delete(list(self._steps.values()), time.time()):
+                    self._steps.pop(old, None)  # the coordinator deletes it
 
     def _on_commit(self, url: str, manifest: Manifest) -> None:
         """Coordinator, background thread: record the step, then apply retention."""

@@ -197,3 +197,44 @@ def async_plan_cache(
 
 def _refuse(self: Any, store: Any) -> None:
     raise objckpt.errors.CheckpointExistsError(f"injected refusal for {self.location.url}")
+
+
+def manager_across_ranks(
+    rank: int, world: int, init_file: str, url: str, options: dict[str, Any]
+) -> None:
+    """Every rank saves through its manager; rank 0 alone deletes; all see the same steps."""
+    mesh = _init(rank, world, init_file)
+    try:
+        base = full_state()
+        opts = objckpt.AsyncOptions(workers=1, barrier_timeout=120)
+        with objckpt.CheckpointManager(
+            url, storage_options=options, keep_last=2, async_options=opts
+        ) as mgr:
+            for step in (1, 2, 3):
+                state = {
+                    "model": {
+                        k: distribute_tensor(v + step, mesh, [Shard(0)]) for k, v in base.items()
+                    }
+                }
+                mgr.save(step, state).result(timeout=120)
+            mgr.wait_until_finished()
+            assert mgr.all_steps() == [2, 3], (rank, mgr.all_steps())
+            if rank != 0:
+                try:
+                    mgr.gc()
+                except objckpt.errors.ConfigurationError as exc:
+                    assert "coordinator" in str(exc)
+                else:
+                    raise AssertionError("gc must refuse to run on a non-coordinator")
+            dist.barrier()
+            got = {
+                "model": {
+                    k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(0)])
+                    for k, v in base.items()
+                }
+            }
+            assert mgr.load(got) == 3
+            for k, v in base.items():
+                assert torch.equal(got["model"][k].full_tensor(), v + 3), k
+    finally:
+        dist.destroy_process_group()

@@ -77,3 +77,11 @@ def test_async_plan_cache_agrees_across_ranks(s3_bucket: StoreTarget, tmp_path) 
     assert len(attempts) == 4
     # The refused save uploaded nothing on either rank.
     assert not fs_of(s3_bucket).exists(path_of(s3_bucket, f"{url}/refused"))
+
+
+def test_manager_on_every_rank(s3_bucket: StoreTarget, tmp_path) -> None:
+    url = s3_bucket.url("managed")
+    _run(dist_helpers.manager_across_ranks, 2, tmp_path, url, s3_bucket.storage_options)
+    fs = fs_of(s3_bucket)
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(path_of(s3_bucket, url), detail=False))
+    assert names == ["step-0000000002", "step-0000000003"]
