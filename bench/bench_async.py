@@ -106,6 +106,43 @@ def copy_limit(state: dict[str, torch.Tensor], repeats: int) -> list[float]:
     return out
 
 
+def _async_series(
+    state: dict[str, torch.Tensor],
+    storage_options: dict[str, Any],
+    options: objckpt.AsyncOptions | None,
+    name: str,
+    saves: int,
+    server_pid: int,
+    baseline: int,
+) -> dict[str, Any]:
+    """``saves`` saves through one checkpointer: stall, commit and peak memory of each."""
+    stalls, commits, peaks = [], [], []
+    with objckpt.AsyncCheckpointer(storage_options=storage_options, options=options) as ckpt:
+        for i in range(saves):
+            with PeakMemory({server_pid}) as mem:
+                t0 = time.perf_counter()
+                handle = ckpt.save(state, f"s3://bench/{name}/step-{i}")
+                stalls.append(time.perf_counter() - t0)
+                handle.result()
+                commits.append(time.perf_counter() - t0)
+            peaks.append(mem.peak - baseline)
+            log.info(
+                "%s save %d: stall %.3f s, commit %.2f s, peak +%.0f MiB",
+                name,
+                i,
+                stalls[-1],
+                commits[-1],
+                peaks[-1] / MiB,
+            )
+        cache = ckpt.plan_cache_stats
+    return {
+        "stall": stalls,
+        "commit": commits,
+        "peak_extra_bytes": peaks,
+        "plan_cache": {"hits": cache.hits, "misses": cache.misses},
+    }
+
+
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     os.environ.update(offline_env())
     state = transformer_state(args.size_mib)
@@ -126,58 +163,21 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
 
         # objckpt async: one checkpointer reused for every save, as in training.
         baseline = PeakMemory({server.process.pid}).sample()
-        stalls, commits, peaks = [], [], []
-        with objckpt.AsyncCheckpointer(storage_options=opts) as ckpt:
-            for i in range(args.saves):
-                with PeakMemory({server.process.pid}) as mem:
-                    t0 = time.perf_counter()
-                    handle = ckpt.save(state, f"s3://bench/async/step-{i}")
-                    stalls.append(time.perf_counter() - t0)
-                    handle.result()
-                    commits.append(time.perf_counter() - t0)
-                peaks.append(mem.peak - baseline)
-                log.info(
-                    "objckpt async save %d: stall %.3f s, commit %.2f s, peak +%.0f MiB",
-                    i,
-                    stalls[-1],
-                    commits[-1],
-                    peaks[-1] / MiB,
-                )
-            cache = ckpt.plan_cache_stats
-        res["objckpt_async"] = {
-            "stall": stalls,
-            "commit": commits,
-            "peak_extra_bytes": peaks,
-            "plan_cache": {"hits": cache.hits, "misses": cache.misses},
-        }
-
+        res["objckpt_async"] = _async_series(
+            state, opts, None, "async", args.saves, server.process.pid, baseline
+        )
         if args.budget_mib:
             # The same saves with staging bounded: waves trade stall for memory.
-            opts_b = objckpt.AsyncOptions(staging_budget=args.budget_mib * MiB)
-            b_stalls, b_commits, b_peaks = [], [], []
-            with objckpt.AsyncCheckpointer(storage_options=opts, options=opts_b) as ckpt:
-                for i in range(min(args.saves, 3)):
-                    with PeakMemory({server.process.pid}) as mem:
-                        t0 = time.perf_counter()
-                        handle = ckpt.save(state, f"s3://bench/budget/step-{i}")
-                        b_stalls.append(time.perf_counter() - t0)
-                        handle.result()
-                        b_commits.append(time.perf_counter() - t0)
-                    b_peaks.append(mem.peak - baseline)
-                    log.info(
-                        "budget %d MiB save %d: stall %.2f s, commit %.2f s, peak +%.0f MiB",
-                        args.budget_mib,
-                        i,
-                        b_stalls[-1],
-                        b_commits[-1],
-                        b_peaks[-1] / MiB,
-                    )
-            res["objckpt_async_budget"] = {
-                "budget_bytes": args.budget_mib * MiB,
-                "stall": b_stalls,
-                "commit": b_commits,
-                "peak_extra_bytes": b_peaks,
-            }
+            series = _async_series(
+                state,
+                opts,
+                objckpt.AsyncOptions(staging_budget=args.budget_mib * MiB),
+                "budget",
+                min(args.saves, 3),
+                server.process.pid,
+                baseline,
+            )
+            res["objckpt_async_budget"] = {"budget_bytes": args.budget_mib * MiB, **series}
 
         # torch's process executor needs a process group, even for one rank.
         import torch.distributed as dist

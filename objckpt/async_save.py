@@ -165,14 +165,10 @@ class _DeferredWriter(ObjectStoreWriter):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan  # preflight and the existence check ran before planning
 
-    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+    def _next_attempt(self) -> str:
         if self.agreed_attempt is None:
             raise ConfigurationError("internal: global plan before the attempt was agreed")
-        self._attempt = self.agreed_attempt
-        return [
-            dataclasses.replace(p, storage_data=RankPlan(rank=i, attempt=self.agreed_attempt))
-            for i, p in enumerate(plans)
-        ]
+        return self.agreed_attempt
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         rank_plan = plan.storage_data

@@ -133,6 +133,18 @@ def _progress(total: int, label: str, quiet: bool) -> Any:
     return click.progressbar(length=total, label=label, file=sys.stderr, show_pos=False)
 
 
+def _committed_manifest(loc: Any) -> Any:
+    """The committed manifest at ``loc`` (read once; the command passes it on)."""
+    from objckpt.verify import open_manifest
+    from objckpt.writers import open_store
+
+    store = open_store(loc)
+    try:
+        return open_manifest(store)
+    finally:
+        store.close()
+
+
 def _when(ts: float | None) -> str | None:
     if ts is None:
         return None
@@ -206,15 +218,9 @@ def info_command(ctx: _Context, ckpt: str, tensors: bool) -> None:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from objckpt.dcp_json import metadata_from_json
-    from objckpt.verify import open_manifest
-    from objckpt.writers import open_store
 
     loc = ctx.location(ckpt, "CKPT")
-    store = open_store(loc)
-    try:
-        m = open_manifest(store)
-    finally:
-        store.close()
+    m = _committed_manifest(loc)
     metadata, _ = metadata_from_json(m.metadata, url=loc.url)
     entries: list[dict[str, Any]] = []
     for fqn, md in sorted(metadata.state_dict_metadata.items()):
@@ -261,17 +267,14 @@ def verify_command(ctx: _Context, ckpt: str) -> None:
 
     Exits 1 and names each object that fails; never loads anything into torch.
     """
-    from objckpt.verify import open_manifest, verify_checkpoint
-    from objckpt.writers import open_store
+    from objckpt.verify import verify_checkpoint
 
     loc = ctx.location(ckpt, "CKPT")
-    store = open_store(loc)
-    try:
-        total = open_manifest(store).total_bytes
-    finally:
-        store.close()
-    with _progress(total, "verifying", ctx.as_json) as bar:
-        report = verify_checkpoint(loc, progress=bar.update if bar is not None else None)
+    manifest = _committed_manifest(loc)
+    with _progress(manifest.total_bytes, "verifying", ctx.as_json) as bar:
+        report = verify_checkpoint(
+            loc, manifest=manifest, progress=bar.update if bar is not None else None
+        )
     doc = {
         "url": loc.url,
         "ok": report.ok,
@@ -363,20 +366,16 @@ def rm_command(ctx: _Context, ckpt: str, yes: bool) -> None:
 @_command
 def cp_command(ctx: _Context, src: str, dst: str, overwrite: bool) -> None:
     """Copy the committed checkpoint SRC to DST, checking CRC32C, manifest last."""
-    from objckpt.verify import copy_checkpoint, open_manifest
-    from objckpt.writers import open_store
+    from objckpt.verify import copy_checkpoint
 
     src_loc = ctx.location(src, "SRC")
     dst_loc = ctx.location(dst, "DST")
-    store = open_store(src_loc)
-    try:
-        total = open_manifest(store).total_bytes
-    finally:
-        store.close()
-    with _progress(total, "copying", ctx.as_json) as bar:
+    source = _committed_manifest(src_loc)
+    with _progress(source.total_bytes, "copying", ctx.as_json) as bar:
         manifest = copy_checkpoint(
             src_loc,
             dst_loc,
+            manifest=source,
             overwrite=overwrite,
             progress=bar.update if bar is not None else None,
         )

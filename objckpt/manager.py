@@ -100,7 +100,6 @@ class CheckpointManager:
         self._lock = threading.RLock()
         self._steps: dict[int, StepInfo] = {}
         self._finished: list[int] = []
-        self._handles: dict[int, SaveHandle] = {}
         self.reload()
         self._checkpointer = AsyncCheckpointer(
             storage_options=self.storage_options,
@@ -164,8 +163,6 @@ class CheckpointManager:
             if inner is exc:
                 raise
             raise inner from exc
-        with self._lock:
-            self._handles[step] = handle
         handle.add_done_callback(lambda h: self._on_done(step, h))
         return handle
 
@@ -198,7 +195,6 @@ class CheckpointManager:
         """Steps that committed since the last call (cheap; never blocks)."""
         with self._lock:
             done, self._finished = self._finished, []
-            self._handles = {s: h for s, h in self._handles.items() if not h.done()}
         return sorted(done)
 
     def wait_until_finished(self) -> None:

@@ -139,8 +139,12 @@ class ObjectStoreWriter(StorageWriter):
             self._refuse_existing(store)
         return plan
 
+    def _next_attempt(self) -> str:
+        """The attempt id of the save being planned (coordinator)."""
+        return new_attempt_id()
+
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        attempt = new_attempt_id()
+        attempt = self._next_attempt()
         self._attempt = attempt
         return [
             dataclasses.replace(p, storage_data=RankPlan(rank=i, attempt=attempt))

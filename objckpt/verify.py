@@ -125,11 +125,16 @@ def _check(store: ObjectStore, entry: ObjectEntry, progress: Progress | None) ->
 
 
 def verify_checkpoint(
-    location: Location, *, progress: Progress | None = None, parallel: int = 4
+    location: Location,
+    *,
+    manifest: Manifest | None = None,
+    progress: Progress | None = None,
+    parallel: int = 4,
 ) -> VerifyReport:
     """Read every object of a committed checkpoint and check it against the manifest.
 
     Args:
+        manifest: The checkpoint's manifest when the caller has read it already.
         progress: Called with bytes read, as reading goes (from worker threads).
 
     Raises:
@@ -139,7 +144,7 @@ def verify_checkpoint(
     """
     store = open_store(location)
     try:
-        manifest = open_manifest(store)
+        manifest = manifest or open_manifest(store)
         with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
             checks = list(pool.map(lambda e: _check(store, e, progress), manifest.objects))
     finally:
@@ -181,6 +186,7 @@ def copy_checkpoint(
     src: Location,
     dst: Location,
     *,
+    manifest: Manifest | None = None,
     overwrite: bool = False,
     progress: Progress | None = None,
     parallel: int = 4,
@@ -188,7 +194,8 @@ def copy_checkpoint(
     """Copy a committed checkpoint; the manifest is written last, create-only.
 
     Every object is checked against the source manifest while it streams, so a
-    corrupt source never produces a committed copy.
+    corrupt source never produces a committed copy. ``manifest`` is the source's,
+    when the caller has read it already.
 
     Raises:
         CheckpointNotFoundError, CheckpointNotCommittedError: at ``src``.
@@ -198,8 +205,7 @@ def copy_checkpoint(
     src_store = open_store(src)
     dst_store = open_store(dst, UploadOptions())
     try:
-        manifest = open_manifest(src_store)
-        raw = src_store.read(MANIFEST_KEY)
+        manifest = manifest or open_manifest(src_store)
         if dst_store.exists(MANIFEST_KEY):
             if not overwrite:
                 raise CheckpointExistsError(
@@ -216,7 +222,7 @@ def copy_checkpoint(
             ]
             for f in futures:
                 f.result()
-        dst_store.create(MANIFEST_KEY, raw, overwrite=overwrite)
+        dst_store.create(MANIFEST_KEY, manifest.to_json_bytes(), overwrite=overwrite)
     finally:
         src_store.close()
         dst_store.close()
