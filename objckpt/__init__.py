@@ -8,6 +8,7 @@ never leaves a checkpoint that looks valid.
 from objckpt import errors
 from objckpt._version import __version__
 from objckpt.async_save import AsyncCheckpointer, AsyncOptions, SaveHandle, async_save
+from objckpt.backup import BackupStatus, BackupTarget
 from objckpt.config import Config, load_config
 from objckpt.location import Location
 from objckpt.manager import CheckpointManager
@@ -23,6 +24,8 @@ __all__ = [
     "AsyncCheckpointer",
     "AsyncOptions",
     "AsyncRequest",
+    "BackupStatus",
+    "BackupTarget",
     "CheckpointManager",
     "Config",
     "Location",

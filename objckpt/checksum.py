@@ -9,6 +9,8 @@ as they stream past, without a copy or a second pass.
 
 from __future__ import annotations
 
+import base64
+
 import crc32c as _crc32c
 
 __all__ = ["BytesLike", "Crc32c", "format_crc", "parse_crc"]
@@ -34,6 +36,15 @@ class Crc32c:
 def format_crc(value: int) -> str:
     """The manifest's form of a CRC32C: 8 lowercase hex digits."""
     return f"{value:08x}"
+
+
+def crc_from_base64(text: str) -> str:
+    """The manifest's form of a CRC32C that a store reports as base64 of 4
+    big-endian bytes (S3's ``ChecksumCRC32C``, GCS's ``crc32c``)."""
+    raw = base64.b64decode(text)
+    if len(raw) != 4:
+        raise ValueError(f"a CRC32C is 4 bytes, got {len(raw)} from {text!r}")
+    return raw.hex()
 
 
 def parse_crc(text: str) -> int:

@@ -21,12 +21,17 @@ import functools
 import json
 import logging
 import sys
+import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from objckpt.errors import CheckpointNotFoundError, ObjckptError
+from objckpt.location import Location
+
+if TYPE_CHECKING:
+    from objckpt.steps import StepInfo
 
 __all__ = ["main"]
 
@@ -66,7 +71,6 @@ class _Context:
 
     def storage_options(self, url: str) -> dict[str, Any]:
         """Options for ``url``: the config's, then --storage-option; none for local paths."""
-        from objckpt.location import Location
 
         if Location.parse(url).is_local:
             return {}
@@ -75,7 +79,6 @@ class _Context:
         return merged
 
     def location(self, url: str | None, what: str) -> Any:
-        from objckpt.location import Location
 
         if url is None:
             if self.config is None:
@@ -172,7 +175,8 @@ def main(ctx: click.Context, verbose: int, config: str | None) -> None:
 @click.argument("root", required=False)
 @_command
 def ls_command(ctx: _Context, root: str | None) -> None:
-    """List the steps under ROOT: committed or not, objects, bytes, time."""
+    """List the steps under ROOT: committed or not, objects, bytes, time; with a
+    config naming backups, how far each backup trails."""
     from objckpt.steps import inventory, steps_of
     from objckpt.writers import open_store
 
@@ -193,20 +197,56 @@ def ls_command(ctx: _Context, root: str | None) -> None:
         }
         for s in steps
     ]
+    backups = _backup_lag(ctx, loc, steps)
 
     def human() -> None:
         if not steps:
             click.echo(f"no steps under {loc.url}")
-            return
-        click.echo(f"{'step':>12}  {'state':<11} {'objects':>7} {'bytes':>15}  modified")
+        else:
+            click.echo(f"{'step':>12}  {'state':<11} {'objects':>7} {'bytes':>15}  modified")
         for d in doc:
             state = "committed" if d["committed"] else "incomplete"
             click.echo(
                 f"{d['step']:>12}  {state:<11} {d['objects']:>7} {d['bytes']:>15,}  "
                 f"{d['modified'] or '-'}"
             )
+        for b in backups:
+            latest = "none" if b["latest_step"] is None else f"step {b['latest_step']}"
+            line = (
+                f"backup {b['url']} ({b['mode']}): latest {latest}, "
+                f"{b['steps_behind']} step(s) / {b['seconds_behind']:.0f} s behind"
+            )
+            click.echo(line + (f" [{b['error']}]" if b["error"] else ""))
 
-    ctx.emit({"root": loc.url, "steps": doc}, human)
+    ctx.emit({"root": loc.url, "steps": doc, "backups": backups}, human)
+
+
+def _backup_lag(ctx: _Context, loc: Location, steps: list[StepInfo]) -> list[dict[str, Any]]:
+    """Lag of the config's backups when ``loc`` is the config's root."""
+    from objckpt.backup import committed_steps, lag_of
+
+    config = ctx.config
+    if config is None or not config.backups or Location.parse(config.root).url != loc.url:
+        return []
+    out = []
+    for target in config.backups:
+        error = None
+        try:
+            held = [s.step for s in committed_steps(target.location)]
+        except ObjckptError as exc:
+            held, error = [], str(exc)
+        behind, seconds = lag_of(steps, held, time.time())
+        out.append(
+            {
+                "url": target.location.url,
+                "mode": target.mode,
+                "latest_step": max(held) if held else None,
+                "steps_behind": behind,
+                "seconds_behind": round(seconds, 1),
+                "error": error,
+            }
+        )
+    return out
 
 
 @main.command("info")
@@ -372,24 +412,32 @@ def cp_command(ctx: _Context, src: str, dst: str, overwrite: bool) -> None:
     dst_loc = ctx.location(dst, "DST")
     source = _committed_manifest(src_loc)
     with _progress(source.total_bytes, "copying", ctx.as_json) as bar:
-        manifest = copy_checkpoint(
+        report = copy_checkpoint(
             src_loc,
             dst_loc,
             manifest=source,
             overwrite=overwrite,
             progress=bar.update if bar is not None else None,
         )
+    manifest = report.manifest
+    if not report.copied:
+        summary = f"{dst_loc.url} already holds this checkpoint; nothing copied"
+    else:
+        summary = (
+            f"copied {src_loc.url} -> {dst_loc.url} ({len(manifest.objects)} objects, "
+            f"{manifest.total_bytes:,} bytes; {report.server_side} copied server-side)"
+        )
     ctx.emit(
         {
             "src": src_loc.url,
             "dst": dst_loc.url,
+            "copied": report.copied,
             "objects": len(manifest.objects),
             "bytes": manifest.total_bytes,
+            "server_side": report.server_side,
+            "streamed": report.streamed,
         },
-        lambda: click.echo(
-            f"copied {src_loc.url} -> {dst_loc.url} "
-            f"({len(manifest.objects)} objects, {manifest.total_bytes:,} bytes)"
-        ),
+        lambda: click.echo(summary),
     )
 
 

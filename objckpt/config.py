@@ -31,6 +31,9 @@ Schema (every table optional except ``root``)::
     [[backups]]                             # copies of each committed step (see README)
     url = "gs://replica/run-1"
     storage = { env = { token = "GOOGLE_APPLICATION_CREDENTIALS" } }
+    mode = "copy"                           # or "replicated": the bucket replicates itself
+    retention = { keep_last = 10 }          # the target's own; default: the primary's
+    replica_timeout = 900                   # "replicated": seconds to wait for a step
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from objckpt.async_save import AsyncOptions
+from objckpt.backup import BackupTarget
 from objckpt.errors import ConfigurationError
 from objckpt.gc import DEFAULT_GRACE
 from objckpt.location import Location
@@ -76,14 +80,6 @@ _STORAGE = {"options", "env", "profile"}
 
 
 @dataclasses.dataclass(frozen=True)
-class BackupTarget:
-    """A backup root and the options to reach it."""
-
-    url: str
-    storage_options: Mapping[str, Any] = dataclasses.field(repr=False)
-
-
-@dataclasses.dataclass(frozen=True)
 class Config:
     """A validated config file, with storage options resolved from the environment."""
 
@@ -103,6 +99,7 @@ class Config:
             "storage_options": self.storage_options,
             "retention": self.retention,
             "async_options": self.async_options,
+            "backups": self.backups,
         }
         kwargs.update(overrides)
         return CheckpointManager(self.root, **kwargs)
@@ -201,16 +198,26 @@ def parse_config(
     for i, entry in enumerate(backups_raw):
         where = f"backups[{i}]"
         entry = _table(entry, where, source)
-        _no_unknown(entry, {"url", "storage"}, f"{where}.", source)
+        _no_unknown(
+            entry, {"url", "storage", "mode", "retention", "replica_timeout"}, f"{where}.", source
+        )
         url = entry.get("url")
         if not isinstance(url, str) or not url:
             raise ConfigurationError(f"{source}: {where}.url is required")
         opts = _storage(entry.get("storage", {}), f"{where}.storage", source, environ)
+        policy = None
+        if "retention" in entry:
+            policy = _typed(
+                RetentionPolicy,
+                _table(entry["retention"], f"{where}.retention", source),
+                f"{where}.retention",
+                source,
+            )
+        extra = {k: entry[k] for k in ("mode", "replica_timeout") if k in entry}
         try:
-            Location.parse(url, opts)
+            backups.append(BackupTarget(url, opts, retention=policy, **extra))
         except ConfigurationError as exc:
-            raise ConfigurationError(f"{source}: {where}.url: {exc}") from None
-        backups.append(BackupTarget(url, opts))
+            raise ConfigurationError(f"{source}: {where}: {exc}") from None
     return Config(
         source=source,
         root=root,

@@ -25,15 +25,17 @@ exception text at ERROR level, so an error message is as public as a log line.
     │   └── CheckpointNotCommittedError       payload present, no manifest
     ├── CheckpointExistsError (FileExistsError)
     ├── ManifestError (ValueError)            manifest unreadable, malformed or too new
-    └── IntegrityError                        bytes on the store do not match the manifest
-        ├── ChecksumMismatchError
-        └── SizeMismatchError
+    ├── IntegrityError                        bytes on the store do not match the manifest
+    │   ├── ChecksumMismatchError
+    │   └── SizeMismatchError
+    └── BackupError                           a backup target is not up to date
 """
 
 from __future__ import annotations
 
 __all__ = [
     "AccessDeniedError",
+    "BackupError",
     "BucketNotFoundError",
     "CheckpointExistsError",
     "CheckpointNotCommittedError",
@@ -114,3 +116,7 @@ class ChecksumMismatchError(IntegrityError):
 
 class SizeMismatchError(IntegrityError):
     """An object is shorter or longer than the manifest says."""
+
+
+class BackupError(ObjckptError):
+    """A backup target could not be brought up to date (the primary is unaffected)."""

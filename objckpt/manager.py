@@ -11,7 +11,9 @@ The glue every training loop writes around DCP, done once and carefully:
   it, and the last good step is never deleted before a newer one is committed.
 
 Every rank of a process group builds its own manager with the same arguments
-and calls ``save`` together; only the coordinator (rank 0) deletes.
+and calls ``save`` together; only the coordinator (rank 0) deletes and makes
+backups (:mod:`objckpt.backup`). ``load`` falls back to the first backup that
+holds the step when the primary lacks it or fails verification.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import logging
 import threading
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -28,7 +30,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from objckpt.async_save import AsyncCheckpointer, AsyncOptions, SaveHandle
-from objckpt.errors import CheckpointNotFoundError, ConfigurationError, ObjckptError
+from objckpt.backup import BackupStatus, BackupTarget, Replicator, committed_steps
+from objckpt.errors import (
+    CheckpointNotFoundError,
+    ConfigurationError,
+    IntegrityError,
+    ManifestError,
+    ObjckptError,
+    StoreError,
+)
 from objckpt.gc import DEFAULT_GRACE, GcReport, collect_garbage, delete_step
 from objckpt.location import Location
 from objckpt.manifest import Manifest
@@ -65,6 +75,8 @@ class CheckpointManager:
         process_group: The group that saves together (default: the default group).
         upload: Object and part sizing for the upload workers.
         async_options: Workers, saves in flight, barrier timeout, staging budget.
+        backups: Backup roots (URLs or :class:`~objckpt.backup.BackupTarget`);
+            each committed step is copied there in the background by rank 0.
 
     Raises:
         ConfigurationError: Bad URL or option.
@@ -83,6 +95,7 @@ class CheckpointManager:
         process_group: Any | None = None,
         upload: UploadOptions | None = None,
         async_options: AsyncOptions | None = None,
+        backups: Sequence[str | BackupTarget] = (),
     ) -> None:
         rules = (keep_last, keep_every, keep_newer_than)
         if retention is not None and any(r is not None for r in rules):
@@ -100,7 +113,16 @@ class CheckpointManager:
         self._lock = threading.RLock()
         self._steps: dict[int, StepInfo] = {}
         self._finished: list[int] = []
+        self.backups = tuple(BackupTarget.coerce(b) for b in backups)
+        self._replicator: Replicator | None = None
+        if self.backups and self.rank == 0:
+            self._replicator = Replicator(
+                self.root, self.backups, retention=self.retention, on_done=self._after_backup
+            )
         self.reload()
+        if self._replicator is not None:
+            self._replicator.scan()
+            self._catch_up(self._replicator)
         self._checkpointer = AsyncCheckpointer(
             storage_options=self.storage_options,
             upload=upload,
@@ -117,10 +139,19 @@ class CheckpointManager:
 
     # -- steps ------------------------------------------------------------------------------
     def reload(self) -> None:
-        """Re-list the root (steps committed by another process show up)."""
+        """Re-list the root (steps committed by another process show up).
+
+        With backups configured, an unreachable primary is a warning (loading can
+        still fall back to a backup); without, it raises :class:`StoreError`.
+        """
         store = open_store(self.root)
         try:
             found = steps_of(inventory(store.fs, self.root), self.root)
+        except StoreError as exc:
+            if not self.backups:
+                raise
+            logger.warning("primary %s cannot be listed (%s); backups remain", self.root.url, exc)
+            found = []
         finally:
             store.close()
         with self._lock:
@@ -184,8 +215,21 @@ class CheckpointManager:
         info = StepInfo(step, url, True, len(manifest.objects), manifest.total_bytes, time.time())
         with self._lock:
             self._steps[step] = info
+        if self._replicator is not None:
+            self._replicator.submit(step, manifest)
+        self._apply_retention()
+
+    def _after_backup(self, step: int) -> None:
+        self._apply_retention()
+
+    def _apply_retention(self) -> None:
+        """Coordinator: delete what the policy drops, sparing steps still being backed up."""
+        spared = self._replicator.pending() if self._replicator is not None else frozenset()
+        with self._lock:
             doomed = self.retention.to_delete(list(self._steps.values()), time.time())
         for old in doomed:
+            if old in spared:
+                continue
             try:
                 self.delete(old)
             except Exception as exc:  # the save committed; a failed deletion is retried later
@@ -215,19 +259,70 @@ class CheckpointManager:
     ) -> int:
         """Load ``step`` (the latest committed when None) into ``state_dict`` in place.
 
+        The primary is read first. When the step is missing there, or an object
+        fails its size/CRC32C check, or the primary cannot be reached, the first
+        backup holding the step is used instead, and the log says which. With
+        ``step=None`` and no step on the primary, the newest backed-up step loads.
+
         Returns the step loaded.
 
         Raises:
-            CheckpointNotFoundError: No committed step (or not this one) under the root.
-            IntegrityError: An object fails its size or CRC32C check.
+            CheckpointNotFoundError: No committed step (or not this one) anywhere.
+            IntegrityError: An object fails its check on the primary and every backup.
         """
         if step is None:
             step = self.latest_step()
+            if step is None and self.backups:
+                step = self._newest_backed_up()
             if step is None:
                 raise CheckpointNotFoundError(f"no committed step under {self.root.url}")
-        reader = ObjectStoreReader(
-            self.step_url(step), storage_options=self.storage_options, read=read
-        )
+        roots = [self.root] + [b.location for b in self.backups]
+        failures: list[BaseException] = []
+        for i, root in enumerate(roots):
+            url = root.child(step_name(step)).url
+            try:
+                self._load_from(url, root.storage_options, state_dict, read)
+            except (CheckpointNotFoundError, IntegrityError, ManifestError, StoreError) as exc:
+                failures.append(exc)
+                if i + 1 < len(roots):
+                    logger.warning(
+                        "cannot load step %d from %s (%s); trying its backup", step, url, exc
+                    )
+                continue
+            if i:
+                logger.warning(
+                    "loaded step %d from backup %s because the primary failed: %s",
+                    step,
+                    url,
+                    failures[0],
+                )
+            return step
+        if len(failures) > 1:
+            failures[0].add_note(
+                "backups tried: " + "; ".join(f"{type(e).__name__}: {e}" for e in failures[1:])
+            )
+        raise failures[0]
+
+    def _newest_backed_up(self) -> int | None:
+        newest = None
+        for target in self.backups:
+            try:
+                steps = [s.step for s in committed_steps(target.location)]
+            except StoreError as exc:
+                logger.warning("cannot list backup %s: %s", target.url, exc)
+                continue
+            if steps and (newest is None or max(steps) > newest):
+                newest = max(steps)
+        return newest
+
+    def _load_from(
+        self,
+        url: str,
+        storage_options: Mapping[str, Any],
+        state_dict: dict[str, Any],
+        read: ReadOptions | None,
+    ) -> None:
+        reader = ObjectStoreReader(url, storage_options=storage_options, read=read)
         distributed = dist.is_available() and dist.is_initialized()
         try:
             with warnings.catch_warnings():
@@ -243,7 +338,34 @@ class CheckpointManager:
             if inner is exc:
                 raise
             raise inner from exc
-        return step
+
+    # -- backups ----------------------------------------------------------------------------
+    def backup_status(self) -> list[BackupStatus]:
+        """How far each backup trails the primary (steps and seconds). Coordinator only."""
+        self._coordinator_only("backup_status")
+        if self._replicator is None:
+            return []
+        with self._lock:
+            steps = list(self._steps.values())
+        return self._replicator.status(steps)
+
+    def wait_for_backups(self, timeout: float | None = None) -> None:
+        """Wait until every committed step handed to the backups is there.
+
+        Raises:
+            TimeoutError: Backups still running after ``timeout`` seconds.
+            BackupError: A target could not be brought up to date.
+        """
+        if self._replicator is not None:
+            self._replicator.wait(timeout)
+
+    def _catch_up(self, replicator: Replicator) -> None:
+        """At start: back up the newest primary step where a target lacks it."""
+        latest = self.latest_step()
+        if latest is None:
+            return
+        if replicator.lacking(latest):
+            replicator.submit(latest)
 
     # -- deleting ---------------------------------------------------------------------------
     def delete(self, step: int) -> None:
@@ -271,8 +393,11 @@ class CheckpointManager:
 
     # -- lifetime ---------------------------------------------------------------------------
     def close(self) -> None:
-        """Wait for saves in flight, then stop the workers (errors stay for check_for_errors)."""
+        """Wait for saves in flight and their backups, then stop the workers (errors
+        stay for check_for_errors and wait_for_backups)."""
         self._checkpointer.close()
+        if self._replicator is not None:
+            self._replicator.close()
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -34,7 +34,15 @@ from objckpt.options import UploadOptions
 from objckpt.translate import translate
 from objckpt.writers import ObjectStore, open_store
 
-__all__ = ["ObjectCheck", "VerifyReport", "copy_checkpoint", "open_manifest", "verify_checkpoint"]
+__all__ = [
+    "CopyReport",
+    "ObjectCheck",
+    "VerifyReport",
+    "check_replica",
+    "copy_checkpoint",
+    "open_manifest",
+    "verify_checkpoint",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -155,15 +163,45 @@ def verify_checkpoint(
     return VerifyReport(location.url, manifest, tuple(checks))
 
 
+def _digest_check(
+    dst: ObjectStore, entry: ObjectEntry, progress: Progress | None, *, source: str
+) -> ObjectCheck:
+    """Check ``dst``'s copy of ``entry``: the store's own full-object CRC32C when
+    it keeps one (no payload read), else read the object back."""
+    try:
+        size, crc = dst.digest(entry.key)
+    except FileNotFoundError:
+        return ObjectCheck(entry.key, entry.size, entry.crc32c, None, None, "missing")
+    if crc is None:
+        return _check(dst, entry, progress)
+    if progress is not None:
+        progress(entry.size)
+    problem = None
+    if size != entry.size:
+        problem = f"size {size} != {entry.size} in the manifest of {source}"
+    elif crc != entry.crc32c:
+        problem = f"CRC32C {crc} != {entry.crc32c} in the manifest of {source}"
+    return ObjectCheck(entry.key, entry.size, entry.crc32c, size, crc, problem)
+
+
 def _copy_object(
     src: ObjectStore, dst: ObjectStore, entry: ObjectEntry, progress: Progress | None
-) -> None:
+) -> bool:
+    """Copy one object, checked against the manifest; True when copied server-side."""
+    if dst.copy_from(src, entry.key, entry.size):
+        check = _digest_check(dst, entry, progress, source=src.location.url)
+        if check.problem is not None:
+            with contextlib.suppress(Exception):  # never committed; gc removes it otherwise
+                dst.delete(entry.key)
+            cls = SizeMismatchError if check.problem.startswith("size") else ChecksumMismatchError
+            raise cls(f"server-side copy of {src.location.url_of(entry.key)}: {check.problem}")
+        return True
     if entry.key == METADATA_KEY:  # small, and replaced in place on an overwrite
         chunks: list[bytes] = []
         size, crc = _stream(src, entry.key, chunks.append, progress)
         _check_copy(src, entry, size, crc)
         dst.put(entry.key, b"".join(chunks))
-        return
+        return False
     upload = dst.begin(entry.key, entry.size)
     try:
         size, crc = _stream(src, entry.key, upload.write, progress)
@@ -172,6 +210,7 @@ def _copy_object(
     except BaseException:
         upload.abort()
         raise
+    return False
 
 
 def _check_copy(src: ObjectStore, entry: ObjectEntry, size: int, crc: str) -> None:
@@ -182,6 +221,53 @@ def _check_copy(src: ObjectStore, entry: ObjectEntry, size: int, crc: str) -> No
         raise ChecksumMismatchError(f"{where} has CRC32C {crc}, the manifest says {entry.crc32c}")
 
 
+@dataclasses.dataclass(frozen=True)
+class CopyReport:
+    """What :func:`copy_checkpoint` did.
+
+    Attributes:
+        copied: False when ``dst`` already held this very checkpoint (same attempt).
+        server_side: Objects the provider copied itself (no bytes through this host).
+        streamed: Objects read here and written to ``dst``.
+    """
+
+    src: str
+    dst: str
+    manifest: Manifest
+    copied: bool
+    server_side: int
+    streamed: int
+
+
+def check_replica(
+    replica: Location, manifest: Manifest, *, parallel: int = 4
+) -> tuple[ObjectCheck, ...] | str:
+    """Whether ``replica`` holds the checkpoint ``manifest`` describes, object by
+    object: a store-kept CRC32C where there is one, else the bytes read back.
+
+    Returns the checks, or a string saying why there is nothing to check yet
+    (no manifest, a different attempt).
+    """
+    store = open_store(replica)
+    try:
+        try:
+            theirs = read_manifest(store)
+        except FileNotFoundError:
+            return f"no {MANIFEST_KEY} at {replica.url} yet"
+        except ManifestError as exc:
+            return f"{replica.url}: {exc}"
+        if theirs.attempt != manifest.attempt:
+            return f"{replica.url} holds attempt {theirs.attempt}, not {manifest.attempt}"
+        with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
+            return tuple(
+                pool.map(
+                    lambda e: _digest_check(store, e, None, source="the primary"), manifest.objects
+                )
+            )
+    finally:
+        store.close()
+
+
 def copy_checkpoint(
     src: Location,
     dst: Location,
@@ -190,41 +276,53 @@ def copy_checkpoint(
     overwrite: bool = False,
     progress: Progress | None = None,
     parallel: int = 4,
-) -> Manifest:
+    upload: UploadOptions | None = None,
+) -> CopyReport:
     """Copy a committed checkpoint; the manifest is written last, create-only.
 
-    Every object is checked against the source manifest while it streams, so a
-    corrupt source never produces a committed copy. ``manifest`` is the source's,
-    when the caller has read it already.
+    Objects go server-side where both ends are one provider reachable with the
+    same options (S3 CopyObject/UploadPartCopy, GCS rewrite), checked by the
+    CRC32C the provider computes of the copy; otherwise they stream through this
+    host, checked while they stream. Either way a corrupt source never produces a
+    committed copy. ``manifest`` is the source's, when the caller has read it.
+    A destination already holding the same attempt is left as it is. ``upload``
+    sizes the parts of streamed and server-side multipart copies.
 
     Raises:
         CheckpointNotFoundError, CheckpointNotCommittedError: at ``src``.
-        CheckpointExistsError: ``dst`` already holds a committed checkpoint.
+        CheckpointExistsError: ``dst`` holds a different committed checkpoint
+            (and ``overwrite`` is False).
         IntegrityError: A source object fails its check (nothing committed at ``dst``).
     """
     src_store = open_store(src)
-    dst_store = open_store(dst, UploadOptions())
+    dst_store = open_store(dst, upload or UploadOptions())
     try:
         manifest = manifest or open_manifest(src_store)
         if dst_store.exists(MANIFEST_KEY):
+            with contextlib.suppress(ManifestError, FileNotFoundError):
+                if read_manifest(dst_store).attempt == manifest.attempt:
+                    logger.info("%s already holds this checkpoint (same attempt)", dst.url)
+                    return CopyReport(src.url, dst.url, manifest, False, 0, 0)
             if not overwrite:
                 raise CheckpointExistsError(
                     f"{dst.url} already holds a committed checkpoint; pass overwrite to replace it"
                 )
-            with contextlib.suppress(ManifestError, FileNotFoundError):
-                if read_manifest(dst_store).attempt == manifest.attempt:
-                    logger.info("%s already holds this checkpoint (same attempt)", dst.url)
-                    return manifest
         with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
             futures = [
                 pool.submit(_copy_object, src_store, dst_store, e, progress)
                 for e in manifest.objects
             ]
-            for f in futures:
-                f.result()
+            server_side = sum(bool(f.result()) for f in futures)
         dst_store.create(MANIFEST_KEY, manifest.to_json_bytes(), overwrite=overwrite)
     finally:
         src_store.close()
         dst_store.close()
-    logger.info("copied %s to %s (%d objects)", src.url, dst.url, len(manifest.objects))
-    return manifest
+    streamed = len(manifest.objects) - server_side
+    logger.info(
+        "copied %s to %s (%d objects server-side, %d streamed)",
+        src.url,
+        dst.url,
+        server_side,
+        streamed,
+    )
+    return CopyReport(src.url, dst.url, manifest, True, server_side, streamed)

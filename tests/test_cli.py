@@ -152,9 +152,14 @@ def test_cp_copies_between_stores_and_checks(cli, run_root: str, tmp_path) -> No
     load(got, dst, StoreTarget(root=dst, storage_options={}))
     assert torch.equal(got["w"], _state(2)["w"]) and got["step"] == 2
     assert cli("verify", dst).exit_code == 0
-    again = cli("cp", src, dst)
-    assert again.exit_code == 4 and "already holds a committed checkpoint" in again.output
-    assert cli("cp", src, dst, "--overwrite").exit_code == 0
+    again = cli("cp", src, dst)  # the same checkpoint again: nothing to do
+    assert again.exit_code == 0 and "already holds this checkpoint" in again.output
+    other = cli("cp", f"{run_root}/{step_name(1)}", dst)
+    assert other.exit_code == 4 and "already holds a committed checkpoint" in other.output
+    assert cli("cp", f"{run_root}/{step_name(1)}", dst, "--overwrite").exit_code == 0
+    got["step"] = -1
+    load(got, dst, StoreTarget(root=dst, storage_options={}))
+    assert got["step"] == 1
     uncommitted = cli("cp", f"{run_root}/{step_name(3)}", f"file://{tmp_path}/c3")
     assert uncommitted.exit_code == 3 and "never committed" in uncommitted.output
     assert not (tmp_path / "c3").exists()

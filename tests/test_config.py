@@ -33,6 +33,11 @@ url = "file:///backups/run-1"
 [[backups]]
 url = "gs://replica/run-1"
 storage = { env = { token = "GCS_TOKEN" } }
+mode = "replicated"
+replica_timeout = 120
+
+[backups.retention]
+keep_last = 10
 """
 
 ENV = {"MY_KEY_VAR": "AKIA-TEST", "MY_SECRET_VAR": "s3cr3t", "GCS_TOKEN": "anon"}
@@ -55,6 +60,9 @@ def test_a_full_config_parses(tmp_path) -> None:
     assert cfg.gc_grace == 600
     assert [b.url for b in cfg.backups] == ["file:///backups/run-1", "gs://replica/run-1"]
     assert cfg.backups[1].storage_options == {"token": "anon"}
+    assert cfg.backups[0].mode == "copy" and cfg.backups[0].retention is None
+    assert cfg.backups[1].mode == "replicated" and cfg.backups[1].replica_timeout == 120
+    assert cfg.backups[1].retention == RetentionPolicy(keep_last=10)
     assert "s3cr3t" not in repr(cfg)  # secrets stay out of reprs and logs
 
 
@@ -81,6 +89,15 @@ def test_only_root_is_required() -> None:
         ('root = "s3://b/r"\n[gc]\ngrace = -1', "gc.grace must be"),
         ('root = "s3://b/r"\n[[backups]]\nstorage = {}', r"backups\[0\]\.url is required"),
         ('root = "s3://b/r"\nbackups = "x"', "backups must be an array"),
+        (
+            'root = "s3://b/r"\n[[backups]]\nurl = "s3://c/r"\nmode = "mirror"',
+            r"backups\[0\]: backup s3://c/r: mode='mirror' is invalid",
+        ),
+        (
+            'root = "s3://b/r"\n[[backups]]\nurl = "s3://c/r"\nretention = { keep_last = 0 }',
+            r"\[backups\[0\]\.retention\] option keep_last=",
+        ),
+        ('root = "s3://b/r"\n[[backups]]\nurl = "s3://c/r"\nkeep = 1', r"backups\[0\]\.'keep'"),
     ],
 )
 def test_mistakes_name_the_file_and_key(text: str, message: str) -> None:

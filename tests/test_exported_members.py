@@ -10,6 +10,8 @@ def test_public_names_are_exactly_the_contract() -> None:
         "AsyncCheckpointer",
         "AsyncOptions",
         "AsyncRequest",
+        "BackupStatus",
+        "BackupTarget",
         "CheckpointManager",
         "Config",
         "RetentionPolicy",

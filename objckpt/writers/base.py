@@ -198,6 +198,46 @@ class ObjectStore(abc.ABC):
         except Exception as exc:
             raise translate(exc, url=self.location.url_of(key), action="checking") from exc
 
+    def same_service(self, other: ObjectStore) -> bool:
+        """Whether one client of this store can also read ``other``'s objects:
+        the same store family with the same options (endpoint, credentials)."""
+        return type(other) is type(self) and dict(other.location.storage_options) == dict(
+            self.location.storage_options
+        )
+
+    def copy_from(self, src: ObjectStore, key: str, size: int) -> bool:
+        """Copy ``src``'s object ``key`` to the same key here inside the provider.
+
+        Returns False, having done nothing, where no server-side copy applies (a
+        different provider or account, or a store without one); the caller then
+        streams the bytes. The copy is unverified: check it with :meth:`digest`.
+        """
+        return False
+
+    def digest(self, key: str) -> tuple[int, str | None]:
+        """The object's size and the full-object CRC32C the store keeps for it
+        (8 hex digits), or None where the store keeps none. Reads no payload.
+
+        Raises:
+            FileNotFoundError: The object is absent.
+        """
+        try:
+            info = self.fs.info(self.path(key))
+        except FileNotFoundError:
+            raise
+        except Exception as exc:
+            raise translate(exc, url=self.location.url_of(key), action="checking") from exc
+        return int(info.get("size") or 0), None
+
+    def delete(self, key: str) -> None:
+        """Remove one object (absent is fine)."""
+        try:
+            self.fs.rm_file(self.path(key))
+        except FileNotFoundError:
+            pass
+        except Exception as exc:
+            raise translate(exc, url=self.location.url_of(key), action="deleting") from exc
+
     def open_uploads(self) -> list[OpenUpload]:
         """Multipart uploads started under this location and never completed.
 
