@@ -80,10 +80,6 @@ class BackupTarget:
     def location(self) -> Location:
         return Location.parse(self.url, self.storage_options)
 
-    @classmethod
-    def coerce(cls, value: str | BackupTarget) -> BackupTarget:
-        return value if isinstance(value, BackupTarget) else cls(value)
-
 
 @dataclasses.dataclass(frozen=True)
 class BackupStatus:

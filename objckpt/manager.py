@@ -76,7 +76,8 @@ class CheckpointManager:
         upload: Object and part sizing for the upload workers.
         async_options: Workers, saves in flight, barrier timeout, staging budget.
         backups: Backup roots (URLs or :class:`~objckpt.backup.BackupTarget`);
-            each committed step is copied there in the background by rank 0.
+            each committed step is copied there in the background by rank 0. A
+            plain URL on the primary's protocol is reached with ``storage_options``.
 
     Raises:
         ConfigurationError: Bad URL or option.
@@ -113,7 +114,7 @@ class CheckpointManager:
         self._lock = threading.RLock()
         self._steps: dict[int, StepInfo] = {}
         self._finished: list[int] = []
-        self.backups = tuple(BackupTarget.coerce(b) for b in backups)
+        self.backups = tuple(self._target(b) for b in backups)
         self._replicator: Replicator | None = None
         if self.backups and self.rank == 0:
             self._replicator = Replicator(
@@ -129,6 +130,13 @@ class CheckpointManager:
             options=async_options,
             on_commit=self._on_commit,
         )
+
+    def _target(self, backup: str | BackupTarget) -> BackupTarget:
+        """A URL on the primary's protocol reuses the primary's storage options."""
+        if isinstance(backup, BackupTarget):
+            return backup
+        same = Location.parse(backup).protocol == self.root.protocol
+        return BackupTarget(backup, self.storage_options if same else {})
 
     @classmethod
     def from_config(cls, path: str, **overrides: Any) -> CheckpointManager:

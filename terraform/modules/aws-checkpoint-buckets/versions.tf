@@ -1,0 +1,11 @@
+terraform {
+  required_version = ">= 1.5"
+
+  required_providers {
+    aws = {
+      source                = "hashicorp/aws"
+      version               = ">= 5.40"
+      configuration_aliases = [aws.replica]
+    }
+  }
+}
