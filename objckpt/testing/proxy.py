@@ -182,8 +182,8 @@ class FaultProxy:
 
     @property
     def endpoint_url(self) -> str:
-        host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+        port = self._server.server_address[1]
+        return f"http://127.0.0.1:{port}"
 
     def storage_options(self) -> dict[str, Any]:
         """s3fs options that reach the upstream through this proxy."""
