@@ -16,6 +16,7 @@ from objckpt.manifest import Manifest
 from objckpt.options import ReadOptions, UploadOptions
 from objckpt.queue import AsyncCallsQueue, AsyncRequest
 from objckpt.retention import RetentionPolicy
+from objckpt.retry import RetryPolicy
 from objckpt.storage_reader import ObjectStoreReader
 from objckpt.storage_writer import ObjectStoreWriter
 
@@ -34,6 +35,7 @@ __all__ = [
     "ObjectStoreWriter",
     "ReadOptions",
     "RetentionPolicy",
+    "RetryPolicy",
     "SaveHandle",
     "UploadOptions",
     "__version__",

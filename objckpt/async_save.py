@@ -46,6 +46,7 @@ from objckpt.manifest import Manifest
 from objckpt.options import UploadOptions
 from objckpt.plan import ObjectPlan, RankPlan, assign_objects, estimate_size
 from objckpt.plan_cache import CachedPlan, PlanCacheStats, agree, cache_key, group_ranks
+from objckpt.retry import RetryPolicy
 from objckpt.serialize import PayloadRecord, resolve_bytes_items, written_object
 from objckpt.stage import Staged, Stager, Wave
 from objckpt.storage_writer import ObjectStoreWriter
@@ -310,6 +311,7 @@ class AsyncCheckpointer:
             per worker).
         options: Worker count, saves in flight, barrier timeout.
         on_commit: Called on the coordinator with (url, manifest) after each commit.
+        retry: How every store request is retried (:class:`~objckpt.RetryPolicy`).
     """
 
     def __init__(
@@ -319,8 +321,10 @@ class AsyncCheckpointer:
         upload: UploadOptions | None = None,
         options: AsyncOptions | None = None,
         on_commit: Callable[[str, Manifest], Any] | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
         self.storage_options = dict(storage_options or {})
+        self.retry = retry or RetryPolicy()
         # Measured on 2 cores against moto (1 GiB, medians of 3): 2 workers x 4 parts in
         # flight committed in 9.9 s, 2 x 8 in 10.8 s, 1 x 8 in 11.5 s, 1 x 16 in 12.1 s.
         self.upload = upload or UploadOptions(max_inflight=4)
@@ -376,6 +380,7 @@ class AsyncCheckpointer:
             upload=self.upload,
             user_metadata=user_metadata,
             pool=self._pool,
+            retry=self.retry,
         )
         loc = writer.location
         with self._lock:

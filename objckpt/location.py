@@ -22,12 +22,14 @@ import fsspec
 from fsspec import AbstractFileSystem
 
 from objckpt.errors import ConfigurationError
+from objckpt.retry import RetryPolicy, install, s3_options
 
 __all__ = ["Location"]
 
 # The optional dependency each well-known protocol needs, for a helpful ImportError.
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
 _LOCAL = ("file", "local")
+_S3 = ("s3", "s3a")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +41,9 @@ class Location:
         protocol: fsspec's protocol name (``s3``, ``gs``, ``file``, ``memory``, ...).
         path: The URL in fsspec's protocol-less form (``bucket/prefix`` for object
             stores, an absolute path for ``file``).
-        storage_options: Passed untouched to ``fsspec.filesystem``.
+        storage_options: Passed to ``fsspec.filesystem`` (for S3, with the SDKs'
+            own retries off unless set: ``retry`` governs).
+        retry: How requests to the store are retried (:mod:`objckpt.retry`).
     """
 
     url: str
@@ -48,10 +52,16 @@ class Location:
     storage_options: Mapping[str, Any] = dataclasses.field(
         default_factory=dict, repr=False, compare=False, hash=False
     )
+    retry: RetryPolicy = dataclasses.field(
+        default_factory=RetryPolicy, repr=False, compare=False, hash=False
+    )
 
     @classmethod
     def parse(
-        cls, url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+        cls,
+        url: str | os.PathLike[str],
+        storage_options: Mapping[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
     ) -> Location:
         """Validate ``url`` and split it into protocol and path.
 
@@ -99,6 +109,7 @@ class Location:
             protocol=protocol,
             path=path.rstrip("/") or "/",
             storage_options=dict(storage_options or {}),
+            retry=retry or RetryPolicy(),
         )
 
     @classmethod
@@ -143,10 +154,12 @@ class Location:
             ConfigurationError: The backend package is missing or rejects the options.
         """
         options = dict(self.storage_options)
+        if self.protocol in _S3:
+            options = s3_options(options, self.retry)
         if fresh:
             options["skip_instance_cache"] = True
         try:
-            return fsspec.filesystem(self.protocol, **options)
+            fs = fsspec.filesystem(self.protocol, **options)
         except ImportError as exc:
             extra = _EXTRAS.get(self.protocol)
             hint = f"pip install 'objckpt[{extra}]'" if extra else "install its fsspec backend"
@@ -159,3 +172,5 @@ class Location:
                 f"the {self.protocol}:// backend rejected storage_options for {self.url} "
                 f"(option names given: {names}): {type(exc).__name__}"
             ) from exc
+        install(fs, self.retry)
+        return fs

@@ -44,6 +44,7 @@ from objckpt.location import Location
 from objckpt.manifest import Manifest
 from objckpt.options import ReadOptions, UploadOptions
 from objckpt.retention import RetentionPolicy
+from objckpt.retry import RetryPolicy
 from objckpt.steps import StepInfo, inventory, parse_step, step_name, steps_of
 from objckpt.storage_reader import ObjectStoreReader
 from objckpt.writers import open_store
@@ -78,6 +79,7 @@ class CheckpointManager:
         backups: Backup roots (URLs or :class:`~objckpt.backup.BackupTarget`);
             each committed step is copied there in the background by rank 0. A
             plain URL on the primary's protocol is reached with ``storage_options``.
+        retry: How every store request is retried (:class:`~objckpt.RetryPolicy`).
 
     Raises:
         ConfigurationError: Bad URL or option.
@@ -97,6 +99,7 @@ class CheckpointManager:
         upload: UploadOptions | None = None,
         async_options: AsyncOptions | None = None,
         backups: Sequence[str | BackupTarget] = (),
+        retry: RetryPolicy | None = None,
     ) -> None:
         rules = (keep_last, keep_every, keep_newer_than)
         if retention is not None and any(r is not None for r in rules):
@@ -106,7 +109,8 @@ class CheckpointManager:
         self.retention = retention or RetentionPolicy(
             keep_last=keep_last, keep_every=keep_every, keep_newer_than=keep_newer_than
         )
-        self.root = Location.parse(root_url, storage_options)
+        self.retry = retry or RetryPolicy()
+        self.root = Location.parse(root_url, storage_options, self.retry)
         self.storage_options = dict(storage_options or {})
         self.process_group = process_group
         distributed = dist.is_available() and dist.is_initialized()
@@ -129,6 +133,7 @@ class CheckpointManager:
             upload=upload,
             options=async_options,
             on_commit=self._on_commit,
+            retry=self.retry,
         )
 
     def _target(self, backup: str | BackupTarget) -> BackupTarget:
@@ -330,7 +335,9 @@ class CheckpointManager:
         state_dict: dict[str, Any],
         read: ReadOptions | None,
     ) -> None:
-        reader = ObjectStoreReader(url, storage_options=storage_options, read=read)
+        reader = ObjectStoreReader(
+            url, storage_options=storage_options, read=read, retry=self.retry
+        )
         distributed = dist.is_available() and dist.is_initialized()
         try:
             with warnings.catch_warnings():

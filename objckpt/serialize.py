@@ -43,6 +43,9 @@ class _Sink:
         self.pos = 0
         self.object_crc = Crc32c()
         self.item_crc = Crc32c()
+        #: The store's error, kept because torch.save replaces it with its own
+        #: ("unexpected pos ...") that names neither the object nor the cause.
+        self.error: BaseException | None = None
 
     def write(self, data: BytesLike) -> int:
         view = memoryview(data)
@@ -50,7 +53,11 @@ class _Sink:
             view = view.cast("B")
         self.object_crc.update(view)
         self.item_crc.update(view)
-        self.upload.write(view)
+        try:
+            self.upload.write(view)
+        except BaseException as exc:
+            self.error = exc
+            raise
         self.pos += view.nbytes
         return view.nbytes
 
@@ -160,7 +167,12 @@ def write_payload(
         start = sink.pos
         sink.item_crc = Crc32c()
         if isinstance(data, torch.Tensor):
-            torch.save(_cpu_tensor(data), cast(IO[bytes], sink))
+            try:
+                torch.save(_cpu_tensor(data), cast(IO[bytes], sink))
+            except Exception as exc:
+                if sink.error is not None:
+                    raise sink.error from exc
+                raise
         else:
             sink.write(data)
         places.append((ident, start, sink.pos - start, sink.item_crc.hexdigest()))

@@ -46,6 +46,7 @@ from objckpt.layout import MANIFEST_KEY, METADATA_KEY, is_objckpt_payload, list_
 from objckpt.location import Location
 from objckpt.manifest import Manifest
 from objckpt.options import ReadOptions
+from objckpt.retry import RetryPolicy, retry_call
 from objckpt.translate import translate
 
 __all__ = ["ObjectStoreReader"]
@@ -86,9 +87,10 @@ class ObjectStoreReader(StorageReader):
         storage_options: Mapping[str, Any] | None = None,
         verify: bool = True,
         read: ReadOptions | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
         super().__init__()
-        self.location = Location.parse(url, storage_options)
+        self.location = Location.parse(url, storage_options, retry)
         self.options = dataclasses.replace(read or ReadOptions(), verify=verify)
         self._fs: AbstractFileSystem | None = None
         self._fs_pid = -1
@@ -113,7 +115,9 @@ class ObjectStoreReader(StorageReader):
         path = self.location.key_path(MANIFEST_KEY)
         try:
             self.fs.invalidate_cache(self.location.path)
-            data = self.fs.cat_file(path)
+            data = retry_call(
+                lambda: self.fs.cat_file(path), self.location.retry, f"reading {path}"
+            )
         except FileNotFoundError:
             self._open_without_manifest()
             return
@@ -180,7 +184,9 @@ class ObjectStoreReader(StorageReader):
     # -- DCP protocol ---------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
-            location = Location.parse(checkpoint_id, self.location.storage_options)
+            location = Location.parse(
+                checkpoint_id, self.location.storage_options, self.location.retry
+            )
             if location != self.location:
                 self.location = location
                 self._fs = None
@@ -278,6 +284,21 @@ class ObjectStoreReader(StorageReader):
                 starts.append(start)
                 ends.append(min(start + step, rng.end))
                 owner.append(n)
+        # A response cut off mid-body fails the batch; the whole batch is retried.
+        return retry_call(
+            lambda: self._fetch_once(batch, paths, starts, ends, owner),
+            self.location.retry,
+            f"reading {len(paths)} ranges of {self.location.url}",
+        )
+
+    def _fetch_once(
+        self,
+        batch: list[_Range],
+        paths: list[str],
+        starts: list[int],
+        ends: list[int],
+        owner: list[int],
+    ) -> list[bytes]:
         try:
             pieces = self.fs.cat_ranges(paths, starts, ends, on_error="return")
         except Exception as exc:

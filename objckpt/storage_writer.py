@@ -42,6 +42,7 @@ from objckpt.location import Location
 from objckpt.manifest import Manifest
 from objckpt.options import UploadOptions
 from objckpt.plan import RankPlan, assign_objects
+from objckpt.retry import RetryPolicy
 from objckpt.serialize import (
     WrittenObject,
     resolve_bytes_items,
@@ -84,6 +85,7 @@ class ObjectStoreWriter(StorageWriter):
         upload: UploadOptions | None = None,
         preflight_timeout: float = 30.0,
         user_metadata: Mapping[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(overwrite, bool):
@@ -94,7 +96,7 @@ class ObjectStoreWriter(StorageWriter):
             raise ConfigurationError(
                 f"option preflight_timeout={preflight_timeout!r} must be a positive number"
             )
-        self.location = Location.parse(url, storage_options)
+        self.location = Location.parse(url, storage_options, retry)
         self.overwrite = overwrite
         self.upload = upload or UploadOptions()
         self.preflight_timeout = float(preflight_timeout)
@@ -113,7 +115,7 @@ class ObjectStoreWriter(StorageWriter):
     # -- DCP protocol ---------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
-            new = Location.parse(checkpoint_id, self.location.storage_options)
+            new = Location.parse(checkpoint_id, self.location.storage_options, self.location.retry)
             if new.protocol != self.location.protocol and self._store is not None:
                 self._close_store()
             self.location = new

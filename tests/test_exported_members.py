@@ -15,6 +15,7 @@ def test_public_names_are_exactly_the_contract() -> None:
         "CheckpointManager",
         "Config",
         "RetentionPolicy",
+        "RetryPolicy",
         "load_config",
         "SaveHandle",
         "async_save",

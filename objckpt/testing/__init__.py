@@ -2,9 +2,11 @@
 
 Installed as a pytest plugin (entry point ``objckpt``), so a project that has
 objckpt installed gets the fixtures ``moto_server``, ``s3_bucket``,
-``gcs_emulator`` and ``gcs_bucket`` without any conftest code.
+``gcs_emulator`` and ``gcs_bucket`` without any conftest code. :class:`FaultProxy`
+sits in front of the moto server to record S3 operations and inject faults.
 """
 
+from objckpt.testing.proxy import FaultProxy, Rule, s3_operation
 from objckpt.testing.servers import (
     GcsEmulator,
     MotoServer,
@@ -15,10 +17,13 @@ from objckpt.testing.servers import (
 )
 
 __all__ = [
+    "FaultProxy",
     "GcsEmulator",
     "MotoServer",
+    "Rule",
     "free_port",
     "offline_env",
+    "s3_operation",
     "start_gcs_emulator",
     "start_moto_server",
 ]

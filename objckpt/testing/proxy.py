@@ -90,7 +90,8 @@ class Rule:
 
     Attributes:
         operation: S3 operation name to match (None: any).
-        key_contains: Substring of the request path to match (None: any).
+        key_contains: Substring of the request target, path and query, to match
+            (``"manifest.json"``, ``"partNumber=3&"``; None: any).
         action: ``status`` (answer ``status`` with an S3 error body), ``reset``
             (close the connection with a TCP reset, nothing answered), ``stall``
             (hold the request ``stall`` seconds, then forward it), ``truncate``
@@ -268,7 +269,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         headers = {k: v for k, v in self.headers.items()}
         operation = s3_operation(self.command, split.path, query, headers)
         body = self._body()
-        rule = self.proxy._decide(operation, split.path)
+        rule = self.proxy._decide(operation, self.path)  # path and query
         fault = None if rule is None else rule.action
         self.proxy._record(Seen(operation, self.command, split.path, fault))
         if rule is not None and rule.action == "stall":

@@ -34,10 +34,12 @@ from typing import Any
 from fsspec import AbstractFileSystem
 from fsspec.asyn import AsyncFileSystem, sync
 
+from objckpt import retry
 from objckpt.checksum import BytesLike
 from objckpt.errors import BucketNotFoundError
 from objckpt.location import Location
 from objckpt.options import UploadOptions
+from objckpt.throttle import AimdLimit
 from objckpt.translate import translate
 
 __all__ = ["BufferedUpload", "ObjectStore", "ObjectUpload", "OpenUpload", "translated_future"]
@@ -95,8 +97,10 @@ class ObjectStore(abc.ABC):
         self.location = location
         self.options = options
         self.fs = fs if fs is not None else location.open_fs(fresh=True)
-        # Bounds concurrent requests and the memory held by their buffers.
-        self._slots = threading.BoundedSemaphore(options.max_inflight)
+        # Bounds concurrent requests and the memory held by their buffers; halves
+        # under throttling and grows back (AIMD), told by the retry layer.
+        self.limit = AimdLimit(options.max_inflight)
+        retry.install(self.fs, location.retry, self.limit)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 
@@ -124,10 +128,10 @@ class ObjectStore(abc.ABC):
             return self._pool.submit(fn, *args)
 
     def acquire_slot(self) -> None:
-        self._slots.acquire()
+        self.limit.acquire()
 
     def release_slot(self, _: object = None) -> None:
-        self._slots.release()
+        self.limit.release()
 
     def path(self, key: str) -> str:
         return self.location.key_path(key)
@@ -185,7 +189,13 @@ class ObjectStore(abc.ABC):
     def read(self, key: str) -> bytes:
         """The whole object. Raises FileNotFoundError (plain) when it is absent."""
         try:
-            return bytes(self.fs.cat_file(self.path(key)))
+            return bytes(
+                retry.retry_call(
+                    lambda: self.fs.cat_file(self.path(key)),
+                    self.location.retry,
+                    f"reading {self.location.url_of(key)}",
+                )
+            )
         except FileNotFoundError:
             raise
         except Exception as exc:
