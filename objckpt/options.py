@@ -81,15 +81,25 @@ class ReadOptions:
             download in parallel.
         coalesce_gap: Ranges of one object closer than this are fetched as one.
         max_inflight_bytes: Bytes fetched but not yet copied into tensors.
+        trust_pickles: Let non-tensor values be unpickled with full pickle (custom
+            classes). Off: they are read with ``torch.load(weights_only=True)``,
+            which admits plain values only, so a crafted checkpoint cannot run code.
     """
 
     verify: bool = True
     range_size: int = 16 * MiB
     coalesce_gap: int = 1 * MiB
     max_inflight_bytes: int = 256 * MiB
+    trust_pickles: bool = False
 
     def __post_init__(self) -> None:
         _require(isinstance(self.verify, bool), "verify", self.verify, "True or False")
+        _require(
+            isinstance(self.trust_pickles, bool),
+            "trust_pickles",
+            self.trust_pickles,
+            "True or False",
+        )
         _require(
             isinstance(self.range_size, int) and self.range_size >= 64 * 1024,
             "range_size",

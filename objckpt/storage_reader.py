@@ -320,6 +320,26 @@ class ObjectStoreReader(StorageReader):
             out[n].append(piece)
         return [p[0] if len(p) == 1 else b"".join(p) for p in out]
 
+    def _plain_value(self, data: memoryview, fqn: str, item: StoredItem) -> io.BytesIO:
+        """A non-tensor value, unpickled safely: DCP's planner runs full ``torch.load``
+        on what it is given, so it is given a re-pickling of what
+        ``weights_only=True`` accepted (plain values), never the stored bytes."""
+        if self.options.trust_pickles:
+            return io.BytesIO(data)
+        try:
+            value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise StateDictError(
+                f"{self.location.url_of(item.relative_path)}: entry {fqn!r} is not a plain "
+                f"value ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); objckpt "
+                "never unpickles arbitrary objects. For a checkpoint you trust, load with "
+                "ReadOptions(trust_pickles=True)"
+            ) from exc
+        out = io.BytesIO()
+        torch.save(value, out)
+        out.seek(0)
+        return out
+
     def _deliver(self, rng: _Range, buf: bytes, planner: LoadPlanner) -> None:
         view = memoryview(buf)
         for req, item in rng.reads:
@@ -335,7 +355,7 @@ class ObjectStoreReader(StorageReader):
                         f"the manifest says {item.crc32c}; the object is corrupt"
                     )
             if req.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(req, io.BytesIO(data))
+                planner.load_bytes(req, self._plain_value(data, req.storage_index.fqn, item))
                 continue
             tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
             tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)

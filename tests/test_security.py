@@ -1,0 +1,132 @@
+"""Security: secrets stay out of logs, errors and manifests; the load path never
+unpickles; the manifest's object list is all the reader fetches."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from conftest import assert_state_equal, empty_like_state
+from helpers import carried, load, save
+
+from objckpt import Location, RetryPolicy
+from objckpt.cli import main
+from objckpt.errors import ManifestError, StateDictError
+from objckpt.layout import MANIFEST_KEY, METADATA_KEY, is_objckpt_payload
+from objckpt.testing import FaultProxy, MotoServer, Rule
+from objckpt.testing.plugin import StoreTarget
+
+KEY_ID = "AKIAOBJCKPTLEAKCHECK7"
+SECRET = "objckpt/Leak+Check/Secret/Value/0123456789"
+FAST = RetryPolicy(attempts=3, base_delay=0.05, max_delay=0.2, timeout=5)
+
+
+def _state() -> dict:
+    return {"w": torch.arange(64 * 1024, dtype=torch.float32), "meta": {"lr": 0.1}}
+
+
+def test_no_secret_or_signature_in_logs_errors_or_manifests(
+    moto_server: MotoServer, s3_bucket: StoreTarget, caplog, capfd
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="objckpt")
+    with FaultProxy(moto_server.endpoint_url, seed=3) as proxy:
+        opts = {**proxy.storage_options(), "key": KEY_ID, "secret": SECRET}
+        target = StoreTarget(root=s3_bucket.root, storage_options=opts)
+        proxy.add(Rule(probability=0.2, action="status", status=503))  # retries get logged
+        save(_state(), target.url("a"), target, retry=FAST)
+        got = empty_like_state(_state())
+        load(got, target.url("a"), target, retry=FAST)
+        assert_state_equal(got, _state())
+        proxy.clear()
+        # Failures: a commit that is refused, a checkpoint that is not there.
+        messages = []
+        for url in (target.url("a"), target.url("missing")):
+            try:
+                if url.endswith("/a"):
+                    save(_state(), url, target, retry=FAST)
+                else:
+                    load(empty_like_state(_state()), url, target, retry=FAST)
+            except BaseException as exc:
+                err = carried(exc)
+                messages += [str(err), repr(err), str(err.__cause__)]
+        assert len(messages) == 6
+        runner = CliRunner()
+        flags = [f"--storage-option={k}={v}" for k, v in opts.items() if k != "client_kwargs"]
+        cli = [
+            runner.invoke(main, ["-vv", "info", target.url("a"), *flags]),
+            runner.invoke(main, ["-vv", "verify", target.url("a"), *flags]),
+            runner.invoke(main, ["-vv", "ls", target.url("nope-root"), *flags]),
+        ]
+    manifest = (
+        moto_server.boto3_client()
+        .get_object(Bucket=s3_bucket.bucket, Key=f"t/a/{MANIFEST_KEY}")["Body"]
+        .read()
+    )
+    out, err = capfd.readouterr()
+    seen = "\n".join(
+        [caplog.text, out, err, manifest.decode(), *messages, *(r.output for r in cli)]
+    )
+    assert "Found credentials" not in seen or SECRET not in seen
+    for needle in (SECRET, SECRET.replace("/", "%2F"), "X-Amz-Signature", "Signature="):
+        assert needle not in seen, f"{needle!r} leaked"
+    assert KEY_ID not in manifest.decode()
+
+
+def test_reader_fetches_only_what_the_manifest_names(
+    moto_server: MotoServer, s3_bucket: StoreTarget
+) -> None:
+    """A crafted manifest naming ``../secret.bin`` is refused before any fetch."""
+    with FaultProxy(moto_server.endpoint_url) as proxy:
+        target = StoreTarget(root=s3_bucket.root, storage_options=proxy.storage_options())
+        save(_state(), target.url("run/ck"), target)
+        client = moto_server.boto3_client()
+        client.put_object(Bucket=s3_bucket.bucket, Key="t/run/secret.bin", Body=b"private")
+        key = f"t/run/ck/{MANIFEST_KEY}"
+        doc = json.loads(client.get_object(Bucket=s3_bucket.bucket, Key=key)["Body"].read())
+        doc["objects"][0]["key"] = "../secret.bin"
+        client.put_object(Bucket=s3_bucket.bucket, Key=key, Body=json.dumps(doc).encode())
+        proxy.clear()
+        with pytest.raises(ManifestError, match="escapes the checkpoint"):
+            load(empty_like_state(_state()), target.url("run/ck"), target)
+        fetched = [s.path for s in proxy.seen if s.operation == "GetObject"]
+        assert fetched == [f"/objckpt-test/t/run/ck/{MANIFEST_KEY}"], fetched
+
+
+class _Boom:
+    """Unpickling this writes a marker file: proof that something unpickled it."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (Path(self.marker).touch, ())
+
+
+def test_load_never_unpickles_metadata_or_payload(tmp_path: Path) -> None:
+    target = StoreTarget(root=f"file://{tmp_path}", storage_options={})
+    save(_state(), target.url("ck"), target)
+    marker = tmp_path / "pwned"
+    # A poisoned .metadata: objckpt reads the manifest's JSON, never this pickle.
+    (tmp_path / "ck" / METADATA_KEY).write_bytes(pickle.dumps(_Boom(str(marker))))
+    got = empty_like_state(_state())
+    load(got, target.url("ck"), target)
+    assert_state_equal(got, _state())
+    assert not marker.exists()
+    # A poisoned payload (checksums off, so only weights_only stands in the way).
+    payload = next(p for p in (tmp_path / "ck").iterdir() if is_objckpt_payload(p.name))
+    size = payload.stat().st_size
+    evil = pickle.dumps(_Boom(str(marker)))
+    payload.write_bytes(evil + bytes(size - len(evil)))
+    with pytest.raises(BaseException) as info:
+        load(empty_like_state(_state()), target.url("ck"), target, verify=False)
+    err = carried(info.value)
+    assert isinstance(err, StateDictError) and "never unpickles" in str(err), err
+    assert "'meta.lr'" in str(err) and payload.name in str(err)
+    assert not marker.exists()
+    assert os.path.exists(Location.parse(target.url("ck")).key_path(MANIFEST_KEY))
