@@ -28,6 +28,12 @@ Schema (every table optional except ``root``)::
     [gc]
     grace = 3600                            # seconds an unreferenced object is spared
 
+    [retry]                                 # RetryPolicy: every store request
+    attempts = 6
+    base_delay = 0.2
+    max_delay = 10
+    timeout = 60                            # seconds per request
+
     [[backups]]                             # copies of each committed step (see README)
     url = "gs://replica/run-1"
     storage = { env = { token = "GOOGLE_APPLICATION_CREDENTIALS" } }
@@ -50,6 +56,7 @@ from objckpt.errors import ConfigurationError
 from objckpt.gc import DEFAULT_GRACE
 from objckpt.location import Location
 from objckpt.retention import RetentionPolicy
+from objckpt.retry import RetryPolicy
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -75,7 +82,7 @@ _SECRET_NAMES = frozenset(
         "access_key_id",
     }
 )
-_TOP = {"root", "storage", "retention", "async", "gc", "backups"}
+_TOP = {"root", "storage", "retention", "async", "gc", "backups", "retry"}
 _STORAGE = {"options", "env", "profile"}
 
 
@@ -90,6 +97,7 @@ class Config:
     async_options: AsyncOptions
     gc_grace: float
     backups: tuple[BackupTarget, ...]
+    retry: RetryPolicy = dataclasses.field(default_factory=RetryPolicy)
 
     def manager(self, **overrides: Any) -> Any:
         """A :class:`~objckpt.CheckpointManager` for this config (keywords override it)."""
@@ -100,6 +108,7 @@ class Config:
             "retention": self.retention,
             "async_options": self.async_options,
             "backups": self.backups,
+            "retry": self.retry,
         }
         kwargs.update(overrides)
         return CheckpointManager(self.root, **kwargs)
@@ -218,7 +227,9 @@ def parse_config(
             backups.append(BackupTarget(url, opts, retention=policy, **extra))
         except ConfigurationError as exc:
             raise ConfigurationError(f"{source}: {where}: {exc}") from None
+    retry = _typed(RetryPolicy, _table(data.get("retry", {}), "retry", source), "retry", source)
     return Config(
+        retry=retry,
         source=source,
         root=root,
         storage_options=storage,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from objckpt import AsyncOptions, RetentionPolicy, load_config
+from objckpt import AsyncOptions, RetentionPolicy, RetryPolicy, load_config
 from objckpt.config import parse_config
 from objckpt.errors import ConfigurationError
 
@@ -26,6 +26,10 @@ staging_budget = 1073741824
 
 [gc]
 grace = 600
+
+[retry]
+attempts = 3
+timeout = 20
 
 [[backups]]
 url = "file:///backups/run-1"
@@ -58,6 +62,7 @@ def test_a_full_config_parses(tmp_path) -> None:
     assert cfg.retention == RetentionPolicy(keep_last=3, keep_every=1000)
     assert cfg.async_options == AsyncOptions(workers=3, staging_budget=1 << 30)
     assert cfg.gc_grace == 600
+    assert cfg.retry == RetryPolicy(attempts=3, timeout=20)
     assert [b.url for b in cfg.backups] == ["file:///backups/run-1", "gs://replica/run-1"]
     assert cfg.backups[1].storage_options == {"token": "anon"}
     assert cfg.backups[0].mode == "copy" and cfg.backups[0].retention is None
@@ -87,6 +92,7 @@ def test_only_root_is_required() -> None:
         ('root = "s3://b/r"\n[storage]\nenv = { key = "NOPE_UNSET" }', "NOPE_UNSET, which is not"),
         ('root = "nope://b/r"', "unknown protocol 'nope'"),
         ('root = "s3://b/r"\n[gc]\ngrace = -1', "gc.grace must be"),
+        ('root = "s3://b/r"\n[retry]\nattempts = 0', r"\[retry\] option attempts="),
         ('root = "s3://b/r"\n[[backups]]\nstorage = {}', r"backups\[0\]\.url is required"),
         ('root = "s3://b/r"\nbackups = "x"', "backups must be an array"),
         (
