@@ -189,7 +189,9 @@ class _DeferredWriter(ObjectStoreWriter):
         if wave is not None:
             object_size = min(object_size, wave.capacity)
         objects = assign_objects(
-            items, object_size, lambda i: payload_key(rank_plan.rank, i, rank_plan.attempt)
+            items,
+            object_size,
+            lambda i: payload_key(rank_plan.rank, i, rank_plan.attempt, self.upload.prefix_entropy),
         )
         this_wave: list[concurrent.futures.Future[PayloadRecord]] = []
         for obj in objects:

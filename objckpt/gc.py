@@ -18,12 +18,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable
 
 from objckpt.commit import read_manifest
 from objckpt.errors import CheckpointNotFoundError, ConfigurationError, ManifestError
-from objckpt.layout import MANIFEST_KEY, METADATA_KEY, is_objckpt_payload
+from objckpt.layout import MANIFEST_KEY, METADATA_KEY, is_entropy_dir, is_objckpt_payload
 from objckpt.location import Location
 from objckpt.steps import ObjectInfo, StepInfo, inventory, parse_step, step_name, steps_of
 from objckpt.translate import translate
@@ -183,6 +184,10 @@ def _prune(store: ObjectStore, location: Location) -> None:
     """Remove an emptied directory on a local filesystem (object stores have none)."""
     if location.is_local:
         with contextlib.suppress(OSError):
+            for name in os.listdir(location.path):  # emptied prefix-entropy directories
+                if is_entropy_dir(name):
+                    with contextlib.suppress(OSError):
+                        os.rmdir(os.path.join(location.path, name))
             store.fs.rmdir(location.path)
 
 
@@ -202,7 +207,11 @@ def delete_step(location: Location, store: ObjectStore | None = None) -> int:
         uploads: list[OpenUpload] = store.open_uploads()
         if not names and not uploads:
             raise CheckpointNotFoundError(f"no checkpoint at {location.url}")
-        nested = [n for n in names if "/" in n]
+        nested = [
+            n
+            for n in names
+            if "/" in n and not (is_entropy_dir(n.split("/")[0]) and n.count("/") == 1)
+        ]
         if nested:
             raise ConfigurationError(
                 f"{location.url} is not one checkpoint: it holds {location.url_of(nested[0])}; "

@@ -14,6 +14,7 @@ have no attempt id).
 
 from __future__ import annotations
 
+import hashlib
 import re
 import secrets
 import time
@@ -32,6 +33,7 @@ __all__ = [
 MANIFEST_KEY = "manifest.json"
 METADATA_KEY = ".metadata"
 _PAYLOAD = re.compile(r"^__\d+_\d+\.([0-9a-f]{16})\.distcp$")
+_ENTROPY = re.compile(r"^[0-9a-f]{1,8}$")
 
 
 def new_attempt_id() -> str:
@@ -39,9 +41,23 @@ def new_attempt_id() -> str:
     return f"{int(time.time()) & 0xFFFFFFFF:08x}{secrets.token_hex(4)}"
 
 
-def payload_key(rank: int, index: int, attempt: str) -> str:
-    """The key of payload object ``index`` of ``rank`` in ``attempt``."""
-    return f"__{rank}_{index}.{attempt}.distcp"
+def payload_key(rank: int, index: int, attempt: str, entropy: int = 0) -> str:
+    """The key of payload object ``index`` of ``rank`` in ``attempt``.
+
+    With ``entropy`` > 0 the name goes under a sub-prefix of that many hex digits
+    of its hash (``3f/__0_1.<attempt>.distcp``), spreading a large job's PUTs over
+    ``16**entropy`` prefixes that S3 can partition separately; the manifest still
+    names every object, so the checkpoint stays one unit under its URL.
+    """
+    name = f"__{rank}_{index}.{attempt}.distcp"
+    if entropy <= 0:
+        return name
+    return f"{hashlib.blake2s(name.encode(), digest_size=8).hexdigest()[:entropy]}/{name}"
+
+
+def is_entropy_dir(name: str) -> bool:
+    """Whether a name is a prefix-entropy sub-prefix (1-8 hex digits)."""
+    return bool(_ENTROPY.match(name.rstrip("/")))
 
 
 def list_names(fs: AbstractFileSystem, path: str) -> list[str]:

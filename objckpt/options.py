@@ -38,11 +38,17 @@ class UploadOptions:
             Moderate objects keep ranged reads cheap and let uploads run in parallel.
         max_inflight: Parts (or small objects) uploading at once per writer; also
             bounds the memory held by part buffers to ``max_inflight * part_size``.
+        prefix_entropy: Hex digits of hashed sub-prefix in front of each payload
+            key (0 = off). S3 serves about 3,500 PUT/s per prefix: a save whose
+            ranks write more than that per second at once (e.g. 512 ranks x 8 parts
+            in flight, parts finishing every ~1 s = 4,096 PUT/s) can meet 503s on
+            one prefix; 1 digit spreads them over 16 prefixes, 2 over 256.
     """
 
     part_size: int = 16 * MiB
     object_size: int = 64 * MiB
     max_inflight: int = 8
+    prefix_entropy: int = 0
 
     def __post_init__(self) -> None:
         _require(
@@ -62,6 +68,14 @@ class UploadOptions:
             "max_inflight",
             self.max_inflight,
             "an int between 1 and 256",
+        )
+        _require(
+            isinstance(self.prefix_entropy, int)
+            and not isinstance(self.prefix_entropy, bool)
+            and 0 <= self.prefix_entropy <= 8,
+            "prefix_entropy",
+            self.prefix_entropy,
+            "an int between 0 (off) and 8 hex digits",
         )
 
     def part_size_for(self, size_hint: int) -> int:

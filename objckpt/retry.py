@@ -173,12 +173,12 @@ class _Retrying:
         self.observers: list[RetryObserver] = []
         self.retries = 0
 
-    def _before_sleep(self, state: tenacity.RetryCallState) -> None:
+    def _before_sleep(self, state: tenacity.RetryCallState, method: str) -> None:
         self.retries += 1
         exc = state.outcome.exception() if state.outcome else None
         logger.info(
-            "retrying %s after %s (attempt %d of %d)",
-            state.args[0] if state.args else "request",
+            "retrying S3 %s after %s (attempt %d of %d)",
+            method,
             type(exc).__name__ if exc else "an error",
             state.attempt_number + 1,
             self.policy.attempts,
@@ -192,7 +192,7 @@ class _Retrying:
                 multiplier=policy.base_delay, max=policy.max_delay
             ),
             retry=tenacity.retry_if_exception(is_transient),
-            before_sleep=self._before_sleep,
+            before_sleep=lambda state: self._before_sleep(state, method),
             reraise=True,
         )
         async for attempt in retrying:

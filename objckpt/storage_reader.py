@@ -42,7 +42,13 @@ from objckpt.errors import (
     SizeMismatchError,
     StateDictError,
 )
-from objckpt.layout import MANIFEST_KEY, METADATA_KEY, is_objckpt_payload, list_names
+from objckpt.layout import (
+    MANIFEST_KEY,
+    METADATA_KEY,
+    is_entropy_dir,
+    is_objckpt_payload,
+    list_names,
+)
 from objckpt.location import Location
 from objckpt.manifest import Manifest
 from objckpt.options import ReadOptions
@@ -144,7 +150,7 @@ class ObjectStoreReader(StorageReader):
             names = list_names(self.fs, self.location.path)
         except Exception as exc:
             raise translate(exc, url=url, action="listing") from exc
-        if any(is_objckpt_payload(n) for n in names):
+        if any(is_objckpt_payload(n) or is_entropy_dir(n) for n in names):
             raise CheckpointNotCommittedError(
                 f"{url} is not committed: it holds objckpt payload objects but no {MANIFEST_KEY} "
                 "(the save that wrote them failed or is still running). "

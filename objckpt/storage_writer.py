@@ -165,7 +165,7 @@ class ObjectStoreWriter(StorageWriter):
         objects = assign_objects(
             items,
             self.upload.object_size,
-            lambda i: payload_key(rank_plan.rank, i, rank_plan.attempt),
+            lambda i: payload_key(rank_plan.rank, i, rank_plan.attempt, self.upload.prefix_entropy),
         )
         written: list[WrittenObject] = []
         try:
