@@ -188,11 +188,6 @@ class Replicator:
             with self._lock:
                 state.steps = steps
 
-    def holders(self, step: int) -> list[BackupTarget]:
-        """Targets known to hold ``step`` committed, in the order given."""
-        with self._lock:
-            return [s.target for s in self._states if step in s.steps]
-
     def lacking(self, step: int) -> list[BackupTarget]:
         """Targets not known to hold ``step``."""
         with self._lock:

@@ -45,9 +45,8 @@ from objckpt.manifest import Manifest
 from objckpt.options import ReadOptions, UploadOptions
 from objckpt.retention import RetentionPolicy
 from objckpt.retry import RetryPolicy
-from objckpt.steps import StepInfo, inventory, parse_step, step_name, steps_of
+from objckpt.steps import StepInfo, parse_step, step_name
 from objckpt.storage_reader import ObjectStoreReader
-from objckpt.writers import open_store
 
 __all__ = ["CheckpointManager"]
 
@@ -157,18 +156,15 @@ class CheckpointManager:
         With backups configured, an unreachable primary is a warning (loading can
         still fall back to a backup); without, it raises :class:`StoreError`.
         """
-        store = open_store(self.root)
         try:
-            found = steps_of(inventory(store.fs, self.root), self.root)
+            found = committed_steps(self.root)
         except StoreError as exc:
             if not self.backups:
                 raise
             logger.warning("primary %s cannot be listed (%s); backups remain", self.root.url, exc)
             found = []
-        finally:
-            store.close()
         with self._lock:
-            self._steps = {s.step: s for s in found if s.committed}
+            self._steps = {s.step: s for s in found}
 
     def all_steps(self) -> list[int]:
         """Committed steps, ascending."""

@@ -26,6 +26,7 @@ import errno
 import http.client
 import logging
 import socket
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -57,7 +58,8 @@ _TRANSIENT_NAMES = {
     "ServerTimeoutError",
     "FSTimeoutError",
 }
-_THROTTLE_TEXT = ("SlowDown", "reduce your request rate", "503", "ServiceUnavailable")
+_THROTTLE_TEXT = ("SlowDown", "reduce your request rate")
+_SERVER_ERROR_TEXT = (*_THROTTLE_TEXT, "503", "ServiceUnavailable", "InternalError")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -114,7 +116,7 @@ def is_throttle(exc: BaseException) -> bool:
     for e in _chain(exc):
         if isinstance(e, OSError) and e.errno == errno.EBUSY:
             return True
-        if any(t in str(e) for t in _THROTTLE_TEXT[:2]):
+        if any(t in str(e) for t in _THROTTLE_TEXT):
             return True
     return False
 
@@ -139,7 +141,7 @@ def is_transient(exc: BaseException) -> bool:
             return True
         if type(e).__name__ in _TRANSIENT_NAMES:
             return True
-        if any(t in str(e) for t in _THROTTLE_TEXT) or "InternalError" in str(e):
+        if any(t in str(e) for t in _SERVER_ERROR_TEXT):
             return True
     return False
 
@@ -170,11 +172,11 @@ class _Retrying:
     def __init__(self, call: Callable[..., Any], policy: RetryPolicy) -> None:
         self.call = call
         self.policy = policy
-        self.observers: list[RetryObserver] = []
-        self.retries = 0
+        # Weak: an async checkpointer shares one filesystem across saves, each save's
+        # store observes it, and a finished store must not be kept (or told) forever.
+        self.observers: weakref.WeakSet[Any] = weakref.WeakSet()
 
     def _before_sleep(self, state: tenacity.RetryCallState, method: str) -> None:
-        self.retries += 1
         exc = state.outcome.exception() if state.outcome else None
         logger.info(
             "retrying S3 %s after %s (attempt %d of %d)",
@@ -201,10 +203,10 @@ class _Retrying:
                     out = await self.call(method, *args, **kwargs)
                 except Exception as exc:
                     if is_throttle(exc):
-                        for o in self.observers:
+                        for o in list(self.observers):
                             o.throttled()
                     raise
-                for o in self.observers:
+                for o in list(self.observers):
                     o.succeeded()
                 return out
         raise AssertionError("unreachable")  # pragma: no cover - reraise=True
@@ -221,14 +223,8 @@ def install(fs: Any, policy: RetryPolicy, observer: RetryObserver | None = None)
         wrapper = _Retrying(call, policy)
         fs._call_s3 = wrapper
         fs.retries = 1  # s3fs's own loop (an instance attribute; 5 by default)
-    if observer is not None and observer not in wrapper.observers:
-        wrapper.observers.append(observer)
-
-
-def retries_of(fs: Any) -> int:
-    """Retries made so far through ``fs`` (0 when no policy is installed)."""
-    call = getattr(fs, "_call_s3", None)
-    return call.retries if isinstance(call, _Retrying) else 0
+    if observer is not None:
+        wrapper.observers.add(observer)
 
 
 def retry_call(fn: Callable[[], Any], policy: RetryPolicy, what: str) -> Any:

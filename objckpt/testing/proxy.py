@@ -33,7 +33,7 @@ import urllib.parse
 from collections.abc import Mapping
 from typing import Any
 
-from objckpt.testing.servers import TEST_KEY, TEST_SECRET
+from objckpt.testing.servers import s3_test_options
 
 __all__ = ["FaultProxy", "Rule", "Seen", "s3_operation"]
 
@@ -188,12 +188,7 @@ class FaultProxy:
 
     def storage_options(self) -> dict[str, Any]:
         """s3fs options that reach the upstream through this proxy."""
-        return {
-            "endpoint_url": self.endpoint_url,
-            "key": TEST_KEY,
-            "secret": TEST_SECRET,
-            "client_kwargs": {"region_name": "us-east-1"},
-        }
+        return s3_test_options(self.endpoint_url)
 
     def add(self, rule: Rule) -> Rule:
         with self._lock:

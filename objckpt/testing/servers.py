@@ -38,6 +38,16 @@ TEST_KEY = "objckpt-test-key"
 TEST_SECRET = "objckpt-test-secret"
 
 
+def s3_test_options(endpoint_url: str) -> dict[str, Any]:
+    """s3fs options for an S3 endpoint that accepts the test credentials."""
+    return {
+        "endpoint_url": endpoint_url,
+        "key": TEST_KEY,
+        "secret": TEST_SECRET,
+        "client_kwargs": {"region_name": "us-east-1"},
+    }
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago on ``host``."""
     with socket.socket() as sock:
@@ -125,12 +135,7 @@ class MotoServer(_ServerProcess):
 
     def storage_options(self) -> dict[str, Any]:
         """s3fs options that reach this server with the test credentials."""
-        return {
-            "endpoint_url": self.endpoint_url,
-            "key": TEST_KEY,
-            "secret": TEST_SECRET,
-            "client_kwargs": {"region_name": "us-east-1"},
-        }
+        return s3_test_options(self.endpoint_url)
 
     def reset(self) -> None:
         """Drop every bucket and object (moto's ``/moto-api/reset``)."""
