@@ -45,7 +45,14 @@ from objckpt.layout import payload_key
 from objckpt.manifest import Manifest
 from objckpt.options import UploadOptions
 from objckpt.plan import ObjectPlan, RankPlan, assign_objects, estimate_size
-from objckpt.plan_cache import CachedPlan, PlanCacheStats, agree, cache_key, group_ranks
+from objckpt.plan_cache import (
+    Agreement,
+    CachedPlan,
+    PlanCacheStats,
+    agree,
+    cache_key,
+    group_ranks,
+)
 from objckpt.retry import RetryPolicy
 from objckpt.serialize import PayloadRecord, resolve_bytes_items, written_object
 from objckpt.stage import Staged, Stager, Wave
@@ -392,14 +399,18 @@ class AsyncCheckpointer:
             writer._fs, writer._fs_pid = fs, os.getpid()
             writer._needs_preflight = (loc.protocol, loc.bucket) not in self._checked
         # The target check is a round trip to the store: run it while the copy runs.
+        # The first save to a bucket also proves it may write there (preflight) and
+        # waits for that, so credentials that cannot write fail before any copy.
         check = self._checker.submit(ObjectStoreWriter.prepare_local_plan, writer, SavePlan([]))
+        distributed = dist.is_available() and dist.is_initialized()
+        if writer._needs_preflight and check.exception() is not None:
+            self._agree_or_raise(writer, False, check.exception(), process_group, distributed)
         try:
             staged = self._stager.stage(_plain_state_dict(state_dict))
         except BaseException:
             check.exception()
             raise
         writer._staged = staged
-        distributed = dist.is_available() and dist.is_initialized()
         try:
             self._plan(staged, writer, check.exception(), process_group, distributed)
         except BaseException:
@@ -447,21 +458,8 @@ class AsyncCheckpointer:
         group = group_ranks(process_group) if distributed else (0,)
         key = cache_key(staged.structure, rank, world, group)
         cached = self._plan_cache
-        writer.set_up_storage_writer(rank == 0, rank=rank)
-        agreement = agree(
-            cached is not None and cached.key == key,
-            refusal is not None,
-            rank,
-            process_group,
-            distributed,
-        )
-        if agreement.refused_by is not None:
-            if refusal is not None:
-                raise refusal
-            raise ObjckptError(
-                f"save of {writer.location.url} was refused on rank {agreement.refused_by} "
-                "(see that rank's error); nothing was uploaded"
-            )
+        hit = cached is not None and cached.key == key
+        agreement = self._agree_or_raise(writer, hit, refusal, process_group, distributed)
         writer.agreed_attempt = agreement.attempt
         if agreement.hit and cached is not None:
             self._cache_stats = dataclasses.replace(
@@ -481,6 +479,29 @@ class AsyncCheckpointer:
         _plan_and_queue(staged.state, writer, process_group, distributed)
         if writer.final_plan is not None:
             self._plan_cache = CachedPlan(key, writer.final_plan, writer.metadata)
+
+    @staticmethod
+    def _agree_or_raise(
+        writer: _DeferredWriter,
+        hit: bool,
+        refusal: BaseException | None,
+        process_group: Any,
+        distributed: bool,
+    ) -> Agreement:
+        """The one collective of a save: every rank calls it exactly once, whether it
+        refused before staging, after staging, or not at all. Raises on every rank
+        when any rank refused."""
+        rank = dist.get_rank(process_group) if distributed else 0
+        writer.set_up_storage_writer(rank == 0, rank=rank)
+        agreement = agree(hit, refusal is not None, rank, process_group, distributed)
+        if agreement.refused_by is not None:
+            if refusal is not None:
+                raise refusal
+            raise ObjckptError(
+                f"save of {writer.location.url} was refused on rank {agreement.refused_by} "
+                "(see that rank's error); nothing was uploaded"
+            )
+        return agreement
 
     @property
     def plan_cache_stats(self) -> PlanCacheStats:

@@ -15,6 +15,7 @@ have no attempt id).
 from __future__ import annotations
 
 import hashlib
+import inspect
 import re
 import secrets
 import time
@@ -24,14 +25,19 @@ from fsspec import AbstractFileSystem
 __all__ = [
     "MANIFEST_KEY",
     "METADATA_KEY",
+    "PROBE_KEY",
     "is_objckpt_payload",
     "list_names",
     "new_attempt_id",
     "payload_key",
+    "read_whole",
 ]
 
 MANIFEST_KEY = "manifest.json"
 METADATA_KEY = ".metadata"
+#: Key of the empty multipart upload a preflight begins and aborts to prove write
+#: access; no object is ever created under it.
+PROBE_KEY = ".objckpt-write-probe"
 _PAYLOAD = re.compile(r"^__\d+_\d+\.([0-9a-f]{16})\.distcp$")
 _ENTROPY = re.compile(r"^[0-9a-f]{1,8}$")
 
@@ -71,6 +77,20 @@ def list_names(fs: AbstractFileSystem, path: str) -> list[str]:
         return [str(n).rstrip("/").rsplit("/", 1)[-1] for n in fs.ls(path, detail=False)]
     except FileNotFoundError:
         return []
+
+
+def read_whole(fs: AbstractFileSystem, path: str) -> bytes:
+    """A small object (manifest, ``.metadata``) in one GET.
+
+    s3fs's ``cat_file`` first HEADs the object to decide whether to split it into
+    parallel ranges. For a small object that is a wasted round trip, and a HEAD's
+    403 has no body, so a refused key and a wrong secret both read "Forbidden";
+    the GET's answer says which (``InvalidAccessKeyId``, ``SignatureDoesNotMatch``).
+    """
+    inner = getattr(fs, "_cat_file", None)  # async filesystems only
+    if inner is not None and "max_concurrency" in inspect.signature(inner).parameters:
+        return bytes(fs.cat_file(path, max_concurrency=1))
+    return bytes(fs.cat_file(path))
 
 
 def is_objckpt_payload(name: str) -> bool:

@@ -48,6 +48,7 @@ from objckpt.layout import (
     is_entropy_dir,
     is_objckpt_payload,
     list_names,
+    read_whole,
 )
 from objckpt.location import Location
 from objckpt.manifest import Manifest
@@ -122,7 +123,7 @@ class ObjectStoreReader(StorageReader):
         try:
             self.fs.invalidate_cache(self.location.path)
             data = retry_call(
-                lambda: self.fs.cat_file(path), self.location.retry, f"reading {path}"
+                lambda: read_whole(self.fs, path), self.location.retry, f"reading {path}"
             )
         except FileNotFoundError:
             self._open_without_manifest()
@@ -167,7 +168,7 @@ class ObjectStoreReader(StorageReader):
             url,
         )
         try:
-            blob = self.fs.cat_file(self.location.key_path(METADATA_KEY))
+            blob = read_whole(self.fs, self.location.key_path(METADATA_KEY))
             metadata = pickle.loads(blob)  # stock DCP format; see the trust model in the README
         except Exception as exc:
             raise ManifestError(

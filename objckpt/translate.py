@@ -37,6 +37,17 @@ _UNREACHABLE_ERRORS = (
     "ConnectionClosedError",
 )
 
+# What a store's refusal code means for the person holding the credentials.
+_CREDENTIAL_HINTS = {
+    "InvalidAccessKeyId": "the store does not know this access key id (wrong key, or "
+    "keys for another account or endpoint)",
+    "SignatureDoesNotMatch": "the secret key does not match the access key id",
+    "ExpiredToken": "the session token has expired; refresh the credentials",
+    "InvalidToken": "the session token is not valid",
+    "TokenRefreshRequired": "the session token must be refreshed",
+    "401": "the store rejected the credentials (401)",
+}
+
 
 def describe(exc: BaseException, limit: int = 300) -> str:
     """A short, credential-free description of a backend exception."""
@@ -49,6 +60,24 @@ def describe(exc: BaseException, limit: int = 300) -> str:
 
 def _names(exc: BaseException) -> set[str]:
     return {cls.__name__ for cls in type(exc).__mro__}
+
+
+def _status_code(exc: BaseException) -> str | None:
+    """The service's error code (``AccessDenied``, ``InvalidAccessKeyId``, ``401``...)
+    of ``exc`` or the exception it was raised from: s3fs keeps botocore's error as
+    the cause, gcsfs puts the HTTP status on its ``HttpError``."""
+    seen: BaseException | None = exc
+    for _ in range(5):
+        if seen is None:
+            return None
+        response = getattr(seen, "response", None)
+        if isinstance(response, dict) and response.get("Error", {}).get("Code"):
+            return str(response["Error"]["Code"])
+        code = getattr(seen, "code", None)
+        if isinstance(code, int) and 400 <= code < 600:
+            return str(code)
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def translate(
@@ -74,10 +103,17 @@ def translate(
             f"no credentials found while {action} {url}: set them in the environment "
             f"(AWS_ACCESS_KEY_ID/AWS_PROFILE, GOOGLE_APPLICATION_CREDENTIALS) or storage_options"
         )
+    code = _status_code(exc)
+    if code in _CREDENTIAL_HINTS:
+        return AccessDeniedError(
+            f"credentials rejected while {action} {url}: {_CREDENTIAL_HINTS[code]} ({detail})"
+        )
     if (
         isinstance(exc, PermissionError)
+        or code in ("AccessDenied", "403")
         or "AccessDenied" in detail
         or "403" in detail.split(":")[0]
+        or detail.startswith("OSError: Forbidden")  # gcsfs's 403
     ):
         return AccessDeniedError(f"access denied while {action} {url}: {detail}")
     if isinstance(exc, FileNotFoundError) and missing_is_bucket:

@@ -39,10 +39,10 @@ __all__ = ["WorkerPool", "upload_object"]
 
 logger = logging.getLogger(__name__)
 
-# Per worker process: store objects by location and options, so a persistent
+# Per worker process: store objects by what they were built from, so a persistent
 # worker reuses its HTTP connections across objects and saves. Lives only in
 # worker processes (never in the training process).
-_WORKER_STORES: dict[tuple[str, str, int], ObjectStore] = {}
+_WORKER_STORES: dict[tuple[str, str, str, str, int], ObjectStore] = {}
 _WORKER_SEGMENTS: dict[str, Any] = {}
 
 Entry = tuple[int, "SegmentRef | torch.Tensor | bytes"]
@@ -65,7 +65,15 @@ def upload_object(
         (i, attach_tensor(d, _WORKER_SEGMENTS) if isinstance(d, SegmentRef) else d)
         for i, d in entries
     ]
-    cache_key = (location.protocol, repr(sorted(location.storage_options.items())), os.getpid())
+    # Everything the store was built from: a later save with other upload options
+    # or another retry policy must not reuse a store made for the first.
+    cache_key = (
+        location.protocol,
+        repr(sorted(location.storage_options.items())),
+        repr(location.retry),
+        repr(options),
+        os.getpid(),
+    )
     store = _WORKER_STORES.get(cache_key)
     if store is None:
         store = open_store(location, options)

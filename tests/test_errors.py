@@ -12,6 +12,7 @@ from helpers import carried, fs_of, path_of, save
 
 from objckpt import ObjectStoreReader, ObjectStoreWriter
 from objckpt.errors import (
+    AccessDeniedError,
     BucketNotFoundError,
     ConfigurationError,
     MissingCredentialsError,
@@ -145,3 +146,23 @@ def test_unserializable_entry_fails_before_upload(store: StoreTarget) -> None:
     path = path_of(store, url)
     leftovers = fs.ls(path, detail=False) if fs.exists(path) else []
     assert leftovers == [], "nothing may be written for a state dict that cannot be saved"
+
+
+def test_gcs_refusals_translate_to_access_denied() -> None:
+    """gcsfs raises a bare OSError("Forbidden: ...") for 403 and HttpError(code=401) for
+    rejected credentials; both must read as AccessDeniedError naming the URL."""
+    from gcsfs.retry import HttpError
+
+    from objckpt.translate import translate
+
+    forbidden = translate(
+        OSError("Forbidden: b/o\nno storage.objects.create access"),
+        url="gs://b/o",
+        action="committing",
+    )
+    assert isinstance(forbidden, AccessDeniedError) and "gs://b/o" in str(forbidden)
+    rejected = translate(
+        HttpError({"code": 401, "message": "Invalid Credentials"}), url="gs://b/o", action="reading"
+    )
+    assert isinstance(rejected, AccessDeniedError)
+    assert "credentials rejected" in str(rejected) and "gs://b/o" in str(rejected)

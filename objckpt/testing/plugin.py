@@ -6,6 +6,9 @@ bucket, so tests are isolated without paying a process start each time.
 Fixtures:
     moto_server: the session's :class:`~objckpt.testing.MotoServer`.
     s3_bucket: a fresh, empty bucket on it, as a :class:`StoreTarget`.
+    moto_iam_server: a second moto server that enforces signatures and IAM
+        policies (``start_moto_server(iam=True)``); make restricted users with
+        :meth:`~objckpt.testing.MotoServer.add_user`. Started only when asked for.
     gcs_emulator: the session's :class:`~objckpt.testing.GcsEmulator`.
     gcs_bucket: a fresh, empty bucket on it, as a :class:`StoreTarget`.
 """
@@ -54,6 +57,15 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture(scope="session")
 def moto_server() -> Iterator[MotoServer]:
     server = start_moto_server()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def moto_iam_server() -> Iterator[MotoServer]:
+    server = start_moto_server(iam=True)
     try:
         yield server
     finally:

@@ -36,14 +36,19 @@ logger = logging.getLogger(__name__)
 #: Fake credentials the servers accept; real ones must never be needed by tests.
 TEST_KEY = "objckpt-test-key"
 TEST_SECRET = "objckpt-test-secret"
+#: The bearer token of the GCS emulator's read-only principal.
+GCS_READ_ONLY_TOKEN = "objckpt-read-only"
 
 
-def s3_test_options(endpoint_url: str) -> dict[str, Any]:
-    """s3fs options for an S3 endpoint that accepts the test credentials."""
+def s3_test_options(
+    endpoint_url: str, key: str = TEST_KEY, secret: str = TEST_SECRET
+) -> dict[str, Any]:
+    """s3fs options for an S3 endpoint signed with ``key``/``secret`` (by default
+    the test credentials, which a server without IAM enforcement accepts)."""
     return {
         "endpoint_url": endpoint_url,
-        "key": TEST_KEY,
-        "secret": TEST_SECRET,
+        "key": key,
+        "secret": secret,
         "client_kwargs": {"region_name": "us-east-1"},
     }
 
@@ -89,13 +94,15 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
     raise TimeoutError(f"server did not answer at {url} within {timeout} s")
 
 
-def _spawn(argv: list[str], url: str, probe: str, timeout: float) -> subprocess.Popen[bytes]:
+def _spawn(
+    argv: list[str], url: str, probe: str, timeout: float, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     """Start ``python -m <argv>`` and wait until ``url + probe`` answers over HTTP."""
     proc = subprocess.Popen(
         [sys.executable, "-m", *argv],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        env={**os.environ, **offline_env()},
+        env={**os.environ, **offline_env(), **(env or {})},
         start_new_session=True,
     )
     try:
@@ -131,39 +138,104 @@ class MotoServer(_ServerProcess):
     Attributes:
         endpoint_url: ``http://127.0.0.1:<port>``.
         process: The server's process (kill it to simulate an outage).
+        key, secret: Credentials this server accepts for everything: the test
+            credentials, or with IAM enforced an administrator user's access key.
+        iam: Whether the server checks signatures and IAM policies
+            (``start_moto_server(iam=True)``).
     """
 
+    key: str = TEST_KEY
+    secret: str = TEST_SECRET
+    iam: bool = False
+
     def storage_options(self) -> dict[str, Any]:
-        """s3fs options that reach this server with the test credentials."""
-        return s3_test_options(self.endpoint_url)
+        """s3fs options that reach this server with full access."""
+        return s3_test_options(self.endpoint_url, self.key, self.secret)
 
     def reset(self) -> None:
-        """Drop every bucket and object (moto's ``/moto-api/reset``)."""
+        """Drop every bucket and object (moto's ``/moto-api/reset``).
+
+        Raises:
+            RuntimeError: on a server enforcing IAM, where a reset would also drop the
+                users, the administrator's included, and lock every client out.
+        """
+        if self.iam:
+            raise RuntimeError(
+                f"moto server {self.endpoint_url} enforces IAM: a reset would delete its "
+                "users; start a new server instead"
+            )
         req = urllib.request.Request(f"{self.endpoint_url}/moto-api/reset", method="POST")
         with urllib.request.urlopen(req, timeout=10):
             pass
 
-    def boto3_client(self) -> Any:
-        """A boto3 S3 client for this server (for test setup and inspection)."""
-        import boto3
+    def boto3_client(self, service: str = "s3") -> Any:
+        """A boto3 client for this server with full access (for test setup and inspection)."""
+        return _boto3_client(self.endpoint_url, service, self.key, self.secret)
 
-        return boto3.client(
-            "s3",
-            endpoint_url=self.endpoint_url,
-            aws_access_key_id=TEST_KEY,
-            aws_secret_access_key=TEST_SECRET,
-            region_name="us-east-1",
-        )
+    def add_user(self, name: str, actions: list[str]) -> dict[str, Any]:
+        """Create an IAM user allowed exactly ``actions`` (e.g. ``["s3:GetObject"]``) on
+        every resource, and return s3fs options signed with its new access key.
+
+        Only meaningful on a server started with ``iam=True``; elsewhere any
+        credentials are accepted for everything. Note that moto checks HeadBucket
+        against a pseudo-action ``s3:HeadBucket`` where AWS checks ``s3:ListBucket``.
+        """
+        key, secret = _create_user(self.boto3_client("iam"), name, actions)
+        return s3_test_options(self.endpoint_url, key, secret)
+
+
+def _boto3_client(endpoint_url: str, service: str, key: str, secret: str) -> Any:
+    import boto3
+
+    return boto3.client(
+        service,
+        endpoint_url=endpoint_url,
+        aws_access_key_id=key,
+        aws_secret_access_key=secret,
+        region_name="us-east-1",
+    )
+
+
+def _create_user(iam: Any, name: str, actions: list[str]) -> tuple[str, str]:
+    """Three IAM calls: the user, its inline policy, its access key."""
+    policy = {
+        "Version": "2012-10-17",
+        "Statement": [{"Effect": "Allow", "Action": list(actions), "Resource": "*"}],
+    }
+    iam.create_user(UserName=name)
+    iam.put_user_policy(
+        UserName=name, PolicyName=f"{name}-policy", PolicyDocument=json.dumps(policy)
+    )
+    created = iam.create_access_key(UserName=name)["AccessKey"]
+    return str(created["AccessKeyId"]), str(created["SecretAccessKey"])
 
 
 def start_moto_server(
-    host: str = "127.0.0.1", port: int | None = None, timeout: float = 60
+    host: str = "127.0.0.1", port: int | None = None, timeout: float = 60, *, iam: bool = False
 ) -> MotoServer:
-    """Start ``moto.server`` in a subprocess and wait until it answers."""
+    """Start ``moto.server`` in a subprocess and wait until it answers.
+
+    With ``iam=True`` the server checks every request's signature and the IAM
+    policy of its access key, as AWS does: unknown keys and wrong secrets get 403
+    ``InvalidAccessKeyId``/``SignatureDoesNotMatch``, and users made with
+    :meth:`MotoServer.add_user` get only what their policy allows. The server's
+    own ``key``/``secret`` are then an administrator user's.
+    """
     url = f"http://{host}:{port or free_port(host)}"
     port_s = url.rsplit(":", 1)[1]
-    proc = _spawn(["moto.server", "-H", host, "-p", port_s], url, "/moto-api/", timeout)
-    return MotoServer(endpoint_url=url, process=proc)
+    # moto skips authentication for the first N actions, then enforces it: exactly
+    # the three calls that create the administrator.
+    env = {"INITIAL_NO_AUTH_ACTION_COUNT": "3"} if iam else None
+    proc = _spawn(["moto.server", "-H", host, "-p", port_s], url, "/moto-api/", timeout, env)
+    server = MotoServer(endpoint_url=url, process=proc, iam=iam)
+    if iam:
+        try:
+            iam_client = _boto3_client(url, "iam", TEST_KEY, TEST_SECRET)
+            server.key, server.secret = _create_user(iam_client, "objckpt-admin", ["*"])
+        except BaseException:
+            server.stop()
+            raise
+    return server
 
 
 @dataclasses.dataclass
@@ -177,6 +249,15 @@ class GcsEmulator(_ServerProcess):
 
     def storage_options(self) -> dict[str, Any]:
         return {"endpoint_url": self.endpoint_url, "token": "anon", "project": "objckpt-test"}
+
+    def read_only_options(self) -> dict[str, Any]:
+        """gcsfs options of a principal that may read but not write (writes get 403,
+        ``testIamPermissions`` grants only the read permissions)."""
+        # A credentials object, not the raw string: gcsfs would ask Google's
+        # tokeninfo endpoint about a raw token.
+        from google.oauth2.credentials import Credentials
+
+        return {**self.storage_options(), "token": Credentials(token=GCS_READ_ONLY_TOKEN)}
 
     def reset(self) -> None:
         req = urllib.request.Request(f"{self.endpoint_url}/wipe", method="GET")

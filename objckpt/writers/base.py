@@ -37,6 +37,7 @@ from fsspec.asyn import AsyncFileSystem, sync
 from objckpt import retry
 from objckpt.checksum import BytesLike
 from objckpt.errors import BucketNotFoundError
+from objckpt.layout import read_whole
 from objckpt.location import Location
 from objckpt.options import UploadOptions
 from objckpt.throttle import AimdLimit
@@ -191,7 +192,7 @@ class ObjectStore(abc.ABC):
         try:
             return bytes(
                 retry.retry_call(
-                    lambda: self.fs.cat_file(self.path(key)),
+                    lambda: read_whole(self.fs, self.path(key)),
                     self.location.retry,
                     f"reading {self.location.url_of(key)}",
                 )

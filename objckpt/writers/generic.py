@@ -13,6 +13,7 @@ import logging
 import threading
 
 from objckpt.checksum import crc_from_base64
+from objckpt.errors import AccessDeniedError
 from objckpt.translate import translate
 from objckpt.writers.base import BufferedUpload, ObjectStore, ObjectUpload
 
@@ -39,8 +40,36 @@ class GenericStore(ObjectStore):
         self.put(key, data)
 
 
+#: What a save needs on GCS: write objects, and list them (the "already committed?" check).
+GCS_SAVE_PERMISSIONS = ("storage.objects.create", "storage.objects.list")
+
+
 class GcsStore(GenericStore):
     """GCS through gcsfs: the commit is an ``ifGenerationMatch=0`` upload."""
+
+    def preflight(self, timeout: float) -> None:
+        """The bucket check, then GCS's ``testIamPermissions``, which answers with the
+        subset of :data:`GCS_SAVE_PERMISSIONS` the caller holds: read-only credentials
+        are refused here, before anything is staged, without writing a probe object."""
+        super().preflight(timeout)
+        bucket, url = self.location.bucket, self.location.url
+        query = "&".join(f"permissions={p}" for p in GCS_SAVE_PERMISSIONS)
+        try:
+            answer = self.run_coro(
+                self.fs._call("GET", f"b/{{}}/iam/testPermissions?{query}", bucket, json_out=True),
+                timeout=timeout,
+            )
+        except Exception as exc:
+            if type(exc).__name__ == "FSTimeoutError":
+                exc = TimeoutError(f"no answer within {timeout} s")
+            raise translate(exc, url=url, action="testing permissions on") from exc
+        missing = sorted(set(GCS_SAVE_PERMISSIONS) - set(answer.get("permissions") or []))
+        if missing:
+            raise AccessDeniedError(
+                f"access denied for {url}: the credentials lack {', '.join(missing)} on "
+                f"bucket {bucket!r} (read-only credentials?); a save needs "
+                f"{' and '.join(GCS_SAVE_PERMISSIONS)}"
+            )
 
     def create(self, key: str, data: bytes, *, overwrite: bool = False) -> None:
         try:

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 from typing import Any
 
 from objckpt.checksum import BytesLike, crc_from_base64
 from objckpt.errors import BucketNotFoundError, UploadError
+from objckpt.layout import PROBE_KEY
 from objckpt.options import MAX_PARTS
 from objckpt.translate import translate
 from objckpt.writers.base import ObjectStore, ObjectUpload, OpenUpload, translated_future
@@ -39,17 +41,40 @@ class S3Store(ObjectStore):
         return await self.fs._call_s3(method, **kwargs)
 
     def preflight(self, timeout: float) -> None:
-        bucket = self.location.bucket
+        """Prove, in bounded time and before anything is staged, that a save can succeed.
+
+        Three requests: a one-key listing under the checkpoint prefix (bucket exists,
+        credentials valid, ``s3:ListBucket``; unlike HeadBucket's bare 403 it carries
+        an error code that says *which* credential problem it is), then an empty
+        multipart upload begun and aborted at :data:`PROBE_KEY` (``s3:PutObject``,
+        ``s3:AbortMultipartUpload`` and, for SSE-KMS buckets, the KMS key). A
+        read-only role therefore fails here, not after the state dict was copied;
+        the aborted upload leaves no object and no bill.
+        """
+        bucket, prefix = self._bucket_key("")
+        probe = self._bucket_key(PROBE_KEY)[1]
+        url = self.location.url
+        doing = ["listing"]
+
+        async def check() -> None:
+            try:
+                await self.call("list_objects_v2", Bucket=bucket, Prefix=prefix, MaxKeys=1)
+            except FileNotFoundError as exc:
+                raise BucketNotFoundError(f"bucket {bucket!r} of {url} does not exist") from exc
+            doing[0] = "probing write access (s3:PutObject) to"
+            out = await self.call("create_multipart_upload", Bucket=bucket, Key=probe)
+            doing[0] = "probing abort access (s3:AbortMultipartUpload) to"
+            with contextlib.suppress(FileNotFoundError):  # already gone: nothing left either way
+                await self.call(
+                    "abort_multipart_upload", Bucket=bucket, Key=probe, UploadId=out["UploadId"]
+                )
+
         try:
-            self.run_coro(self.call("head_bucket", Bucket=bucket), timeout=timeout)
-        except FileNotFoundError as exc:
-            raise BucketNotFoundError(
-                f"bucket {bucket!r} of {self.location.url} does not exist"
-            ) from exc
+            self.run_coro(check(), timeout=timeout)
         except Exception as exc:
             if type(exc).__name__ == "FSTimeoutError":
                 exc = TimeoutError(f"no answer within {timeout} s")
-            raise translate(exc, url=self.location.url, action="checking") from exc
+            raise translate(exc, url=url, action=doing[0]) from exc
 
     def begin(self, key: str, size_hint: int) -> ObjectUpload:
         return S3Upload(self, key, self.options.part_size_for(size_hint))

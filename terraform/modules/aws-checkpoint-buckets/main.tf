@@ -19,10 +19,11 @@ locals {
 
   # Every S3 action objckpt's code issues (tests/test_terraform.py derives the
   # operations from a recorded run through a proxy and checks this list).
-  #   ListBucket                 ListObjectsV2 (ls, gc, retention), HeadBucket (preflight)
+  #   ListBucket                 ListObjectsV2 (ls, gc, retention, preflight)
   #   ListBucketMultipartUploads gc finds uploads a killed save left open
   #   GetObject                  GetObject/HeadObject (load, verify), CopyObject source
-  #   PutObject                  PutObject, multipart uploads, CopyObject/UploadPartCopy target
+  #   PutObject                  PutObject, multipart uploads, CopyObject/UploadPartCopy target,
+  #                              the preflight's write probe (an upload begun and aborted)
   #   DeleteObject               retention, gc, `objckpt rm`
   #   AbortMultipartUpload       a failed save aborts its upload; gc aborts stale ones
   #   ListMultipartUploadParts   gc dates an open upload by its newest part
