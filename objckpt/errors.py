@@ -15,6 +15,7 @@ exception text at ERROR level, so an error message is as public as a log line.
     ObjckptError
     ├── ConfigurationError (ValueError)       bad option, URL or protocol
     ├── StateDictError (TypeError)            a state-dict entry that cannot be saved
+    │   └── StateDictMismatchError (ValueError) load target's shapes differ from the step
     ├── StoreError (OSError)                  the store refused or failed a request
     │   ├── StoreUnreachableError (ConnectionError)
     │   ├── AccessDeniedError (PermissionError)
@@ -48,6 +49,7 @@ __all__ = [
     "ObjckptError",
     "SizeMismatchError",
     "StateDictError",
+    "StateDictMismatchError",
     "StoreError",
     "StoreUnreachableError",
     "UploadError",
@@ -64,6 +66,13 @@ class ConfigurationError(ObjckptError, ValueError):
 
 class StateDictError(ObjckptError, TypeError):
     """A state-dict entry cannot be serialized into a checkpoint."""
+
+
+class StateDictMismatchError(StateDictError, ValueError):
+    """The state dict to load into does not fit the checkpoint (a shape differs).
+
+    A ValueError too, as torch's planner raises for the same cause, so existing
+    handlers keep working; the message adds the checkpoint URL to torch's."""
 
 
 class StoreError(ObjckptError, OSError):

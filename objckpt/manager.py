@@ -37,6 +37,7 @@ from objckpt.errors import (
     IntegrityError,
     ManifestError,
     ObjckptError,
+    StateDictMismatchError,
     StoreError,
 )
 from objckpt.gc import DEFAULT_GRACE, GcReport, collect_garbage, delete_step
@@ -61,6 +62,18 @@ def unwrap(exc: BaseException) -> BaseException:
             if isinstance(inner, ObjckptError):
                 return inner
     return exc
+
+
+def _size_mismatch(exc: BaseException) -> BaseException | None:
+    """torch's planner error for a load target whose shape differs ("Size mismatch
+    between saved ... and current ... for <key>"), which does not say which
+    checkpoint it was; the manager re-raises it naming the step."""
+    failures = exc.failures.values() if isinstance(exc, CheckpointException) else [exc]
+    for failure in failures:
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if type(inner) is ValueError and str(inner).startswith("Size mismatch"):
+            return inner
+    return None
 
 
 class CheckpointManager:
@@ -345,6 +358,11 @@ class CheckpointManager:
                     no_dist=not distributed,
                 )
         except BaseException as exc:
+            mismatch = _size_mismatch(exc)
+            if mismatch is not None:
+                raise StateDictMismatchError(
+                    f"the state dict does not fit {url}: {mismatch}"
+                ) from exc
             inner = unwrap(exc)
             if inner is exc:
                 raise

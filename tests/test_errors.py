@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 from helpers import carried, fs_of, path_of, save
 
-from objckpt import ObjectStoreReader, ObjectStoreWriter
+from objckpt import CheckpointManager, ObjectStoreReader, ObjectStoreWriter
 from objckpt.errors import (
     AccessDeniedError,
     BucketNotFoundError,
     ConfigurationError,
+    ManifestError,
     MissingCredentialsError,
     StateDictError,
     StoreUnreachableError,
@@ -166,3 +169,43 @@ def test_gcs_refusals_translate_to_access_denied() -> None:
     )
     assert isinstance(rejected, AccessDeniedError)
     assert "credentials rejected" in str(rejected) and "gs://b/o" in str(rejected)
+
+
+def _newer_manifest(doc: dict) -> dict:
+    return {**doc, "version": doc["version"] + 1}
+
+
+def _schema_broken_manifest(doc: dict) -> dict:
+    return {k: v for k, v in doc.items() if k != "attempt"}
+
+
+@pytest.mark.parametrize(
+    ("damage", "needle"),
+    [
+        (lambda raw: b"<html>not json</html>", "not valid JSON"),
+        (lambda raw: json.dumps(_newer_manifest(json.loads(raw))).encode(), "newer than"),
+        (lambda raw: json.dumps(_schema_broken_manifest(json.loads(raw))).encode(), "'attempt'"),
+    ],
+    ids=["not-json", "newer-version", "schema"],
+)
+def test_bad_manifest_on_the_store_is_named(
+    moto_server: MotoServer, s3_bucket: StoreTarget, damage: Any, needle: str
+) -> None:
+    """A manifest replaced on the store (by hand, by a newer objckpt, by a broken tool)
+    is refused by the reader and by the manager, naming the manifest's URL."""
+    with CheckpointManager(s3_bucket.root, storage_options=s3_bucket.storage_options) as mgr:
+        mgr.save(1, {"w": torch.ones(16)}).result()
+        url = mgr.step_url(1)
+    key = f"{path_of(s3_bucket, url).split('/', 1)[1]}/manifest.json"
+    client = moto_server.boto3_client()
+    raw = client.get_object(Bucket=s3_bucket.bucket, Key=key)["Body"].read()
+    client.put_object(Bucket=s3_bucket.bucket, Key=key, Body=damage(raw))
+
+    with pytest.raises(ManifestError, match=needle) as info:
+        ObjectStoreReader(url, storage_options=s3_bucket.storage_options)
+    assert f"{url}/manifest.json" in str(info.value)
+    with (
+        CheckpointManager(s3_bucket.root, storage_options=s3_bucket.storage_options) as mgr,
+        pytest.raises(ManifestError, match=needle),
+    ):
+        mgr.load({"w": torch.zeros(16)}, step=1)

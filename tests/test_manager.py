@@ -8,7 +8,12 @@ from conftest import assert_state_equal, empty_like_state
 from helpers import fs_of
 
 from objckpt import CheckpointManager, RetentionPolicy
-from objckpt.errors import CheckpointExistsError, CheckpointNotFoundError, ConfigurationError
+from objckpt.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ConfigurationError,
+    StateDictMismatchError,
+)
 from objckpt.steps import step_name
 from objckpt.testing.plugin import StoreTarget
 
@@ -100,3 +105,14 @@ def test_retention_options_are_validated(tmp_path) -> None:
         CheckpointManager(f"file://{tmp_path}/r", keep_last=0)
     with pytest.raises(ConfigurationError, match="either retention="):
         CheckpointManager(f"file://{tmp_path}/r", keep_last=1, retention=RetentionPolicy())
+
+
+def test_load_into_mismatched_shapes_names_step_and_key(target: StoreTarget) -> None:
+    with CheckpointManager(target.root, storage_options=target.storage_options) as mgr:
+        mgr.save(1, {"w": torch.ones(4, 4), "b": torch.ones(4)}).result()
+        with pytest.raises(StateDictMismatchError) as info:
+            mgr.load({"w": torch.zeros(3, 4), "b": torch.zeros(4)})
+    message = str(info.value)
+    assert isinstance(info.value, ValueError)
+    assert mgr.step_url(1) in message and "for w" in message
+    assert "[4, 4]" in message and "[3, 4]" in message
