@@ -30,6 +30,7 @@ from typing import Any, cast
 
 import torch
 
+from objckpt import lifeline
 from objckpt.errors import StateDictError
 
 __all__ = ["SegmentRef", "Staged", "Stager", "Wave", "attach_tensor", "scan"]
@@ -101,12 +102,15 @@ class SegmentRef:
     shape: tuple[int, ...]
 
 
+#: Where staging segments live: shared memory where the system has it.
+SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
+
+
 class _Segment:
     """A shared-memory file mapped into this process."""
 
     def __init__(self, size: int) -> None:
-        shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        fd, self.path = tempfile.mkstemp(prefix=f"objckpt-{os.getpid()}-", dir=shm_dir)
+        fd, self.path = tempfile.mkstemp(prefix=lifeline.segment_prefix(), dir=SHM_DIR)
         try:
             os.ftruncate(fd, max(size, 1))
             self.map = mmap.mmap(fd, max(size, 1))
@@ -296,6 +300,8 @@ class Stager:
         self._budget = budget
         self._lock = threading.Lock()
         self._all: list[_Buffers] = []
+        # Segments of processes that died without cleaning up (SIGKILL) hold host memory.
+        lifeline.sweep_stale_segments(SHM_DIR)
 
     def _allocate(self, tensors: list[torch.Tensor]) -> _Buffers:
         layout, offset = [], 0

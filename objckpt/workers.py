@@ -18,6 +18,7 @@ with ``BrokenProcessPool`` at once, and the next save starts a fresh pool.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -27,6 +28,7 @@ from typing import Any
 
 import torch
 
+from objckpt import lifeline
 from objckpt.checksum import BytesLike
 from objckpt.errors import ConfigurationError
 from objckpt.location import Location
@@ -48,9 +50,17 @@ _WORKER_SEGMENTS: dict[str, Any] = {}
 Entry = tuple[int, "SegmentRef | torch.Tensor | bytes"]
 
 
-def _worker_init() -> None:
+def _worker_init(parent_pid: int) -> None:
     # A forked child that runs parallel torch ops can hang on the intra-op pool.
     torch.set_num_threads(1)
+    lifeline.watch_parent(parent_pid, _unlink_attached_segments)
+
+
+def _unlink_attached_segments() -> None:
+    """The training process died: its staging segments would outlive it in /dev/shm."""
+    for path in list(_WORKER_SEGMENTS):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def upload_object(
@@ -116,7 +126,10 @@ class WorkerPool:
             if self._pool is None:
                 ctx = multiprocessing.get_context("forkserver")
                 self._pool = concurrent.futures.ProcessPoolExecutor(
-                    max_workers=self.workers, mp_context=ctx, initializer=_worker_init
+                    max_workers=self.workers,
+                    mp_context=ctx,
+                    initializer=_worker_init,
+                    initargs=(os.getpid(),),
                 )
             return self._pool
 

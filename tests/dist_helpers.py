@@ -124,6 +124,45 @@ def async_save_with_silent_rank(
         dist.destroy_process_group()
 
 
+def async_save_with_killed_coordinator(
+    rank: int, world: int, init_file: str, url: str, options: dict[str, Any]
+) -> None:
+    """Step 1 commits; during step 2 rank 0 is SIGKILLed after its uploads, right
+    where it would gather the ranks' results and commit. The other ranks must get
+    an error naming rank 0 (within the barrier timeout) and write it to
+    ``<init_file>.rank<r>``; the file says "committed" if a save wrongly succeeded."""
+    import signal
+
+    from objckpt import finalize
+    from objckpt.steps import step_name
+
+    mesh = _init(rank, world, init_file)
+    state = {
+        "model": {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full_state().items()},
+        "step": 7,
+    }
+    opts = objckpt.AsyncOptions(workers=1, barrier_timeout=2)
+    with objckpt.AsyncCheckpointer(storage_options=options, options=opts) as ckpt:
+        ckpt.save(state, f"{url}/{step_name(1)}").result(timeout=120)
+        if rank == 0:
+
+            def die(self: Any) -> list[Any]:
+                os.kill(os.getpid(), signal.SIGKILL)
+                raise AssertionError("unreachable")
+
+            finalize.RankExchange.gather = die  # type: ignore[method-assign]
+        handle = ckpt.save(state, f"{url}/{step_name(2)}")
+        try:
+            handle.result(timeout=120)
+            verdict = "committed"
+        except objckpt.errors.ObjckptError as exc:
+            verdict = f"{type(exc).__name__}: {exc}"
+    with open(f"{init_file}.rank{rank}", "w") as f:
+        f.write(verdict)
+    # The process group has a dead member: leave without its teardown collective.
+    os._exit(0)
+
+
 def queue_across_ranks(
     rank: int, world: int, init_file: str, url: str, options: dict[str, Any]
 ) -> None:

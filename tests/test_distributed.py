@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import signal
+
 import dist_helpers
 import pytest
 import torch
 import torch.multiprocessing as mp
 from helpers import fs_of, load, path_of
 
-from objckpt import ObjectStoreReader
+from objckpt import Location, ObjectStoreReader
+from objckpt.errors import CheckpointNotCommittedError
+from objckpt.gc import collect_garbage
+from objckpt.steps import step_name
 from objckpt.testing.plugin import StoreTarget
 
 
@@ -85,3 +90,42 @@ def test_manager_on_every_rank(s3_bucket: StoreTarget, tmp_path) -> None:
     fs = fs_of(s3_bucket)
     names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(path_of(s3_bucket, url), detail=False))
     assert names == ["step-0000000002", "step-0000000003"]
+
+
+def test_coordinator_killed_before_commit(s3_bucket: StoreTarget, tmp_path) -> None:
+    """kill -9 of rank 0 between the uploads and the commit: the other rank reports an
+    error naming rank 0 in bounded time, the step never becomes visible, the previous
+    step still loads, and gc removes the orphaned objects."""
+    url = s3_bucket.url("coordinator")
+    init_file = str(tmp_path / "init-killed-coordinator")
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(
+            target=dist_helpers.async_save_with_killed_coordinator,
+            args=(rank, 2, init_file, url, s3_bucket.storage_options),
+        )
+        for rank in range(2)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert codes == [-signal.SIGKILL, 0], codes
+    verdict = (tmp_path / "init-killed-coordinator.rank1").read_text()
+    assert "rank0" in verdict and f"{url}/{step_name(2)}" in verdict, verdict
+
+    with pytest.raises(CheckpointNotCommittedError):
+        ObjectStoreReader(f"{url}/{step_name(2)}", storage_options=s3_bucket.storage_options)
+    expected = dist_helpers.full_state()
+    state = {"model": {k: torch.zeros_like(v) for k, v in expected.items()}, "step": 0}
+    load(state, f"{url}/{step_name(1)}", s3_bucket)
+    assert all(torch.equal(state["model"][k], v) for k, v in expected.items())
+
+    root = Location.parse(url, s3_bucket.storage_options)
+    report = collect_garbage(root, grace=0, dry_run=False)
+    assert any(step_name(2) in d for d in report.deleted), report
+    assert fs_of(s3_bucket).find(path_of(s3_bucket, f"{url}/{step_name(2)}")) == []
