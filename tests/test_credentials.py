@@ -68,6 +68,17 @@ def leftovers(server: MotoServer, bucket: StoreTarget) -> tuple[list[str], list[
     return [o["Key"] for o in objects], [u["Key"] for u in uploads]
 
 
+def async_refusal(options: dict[str, Any], state: dict[str, Any], url: str) -> AccessDeniedError:
+    """The error of an AsyncCheckpointer's first save to ``url`` (it must be refused)."""
+    checkpointer = AsyncCheckpointer(storage_options=options)
+    try:
+        with pytest.raises(AccessDeniedError) as info:
+            checkpointer.save(state, url)
+    finally:
+        checkpointer.close()
+    return info.value
+
+
 def wrong_key(server: MotoServer) -> dict[str, Any]:
     return {**server.storage_options(), "key": "AKIAOBJCKPTUNKNOWN00"}
 
@@ -85,13 +96,7 @@ def test_read_only_user_fails_before_staging_and_can_still_load(
     before = leftovers(iam_server, bucket)
 
     # Async: the first save to a bucket waits for the write probe, so nothing is copied.
-    checkpointer = AsyncCheckpointer(storage_options=reader.storage_options)
-    try:
-        with pytest.raises(AccessDeniedError) as info:
-            checkpointer.save(state, bucket.url("c2"))
-    finally:
-        checkpointer.close()
-    message = str(info.value)
+    message = str(async_refusal(reader.storage_options, state, bucket.url("c2")))
     assert bucket.url("c2") in message and "s3:PutObject" in message
     assert staging_calls == []
 
@@ -163,12 +168,7 @@ def test_wrong_credentials_named_on_save_and_load(
     assert "credentials rejected" in str(err) and cause in str(err)
     assert bucket.url("c2") in str(err)
 
-    checkpointer = AsyncCheckpointer(storage_options=options)
-    try:
-        with pytest.raises(AccessDeniedError, match=cause):
-            checkpointer.save({"w": torch.ones(8)}, bucket.url("c3"))
-    finally:
-        checkpointer.close()
+    assert cause in str(async_refusal(options, {"w": torch.ones(8)}, bucket.url("c3")))
     assert staging_calls == []
 
     with pytest.raises(BaseException) as load_info:
@@ -190,14 +190,9 @@ def test_gcs_read_only_principal_fails_before_staging(
     state = {"w": torch.arange(64, dtype=torch.float32)}
     save(state, gcs_bucket.url("c1"), gcs_bucket)
     reader = as_user(gcs_bucket, gcs_emulator.read_only_options())
-    checkpointer = AsyncCheckpointer(storage_options=reader.storage_options)
-    try:
-        with pytest.raises(AccessDeniedError) as info:
-            checkpointer.save(state, gcs_bucket.url("c2"))
-    finally:
-        checkpointer.close()
-    assert "storage.objects.create" in str(info.value) and gcs_bucket.url("c2") in str(info.value)
-    assert "storage.objects.list" not in str(info.value).split("lack")[1].split("(")[0]
+    message = str(async_refusal(reader.storage_options, state, gcs_bucket.url("c2")))
+    assert "storage.objects.create" in message and gcs_bucket.url("c2") in message
+    assert "storage.objects.list" not in message.split("lack")[1].split("(")[0]
     assert staging_calls == []
     out = {"w": torch.zeros(64)}
     load(out, gcs_bucket.url("c1"), reader)
