@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from typing import Any
 
@@ -14,6 +15,21 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 import objckpt
 from objckpt.testing import offline_env
+
+
+def rank_main(rank: int, body: str, *args: Any) -> None:
+    """Run the rank body ``body`` of this module, then leave without interpreter teardown.
+
+    torch 2.13's gloo worker threads can abort the process while the interpreter
+    finalizes ("terminate called without an active exception", SIGABRT; seen once
+    in a fresh-clone CI run here), after the body has passed and destroyed its
+    process group; that is torch's exit path, not the checkpoint under test. A failing
+    body still raises, and mp.spawn reports its traceback.
+    """
+    globals()[body](rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def full_state() -> dict[str, torch.Tensor]:

@@ -19,7 +19,8 @@ from objckpt.testing.plugin import StoreTarget
 
 def _run(fn, world: int, tmp_path, url: str, options: dict) -> None:
     init_file = tmp_path / f"init-{fn.__name__}-{world}"
-    mp.spawn(fn, args=(world, str(init_file), url, options), nprocs=world, join=True)
+    args = (fn.__name__, world, str(init_file), url, options)
+    mp.spawn(dist_helpers.rank_main, args=args, nprocs=world, join=True)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
