@@ -23,11 +23,9 @@ same total bytes sharded over the ranks).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import logging
 import os
-import platform
 import statistics
 import tempfile
 import threading
@@ -38,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from bench_sync import MiB, nbytes, transformer_state
+from record import write_record
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
@@ -348,26 +347,14 @@ def main() -> None:
             "median_later_stall_s": med([s for r in per_rank for s in r[1:]]),
         }
         log.info("world %d: %s", w, worlds[str(w)])
-    record = {
-        "benchmark": "async",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-        },
+    fields = {
         "bytes": res["bytes"],
         "raw": res,
         "summary": summary,
         "ratios": ratios,
         "world": worlds,
     }
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(
-        args.out, f"async-{datetime.date.today().isoformat()}-{args.size_mib}mib.json"
-    )
-    with open(path, "w") as f:
-        json.dump(record, f, indent=2)
+    path = write_record(args.out, "async", args.size_mib, fields)
     for k, v in {**summary, **ratios}.items():
         print(f"{k}: {v:.3f}")
     for w, d in worlds.items():

@@ -12,11 +12,8 @@ Results go to ``bench/results/faults-<date>-<size>mib.json`` and a table to stdo
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import logging
 import os
-import platform
 import statistics
 import sys
 import time
@@ -28,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_sync import nbytes, transformer_state
+from record import write_record
 
 import objckpt
 from objckpt.testing import FaultProxy, Rule
@@ -90,14 +88,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         server.stop()
     med = {k: statistics.median(v) for k, v in series.items()}
     return {
-        "benchmark": "faults",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-        },
-        "objckpt_version": objckpt.__version__,
         "bytes": size,
         "rate": args.rate,
         "repeats": args.repeats,
@@ -124,12 +114,7 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     record = run(args)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(
-        args.out, f"faults-{datetime.date.today().isoformat()}-{args.size_mib}mib.json"
-    )
-    with open(path, "w") as f:
-        json.dump(record, f, indent=2)
+    path = write_record(args.out, "faults", args.size_mib, record)
     med = record["median_seconds"]
     print("| series | median s | MB/s |\n|---|---:|---:|")
     for k, v in med.items():

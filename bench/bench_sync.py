@@ -19,12 +19,9 @@ Results go to ``bench/results/sync-<date>.json`` and a Markdown table to stdout.
 from __future__ import annotations
 
 import argparse
-import datetime
 import io
-import json
 import logging
 import os
-import platform
 import shutil
 import statistics
 import tempfile
@@ -35,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from record import write_record
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
 import objckpt
@@ -226,15 +224,7 @@ def main() -> None:
         loc = med["local"]
         ratios["local_save_vs_plain_write"] = loc["objckpt_save"] / loc["plain_write"]
         ratios["dcp_fs_save_vs_plain_write"] = loc["dcp_fs_save"] / loc["plain_write"]
-    record = {
-        "benchmark": "sync",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-        },
-        "objckpt_version": objckpt.__version__,
+    fields = {
         "bytes": size,
         "tensors": len(state),
         "repeats": args.repeats,
@@ -242,11 +232,7 @@ def main() -> None:
         "median_seconds": med,
         "ratios": ratios,
     }
-    os.makedirs(args.out, exist_ok=True)
-    stamp = datetime.date.today().isoformat()
-    path = os.path.join(args.out, f"sync-{stamp}-{args.size_mib}mib.json")
-    with open(path, "w") as f:
-        json.dump(record, f, indent=2)
+    path = write_record(args.out, "sync", args.size_mib, fields)
     lines = ["| store | method | median s | MB/s |", "|---|---|---:|---:|"]
     for group, r in med.items():
         for k, v in r.items():

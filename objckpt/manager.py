@@ -54,26 +54,27 @@ __all__ = ["CheckpointManager"]
 logger = logging.getLogger(__name__)
 
 
+def _failures(exc: BaseException) -> list[BaseException]:
+    """The per-rank errors torch's ``CheckpointException`` carries, else ``[exc]``."""
+    if not isinstance(exc, CheckpointException):
+        return [exc]
+    # torch stores (exception, traceback frames) per rank
+    return [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]
+
+
 def unwrap(exc: BaseException) -> BaseException:
     """The objckpt error torch's ``CheckpointException`` carries, else ``exc``."""
-    if isinstance(exc, CheckpointException):
-        for failure in exc.failures.values():
-            inner = failure[0] if isinstance(failure, tuple) else failure
-            if isinstance(inner, ObjckptError):
-                return inner
-    return exc
+    return next((e for e in _failures(exc) if isinstance(e, ObjckptError)), exc)
 
 
 def _size_mismatch(exc: BaseException) -> BaseException | None:
     """torch's planner error for a load target whose shape differs ("Size mismatch
     between saved ... and current ... for <key>"), which does not say which
     checkpoint it was; the manager re-raises it naming the step."""
-    failures = exc.failures.values() if isinstance(exc, CheckpointException) else [exc]
-    for failure in failures:
-        inner = failure[0] if isinstance(failure, tuple) else failure
-        if type(inner) is ValueError and str(inner).startswith("Size mismatch"):
-            return inner
-    return None
+    return next(
+        (e for e in _failures(exc) if type(e) is ValueError and str(e).startswith("Size mismatch")),
+        None,
+    )
 
 
 class CheckpointManager:

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import tenacity
 
 from objckpt.errors import ConfigurationError
+from objckpt.translate import causes
 
 __all__ = ["RetryObserver", "RetryPolicy", "install", "is_throttle", "is_transient", "s3_options"]
 
@@ -102,18 +103,9 @@ class RetryPolicy:
             )
 
 
-def _chain(exc: BaseException) -> list[BaseException]:
-    out: list[BaseException] = []
-    seen: BaseException | None = exc
-    while seen is not None and seen not in out and len(out) < 8:
-        out.append(seen)
-        seen = seen.__cause__ or seen.__context__
-    return out
-
-
 def is_throttle(exc: BaseException) -> bool:
     """A 503 / SlowDown answer: the store asks for fewer requests."""
-    for e in _chain(exc):
+    for e in causes(exc):
         if isinstance(e, OSError) and e.errno == errno.EBUSY:
             return True
         if any(t in str(e) for t in _THROTTLE_TEXT):
@@ -123,7 +115,7 @@ def is_throttle(exc: BaseException) -> bool:
 
 def is_transient(exc: BaseException) -> bool:
     """Whether retrying the same request may succeed."""
-    for e in _chain(exc):
+    for e in causes(exc):
         if isinstance(e, (PermissionError, FileNotFoundError, FileExistsError)):
             return False
         if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:

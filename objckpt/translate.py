@@ -23,7 +23,7 @@ from objckpt.errors import (
     StoreUnreachableError,
 )
 
-__all__ = ["describe", "translate"]
+__all__ = ["causes", "describe", "translate"]
 
 _QUERY = re.compile(r"\?[^\s'\"]*")
 _CREDENTIAL_ERRORS = ("NoCredentialsError", "PartialCredentialsError", "DefaultCredentialsError")
@@ -62,21 +62,28 @@ def _names(exc: BaseException) -> set[str]:
     return {cls.__name__ for cls in type(exc).__mro__}
 
 
+def causes(exc: BaseException) -> list[BaseException]:
+    """``exc`` and the exceptions it was raised from or during (at most 8, no cycles):
+    wrappers such as s3fs keep the backend's own error there."""
+    out: list[BaseException] = []
+    seen: BaseException | None = exc
+    while seen is not None and seen not in out and len(out) < 8:
+        out.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    return out
+
+
 def _status_code(exc: BaseException) -> str | None:
     """The service's error code (``AccessDenied``, ``InvalidAccessKeyId``, ``401``...)
     of ``exc`` or the exception it was raised from: s3fs keeps botocore's error as
     the cause, gcsfs puts the HTTP status on its ``HttpError``."""
-    seen: BaseException | None = exc
-    for _ in range(5):
-        if seen is None:
-            return None
+    for seen in causes(exc):
         response = getattr(seen, "response", None)
         if isinstance(response, dict) and response.get("Error", {}).get("Code"):
             return str(response["Error"]["Code"])
         code = getattr(seen, "code", None)
         if isinstance(code, int) and 400 <= code < 600:
             return str(code)
-        seen = seen.__cause__ or seen.__context__
     return None
 
 

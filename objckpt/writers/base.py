@@ -32,7 +32,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from fsspec import AbstractFileSystem
-from fsspec.asyn import AsyncFileSystem, sync
+from fsspec.asyn import AsyncFileSystem, FSTimeoutError, sync
 
 from objckpt import retry
 from objckpt.checksum import BytesLike
@@ -117,7 +117,12 @@ class ObjectStore(abc.ABC):
         return asyncio.run_coroutine_threadsafe(coro, self.fs.loop)
 
     def run_coro(self, coro: Coroutine[Any, Any, Any], timeout: float | None = None) -> Any:
-        return sync(self.fs.loop, lambda: coro, timeout=timeout)
+        """Run ``coro`` on the filesystem's event loop; past ``timeout`` seconds raise
+        the builtin TimeoutError (which translates to StoreUnreachableError)."""
+        try:
+            return sync(self.fs.loop, lambda: coro, timeout=timeout)
+        except FSTimeoutError as exc:
+            raise TimeoutError(f"no answer within {timeout} s") from exc
 
     def submit_call(self, fn: Any, *args: Any) -> concurrent.futures.Future[Any]:
         """Run a blocking call on a small thread pool owned by this store."""
@@ -155,7 +160,9 @@ class ObjectStore(abc.ABC):
                 exists = self.submit_call(self.fs.exists, bucket).result(timeout=timeout)
         except concurrent.futures.TimeoutError as exc:
             raise translate(
-                TimeoutError(f"no answer in {timeout} s"), url=self.location.url, action="checking"
+                TimeoutError(f"no answer within {timeout} s"),
+                url=self.location.url,
+                action="checking",
             ) from exc
         except Exception as exc:
             raise translate(
@@ -216,6 +223,9 @@ class ObjectStore(abc.ABC):
             self.location.storage_options
         )
 
+    #: Whether :meth:`_copy_inside` is implemented (a provider-side copy exists).
+    server_side_copy = False
+
     def copy_from(self, src: ObjectStore, key: str, size: int) -> bool:
         """Copy ``src``'s object ``key`` to the same key here inside the provider.
 
@@ -223,7 +233,21 @@ class ObjectStore(abc.ABC):
         different provider or account, or a store without one); the caller then
         streams the bytes. The copy is unverified: check it with :meth:`digest`.
         """
-        return False
+        if not self.server_side_copy or not self.same_service(src):
+            return False
+        try:
+            self._copy_inside(src, key, size)
+        except Exception as exc:
+            raise translate(
+                exc, url=self.location.url_of(key), action=f"copying {src.location.url_of(key)}"
+            ) from exc
+        finally:
+            self.fs.invalidate_cache(self.path(key))
+        return True
+
+    def _copy_inside(self, src: ObjectStore, key: str, size: int) -> None:
+        """The provider-side copy of a store with ``server_side_copy``."""
+        raise NotImplementedError
 
     def digest(self, key: str) -> tuple[int, str | None]:
         """The object's size and the full-object CRC32C the store keeps for it

@@ -60,8 +60,6 @@ class GcsStore(GenericStore):
                 timeout=timeout,
             )
         except Exception as exc:
-            if type(exc).__name__ == "FSTimeoutError":
-                exc = TimeoutError(f"no answer within {timeout} s")
             raise translate(exc, url=url, action="testing permissions on") from exc
         missing = sorted(set(GCS_SAVE_PERMISSIONS) - set(answer.get("permissions") or []))
         if missing:
@@ -81,19 +79,11 @@ class GcsStore(GenericStore):
         finally:
             self.fs.invalidate_cache(self.path(key))
 
-    def copy_from(self, src: ObjectStore, key: str, size: int) -> bool:
+    server_side_copy = True
+
+    def _copy_inside(self, src: ObjectStore, key: str, size: int) -> None:
         """A rewrite inside GCS (gcsfs's ``cp_file``); GCS keeps every object's CRC32C."""
-        if not isinstance(src, GcsStore) or not self.same_service(src):
-            return False
-        try:
-            self.fs.cp_file(src.path(key), self.path(key))
-        except Exception as exc:
-            raise translate(
-                exc, url=self.location.url_of(key), action=f"copying {src.location.url_of(key)}"
-            ) from exc
-        finally:
-            self.fs.invalidate_cache(self.path(key))
-        return True
+        self.fs.cp_file(src.path(key), self.path(key))
 
     def digest(self, key: str) -> tuple[int, str | None]:
         try:

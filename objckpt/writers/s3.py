@@ -72,8 +72,6 @@ class S3Store(ObjectStore):
         try:
             self.run_coro(check(), timeout=timeout)
         except Exception as exc:
-            if type(exc).__name__ == "FSTimeoutError":
-                exc = TimeoutError(f"no answer within {timeout} s")
             raise translate(exc, url=url, action=doing[0]) from exc
 
     def begin(self, key: str, size_hint: int) -> ObjectUpload:
@@ -94,36 +92,28 @@ class S3Store(ObjectStore):
     def put(self, key: str, data: bytes) -> None:
         self.create(key, data, overwrite=True)
 
-    def copy_from(self, src: ObjectStore, key: str, size: int) -> bool:
+    server_side_copy = True
+
+    def _copy_inside(self, src: ObjectStore, key: str, size: int) -> None:
         """CopyObject, or UploadPartCopy in parallel ranges above two parts (CopyObject
         stops at 5 GiB). The copy asks S3 for a full-object CRC32C, computed by S3
         from the bytes at rest, which :meth:`digest` then reports."""
-        if not isinstance(src, S3Store) or not self.same_service(src):
-            return False
-        s_bucket, s_key = src._bucket_key(key)
+        s_bucket, _, s_key = src.path(key).partition("/")
         bucket, obj = self._bucket_key(key)
         source = {"Bucket": s_bucket, "Key": s_key}
         part = self.options.part_size_for(size)
-        try:
-            if size <= 2 * part:
-                self.run_coro(
-                    self.call(
-                        "copy_object",
-                        Bucket=bucket,
-                        Key=obj,
-                        CopySource=source,
-                        ChecksumAlgorithm="CRC32C",
-                    )
+        if size <= 2 * part:
+            self.run_coro(
+                self.call(
+                    "copy_object",
+                    Bucket=bucket,
+                    Key=obj,
+                    CopySource=source,
+                    ChecksumAlgorithm="CRC32C",
                 )
-            else:
-                self.run_coro(self._copy_parts(bucket, obj, source, size, part))
-        except Exception as exc:
-            raise translate(
-                exc, url=self.location.url_of(key), action=f"copying {src.location.url_of(key)}"
-            ) from exc
-        finally:
-            self.fs.invalidate_cache(self.path(key))
-        return True
+            )
+        else:
+            self.run_coro(self._copy_parts(bucket, obj, source, size, part))
 
     async def _copy_parts(
         self, bucket: str, obj: str, source: dict[str, str], size: int, part: int
