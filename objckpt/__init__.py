@@ -7,18 +7,19 @@ never leaves a checkpoint that looks valid.
 
 from objckpt import errors
 from objckpt._version import __version__
-from objckpt.async_save import AsyncCheckpointer, AsyncOptions, SaveHandle, async_save
-from objckpt.backup import BackupStatus, BackupTarget
-from objckpt.config import Config, load_config
-from objckpt.location import Location
-from objckpt.manager import CheckpointManager
-from objckpt.manifest import Manifest
-from objckpt.options import ReadOptions, UploadOptions
-from objckpt.queue import AsyncCallsQueue, AsyncRequest
-from objckpt.retention import RetentionPolicy
-from objckpt.retry import RetryPolicy
-from objckpt.storage_reader import ObjectStoreReader
-from objckpt.storage_writer import ObjectStoreWriter
+from objckpt.dcp.storage_reader import ObjectStoreReader
+from objckpt.dcp.storage_writer import ObjectStoreWriter
+from objckpt.format.manifest import Manifest
+from objckpt.ops.backup import BackupStatus, BackupTarget
+from objckpt.ops.config import Config, load_config
+from objckpt.ops.manager import CheckpointManager
+from objckpt.ops.retention import RetentionPolicy
+from objckpt.options import AsyncOptions, ReadOptions, UploadOptions
+from objckpt.pipeline.checkpointer import AsyncCheckpointer, async_save
+from objckpt.pipeline.handle import SaveHandle
+from objckpt.pipeline.queue import AsyncCallsQueue, AsyncRequest
+from objckpt.writers.location import Location
+from objckpt.writers.retry import RetryPolicy
 
 __all__ = [
     "AsyncCallsQueue",

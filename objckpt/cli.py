@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from objckpt.errors import CheckpointNotFoundError, ObjckptError
-from objckpt.location import Location
+from objckpt.writers.location import Location
 
 if TYPE_CHECKING:
-    from objckpt.steps import StepInfo
+    from objckpt.format.steps import StepInfo
 
 __all__ = ["main"]
 
@@ -65,7 +65,7 @@ class _Context:
 
     @functools.cached_property
     def config(self) -> Any:
-        from objckpt.config import load_config
+        from objckpt.ops.config import load_config
 
         return load_config(self.config_path) if self.config_path else None
 
@@ -138,7 +138,7 @@ def _progress(total: int, label: str, quiet: bool) -> Any:
 
 def _committed_manifest(loc: Any) -> Any:
     """The committed manifest at ``loc`` (read once; the command passes it on)."""
-    from objckpt.verify import open_manifest
+    from objckpt.ops.verify import open_manifest
     from objckpt.writers import open_store
 
     store = open_store(loc)
@@ -177,7 +177,7 @@ def main(ctx: click.Context, verbose: int, config: str | None) -> None:
 def ls_command(ctx: _Context, root: str | None) -> None:
     """List the steps under ROOT: committed or not, objects, bytes, time; with a
     config naming backups, how far each backup trails."""
-    from objckpt.steps import inventory, steps_of
+    from objckpt.format.steps import inventory, steps_of
     from objckpt.writers import open_store
 
     loc = ctx.location(root, "ROOT")
@@ -223,7 +223,7 @@ def ls_command(ctx: _Context, root: str | None) -> None:
 
 def _backup_lag(ctx: _Context, loc: Location, steps: list[StepInfo]) -> list[dict[str, Any]]:
     """Lag of the config's backups when ``loc`` is the config's root."""
-    from objckpt.backup import committed_steps, lag_of
+    from objckpt.ops.backup import committed_steps, lag_of
 
     config = ctx.config
     if config is None or not config.backups or Location.parse(config.root).url != loc.url:
@@ -257,11 +257,11 @@ def info_command(ctx: _Context, ckpt: str, tensors: bool) -> None:
     """Summarise the committed checkpoint CKPT (manifest and tensors)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from objckpt.dcp_json import metadata_from_json
+    from objckpt.format.index import dcp_metadata
 
     loc = ctx.location(ckpt, "CKPT")
     m = _committed_manifest(loc)
-    metadata, _ = metadata_from_json(m.metadata, url=loc.url)
+    metadata = dcp_metadata(m, url=loc.url)
     entries: list[dict[str, Any]] = []
     for fqn, md in sorted(metadata.state_dict_metadata.items()):
         if isinstance(md, TensorStorageMetadata):
@@ -307,7 +307,7 @@ def verify_command(ctx: _Context, ckpt: str) -> None:
 
     Exits 1 and names each object that fails; never loads anything into torch.
     """
-    from objckpt.verify import verify_checkpoint
+    from objckpt.ops.verify import verify_checkpoint
 
     loc = ctx.location(ckpt, "CKPT")
     manifest = _committed_manifest(loc)
@@ -356,7 +356,7 @@ def verify_command(ctx: _Context, ckpt: str) -> None:
 @_command
 def gc_command(ctx: _Context, root: str | None, apply: bool, grace: float | None) -> None:
     """Remove what no committed manifest names under ROOT, and stale multipart uploads."""
-    from objckpt.gc import DEFAULT_GRACE, collect_garbage
+    from objckpt.ops.gc import DEFAULT_GRACE, collect_garbage
 
     loc = ctx.location(root, "ROOT")
     if grace is None:
@@ -387,7 +387,7 @@ def gc_command(ctx: _Context, root: str | None, apply: bool, grace: float | None
 @_command
 def rm_command(ctx: _Context, ckpt: str, yes: bool) -> None:
     """Delete the checkpoint CKPT (its manifest first, so it vanishes at once)."""
-    from objckpt.gc import delete_step
+    from objckpt.ops.gc import delete_step
 
     loc = ctx.location(ckpt, "CKPT")
     if not yes and not ctx.as_json:
@@ -406,7 +406,7 @@ def rm_command(ctx: _Context, ckpt: str, yes: bool) -> None:
 @_command
 def cp_command(ctx: _Context, src: str, dst: str, overwrite: bool) -> None:
     """Copy the committed checkpoint SRC to DST, checking CRC32C, manifest last."""
-    from objckpt.verify import copy_checkpoint
+    from objckpt.ops.verify import copy_checkpoint
 
     src_loc = ctx.location(src, "SRC")
     dst_loc = ctx.location(dst, "DST")

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from objckpt.errors import ConfigurationError
-from objckpt.location import Location
-from objckpt.manager import CheckpointManager
+from objckpt.ops.manager import CheckpointManager
+from objckpt.writers.location import Location
 
 __all__ = ["DemoResult", "SaveRecord", "run_demo"]
 

@@ -29,7 +29,9 @@ exception text at ERROR level, so an error message is as public as a log line.
     ├── IntegrityError                        bytes on the store do not match the manifest
     │   ├── ChecksumMismatchError
     │   └── SizeMismatchError
-    └── BackupError                           a backup target is not up to date
+    ├── BackupError                           a backup target is not up to date
+    ├── BarrierTimeoutError (TimeoutError)    ranks did not report in time (async commit)
+    └── RequestFailedError                    an async request failed on some rank
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from __future__ import annotations
 __all__ = [
     "AccessDeniedError",
     "BackupError",
+    "BarrierTimeoutError",
     "BucketNotFoundError",
     "CheckpointExistsError",
     "CheckpointNotCommittedError",
@@ -47,6 +50,7 @@ __all__ = [
     "ManifestError",
     "MissingCredentialsError",
     "ObjckptError",
+    "RequestFailedError",
     "SizeMismatchError",
     "StateDictError",
     "StateDictMismatchError",
@@ -129,3 +133,11 @@ class SizeMismatchError(IntegrityError):
 
 class BackupError(ObjckptError):
     """A backup target could not be brought up to date (the primary is unaffected)."""
+
+
+class BarrierTimeoutError(ObjckptError, TimeoutError):
+    """Some ranks did not report within the barrier timeout (a rank died or hung)."""
+
+
+class RequestFailedError(ObjckptError):
+    """An async request's work failed on some rank, so no rank finalizes it as a success."""

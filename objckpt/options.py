@@ -12,7 +12,7 @@ import dataclasses
 
 from objckpt.errors import ConfigurationError
 
-__all__ = ["ReadOptions", "UploadOptions"]
+__all__ = ["AsyncOptions", "ReadOptions", "UploadOptions"]
 
 MiB = 1024 * 1024
 S3_MIN_PART = 5 * MiB
@@ -98,6 +98,9 @@ class ReadOptions:
         trust_pickles: Let non-tensor values be unpickled with full pickle (custom
             classes). Off: they are read with ``torch.load(weights_only=True)``,
             which admits plain values only, so a crafted checkpoint cannot run code.
+        share_replicated: When the reader coordinates a process group
+            (``broadcast=True``, as ``CheckpointManager.load`` does), fetch each item
+            several ranks read once, on one of them, and broadcast it to the others.
     """
 
     verify: bool = True
@@ -105,9 +108,16 @@ class ReadOptions:
     coalesce_gap: int = 1 * MiB
     max_inflight_bytes: int = 256 * MiB
     trust_pickles: bool = False
+    share_replicated: bool = True
 
     def __post_init__(self) -> None:
         _require(isinstance(self.verify, bool), "verify", self.verify, "True or False")
+        _require(
+            isinstance(self.share_replicated, bool),
+            "share_replicated",
+            self.share_replicated,
+            "True or False",
+        )
         _require(
             isinstance(self.trust_pickles, bool),
             "trust_pickles",
@@ -132,3 +142,62 @@ class ReadOptions:
             self.max_inflight_bytes,
             "an int >= range_size",
         )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AsyncOptions:
+    """How async saves run.
+
+    Attributes:
+        workers: Upload processes per rank (each with ``UploadOptions.max_inflight``
+            requests in flight).
+        max_in_flight: Saves that may be uploading at once; a further ``save``
+            waits for the oldest to finish (each in-flight save holds its own staging).
+        barrier_timeout: Seconds the commit waits for every rank's uploads (and
+            other ranks wait for the commit) before failing with an error naming
+            the missing ranks.
+        staging_budget: Bytes of staging memory one save may hold (None: as much
+            as the state dict). A larger state dict is staged in waves: ``save``
+            copies a budget's worth, hands it to the workers, waits for those
+            uploads, and goes on, returning once every tensor is copied. The stall
+            then includes the upload of all but the last wave. A wave always holds
+            the largest tensor, even above the budget.
+        share_replicated: In a process group, cut replicated tensors of at least
+            two parts (``UploadOptions.part_size``) into row slices that the
+            replicas upload a share each (DCP alone writes each one whole, from one
+            rank). Off: each replicated tensor goes up whole from one rank.
+    """
+
+    workers: int = 2
+    max_in_flight: int = 1
+    barrier_timeout: float = 600.0
+    staging_budget: int | None = None
+    share_replicated: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.workers, int) or self.workers < 1:
+            raise ConfigurationError(
+                f"option workers={self.workers!r} is invalid: expected an int >= 1"
+            )
+        if not isinstance(self.max_in_flight, int) or self.max_in_flight < 1:
+            raise ConfigurationError(
+                f"option max_in_flight={self.max_in_flight!r} is invalid: expected an int >= 1"
+            )
+        if self.staging_budget is not None and (
+            not isinstance(self.staging_budget, int)
+            or isinstance(self.staging_budget, bool)
+            or self.staging_budget < 1
+        ):
+            raise ConfigurationError(
+                f"option staging_budget={self.staging_budget!r} is invalid: "
+                "expected a number of bytes >= 1, or None"
+            )
+        if not isinstance(self.share_replicated, bool):
+            raise ConfigurationError(
+                f"option share_replicated={self.share_replicated!r} is invalid: "
+                "expected True or False"
+            )
+        if not (isinstance(self.barrier_timeout, (int, float)) and self.barrier_timeout > 0):
+            raise ConfigurationError(
+                f"option barrier_timeout={self.barrier_timeout!r} must be a positive number"
+            )

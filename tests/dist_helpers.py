@@ -117,7 +117,7 @@ def async_save_with_silent_rank(
     rank: int, world: int, init_file: str, url: str, options: dict[str, Any]
 ) -> None:
     """Rank 1 never reports its uploads (as if it hung): everyone gets a timeout naming it."""
-    from objckpt import finalize
+    from objckpt.pipeline import finalize
 
     mesh = _init(rank, world, init_file)
     try:
@@ -149,8 +149,8 @@ def async_save_with_killed_coordinator(
     ``<init_file>.rank<r>``; the file says "committed" if a save wrongly succeeded."""
     import signal
 
-    from objckpt import finalize
-    from objckpt.steps import step_name
+    from objckpt.format.steps import step_name
+    from objckpt.pipeline import finalize
 
     mesh = _init(rank, world, init_file)
     state = {
@@ -186,7 +186,7 @@ def queue_across_ranks(
     import time
 
     from objckpt import AsyncCallsQueue, AsyncRequest
-    from objckpt.finalize import StoreBarrier
+    from objckpt.pipeline.finalize import StoreBarrier
 
     _init(rank, world, init_file)
     try:
@@ -216,7 +216,7 @@ def async_plan_cache(
     Every rank must agree on hit or miss (a rank that replays while another plans
     would deadlock in DCP's collectives), and every save must hold its own values.
     """
-    from objckpt.plan_cache import PlanCacheStats
+    from objckpt.pipeline.plan_cache import PlanCacheStats
 
     mesh = _init(rank, world, init_file)
     try:

@@ -126,7 +126,7 @@ def test_staging_budget_stages_in_waves(target: StoreTarget, caplog) -> None:
     with AsyncCheckpointer(storage_options=target.storage_options, options=opts) as ckpt:
         for step in range(2):  # the second save replays the plan, still in waves
             expected = _snapshot(state)
-            with caplog.at_level("DEBUG", logger="objckpt.async_save"):
+            with caplog.at_level("DEBUG", logger="objckpt.pipeline.deferred"):
                 handle = ckpt.save(state, target.url(f"w{step}"))
             _mutate(state)  # every wave was copied before save returned
             handle.result(timeout=120)

@@ -15,15 +15,15 @@ from conftest import assert_state_equal, empty_like_state
 from helpers import fs_of
 
 from objckpt import CheckpointManager, Location, RetentionPolicy, UploadOptions
-from objckpt.backup import BackupTarget, lag_of
 from objckpt.cli import main
 from objckpt.errors import BackupError, ChecksumMismatchError, ConfigurationError
-from objckpt.gc import delete_step
-from objckpt.layout import MANIFEST_KEY, is_objckpt_payload
-from objckpt.steps import StepInfo, step_name
+from objckpt.format.layout import MANIFEST_KEY, is_objckpt_payload
+from objckpt.format.steps import StepInfo, step_name
+from objckpt.ops.backup import BackupTarget, lag_of
+from objckpt.ops.gc import delete_step
+from objckpt.ops.verify import copy_checkpoint, verify_checkpoint
 from objckpt.testing import MotoServer
 from objckpt.testing.plugin import StoreTarget
-from objckpt.verify import copy_checkpoint, verify_checkpoint
 
 BACKUP_BUCKET = "objckpt-backup"
 
@@ -44,7 +44,7 @@ def backup_bucket(s3_bucket: StoreTarget, moto_server: MotoServer) -> StoreTarge
 
 
 def _steps(root: str, options: dict) -> list[int]:
-    from objckpt.backup import committed_steps
+    from objckpt.ops.backup import committed_steps
 
     return [s.step for s in committed_steps(Location.parse(root, options))]
 
@@ -175,7 +175,7 @@ def test_server_side_copy_uses_part_copies_and_refuses_a_corrupt_source(
     dst = Location.parse(backup_bucket.url("copy"), opts)
     small_parts = UploadOptions(part_size=5 * 1024 * 1024)
     report = copy_checkpoint(src, dst, upload=small_parts)
-    assert report.copied and report.streamed == 0 and report.server_side == 2
+    assert report.copied and report.streamed == 0 and report.server_side == 3  # + index
     client = moto_server.boto3_client()
     for key in _payloads(root, 1, opts):
         name = key.rsplit("/", 1)[-1]

@@ -15,7 +15,7 @@ from helpers import load
 
 from objckpt import CheckpointManager, Location
 from objckpt.cli import main
-from objckpt.steps import step_name
+from objckpt.format.steps import step_name
 from objckpt.testing import MotoServer
 from objckpt.testing.plugin import StoreTarget
 from objckpt.testing.servers import TEST_KEY, TEST_SECRET

@@ -11,8 +11,8 @@ from helpers import carried, load, save
 from torch.distributed.checkpoint.metadata import Metadata
 
 from objckpt import Location, UploadOptions
-from objckpt.commit import commit_checkpoint, read_manifest
 from objckpt.errors import CheckpointExistsError
+from objckpt.format.commit import commit_checkpoint, read_manifest
 from objckpt.testing.plugin import StoreTarget
 from objckpt.writers import open_store
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from objckpt import AsyncOptions, RetentionPolicy, RetryPolicy, load_config
-from objckpt.config import parse_config
 from objckpt.errors import ConfigurationError
+from objckpt.ops.config import parse_config
 
 GOOD = """
 root = "s3://bucket/run-1"

@@ -18,7 +18,7 @@ from helpers import carried, fs_of, load, path_of, save
 
 from objckpt import AsyncCheckpointer, CheckpointManager, Location
 from objckpt.errors import AccessDeniedError
-from objckpt.stage import Stager
+from objckpt.pipeline.stage import Stager
 from objckpt.testing import GcsEmulator, MotoServer
 from objckpt.testing.plugin import StoreTarget
 from objckpt.writers import open_store

@@ -12,8 +12,8 @@ from helpers import fs_of, load, path_of
 
 from objckpt import Location, ObjectStoreReader
 from objckpt.errors import CheckpointNotCommittedError
-from objckpt.gc import collect_garbage
-from objckpt.steps import step_name
+from objckpt.format.steps import step_name
+from objckpt.ops.gc import collect_garbage
 from objckpt.testing.plugin import StoreTarget
 
 

@@ -156,7 +156,7 @@ def test_gcs_refusals_translate_to_access_denied() -> None:
     rejected credentials; both must read as AccessDeniedError naming the URL."""
     from gcsfs.retry import HttpError
 
-    from objckpt.translate import translate
+    from objckpt.writers.translate import translate
 
     forbidden = translate(
         OSError("Forbidden: b/o\nno storage.objects.create access"),

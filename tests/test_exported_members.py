@@ -41,3 +41,28 @@ def test_errors_follow_the_standard_meanings() -> None:
     assert issubclass(e.ConfigurationError, ValueError)
     for name in e.__all__:
         assert issubclass(getattr(e, name), e.ObjckptError)
+
+
+def test_async_save_is_a_function_not_a_shadowed_module() -> None:
+    import importlib.util
+
+    assert callable(objckpt.async_save)
+    assert importlib.util.find_spec("objckpt.async_save") is None
+
+
+def test_layers_import_only_downwards() -> None:
+    """Store < format < dcp < pipeline < ops: no layer imports one above it."""
+    import ast
+    import pathlib
+
+    order = ["writers", "format", "dcp", "pipeline", "ops"]
+    root = pathlib.Path(objckpt.__file__).parent
+    bad = []
+    for level, layer in enumerate(order):
+        for path in (root / layer).glob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("objckpt."):
+                    parts = node.module.split(".")
+                    if parts[1] in order and order.index(parts[1]) > level:
+                        bad.append(f"{layer}/{path.name} imports {node.module}")
+    assert bad == []

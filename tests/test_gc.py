@@ -15,8 +15,8 @@ from killed_save import state
 
 from objckpt import CheckpointManager, Location
 from objckpt.errors import CheckpointNotFoundError, ConfigurationError
-from objckpt.gc import collect_garbage, delete_step
-from objckpt.steps import step_name
+from objckpt.format.steps import step_name
+from objckpt.ops.gc import collect_garbage, delete_step
 from objckpt.testing import MotoServer, offline_env
 from objckpt.testing.plugin import StoreTarget
 
@@ -127,5 +127,6 @@ def test_delete_refuses_what_is_not_one_checkpoint(tmp_path) -> None:
         delete_step(Location.parse(f"file://{tmp_path}/other"))
     with pytest.raises(CheckpointNotFoundError, match="no checkpoint at"):
         delete_step(root.child("step-0000000099"))
-    assert delete_step(root.child(step_name(1))) == 3
+    # manifest, .metadata, the payload and rank 0's index object
+    assert delete_step(root.child(step_name(1))) == 4
     assert not (tmp_path / "root" / step_name(1)).exists()

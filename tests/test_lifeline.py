@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from objckpt import lifeline
-from objckpt.stage import SHM_DIR, Stager
+from objckpt.pipeline import lifeline
+from objckpt.pipeline.stage import SHM_DIR, Stager
 
 CHILD = textwrap.dedent(
     """

@@ -14,7 +14,7 @@ from objckpt.errors import (
     ConfigurationError,
     StateDictMismatchError,
 )
-from objckpt.steps import step_name
+from objckpt.format.steps import step_name
 from objckpt.testing.plugin import StoreTarget
 
 

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from objckpt.errors import ManifestError
-from objckpt.manifest import Manifest, ObjectEntry
+from objckpt.format.manifest import Manifest, ObjectEntry
 
 
 def _manifest(**kw) -> Manifest:
@@ -26,7 +26,7 @@ def _manifest(**kw) -> Manifest:
 def test_roundtrip() -> None:
     m = _manifest()
     doc = json.loads(m.to_json_bytes())
-    assert doc["format"] == "objckpt.manifest" and doc["version"] == 1 and doc["total_bytes"] == 15
+    assert doc["format"] == "objckpt.manifest" and doc["version"] == 2 and doc["total_bytes"] == 15
     assert Manifest.from_json_bytes(m.to_json_bytes(), url="u") == m
 
 
@@ -41,7 +41,8 @@ def _mutate(fn) -> bytes:
     [
         (b"not json", "not valid JSON"),
         (b"[]", "not an objckpt manifest"),
-        (_mutate(lambda d: d.update(version=2)), "newer than this objckpt"),
+        (_mutate(lambda d: d.update(version=3)), "newer than this objckpt"),
+        (_mutate(lambda d: d.update(version=0)), "no valid format version"),
         (
             _mutate(lambda d: d["objects"][0].update(key="../../etc/passwd")),
             "escapes the checkpoint",

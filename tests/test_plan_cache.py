@@ -12,7 +12,7 @@ from helpers import load
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from objckpt import AsyncCheckpointer
-from objckpt.plan_cache import PlanCacheStats
+from objckpt.pipeline.plan_cache import PlanCacheStats
 from objckpt.testing.plugin import StoreTarget
 
 

@@ -9,9 +9,9 @@ from helpers import fs_of, load, save
 
 from objckpt import CheckpointManager, Location, UploadOptions
 from objckpt.errors import CheckpointNotCommittedError, ConfigurationError
-from objckpt.gc import collect_garbage, delete_step
-from objckpt.layout import MANIFEST_KEY, is_entropy_dir, is_objckpt_payload, payload_key
-from objckpt.steps import step_name
+from objckpt.format.layout import MANIFEST_KEY, is_entropy_dir, is_objckpt_payload, payload_key
+from objckpt.format.steps import step_name
+from objckpt.ops.gc import collect_garbage, delete_step
 from objckpt.testing.plugin import StoreTarget
 
 SPREAD = UploadOptions(object_size=64 * 1024, prefix_entropy=2)

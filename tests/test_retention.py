@@ -6,7 +6,7 @@ import pytest
 
 from objckpt import RetentionPolicy
 from objckpt.errors import ConfigurationError
-from objckpt.steps import StepInfo, parse_step, step_name
+from objckpt.format.steps import StepInfo, parse_step, step_name
 
 NOW = 1_000_000.0
 

@@ -17,7 +17,7 @@ from objckpt.errors import (
     ChecksumMismatchError,
     SizeMismatchError,
 )
-from objckpt.layout import MANIFEST_KEY, is_objckpt_payload
+from objckpt.format.layout import MANIFEST_KEY, is_objckpt_payload
 from objckpt.testing.plugin import StoreTarget
 
 SMALL_PARTS = UploadOptions(part_size=5 * 1024 * 1024, object_size=6 * 1024 * 1024)
@@ -39,9 +39,10 @@ def test_roundtrip_every_store(store: StoreTarget) -> None:
     assert_state_equal(got, state)
 
     doc = json.loads(fs_of(store).cat_file(path_of(store, url) + "/" + MANIFEST_KEY))
-    assert doc["format"] == "objckpt.manifest" and doc["version"] == 1
+    assert doc["format"] == "objckpt.manifest" and doc["version"] == 2
     assert doc["total_bytes"] == sum(o["size"] for o in doc["objects"])
-    assert {o["key"] for o in doc["objects"]} >= {".metadata"}
+    index = doc["metadata"]["index"]
+    assert len(index) == 1 and {o["key"] for o in doc["objects"]} >= {".metadata", index[0]}
 
 
 def test_second_save_is_refused_and_data_stays(store: StoreTarget) -> None:

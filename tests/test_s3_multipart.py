@@ -9,7 +9,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem
 
 from objckpt import ObjectStoreReader, UploadOptions
-from objckpt.layout import is_objckpt_payload
+from objckpt.format.layout import is_objckpt_payload
 from objckpt.testing import MotoServer
 from objckpt.testing.plugin import StoreTarget
 

@@ -18,7 +18,7 @@ from helpers import carried, load, save
 from objckpt import Location, RetryPolicy
 from objckpt.cli import main
 from objckpt.errors import ManifestError, StateDictError
-from objckpt.layout import MANIFEST_KEY, METADATA_KEY, is_objckpt_payload
+from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY, is_objckpt_payload
 from objckpt.testing import FaultProxy, MotoServer, Rule
 from objckpt.testing.plugin import StoreTarget
 

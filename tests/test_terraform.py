@@ -19,12 +19,12 @@ import torch
 from hcl2.utils import SerializationOptions
 
 from objckpt import CheckpointManager, Location, UploadOptions
-from objckpt.config import parse_config
-from objckpt.layout import payload_key
-from objckpt.steps import step_name
+from objckpt.format.layout import payload_key
+from objckpt.format.steps import step_name
+from objckpt.ops.config import parse_config
+from objckpt.ops.verify import copy_checkpoint, verify_checkpoint
 from objckpt.testing import MotoServer
 from objckpt.testing.proxy import FaultProxy
-from objckpt.verify import copy_checkpoint, verify_checkpoint
 from objckpt.writers import open_store
 
 REPO = Path(__file__).resolve().parent.parent

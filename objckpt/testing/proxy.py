@@ -130,6 +130,8 @@ class Seen:
     method: str
     path: str
     fault: str | None
+    #: Bytes of the request's payload (decoded from aws-chunked framing).
+    sent: int = 0
 
 
 class _RuleState:
@@ -173,6 +175,7 @@ class FaultProxy:
         self._lock = threading.Lock()
         self._rules: list[_RuleState] = []
         self.seen: list[Seen] = []
+        self._received: dict[str, int] = {}
         handler = type("_Handler", (_Handler,), {"proxy": self})
         self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self._server.daemon_threads = True
@@ -200,6 +203,7 @@ class FaultProxy:
         with self._lock:
             self._rules = []
             self.seen = []
+            self._received = {}
 
     def operations(self) -> set[str]:
         with self._lock:
@@ -213,6 +217,25 @@ class FaultProxy:
                 if s.operation == operation
                 and (faulted is None or (s.fault is not None) == faulted)
             )
+
+    def sent_bytes(self, *operations: str) -> int:
+        """Payload bytes the client sent in requests of these operations."""
+        with self._lock:
+            return sum(s.sent for s in self.seen if s.operation in operations)
+
+    def received_bytes(self, *operations: str) -> int:
+        """Response bytes the client received for these operations (answered by upstream)."""
+        with self._lock:
+            return sum(self._received.get(op, 0) for op in operations)
+
+    def paths(self, operation: str) -> list[str]:
+        """Request paths (``/bucket/key``) of every request of ``operation``, in order."""
+        with self._lock:
+            return [s.path for s in self.seen if s.operation == operation]
+
+    def _add_received(self, operation: str, n: int) -> None:
+        with self._lock:
+            self._received[operation] = self._received.get(operation, 0) + n
 
     def _decide(self, operation: str, path: str) -> Rule | None:
         with self._lock:
@@ -266,7 +289,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         body = self._body()
         rule = self.proxy._decide(operation, self.path)  # path and query
         fault = None if rule is None else rule.action
-        self.proxy._record(Seen(operation, self.command, split.path, fault))
+        decoded = self.headers.get("x-amz-decoded-content-length")
+        sent = int(decoded) if decoded else len(body)
+        self.proxy._record(Seen(operation, self.command, split.path, fault, sent))
         if rule is not None and rule.action == "stall":
             time.sleep(rule.stall)
             rule = None
@@ -281,6 +306,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if rule is not None and rule.action in ("status", "reset"):
             self._fault(rule)  # applied upstream; the answer is lost
             return
+        if not self.command == "HEAD":
+            self.proxy._add_received(operation, len(payload))
         self.send_response(status, reason)
         head = self.command == "HEAD"  # keeps the upstream's Content-Length: the object's size
         for name, value in out_headers:

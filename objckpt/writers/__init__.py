@@ -1,14 +1,21 @@
-"""Per-store-family upload code behind one protocol (:mod:`objckpt.writers.base`)."""
+"""The store layer: how bytes get onto each store family, behind one protocol.
+
+``base`` is the protocol (:class:`ObjectStore`); ``s3``, ``generic`` (GCS, memory,
+any fsspec store) and ``local`` implement it. Beside them live what every store
+request needs: ``location`` (URL parsing and filesystem clients), ``retry`` and
+``throttle`` (retry policy, AIMD concurrency), ``translate`` (backend errors to
+objckpt's) and ``checksum`` (CRC32C). Nothing here knows about DCP or manifests.
+"""
 
 from __future__ import annotations
 
 from fsspec import AbstractFileSystem
 
-from objckpt.location import Location
 from objckpt.options import UploadOptions
 from objckpt.writers.base import ObjectStore, ObjectUpload, OpenUpload
 from objckpt.writers.generic import GcsStore, GenericStore, MemoryStore
 from objckpt.writers.local import LocalStore
+from objckpt.writers.location import Location
 from objckpt.writers.s3 import S3Store
 
 __all__ = ["ObjectStore", "ObjectUpload", "OpenUpload", "open_store"]

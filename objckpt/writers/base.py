@@ -26,6 +26,7 @@ from __future__ import annotations
 import abc
 import concurrent.futures
 import dataclasses
+import inspect
 import logging
 import threading
 from collections.abc import Coroutine
@@ -34,18 +35,44 @@ from typing import Any
 from fsspec import AbstractFileSystem
 from fsspec.asyn import AsyncFileSystem, FSTimeoutError, sync
 
-from objckpt import retry
-from objckpt.checksum import BytesLike
 from objckpt.errors import BucketNotFoundError
-from objckpt.layout import read_whole
-from objckpt.location import Location
 from objckpt.options import UploadOptions
-from objckpt.throttle import AimdLimit
-from objckpt.translate import translate
+from objckpt.writers import retry
+from objckpt.writers.checksum import BytesLike
+from objckpt.writers.location import Location
+from objckpt.writers.throttle import AimdLimit
+from objckpt.writers.translate import translate
 
-__all__ = ["BufferedUpload", "ObjectStore", "ObjectUpload", "OpenUpload", "translated_future"]
+__all__ = [
+    "PROBE_KEY",
+    "BufferedUpload",
+    "ObjectStore",
+    "ObjectUpload",
+    "OpenUpload",
+    "read_whole",
+    "translated_future",
+]
 
 logger = logging.getLogger(__name__)
+
+
+#: Key of the empty multipart upload a preflight begins and aborts to prove write
+#: access; no object is ever created under it.
+PROBE_KEY = ".objckpt-write-probe"
+
+
+def read_whole(fs: AbstractFileSystem, path: str) -> bytes:
+    """A small object (manifest, ``.metadata``) in one GET.
+
+    s3fs's ``cat_file`` first HEADs the object to decide whether to split it into
+    parallel ranges. For a small object that is a wasted round trip, and a HEAD's
+    403 has no body, so a refused key and a wrong secret both read "Forbidden";
+    the GET's answer says which (``InvalidAccessKeyId``, ``SignatureDoesNotMatch``).
+    """
+    inner = getattr(fs, "_cat_file", None)  # async filesystems only
+    if inner is not None and "max_concurrency" in inspect.signature(inner).parameters:
+        return bytes(fs.cat_file(path, max_concurrency=1))
+    return bytes(fs.cat_file(path))
 
 
 class ObjectUpload(abc.ABC):

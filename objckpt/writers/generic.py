@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 import threading
 
-from objckpt.checksum import crc_from_base64
 from objckpt.errors import AccessDeniedError
-from objckpt.translate import translate
 from objckpt.writers.base import BufferedUpload, ObjectStore, ObjectUpload
+from objckpt.writers.checksum import crc_from_base64
+from objckpt.writers.translate import translate
 
 __all__ = ["GcsStore", "GenericStore", "MemoryStore"]
 

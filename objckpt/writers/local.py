@@ -16,10 +16,10 @@ import os
 import uuid
 from typing import BinaryIO
 
-from objckpt.checksum import BytesLike
 from objckpt.errors import BucketNotFoundError
-from objckpt.translate import translate
 from objckpt.writers.base import ObjectStore, ObjectUpload, translated_future
+from objckpt.writers.checksum import BytesLike
+from objckpt.writers.translate import translate
 
 __all__ = ["LocalStore"]
 

@@ -18,12 +18,11 @@ import contextlib
 import logging
 from typing import Any
 
-from objckpt.checksum import BytesLike, crc_from_base64
 from objckpt.errors import BucketNotFoundError, UploadError
-from objckpt.layout import PROBE_KEY
 from objckpt.options import MAX_PARTS
-from objckpt.translate import translate
-from objckpt.writers.base import ObjectStore, ObjectUpload, OpenUpload, translated_future
+from objckpt.writers.base import PROBE_KEY, ObjectStore, ObjectUpload, OpenUpload, translated_future
+from objckpt.writers.checksum import BytesLike, crc_from_base64
+from objckpt.writers.translate import translate
 
 __all__ = ["S3Store"]
 

@@ -1,0 +1,260 @@
+"""Checkpoint metadata at 8 to 4,096 ranks: what each rank fetches and decodes on load.
+
+No processes are started: the metadata of a row-sharded transformer (400 weight
+tensors plus two optimizer moments each, every tensor split over W ranks, packed
+into 64 MiB payload objects per rank) is built exactly as a W-rank save would
+produce it, then encoded and decoded three ways in the same run:
+
+* ``dcp``: torch DCP's ``.metadata`` pickle (what every stock reader rank unpickles);
+* ``objckpt_v1``: objckpt's format-1 manifest (every chunk a JSON record, read by every
+  rank), re-created here as the reference the issue measured;
+* ``objckpt_v2``: format 2 (compact manifest + one index object per writing rank).
+  A loading rank at the same world size fetches the manifest and its own index
+  object; ``load_decode_s`` is what that rank spends turning them into DCP
+  ``Metadata`` and item locations before the first payload byte.
+
+Usage: ``python bench/bench_scale.py [--worlds 8,64,256,1024] [--repeats 3]``
+Results go to ``bench/results/scale-<date>.json`` and a Markdown table to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import pickle
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from record import write_record
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from objckpt.format.dcp_json import StoredItem, encode_planner_data, encode_storage_meta
+from objckpt.format.index import decode_index, decode_metadata, encode_metadata
+
+log = logging.getLogger("bench")
+MiB = 1024 * 1024
+ROWS, COLS = 16384, 1024  # every tensor: 64 MiB of fp32, split by rows
+OBJECT_SIZE = 64 * MiB
+ATTEMPT = "6b0000000000beef"
+
+
+def simulate(
+    world: int, layers: int = 400
+) -> tuple[Metadata, list[dict[MetadataIndex, StoredItem]]]:
+    """DCP metadata and per-rank stored items of a W-rank save of the model."""
+    fqns = [f"model.layers.{i}.weight" for i in range(layers)]
+    fqns += [f"optim.state.{f}.{m}" for f in fqns[:layers] for m in ("exp_avg", "exp_avg_sq")]
+    rows = -(-ROWS // world)
+    props = TensorProperties(dtype=torch.float32)
+    sd_md: dict[str, Any] = {}
+    items: list[dict[MetadataIndex, StoredItem]] = [{} for _ in range(world)]
+    for fqn in fqns:
+        chunks = []
+        for r in range(world):
+            start = r * rows
+            n = max(0, min(rows, ROWS - start))
+            chunks.append(ChunkStorageMetadata(torch.Size([start, 0]), torch.Size([n, COLS])))
+        sd_md[fqn] = TensorStorageMetadata(props, torch.Size([ROWS, COLS]), chunks)
+    sd_md["step"] = BytesStorageMetadata()
+    for r in range(world):
+        obj, used = 0, 0
+        for fqn in fqns:
+            chunk = sd_md[fqn].chunks[r]
+            length = chunk.sizes[0] * COLS * 4 + 1100  # torch.save framing
+            if used and used + length > OBJECT_SIZE:
+                obj, used = obj + 1, 0
+            items[r][MetadataIndex(fqn, chunk.offsets)] = StoredItem(
+                f"__{r}_{obj}.{ATTEMPT}.distcp",
+                used,
+                length,
+                f"{(r * 7919 + used) & 0xFFFFFFFF:08x}",
+            )
+            used += length
+    items[0][MetadataIndex("step")] = StoredItem(f"__0_0.{ATTEMPT}.distcp", 0, 900, "0badc0de")
+    planner = {fqn: tuple(fqn.split(".")) for fqn in sd_md}
+    meta = Metadata(
+        sd_md, planner_data=planner, storage_meta=StorageMeta("s3://b/run/step", ATTEMPT)
+    )
+    return meta, items
+
+
+def v1_document(meta: Metadata, items: list[dict[MetadataIndex, StoredItem]]) -> dict[str, Any]:
+    """Format 1's metadata section: every chunk and every stored item a record."""
+    state: dict[str, Any] = {}
+    for fqn, md in meta.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            state[fqn] = {
+                "type": "tensor",
+                "dtype": "float32",
+                "requires_grad": False,
+                "size": list(md.size),
+                "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in md.chunks],
+            }
+        else:
+            state[fqn] = {"type": "bytes"}
+    storage = [
+        {
+            "fqn": index.fqn,
+            "chunk_offset": None if index.offset is None else list(index.offset),
+            "index": index.index,
+            "key": item.relative_path,
+            "offset": item.offset,
+            "length": item.length,
+            "crc32c": item.crc32c,
+            "transforms": None,
+        }
+        for rank_items in items
+        for index, item in rank_items.items()
+    ]
+    return {
+        "version": "1.0.0",
+        "state_dict": state,
+        "storage": storage,
+        "planner_data": encode_planner_data(meta.planner_data),
+        "storage_meta": encode_storage_meta(meta.storage_meta),
+    }
+
+
+def object_list(items: list[dict[MetadataIndex, StoredItem]], extra: list[Any] = ()) -> list[Any]:
+    """The manifest's ``objects``: one entry per payload (and index) object."""
+    sizes: dict[str, int] = {}
+    for rank_items in items:
+        for it in rank_items.values():
+            sizes[it.relative_path] = max(sizes.get(it.relative_path, 0), it.offset + it.length)
+    out = [{"key": k, "size": n, "crc32c": "0123abcd"} for k, n in sorted(sizes.items())]
+    return out + [{"key": s.key, "size": len(s.data), "crc32c": "0123abcd"} for s in extra]
+
+
+def timed(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+    times, out = [], None
+    for _ in range(repeats):
+        gc.collect()
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def measure(world: int, repeats: int, with_dcp: bool) -> dict[str, Any]:
+    meta, items = simulate(world)
+    row: dict[str, Any] = {"world": world, "chunks": sum(len(i) for i in items)}
+    if with_dcp:
+        stock = Metadata(
+            meta.state_dict_metadata,
+            planner_data=meta.planner_data,
+            storage_data={
+                idx: _StorageInfo(it.relative_path, it.offset, it.length)
+                for rank_items in items
+                for idx, it in rank_items.items()
+            },
+            storage_meta=meta.storage_meta,
+        )
+        enc, blob = timed(lambda: pickle.dumps(stock), repeats)
+        dec, _ = timed(lambda: pickle.loads(blob), repeats)
+        row["dcp"] = {
+            "bytes": len(blob),
+            "encode_s": enc,
+            "per_rank_fetch": len(blob),
+            "decode_s": dec,
+        }
+        del stock, blob
+        v1 = {"objects": object_list(items), "metadata": v1_document(meta, items)}
+        enc, blob = timed(lambda: json.dumps(v1, separators=(",", ":")).encode(), repeats)
+        dec, _ = timed(lambda: json.loads(blob), repeats)
+        row["objckpt_v1"] = {
+            "bytes": len(blob),
+            "encode_s": enc,
+            "per_rank_fetch": len(blob),
+            "decode_s_json_only": dec,
+        }
+        del v1, blob
+
+    def encode() -> tuple[bytes, list[Any]]:
+        doc, shards = encode_metadata(meta, items, ATTEMPT)
+        whole = {"objects": object_list(items, shards), "metadata": doc}
+        return json.dumps(whole, separators=(",", ":")).encode(), shards
+
+    enc, (manifest, shards) = timed(encode, repeats)
+    own = next(s for s in shards if s.rank == world - 1)  # a rank other than the coordinator
+
+    def load_on_one_rank() -> int:
+        doc = json.loads(manifest)["metadata"]
+        decoded, _locator = decode_metadata(doc, url="s3://b/run/step")
+        found = decode_index(own.data, rank=own.rank, attempt=ATTEMPT, metadata=decoded, url="x")
+        return len(found)
+
+    dec, found = timed(load_on_one_rank, repeats)
+    assert found == len(items[world - 1]), (found, len(items[world - 1]))
+    index_bytes = sum(len(s.data) for s in shards)
+    row["objckpt_v2"] = {
+        "manifest_bytes": len(manifest),
+        "index_bytes": index_bytes,
+        "bytes": len(manifest) + index_bytes,
+        "encode_s": enc,
+        "per_rank_fetch": len(manifest) + len(own.data),
+        "load_decode_s": dec,
+    }
+    return row
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.2f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| W | DCP `.metadata` | DCP unpickle | objckpt v1 manifest | v2 manifest + index "
+        "(vs DCP) | v2 encode, rank 0 | v2 fetched per rank (vs v1) | v2 decode per rank |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        v2, dcp, v1 = r["objckpt_v2"], r.get("dcp"), r.get("objckpt_v1")
+        cells = [str(r["world"])]
+        cells += [_mb(dcp["bytes"]), f"{dcp['decode_s']:.2f} s"] if dcp else ["-", "-"]
+        cells.append(_mb(v1["bytes"]) if v1 else "-")
+        ratio = f" ({v2['bytes'] / dcp['bytes']:.2f}x)" if dcp else ""
+        cells.append(_mb(v2["bytes"]) + ratio)
+        cells.append(f"{v2['encode_s']:.2f} s")
+        fetched = f" ({v2['per_rank_fetch'] / v1['per_rank_fetch']:.4f}x)" if v1 else ""
+        cells.append(_mb(v2["per_rank_fetch"]) + fetched)
+        cells.append(f"{v2['load_decode_s']:.2f} s")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worlds", default="8,64,256,1024")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--dcp-up-to", type=int, default=1024, help="largest W that also measures DCP and v1"
+    )
+    parser.add_argument("--out", default="bench/results")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    rows = []
+    for world in (int(w) for w in args.worlds.split(",")):
+        log.info("W=%d ...", world)
+        rows.append(measure(world, args.repeats, world <= args.dcp_up_to))
+        log.info("%s", json.dumps(rows[-1]))
+    path = write_record(args.out, "scale", 0, {"repeats": args.repeats, "rows": rows})
+    print(table(rows))
+    print(f"\nrecorded in {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,304 @@
+"""``ObjectStoreWriter``: a DCP ``StorageWriter`` for any fsspec URL.
+
+DCP calls, in order (rank 0 is the coordinator)::
+
+    reset(checkpoint_id)            every rank (dcp.save with checkpoint_id)
+    set_up_storage_writer(...)      every rank
+    prepare_local_plan(plan)        every rank: preflight the store, refuse a committed URL
+    prepare_global_plan(plans)      coordinator: pick the attempt id, name each rank
+    write_data(plan, planner)       every rank: serialize + upload its payload objects
+    finish(metadata, results)       coordinator: .metadata, then the manifest (commit)
+
+Errors raised here reach the caller wrapped in torch's ``CheckpointException``,
+which carries the objckpt error per rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch.distributed as dist
+from fsspec import AbstractFileSystem
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from objckpt.dcp.plan import RankPlan, assign_objects
+from objckpt.dcp.serialize import (
+    WrittenObject,
+    resolve_bytes_items,
+    resolve_entries,
+    write_payload,
+    written_object,
+)
+from objckpt.errors import CheckpointExistsError, ConfigurationError, ManifestError
+from objckpt.format.commit import commit_checkpoint, read_manifest
+from objckpt.format.layout import (
+    MANIFEST_KEY,
+    METADATA_KEY,
+    is_objckpt_object,
+    list_names,
+    new_attempt_id,
+    payload_key,
+)
+from objckpt.format.manifest import Manifest
+from objckpt.options import UploadOptions
+from objckpt.writers import ObjectStore, open_store
+from objckpt.writers.location import Location
+from objckpt.writers.retry import RetryPolicy
+from objckpt.writers.translate import translate
+
+__all__ = ["ObjectStoreWriter"]
+
+logger = logging.getLogger(__name__)
+
+
+class ObjectStoreWriter(StorageWriter):
+    """Save a DCP checkpoint to an object store, committed by a create-only manifest.
+
+    Args:
+        url: Checkpoint URL (``s3://bucket/run/step-100``, ``gs://...``,
+            ``file:///...``, ``memory://...``, or a local path).
+        storage_options: Passed untouched to fsspec (endpoint, credentials, ...).
+        overwrite: Replace a committed checkpoint at ``url``. The old one stays
+            loadable until the new manifest replaces it in one write.
+        upload: Object and part sizing, upload concurrency.
+        preflight_timeout: Seconds allowed to confirm the bucket is reachable and
+            writable before anything is written.
+        user_metadata: JSON-serializable values stored in the manifest's ``user``.
+
+    Raises:
+        ConfigurationError: Bad URL, protocol or option (at construction).
+    """
+
+    def __init__(
+        self,
+        url: str | os.PathLike[str],
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        overwrite: bool = False,
+        upload: UploadOptions | None = None,
+        preflight_timeout: float = 30.0,
+        user_metadata: Mapping[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(overwrite, bool):
+            raise ConfigurationError(
+                f"option overwrite={overwrite!r} is invalid: expected True or False"
+            )
+        if not (isinstance(preflight_timeout, (int, float)) and preflight_timeout > 0):
+            raise ConfigurationError(
+                f"option preflight_timeout={preflight_timeout!r} must be a positive number"
+            )
+        self.location = Location.parse(url, storage_options, retry)
+        self.overwrite = overwrite
+        self.upload = upload or UploadOptions()
+        self.preflight_timeout = float(preflight_timeout)
+        self.user_metadata = dict(user_metadata or {})
+        self._store: ObjectStore | None = None
+        self._store_pid = -1
+        self._fs: AbstractFileSystem | None = None  # shared by a checkpointer across saves
+        self._fs_pid = -1
+        self._needs_preflight = True
+        self._agreed_attempt: str | None = None  # set by attach(): all ranks agreed on it
+        self._rank = 0
+        self._is_coordinator = True
+        self._attempt: str | None = None
+        #: The manifest of the last commit this writer made (coordinator only).
+        self.last_manifest: Manifest | None = None
+
+    def attach(
+        self,
+        *,
+        fs: AbstractFileSystem | None = None,
+        preflight: bool | None = None,
+        attempt: str | None = None,
+    ) -> None:
+        """Bind this writer to what a long-lived owner (an async checkpointer) holds.
+
+        A training job saves many times; paying for a new HTTP session, a preflight
+        round trip and an attempt-id exchange on every save would lengthen each
+        stall. The owner keeps those and hands them to each save's writer here.
+
+        Args:
+            fs: A filesystem client for this writer's protocol and options to reuse
+                (only in the process that attached it; workers open their own).
+            preflight: Whether ``prepare_local_plan`` must still prove the bucket
+                is reachable and writable (False once a save to it succeeded;
+                None leaves it as it is).
+            attempt: The attempt id every rank already agreed on; the coordinator
+                uses it instead of drawing a new one, and ``storage_meta`` names it.
+        """
+        if fs is not None:
+            self._fs, self._fs_pid = fs, os.getpid()
+        if preflight is not None:
+            self._needs_preflight = preflight
+        if attempt is not None:
+            self._agreed_attempt = self._attempt = attempt
+
+    @property
+    def rank(self) -> int:
+        """This process's rank, as DCP set it up (0 before ``set_up_storage_writer``)."""
+        return self._rank
+
+    @property
+    def needs_preflight(self) -> bool:
+        """Whether ``prepare_local_plan`` will prove the bucket writable first."""
+        return self._needs_preflight
+
+    @property
+    def attempt(self) -> str | None:
+        """The attempt id of the save in progress (None before it is planned)."""
+        return self._attempt
+
+    # -- DCP protocol ---------------------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            new = Location.parse(checkpoint_id, self.location.storage_options, self.location.retry)
+            if new.protocol != self.location.protocol and self._store is not None:
+                self._close_store()
+            self.location = new
+            if self._store is not None:
+                self._store.location = new
+        self._attempt = self._agreed_attempt
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._is_coordinator = is_coordinator
+        rank = kwargs.get("rank")
+        if rank is None:
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self._rank = int(rank)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.location.url, save_id=self._attempt)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        store = self.store
+        if self._needs_preflight:
+            store.preflight(self.preflight_timeout)
+        # Only the coordinator asks "already committed?": one LIST per save instead of
+        # one per rank, and DCP raises its refusal on every rank.
+        if not self.overwrite and self._is_coordinator:
+            self._refuse_existing(store)
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        attempt = self._agreed_attempt or new_attempt_id()
+        self._attempt = attempt
+        return [
+            dataclasses.replace(p, storage_data=RankPlan(rank=i, attempt=attempt))
+            for i, p in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        rank_plan = plan.storage_data
+        if not isinstance(rank_plan, RankPlan):
+            raise ConfigurationError("ObjectStoreWriter.write_data got a plan it did not prepare")
+        self._attempt = rank_plan.attempt
+        store = self.store
+        items = list(plan.items)
+        resolved = resolve_bytes_items(items, planner)
+        position = {id(item): n for n, item in enumerate(items)}
+        objects = assign_objects(
+            items,
+            self.upload.object_size,
+            lambda i: payload_key(rank_plan.rank, i, rank_plan.attempt, self.upload.prefix_entropy),
+        )
+        written: list[WrittenObject] = []
+        try:
+            for obj in objects:
+                upload = store.begin(obj.key, obj.size_hint)
+                try:
+                    record = write_payload(
+                        upload, resolve_entries(obj, planner, resolved, position)
+                    )
+                    written.append(written_object(obj, items, record, upload.close()))
+                except BaseException:
+                    upload.abort()
+                    raise
+            results: list[WriteResult] = []
+            for w in written:
+                w.done.result()
+                results.extend(w.write_results())
+        except BaseException:
+            for w in written:  # let in-flight uploads settle (they abort themselves on failure)
+                w.done.exception()
+            raise
+        logger.debug(
+            "rank %d wrote %d objects to %s", rank_plan.rank, len(written), self.location.url
+        )
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        if self._attempt is None:
+            raise ConfigurationError("ObjectStoreWriter.finish called before a plan was prepared")
+        self.last_manifest = commit_checkpoint(
+            self.store,
+            metadata,
+            results,
+            attempt=self._attempt,
+            world_size=len(results),
+            overwrite=self.overwrite,
+            user=self.user_metadata,
+        )
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return Location.is_valid(checkpoint_id)
+
+    # -- helpers ----------------------------------------------------------------------------
+    @property
+    def store(self) -> ObjectStore:
+        """This process's store object (built lazily, never shared across processes)."""
+        if self._store is None or self._store_pid != os.getpid():
+            fs = self._fs if self._fs is not None and self._fs_pid == os.getpid() else None
+            self._store = open_store(self.location, self.upload, fs)
+            self._store_pid = os.getpid()
+        return self._store
+
+    def _refuse_existing(self, store: ObjectStore) -> None:
+        url = self.location.url
+        try:
+            names = list_names(store.fs, self.location.path)
+        except Exception as exc:
+            raise translate(exc, url=url, action="listing") from exc
+        if MANIFEST_KEY in names:
+            try:
+                attempt = read_manifest(store).attempt
+            except ManifestError:
+                raise CheckpointExistsError(
+                    f"{url} holds a manifest objckpt cannot read; "
+                    "refusing to write over it (pass overwrite=True)"
+                ) from None
+            raise CheckpointExistsError(
+                f"{url} already holds a committed checkpoint (attempt {attempt}); "
+                "pass overwrite=True to replace it"
+            )
+        if METADATA_KEY in names and not any(is_objckpt_object(n) for n in names):
+            raise CheckpointExistsError(
+                f"{url} already holds a stock DCP checkpoint (.metadata without a manifest); "
+                "pass overwrite=True to replace it"
+            )
+
+    def _close_store(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+    def close(self) -> None:
+        """Release the thread pool and clients this writer opened."""
+        self._close_store()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_store"] = None  # filesystem clients never cross a process boundary
+        state["_fs"] = None
+        return state

@@ -1,0 +1,146 @@
+"""The commit: ``.metadata`` for stock readers, then ``manifest.json`` create-only.
+
+A checkpoint exists if and only if its manifest exists. Everything else the
+save wrote is invisible until then, so a crash at any earlier moment leaves the
+previous state of the URL untouched.
+
+A create-only PUT that is retried after its response was lost meets its own
+earlier write and fails with a precondition error. That is settled by reading the
+manifest back: our attempt id means we committed; another id is a real conflict.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import pickle
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.storage import WriteResult
+
+from objckpt._version import __version__
+from objckpt.errors import CheckpointExistsError, ManifestError, StoreError
+from objckpt.format.dcp_json import StoredItem
+from objckpt.format.index import IndexShard, encode_metadata
+from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY
+from objckpt.format.manifest import Manifest, ObjectEntry
+from objckpt.writers.base import ObjectStore
+from objckpt.writers.checksum import Crc32c
+
+__all__ = ["commit_checkpoint", "read_manifest"]
+
+logger = logging.getLogger(__name__)
+
+# The DCP metadata format version DCP's own writers stamp.
+_DCP_VERSION = "1.0.0"
+
+
+def read_manifest(store: ObjectStore) -> Manifest:
+    """Read and validate the manifest at ``store.location`` (FileNotFoundError if none)."""
+    data = store.read(MANIFEST_KEY)
+    return Manifest.from_json_bytes(data, url=store.location.url_of(MANIFEST_KEY))
+
+
+def _put_index(store: ObjectStore, shards: list[IndexShard]) -> list[ObjectEntry]:
+    """Write the index objects, several at once (one per writing rank: 1,024 at 1,024 ranks)."""
+
+    def put(shard: IndexShard) -> ObjectEntry:
+        store.put(shard.key, shard.data)
+        crc = Crc32c()
+        crc.update(shard.data)
+        return ObjectEntry(shard.key, len(shard.data), crc.hexdigest())
+
+    if len(shards) <= 1:
+        return [put(s) for s in shards]
+    with concurrent.futures.ThreadPoolExecutor(
+        min(16, len(shards)), thread_name_prefix="objckpt-index"
+    ) as pool:
+        return list(pool.map(put, shards))
+
+
+def commit_checkpoint(
+    store: ObjectStore,
+    metadata: Metadata,
+    results: Iterable[Iterable[WriteResult]],
+    *,
+    attempt: str,
+    world_size: int,
+    overwrite: bool,
+    user: Mapping[str, Any] | None = None,
+) -> Manifest:
+    """Write the index objects and ``.metadata``, then the manifest; returns the manifest.
+
+    Raises:
+        CheckpointExistsError: Another attempt committed this URL first.
+    """
+    items: dict[MetadataIndex, StoredItem] = {}
+    by_rank: list[dict[MetadataIndex, StoredItem]] = []
+    objects: dict[str, ObjectEntry] = {}
+    for rank_results in results:
+        mine: dict[MetadataIndex, StoredItem] = {}
+        for wr in rank_results:
+            item = wr.storage_data
+            if not isinstance(item, StoredItem):
+                raise StoreError(f"unexpected storage_data {type(item).__name__} from a rank")
+            items[wr.index] = mine[wr.index] = item
+            objects[item.relative_path] = ObjectEntry(
+                item.relative_path, item.object_size, item.object_crc32c
+            )
+        by_rank.append(mine)
+
+    url = store.location.url
+    storage_meta = StorageMeta(checkpoint_id=url, save_id=attempt)
+    stock = dataclasses.replace(
+        metadata,
+        version=_DCP_VERSION,
+        storage_meta=storage_meta,
+        storage_data={
+            index: _StorageInfo(item.relative_path, item.offset, item.length)
+            for index, item in items.items()
+        },
+    )
+    blob = pickle.dumps(stock)
+    store.put(METADATA_KEY, blob)
+    crc = Crc32c()
+    crc.update(blob)
+    objects[METADATA_KEY] = ObjectEntry(METADATA_KEY, len(blob), crc.hexdigest())
+
+    ours = dataclasses.replace(metadata, version=_DCP_VERSION, storage_meta=storage_meta)
+    doc, shards = encode_metadata(ours, by_rank, attempt)
+    for entry in _put_index(store, shards):
+        objects[entry.key] = entry
+    manifest = Manifest(
+        attempt=attempt,
+        created=Manifest.now(),
+        world_size=world_size,
+        objckpt_version=__version__,
+        torch_version=torch.__version__,
+        objects=tuple(sorted(objects.values(), key=lambda o: o.key)),
+        metadata=doc,
+        user=dict(user or {}),
+    )
+    try:
+        store.create(MANIFEST_KEY, manifest.to_json_bytes(), overwrite=overwrite)
+    except FileExistsError as exc:
+        try:
+            existing = read_manifest(store)
+        except (FileNotFoundError, ManifestError) as read_exc:
+            raise CheckpointExistsError(
+                f"{url} was committed concurrently and its manifest cannot be read back"
+            ) from read_exc
+        if existing.attempt != attempt:
+            raise CheckpointExistsError(
+                f"{url} is already committed by attempt {existing.attempt}; "
+                f"this save (attempt {attempt}) was not committed; "
+                "the existing checkpoint is intact"
+            ) from exc
+        logger.info("manifest of %s was already written by this attempt (retried PUT)", url)
+    logger.info(
+        "committed %s (%d objects, %d bytes)", url, len(manifest.objects), manifest.total_bytes
+    )
+    return manifest

@@ -1,0 +1,93 @@
+"""Names of the objects that make up a checkpoint on the store.
+
+::
+
+    <ckpt>/__<rank>_<i>.<attempt>.distcp   payload (DCP's own naming plus the attempt id)
+    <ckpt>/__index_<rank>.<attempt>.json   where rank's items are (manifest format 2)
+    <ckpt>/.metadata                       DCP's pickled Metadata, for stock DCP readers
+    <ckpt>/manifest.json                   the commit, written last and create-only
+
+The attempt id in payload names means a zombie writer from a crashed attempt can
+never overwrite bytes that a newer manifest points at, and it is how an
+uncommitted objckpt checkpoint is told apart from a stock DCP one (stock names
+have no attempt id).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+import time
+
+from fsspec import AbstractFileSystem
+
+__all__ = [
+    "MANIFEST_KEY",
+    "METADATA_KEY",
+    "index_key",
+    "is_objckpt_object",
+    "is_objckpt_payload",
+    "list_names",
+    "new_attempt_id",
+    "payload_key",
+]
+
+MANIFEST_KEY = "manifest.json"
+METADATA_KEY = ".metadata"
+_PAYLOAD = re.compile(r"^__\d+_\d+\.[0-9a-f]{16}\.distcp$")
+_INDEX = re.compile(r"^__index_\d+\.[0-9a-f]{16}\.json$")
+_ENTROPY = re.compile(r"^[0-9a-f]{1,8}$")
+
+
+def new_attempt_id() -> str:
+    """16 hex digits: seconds since the epoch, then random bits (sorts by time)."""
+    return f"{int(time.time()) & 0xFFFFFFFF:08x}{secrets.token_hex(4)}"
+
+
+def payload_key(rank: int, index: int, attempt: str, entropy: int = 0) -> str:
+    """The key of payload object ``index`` of ``rank`` in ``attempt``.
+
+    With ``entropy`` > 0 the name goes under a sub-prefix of that many hex digits
+    of its hash (``3f/__0_1.<attempt>.distcp``), spreading a large job's PUTs over
+    ``16**entropy`` prefixes that S3 can partition separately; the manifest still
+    names every object, so the checkpoint stays one unit under its URL.
+    """
+    name = f"__{rank}_{index}.{attempt}.distcp"
+    if entropy <= 0:
+        return name
+    return f"{hashlib.blake2s(name.encode(), digest_size=8).hexdigest()[:entropy]}/{name}"
+
+
+def index_key(rank: int, attempt: str) -> str:
+    """The key of ``rank``'s index object in ``attempt`` (see :mod:`objckpt.format.index`)."""
+    return f"__index_{rank}.{attempt}.json"
+
+
+def is_entropy_dir(name: str) -> bool:
+    """Whether a name is a prefix-entropy sub-prefix (1-8 hex digits)."""
+    return bool(_ENTROPY.match(name.rstrip("/")))
+
+
+def list_names(fs: AbstractFileSystem, path: str) -> list[str]:
+    """Names of the objects directly under ``path`` (empty if there is none).
+
+    One listing answers every "what is here" question (manifest? .metadata?
+    objckpt payload?) in a single request instead of one per object.
+    """
+    fs.invalidate_cache(path)
+    try:
+        return [str(n).rstrip("/").rsplit("/", 1)[-1] for n in fs.ls(path, detail=False)]
+    except FileNotFoundError:
+        return []
+
+
+def is_objckpt_payload(name: str) -> bool:
+    """Whether a key (or path's last segment) is an objckpt payload name."""
+    return bool(_PAYLOAD.match(name.rsplit("/", 1)[-1]))
+
+
+def is_objckpt_object(name: str) -> bool:
+    """Whether a key names an object only objckpt writes (a payload or an index object)."""
+    last = name.rsplit("/", 1)[-1]
+    return bool(_PAYLOAD.match(last) or _INDEX.match(last))

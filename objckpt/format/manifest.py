@@ -1,0 +1,154 @@
+"""The manifest: the one object whose existence commits a checkpoint.
+
+It is versioned JSON (never pickle, so reading it cannot run code) and holds
+everything objckpt's reader needs: the list of payload objects with size and
+CRC32C, and the DCP metadata in JSON form. Parsing validates every field, so a
+damaged or hostile manifest is refused with a message naming its URL rather
+than failing somewhere deep in a load. Object keys are checked to stay inside
+the checkpoint (no ``..``, no absolute paths), so a crafted manifest cannot make
+the reader fetch anything else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from objckpt.errors import ManifestError
+
+__all__ = ["FORMAT", "VERSION", "Manifest", "ObjectEntry", "check_key"]
+
+FORMAT = "objckpt.manifest"
+#: Written since format 2 (compact metadata + per-rank index objects,
+#: :mod:`objckpt.format.index`); format 1 (every item a record here) still loads.
+VERSION = 2
+
+
+def check_key(key: object, where: str) -> str:
+    """Validate an object key relative to the checkpoint URL."""
+    if not isinstance(key, str) or not key:
+        raise ManifestError(f"{where}: object key must be a non-empty string, got {key!r}")
+    parts = key.split("/")
+    if (
+        key.startswith("/")
+        or "\\" in key
+        or "://" in key
+        or any(p in ("", ".", "..") for p in parts)
+    ):
+        raise ManifestError(f"{where}: object key {key!r} escapes the checkpoint directory")
+    return key
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectEntry:
+    """One object of a checkpoint: key relative to the checkpoint URL, size, CRC32C."""
+
+    key: str
+    size: int
+    crc32c: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key, "size": self.size, "crc32c": self.crc32c}
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    """A parsed manifest (see DESIGN.md §3 for the JSON layout)."""
+
+    attempt: str
+    created: str
+    world_size: int
+    objckpt_version: str
+    torch_version: str
+    objects: tuple[ObjectEntry, ...]
+    metadata: Mapping[str, Any]
+    user: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    version: int = VERSION
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(o.size for o in self.objects)
+
+    def object(self, key: str) -> ObjectEntry | None:
+        for o in self.objects:
+            if o.key == key:
+                return o
+        return None
+
+    @staticmethod
+    def now() -> str:
+        return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+    def to_json_bytes(self) -> bytes:
+        doc = {
+            "format": FORMAT,
+            "version": self.version,
+            "attempt": self.attempt,
+            "created": self.created,
+            "world_size": self.world_size,
+            "objckpt_version": self.objckpt_version,
+            "torch_version": self.torch_version,
+            "total_bytes": self.total_bytes,
+            "objects": [o.to_json() for o in self.objects],
+            "metadata": self.metadata,
+            "user": dict(self.user),
+        }
+        return json.dumps(doc, separators=(",", ":"), sort_keys=False).encode()
+
+    @classmethod
+    def from_json_bytes(cls, data: bytes, *, url: str) -> Manifest:
+        """Parse and validate; raises ManifestError naming ``url`` on any problem."""
+        try:
+            doc = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ManifestError(f"manifest {url} is not valid JSON ({exc})") from exc
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            raise ManifestError(f"{url} is not an objckpt manifest (format != {FORMAT!r})")
+        version = doc.get("version")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise ManifestError(f"manifest {url} has no valid format version")
+        if version > VERSION:
+            raise ManifestError(
+                f"manifest {url} has format version {version}, newer than this objckpt "
+                f"understands ({VERSION}); upgrade objckpt to load it"
+            )
+
+        def field(name: str, kind: type | tuple[type, ...]) -> Any:
+            value = doc.get(name)
+            if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+                raise ManifestError(f"manifest {url}: field {name!r} is missing or not {kind}")
+            return value
+
+        objects = []
+        for i, raw in enumerate(field("objects", list)):
+            where = f"manifest {url}, objects[{i}]"
+            if not isinstance(raw, dict):
+                raise ManifestError(f"{where} is not an object")
+            size, crc = raw.get("size"), raw.get("crc32c")
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+                raise ManifestError(f"{where}: size must be a non-negative integer")
+            if (
+                not isinstance(crc, str)
+                or len(crc) != 8
+                or any(c not in "0123456789abcdef" for c in crc)
+            ):
+                raise ManifestError(f"{where}: crc32c must be 8 lowercase hex digits")
+            objects.append(ObjectEntry(check_key(raw.get("key"), where), size, crc))
+        manifest = cls(
+            attempt=field("attempt", str),
+            created=field("created", str),
+            world_size=field("world_size", int),
+            objckpt_version=field("objckpt_version", str),
+            torch_version=field("torch_version", str),
+            objects=tuple(objects),
+            metadata=field("metadata", dict),
+            user=doc.get("user") or {},
+            version=version,
+        )
+        total = doc.get("total_bytes")
+        if total != manifest.total_bytes:
+            raise ManifestError(f"manifest {url}: total_bytes {total!r} != sum of object sizes")
+        return manifest

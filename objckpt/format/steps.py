@@ -1,0 +1,152 @@
+"""Steps under a root: naming, and one listing that tells what is there.
+
+A manager keeps step N at ``<root>/step-<N, 10 digits>/`` so that a plain
+lexical listing sorts by step. A step exists for users only once committed
+(its ``manifest.json`` is present); everything else under a step directory is
+either part of a committed step or garbage from a failed or in-flight save.
+
+Everything here works from one recursive listing of the root (paginated by the
+store), not one request per step: ``ls``, retention and gc all need the same
+picture, and a HEAD per step is slow on a root with hundreds of steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from fsspec import AbstractFileSystem
+
+from objckpt.errors import ConfigurationError
+from objckpt.format.layout import MANIFEST_KEY
+from objckpt.writers.location import Location
+from objckpt.writers.translate import translate
+
+__all__ = ["ObjectInfo", "StepInfo", "inventory", "parse_step", "step_name", "steps_of"]
+
+logger = logging.getLogger(__name__)
+
+STEP_DIGITS = 10
+_STEP = re.compile(rf"^step-(\d{{{STEP_DIGITS},}})$")
+
+
+def step_name(step: int) -> str:
+    """``step-0000000100`` for step 100.
+
+    Raises:
+        ConfigurationError: ``step`` is not a non-negative int.
+    """
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ConfigurationError(f"step must be an int >= 0, got {step!r}")
+    return f"step-{step:0{STEP_DIGITS}d}"
+
+
+def parse_step(name: str) -> int | None:
+    """The step number of a directory name, or None if it is not a step directory."""
+    m = _STEP.match(name.rstrip("/").rsplit("/", 1)[-1])
+    return int(m.group(1)) if m else None
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectInfo:
+    """One object under the root.
+
+    Attributes:
+        key: Path relative to the root (``step-0000000100/manifest.json``).
+        size: Bytes.
+        modified: Last-modified time (seconds since the epoch), None when the
+            store does not say (such objects are never collected).
+    """
+
+    key: str
+    size: int
+    modified: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInfo:
+    """What a step directory holds."""
+
+    step: int
+    url: str
+    committed: bool
+    objects: int
+    bytes: int
+    modified: float | None  # newest object's time (the commit time, when committed)
+
+
+def _mtime(info: Mapping[str, Any]) -> float | None:
+    for name in ("LastModified", "mtime", "updated", "last_modified", "created"):
+        value = info.get(name)
+        if value is None:
+            continue
+        if isinstance(value, datetime.datetime):
+            if value.tzinfo is None:
+                value = value.replace(tzinfo=datetime.timezone.utc)
+            return value.timestamp()
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                parsed = datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+            except ValueError:
+                continue
+            if parsed.tzinfo is None:
+                parsed = parsed.replace(tzinfo=datetime.timezone.utc)
+            return parsed.timestamp()
+    return None
+
+
+def inventory(fs: AbstractFileSystem, root: Location) -> list[ObjectInfo]:
+    """Every object under ``root`` (one recursive listing), sorted by key.
+
+    Raises:
+        StoreError: The listing failed (translated, naming the root).
+    """
+    fs.invalidate_cache(root.path)
+    try:
+        found = fs.find(root.path, detail=True)
+    except FileNotFoundError:
+        return []
+    except Exception as exc:
+        raise translate(exc, url=root.url, action="listing", missing_is_bucket=True) from exc
+    prefix = root.path.rstrip("/") + "/"
+    out = []
+    for path, info in found.items():
+        path = str(path)
+        if info.get("type") == "directory":
+            continue
+        if not path.startswith(prefix):
+            path = "/" + path if ("/" + path).startswith(prefix) else path
+        key = path[len(prefix) :] if path.startswith(prefix) else path.rsplit("/", 1)[-1]
+        out.append(ObjectInfo(key, int(info.get("size") or 0), _mtime(info)))
+    return sorted(out, key=lambda o: o.key)
+
+
+def steps_of(objects: Iterable[ObjectInfo], root: Location) -> list[StepInfo]:
+    """Step directories found in an inventory, ascending by step."""
+    groups: dict[int, list[ObjectInfo]] = {}
+    for obj in objects:
+        head, sep, _ = obj.key.partition("/")
+        step = parse_step(head) if sep else None
+        if step is not None:
+            groups.setdefault(step, []).append(obj)
+    out = []
+    for step, objs in sorted(groups.items()):
+        names = {o.key.split("/", 1)[1] for o in objs}
+        times = [o.modified for o in objs if o.modified is not None]
+        out.append(
+            StepInfo(
+                step=step,
+                url=root.child(step_name(step)).url,
+                committed=MANIFEST_KEY in names,
+                objects=len(objs),
+                bytes=sum(o.size for o in objs),
+                modified=max(times) if times else None,
+            )
+        )
+    return out

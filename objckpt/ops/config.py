@@ -1,0 +1,255 @@
+"""The TOML config file read by the manager and the CLI.
+
+One file names where a run's checkpoints live and how to reach them, without
+holding a secret: credentials are referenced by environment variable name (or
+an AWS profile), never written inline; a key that looks like a secret is an
+error. Every table and key is checked, and a mistake names the file and key.
+
+Schema (every table optional except ``root``)::
+
+    root = "s3://bucket/run-1"              # required: the manager's root URL
+
+    [storage]                               # how to reach the root
+    options = { endpoint_url = "https://s3.eu-west-1.amazonaws.com" }  # plain fsspec options
+    env = { key = "AWS_ACCESS_KEY_ID", secret = "AWS_SECRET_ACCESS_KEY" }  # option <- env var
+    profile = "training"                    # AWS profile (s3fs's ``profile`` option)
+
+    [retention]
+    keep_last = 3                           # newest N committed steps
+    keep_every = 1000                       # steps that are multiples of K
+    keep_newer_than = 86400                 # seconds
+
+    [async]
+    workers = 2
+    max_in_flight = 1
+    barrier_timeout = 600
+    staging_budget = 4294967296             # bytes
+
+    [gc]
+    grace = 3600                            # seconds an unreferenced object is spared
+
+    [retry]                                 # RetryPolicy: every store request
+    attempts = 6
+    base_delay = 0.2
+    max_delay = 10
+    timeout = 60                            # seconds per request
+
+    [[backups]]                             # copies of each committed step (see README)
+    url = "gs://replica/run-1"
+    storage = { env = { token = "GOOGLE_APPLICATION_CREDENTIALS" } }
+    mode = "copy"                           # or "replicated": the bucket replicates itself
+    retention = { keep_last = 10 }          # the target's own; default: the primary's
+    replica_timeout = 900                   # "replicated": seconds to wait for a step
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from objckpt.errors import ConfigurationError
+from objckpt.ops.backup import BackupTarget
+from objckpt.ops.gc import DEFAULT_GRACE
+from objckpt.ops.retention import RetentionPolicy
+from objckpt.options import AsyncOptions
+from objckpt.writers.location import Location
+from objckpt.writers.retry import RetryPolicy
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+__all__ = ["BackupTarget", "Config", "load_config", "parse_config"]
+
+# Option names that carry credentials: they must come from the environment.
+_SECRET_NAMES = frozenset(
+    {
+        "key",
+        "secret",
+        "token",
+        "password",
+        "session_token",
+        "access_token",
+        "credentials",
+        "aws_access_key_id",
+        "aws_secret_access_key",
+        "aws_session_token",
+        "secret_access_key",
+        "access_key_id",
+    }
+)
+_TOP = {"root", "storage", "retention", "async", "gc", "backups", "retry"}
+_STORAGE = {"options", "env", "profile"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A validated config file, with storage options resolved from the environment."""
+
+    source: str
+    root: str
+    storage_options: Mapping[str, Any] = dataclasses.field(repr=False)
+    retention: RetentionPolicy
+    async_options: AsyncOptions
+    gc_grace: float
+    backups: tuple[BackupTarget, ...]
+    retry: RetryPolicy = dataclasses.field(default_factory=RetryPolicy)
+
+    def manager(self, **overrides: Any) -> Any:
+        """A :class:`~objckpt.CheckpointManager` for this config (keywords override it)."""
+        from objckpt.ops.manager import CheckpointManager
+
+        kwargs: dict[str, Any] = {
+            "storage_options": self.storage_options,
+            "retention": self.retention,
+            "async_options": self.async_options,
+            "backups": self.backups,
+            "retry": self.retry,
+        }
+        kwargs.update(overrides)
+        return CheckpointManager(self.root, **kwargs)
+
+
+def _table(value: Any, where: str, source: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ConfigurationError(f"{source}: {where} must be a table, got {type(value).__name__}")
+    return value
+
+
+def _no_unknown(table: Mapping[str, Any], known: set[str], where: str, source: str) -> None:
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise ConfigurationError(
+            f"{source}: unknown key {where}{unknown[0]!r} (known: {', '.join(sorted(known))})"
+        )
+
+
+def _storage(value: Any, where: str, source: str, environ: Mapping[str, str]) -> dict[str, Any]:
+    table = _table(value, where, source)
+    _no_unknown(table, _STORAGE, f"{where}.", source)
+    options = dict(_table(table.get("options", {}), f"{where}.options", source))
+    for name in options:
+        if name.lower() in _SECRET_NAMES:
+            raise ConfigurationError(
+                f"{source}: {where}.options.{name} looks like a credential; secrets never go "
+                f"in the config file: name an environment variable in {where}.env instead"
+            )
+    env = _table(table.get("env", {}), f"{where}.env", source)
+    for name, var in env.items():
+        if not isinstance(var, str) or not var:
+            raise ConfigurationError(
+                f"{source}: {where}.env.{name} must name an environment variable, got {var!r}"
+            )
+        if var not in environ:
+            raise ConfigurationError(
+                f"{source}: {where}.env.{name} reads environment variable {var}, which is not set"
+            )
+        options[name] = environ[var]
+    if "profile" in table:
+        profile = table["profile"]
+        if not isinstance(profile, str) or not profile:
+            raise ConfigurationError(f"{source}: {where}.profile must be a non-empty string")
+        options["profile"] = profile
+    return options
+
+
+def _typed(cls: Any, table: Mapping[str, Any], where: str, source: str) -> Any:
+    known = {f.name for f in dataclasses.fields(cls)}
+    _no_unknown(table, known, f"{where}.", source)
+    try:
+        return cls(**table)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"{source}: [{where}] {exc}") from None
+
+
+def parse_config(
+    text: str, *, source: str = "<config>", environ: Mapping[str, str] | None = None
+) -> Config:
+    """Validate a config file's text.
+
+    Raises:
+        ConfigurationError: Not TOML, unknown key, wrong type, inline secret,
+            missing environment variable; the message names ``source`` and the key.
+    """
+    environ = os.environ if environ is None else environ
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigurationError(f"{source} is not valid TOML: {exc}") from None
+    _no_unknown(data, _TOP, "", source)
+    root = data.get("root")
+    if not isinstance(root, str) or not root:
+        raise ConfigurationError(f"{source}: root (the checkpoint root URL) is required")
+    storage = _storage(data.get("storage", {}), "storage", source, environ)
+    try:
+        Location.parse(root, storage)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"{source}: root: {exc}") from None
+    retention = _typed(
+        RetentionPolicy, _table(data.get("retention", {}), "retention", source), "retention", source
+    )
+    async_options = _typed(
+        AsyncOptions, _table(data.get("async", {}), "async", source), "async", source
+    )
+    gc = _table(data.get("gc", {}), "gc", source)
+    _no_unknown(gc, {"grace"}, "gc.", source)
+    grace = gc.get("grace", DEFAULT_GRACE)
+    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or grace < 0:
+        raise ConfigurationError(f"{source}: gc.grace must be seconds >= 0, got {grace!r}")
+    backups_raw = data.get("backups", [])
+    if not isinstance(backups_raw, list):
+        raise ConfigurationError(f"{source}: backups must be an array of tables ([[backups]])")
+    backups = []
+    for i, entry in enumerate(backups_raw):
+        where = f"backups[{i}]"
+        entry = _table(entry, where, source)
+        _no_unknown(
+            entry, {"url", "storage", "mode", "retention", "replica_timeout"}, f"{where}.", source
+        )
+        url = entry.get("url")
+        if not isinstance(url, str) or not url:
+            raise ConfigurationError(f"{source}: {where}.url is required")
+        opts = _storage(entry.get("storage", {}), f"{where}.storage", source, environ)
+        policy = None
+        if "retention" in entry:
+            policy = _typed(
+                RetentionPolicy,
+                _table(entry["retention"], f"{where}.retention", source),
+                f"{where}.retention",
+                source,
+            )
+        extra = {k: entry[k] for k in ("mode", "replica_timeout") if k in entry}
+        try:
+            backups.append(BackupTarget(url, opts, retention=policy, **extra))
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"{source}: {where}: {exc}") from None
+    retry = _typed(RetryPolicy, _table(data.get("retry", {}), "retry", source), "retry", source)
+    return Config(
+        retry=retry,
+        source=source,
+        root=root,
+        storage_options=storage,
+        retention=retention,
+        async_options=async_options,
+        gc_grace=float(grace),
+        backups=tuple(backups),
+    )
+
+
+def load_config(path: str | os.PathLike[str], environ: Mapping[str, str] | None = None) -> Config:
+    """Read and validate a config file.
+
+    Raises:
+        ConfigurationError: The file is missing or invalid (named in the message).
+    """
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise ConfigurationError(f"cannot read config file {path}: {exc.strerror}") from None
+    return parse_config(text, source=path, environ=environ)

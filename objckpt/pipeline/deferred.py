@@ -1,0 +1,188 @@
+"""``DeferredWriter``: the DCP writer of an async save, which queues instead of uploading.
+
+DCP's ``dcp.save`` runs plan -> write -> finish on the caller's thread and expects
+``write_data`` to return the bytes' locations. An async save cannot wait for the
+uploads there, so this writer hands each payload object to the upload workers,
+returns placeholder results (the real ones travel through the c10d store later,
+see :mod:`objckpt.pipeline.finalize`), and keeps DCP's metadata for the commit
+that the background thread makes.
+
+It wraps an :class:`~objckpt.ObjectStoreWriter` rather than subclassing it: the
+plain writer keeps its one job (a synchronous save) and the pieces an async save
+shares with it — location, options, the store, the attempt id — are reached
+through its public surface (``attach``, ``location``, ``store``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from objckpt.dcp.plan import ObjectPlan, RankPlan, assign_objects, estimate_size
+from objckpt.dcp.serialize import PayloadRecord, resolve_bytes_items
+from objckpt.dcp.storage_writer import ObjectStoreWriter
+from objckpt.errors import ConfigurationError, UploadError
+from objckpt.format.layout import payload_key
+from objckpt.pipeline.stage import Staged, Wave
+from objckpt.pipeline.workers import WorkerPool, upload_object
+
+__all__ = ["DeferredWriter", "Pending"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pending:
+    """One payload object handed to the workers, and its upload's future."""
+
+    obj: ObjectPlan
+    future: concurrent.futures.Future[PayloadRecord]
+
+
+class DeferredWriter(StorageWriter):
+    """A DCP writer whose ``write_data`` queues uploads and whose ``finish`` defers the commit.
+
+    Args:
+        writer: The plain writer for the target URL (already ``attach``-ed to the
+            agreed attempt and any shared filesystem).
+        pool: The upload workers.
+        staged: The staged copy of the state dict the items resolve to.
+    """
+
+    def __init__(self, writer: ObjectStoreWriter, pool: WorkerPool, staged: Staged) -> None:
+        super().__init__()
+        self.writer = writer
+        self._pool = pool
+        self._staged = staged
+        self.pending: list[Pending] = []
+        self.items: list[Any] = []
+        self.rank_plan: RankPlan | None = None
+        self.metadata: Metadata | None = None
+        self.final_plan: SavePlan | None = None
+
+    # -- DCP protocol: delegated to the plain writer ------------------------------------
+    def reset(self, checkpoint_id: Any = None) -> None:
+        self.writer.reset(checkpoint_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.writer.set_up_storage_writer(is_coordinator, *args, **kwargs)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return self.writer.storage_meta()
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan  # preflight and the existence check ran before planning
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        if self.writer.attempt is None:
+            raise ConfigurationError("internal: global plan before the attempt was agreed")
+        return self.writer.prepare_global_plan(plans)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return ObjectStoreWriter.validate_checkpoint_id(checkpoint_id)
+
+    # -- queueing -------------------------------------------------------------------------
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        rank_plan = plan.storage_data
+        if not isinstance(rank_plan, RankPlan):
+            raise ConfigurationError("write_data got a plan this writer did not prepare")
+        self.rank_plan = rank_plan
+        self.final_plan = plan
+        upload = self.writer.upload
+        location = self.writer.location
+        items = list(plan.items)
+        self.items = items
+        resolved = resolve_bytes_items(items, planner)  # fails here, before any upload
+        position = {id(item): n for n, item in enumerate(items)}
+        staged = self._staged
+        wave = staged.wave
+        # In waves, no packed object may be larger than a wave.
+        object_size = upload.object_size
+        if wave is not None:
+            object_size = min(object_size, wave.capacity)
+        objects = assign_objects(
+            items,
+            object_size,
+            lambda i: payload_key(rank_plan.rank, i, rank_plan.attempt, upload.prefix_entropy),
+        )
+        this_wave: list[concurrent.futures.Future[PayloadRecord]] = []
+        for obj in objects:
+            entries: list[tuple[int, Any]] = []
+            for item in obj.items:
+                pos = position[id(item)]
+                if item.type == WriteItemType.BYTE_IO:
+                    entries.append((pos, resolved[pos].getvalue()))
+                    continue
+                tensor = planner.resolve_data(item)
+                ref = None
+                if isinstance(tensor, torch.Tensor) and wave is None:
+                    ref = staged.ref_of(tensor)
+                entries.append((pos, ref if ref is not None else tensor))
+            if wave is not None:
+                entries = self._into_wave(wave, entries, this_wave, staged.cuda)
+            future = self._pool.submit(upload_object, location, upload, obj.key, entries)
+            self.pending.append(Pending(obj, future))
+            this_wave.append(future)
+        # DCP gathers these now; the real locations travel through the c10d store later.
+        placeholders = [
+            WriteResult(index=i.index, size_in_bytes=estimate_size(i), storage_data=None)
+            for i in items
+        ]
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(placeholders)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        self.metadata = metadata  # committed later, by the background thread
+
+    def replay(self, plan: SavePlan, planner: SavePlanner, metadata: Metadata | None) -> None:
+        """Queue the uploads of a cached final plan (the structure is unchanged).
+
+        ``metadata`` is the cached global metadata (None on ranks other than the
+        coordinator, which never see it)."""
+        attempt = self.writer.attempt
+        if attempt is None:
+            raise ConfigurationError("internal: replay before the attempt was agreed")
+        rank_plan = RankPlan(rank=self.writer.rank, attempt=attempt)
+        self.write_data(dataclasses.replace(plan, storage_data=rank_plan), planner)
+        self.metadata = metadata
+
+    def settle(self) -> None:
+        """Wait for every queued upload to end, whatever its outcome."""
+        for p in self.pending:
+            p.future.exception()
+
+    def _into_wave(
+        self,
+        wave: Wave,
+        entries: list[tuple[int, Any]],
+        this_wave: list[concurrent.futures.Future[PayloadRecord]],
+        cuda: bool,
+    ) -> list[tuple[int, Any]]:
+        """Copy one object's tensors into the wave segment, first draining a full wave."""
+        tensors = [v for _, v in entries if isinstance(v, torch.Tensor)]
+        if not wave.fits_all(tensors):
+            logger.debug("staging wave full (%d bytes); waiting for its uploads", wave.used)
+            for f in this_wave:
+                try:
+                    f.result()
+                except BrokenProcessPool as exc:
+                    raise UploadError(
+                        f"an upload worker died while saving {self.writer.location.url} in "
+                        "staging waves (killed or out of memory); nothing was committed"
+                    ) from exc
+            this_wave.clear()
+            wave.reset()
+        out = [(pos, wave.put(v) if isinstance(v, torch.Tensor) else v) for pos, v in entries]
+        wave.sync(cuda)
+        return out

@@ -1,0 +1,187 @@
+"""Cross-rank finalization through the c10d store, off the training path.
+
+A commit needs every rank's upload results on the coordinator, and every rank
+needs to learn the outcome. DCP does this with collectives, which would force
+the training loop to call into the checkpointer on every rank at the same
+moment. Instead each rank's background thread posts its results under a key
+unique to the save attempt in the process group's c10d store; the coordinator's
+thread waits for all of them with a timeout (a dead rank becomes an error naming
+it, never a hang), commits, and posts the outcome for the others to read.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import pickle
+from typing import Any
+
+import torch.distributed as dist
+
+from objckpt.errors import BarrierTimeoutError, RequestFailedError, UploadError
+
+__all__ = [
+    "BarrierTimeoutError",
+    "RankExchange",
+    "RequestFailedError",
+    "StoreBarrier",
+    "group_store",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def group_store(process_group: Any | None = None) -> Any:
+    """The c10d store of ``process_group`` (the default group when None)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    if process_group is None:
+        return c10d._get_default_store()
+    return c10d._get_process_group_store(process_group)
+
+
+def _wait(store: Any, keys: list[str], timeout: float, what: str, label: str | None = None) -> None:
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout))
+    except Exception as exc:  # DistStoreError / RuntimeError on timeout
+        missing = [label or k.rsplit("/", 1)[-1] for k in keys if not store.check([k])]
+        raise BarrierTimeoutError(
+            f"{what}: no report from {', '.join(missing) or 'some ranks'} within {timeout:g} s "
+            "(a rank died, hung, or stopped saving)"
+        ) from exc
+
+
+class RankExchange:
+    """One save attempt's results and outcome, exchanged through the store.
+
+    Keys live under ``objckpt/<attempt>/`` and are deleted once read: the
+    coordinator deletes each rank's results after gathering them, and the last
+    rank to read the outcome deletes it, so a long job's store does not grow by a
+    few keys per rank and save.
+    """
+
+    def __init__(
+        self, store: Any, attempt: str, rank: int, world: int, timeout: float, url: str
+    ) -> None:
+        self._store = store
+        self._prefix = f"objckpt/{attempt}"
+        self.rank = rank
+        self.world = world
+        self.timeout = timeout
+        self.url = url
+
+    def _key(self, rank: int) -> str:
+        return f"{self._prefix}/rank{rank}"
+
+    def post(self, ok: bool, payload: Any) -> None:
+        """Report this rank's results (ok) or its error message (not ok)."""
+        self._store.set(self._key(self.rank), pickle.dumps((ok, payload)))
+
+    def gather(self) -> list[Any]:
+        """Coordinator: every rank's results in rank order; raises if any failed or is missing."""
+        keys = [self._key(r) for r in range(self.world)]
+        try:
+            _wait(self._store, keys, self.timeout, f"saving {self.url}")
+            reports = [pickle.loads(self._store.get(k)) for k in keys]  # objckpt's own ranks
+        finally:
+            _delete(self._store, [k for k in keys if self._store.check([k])])
+        out, failures = [], []
+        for r, (ok, payload) in enumerate(reports):
+            if ok:
+                out.append(payload)
+            else:
+                failures.append(f"rank {r}: {payload}")
+        if failures:
+            raise UploadError(f"saving {self.url} failed on " + "; ".join(failures))
+        return out
+
+    def publish_outcome(self, error: str | None) -> None:
+        self._store.set(f"{self._prefix}/outcome", pickle.dumps(error))
+
+    def outcome(self) -> str | None:
+        """Non-coordinator: None if the coordinator committed, else its error message."""
+        key = f"{self._prefix}/outcome"
+        # Rank 0 itself waits up to `timeout` for the slowest rank, then commits.
+        _wait(self._store, [key], 2 * self.timeout + 30, f"commit of {self.url}", label="rank0")
+        result: str | None = pickle.loads(self._store.get(key))
+        if self._store.add(f"{key}/read", 1) == self.world - 1:  # the last reader tidies up
+            _delete(self._store, [key, f"{key}/read"])
+        return result
+
+
+def _delete(store: Any, keys: list[str]) -> None:
+    for key in keys:
+        try:
+            store.delete_key(key)
+        except Exception as exc:  # a store without deletion only wastes a key
+            logger.debug("cannot delete c10d key %s: %s", key, exc)
+
+
+class StoreBarrier:
+    """:class:`~objckpt.pipeline.queue.RankBarrier` over the c10d store (for AsyncCallsQueue).
+
+    Per request, each rank bumps a counter (and records a failure); the rank that
+    completes the count sets one ``all`` key, so deciding "done everywhere" reads
+    O(1) keys per rank instead of one per rank (O(W^2) store requests per job).
+    A request that failed on any rank is reported as failed on every rank. Keys are
+    deleted by the last rank to conclude.
+
+    Args:
+        process_group: The ranks that must all arrive (default group when None).
+        name: Unique name of this barrier in the job. When None, every rank's
+            n-th ``StoreBarrier`` is numbered n (ranks build them in the same order,
+            like any collective), so two queues never see each other's keys.
+    """
+
+    def __init__(
+        self,
+        process_group: Any | None = None,
+        prefix: str = "objckpt/queue",
+        *,
+        name: str | None = None,
+    ) -> None:
+        self._store = group_store(process_group)
+        self._rank = dist.get_rank(process_group)
+        self._world = dist.get_world_size(process_group)
+        if name is None:
+            name = str(self._store.add(f"{prefix}/instances/rank{self._rank}", 1))
+        self._prefix = f"{prefix}/{name}"
+
+    def arrive(self, key: str, ok: bool) -> None:
+        base = f"{self._prefix}/{key}"
+        if not ok:
+            self._store.set(f"{base}/failed/rank{self._rank}", b"1")
+            self._store.add(f"{base}/failed", 1)
+        if self._store.add(f"{base}/arrived", 1) == self._world:
+            self._store.set(f"{base}/all", b"1")
+
+    def all_arrived(self, key: str, timeout: float | None) -> bool:
+        """Whether every rank arrived; raises when a rank's work failed.
+
+        Raises:
+            BarrierTimeoutError: Not every rank arrived within ``timeout`` (blocking).
+            RequestFailedError: Some rank's work failed; the request must not be
+                finalized as a success.
+        """
+        base = f"{self._prefix}/{key}"
+        if not timeout:
+            if not self._store.check([f"{base}/all"]):
+                return False
+        else:
+            _wait(self._store, [f"{base}/all"], timeout, f"async request {key}", label="a rank")
+        failed = int(self._store.add(f"{base}/failed", 0))
+        ranks = []
+        if failed:
+            ranks = [r for r in range(self._world) if self._store.check([f"{base}/failed/rank{r}"])]
+        if self._store.add(f"{base}/read", 1) == self._world:
+            _delete(
+                self._store,
+                [f"{base}/{k}" for k in ("arrived", "all", "failed", "read")]
+                + [f"{base}/failed/rank{r}" for r in ranks],
+            )
+        if failed:
+            raise RequestFailedError(
+                f"async request {key} failed on rank(s) {', '.join(map(str, ranks))}; "
+                "its finalize functions were not run"
+            )
+        return True

@@ -1,0 +1,124 @@
+"""Reuse of the previous save's plan when the state dict's structure is unchanged.
+
+Most of an async save's stall beyond the copy is DCP planning: building a write
+item per tensor, gathering every rank's plan on the coordinator, deduplicating
+and computing the global metadata, then two more collectives. In a training loop
+every save has the same structure as the one before, so all of that produces the
+same answer each time.
+
+A checkpointer keeps, after each fully planned save, the final local plan of its
+rank and (on the coordinator) the global metadata, keyed by the structure: every
+path, type, shape, dtype and device, plus DTensor global shapes, placements and
+meshes, and the rank, world size and group. The next save on every rank computes
+its key and the ranks agree in one small all-reduce whether *all* of them hit;
+a single rank whose structure changed sends every rank back to full planning, so
+ranks never disagree on the collectives they make. The same all-reduce carries
+the coordinator's fresh attempt id and any rank's local refusal (an existing
+checkpoint, an unreachable bucket), so a save refused on one rank fails on all.
+
+DCP's own ``enable_plan_caching`` is not used: it keeps its caches in class
+attributes shared by every planner in the process and replays the previous
+plan's storage data, which here names the previous attempt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan
+
+from objckpt.format.layout import new_attempt_id
+
+__all__ = ["Agreement", "CachedPlan", "PlanCacheStats", "agree", "cache_key"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class CachedPlan:
+    """What one rank keeps from a fully planned save."""
+
+    key: tuple[Hashable, ...]
+    plan: SavePlan  # this rank's final local plan (storage_data is replaced per save)
+    metadata: Metadata | None  # the global metadata, coordinator only
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanCacheStats:
+    """How often saves reused the previous plan (per checkpointer, this rank)."""
+
+    hits: int = 0
+    misses: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Agreement:
+    """The outcome of the per-save agreement, the same on every rank."""
+
+    hit: bool
+    attempt: str
+    refused_by: int | None  # the lowest rank that refused the save locally, if any
+
+
+def cache_key(
+    structure: tuple[Hashable, ...], rank: int, world: int, group: tuple[int, ...]
+) -> tuple[Hashable, ...]:
+    """The key a plan is cached under: structure plus the rank's place in its group."""
+    return (structure, rank, world, group)
+
+
+def group_ranks(process_group: Any | None) -> tuple[int, ...]:
+    """Global ranks of ``process_group`` (the default group when None)."""
+    if process_group is None:
+        return tuple(range(dist.get_world_size()))
+    return tuple(dist.get_process_group_ranks(process_group))
+
+
+def _attempt_to_ints(attempt: str) -> tuple[int, int]:
+    return int(attempt[:8], 16), int(attempt[8:], 16)
+
+
+def _ints_to_attempt(hi: int, lo: int) -> str:
+    return f"{hi:08x}{lo:08x}"
+
+
+def agree(
+    local_hit: bool,
+    refused: bool,
+    rank: int,
+    process_group: Any | None,
+    distributed: bool,
+) -> Agreement:
+    """One all-reduce (MAX) settles hit or miss, the attempt id and refusals on every rank.
+
+    Without a process group it is a local decision. Must be called by every rank
+    of the group for every save, hit or miss.
+    """
+    proposal = new_attempt_id() if rank == 0 else "0" * 16
+    if not distributed:
+        return Agreement(local_hit, proposal, 0 if refused else None)
+    hi, lo = _attempt_to_ints(proposal)
+    device = "cpu"
+    if dist.get_backend(process_group) == "nccl":
+        device = f"cuda:{torch.cuda.current_device()}"
+    world = dist.get_world_size(process_group)
+    # MAX over: miss flag, (world - refusing rank) so the lowest refusing rank wins,
+    # and rank 0's attempt id (every other rank proposes zero).
+    values = torch.tensor(
+        [0 if local_hit else 1, world - rank if refused else 0, hi, lo],
+        dtype=torch.int64,
+        device=device,
+    )
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=process_group)
+    miss, refusal, hi, lo = (int(v) for v in values.tolist())
+    return Agreement(
+        hit=miss == 0,
+        attempt=_ints_to_attempt(hi, lo),
+        refused_by=world - refusal if refusal else None,
+    )

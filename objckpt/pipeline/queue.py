@@ -1,0 +1,198 @@
+"""Async request queue with the reference systems' semantics.
+
+``schedule_async_request`` starts a request's work in the background and returns
+its index; ``maybe_finalize_async_calls`` runs, in schedule order and exactly
+once, the finalize functions of every request whose work is done on *every*
+rank. A request is frozen when scheduled: adding a finalize function afterwards
+raises, so nothing can sneak in between "done" and "finalized".
+
+Unlike NVIDIA's ``AsyncCallsQueue``, the work does not run in a fork of the
+training process (forking after CUDA or client threads exist is the known cause
+of deadlocks and corruption), and "done on every rank" is decided through the
+c10d store rather than a collective the training loop must call on all ranks.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from objckpt.errors import ObjckptError, RequestFailedError
+
+__all__ = ["AsyncCallsQueue", "AsyncRequest", "RankBarrier"]
+
+logger = logging.getLogger(__name__)
+
+
+class RankBarrier(Protocol):
+    """Decides when a request is done on every rank (see :mod:`objckpt.pipeline.finalize`)."""
+
+    def arrive(self, key: str, ok: bool) -> None:
+        """This rank's work for ``key`` ended (``ok``: without an error)."""
+        ...
+
+    def all_arrived(self, key: str, timeout: float | None) -> bool:
+        """Whether every rank arrived (waiting up to ``timeout``); raises
+        :class:`~objckpt.errors.RequestFailedError` when any rank's work failed."""
+        ...
+
+
+class AsyncRequest:
+    """Work to run in the background plus functions to run once it is done everywhere.
+
+    Args:
+        async_fn: Callable run in the background (None: nothing to run).
+        async_fn_args: Its positional arguments.
+        finalize_fns: Called in order, once, after the work is done on all ranks.
+        async_fn_kwargs: Its keyword arguments.
+    """
+
+    __slots__ = ("_finalize_fns", "_frozen", "async_fn", "async_fn_args", "async_fn_kwargs")
+
+    def __init__(
+        self,
+        async_fn: Callable[..., Any] | None,
+        async_fn_args: Sequence[Any] = (),
+        finalize_fns: Sequence[Callable[[], Any]] = (),
+        async_fn_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        self.async_fn = async_fn
+        self.async_fn_args = tuple(async_fn_args)
+        self.async_fn_kwargs = dict(async_fn_kwargs or {})
+        self._finalize_fns = list(finalize_fns)
+        self._frozen = False
+
+    @property
+    def is_frozen(self) -> bool:
+        return self._frozen
+
+    @property
+    def finalize_fns(self) -> tuple[Callable[[], Any], ...]:
+        return tuple(self._finalize_fns)
+
+    def add_finalize_fn(self, fn: Callable[[], Any]) -> None:
+        """Append a finalize function; raises once the request is scheduled."""
+        if self._frozen:
+            raise ObjckptError(
+                "cannot add a finalize function to an AsyncRequest that is already scheduled"
+            )
+        self._finalize_fns.append(fn)
+
+    def freeze(self) -> AsyncRequest:
+        """A frozen copy (the queue schedules copies, so the caller's object stays editable)."""
+        out = AsyncRequest(
+            self.async_fn, self.async_fn_args, self._finalize_fns, self.async_fn_kwargs
+        )
+        out._frozen = True
+        return out
+
+
+@dataclasses.dataclass
+class _Active:
+    index: int
+    request: AsyncRequest
+    future: concurrent.futures.Future[Any]
+
+
+class AsyncCallsQueue:
+    """Schedules :class:`AsyncRequest` work and finalizes it in order.
+
+    Args:
+        executor: Runs ``async_fn`` (default: one background thread, so requests
+            run in order). Pass objckpt's worker pool or any ``Executor``.
+        barrier: Cross-rank completion; None means this process alone decides.
+        finalize_timeout: Seconds a blocking finalize waits for other ranks
+            before raising.
+    """
+
+    def __init__(
+        self,
+        executor: concurrent.futures.Executor | None = None,
+        barrier: RankBarrier | None = None,
+        finalize_timeout: float = 600.0,
+    ) -> None:
+        self._own_executor = executor is None
+        self._executor = executor or concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="objckpt-async"
+        )
+        self._barrier = barrier
+        self._timeout = finalize_timeout
+        self._calls: collections.deque[_Active] = collections.deque()
+        self._next = 0
+        self._lock = threading.RLock()  # callable from any thread
+
+    def schedule_async_request(self, request: AsyncRequest) -> int:
+        """Freeze ``request``, start its work, and return its index (0, 1, 2, ...)."""
+        with self._lock:
+            frozen = request.freeze()
+            request._frozen = True  # the caller's object is frozen too: it was handed over
+            index = self._next
+            self._next += 1
+            if frozen.async_fn is None:
+                future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+                future.set_result(None)
+            else:
+                future = self._executor.submit(
+                    frozen.async_fn, *frozen.async_fn_args, **frozen.async_fn_kwargs
+                )
+            if self._barrier is not None:
+                barrier, key = self._barrier, f"req{index}"
+                future.add_done_callback(lambda f: barrier.arrive(key, f.exception() is None))
+            self._calls.append(_Active(index, frozen, future))
+            return index
+
+    def _done_everywhere(self, call: _Active, blocking: bool) -> bool:
+        if blocking:
+            call.future.exception()  # wait; errors surface below
+        elif not call.future.done():
+            return False
+        if self._barrier is None:
+            return True
+        return self._barrier.all_arrived(f"req{call.index}", self._timeout if blocking else 0.0)
+
+    def maybe_finalize_async_calls(self, blocking: bool = False) -> list[int]:
+        """Finalize every leading request that is done on all ranks; return their indices.
+
+        Args:
+            blocking: Wait for all scheduled requests instead of only finished ones.
+
+        Raises:
+            Exception: The request's own error (its finalize functions do not run;
+                the request is dropped so later ones can proceed).
+            RequestFailedError: The request failed on another rank (dropped too).
+        """
+        finalized: list[int] = []
+        with self._lock:
+            while self._calls:
+                call = self._calls[0]
+                try:
+                    if not self._done_everywhere(call, blocking):
+                        break
+                except RequestFailedError:
+                    self._calls.popleft()  # failed on another rank: dropped, never finalized
+                    raise
+                self._calls.popleft()
+                exc = call.future.exception()
+                if exc is not None:
+                    raise exc
+                for fn in call.request.finalize_fns:
+                    fn()
+                finalized.append(call.index)
+        return finalized
+
+    def get_num_unfinalized_calls(self) -> int:
+        with self._lock:
+            return len(self._calls)
+
+    def close(self) -> None:
+        """Finalize everything still scheduled, then release the default executor."""
+        try:
+            self.maybe_finalize_async_calls(blocking=True)
+        finally:
+            if self._own_executor:
+                self._executor.shutdown(wait=True)

@@ -1,0 +1,176 @@
+"""Where a checkpoint lives: a URL, its fsspec protocol, and how to open it.
+
+A :class:`Location` is a picklable value (URL plus ``storage_options``) from which
+any process can build its own filesystem object. Filesystem objects themselves are
+never shared across processes: s3fs and gcsfs hold event loops and sockets that
+are not fork-safe, so every worker opens a fresh one with
+``skip_instance_cache=True``.
+
+``storage_options`` are handed to fsspec untouched. They often hold credentials,
+so they are kept out of ``repr`` and never formatted into messages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+import fsspec
+from fsspec import AbstractFileSystem
+
+from objckpt.errors import ConfigurationError
+from objckpt.writers.retry import RetryPolicy, install, s3_options
+
+__all__ = ["Location"]
+
+# The optional dependency each well-known protocol needs, for a helpful ImportError.
+_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
+_LOCAL = ("file", "local")
+_S3 = ("s3", "s3a")
+
+
+@dataclasses.dataclass(frozen=True)
+class Location:
+    """A checkpoint URL and the options to open its store.
+
+    Attributes:
+        url: The URL as the caller wrote it, normalised (no trailing slash).
+        protocol: fsspec's protocol name (``s3``, ``gs``, ``file``, ``memory``, ...).
+        path: The URL in fsspec's protocol-less form (``bucket/prefix`` for object
+            stores, an absolute path for ``file``).
+        storage_options: Passed to ``fsspec.filesystem`` (for S3, with the SDKs'
+            own retries off unless set: ``retry`` governs).
+        retry: How requests to the store are retried (:mod:`objckpt.writers.retry`).
+    """
+
+    url: str
+    protocol: str
+    path: str
+    storage_options: Mapping[str, Any] = dataclasses.field(
+        default_factory=dict, repr=False, compare=False, hash=False
+    )
+    retry: RetryPolicy = dataclasses.field(
+        default_factory=RetryPolicy, repr=False, compare=False, hash=False
+    )
+
+    @classmethod
+    def parse(
+        cls,
+        url: str | os.PathLike[str],
+        storage_options: Mapping[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> Location:
+        """Validate ``url`` and split it into protocol and path.
+
+        Raises:
+            ConfigurationError: The URL is empty, has no bucket, or names a protocol
+                fsspec does not know.
+        """
+        if isinstance(url, os.PathLike):
+            url = os.fspath(url)
+        if not isinstance(url, str) or not url.strip():
+            raise ConfigurationError(f"checkpoint URL must be a non-empty string, got {url!r}")
+        url = url.strip()
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise ConfigurationError(
+                f"storage_options for {url} must be a mapping, got {type(storage_options).__name__}"
+            )
+        protocol, sep, _ = url.partition("://")
+        if not sep:
+            protocol, url = "file", "file://" + os.path.abspath(url)
+        protocol = protocol.lower()
+        if protocol not in fsspec.available_protocols():
+            raise ConfigurationError(
+                f"unknown protocol {protocol!r} in checkpoint URL {url}; "
+                f"fsspec knows e.g. s3://, gs://, file://, memory://"
+            )
+        parts = urlsplit(url)
+        if parts.query or parts.fragment:
+            raise ConfigurationError(f"checkpoint URL {url} must not carry a query or fragment")
+        if protocol in _LOCAL:
+            path = os.path.abspath(url.partition("://")[2] or "/")
+        else:
+            path = url.partition("://")[2].strip("/")
+            if not path:
+                raise ConfigurationError(f"checkpoint URL {url} names no bucket or path")
+            if protocol not in ("memory",) and "/" not in path:
+                raise ConfigurationError(
+                    f"checkpoint URL {url} names only a bucket; "
+                    f"give a prefix, e.g. {url.rstrip('/')}/ckpt"
+                )
+        norm = f"{protocol}://{path}" if protocol not in _LOCAL else f"file://{path}"
+        if protocol == "memory":
+            path = "/" + path
+        return cls(
+            url=norm.rstrip("/"),
+            protocol=protocol,
+            path=path.rstrip("/") or "/",
+            storage_options=dict(storage_options or {}),
+            retry=retry or RetryPolicy(),
+        )
+
+    @classmethod
+    def is_valid(cls, url: str | os.PathLike[str]) -> bool:
+        """Whether ``url`` parses (DCP's ``validate_checkpoint_id`` hook)."""
+        try:
+            cls.parse(url)
+        except ConfigurationError:
+            return False
+        return True
+
+    @property
+    def is_local(self) -> bool:
+        return self.protocol in _LOCAL
+
+    @property
+    def bucket(self) -> str:
+        """The first path segment: the bucket on object stores."""
+        return self.path.lstrip("/").split("/", 1)[0]
+
+    def child(self, name: str) -> Location:
+        """The location of a sub-prefix (used for ``step-N`` directories)."""
+        name = name.strip("/")
+        return dataclasses.replace(self, url=f"{self.url}/{name}", path=f"{self.path}/{name}")
+
+    def key_path(self, key: str) -> str:
+        """fsspec path of an object named by a key relative to this location."""
+        return f"{self.path}/{key}"
+
+    def url_of(self, key: str) -> str:
+        """Full URL of an object, for messages."""
+        return f"{self.url}/{key}"
+
+    def open_fs(self, *, fresh: bool = False) -> AbstractFileSystem:
+        """Build the fsspec filesystem for this location.
+
+        Args:
+            fresh: Skip fsspec's instance cache. Required in a forked or spawned
+                worker, where a cached async filesystem from the parent is unusable.
+
+        Raises:
+            ConfigurationError: The backend package is missing or rejects the options.
+        """
+        options = dict(self.storage_options)
+        if self.protocol in _S3:
+            options = s3_options(options, self.retry)
+        if fresh:
+            options["skip_instance_cache"] = True
+        try:
+            fs = fsspec.filesystem(self.protocol, **options)
+        except ImportError as exc:
+            extra = _EXTRAS.get(self.protocol)
+            hint = f"pip install 'objckpt[{extra}]'" if extra else "install its fsspec backend"
+            raise ConfigurationError(
+                f"{self.protocol}:// needs an optional dependency that is not installed ({hint})"
+            ) from exc
+        except TypeError as exc:
+            names = ", ".join(sorted(self.storage_options)) or "none"
+            raise ConfigurationError(
+                f"the {self.protocol}:// backend rejected storage_options for {self.url} "
+                f"(option names given: {names}): {type(exc).__name__}"
+            ) from exc
+        install(fs, self.retry)
+        return fs

@@ -1,0 +1,242 @@
+"""Retries for store requests: one policy value, applied where every request passes.
+
+Why objckpt owns this instead of leaving it to the SDKs: s3fs retries each call
+5 times and botocore retries again underneath, so a hard outage costs 25
+attempts with two unrelated backoffs, and neither tells objckpt it is being
+throttled. Here the SDK layers are set to a single attempt with a per-request
+timeout, and every S3 request (s3fs's ``_call_s3``, which uploads, reads,
+listings and deletes all go through) is retried by :class:`RetryPolicy`:
+capped exponential backoff with full jitter (tenacity), transient errors only.
+
+Transient: HTTP 503/SlowDown and 500/InternalError, connection resets and
+refusals, timeouts, truncated responses. Permanent (raised at once): 403, 404
+(no bucket or key), 412 (the create-only commit lost), bad requests. Each
+throttling answer is reported to observers, which is how upload concurrency
+backs off (:mod:`objckpt.writers.throttle`).
+
+GCS requests keep gcsfs's own retry loop (it already retries 5xx, 429 and
+connection errors with backoff); the policy's timeout is not applied there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import errno
+import http.client
+import logging
+import socket
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import tenacity
+
+from objckpt.errors import ConfigurationError
+from objckpt.writers.translate import causes
+
+__all__ = ["RetryObserver", "RetryPolicy", "install", "is_throttle", "is_transient", "s3_options"]
+
+logger = logging.getLogger(__name__)
+
+_TRANSIENT_ERRNOS = {errno.EBUSY, errno.EREMOTEIO, errno.ETIMEDOUT, errno.ECONNRESET, errno.EAGAIN}
+_TRANSIENT_NAMES = {
+    # botocore / aiobotocore / aiohttp / s3fs names, matched by name so that the
+    # optional packages need not be importable here.
+    "EndpointConnectionError",
+    "ConnectionClosedError",
+    "ReadTimeoutError",
+    "ConnectTimeoutError",
+    "ResponseStreamingError",
+    "ResponseParserError",
+    "HTTPClientError",
+    "IncompleteReadError",
+    "ClientPayloadError",
+    "ClientConnectorError",
+    "ClientConnectionError",
+    "ClientOSError",
+    "ServerDisconnectedError",
+    "ServerTimeoutError",
+    "FSTimeoutError",
+}
+_THROTTLE_TEXT = ("SlowDown", "reduce your request rate")
+_SERVER_ERROR_TEXT = (*_THROTTLE_TEXT, "503", "ServiceUnavailable", "InternalError")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RetryPolicy:
+    """How store requests are retried.
+
+    Attributes:
+        attempts: Tries per request, the first included (1 = no retry).
+        base_delay: First backoff in seconds; doubles per retry.
+        max_delay: Cap on one backoff (seconds). Each wait is drawn uniformly
+            from zero to the current cap ("full jitter"), so ranks that fail
+            together do not retry together.
+        timeout: Seconds one request may take to connect and to deliver each
+            read; a stalled request fails and is retried.
+    """
+
+    attempts: int = 6
+    base_delay: float = 0.2
+    max_delay: float = 10.0
+    timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        if (
+            isinstance(self.attempts, bool)
+            or not isinstance(self.attempts, int)
+            or self.attempts < 1
+        ):
+            raise ConfigurationError(
+                f"option attempts={self.attempts!r} is invalid: expected an int >= 1"
+            )
+        for name in ("base_delay", "max_delay", "timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigurationError(
+                    f"option {name}={value!r} is invalid: expected seconds > 0"
+                )
+        if self.max_delay < self.base_delay:
+            raise ConfigurationError(
+                f"option max_delay={self.max_delay!r} is invalid: expected >= base_delay"
+            )
+
+
+def is_throttle(exc: BaseException) -> bool:
+    """A 503 / SlowDown answer: the store asks for fewer requests."""
+    for e in causes(exc):
+        if isinstance(e, OSError) and e.errno == errno.EBUSY:
+            return True
+        if any(t in str(e) for t in _THROTTLE_TEXT):
+            return True
+    return False
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether retrying the same request may succeed."""
+    for e in causes(exc):
+        if isinstance(e, (PermissionError, FileNotFoundError, FileExistsError)):
+            return False
+        if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
+            return True
+        if isinstance(
+            e,
+            (
+                ConnectionError,
+                TimeoutError,
+                socket.timeout,
+                asyncio.TimeoutError,
+                http.client.IncompleteRead,
+            ),
+        ):
+            return True
+        if type(e).__name__ in _TRANSIENT_NAMES:
+            return True
+        if any(t in str(e) for t in _SERVER_ERROR_TEXT):
+            return True
+    return False
+
+
+class RetryObserver(Protocol):
+    """Told about every request outcome (the upload concurrency limiter is one)."""
+
+    def throttled(self) -> None: ...
+
+    def succeeded(self) -> None: ...
+
+
+def s3_options(options: Mapping[str, Any], policy: RetryPolicy) -> dict[str, Any]:
+    """s3fs options with the SDKs' own retries off and the request timeout set,
+    unless the caller chose them."""
+    out = dict(options)
+    config = dict(out.get("config_kwargs") or {})
+    config.setdefault("retries", {"total_max_attempts": 1})
+    config.setdefault("connect_timeout", policy.timeout)
+    config.setdefault("read_timeout", policy.timeout)
+    out["config_kwargs"] = config
+    return out
+
+
+class _Retrying:
+    """The wrapper installed on one s3fs instance's ``_call_s3``."""
+
+    def __init__(self, call: Callable[..., Any], policy: RetryPolicy) -> None:
+        self.call = call
+        self.policy = policy
+        # Weak: an async checkpointer shares one filesystem across saves, each save's
+        # store observes it, and a finished store must not be kept (or told) forever.
+        self.observers: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    def _before_sleep(self, state: tenacity.RetryCallState, method: str) -> None:
+        exc = state.outcome.exception() if state.outcome else None
+        logger.info(
+            "retrying S3 %s after %s (attempt %d of %d)",
+            method,
+            type(exc).__name__ if exc else "an error",
+            state.attempt_number + 1,
+            self.policy.attempts,
+        )
+
+    async def __call__(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        policy = self.policy
+        retrying = tenacity.AsyncRetrying(
+            stop=tenacity.stop_after_attempt(policy.attempts),
+            wait=tenacity.wait_random_exponential(
+                multiplier=policy.base_delay, max=policy.max_delay
+            ),
+            retry=tenacity.retry_if_exception(is_transient),
+            before_sleep=lambda state: self._before_sleep(state, method),
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                try:
+                    out = await self.call(method, *args, **kwargs)
+                except Exception as exc:
+                    if is_throttle(exc):
+                        for o in list(self.observers):
+                            o.throttled()
+                    raise
+                for o in list(self.observers):
+                    o.succeeded()
+                return out
+        raise AssertionError("unreachable")  # pragma: no cover - reraise=True
+
+
+def install(fs: Any, policy: RetryPolicy, observer: RetryObserver | None = None) -> None:
+    """Route an s3fs instance's requests through ``policy`` (idempotent); other
+    filesystems are left alone. ``observer`` hears of throttling and successes."""
+    call = getattr(fs, "_call_s3", None)
+    if call is None:
+        return
+    wrapper = call if isinstance(call, _Retrying) else None
+    if wrapper is None:
+        wrapper = _Retrying(call, policy)
+        fs._call_s3 = wrapper
+        fs.retries = 1  # s3fs's own loop (an instance attribute; 5 by default)
+    if observer is not None:
+        wrapper.observers.add(observer)
+
+
+def retry_call(fn: Callable[[], Any], policy: RetryPolicy, what: str) -> Any:
+    """Call ``fn`` until it succeeds, raises a permanent error, or attempts run out
+    (for work above single requests, such as reading a batch of ranges whose
+    response body was cut off)."""
+    retrying = tenacity.Retrying(
+        stop=tenacity.stop_after_attempt(policy.attempts),
+        wait=tenacity.wait_random_exponential(multiplier=policy.base_delay, max=policy.max_delay),
+        retry=tenacity.retry_if_exception(is_transient),
+        before_sleep=lambda s: logger.info(
+            "retrying %s after %s (attempt %d of %d)",
+            what,
+            type(s.outcome.exception()).__name__ if s.outcome else "an error",
+            s.attempt_number + 1,
+            policy.attempts,
+        ),
+        reraise=True,
+    )
+    for attempt in retrying:
+        with attempt:
+            return fn()
+    raise AssertionError("unreachable")  # pragma: no cover - reraise=True
