@@ -13,7 +13,6 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -48,15 +47,9 @@ def _state(seed: int, mib: int = 12) -> dict:
 
 
 @pytest.fixture
-def proxy(moto_server: MotoServer, s3_bucket: StoreTarget) -> Iterator[FaultProxy]:
-    with FaultProxy(moto_server.endpoint_url, seed=7) as p:
-        yield p
-
-
-@pytest.fixture
-def via(proxy: FaultProxy, s3_bucket: StoreTarget) -> StoreTarget:
-    """The test bucket, reached through the proxy."""
-    return StoreTarget(root=s3_bucket.root, storage_options=proxy.storage_options())
+def via(s3_proxy: FaultProxy, s3_bucket: StoreTarget) -> StoreTarget:
+    """The test bucket, reached through the s3_proxy."""
+    return StoreTarget(root=s3_bucket.root, storage_options=s3_proxy.storage_options())
 
 
 def _open_uploads(moto_server: MotoServer, bucket: str) -> list:
@@ -78,40 +71,42 @@ def _assert_clean(target: StoreTarget, moto_server: MotoServer) -> None:
 
 
 def test_random_503s_and_resets_are_retried_and_the_save_succeeds(
-    via: StoreTarget, proxy: FaultProxy, moto_server: MotoServer
+    via: StoreTarget, s3_proxy: FaultProxy, moto_server: MotoServer
 ) -> None:
     root = via.url("run")
     with CheckpointManager(
         root, storage_options=via.storage_options, upload=PARTS, retry=FAST
     ) as mgr:
         mgr.save(1, _state(1, mib=32)).result()
-        proxy.add(Rule(probability=0.05, action="status", status=503))
-        proxy.add(Rule(probability=0.05, action="reset"))
+        s3_proxy.add(Rule(probability=0.05, action="status", status=503))
+        s3_proxy.add(Rule(probability=0.05, action="reset"))
         mgr.save(2, _state(2, mib=32)).result()
         for step in (1, 2):  # reads go through the same faults
             got = empty_like_state(_state(0, mib=32))
             assert mgr.load(got, step=step) == step
             assert_state_equal(got, _state(step, mib=32))
-    faulted = [s for s in proxy.seen if s.fault]
-    assert len(faulted) >= 2, f"the run should have met injected faults: {len(proxy.seen)} requests"
+    faulted = [s for s in s3_proxy.seen if s.fault]
+    assert len(faulted) >= 2, (
+        f"the run should have met injected faults: {len(s3_proxy.seen)} requests"
+    )
     assert {s.fault for s in faulted} <= {"status", "reset"}
-    proxy.clear()
+    s3_proxy.clear()
     _assert_clean(via, moto_server)
 
 
 def test_a_part_that_always_fails_aborts_the_upload_and_commits_nothing(
-    via: StoreTarget, proxy: FaultProxy, moto_server: MotoServer
+    via: StoreTarget, s3_proxy: FaultProxy, moto_server: MotoServer
 ) -> None:
     save(_state(1), via.url("ok"), via, upload=PARTS, retry=FAST)
-    proxy.add(Rule("UploadPart", key_contains="partNumber=2", action="status", status=500))
+    s3_proxy.add(Rule("UploadPart", key_contains="partNumber=2", action="status", status=500))
     with pytest.raises(BaseException) as info:  # torch's CheckpointException
         save(_state(2), via.url("bad"), via, upload=PARTS, retry=FAST)
     err = carried(info.value)
     assert isinstance(err, StoreError) and "s3://objckpt-test/t/bad/" in str(err), err
-    assert proxy.count("UploadPart", faulted=True) == FAST.attempts  # retried, then given up
+    assert s3_proxy.count("UploadPart", faulted=True) == FAST.attempts  # retried, then given up
     assert _open_uploads(moto_server, via.bucket) == []  # aborted
     assert not [k for k in _keys(moto_server, via.bucket, "t/bad/") if k.endswith(MANIFEST_KEY)]
-    proxy.clear()
+    s3_proxy.clear()
     with pytest.raises(CheckpointNotFoundError):
         load(empty_like_state(_state(0)), via.url("bad"), via)
     got = empty_like_state(_state(0))
@@ -120,18 +115,18 @@ def test_a_part_that_always_fails_aborts_the_upload_and_commits_nothing(
 
 
 def test_failing_manifest_put_leaves_no_visible_step(
-    via: StoreTarget, proxy: FaultProxy, moto_server: MotoServer
+    via: StoreTarget, s3_proxy: FaultProxy, moto_server: MotoServer
 ) -> None:
     root = via.url("run")
     with CheckpointManager(
         root, storage_options=via.storage_options, upload=PARTS, retry=FAST
     ) as mgr:
         mgr.save(1, _state(1)).result()
-        proxy.add(Rule("PutObject", key_contains=MANIFEST_KEY, action="status", status=500))
+        s3_proxy.add(Rule("PutObject", key_contains=MANIFEST_KEY, action="status", status=500))
         with pytest.raises(StoreError, match=r"step-0000000002/manifest\.json"):
             mgr.save(2, _state(2)).result()
         assert mgr.all_steps() == [1]
-        proxy.clear()
+        s3_proxy.clear()
         with pytest.raises(CheckpointNotCommittedError):
             load(empty_like_state(_state(0)), f"{root}/step-0000000002", via)
         mgr.reload()
@@ -145,29 +140,29 @@ def test_failing_manifest_put_leaves_no_visible_step(
 
 
 def test_manifest_put_whose_answer_is_lost_is_settled(
-    via: StoreTarget, proxy: FaultProxy, caplog
+    via: StoreTarget, s3_proxy: FaultProxy, caplog
 ) -> None:
     """The PUT reached S3 but the answer never came: the retry meets 412 and the
     commit reads the manifest back, finds its own attempt, and succeeds."""
     caplog.set_level(logging.INFO, logger="objckpt")
-    proxy.add(
+    s3_proxy.add(
         Rule("PutObject", key_contains=MANIFEST_KEY, nth=1, action="reset", before_upstream=False)
     )
     save(_state(3), via.url("lost"), via, upload=PARTS, retry=FAST)
-    assert proxy.count("PutObject", faulted=True) == 1
+    assert s3_proxy.count("PutObject", faulted=True) == 1
     assert any("already written by this attempt" in r.getMessage() for r in caplog.records)
     got = empty_like_state(_state(0))
     load(got, via.url("lost"), via)
     assert_state_equal(got, _state(3))
 
 
-def test_a_stalled_request_times_out_and_is_retried(via: StoreTarget, proxy: FaultProxy) -> None:
+def test_a_stalled_request_times_out_and_is_retried(via: StoreTarget, s3_proxy: FaultProxy) -> None:
     policy = RetryPolicy(attempts=3, base_delay=0.05, max_delay=0.2, timeout=1)
-    proxy.add(Rule("PutObject", key_contains=".metadata", nth=1, action="stall", stall=3))
+    s3_proxy.add(Rule("PutObject", key_contains=".metadata", nth=1, action="stall", stall=3))
     started = time.monotonic()
     save(_state(4, mib=1), via.url("stall"), via, retry=policy)
     assert time.monotonic() - started < 30
-    assert proxy.count("PutObject") >= 3  # payload, the stalled .metadata and its retry, ...
+    assert s3_proxy.count("PutObject") >= 3  # payload, the stalled .metadata and its retry, ...
     got = empty_like_state(_state(0, mib=1))
     load(got, via.url("stall"), via)
     assert_state_equal(got, _state(4, mib=1))
@@ -175,30 +170,30 @@ def test_a_stalled_request_times_out_and_is_retried(via: StoreTarget, proxy: Fau
 
 @pytest.mark.parametrize("what", ["distcp", MANIFEST_KEY])
 def test_a_truncated_response_is_retried_on_load(
-    via: StoreTarget, proxy: FaultProxy, what: str
+    via: StoreTarget, s3_proxy: FaultProxy, what: str
 ) -> None:
     save(_state(5), via.url("cut"), via, upload=PARTS, retry=FAST)
-    proxy.add(Rule("GetObject", key_contains=what, nth=1, action="truncate"))
+    s3_proxy.add(Rule("GetObject", key_contains=what, nth=1, action="truncate"))
     got = empty_like_state(_state(0))
     load(got, via.url("cut"), via, retry=FAST)
     assert_state_equal(got, _state(5))
-    assert proxy.count("GetObject", faulted=True) == 1
+    assert s3_proxy.count("GetObject", faulted=True) == 1
 
 
 def test_upload_concurrency_backs_off_under_throttling_and_recovers(
-    via: StoreTarget, proxy: FaultProxy, moto_server: MotoServer
+    via: StoreTarget, s3_proxy: FaultProxy, moto_server: MotoServer
 ) -> None:
     loc = Location.parse(via.url("aimd"), via.storage_options, FAST)
     store = open_store(loc, UploadOptions(part_size=5 * MiB, max_inflight=8))
     data = torch.randint(0, 255, (60 * MiB,), dtype=torch.uint8).numpy().tobytes()
     try:
-        proxy.add(Rule("UploadPart", probability=0.3, times=10, action="status", status=503))
+        s3_proxy.add(Rule("UploadPart", probability=0.3, times=10, action="status", status=503))
         up = store.begin("big.bin", len(data))
         up.write(data)
         up.close().result()
         throttled = store.limit.stats()
         assert throttled.decreases >= 1 and throttled.lowest <= 4, throttled
-        proxy.clear()
+        s3_proxy.clear()
         up = store.begin("big2.bin", len(data))
         up.write(data)
         up.close().result()
@@ -210,12 +205,12 @@ def test_upload_concurrency_backs_off_under_throttling_and_recovers(
 
 
 def test_zombie_writer_of_an_old_attempt_never_reaches_the_committed_step(
-    via: StoreTarget, s3_bucket: StoreTarget, proxy: FaultProxy, moto_server: MotoServer
+    via: StoreTarget, s3_bucket: StoreTarget, s3_proxy: FaultProxy, moto_server: MotoServer
 ) -> None:
     """Job A stalls mid-save; job B (a restart) commits the step; A wakes, finishes
     its uploads, and is refused at the commit. B's checkpoint is what loads."""
     url = via.url("run/step-0000000001")
-    proxy.add(Rule("PutObject", key_contains=".distcp", nth=1, action="stall", stall=4))
+    s3_proxy.add(Rule("PutObject", key_contains=".distcp", nth=1, action="stall", stall=4))
     result: dict[str, BaseException] = {}
 
     def job_a() -> None:

@@ -174,7 +174,10 @@ class AsyncCallsQueue:
                     if not self._done_everywhere(call, blocking):
                         break
                 except RequestFailedError:
-                    self._calls.popleft()  # failed on another rank: dropped, never finalized
+                    self._calls.popleft()  # failed somewhere: dropped, never finalized
+                    own = call.future.exception()
+                    if own is not None:  # this rank's own error says more
+                        raise own from None
                     raise
                 self._calls.popleft()
                 exc = call.future.exception()

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from objckpt.testing.proxy import FaultProxy
 from objckpt.testing.servers import GcsEmulator, MotoServer, start_gcs_emulator, start_moto_server
 
 __all__ = ["StoreTarget"]
@@ -77,6 +78,14 @@ def s3_bucket(moto_server: MotoServer) -> StoreTarget:
     moto_server.reset()
     moto_server.boto3_client().create_bucket(Bucket=BUCKET)
     return StoreTarget(root=f"s3://{BUCKET}/t", storage_options=moto_server.storage_options())
+
+
+@pytest.fixture
+def s3_proxy(moto_server: MotoServer, s3_bucket: StoreTarget) -> Iterator[FaultProxy]:
+    """A recording, fault-injecting :class:`~objckpt.testing.FaultProxy` in front of
+    the moto server (reach ``s3_bucket`` through it with ``s3_proxy.storage_options()``)."""
+    with FaultProxy(moto_server.endpoint_url, seed=7) as proxy:
+        yield proxy
 
 
 @pytest.fixture(scope="session")

@@ -306,7 +306,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if rule is not None and rule.action in ("status", "reset"):
             self._fault(rule)  # applied upstream; the answer is lost
             return
-        if not self.command == "HEAD":
+        if self.command != "HEAD":
             self.proxy._add_received(operation, len(payload))
         self.send_response(status, reason)
         head = self.command == "HEAD"  # keeps the upstream's Content-Length: the object's size
