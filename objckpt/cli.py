@@ -279,6 +279,7 @@ def info_command(ctx: _Context, ckpt: str, tensors: bool) -> None:
         "objects": len(m.objects),
         "bytes": m.total_bytes,
         "user": dict(m.user),
+        "requests": None if m.requests is None else m.requests.to_json(),
         "entries": entries if tensors else len(entries),
     }
 
@@ -288,6 +289,8 @@ def info_command(ctx: _Context, ckpt: str, tensors: bool) -> None:
         click.echo(f"  world size {m.world_size}")
         click.echo(f"  objects    {len(m.objects)} ({m.total_bytes:,} bytes)")
         click.echo(f"  written by objckpt {m.objckpt_version}, torch {m.torch_version}")
+        if m.requests is not None:
+            click.echo(f"  save cost  {m.requests.summary()}")
         if m.user:
             click.echo(f"  user       {json.dumps(dict(m.user))}")
         click.echo(f"  entries    {len(entries)}")

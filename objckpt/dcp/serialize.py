@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from objckpt.dcp.plan import ObjectPlan
 from objckpt.errors import StateDictError
 from objckpt.format.dcp_json import StoredItem
+from objckpt.writers.accounting import RequestStats
 from objckpt.writers.base import ObjectUpload
 from objckpt.writers.checksum import BytesLike, Crc32c
 
@@ -150,6 +151,8 @@ class PayloadRecord:
     size: int
     crc32c: str
     places: tuple[tuple[int, int, int, str], ...]  # (item id, offset, length, crc32c)
+    #: Store requests the upload made (set by the upload worker that made them).
+    requests: RequestStats = dataclasses.field(default_factory=RequestStats)
 
 
 def write_payload(

@@ -16,6 +16,7 @@ whose manifest is missing is refused.
 from __future__ import annotations
 
 import concurrent.futures
+import contextvars
 import dataclasses
 import io
 import logging
@@ -54,6 +55,7 @@ from objckpt.format.layout import (
 )
 from objckpt.format.manifest import Manifest, ObjectEntry
 from objckpt.options import ReadOptions
+from objckpt.writers.accounting import RequestCounter, RequestStats, counting
 from objckpt.writers.base import read_whole
 from objckpt.writers.checksum import Crc32c
 from objckpt.writers.location import Location
@@ -124,7 +126,9 @@ class ObjectStoreReader(StorageReader):
         self._rank = 0
         #: Metadata bytes this reader fetched from the store (manifest, index objects).
         self.metadata_bytes_fetched = 0
-        self._open()
+        self._counter = RequestCounter()
+        with counting(self._counter):
+            self._open()
 
     # -- opening --------------------------------------------------------------------------
     @property
@@ -272,7 +276,19 @@ class ObjectStoreReader(StorageReader):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return Location.is_valid(checkpoint_id)
 
+    @property
+    def requests(self) -> RequestStats:
+        """Store requests this reader made on this rank (opening included)."""
+        return self._counter.snapshot()
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        with counting(self._counter):
+            self._read_plan(plan, planner)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_plan(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         reads = list(plan.items)
         shared = plan.storage_data
         if isinstance(shared, SharedReads):
@@ -289,9 +305,6 @@ class ObjectStoreReader(StorageReader):
             )
             reads = [r for r in reads if r.storage_index not in owned]
         self._read(reads, planner)
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
 
     def _read(self, reads: list[ReadItem], planner: LoadPlanner) -> None:
         """Fetch and deliver ``reads``, the next batch prefetched while one is copied."""
@@ -299,12 +312,16 @@ class ObjectStoreReader(StorageReader):
         with concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="objckpt-read"
         ) as prefetch:
-            pending = prefetch.submit(self._fetch, batches[0]) if batches else None
+            # Each fetch runs in a copy of this context, so its requests are counted.
+            def fetch(batch: list[_Range]) -> concurrent.futures.Future[list[bytes]]:
+                return prefetch.submit(contextvars.copy_context().run, self._fetch, batch)
+
+            pending = fetch(batches[0]) if batches else None
             for n in range(len(batches)):
                 assert pending is not None
                 buffers = pending.result()
                 if n + 1 < len(batches):
-                    pending = prefetch.submit(self._fetch, batches[n + 1])
+                    pending = fetch(batches[n + 1])
                 for rng, buf in zip(batches[n], buffers, strict=True):
                     self._deliver(rng, buf, planner)
 

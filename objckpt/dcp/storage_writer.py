@@ -37,7 +37,7 @@ from objckpt.dcp.serialize import (
     written_object,
 )
 from objckpt.errors import CheckpointExistsError, ConfigurationError, ManifestError
-from objckpt.format.commit import commit_checkpoint, read_manifest
+from objckpt.format.commit import commit_checkpoint, read_manifest, requests_result
 from objckpt.format.layout import (
     MANIFEST_KEY,
     METADATA_KEY,
@@ -49,6 +49,7 @@ from objckpt.format.layout import (
 from objckpt.format.manifest import Manifest
 from objckpt.options import UploadOptions
 from objckpt.writers import ObjectStore, open_store
+from objckpt.writers.accounting import RequestCounter, RequestStats, counting
 from objckpt.writers.location import Location
 from objckpt.writers.retry import RetryPolicy
 from objckpt.writers.translate import translate
@@ -112,6 +113,8 @@ class ObjectStoreWriter(StorageWriter):
         self._attempt: str | None = None
         #: The manifest of the last commit this writer made (coordinator only).
         self.last_manifest: Manifest | None = None
+        self._counter = RequestCounter()
+        self._counter_attached = False
 
     def attach(
         self,
@@ -119,6 +122,7 @@ class ObjectStoreWriter(StorageWriter):
         fs: AbstractFileSystem | None = None,
         preflight: bool | None = None,
         attempt: str | None = None,
+        requests: RequestCounter | None = None,
     ) -> None:
         """Bind this writer to what a long-lived owner (an async checkpointer) holds.
 
@@ -134,6 +138,8 @@ class ObjectStoreWriter(StorageWriter):
                 None leaves it as it is).
             attempt: The attempt id every rank already agreed on; the coordinator
                 uses it instead of drawing a new one, and ``storage_meta`` names it.
+            requests: The counter of the save this writer serves, kept for its
+                whole life (by default each save gets a new one).
         """
         if fs is not None:
             self._fs, self._fs_pid = fs, os.getpid()
@@ -141,11 +147,23 @@ class ObjectStoreWriter(StorageWriter):
             self._needs_preflight = preflight
         if attempt is not None:
             self._agreed_attempt = self._attempt = attempt
+        if requests is not None:
+            self._counter, self._counter_attached = requests, True
 
     @property
     def rank(self) -> int:
         """This process's rank, as DCP set it up (0 before ``set_up_storage_writer``)."""
         return self._rank
+
+    @property
+    def requests(self) -> RequestStats:
+        """Store requests this rank made for the current (or last) save."""
+        return self._counter.snapshot()
+
+    @property
+    def request_counter(self) -> RequestCounter:
+        """The running tally behind ``requests`` (an async save adds its workers' to it)."""
+        return self._counter
 
     @property
     def needs_preflight(self) -> bool:
@@ -170,6 +188,8 @@ class ObjectStoreWriter(StorageWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._is_coordinator = is_coordinator
+        if not self._counter_attached:
+            self._counter = RequestCounter()  # one per save
         rank = kwargs.get("rank")
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -179,6 +199,10 @@ class ObjectStoreWriter(StorageWriter):
         return StorageMeta(checkpoint_id=self.location.url, save_id=self._attempt)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        with counting(self._counter):
+            return self._check_target(plan)
+
+    def _check_target(self, plan: SavePlan) -> SavePlan:
         store = self.store
         if self._needs_preflight:
             store.preflight(self.preflight_timeout)
@@ -201,6 +225,16 @@ class ObjectStoreWriter(StorageWriter):
         if not isinstance(rank_plan, RankPlan):
             raise ConfigurationError("ObjectStoreWriter.write_data got a plan it did not prepare")
         self._attempt = rank_plan.attempt
+        with counting(self._counter):
+            results = self._write(plan, rank_plan, planner)
+        results.append(requests_result(self._counter.snapshot()))
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def _write(
+        self, plan: SavePlan, rank_plan: RankPlan, planner: SavePlanner
+    ) -> list[WriteResult]:
         store = self.store
         items = list(plan.items)
         resolved = resolve_bytes_items(items, planner)
@@ -233,18 +267,20 @@ class ObjectStoreWriter(StorageWriter):
         logger.debug(
             "rank %d wrote %d objects to %s", rank_plan.rank, len(written), self.location.url
         )
-        fut: Future[list[WriteResult]] = Future()
-        fut.set_result(results)
-        return fut
+        return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         if self._attempt is None:
             raise ConfigurationError("ObjectStoreWriter.finish called before a plan was prepared")
+        with counting(self._counter):
+            self._commit(metadata, results, self._attempt)
+
+    def _commit(self, metadata: Metadata, results: list[list[WriteResult]], attempt: str) -> None:
         self.last_manifest = commit_checkpoint(
             self.store,
             metadata,
             results,
-            attempt=self._attempt,
+            attempt=attempt,
             world_size=len(results),
             overwrite=self.overwrite,
             user=self.user_metadata,

@@ -12,6 +12,7 @@ manifest back: our attempt id means we committed; another id is a real conflict.
 from __future__ import annotations
 
 import concurrent.futures
+import contextvars
 import dataclasses
 import logging
 import pickle
@@ -29,15 +30,26 @@ from objckpt.format.dcp_json import StoredItem
 from objckpt.format.index import IndexShard, encode_metadata
 from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY
 from objckpt.format.manifest import Manifest, ObjectEntry
+from objckpt.writers.accounting import RequestCounter, RequestStats, counting, current_counter
 from objckpt.writers.base import ObjectStore
 from objckpt.writers.checksum import Crc32c
 
-__all__ = ["commit_checkpoint", "read_manifest"]
+__all__ = ["REQUESTS_FQN", "commit_checkpoint", "read_manifest", "requests_result"]
 
 logger = logging.getLogger(__name__)
 
 # The DCP metadata format version DCP's own writers stamp.
 _DCP_VERSION = "1.0.0"
+
+
+#: A rank's write results end with one entry under this name that carries the
+#: rank's request counts (not an item: the coordinator sums them for the manifest).
+REQUESTS_FQN = "__objckpt_requests__"
+
+
+def requests_result(stats: RequestStats) -> WriteResult:
+    """The entry that carries a rank's request counts among its write results."""
+    return WriteResult(index=MetadataIndex(REQUESTS_FQN), size_in_bytes=0, storage_data=stats)
 
 
 def read_manifest(store: ObjectStore) -> Manifest:
@@ -59,8 +71,9 @@ def _put_index(store: ObjectStore, shards: list[IndexShard]) -> list[ObjectEntry
         return [put(s) for s in shards]
     with concurrent.futures.ThreadPoolExecutor(
         min(16, len(shards)), thread_name_prefix="objckpt-index"
-    ) as pool:
-        return list(pool.map(put, shards))
+    ) as pool:  # each task in a copy of this context, so its requests are counted
+        futures = [pool.submit(contextvars.copy_context().run, put, s) for s in shards]
+        return [f.result() for f in futures]
 
 
 def commit_checkpoint(
@@ -81,10 +94,15 @@ def commit_checkpoint(
     items: dict[MetadataIndex, StoredItem] = {}
     by_rank: list[dict[MetadataIndex, StoredItem]] = []
     objects: dict[str, ObjectEntry] = {}
+    ranks_requests = RequestStats()
+    counted = False
     for rank_results in results:
         mine: dict[MetadataIndex, StoredItem] = {}
         for wr in rank_results:
             item = wr.storage_data
+            if isinstance(item, RequestStats):
+                ranks_requests, counted = ranks_requests + item, True
+                continue
             if not isinstance(item, StoredItem):
                 raise StoreError(f"unexpected storage_data {type(item).__name__} from a rank")
             items[wr.index] = mine[wr.index] = item
@@ -105,15 +123,18 @@ def commit_checkpoint(
         },
     )
     blob = pickle.dumps(stock)
-    store.put(METADATA_KEY, blob)
+    commit_counter = RequestCounter(parent=current_counter())
+    with counting(commit_counter):
+        store.put(METADATA_KEY, blob)
     crc = Crc32c()
     crc.update(blob)
     objects[METADATA_KEY] = ObjectEntry(METADATA_KEY, len(blob), crc.hexdigest())
 
     ours = dataclasses.replace(metadata, version=_DCP_VERSION, storage_meta=storage_meta)
     doc, shards = encode_metadata(ours, by_rank, attempt)
-    for entry in _put_index(store, shards):
-        objects[entry.key] = entry
+    with counting(commit_counter):
+        for entry in _put_index(store, shards):
+            objects[entry.key] = entry
     manifest = Manifest(
         attempt=attempt,
         created=Manifest.now(),
@@ -123,6 +144,7 @@ def commit_checkpoint(
         objects=tuple(sorted(objects.values(), key=lambda o: o.key)),
         metadata=doc,
         user=dict(user or {}),
+        requests=ranks_requests + commit_counter.snapshot() if counted else None,
     )
     try:
         store.create(MANIFEST_KEY, manifest.to_json_bytes(), overwrite=overwrite)

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from objckpt.errors import ManifestError
+from objckpt.writers.accounting import RequestStats
 
 __all__ = ["FORMAT", "VERSION", "Manifest", "ObjectEntry", "check_key"]
 
@@ -67,6 +68,9 @@ class Manifest:
     metadata: Mapping[str, Any]
     user: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     version: int = VERSION
+    #: Store requests the save made before this manifest's own PUT, all ranks
+    #: together (None when unknown: older manifests, stores that are not counted).
+    requests: RequestStats | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -83,7 +87,7 @@ class Manifest:
         return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
     def to_json_bytes(self) -> bytes:
-        doc = {
+        doc: dict[str, Any] = {
             "format": FORMAT,
             "version": self.version,
             "attempt": self.attempt,
@@ -96,6 +100,8 @@ class Manifest:
             "metadata": self.metadata,
             "user": dict(self.user),
         }
+        if self.requests is not None:
+            doc["requests"] = self.requests.to_json()
         return json.dumps(doc, separators=(",", ":"), sort_keys=False).encode()
 
     @classmethod
@@ -147,6 +153,7 @@ class Manifest:
             metadata=field("metadata", dict),
             user=doc.get("user") or {},
             version=version,
+            requests=RequestStats.from_json(doc.get("requests")),
         )
         total = doc.get("total_bytes")
         if total != manifest.total_bytes:

@@ -253,6 +253,8 @@ class CheckpointManager:
         if step is None:
             return
         info = StepInfo(step, url, True, len(manifest.objects), manifest.total_bytes, time.time())
+        if manifest.requests is not None:
+            logger.info("step %d committed; the save cost %s", step, manifest.requests.summary())
         with self._lock:
             self._steps[step] = info
         if self._replicator is not None:
@@ -397,6 +399,7 @@ class CheckpointManager:
                     no_dist=not distributed,
                 )
         except BaseException as exc:
+            logger.info("load of %s failed on this rank after %s", url, reader.requests.summary())
             mismatch = _size_mismatch(exc)
             if mismatch is not None:
                 raise StateDictMismatchError(
@@ -406,6 +409,7 @@ class CheckpointManager:
             if inner is exc:
                 raise
             raise inner from exc
+        logger.info("loaded %s; this rank's load cost %s", url, reader.requests.summary())
 
     # -- backups ----------------------------------------------------------------------------
     def backup_status(self) -> list[BackupStatus]:

@@ -20,6 +20,7 @@ The order of events for one save on one rank::
 from __future__ import annotations
 
 import concurrent.futures
+import contextvars
 import dataclasses
 import logging
 import threading
@@ -39,7 +40,7 @@ from objckpt.dcp.planner import ReplicaSlicingPlanner
 from objckpt.dcp.serialize import written_object
 from objckpt.dcp.storage_writer import ObjectStoreWriter
 from objckpt.errors import ConfigurationError, ObjckptError, UploadError
-from objckpt.format.commit import commit_checkpoint
+from objckpt.format.commit import commit_checkpoint, requests_result
 from objckpt.format.manifest import Manifest
 from objckpt.options import AsyncOptions, UploadOptions
 from objckpt.pipeline.deferred import DeferredWriter
@@ -55,6 +56,7 @@ from objckpt.pipeline.plan_cache import (
 )
 from objckpt.pipeline.stage import Staged, Stager
 from objckpt.pipeline.workers import WorkerPool
+from objckpt.writers.accounting import RequestCounter, counting
 from objckpt.writers.retry import RetryPolicy
 from objckpt.writers.translate import describe
 
@@ -207,7 +209,11 @@ class AsyncCheckpointer:
             fs = self._filesystems.get(loc.protocol)
             if fs is None:
                 fs = self._filesystems[loc.protocol] = loc.open_fs(fresh=True)
-            target.attach(fs=fs, preflight=(loc.protocol, loc.bucket) not in self._checked)
+            target.attach(
+                fs=fs,
+                preflight=(loc.protocol, loc.bucket) not in self._checked,
+                requests=RequestCounter(),
+            )
         distributed = dist.is_available() and dist.is_initialized()
         rank = dist.get_rank(process_group) if distributed else 0
         target.set_up_storage_writer(rank == 0, rank=rank)
@@ -215,7 +221,9 @@ class AsyncCheckpointer:
         # The first save to a bucket also proves it may write there (preflight) and
         # waits for that, so credentials that cannot write fail before any copy.
         # Only rank 0 asks whether the URL is committed; agree() shares its refusal.
-        check = self._checker.submit(target.prepare_local_plan, SavePlan([]))
+        check = self._checker.submit(
+            contextvars.copy_context().run, target.prepare_local_plan, SavePlan([])
+        )
         if target.needs_preflight and check.exception() is not None:
             self._agree_or_raise(target, False, check.exception(), process_group, distributed)
         try:
@@ -234,7 +242,7 @@ class AsyncCheckpointer:
             self._checked.add((loc.protocol, loc.bucket))
         world = dist.get_world_size(process_group) if distributed else 1
         future: concurrent.futures.Future[Manifest | None] = concurrent.futures.Future()
-        handle = SaveHandle(loc.url, future)
+        handle = SaveHandle(loc.url, future, target.request_counter)
         with self._lock:
             self._inflight.append(handle)
         thread = threading.Thread(
@@ -311,7 +319,6 @@ class AsyncCheckpointer:
         refused before staging, after staging, or not at all. Raises on every rank
         when any rank refused."""
         rank = dist.get_rank(process_group) if distributed else 0
-        writer.set_up_storage_writer(rank == 0, rank=rank)
         agreement = agree(hit, refusal is not None, rank, process_group, distributed)
         if agreement.refused_by is not None:
             if refusal is not None:
@@ -359,33 +366,44 @@ class AsyncCheckpointer:
         distributed: bool,
     ) -> None:
         url = writer.writer.location.url
+        counter = writer.writer.request_counter
         try:
-            results, error = self._collect(writer)
-            self._stager.release(staged)
-            rank_plan = writer.rank_plan
-            assert rank_plan is not None
-            if not distributed:
-                if error is not None:
-                    raise error
-                manifest: Manifest | None = self._commit(writer, [results], world)
-            else:
-                exchange = self._exchange(writer, process_group, world)
-                exchange.post(error is None, results if error is None else describe(error))
-                if rank_plan.rank == 0:
-                    manifest = self._coordinate(writer, exchange, world)
-                else:
-                    if error is not None:
-                        raise error
-                    outcome = exchange.outcome()
-                    if outcome is not None:
-                        raise UploadError(outcome)
-                    manifest = None
+            with counting(counter):
+                manifest = self._finish(writer, staged, world, process_group, distributed)
             future.set_result(manifest)
         except BaseException as exc:
             logger.error("async save of %s failed: %s", url, describe(exc))
             with self._lock:
                 self._errors.append(exc)
             future.set_exception(exc)
+
+    def _finish(
+        self,
+        writer: DeferredWriter,
+        staged: Staged,
+        world: int,
+        process_group: Any | None,
+        distributed: bool,
+    ) -> Manifest | None:
+        """Background thread: this rank's uploads, then the commit or its outcome."""
+        results, error = self._collect(writer)
+        self._stager.release(staged)
+        rank_plan = writer.rank_plan
+        assert rank_plan is not None
+        if not distributed:
+            if error is not None:
+                raise error
+            return self._commit(writer, [results], world)
+        exchange = self._exchange(writer, process_group, world)
+        exchange.post(error is None, results if error is None else describe(error))
+        if rank_plan.rank == 0:
+            return self._coordinate(writer, exchange, world)
+        if error is not None:
+            raise error
+        outcome = exchange.outcome()
+        if outcome is not None:
+            raise UploadError(outcome)
+        return None
 
     def _collect(self, writer: DeferredWriter) -> tuple[list[WriteResult], BaseException | None]:
         results: list[WriteResult] = []
@@ -405,7 +423,10 @@ class AsyncCheckpointer:
             except BaseException as exc:
                 error = error or exc
                 continue
+            writer.writer.request_counter.add(record.requests)
             results.extend(written_object(p.obj, writer.items, record, done).write_results())
+        # The rank's requests so far travel with its results; the coordinator sums them.
+        results.append(requests_result(writer.writer.requests))
         return results, error
 
     def _coordinate(self, writer: DeferredWriter, exchange: RankExchange, world: int) -> Manifest:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from objckpt.format.manifest import Manifest
+from objckpt.writers.accounting import RequestCounter, RequestStats
 
 __all__ = ["SaveHandle"]
 
@@ -23,9 +24,30 @@ class SaveHandle:
     coordinator and None on other ranks (once the coordinator has committed).
     """
 
-    def __init__(self, url: str, future: concurrent.futures.Future[Manifest | None]) -> None:
+    def __init__(
+        self,
+        url: str,
+        future: concurrent.futures.Future[Manifest | None],
+        counter: RequestCounter | None = None,
+    ) -> None:
         self.url = url
         self._future = future
+        self._counter = counter or RequestCounter()
+
+    @property
+    def requests(self) -> RequestStats:
+        """Store requests this rank made for the save so far (its upload workers'
+        included once their objects are done; final once ``done()``)."""
+        return self._counter.snapshot()
+
+    @property
+    def total_requests(self) -> RequestStats | None:
+        """Every rank's requests, as recorded in the committed manifest (the
+        coordinator's handle, once committed; None elsewhere)."""
+        if not self._future.done() or self._future.exception() is not None:
+            return None
+        manifest = self._future.result()
+        return None if manifest is None else manifest.requests
 
     def done(self) -> bool:
         """True once the save has committed or failed (never blocks)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -34,6 +35,7 @@ from objckpt.options import UploadOptions
 from objckpt.pipeline import lifeline
 from objckpt.pipeline.stage import SegmentRef, attach_tensor
 from objckpt.writers import ObjectStore, open_store
+from objckpt.writers.accounting import RequestCounter, counting
 from objckpt.writers.checksum import BytesLike
 from objckpt.writers.location import Location
 
@@ -92,14 +94,15 @@ def upload_object(
     size_hint = sum(
         t.numel() * t.element_size() if isinstance(t, torch.Tensor) else len(t) for _, t in resolved
     )
-    upload = store.begin(key, size_hint)
-    try:
-        record = write_payload(upload, resolved)
-        upload.close().result()
-    except BaseException:
-        upload.abort()
-        raise
-    return record
+    with counting(RequestCounter()) as counter:
+        upload = store.begin(key, size_hint)
+        try:
+            record = write_payload(upload, resolved)
+            upload.close().result()
+        except BaseException:
+            upload.abort()
+            raise
+    return dataclasses.replace(record, requests=counter.snapshot())
 
 
 class WorkerPool:

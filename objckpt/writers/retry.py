@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import tenacity
 
 from objckpt.errors import ConfigurationError
+from objckpt.writers.accounting import current_counter
 from objckpt.writers.translate import causes
 
 __all__ = ["RetryObserver", "RetryPolicy", "install", "is_throttle", "is_transient", "s3_options"]
@@ -189,15 +190,31 @@ class _Retrying:
             before_sleep=lambda state: self._before_sleep(state, method),
             reraise=True,
         )
+        counter = current_counter()
+        body = kwargs.get("Body")
+        sent = len(body) if isinstance(body, (bytes, bytearray, memoryview)) else 0
         async for attempt in retrying:
             with attempt:
+                retry = attempt.retry_state.attempt_number > 1
                 try:
                     out = await self.call(method, *args, **kwargs)
                 except Exception as exc:
-                    if is_throttle(exc):
+                    throttled = is_throttle(exc)
+                    if counter is not None:
+                        counter.record(method, sent=sent, retry=retry, throttled=throttled)
+                    if throttled:
                         for o in list(self.observers):
                             o.throttled()
                     raise
+                if counter is not None:
+                    received = out.get("ContentLength", 0) if method == "get_object" else 0
+                    counter.record(
+                        method,
+                        sent=sent,
+                        received=received if isinstance(received, int) else 0,
+                        retry=retry,
+                        throttled=False,
+                    )
                 for o in list(self.observers):
                     o.succeeded()
                 return out
