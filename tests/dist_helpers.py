@@ -236,8 +236,9 @@ def async_plan_cache(
                 ckpt.save(state, f"{url}/step-{step}").result(timeout=120)
             assert ckpt.plan_cache_stats == PlanCacheStats(hits=2, misses=2), ckpt.plan_cache_stats
             # A refusal on one rank fails the save on every rank, before any upload.
+            # (Only rank 0 asks "already committed?"; any rank's target check may refuse.)
             if rank == 1:
-                objckpt.ObjectStoreWriter._refuse_existing = _refuse  # type: ignore[method-assign]
+                objckpt.ObjectStoreWriter._check_target = _refuse  # type: ignore[method-assign]
             try:
                 ckpt.save(state, f"{url}/refused")
             except objckpt.errors.ObjckptError as exc:
@@ -250,7 +251,7 @@ def async_plan_cache(
         dist.destroy_process_group()
 
 
-def _refuse(self: Any, store: Any) -> None:
+def _refuse(self: Any, plan: Any) -> None:
     raise objckpt.errors.CheckpointExistsError(f"injected refusal for {self.location.url}")
 
 
