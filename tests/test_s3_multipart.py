@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import carried, save
+from helpers import carried, load, save
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem
 
@@ -75,3 +75,26 @@ def test_failure_mid_object_aborts_the_upload(
         "upload left open"
     )
     assert "manifest.json" not in _objects(moto_server, "t/c/")
+
+
+def test_every_upload_carries_its_crc32c_and_the_sdk_hashes_nothing_more(
+    s3_bucket: StoreTarget, s3_proxy
+) -> None:
+    """objckpt checksums each PUT and part once and sends it (S3 verifies it in
+    transit); botocore's own CRC and the SigV4 payload SHA256 are off."""
+    target = StoreTarget(root=s3_bucket.root, storage_options=s3_proxy.storage_options())
+    state = {"big": torch.randn(4 * MiB), "small": torch.ones(3)}  # 16 MiB in 5 MiB parts
+    save(state, target.url("c"), target, upload=UploadOptions(part_size=5 * MiB))
+    uploads = [s for s in s3_proxy.seen if s.operation in ("PutObject", "UploadPart")]
+    assert {s.operation for s in uploads} == {"PutObject", "UploadPart"}
+    for seen in uploads:
+        headers = dict(seen.amz)
+        assert seen.crc32c_ok is True, (seen.path, headers)
+        assert headers.get("x-amz-content-sha256") == "UNSIGNED-PAYLOAD", seen.path
+        others = [
+            h for h in headers if h.startswith("x-amz-checksum-") and h != "x-amz-checksum-crc32c"
+        ]
+        assert others == [], (seen.path, others)
+    got = {"big": torch.zeros(4 * MiB), "small": torch.zeros(3)}
+    load(got, target.url("c"), target)
+    assert torch.equal(got["big"], state["big"]) and torch.equal(got["small"], state["small"])

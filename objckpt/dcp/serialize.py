@@ -29,6 +29,7 @@ from objckpt.writers.checksum import BytesLike, Crc32c
 __all__ = [
     "PayloadRecord",
     "WrittenObject",
+    "close_payload",
     "resolve_bytes_items",
     "resolve_entries",
     "write_payload",
@@ -44,6 +45,8 @@ class _Sink:
         self.pos = 0
         self.object_crc = Crc32c()
         self.item_crc = Crc32c()
+        # An upload that checksums its parts knows the object's CRC32C already.
+        self.own_crc = not upload.tracks_crc32c
         #: The store's error, kept because torch.save replaces it with its own
         #: ("unexpected pos ...") that names neither the object nor the cause.
         self.error: BaseException | None = None
@@ -52,7 +55,8 @@ class _Sink:
         view = memoryview(data)
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
-        self.object_crc.update(view)
+        if self.own_crc:
+            self.object_crc.update(view)
         self.item_crc.update(view)
         try:
             self.upload.write(view)
@@ -179,7 +183,21 @@ def write_payload(
         else:
             sink.write(data)
         places.append((ident, start, sink.pos - start, sink.item_crc.hexdigest()))
-    return PayloadRecord(sink.pos, sink.object_crc.hexdigest(), tuple(places))
+    crc = sink.object_crc.hexdigest() if sink.own_crc else ""  # set by close_payload
+    return PayloadRecord(sink.pos, crc, tuple(places))
+
+
+def close_payload(
+    upload: ObjectUpload, record: PayloadRecord
+) -> tuple[PayloadRecord, concurrent.futures.Future[None]]:
+    """Close ``upload``; the record completed with the object CRC32C the upload
+    computed itself, when it did (see ``ObjectUpload.tracks_crc32c``)."""
+    done = upload.close()
+    if upload.tracks_crc32c:
+        if upload.crc32c is None:
+            raise StateDictError(f"internal: {upload.key} closed without its CRC32C")
+        record = dataclasses.replace(record, crc32c=upload.crc32c)
+    return record, done
 
 
 def resolve_entries(

@@ -31,6 +31,7 @@ from torch.futures import Future
 from objckpt.dcp.plan import RankPlan, assign_objects
 from objckpt.dcp.serialize import (
     WrittenObject,
+    close_payload,
     resolve_bytes_items,
     resolve_entries,
     write_payload,
@@ -252,7 +253,8 @@ class ObjectStoreWriter(StorageWriter):
                     record = write_payload(
                         upload, resolve_entries(obj, planner, resolved, position)
                     )
-                    written.append(written_object(obj, items, record, upload.close()))
+                    record, done = close_payload(upload, record)
+                    written.append(written_object(obj, items, record, done))
                 except BaseException:
                     upload.abort()
                     raise

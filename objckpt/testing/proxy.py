@@ -20,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import http.client
 import http.server
@@ -32,6 +33,8 @@ import time
 import urllib.parse
 from collections.abc import Mapping
 from typing import Any
+
+import crc32c
 
 from objckpt.testing.servers import s3_test_options
 
@@ -132,6 +135,10 @@ class Seen:
     fault: str | None
     #: Bytes of the request's payload (decoded from aws-chunked framing).
     sent: int = 0
+    #: The request's ``x-amz-*`` headers (checksums, payload hash), names lowercased.
+    amz: tuple[tuple[str, str], ...] = ()
+    #: Whether the payload matches its ``x-amz-checksum-crc32c`` header (None: no header).
+    crc32c_ok: bool | None = None
 
 
 class _RuleState:
@@ -291,7 +298,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         fault = None if rule is None else rule.action
         decoded = self.headers.get("x-amz-decoded-content-length")
         sent = int(decoded) if decoded else len(body)
-        self.proxy._record(Seen(operation, self.command, split.path, fault, sent))
+        amz = tuple(
+            sorted((k.lower(), v) for k, v in headers.items() if k.lower().startswith("x-amz-"))
+        )
+        claimed = dict(amz).get("x-amz-checksum-crc32c")
+        crc_ok = None
+        if claimed is not None and not decoded:  # plain bodies only (not aws-chunked)
+            crc_ok = base64.b64encode(crc32c.crc32c(body).to_bytes(4, "big")).decode() == claimed
+        self.proxy._record(Seen(operation, self.command, split.path, fault, sent, amz, crc_ok))
         if rule is not None and rule.action == "stall":
             time.sleep(rule.stall)
             rule = None

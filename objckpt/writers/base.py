@@ -76,10 +76,20 @@ def read_whole(fs: AbstractFileSystem, path: str) -> bytes:
 
 
 class ObjectUpload(abc.ABC):
-    """One object being written. Not thread-safe: one writer thread per upload."""
+    """One object being written. Not thread-safe: one writer thread per upload.
+
+    Attributes:
+        tracks_crc32c: True when the upload checksums its bytes itself (to send the
+            checksum with its requests); the writer then skips its own object-wide
+            pass and reads ``crc32c`` once ``close()`` has been called.
+        crc32c: The object's CRC32C (8 hex digits) once closed, when tracked.
+    """
+
+    tracks_crc32c = False
 
     def __init__(self, key: str) -> None:
         self.key = key
+        self.crc32c: str | None = None
 
     @abc.abstractmethod
     def write(self, data: BytesLike) -> None:

@@ -10,10 +10,19 @@ as they stream past, without a copy or a second pass.
 from __future__ import annotations
 
 import base64
+import functools
 
 import crc32c as _crc32c
 
-__all__ = ["BytesLike", "Crc32c", "format_crc", "parse_crc"]
+__all__ = [
+    "BytesLike",
+    "Crc32c",
+    "crc32c_combine",
+    "crc32c_of",
+    "format_crc",
+    "parse_crc",
+    "to_base64",
+]
 
 BytesLike = bytes | bytearray | memoryview
 
@@ -31,6 +40,57 @@ class Crc32c:
 
     def hexdigest(self) -> str:
         return format_crc(self.value)
+
+
+_POLY = 0x82F63B78  # CRC32C (Castagnoli), reflected
+
+
+def _gf2_times(mat: tuple[int, ...], vec: int) -> int:
+    out, i = 0, 0
+    while vec:
+        if vec & 1:
+            out ^= mat[i]
+        vec >>= 1
+        i += 1
+    return out
+
+
+@functools.cache
+def _zeros_operator(power: int) -> tuple[int, ...]:
+    """The GF(2) matrix that appends 2**power zero bytes to a CRC register."""
+    if power == 0:
+        one_bit = (_POLY, *(1 << n for n in range(31)))
+        op = one_bit
+        for _ in range(3):  # 1 bit -> 2 -> 4 -> 8 bits: one byte
+            op = tuple(_gf2_times(op, op[n]) for n in range(32))
+        return op
+    half = _zeros_operator(power - 1)
+    return tuple(_gf2_times(half, half[n]) for n in range(32))
+
+
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC32C of ``a + b`` from CRC32C(a), CRC32C(b) and len(b) (zlib's method).
+
+    Lets an upload checksum each part once and still know the whole object's
+    CRC32C, instead of hashing every byte twice.
+    """
+    power = 0
+    while len2:
+        if len2 & 1:
+            crc1 = _gf2_times(_zeros_operator(power), crc1)
+        len2 >>= 1
+        power += 1
+    return crc1 ^ crc2
+
+
+def crc32c_of(data: BytesLike) -> int:
+    """The CRC32C of one buffer."""
+    return int(_crc32c.crc32c(data))
+
+
+def to_base64(value: int) -> str:
+    """A CRC32C as S3's ``ChecksumCRC32C`` header wants it: base64 of 4 big-endian bytes."""
+    return base64.b64encode(value.to_bytes(4, "big")).decode()
 
 
 def format_crc(value: int) -> str:

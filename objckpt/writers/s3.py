@@ -21,7 +21,14 @@ from typing import Any
 from objckpt.errors import BucketNotFoundError, UploadError
 from objckpt.options import MAX_PARTS
 from objckpt.writers.base import PROBE_KEY, ObjectStore, ObjectUpload, OpenUpload, translated_future
-from objckpt.writers.checksum import BytesLike, crc_from_base64
+from objckpt.writers.checksum import (
+    BytesLike,
+    crc32c_combine,
+    crc32c_of,
+    crc_from_base64,
+    format_crc,
+    to_base64,
+)
 from objckpt.writers.translate import translate
 
 __all__ = ["S3Store"]
@@ -79,6 +86,7 @@ class S3Store(ObjectStore):
     def create(self, key: str, data: bytes, *, overwrite: bool = False) -> None:
         bucket, obj = self._bucket_key(key)
         extra = {} if overwrite else {"IfNoneMatch": "*"}
+        extra["ChecksumCRC32C"] = to_base64(crc32c_of(data))
         try:
             self.run_coro(self.call("put_object", Bucket=bucket, Key=obj, Body=data, **extra))
         except FileExistsError:
@@ -237,7 +245,15 @@ class S3Store(ObjectStore):
 
 
 class S3Upload(ObjectUpload):
-    """One object: a single PUT when it fits in two parts, else a multipart upload."""
+    """One object: a single PUT when it fits in two parts, else a multipart upload.
+
+    Every request carries the CRC32C of its body (``x-amz-checksum-crc32c``), so S3
+    verifies each part in transit; the object's CRC32C is combined from the parts'
+    (no second pass), and botocore's own checksum and payload hash are turned off
+    (:func:`objckpt.writers.retry.s3_options`): each byte is hashed once, not three times.
+    """
+
+    tracks_crc32c = True
 
     def __init__(self, store: S3Store, key: str, part_size: int) -> None:
         super().__init__(key)
@@ -251,6 +267,7 @@ class S3Upload(ObjectUpload):
         self._held: bytearray | None = None
         self._upload_id: str | None = None
         self._parts: list[concurrent.futures.Future[dict[str, Any]]] = []
+        self._crc = 0  # of the parts sent so far, combined
         self._done = False
 
     def write(self, data: BytesLike) -> None:
@@ -281,7 +298,12 @@ class S3Upload(ObjectUpload):
     def _start_multipart(self) -> None:
         try:
             out = self._store.run_coro(
-                self._store.call("create_multipart_upload", Bucket=self._bucket, Key=self._obj)
+                self._store.call(
+                    "create_multipart_upload",
+                    Bucket=self._bucket,
+                    Key=self._obj,
+                    ChecksumAlgorithm="CRC32C",
+                )
             )
         except Exception as exc:
             raise translate(
@@ -296,12 +318,15 @@ class S3Upload(ObjectUpload):
                 f"{self._store.location.url_of(self.key)} needs more than {MAX_PARTS} parts; "
                 f"raise UploadOptions.part_size"
             )
+        crc = crc32c_of(data)
+        self._crc = crc32c_combine(self._crc, crc, len(data))
         self._store.acquire_slot()
-        fut = self._store.submit_coro(self._upload_part(number, data))
+        fut = self._store.submit_coro(self._upload_part(number, data, crc))
         fut.add_done_callback(self._store.release_slot)
         self._parts.append(fut)
 
-    async def _upload_part(self, number: int, data: bytearray) -> dict[str, Any]:
+    async def _upload_part(self, number: int, data: bytearray, crc: int) -> dict[str, Any]:
+        checksum = to_base64(crc)
         out = await self._store.call(
             "upload_part",
             Bucket=self._bucket,
@@ -309,8 +334,9 @@ class S3Upload(ObjectUpload):
             UploadId=self._upload_id,
             PartNumber=number,
             Body=data,
+            ChecksumCRC32C=checksum,
         )
-        return {"PartNumber": number, "ETag": out["ETag"]}
+        return {"PartNumber": number, "ETag": out["ETag"], "ChecksumCRC32C": checksum}
 
     def close(self) -> concurrent.futures.Future[None]:
         self._done = True
@@ -321,9 +347,17 @@ class S3Upload(ObjectUpload):
             if self._held is not None:
                 body = self._held + body
             self._held = None
+            crc = crc32c_of(body)
+            self.crc32c = format_crc(crc)
             self._store.acquire_slot()
             fut = self._store.submit_coro(
-                self._store.call("put_object", Bucket=self._bucket, Key=self._obj, Body=body)
+                self._store.call(
+                    "put_object",
+                    Bucket=self._bucket,
+                    Key=self._obj,
+                    Body=body,
+                    ChecksumCRC32C=to_base64(crc),
+                )
             )
             fut.add_done_callback(self._store.release_slot)
             return translated_future(fut, url, "uploading")
@@ -331,6 +365,7 @@ class S3Upload(ObjectUpload):
             last = self._buf
             del last[self._fill :]
             self._send(last)
+        self.crc32c = format_crc(self._crc)
         return translated_future(self._store.submit_coro(self._complete()), url, "uploading")
 
     async def _complete(self) -> None:

@@ -1,0 +1,324 @@
+"""Save/load wall time and client CPU per GiB: objckpt beside AWS s3torchconnector and DCP.
+
+Every method runs against the same moto server process, with the same synthetic
+transformer-shaped state dict, warm (one untimed run first, clients reused where the
+method allows it), and reports the median of ``--repeats`` runs:
+
+* ``s3tc``: AWS s3torchconnector's ``S3StorageWriter``/``S3StorageReader`` (CRT
+  client, ``thread_count`` as given; its endpoint pointed at moto, path style);
+  skipped with a message when the ``bench`` extra is not installed;
+* ``objckpt``: ``ObjectStoreWriter``/``ObjectStoreReader``, one writer reused through
+  ``checkpoint_id`` (its client stays warm, as s3torchconnector's does);
+* ``boto3``: boto3's managed multipart upload of the same bytes (not a ceiling);
+* ``fsspec``: torch's ``FsspecWriter``/``FsspecReader``;
+* ``objckpt_async``: one ``AsyncCheckpointer`` reused; stall = ``save()`` returning,
+  commit = ``result()``;
+* ``dcp_async``: ``dcp.async_save`` (thread executor) with ``FsspecWriter``.
+
+Client CPU is user+sys of this process (all its threads) plus, for objckpt's async
+saves, its upload workers (read from /proc), never the server's. Peak tree RSS is
+sampled every 20 ms over this process and its children, the server excluded.
+
+Usage: ``python bench/bench_throughput.py [--size-mib 256] [--repeats 3]``
+Results go to ``bench/results/throughput-<date>-<size>mib.json`` and a table to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import logging
+import os
+import statistics
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from bench_sync import nbytes, transformer_state, zeros_like
+from record import write_record
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+import objckpt
+from objckpt.testing.servers import MotoServer, offline_env, start_moto_server
+
+log = logging.getLogger("bench")
+MiB = 1024 * 1024
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _proc_cpu(pid: int) -> float:
+    """user+sys seconds of one process (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _TICK
+    except OSError:
+        return 0.0
+
+
+def _rss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(c) for c in f.read().split()]
+    except OSError:
+        pass
+    return out
+
+
+class TreeRss:
+    """Peak RSS of this process and its descendants (``exclude`` left out)."""
+
+    def __init__(self, exclude: int) -> None:
+        self.exclude = exclude
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _tree(self) -> list[int]:
+        pids, todo = [], [os.getpid()]
+        while todo:
+            pid = todo.pop()
+            if pid == self.exclude:
+                continue
+            pids.append(pid)
+            todo += _children(pid)
+        return pids
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, sum(_rss(p) for p in self._tree()))
+
+    def __enter__(self) -> TreeRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def measure(
+    fn: Callable[[], Any],
+    setup: Callable[[], Any],
+    repeats: int,
+    extra_pids: Callable[[], list[int]],
+) -> dict[str, float]:
+    """Median wall and CPU seconds of ``fn`` after one untimed warm-up run."""
+    setup()
+    fn()
+    walls, cpus = [], []
+    for _ in range(repeats):
+        setup()
+        pids = extra_pids()
+        c0 = time.process_time() + sum(_proc_cpu(p) for p in pids)
+        t0 = time.perf_counter()
+        fn()
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() + sum(_proc_cpu(p) for p in pids) - c0)
+    return {"wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus)}
+
+
+def run(size_mib: int, repeats: int, s3tc_threads: int) -> dict[str, Any]:
+    os.environ.update(offline_env())
+    torch.set_num_threads(1)
+    server = start_moto_server()
+    state = transformer_state(size_mib)
+    gib = nbytes(state) / 2**30
+    try:
+        return _run_all(server, state, gib, repeats, s3tc_threads)
+    finally:
+        server.stop()
+
+
+def _run_all(
+    server: MotoServer, state: dict[str, torch.Tensor], gib: float, repeats: int, threads: int
+) -> dict[str, Any]:
+    client = server.boto3_client()
+    opts = server.storage_options()
+    os.environ["AWS_ACCESS_KEY_ID"] = opts["key"]
+    os.environ["AWS_SECRET_ACCESS_KEY"] = opts["secret"]
+    none: Callable[[], list[int]] = list
+    counter = [0]
+    out: dict[str, Any] = {"gib": gib}
+
+    def fresh() -> None:
+        server.reset()
+        client.create_bucket(Bucket="bench")
+        counter[0] += 1
+
+    def url(name: str) -> str:
+        return f"s3://bench/{name}{counter[0]}"
+
+    def check(load_fn: Callable[[dict[str, torch.Tensor]], None]) -> None:
+        got = zeros_like(state)
+        load_fn(got)
+        assert all(torch.equal(got[k], v) for k, v in state.items()), "wrong data loaded"
+
+    # -- boto3 ------------------------------------------------------------------------------
+    from boto3.s3.transfer import TransferConfig
+
+    blob = [b"".join(t.numpy().tobytes() for t in state.values())]
+
+    def boto3_upload() -> None:
+        client.upload_fileobj(io.BytesIO(blob[0]), "bench", "blob", Config=TransferConfig())
+
+    out["boto3_save"] = measure(boto3_upload, fresh, repeats, none)
+    blob.clear()
+
+    # -- objckpt sync -------------------------------------------------------------------------
+    writer = objckpt.ObjectStoreWriter(url("warm"), storage_options=opts)
+
+    def objckpt_save() -> None:
+        dcp.save(state, storage_writer=writer, checkpoint_id=url("o"))
+
+    out["objckpt_save"] = measure(objckpt_save, fresh, repeats, none)
+
+    def objckpt_load(target: dict[str, torch.Tensor] | None = None) -> None:
+        reader = objckpt.ObjectStoreReader(url("o"), storage_options=opts)
+        dcp.load(zeros_like(state) if target is None else target, storage_reader=reader)
+
+    out["objckpt_load"] = measure(objckpt_load, lambda: None, repeats, none)
+    check(objckpt_load)
+
+    # -- s3torchconnector -------------------------------------------------------------------
+    try:
+        from s3torchconnector import S3ClientConfig
+        from s3torchconnector._s3client import S3Client
+        from s3torchconnector.dcp import S3StorageReader, S3StorageWriter
+        from s3torchconnector.dcp.s3_file_system import S3FileSystem
+    except ImportError:
+        log.warning("s3torchconnector is not installed (pip install '.[bench]'): skipped")
+    else:
+        config = S3ClientConfig(force_path_style=True)
+        s3 = S3Client("us-east-1", endpoint=opts["endpoint_url"], s3client_config=config)
+
+        def s3tc_writer(path: str) -> Any:
+            w = S3StorageWriter("us-east-1", path, s3client_config=config, thread_count=threads)
+            w.fs = S3FileSystem("us-east-1", s3_client=s3)
+            w.path = w.fs.init_path(path)
+            return w
+
+        def s3tc_save() -> None:
+            dcp.save(state, storage_writer=s3tc_writer(url("s")))
+
+        def s3tc_load(target: dict[str, torch.Tensor] | None = None) -> None:
+            reader = S3StorageReader("us-east-1", url("s"), s3client_config=config)
+            reader.fs = S3FileSystem("us-east-1", s3_client=s3)
+            reader.path = reader.fs.init_path(url("s"))
+            dcp.load(zeros_like(state) if target is None else target, storage_reader=reader)
+
+        out["s3tc_save"] = measure(s3tc_save, fresh, repeats, none)
+        out["s3tc_load"] = measure(s3tc_load, lambda: None, repeats, none)
+        out["s3tc_thread_count"] = threads
+        check(s3tc_load)
+
+    # -- fsspec ---------------------------------------------------------------------------
+    fs_kwargs = {"endpoint_url": opts["endpoint_url"], "key": opts["key"], "secret": opts["secret"]}
+
+    def fsspec_save() -> None:
+        dcp.save(state, storage_writer=FsspecWriter(url("f"), sync_files=False, **fs_kwargs))
+
+    def fsspec_load() -> None:
+        dcp.load(zeros_like(state), storage_reader=FsspecReader(url("f"), **fs_kwargs))
+
+    out["fsspec_save"] = measure(fsspec_save, fresh, repeats, none)
+    out["fsspec_load"] = measure(fsspec_load, lambda: None, repeats, none)
+
+    # -- async ------------------------------------------------------------------------------
+    with objckpt.AsyncCheckpointer(storage_options=opts) as ckpt:
+        stalls: list[float] = []
+
+        def objckpt_async() -> None:
+            t0 = time.perf_counter()
+            handle = ckpt.save(state, url("a"))
+            stalls.append(time.perf_counter() - t0)
+            handle.result(timeout=600)
+
+        with TreeRss(exclude=server.process.pid) as rss:
+            out["objckpt_async"] = measure(objckpt_async, fresh, repeats, lambda: ckpt.worker_pids)
+        out["objckpt_async"]["stall_s"] = statistics.median(stalls[1:])
+        out["objckpt_async"]["peak_tree_rss"] = rss.peak
+
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    dcp_stalls: list[float] = []
+
+    def dcp_async() -> None:
+        t0 = time.perf_counter()
+        fut = dcp.async_save(
+            state,
+            storage_writer=FsspecWriter(url("d"), sync_files=False, **fs_kwargs),
+            async_checkpointer_type=AsyncCheckpointerType.THREAD,
+        )
+        dcp_stalls.append(time.perf_counter() - t0)
+        fut.result()
+
+    with TreeRss(exclude=server.process.pid) as rss:
+        out["dcp_async"] = measure(dcp_async, fresh, repeats, none)
+    out["dcp_async"]["stall_s"] = statistics.median(dcp_stalls[1:])
+    out["dcp_async"]["peak_tree_rss"] = rss.peak
+    return out
+
+
+def table(res: dict[str, Any]) -> str:
+    gib = res["gib"]
+    rows = [
+        ("AWS s3torchconnector (CRT)", "s3tc_save", "s3tc_load"),
+        ("objckpt", "objckpt_save", "objckpt_load"),
+        ("boto3 managed upload", "boto3_save", None),
+        ("torch FsspecWriter/Reader", "fsspec_save", "fsspec_load"),
+        ("objckpt async (commit / stall)", "objckpt_async", None),
+        ("dcp.async_save thread (commit / stall)", "dcp_async", None),
+    ]
+    lines = [
+        "| method | save s | save CPU s/GiB | load s | load CPU s/GiB |",
+        "|---|---|---|---|---|",
+    ]
+    for name, save, load in rows:
+        if save not in res:
+            continue
+        s = res[save]
+        wall = f"{s['wall_s']:.2f}" + (f" / {s['stall_s']:.2f}" if "stall_s" in s else "")
+        cells = [name, wall, f"{s['cpu_s'] / gib:.1f}"]
+        if load and load in res:
+            cells += [f"{res[load]['wall_s']:.2f}", f"{res[load]['cpu_s'] / gib:.1f}"]
+        else:
+            cells += ["", ""]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mib", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--s3tc-threads", type=int, default=8)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    warnings.filterwarnings("ignore")
+    res = run(args.size_mib, args.repeats, args.s3tc_threads)
+    path = write_record(args.out, "throughput", args.size_mib, {"repeats": args.repeats, **res})
+    print(table(res))
+    print(f"\nrecorded in {path}")
+
+
+if __name__ == "__main__":
+    main()
