@@ -252,15 +252,21 @@ def _decode_metadata(doc: Mapping[str, Any], url: str) -> tuple[Metadata, Locato
         writer_col = columns.unpack(raw["writer"], n, f"{fqn!r} writer")
         if any(not -1 <= w < len(keys) for w in writer_col):
             raise ValueError(f"{fqn!r}: a chunk's writer is not a rank of the index")
-        chunks = []
-        for c in range(n):
-            s = tuple(col[c] for col in lens)
-            cached = sizes_cache.get(s)
-            if cached is None:
-                cached = sizes_cache[s] = torch.Size(s)
-            chunks.append(
-                ChunkStorageMetadata(offsets=torch.Size([col[c] for col in offs]), sizes=cached)
-            )
+        # The hot loop of a load at scale (a chunk per tensor and rank): tuples
+        # straight from the columns, and one torch.Size per distinct chunk shape.
+        if ndim:
+            shapes = []
+            for shape in zip(*lens, strict=True):
+                cached = sizes_cache.get(shape)
+                if cached is None:
+                    cached = sizes_cache[shape] = torch.Size(shape)
+                shapes.append(cached)
+            chunks = [
+                ChunkStorageMetadata(torch.Size(offset), shape)
+                for offset, shape in zip(zip(*offs, strict=True), shapes, strict=True)
+            ]
+        else:  # a 0-d tensor: one chunk of no dimensions
+            chunks = [ChunkStorageMetadata(torch.Size(()), torch.Size(())) for _ in range(n)]
         sd_md[fqn] = TensorStorageMetadata(
             properties=TensorProperties(
                 dtype=dtype_from_name(raw["dtype"]), requires_grad=bool(raw["requires_grad"])
