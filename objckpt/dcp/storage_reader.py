@@ -21,7 +21,6 @@ import dataclasses
 import io
 import logging
 import os
-import pickle
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -36,6 +35,7 @@ from torch.futures import Future
 
 from objckpt.dcp.collective import broadcast_from_rank0, is_distributed
 from objckpt.dcp.shared_reads import Sent, SharedReads, assign_owners, exchange_shared
+from objckpt.dcp.stock_metadata import load_stock_metadata
 from objckpt.errors import (
     CheckpointNotCommittedError,
     CheckpointNotFoundError,
@@ -92,6 +92,9 @@ class ObjectStoreReader(StorageReader):
             ranks whose items it loads. It also lets ``dcp.load`` fetch each
             replicated item once and broadcast it (``ReadOptions.share_replicated``).
         process_group: The group for ``broadcast`` (default: the default group).
+        allow_stock: Load a stock DCP checkpoint (``.metadata``, no manifest) when
+            that is what ``url`` holds. False: only committed objckpt checkpoints
+            (the manager's rule: a step exists only once committed).
 
     Raises:
         CheckpointNotCommittedError: Payload exists but no manifest commits it.
@@ -110,6 +113,7 @@ class ObjectStoreReader(StorageReader):
         retry: RetryPolicy | None = None,
         broadcast: bool = False,
         process_group: Any | None = None,
+        allow_stock: bool = True,
     ) -> None:
         super().__init__()
         self.location = Location.parse(url, storage_options, retry)
@@ -123,6 +127,7 @@ class ObjectStoreReader(StorageReader):
         self._objects: dict[str, ObjectEntry] = {}
         self._broadcast = broadcast
         self._group = process_group
+        self._allow_stock = allow_stock
         self._rank = 0
         #: Metadata bytes this reader fetched from the store (manifest, index objects).
         self.metadata_bytes_fetched = 0
@@ -198,6 +203,8 @@ class ObjectStoreReader(StorageReader):
 
     def _open_without_manifest(self) -> None:
         url = self.location.url
+        if not self._allow_stock:
+            raise CheckpointNotFoundError(f"no committed checkpoint at {url}: no {MANIFEST_KEY}")
         try:
             names = list_names(self.fs, self.location.path)
         except Exception as exc:
@@ -215,18 +222,16 @@ class ObjectStoreReader(StorageReader):
             )
         logger.warning(
             "%s has no objckpt manifest: loading it as a stock DCP checkpoint, read-only and "
-            "without checksum verification (its .metadata pickle is trusted)",
+            "without checksum verification (its .metadata is unpickled through an allow-list "
+            "of DCP metadata classes)",
             url,
         )
+        meta_url = self.location.url_of(METADATA_KEY)
         try:
             blob = read_whole(self.fs, self.location.key_path(METADATA_KEY))
-            metadata = pickle.loads(blob)  # stock DCP format; see the trust model in the README
         except Exception as exc:
-            raise ManifestError(
-                f"{self.location.url_of(METADATA_KEY)} is not a readable DCP metadata file"
-            ) from exc
-        if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
-            raise ManifestError(f"{self.location.url_of(METADATA_KEY)} is not DCP metadata")
+            raise translate(exc, url=meta_url, action="reading") from exc
+        metadata = load_stock_metadata(blob, url=meta_url)
         self._metadata = metadata
         self._items = {
             index: StoredItem(

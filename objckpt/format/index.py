@@ -92,15 +92,21 @@ def encode_metadata(
         if isinstance(md, TensorStorageMetadata):
             ndim = len(md.size)
             positions[fqn] = {tuple(c.offsets): n for n, c in enumerate(md.chunks)}
-            state[fqn] = {
-                "type": "tensor",
+            entry: dict[str, Any] = {
                 "dtype": dtype_name(md.properties.dtype),
-                "requires_grad": bool(md.properties.requires_grad),
                 "size": list(md.size),
-                "chunks": len(md.chunks),
-                "offsets": [columns.pack([c.offsets[d] for c in md.chunks]) for d in range(ndim)],
-                "sizes": [columns.pack([c.sizes[d] for c in md.chunks]) for d in range(ndim)],
             }
+            if md.properties.requires_grad:
+                entry["requires_grad"] = True
+            if not _whole(md):  # a tensor saved in one piece needs no chunk columns
+                entry["chunks"] = len(md.chunks)
+                entry["offsets"] = [
+                    columns.pack([c.offsets[d] for c in md.chunks]) for d in range(ndim)
+                ]
+                entry["sizes"] = [
+                    columns.pack([c.sizes[d] for c in md.chunks]) for d in range(ndim)
+                ]
+            state[fqn] = entry
         elif isinstance(md, BytesStorageMetadata):
             state[fqn] = {"type": "bytes"}
         else:
@@ -121,14 +127,45 @@ def encode_metadata(
         shards.append(IndexShard(rank, key, json.dumps(doc, separators=(",", ":")).encode()))
         index_keys.append(key)
     for fqn, ranks in writer.items():
-        state[fqn]["writer"] = columns.pack(ranks)
+        state[fqn]["writer"] = ranks[0] if "chunks" not in state[fqn] else columns.pack(ranks)
     return {
         "version": metadata.version,
         "state_dict": state,
         "index": index_keys,
-        "planner_data": encode_planner_data(metadata.planner_data),
+        "planner_data": _encode_paths(metadata.planner_data),
         "storage_meta": encode_storage_meta(metadata.storage_meta),
     }, shards
+
+
+def _whole(md: TensorStorageMetadata) -> bool:
+    """Whether the tensor was saved as one chunk covering all of it."""
+    if len(md.chunks) != 1:
+        return False
+    chunk = md.chunks[0]
+    return chunk.sizes == md.size and not any(chunk.offsets)
+
+
+def _encode_paths(planner_data: Any) -> Any:
+    """DCP's flatten mapping (flat key -> path in the nested state dict), keeping only
+    the paths that are not simply the key split at its dots."""
+    paths = encode_planner_data(planner_data)
+    if not isinstance(paths, dict):
+        return paths
+    return {
+        "split_keys": True,
+        "except": {k: v for k, v in paths.items() if v != k.split(".")},
+    }
+
+
+def _decode_paths(raw: Any, keys: Sequence[str]) -> Any:
+    if isinstance(raw, dict) and raw.get("split_keys") is True:
+        found = raw.get("except") or {}
+        if not isinstance(found, dict):
+            raise ValueError("planner_data exceptions must be an object")
+        out = {k: tuple(k.split(".")) for k in keys}
+        out.update({k: tuple(v) for k, v in found.items()})
+        return out
+    return decode_planner_data(raw)
 
 
 def _index_doc(
@@ -232,7 +269,7 @@ def _decode_metadata(doc: Mapping[str, Any], url: str) -> tuple[Metadata, Locato
     writers: dict[str, list[int] | int] = {}
     sizes_cache: dict[tuple[int, ...], torch.Size] = {}
     for fqn, raw in doc["state_dict"].items():
-        kind = raw["type"]
+        kind = raw.get("type", "tensor")
         if kind == "bytes":
             sd_md[fqn] = BytesStorageMetadata()
             writer = raw["writer"]
@@ -242,14 +279,20 @@ def _decode_metadata(doc: Mapping[str, Any], url: str) -> tuple[Metadata, Locato
             continue
         if kind != "tensor":
             raise ValueError(f"unknown entry type {kind!r} for {fqn!r}")
-        n = raw["chunks"]
         size = [int(s) for s in raw["size"]]
         ndim = len(size)
-        if type(n) is not int or n < 0 or len(raw["offsets"]) != ndim:
-            raise ValueError(f"{fqn!r}: chunk columns do not match its {ndim} dimensions")
-        offs = [columns.unpack(raw["offsets"][d], n, f"{fqn!r} offsets") for d in range(ndim)]
-        lens = [columns.unpack(raw["sizes"][d], n, f"{fqn!r} sizes") for d in range(ndim)]
-        writer_col = columns.unpack(raw["writer"], n, f"{fqn!r} writer")
+        if "chunks" not in raw:  # saved whole: one chunk at the origin
+            n, offs, lens = 1, [[0] for _ in size], [[s] for s in size]
+            writer_col = [raw["writer"]]
+            if type(writer_col[0]) is not int:
+                raise ValueError(f"{fqn!r}: writer {writer_col[0]!r} is not a rank")
+        else:
+            n = raw["chunks"]
+            if type(n) is not int or n < 0 or len(raw["offsets"]) != ndim:
+                raise ValueError(f"{fqn!r}: chunk columns do not match its {ndim} dimensions")
+            offs = [columns.unpack(raw["offsets"][d], n, f"{fqn!r} offsets") for d in range(ndim)]
+            lens = [columns.unpack(raw["sizes"][d], n, f"{fqn!r} sizes") for d in range(ndim)]
+            writer_col = columns.unpack(raw["writer"], n, f"{fqn!r} writer")
         if any(not -1 <= w < len(keys) for w in writer_col):
             raise ValueError(f"{fqn!r}: a chunk's writer is not a rank of the index")
         # The hot loop of a load at scale (a chunk per tensor and rank): tuples
@@ -269,7 +312,8 @@ def _decode_metadata(doc: Mapping[str, Any], url: str) -> tuple[Metadata, Locato
             chunks = [ChunkStorageMetadata(torch.Size(()), torch.Size(())) for _ in range(n)]
         sd_md[fqn] = TensorStorageMetadata(
             properties=TensorProperties(
-                dtype=dtype_from_name(raw["dtype"]), requires_grad=bool(raw["requires_grad"])
+                dtype=dtype_from_name(raw["dtype"]),
+                requires_grad=bool(raw.get("requires_grad", False)),
             ),
             size=torch.Size(size),
             chunks=chunks,
@@ -277,7 +321,7 @@ def _decode_metadata(doc: Mapping[str, Any], url: str) -> tuple[Metadata, Locato
         writers[fqn] = writer_col
     metadata = Metadata(
         state_dict_metadata=sd_md,
-        planner_data=decode_planner_data(doc.get("planner_data")),
+        planner_data=_decode_paths(doc.get("planner_data"), list(sd_md)),
         storage_data=None,
         storage_meta=decode_storage_meta(doc.get("storage_meta")),
         version=doc.get("version"),

@@ -388,6 +388,7 @@ class CheckpointManager:
             retry=self.retry,
             broadcast=distributed,
             process_group=self.process_group,
+            allow_stock=False,  # a step exists only once its manifest is committed
         )
         try:
             with warnings.catch_warnings():
