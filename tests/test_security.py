@@ -11,14 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from click.testing import CliRunner
 from conftest import assert_state_equal, empty_like_state
-from helpers import carried, load, save
+from helpers import carried, load, quiet, save
 
-from objckpt import Location, RetryPolicy
+from objckpt import CheckpointManager, Location, ObjectStoreReader, RetryPolicy
 from objckpt.cli import main
-from objckpt.errors import ManifestError, StateDictError
+from objckpt.errors import CheckpointNotFoundError, ManifestError, StateDictError
 from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY, is_objckpt_payload
+from objckpt.format.steps import step_name
 from objckpt.testing import FaultProxy, MotoServer, Rule
 from objckpt.testing.plugin import StoreTarget
 
@@ -130,3 +132,43 @@ def test_load_never_unpickles_metadata_or_payload(tmp_path: Path) -> None:
     assert "'meta.lr'" in str(err) and payload.name in str(err)
     assert not marker.exists()
     assert os.path.exists(Location.parse(target.url("ck")).key_path(MANIFEST_KEY))
+
+
+def _stock_with_poisoned_metadata(directory: Path, marker: Path) -> None:
+    """A directory that looks like a stock DCP checkpoint: a .metadata whose pickle
+    would create ``marker`` when unpickled (and no manifest)."""
+    directory.mkdir(parents=True)
+    (directory / METADATA_KEY).write_bytes(pickle.dumps(_Boom(str(marker))))
+
+
+def test_the_stock_path_refuses_a_pickle_that_names_other_classes(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    _stock_with_poisoned_metadata(tmp_path / "ck", marker)
+    with pytest.raises(ManifestError, match="names builtins.getattr, which is not part of DCP"):
+        ObjectStoreReader(f"file://{tmp_path}/ck")
+    assert not marker.exists()
+
+
+def test_the_manager_never_takes_the_stock_path(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    with CheckpointManager(f"file://{tmp_path}/run") as mgr:
+        mgr.save(1, {"w": torch.ones(3)}).result(timeout=120)
+    _stock_with_poisoned_metadata(tmp_path / "run" / step_name(7), marker)
+    with CheckpointManager(f"file://{tmp_path}/run") as mgr:
+        assert mgr.all_steps() == [1]  # a step exists only once committed
+        with pytest.raises(CheckpointNotFoundError, match="no committed checkpoint"):
+            mgr.load({"w": torch.zeros(3)}, step=7)
+    assert not marker.exists()
+
+
+def test_a_real_stock_checkpoint_still_loads_through_the_allow_list(tmp_path: Path) -> None:
+    state = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.tensor([1, 2]), "lr": 0.1}
+    with quiet():
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "stock")))
+    got = {"w": torch.zeros(2, 3), "b": torch.zeros(2, dtype=torch.int64), "lr": 0.0}
+    reader = ObjectStoreReader(f"file://{tmp_path}/stock")
+    assert reader.is_stock
+    with quiet():
+        dcp.load(got, storage_reader=reader)
+    assert torch.equal(got["w"], state["w"]) and torch.equal(got["b"], state["b"])
+    assert got["lr"] == 0.1

@@ -31,9 +31,15 @@ _ALLOWED: frozenset[tuple[str, str]] = frozenset(
         (_METADATA_MODULE, "TensorStorageMetadata"),
         (_METADATA_MODULE, "BytesStorageMetadata"),
         (_METADATA_MODULE, "ChunkStorageMetadata"),
+        (_METADATA_MODULE, "_MEM_FORMAT_ENCODING"),  # an Enum: how memory formats pickle
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
         ("torch", "Size"),
+        # How torch pickles a layout: a lookup of torch.layout values by name.
+        ("torch.serialization", "_get_layout"),
         ("collections", "OrderedDict"),
+        # StorageMeta.checkpoint_id of FileSystemWriter saves: a path, built, never opened.
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
         ("builtins", "set"),
         ("builtins", "frozenset"),
     }
