@@ -7,8 +7,8 @@ method allows it), and reports the median of ``--repeats`` runs:
 * ``s3tc``: AWS s3torchconnector's ``S3StorageWriter``/``S3StorageReader`` (CRT
   client, ``thread_count`` as given; its endpoint pointed at moto, path style);
   skipped with a message when the ``bench`` extra is not installed;
-* ``objckpt``: ``ObjectStoreWriter``/``ObjectStoreReader``, one writer reused through
-  ``checkpoint_id`` (its client stays warm, as s3torchconnector's does);
+* ``objckpt``: ``ObjectStoreWriter``/``ObjectStoreReader``, one writer and one reader
+  reused through ``checkpoint_id`` (their clients stay warm, as s3torchconnector's does);
 * ``boto3``: boto3's managed multipart upload of the same bytes (not a ceiling);
 * ``fsspec``: torch's ``FsspecWriter``/``FsspecReader``;
 * ``objckpt_async``: one ``AsyncCheckpointer`` reused; stall = ``save()`` returning,
@@ -190,9 +190,11 @@ def _run_all(
 
     out["objckpt_save"] = measure(objckpt_save, fresh, repeats, none)
 
+    reader = objckpt.ObjectStoreReader(url("o"), storage_options=opts)
+
     def objckpt_load(target: dict[str, torch.Tensor] | None = None) -> None:
-        reader = objckpt.ObjectStoreReader(url("o"), storage_options=opts)
-        dcp.load(zeros_like(state) if target is None else target, storage_reader=reader)
+        got = zeros_like(state) if target is None else target
+        dcp.load(got, storage_reader=reader, checkpoint_id=url("o"))
 
     out["objckpt_load"] = measure(objckpt_load, lambda: None, repeats, none)
     check(objckpt_load)

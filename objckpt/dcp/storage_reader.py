@@ -250,9 +250,19 @@ class ObjectStoreReader(StorageReader):
             location = Location.parse(
                 checkpoint_id, self.location.storage_options, self.location.retry
             )
-            if location != self.location:
-                self.location = location
+            # A new load (DCP calls this first): read the manifest again, as the URL
+            # may have been overwritten since, but keep the warm client when the
+            # protocol and options are the same.
+            if (location.protocol, location.storage_options) != (
+                self.location.protocol,
+                self.location.storage_options,
+            ):
                 self._fs = None
+            self.location = location
+            self.manifest, self._locator = None, None
+            self._items, self._loaded_shards = {}, set()
+            self._counter = RequestCounter()
+            with counting(self._counter):
                 self._open()
 
     def read_metadata(self) -> Metadata:
