@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
+# Before anything imports gcsfs: no gRPC bucket probes (each stalls ~60 s against
+# the plain-HTTP emulator), for this suite and the processes it starts.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
 import uuid
 from typing import Any
 

@@ -361,3 +361,33 @@ def test_primary_retention_spares_a_step_still_being_backed_up(
         assert mgr.all_steps() == [3]
     assert _steps(f"file://{tmp_path}/b", {}) == [3]
     assert _steps(root, opts) == [3]
+
+
+def test_wait_until_finished_also_waits_for_the_backups(
+    s3_bucket: StoreTarget, backup_bucket: StoreTarget
+) -> None:
+    """A job that ends with wait_until_finished() (no close) has its steps backed up."""
+    opts = s3_bucket.storage_options
+    mgr = CheckpointManager(
+        s3_bucket.url("run"), storage_options=opts, backups=[backup_bucket.url("bk")]
+    )
+    try:
+        mgr.save(1, _state(1))
+        mgr.wait_until_finished()
+        # Checked before close(), which would also wait: the backup is already there.
+        backup = Location.parse(backup_bucket.url("bk"), opts).child(step_name(1))
+        assert verify_checkpoint(backup).ok
+    finally:
+        mgr.close()
+
+
+def test_wait_until_finished_raises_a_failing_backup_naming_it(s3_bucket: StoreTarget) -> None:
+    opts = s3_bucket.storage_options
+    missing = BackupTarget("s3://no-such-backup-bucket/run", opts)
+    with CheckpointManager(s3_bucket.url("run"), storage_options=opts, backups=[missing]) as mgr:
+        mgr.save(1, _state(1))
+        started = time.monotonic()
+        with pytest.raises(BackupError, match="no-such-backup-bucket"):
+            mgr.wait_until_finished()
+        assert time.monotonic() - started < 120
+        assert mgr.all_steps() == [1]  # the primary commit stands

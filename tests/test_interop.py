@@ -11,6 +11,7 @@ from conftest import assert_state_equal, empty_like_state, sample_state
 from helpers import load, quiet, save
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
+import objckpt
 from objckpt import Location
 from objckpt.testing.plugin import StoreTarget
 
@@ -77,3 +78,29 @@ def test_objckpt_refuses_to_write_over_a_stock_checkpoint(target: StoreTarget) -
     with pytest.raises(BaseException) as info:
         save({"w": torch.zeros(3)}, target.url("stock"), target)
     assert isinstance(carried(info.value), CheckpointExistsError)
+
+
+def test_dcp_sees_the_callers_checkpoint_id_and_a_save_id_while_planning(tmp_path) -> None:
+    """As with FileSystemWriter/Reader: the planner gets the caller's checkpoint id and
+    a save id before anything is written; each load gets a load id of its own."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    seen: dict = {}
+
+    class Spy(DefaultSavePlanner):
+        def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False):  # type: ignore[no-untyped-def]
+            seen["meta"] = storage_meta
+            super().set_up_planner(state_dict, storage_meta, is_coordinator)
+
+    url = str(tmp_path / "c")  # a plain path, as users pass to FileSystemWriter
+    writer = objckpt.ObjectStoreWriter(url)
+    with quiet():
+        dcp.save({"w": torch.ones(4)}, storage_writer=writer, planner=Spy())
+    assert writer.last_manifest is not None
+    assert seen["meta"].checkpoint_id == url
+    assert seen["meta"].save_id == writer.last_manifest.attempt
+    reader = objckpt.ObjectStoreReader(url)
+    assert reader.read_metadata().storage_meta.checkpoint_id == url
+    first = reader.load_id
+    reader.reset(url)
+    assert reader.load_id and reader.load_id != first

@@ -144,7 +144,7 @@ def _stock_with_poisoned_metadata(directory: Path, marker: Path) -> None:
 def test_the_stock_path_refuses_a_pickle_that_names_other_classes(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     _stock_with_poisoned_metadata(tmp_path / "ck", marker)
-    with pytest.raises(ManifestError, match="names builtins.getattr, which is not part of DCP"):
+    with pytest.raises(ManifestError, match=r"names builtins\.getattr, which is not part of DCP"):
         ObjectStoreReader(f"file://{tmp_path}/ck")
     assert not marker.exists()
 

@@ -21,6 +21,7 @@ import dataclasses
 import io
 import logging
 import os
+import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -128,6 +129,8 @@ class ObjectStoreReader(StorageReader):
         self._broadcast = broadcast
         self._group = process_group
         self._allow_stock = allow_stock
+        #: This load's id, drawn anew for each load (as FileSystemReader's ``load_id``).
+        self.load_id = uuid.uuid4().hex
         self._rank = 0
         #: Metadata bytes this reader fetched from the store (manifest, index objects).
         self.metadata_bytes_fetched = 0
@@ -259,6 +262,7 @@ class ObjectStoreReader(StorageReader):
             ):
                 self._fs = None
             self.location = location
+            self.load_id = uuid.uuid4().hex
             self.manifest, self._locator = None, None
             self._items, self._loaded_shards = {}, set()
             self._counter = RequestCounter()

@@ -99,6 +99,8 @@ class ObjectStoreWriter(StorageWriter):
                 f"option preflight_timeout={preflight_timeout!r} must be a positive number"
             )
         self.location = Location.parse(url, storage_options, retry)
+        #: The checkpoint id as the caller gave it (DCP's ``StorageMeta.checkpoint_id``).
+        self.checkpoint_id: str | os.PathLike[str] = url
         self.overwrite = overwrite
         self.upload = upload or UploadOptions()
         self.preflight_timeout = float(preflight_timeout)
@@ -112,6 +114,9 @@ class ObjectStoreWriter(StorageWriter):
         self._rank = 0
         self._is_coordinator = True
         self._attempt: str | None = None
+        #: This save's id, drawn anew for each save (as FileSystemWriter's): on the
+        #: coordinator it becomes the attempt id that names the payload objects.
+        self.save_id = new_attempt_id()
         #: The manifest of the last commit this writer made (coordinator only).
         self.last_manifest: Manifest | None = None
         self._counter = RequestCounter()
@@ -147,7 +152,7 @@ class ObjectStoreWriter(StorageWriter):
         if preflight is not None:
             self._needs_preflight = preflight
         if attempt is not None:
-            self._agreed_attempt = self._attempt = attempt
+            self._agreed_attempt = self._attempt = self.save_id = attempt
         if requests is not None:
             self._counter, self._counter_attached = requests, True
 
@@ -183,9 +188,11 @@ class ObjectStoreWriter(StorageWriter):
             if new.protocol != self.location.protocol and self._store is not None:
                 self._close_store()
             self.location = new
+            self.checkpoint_id = checkpoint_id
             if self._store is not None:
                 self._store.location = new
         self._attempt = self._agreed_attempt
+        self.save_id = self._agreed_attempt or new_attempt_id()
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._is_coordinator = is_coordinator
@@ -197,7 +204,7 @@ class ObjectStoreWriter(StorageWriter):
         self._rank = int(rank)
 
     def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=self.location.url, save_id=self._attempt)
+        return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self._attempt or self.save_id)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         with counting(self._counter):
@@ -214,7 +221,7 @@ class ObjectStoreWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        attempt = self._agreed_attempt or new_attempt_id()
+        attempt = self._agreed_attempt or self.save_id
         self._attempt = attempt
         return [
             dataclasses.replace(p, storage_data=RankPlan(rank=i, attempt=attempt))
@@ -286,6 +293,7 @@ class ObjectStoreWriter(StorageWriter):
             world_size=len(results),
             overwrite=self.overwrite,
             user=self.user_metadata,
+            checkpoint_id=self.checkpoint_id,
         )
 
     @classmethod

@@ -15,6 +15,7 @@ import concurrent.futures
 import contextvars
 import dataclasses
 import logging
+import os
 import pickle
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -85,8 +86,13 @@ def commit_checkpoint(
     world_size: int,
     overwrite: bool,
     user: Mapping[str, Any] | None = None,
+    checkpoint_id: str | os.PathLike[str] | None = None,
 ) -> Manifest:
     """Write the index objects and ``.metadata``, then the manifest; returns the manifest.
+
+    Args:
+        checkpoint_id: What DCP's ``StorageMeta.checkpoint_id`` records (the id as
+            the caller gave it; the store URL when None).
 
     Raises:
         CheckpointExistsError: Another attempt committed this URL first.
@@ -112,7 +118,10 @@ def commit_checkpoint(
         by_rank.append(mine)
 
     url = store.location.url
-    storage_meta = StorageMeta(checkpoint_id=url, save_id=attempt)
+    meta = metadata.storage_meta or StorageMeta()
+    storage_meta = dataclasses.replace(
+        meta, checkpoint_id=url if checkpoint_id is None else checkpoint_id, save_id=attempt
+    )
     stock = dataclasses.replace(
         metadata,
         version=_DCP_VERSION,

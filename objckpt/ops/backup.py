@@ -324,7 +324,11 @@ class Replicator:
             futures = list(self._futures)
         _, not_done = concurrent.futures.wait(futures, timeout=timeout)
         if not_done:
-            raise TimeoutError(f"{len(not_done)} backup(s) still running after {timeout} s")
+            targets = ", ".join(s.target.url for s in self._states)
+            raise TimeoutError(
+                f"{len(not_done)} backup(s) to {targets} still running after {timeout} s "
+                f"(steps {sorted(self.pending())})"
+            )
         with self._lock:
             self._futures = [f for f in self._futures if not f.done()]
             failed = [(s.target.url, s.error) for s in self._states if s.error]

@@ -283,9 +283,25 @@ class CheckpointManager:
             done, self._finished = self._finished, []
         return sorted(done)
 
-    def wait_until_finished(self) -> None:
-        """Wait for every save in flight; raise the first error not yet reported."""
-        self._checkpointer.wait_until_finished()
+    def wait_until_finished(self, backup_timeout: float | None = None) -> None:
+        """Wait for every save in flight and then for the backups of every committed
+        step; raise the first error not yet reported.
+
+        A job that ends with this call and exits has its steps on every backup target
+        (each copy is bounded by the retry policy's attempts and timeouts).
+
+        Args:
+            backup_timeout: Seconds to wait for backups (None: until they end).
+
+        Raises:
+            BackupError: A backup target could not be brought up to date (named).
+            TimeoutError: Backups still running after ``backup_timeout``.
+        """
+        try:
+            self._checkpointer.wait_until_finished()
+        finally:
+            if self._replicator is not None:
+                self._replicator.wait(backup_timeout)
 
     def check_for_errors(self) -> None:
         """Raise the oldest unreported error of a finished save (each once)."""

@@ -453,6 +453,7 @@ class AsyncCheckpointer:
             world_size=world,
             overwrite=target.overwrite,
             user=target.user_metadata,
+            checkpoint_id=target.checkpoint_id,
         )
         target.close()
         if self._on_commit is not None:

@@ -15,6 +15,7 @@ Fixtures:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from collections.abc import Iterator
@@ -48,29 +49,39 @@ class StoreTarget:
         return f"{self.root}/{name}"
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    # Keep SDKs off the network: no EC2 metadata probe, no gRPC bucket probe
-    # (gcsfs reads this before it is imported anywhere in the session).
-    os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
-    os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+@contextlib.contextmanager
+def _environment(**values: str) -> Iterator[None]:
+    """Set environment variables for a fixture's lifetime only (unless already set),
+    so a project that merely installs objckpt keeps its environment as it was."""
+    added = [k for k in values if k not in os.environ]
+    for k in added:
+        os.environ[k] = values[k]
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
 
 
 @pytest.fixture(scope="session")
 def moto_server() -> Iterator[MotoServer]:
-    server = start_moto_server()
-    try:
-        yield server
-    finally:
-        server.stop()
+    # No EC2 metadata probe while objckpt's S3 fixtures are in use.
+    with _environment(AWS_EC2_METADATA_DISABLED="true"):
+        server = start_moto_server()
+        try:
+            yield server
+        finally:
+            server.stop()
 
 
 @pytest.fixture(scope="session")
 def moto_iam_server() -> Iterator[MotoServer]:
-    server = start_moto_server(iam=True)
-    try:
-        yield server
-    finally:
-        server.stop()
+    with _environment(AWS_EC2_METADATA_DISABLED="true"):
+        server = start_moto_server(iam=True)
+        try:
+            yield server
+        finally:
+            server.stop()
 
 
 @pytest.fixture
@@ -90,11 +101,14 @@ def s3_proxy(moto_server: MotoServer, s3_bucket: StoreTarget) -> Iterator[FaultP
 
 @pytest.fixture(scope="session")
 def gcs_emulator() -> Iterator[GcsEmulator]:
-    server = start_gcs_emulator()
-    try:
-        yield server
-    finally:
-        server.stop()
+    # gcsfs reads this when it is first imported: a suite that imports gcsfs before
+    # this fixture runs should set it itself (objckpt's own tests/conftest.py does).
+    with _environment(GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false"):
+        server = start_gcs_emulator()
+        try:
+            yield server
+        finally:
+            server.stop()
 
 
 @pytest.fixture

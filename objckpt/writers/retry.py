@@ -34,7 +34,7 @@ import tenacity
 
 from objckpt.errors import ConfigurationError
 from objckpt.writers.accounting import current_counter
-from objckpt.writers.translate import causes
+from objckpt.writers.translate import causes, service_error
 
 __all__ = ["RetryObserver", "RetryPolicy", "install", "is_throttle", "is_transient", "s3_options"]
 
@@ -60,8 +60,15 @@ _TRANSIENT_NAMES = {
     "ServerTimeoutError",
     "FSTimeoutError",
 }
-_THROTTLE_TEXT = ("SlowDown", "reduce your request rate")
-_SERVER_ERROR_TEXT = (*_THROTTLE_TEXT, "503", "ServiceUnavailable", "InternalError")
+# Service error codes (botocore's ``Error.Code``) and HTTP statuses worth another try;
+# anything else the service answered is permanent. Never read from message text: a
+# ValueError naming step-0000005030 is not a 503.
+_THROTTLE_CODES = frozenset(
+    {"SlowDown", "Throttling", "ThrottlingException", "TooManyRequests", "RequestLimitExceeded"}
+)
+_TRANSIENT_CODES = _THROTTLE_CODES | {"ServiceUnavailable", "InternalError", "RequestTimeout"}
+_THROTTLE_STATUS = frozenset({429, 503})
+_TRANSIENT_STATUS = _THROTTLE_STATUS | {500, 502, 504}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -104,21 +111,35 @@ class RetryPolicy:
             )
 
 
-def is_throttle(exc: BaseException) -> bool:
-    """A 503 / SlowDown answer: the store asks for fewer requests."""
+def _service_answer(exc: BaseException) -> tuple[str | None, int | None]:
+    """The service's error code and HTTP status anywhere in ``exc``'s cause chain:
+    botocore keeps them in ``response``, aiohttp puts the status on ``status``,
+    gcsfs on ``code``."""
     for e in causes(exc):
-        if isinstance(e, OSError) and e.errno == errno.EBUSY:
-            return True
-        if any(t in str(e) for t in _THROTTLE_TEXT):
-            return True
-    return False
+        code, status = service_error(e)
+        if code is not None or status is not None:
+            return code, status
+    return None, None
+
+
+def is_throttle(exc: BaseException) -> bool:
+    """A 503 SlowDown (or 429) answer: the store asks for fewer requests."""
+    code, status = _service_answer(exc)
+    if code is not None or status is not None:
+        return code in _THROTTLE_CODES or status in _THROTTLE_STATUS
+    # s3fs without the botocore cause: it maps SlowDown/503 to EBUSY.
+    return any(isinstance(e, OSError) and e.errno == errno.EBUSY for e in causes(exc))
 
 
 def is_transient(exc: BaseException) -> bool:
-    """Whether retrying the same request may succeed."""
-    for e in causes(exc):
-        if isinstance(e, (PermissionError, FileNotFoundError, FileExistsError)):
-            return False
+    """Whether retrying the same request may succeed (by type, code and status only)."""
+    chain = causes(exc)
+    if any(isinstance(e, (PermissionError, FileNotFoundError, FileExistsError)) for e in chain):
+        return False
+    code, status = _service_answer(exc)
+    if code is not None or status is not None:
+        return code in _TRANSIENT_CODES or status in _TRANSIENT_STATUS
+    for e in chain:
         if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
             return True
         if isinstance(
@@ -133,8 +154,6 @@ def is_transient(exc: BaseException) -> bool:
         ):
             return True
         if type(e).__name__ in _TRANSIENT_NAMES:
-            return True
-        if any(t in str(e) for t in _SERVER_ERROR_TEXT):
             return True
     return False
 

@@ -23,7 +23,7 @@ from objckpt.errors import (
     StoreUnreachableError,
 )
 
-__all__ = ["causes", "describe", "translate"]
+__all__ = ["causes", "describe", "service_error", "translate"]
 
 _QUERY = re.compile(r"\?[^\s'\"]*")
 _CREDENTIAL_ERRORS = ("NoCredentialsError", "PartialCredentialsError", "DefaultCredentialsError")
@@ -73,17 +73,41 @@ def causes(exc: BaseException) -> list[BaseException]:
     return out
 
 
+_LEADING_STATUS = re.compile(r"^(\d{3}) ")
+
+
+def service_error(exc: BaseException) -> tuple[str | None, int | None]:
+    """The service's error code and HTTP status carried by this one exception:
+    botocore's ``response`` (``Error.Code``, ``HTTPStatusCode``), aiohttp's
+    ``status``, gcsfs's ``code`` on its ``HttpError``, and gcsfs's plain ``OSError``
+    for a 403, whose message begins ``Forbidden``."""
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        code = response.get("Error", {}).get("Code")
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return (str(code) if code else None, status if isinstance(status, int) else None)
+    for attr in ("status", "code"):
+        value = getattr(exc, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool) and 100 <= value < 600:
+            return None, value
+    if type(exc) is OSError and exc.args and isinstance(exc.args[0], str):
+        if exc.args[0].startswith("Forbidden"):
+            return None, 403
+        leading = _LEADING_STATUS.match(exc.args[0])  # "403 Forbidden", as HTTP reports it
+        if leading:
+            return None, int(leading.group(1))
+    return None, None
+
+
 def _status_code(exc: BaseException) -> str | None:
-    """The service's error code (``AccessDenied``, ``InvalidAccessKeyId``, ``401``...)
-    of ``exc`` or the exception it was raised from: s3fs keeps botocore's error as
-    the cause, gcsfs puts the HTTP status on its ``HttpError``."""
+    """The service's error code (``AccessDenied``, ``InvalidAccessKeyId``) of ``exc``
+    or of the exception it was raised from, else its HTTP status (``"403"``)."""
     for seen in causes(exc):
-        response = getattr(seen, "response", None)
-        if isinstance(response, dict) and response.get("Error", {}).get("Code"):
-            return str(response["Error"]["Code"])
-        code = getattr(seen, "code", None)
-        if isinstance(code, int) and 400 <= code < 600:
-            return str(code)
+        code, status = service_error(seen)
+        if code is not None:
+            return code
+        if status is not None:
+            return str(status)
     return None
 
 
@@ -115,13 +139,7 @@ def translate(
         return AccessDeniedError(
             f"credentials rejected while {action} {url}: {_CREDENTIAL_HINTS[code]} ({detail})"
         )
-    if (
-        isinstance(exc, PermissionError)
-        or code in ("AccessDenied", "403")
-        or "AccessDenied" in detail
-        or "403" in detail.split(":")[0]
-        or detail.startswith("OSError: Forbidden")  # gcsfs's 403
-    ):
+    if isinstance(exc, PermissionError) or code in ("AccessDenied", "AllAccessDisabled", "403"):
         return AccessDeniedError(f"access denied while {action} {url}: {detail}")
     if isinstance(exc, FileNotFoundError) and missing_is_bucket:
         return BucketNotFoundError(f"bucket or root of {url} does not exist ({detail})")

@@ -1,0 +1,84 @@
+"""Errors are classified by exception type, service error code and HTTP status only."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+from botocore.exceptions import ClientError
+
+from objckpt.errors import AccessDeniedError, StoreError
+from objckpt.writers.retry import is_throttle, is_transient
+from objckpt.writers.translate import translate
+
+
+def _client_error(code: str, status: int) -> ClientError:
+    return ClientError(
+        {"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}},
+        "PutObject",
+    )
+
+
+def _wrapped(cause: BaseException, outer: BaseException) -> BaseException:
+    """As s3fs raises: its own OSError, the botocore error kept as the cause."""
+    outer.__cause__ = cause
+    return outer
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        ValueError("no such key: step-0000005030 (InternalError in the name)"),
+        RuntimeError("503 appears in this message but nothing answered 503"),
+        _client_error("AccessDenied", 403),
+        _client_error("NoSuchKey", 404),
+        _client_error("PreconditionFailed", 412),
+        _wrapped(_client_error("AccessDenied", 403), OSError(errno.EACCES, "denied")),
+    ],
+)
+def test_not_transient(exc: BaseException) -> None:
+    assert not is_transient(exc)
+    assert not is_throttle(exc)
+
+
+@pytest.mark.parametrize(
+    ("exc", "throttle"),
+    [
+        (_client_error("SlowDown", 503), True),
+        (_client_error("ServiceUnavailable", 503), True),
+        (_client_error("InternalError", 500), False),
+        (_wrapped(_client_error("SlowDown", 503), OSError(errno.EBUSY, "SlowDown")), True),
+        (OSError(errno.EBUSY, "busy"), True),  # s3fs's SlowDown without its cause
+        (ConnectionResetError(), False),
+        (TimeoutError(), False),
+    ],
+)
+def test_transient(exc: BaseException, throttle: bool) -> None:
+    assert is_transient(exc)
+    assert is_throttle(exc) is throttle
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        OSError("403 Forbidden"),
+        OSError("Forbidden: gs://bucket/key"),  # gcsfs's 403
+        _client_error("AccessDenied", 403),
+        _wrapped(_client_error("AllAccessDisabled", 403), OSError("denied")),
+        PermissionError("no"),
+    ],
+)
+def test_refusals_are_access_denied(exc: BaseException) -> None:
+    assert isinstance(translate(exc, url="s3://b/k", action="writing"), AccessDeniedError)
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        OSError("could not read 403 objects"),  # a count, not a status
+        ValueError("AccessDenied is a word in this message"),
+    ],
+)
+def test_message_text_does_not_decide(exc: BaseException) -> None:
+    err = translate(exc, url="s3://b/k", action="writing")
+    assert type(err) is StoreError and "s3://b/k" in str(err)
