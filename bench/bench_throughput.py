@@ -16,8 +16,9 @@ method allows it), and reports the median of ``--repeats`` runs:
 * ``dcp_async``: ``dcp.async_save`` (thread executor) with ``FsspecWriter``.
 
 Client CPU is user+sys of this process (all its threads) plus, for objckpt's async
-saves, its upload workers (read from /proc), never the server's. Peak tree RSS is
-sampled every 20 ms over this process and its children, the server excluded.
+saves, its upload workers (read from /proc), never the server's. Peak tree RSS and
+PSS are sampled every 20 ms over this process and its children, the server excluded
+(RSS counts a shared staging segment once per process mapping it; PSS splits it).
 
 Usage: ``python bench/bench_throughput.py [--size-mib 256] [--repeats 3]``
 Results go to ``bench/results/throughput-<date>-<size>mib.json`` and a table to stdout.
@@ -71,6 +72,19 @@ def _rss(pid: int) -> int:
     return 0
 
 
+def _pss(pid: int) -> int:
+    """Proportional set size: shared pages (the staging segment) split between the
+    processes that map them, so a tree's sum counts them once."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def _children(pid: int) -> list[int]:
     out = []
     try:
@@ -88,6 +102,7 @@ class TreeRss:
     def __init__(self, exclude: int) -> None:
         self.exclude = exclude
         self.peak = 0
+        self.peak_pss = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -103,7 +118,9 @@ class TreeRss:
 
     def _run(self) -> None:
         while not self._stop.wait(0.02):
-            self.peak = max(self.peak, sum(_rss(p) for p in self._tree()))
+            tree = self._tree()
+            self.peak = max(self.peak, sum(_rss(p) for p in tree))
+            self.peak_pss = max(self.peak_pss, sum(_pss(p) for p in tree))
 
     def __enter__(self) -> TreeRss:
         self._thread.start()
@@ -257,6 +274,7 @@ def _run_all(
             out["objckpt_async"] = measure(objckpt_async, fresh, repeats, lambda: ckpt.worker_pids)
         out["objckpt_async"]["stall_s"] = statistics.median(stalls[1:])
         out["objckpt_async"]["peak_tree_rss"] = rss.peak
+        out["objckpt_async"]["peak_tree_pss"] = rss.peak_pss
 
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
@@ -276,6 +294,7 @@ def _run_all(
         out["dcp_async"] = measure(dcp_async, fresh, repeats, none)
     out["dcp_async"]["stall_s"] = statistics.median(dcp_stalls[1:])
     out["dcp_async"]["peak_tree_rss"] = rss.peak
+    out["dcp_async"]["peak_tree_pss"] = rss.peak_pss
     return out
 
 

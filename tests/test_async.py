@@ -206,3 +206,9 @@ def test_torch_async_save_with_objckpt_writer(target: StoreTarget) -> None:
     got = {"w": torch.zeros(200, 200), "step": 0}
     load(got, target.url("dcp-async"), target)
     assert torch.equal(got["w"], state["w"]) and got["step"] == 9
+
+
+def test_workers_start_when_the_checkpointer_is_built_not_in_the_first_save() -> None:
+    with AsyncCheckpointer(options=AsyncOptions(workers=2)) as ckpt:
+        ckpt._pool.wait_ready(timeout=120)  # no save has been asked for
+        assert len(ckpt.worker_pids) == 2

@@ -157,6 +157,7 @@ class AsyncCheckpointer:
             max_cached_sets=self.options.max_in_flight, budget=self.options.staging_budget
         )
         self._pool = WorkerPool(self.options.workers)
+        self._pool.start()  # interpreters start now, not inside the first save's stall
         self._inflight: list[SaveHandle] = []
         self._errors: list[BaseException] = []
         # Filesystem clients by protocol, and buckets already checked: a save's

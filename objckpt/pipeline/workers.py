@@ -64,6 +64,10 @@ def _worker_init(parent_pid: int) -> None:
     lifeline.watch_parent(parent_pid, _unlink_attached_segments)
 
 
+def _ready() -> None:
+    """A no-op task: submitting it makes the pool start a worker."""
+
+
 def _unlink_attached_segments() -> None:
     """The training process died: its staging segments would outlive it in /dev/shm."""
     for path in list(_WORKER_SEGMENTS):
@@ -124,6 +128,7 @@ class WorkerPool:
             raise ConfigurationError(f"option workers={workers!r} is invalid: expected an int >= 1")
         self.workers = workers
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self._warming: list[concurrent.futures.Future[None]] = []
         self._lock = threading.Lock()
 
     def _ensure(self) -> concurrent.futures.ProcessPoolExecutor:
@@ -149,6 +154,19 @@ class WorkerPool:
             with self._lock:
                 self._pool = None
             return self._ensure().submit(fn, *args)
+
+    def start(self) -> None:
+        """Start the worker processes now, in the background (never blocks).
+
+        Starting an interpreter and importing torch takes seconds; doing it when the
+        checkpointer is built keeps that out of the first save's stall.
+        """
+        pool = self._ensure()
+        self._warming = [pool.submit(_ready) for _ in range(self.workers)]
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Wait until the workers ``start`` began have run their first task."""
+        concurrent.futures.wait(self._warming, timeout=timeout)
 
     def pids(self) -> list[int]:
         """PIDs of the live worker processes (for tests and diagnostics)."""
