@@ -312,6 +312,7 @@ class Stager:
 
     def __init__(self, max_cached_sets: int = 2, budget: int | None = None) -> None:
         self._free: dict[tuple[Hashable, ...], list[_Buffers]] = {}
+        self._idle: list[tuple[tuple[Hashable, ...], _Buffers]] = []  # oldest first
         self._max = max_cached_sets
         self._budget = budget
         self._lock = threading.Lock()
@@ -356,9 +357,7 @@ class Stager:
             sizes = [_aligned(t.numel() * t.element_size()) for t in tensors]
             if sum(sizes) > self._budget:
                 return self._wave(state_dict, structure, max(sizes), cuda)
-        with self._lock:
-            free = self._free.get(structure)
-            buffers = free.pop() if free else None
+        buffers = self._take(structure)
         if buffers is None:
             buffers = self._allocate(tensors)
         if cuda:
@@ -370,6 +369,16 @@ class Stager:
             torch.cuda.synchronize()
         state = _rebuild(state_dict, buffers.views)
         return Staged(state, structure, buffers)
+
+    def _take(self, key: tuple[Hashable, ...]) -> _Buffers | None:
+        """An idle staging set for ``key``, if one is kept."""
+        with self._lock:
+            free = self._free.get(key)
+            if not free:
+                return None
+            buffers = free.pop()
+            self._idle = [(k, b) for k, b in self._idle if b is not buffers]
+            return buffers
 
     def _wave(
         self, state_dict: dict[str, Any], structure: tuple[Hashable, ...], floor: int, cuda: bool
@@ -385,9 +394,7 @@ class Stager:
                 capacity,
             )
         key: tuple[Hashable, ...] = ("waves", capacity)
-        with self._lock:
-            free = self._free.get(key)
-            buffers = free.pop() if free else None
+        buffers = self._take(key)
         if buffers is None:
             buffers = _Buffers(_Segment(capacity), [], {})
             with self._lock:
@@ -397,18 +404,30 @@ class Stager:
         return Staged(state_dict, structure, buffers, Wave(buffers.segment), cuda)
 
     def release(self, staged: Staged) -> None:
-        """Return a staging set for reuse once its uploads are finished."""
+        """Return a staging set for reuse once its uploads are finished.
+
+        At most ``max_cached_sets`` idle sets are kept in all, whatever their
+        structure: a job whose state dict changes shape (a new optimizer, a frozen
+        layer) must not keep one full-size segment per shape it ever saved. The
+        set idle the longest is freed first.
+        """
+        evicted: list[_Buffers] = []
         with self._lock:
-            free = self._free.setdefault(staged.pool_key, [])
-            if len(free) < self._max:
-                free.append(staged.buffers)
-                return
-            self._all.remove(staged.buffers)
-        staged.buffers.segment.close()
+            self._free.setdefault(staged.pool_key, []).append(staged.buffers)
+            self._idle.append((staged.pool_key, staged.buffers))
+            while len(self._idle) > self._max:
+                key, oldest = self._idle.pop(0)
+                self._free[key].remove(oldest)
+                if not self._free[key]:
+                    del self._free[key]
+                self._all.remove(oldest)
+                evicted.append(oldest)
+        for buffers in evicted:
+            buffers.segment.close()
 
     def close(self) -> None:
         """Unmap and delete every segment (no save may be in flight)."""
         with self._lock:
-            all_buffers, self._all, self._free = self._all, [], {}
+            all_buffers, self._all, self._free, self._idle = self._all, [], {}, []
         for b in all_buffers:
             b.segment.close()

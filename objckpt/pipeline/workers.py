@@ -64,6 +64,16 @@ def _worker_init(parent_pid: int) -> None:
     lifeline.watch_parent(parent_pid, _unlink_attached_segments)
 
 
+def _forget_freed_segments() -> None:
+    """Unmap staging segments the training process has freed (their file is gone):
+    a mapping kept here would hold the memory after the trainer let it go. Between
+    uploads none is in use (a worker runs one upload at a time)."""
+    for path in [p for p in _WORKER_SEGMENTS if not os.path.exists(p)]:
+        mapped = _WORKER_SEGMENTS.pop(path)
+        with contextlib.suppress(BufferError, ValueError):
+            mapped.close()
+
+
 def _ready() -> None:
     """A no-op task: submitting it makes the pool start a worker."""
 
@@ -83,6 +93,7 @@ def upload_object(
     Entries are (item id, data): a :class:`SegmentRef` into a staging segment, a
     tensor, or already-serialized bytes.
     """
+    _forget_freed_segments()
     resolved: list[tuple[int, torch.Tensor | BytesLike]] = [
         (i, attach_tensor(d, _WORKER_SEGMENTS) if isinstance(d, SegmentRef) else d)
         for i, d in entries
