@@ -35,7 +35,10 @@ test: lint iac
 	$(PY) -m pytest
 
 bench: $(STAMP)
+	$(PY) -m pip install --quiet --constraint constraints.txt --editable '.[all,test,bench]'
 	$(PY) bench/bench_sync.py
+	$(PY) bench/bench_throughput.py
+	$(PY) bench/bench_scale.py
 
 clean:
 	rm -rf $(VENV) $(IAC_VENV) build *.egg-info

@@ -20,8 +20,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import objckpt
+from objckpt._torch import group_store
 from objckpt.errors import RequestFailedError
-from objckpt.pipeline.finalize import StoreBarrier, group_store
+from objckpt.pipeline.finalize import StoreBarrier
 
 MiB = 1024 * 1024
 PARTS = objckpt.UploadOptions(part_size=5 * MiB, object_size=64 * MiB)

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
+from objckpt._torch import local_offsets
 from objckpt.errors import ConfigurationError
 
 __all__ = ["ReplicaSlicingPlanner", "split_rows"]
@@ -135,10 +136,5 @@ def _local_chunk(value: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     """This rank's tensor and its offsets in the global tensor."""
     if getattr(value, "placements", None) is None:
         return value, (0,) * value.dim()
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     dtensor: Any = value
-    _, offsets = compute_local_shape_and_global_offset(
-        dtensor.shape, dtensor.device_mesh, dtensor.placements
-    )
-    return dtensor.to_local(), tuple(offsets)
+    return dtensor.to_local(), local_offsets(dtensor)

@@ -19,6 +19,7 @@ import torch
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from objckpt._torch import save_tensor
 from objckpt.dcp.plan import ObjectPlan
 from objckpt.errors import StateDictError
 from objckpt.format.dcp_json import StoredItem
@@ -175,7 +176,7 @@ def write_payload(
         sink.item_crc = Crc32c()
         if isinstance(data, torch.Tensor):
             try:
-                torch.save(_cpu_tensor(data), cast(IO[bytes], sink))
+                save_tensor(_cpu_tensor(data), cast(IO[bytes], sink))
             except Exception as exc:
                 if sink.error is not None:
                     raise sink.error from exc

@@ -28,12 +28,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from fsspec import AbstractFileSystem
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from objckpt._torch import narrow
 from objckpt.dcp.collective import broadcast_from_rank0, is_distributed
 from objckpt.dcp.shared_reads import Sent, SharedReads, assign_owners, exchange_shared
 from objckpt.dcp.stock_metadata import load_stock_metadata
@@ -555,7 +555,7 @@ class ObjectStoreReader(StorageReader):
                 planner.load_bytes(req, self._plain_value(data, req.storage_index.fqn, item))
                 continue
             tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-            tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+            tensor = narrow(tensor, req.storage_offsets, req.lengths)
             target = planner.resolve_tensor(req).detach()
             if target.size() != tensor.size():
                 raise StateDictError(

@@ -21,10 +21,10 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.storage import WriteResult
 
+from objckpt._torch import storage_info
 from objckpt._version import __version__
 from objckpt.errors import CheckpointExistsError, ManifestError, StoreError
 from objckpt.format.dcp_json import StoredItem
@@ -127,7 +127,7 @@ def commit_checkpoint(
         version=_DCP_VERSION,
         storage_meta=storage_meta,
         storage_data={
-            index: _StorageInfo(item.relative_path, item.offset, item.length)
+            index: storage_info(item.relative_path, item.offset, item.length)
             for index, item in items.items()
         },
     )

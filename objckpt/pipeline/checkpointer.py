@@ -31,11 +31,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 
+from objckpt._torch import group_store, save_state_dict_fn
 from objckpt.dcp.planner import ReplicaSlicingPlanner
 from objckpt.dcp.serialize import written_object
 from objckpt.dcp.storage_writer import ObjectStoreWriter
@@ -44,7 +44,7 @@ from objckpt.format.commit import commit_checkpoint, requests_result
 from objckpt.format.manifest import Manifest
 from objckpt.options import AsyncOptions, UploadOptions
 from objckpt.pipeline.deferred import DeferredWriter
-from objckpt.pipeline.finalize import RankExchange, group_store
+from objckpt.pipeline.finalize import RankExchange
 from objckpt.pipeline.handle import SaveHandle
 from objckpt.pipeline.plan_cache import (
     Agreement,
@@ -91,14 +91,10 @@ def _plan_and_queue(
     ``dcp.save`` wraps every entry in logging that costs ~0.1 ms per tensor,
     which is most of the stall for a state dict of thousands of small tensors.
     """
-    from torch.distributed.checkpoint import state_dict_saver
-
     no_dist = not distributed
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        inner = getattr(state_dict_saver, "_save_state_dict", None)
-        run = dcp.save if inner is None else inner
-        run(
+        save_state_dict_fn()(
             state,
             storage_writer=writer,
             planner=planner,

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from objckpt._torch import group_store
 from objckpt.errors import BarrierTimeoutError, RequestFailedError, UploadError
 
 __all__ = [
@@ -25,19 +26,9 @@ __all__ = [
     "RankExchange",
     "RequestFailedError",
     "StoreBarrier",
-    "group_store",
 ]
 
 logger = logging.getLogger(__name__)
-
-
-def group_store(process_group: Any | None = None) -> Any:
-    """The c10d store of ``process_group`` (the default group when None)."""
-    from torch.distributed import distributed_c10d as c10d
-
-    if process_group is None:
-        return c10d._get_default_store()
-    return c10d._get_process_group_store(process_group)
 
 
 def _wait(store: Any, keys: list[str], timeout: float, what: str, label: str | None = None) -> None:

@@ -55,12 +55,6 @@ Entry = tuple[int, "SegmentRef | torch.Tensor | bytes"]
 def _worker_init(parent_pid: int) -> None:
     # A forked child that runs parallel torch ops can hang on the intra-op pool.
     torch.set_num_threads(1)
-    # torch.save's zip CRC32 is a second checksum of every byte (~0.3 CPU s/GiB);
-    # objckpt's CRC32C covers each item and object already, and torch.load reads
-    # records without one. Process-wide, which is fine in objckpt's own workers.
-    set_crc32 = getattr(torch.serialization, "set_crc32_options", None)
-    if set_crc32 is not None:
-        set_crc32(False)
     lifeline.watch_parent(parent_pid, _unlink_attached_segments)
 
 
