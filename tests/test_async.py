@@ -212,3 +212,31 @@ def test_workers_start_when_the_checkpointer_is_built_not_in_the_first_save() ->
     with AsyncCheckpointer(options=AsyncOptions(workers=2)) as ckpt:
         ckpt._pool.wait_ready(timeout=120)  # no save has been asked for
         assert len(ckpt.worker_pids) == 2
+
+
+def test_two_threads_saving_at_once_both_commit_their_own_values(target: StoreTarget) -> None:
+    import threading
+
+    states = [sample_state(seed=s) for s in (1, 2)]
+    start = threading.Barrier(2)
+    handles: dict[int, object] = {}
+    opts = AsyncOptions(max_in_flight=2)
+    with AsyncCheckpointer(storage_options=target.storage_options, options=opts) as ckpt:
+
+        def run(n: int) -> None:
+            start.wait()
+            handles[n] = ckpt.save(states[n], target.url(f"thread{n}"))
+
+        threads = [threading.Thread(target=run, args=(n,)) for n in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        for n in (0, 1):
+            handles[n].result(timeout=120)  # type: ignore[attr-defined]
+        stats = ckpt.plan_cache_stats
+        assert stats.hits + stats.misses == 2
+    for n in (0, 1):
+        got = empty_like_state(states[n])
+        load(got, target.url(f"thread{n}"), target)
+        assert_state_equal(got, states[n])

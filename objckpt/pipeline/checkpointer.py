@@ -164,6 +164,8 @@ class AsyncCheckpointer:
         self._checker = concurrent.futures.ThreadPoolExecutor(1, "objckpt-check")
         self._cache_stats = PlanCacheStats()
         self._lock = threading.RLock()
+        # Held from staging to the end of planning: one save's collectives at a time.
+        self._save_lock = threading.Lock()
         self._closed = False
 
     # -- saving ---------------------------------------------------------------------------
@@ -179,12 +181,26 @@ class AsyncCheckpointer:
         """Stage ``state_dict`` and start saving it to ``url``; returns once staged.
 
         Must be called on every rank of ``process_group`` (DCP plans collectively).
+        Safe to call from several threads: saves are staged and planned one at a
+        time (their collectives must not interleave), then upload concurrently up to
+        ``AsyncOptions.max_in_flight``.
 
         Raises:
             ConfigurationError, StateDictError, CheckpointExistsError, StoreError:
                 before anything is uploaded (wrapped by torch's CheckpointException
                 when raised inside DCP's planning).
         """
+        with self._save_lock:
+            return self._save(state_dict, url, process_group, overwrite, user_metadata)
+
+    def _save(
+        self,
+        state_dict: dict[str, Any],
+        url: str,
+        process_group: Any | None,
+        overwrite: bool,
+        user_metadata: Mapping[str, Any] | None,
+    ) -> SaveHandle:
         if self._closed:
             raise ConfigurationError("AsyncCheckpointer is closed")
         if url.startswith("memory://"):
