@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from objckpt.pipeline.stage import Stager
@@ -27,3 +28,25 @@ def test_idle_staging_sets_are_capped_across_shapes_and_freed_on_close() -> None
     stager.release(again)
     stager.close()
     assert not os.path.exists(paths[3]) and _segments(stager) == []
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (run it where a GPU is lent)"
+)
+def test_cuda_tensors_stage_through_pinned_memory_and_save_the_values_at_call_time(
+    tmp_path,
+) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    import objckpt
+
+    state = {"w": torch.randn(1024, 1024, device="cuda"), "b": torch.arange(10, device="cuda")}
+    expected = {k: v.cpu().clone() for k, v in state.items()}
+    with objckpt.AsyncCheckpointer() as ckpt:
+        handle = ckpt.save(state, f"file://{tmp_path}/c")
+        state["w"].add_(1.0)  # after save returned: the checkpoint holds the old values
+        handle.result(timeout=120)
+        assert all(b.segment.registered for b in ckpt._stager._all)  # page-locked
+    got = {k: torch.zeros_like(v) for k, v in expected.items()}
+    dcp.load(got, storage_reader=objckpt.ObjectStoreReader(f"file://{tmp_path}/c"), no_dist=True)
+    assert all(torch.equal(got[k], v) for k, v in expected.items())
