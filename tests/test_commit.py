@@ -7,12 +7,13 @@ import threading
 
 import pytest
 import torch
-from helpers import carried, load, save
+from helpers import carried, fs_of, load, path_of, save
 from torch.distributed.checkpoint.metadata import Metadata
 
 from objckpt import Location, UploadOptions
 from objckpt.errors import CheckpointExistsError
 from objckpt.format.commit import commit_checkpoint, read_manifest
+from objckpt.format.layout import MANIFEST_KEY
 from objckpt.testing.plugin import StoreTarget
 from objckpt.writers import open_store
 
@@ -82,3 +83,28 @@ def test_two_jobs_saving_the_same_step(store: StoreTarget) -> None:
     got = {"w": torch.zeros(1000)}
     load(got, url, store)
     assert torch.equal(got["w"], states[winners[0]]["w"])
+
+
+@pytest.mark.parametrize("kind", ["file", "s3"])
+def test_overwriting_deletes_what_only_the_replaced_manifest_named(
+    kind: str, tmp_path, request: pytest.FixtureRequest
+) -> None:
+    """Twelve saves to one URL (as torch's own resharding test does) leave exactly one
+    checkpoint's objects, and each save stays loadable until the next commits."""
+    target = (
+        StoreTarget(root=f"file://{tmp_path}", storage_options={})
+        if kind == "file"
+        else request.getfixturevalue("s3_bucket")
+    )
+    url = target.url("again")
+    for n in range(12):
+        writer = save({"w": torch.full((1000,), float(n))}, url, target, overwrite=True)
+    manifest = writer.last_manifest
+    assert manifest is not None
+    fs = fs_of(target)
+    path = path_of(target, url)
+    left = sorted(p.rsplit("/", 1)[-1] for p in fs.find(path))
+    assert left == sorted([MANIFEST_KEY, *(o.key for o in manifest.objects)])
+    got = {"w": torch.zeros(1000)}
+    load(got, url, target)
+    assert torch.equal(got["w"], torch.full((1000,), 11.0))

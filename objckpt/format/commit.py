@@ -155,6 +155,7 @@ def commit_checkpoint(
         user=dict(user or {}),
         requests=ranks_requests + commit_counter.snapshot() if counted else None,
     )
+    superseded = _previous_objects(store) if overwrite else set()
     try:
         store.create(MANIFEST_KEY, manifest.to_json_bytes(), overwrite=overwrite)
     except FileExistsError as exc:
@@ -174,4 +175,33 @@ def commit_checkpoint(
     logger.info(
         "committed %s (%d objects, %d bytes)", url, len(manifest.objects), manifest.total_bytes
     )
+    _delete_superseded(store, superseded - {o.key for o in manifest.objects} - {MANIFEST_KEY})
     return manifest
+
+
+def _previous_objects(store: ObjectStore) -> set[str]:
+    """What the manifest an overwrite replaces names (empty when there is none)."""
+    try:
+        return {o.key for o in read_manifest(store).objects}
+    except (FileNotFoundError, ManifestError):
+        return set()
+
+
+def _delete_superseded(store: ObjectStore, keys: set[str]) -> None:
+    """After an overwrite commits (never before): delete the payload and index
+    objects only the replaced manifest named, so re-saving a URL leaves no garbage.
+    A failure only leaves garbage behind (``objckpt gc`` removes it) and is logged."""
+    if not keys:
+        return
+    try:
+        store.fs.rm([store.path(k) for k in sorted(keys)])
+    except Exception as exc:
+        logger.warning(
+            "could not delete %d objects of the checkpoint %s replaced (%s); "
+            "`objckpt gc` removes them",
+            len(keys),
+            store.location.url,
+            exc,
+        )
+        return
+    logger.info("deleted %d objects of the checkpoint %s replaced", len(keys), store.location.url)
