@@ -233,8 +233,7 @@ def test_replicated_mode_waits_for_a_matching_replica(
         f"s3://{BACKUP_BUCKET}/t/run", opts, mode="replicated", replica_timeout=8
     )
     with CheckpointManager(s3_bucket.url("run"), storage_options=opts, backups=[replica]) as mgr:
-        mgr.save(1, _state(1))
-        mgr.wait_until_finished()
+        mgr.save(1, _state(1)).result(timeout=120)  # committed; its backup still waits
         status = mgr.backup_status()[0]
         assert status.latest_step is None and status.steps_behind == 1
         later = threading.Timer(
@@ -248,8 +247,7 @@ def test_replicated_mode_waits_for_a_matching_replica(
         status = mgr.backup_status()[0]
         assert (status.latest_step, status.steps_behind, status.error) == (1, 0, None)
         # Nothing was copied by objckpt before the "replication" ran: the check waited.
-        mgr.save(2, _state(2))
-        mgr.wait_until_finished()
+        mgr.save(2, _state(2)).result(timeout=120)
         _replicate(client, s3_bucket.bucket, BACKUP_BUCKET, "t/run/step-0000000002/", True)
         with pytest.raises(BackupError, match=r"replica not in place after 8 s: .*CRC32C"):
             mgr.wait_for_backups(timeout=60)

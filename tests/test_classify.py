@@ -19,6 +19,20 @@ def _client_error(code: str, status: int) -> ClientError:
     )
 
 
+class _ContentLengthError(Exception):
+    """Shaped like aiohttp's ClientPayloadError cause: a ``code`` that is no HTTP answer."""
+
+    code = 400
+
+
+class ClientPayloadError(Exception):
+    pass
+
+
+def _cut_body() -> BaseException:
+    return _wrapped(_ContentLengthError(), ClientPayloadError("Response payload is not completed"))
+
+
 def _wrapped(cause: BaseException, outer: BaseException) -> BaseException:
     """As s3fs raises: its own OSError, the botocore error kept as the cause."""
     outer.__cause__ = cause
@@ -50,6 +64,7 @@ def test_not_transient(exc: BaseException) -> None:
         (_wrapped(_client_error("SlowDown", 503), OSError(errno.EBUSY, "SlowDown")), True),
         (OSError(errno.EBUSY, "busy"), True),  # s3fs's SlowDown without its cause
         (ConnectionResetError(), False),
+        (_cut_body(), False),  # a body cut short (aiohttp's code=400 is no answer)
         (TimeoutError(), False),
     ],
 )

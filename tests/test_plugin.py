@@ -24,5 +24,5 @@ def test_the_plugin_leaves_the_environment_alone_outside_its_fixtures(
             assert os.environ["AWS_EC2_METADATA_DISABLED"] == "true"
         """
     )
-    result = pytester.runpytest_subprocess("-p", "objckpt.testing.plugin", "-p", "no:cacheprovider")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")  # objckpt: entry point
     result.assert_outcomes(passed=2)

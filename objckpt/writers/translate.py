@@ -86,10 +86,13 @@ def service_error(exc: BaseException) -> tuple[str | None, int | None]:
         code = response.get("Error", {}).get("Code")
         status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         return (str(code) if code else None, status if isinstance(status, int) else None)
-    for attr in ("status", "code"):
-        value = getattr(exc, attr, None)
-        if isinstance(value, int) and not isinstance(value, bool) and 100 <= value < 600:
-            return None, value
+    # Only where these attributes are an HTTP answer: aiohttp's payload errors also
+    # carry a ``code`` (400 for a body cut short), which is no answer from the store.
+    names = _names(exc)
+    attr = "status" if "ClientResponseError" in names else "code" if "HttpError" in names else None
+    value = getattr(exc, attr, None) if attr else None
+    if isinstance(value, int) and not isinstance(value, bool) and 100 <= value < 600:
+        return None, value
     if type(exc) is OSError and exc.args and isinstance(exc.args[0], str):
         if exc.args[0].startswith("Forbidden"):
             return None, 403
