@@ -118,6 +118,12 @@ def run_demo(
                 snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}
                 pending.append((step, stall, handle))
                 logger.info("step %d loss %.4f: save returned in %.3f s", step, loss.item(), stall)
+                if handle.waited_for_earlier > 0.05:
+                    logger.info(
+                        "  of which %.3f s waiting for the previous save's uploads to finish "
+                        "(AsyncOptions.max_in_flight=1: one save uploading at a time)",
+                        handle.waited_for_earlier,
+                    )
         mgr.wait_until_finished()
         for step, stall, handle in pending:
             manifest = handle.result()

@@ -240,3 +240,18 @@ def test_two_threads_saving_at_once_both_commit_their_own_values(target: StoreTa
         got = empty_like_state(states[n])
         load(got, target.url(f"thread{n}"), target)
         assert_state_equal(got, states[n])
+
+
+def test_a_save_that_waited_for_the_previous_one_says_how_long(
+    s3_bucket: StoreTarget, s3_proxy
+) -> None:
+    from objckpt.testing import Rule
+
+    s3_proxy.add(Rule("PutObject", key_contains=".distcp", nth=1, action="stall", stall=2.0))
+    opts = AsyncOptions(max_in_flight=1)
+    with AsyncCheckpointer(storage_options=s3_proxy.storage_options(), options=opts) as ckpt:
+        first = ckpt.save({"w": torch.ones(8)}, s3_bucket.url("first"))
+        second = ckpt.save({"w": torch.ones(8)}, s3_bucket.url("second"))
+        assert first.waited_for_earlier == 0.0
+        assert second.waited_for_earlier > 0.5  # the first save's upload was stalled 2 s
+        second.result(timeout=120)

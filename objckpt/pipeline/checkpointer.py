@@ -24,6 +24,7 @@ import contextvars
 import dataclasses
 import logging
 import threading
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures.process import BrokenProcessPool
@@ -208,7 +209,7 @@ class AsyncCheckpointer:
                 f"async save cannot write {url}: memory:// is private to one process and the "
                 "uploads run in worker processes; use file://, s3:// or gs://"
             )
-        self._throttle()
+        waited = self._throttle()
         target = ObjectStoreWriter(
             url,
             storage_options=self.storage_options,
@@ -256,6 +257,7 @@ class AsyncCheckpointer:
         world = dist.get_world_size(process_group) if distributed else 1
         future: concurrent.futures.Future[Manifest | None] = concurrent.futures.Future()
         handle = SaveHandle(loc.url, future, target.request_counter)
+        handle.waited_for_earlier = waited
         with self._lock:
             self._inflight.append(handle)
         thread = threading.Thread(
@@ -360,12 +362,14 @@ class AsyncCheckpointer:
             target.location.url,
         )
 
-    def _throttle(self) -> None:
+    def _throttle(self) -> float:
+        """Wait while ``max_in_flight`` saves are uploading; returns the seconds waited."""
+        started = time.perf_counter()
         while True:
             with self._lock:
                 self._inflight = [h for h in self._inflight if not h.done()]
                 if len(self._inflight) < self.options.max_in_flight:
-                    return
+                    return time.perf_counter() - started
                 oldest = self._inflight[0]
             oldest.exception()  # wait; its error is reported by check_for_errors
 

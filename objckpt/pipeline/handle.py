@@ -33,6 +33,9 @@ class SaveHandle:
         self.url = url
         self._future = future
         self._counter = counter or RequestCounter()
+        #: Seconds ``save`` waited for earlier saves to finish uploading before it
+        #: could stage this one (``AsyncOptions.max_in_flight``): part of the stall.
+        self.waited_for_earlier = 0.0
 
     @property
     def requests(self) -> RequestStats:
