@@ -270,9 +270,12 @@ def _run_all(
             stalls.append(time.perf_counter() - t0)
             handle.result(timeout=600)
 
+        out["objckpt_async"] = measure(objckpt_async, fresh, repeats, lambda: ckpt.worker_pids)
+        out["objckpt_async"]["stall_s"] = statistics.median(stalls[1 : repeats + 1])
+        # Memory in a run of its own: reading /proc while timing would add CPU.
+        fresh()
         with TreeRss(exclude=server.process.pid) as rss:
-            out["objckpt_async"] = measure(objckpt_async, fresh, repeats, lambda: ckpt.worker_pids)
-        out["objckpt_async"]["stall_s"] = statistics.median(stalls[1:])
+            objckpt_async()
         out["objckpt_async"]["peak_tree_rss"] = rss.peak
         out["objckpt_async"]["peak_tree_pss"] = rss.peak_pss
 
@@ -290,9 +293,11 @@ def _run_all(
         dcp_stalls.append(time.perf_counter() - t0)
         fut.result()
 
+    out["dcp_async"] = measure(dcp_async, fresh, repeats, none)
+    out["dcp_async"]["stall_s"] = statistics.median(dcp_stalls[1 : repeats + 1])
+    fresh()
     with TreeRss(exclude=server.process.pid) as rss:
-        out["dcp_async"] = measure(dcp_async, fresh, repeats, none)
-    out["dcp_async"]["stall_s"] = statistics.median(dcp_stalls[1:])
+        dcp_async()
     out["dcp_async"]["peak_tree_rss"] = rss.peak
     out["dcp_async"]["peak_tree_pss"] = rss.peak_pss
     return out
