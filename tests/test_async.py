@@ -252,6 +252,6 @@ def test_a_save_that_waited_for_the_previous_one_says_how_long(
     with AsyncCheckpointer(storage_options=s3_proxy.storage_options(), options=opts) as ckpt:
         first = ckpt.save({"w": torch.ones(8)}, s3_bucket.url("first"))
         second = ckpt.save({"w": torch.ones(8)}, s3_bucket.url("second"))
-        assert first.waited_for_earlier == 0.0
+        assert first.waited_for_earlier < 0.05  # nothing was in flight
         assert second.waited_for_earlier > 0.5  # the first save's upload was stalled 2 s
         second.result(timeout=120)

@@ -17,7 +17,7 @@ from objckpt import CheckpointManager, Location
 from objckpt.errors import CheckpointNotFoundError, ConfigurationError
 from objckpt.format.steps import step_name
 from objckpt.ops.gc import collect_garbage, delete_step
-from objckpt.testing import MotoServer, offline_env
+from objckpt.testing import FaultProxy, MotoServer, Rule, offline_env
 from objckpt.testing.plugin import StoreTarget
 
 HERE = os.path.dirname(__file__)
@@ -42,11 +42,22 @@ def _keys(moto_server: MotoServer, bucket: str, prefix: str) -> list[str]:
 
 
 @pytest.mark.timeout(240)
-def test_gc_after_a_save_killed_mid_upload(moto_server: MotoServer, s3_bucket: StoreTarget) -> None:
+def test_gc_after_a_save_killed_mid_upload(
+    moto_server: MotoServer, s3_bucket: StoreTarget, s3_proxy: FaultProxy
+) -> None:
     root = s3_bucket.url("killed")
     opts = s3_bucket.storage_options
+    # The child saves through the proxy: once one of step 2's objects is complete, the
+    # proxy holds every further CompleteMultipartUpload, so an upload is certainly
+    # still open when the child is killed.
     child = subprocess.Popen(
-        [sys.executable, os.path.join(HERE, "killed_save.py"), root, json.dumps(opts), "6"],
+        [
+            sys.executable,
+            os.path.join(HERE, "killed_save.py"),
+            root,
+            json.dumps(s3_proxy.storage_options()),
+            "6",
+        ],
         stdout=subprocess.PIPE,
         text=True,
         env={**os.environ, **offline_env()},
@@ -59,11 +70,12 @@ def test_gc_after_a_save_killed_mid_upload(moto_server: MotoServer, s3_bucket: S
         deadline = time.monotonic() + 60
         killed = f"{Location.parse(root).path.split('/', 1)[1]}/{step_name(2)}/"
         # Kill mid-upload: some of step 2's objects complete, another one's parts in flight.
-        while not (
-            _keys(moto_server, s3_bucket.bucket, killed)
-            and _uploads_with_parts(moto_server, s3_bucket.bucket)
-        ):
+        held = False
+        while not (held and _uploads_with_parts(moto_server, s3_bucket.bucket)):
             assert time.monotonic() < deadline, "never caught the save mid-upload"
+            if not held and _keys(moto_server, s3_bucket.bucket, killed):
+                s3_proxy.add(Rule("CompleteMultipartUpload", action="stall", stall=300))
+                held = True
             time.sleep(0.01)
     finally:
         os.killpg(child.pid, signal.SIGKILL)
