@@ -61,28 +61,26 @@ def _proc_cpu(pid: int) -> float:
         return 0.0
 
 
-def _rss(pid: int) -> int:
+def _kib_field(path: str, field: str) -> int:
+    """Bytes of a ``Field:  N kB`` line of a /proc file (0 once the process is gone)."""
     try:
-        with open(f"/proc/{pid}/status") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return 0
+
+
+def _rss(pid: int) -> int:
+    return _kib_field(f"/proc/{pid}/status", "VmRSS:")
 
 
 def _pss(pid: int) -> int:
     """Proportional set size: shared pages (the staging segment) split between the
     processes that map them, so a tree's sum counts them once."""
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return _kib_field(f"/proc/{pid}/smaps_rollup", "Pss:")
 
 
 def _children(pid: int) -> list[int]:
