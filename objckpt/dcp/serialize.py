@@ -58,12 +58,12 @@ class _Sink:
             view = view.cast("B")
         if self.own_crc:
             self.object_crc.update(view)
-        self.item_crc.update(view)
         try:
-            self.upload.write(view)
+            crc = self.upload.write(view)
         except BaseException as exc:
             self.error = exc
             raise
+        self.item_crc.feed(view, crc)
         self.pos += view.nbytes
         return view.nbytes
 

@@ -92,11 +92,13 @@ class ObjectUpload(abc.ABC):
         self.crc32c: str | None = None
 
     @abc.abstractmethod
-    def write(self, data: BytesLike) -> None:
+    def write(self, data: BytesLike) -> int | None:
         """Append bytes. May block while too many parts are in flight (backpressure).
 
         The bytes are copied or written before this returns, so the caller may
-        reuse ``data`` afterwards.
+        reuse ``data`` afterwards. Returns the CRC32C of ``data`` when the upload
+        computed it anyway (``tracks_crc32c``), so a caller that checksums items
+        does not hash the same bytes a second time; None otherwise.
         """
 
     @abc.abstractmethod

@@ -15,6 +15,7 @@ import functools
 import crc32c as _crc32c
 
 __all__ = [
+    "COMBINE_ABOVE",
     "BytesLike",
     "Crc32c",
     "crc32c_combine",
@@ -25,6 +26,10 @@ __all__ = [
 ]
 
 BytesLike = bytes | bytearray | memoryview
+
+#: Writes at least this long reuse a CRC computed elsewhere through
+#: :func:`crc32c_combine`; shorter ones are hashed again (cheaper than combining).
+COMBINE_ABOVE = 64 * 1024
 
 
 class Crc32c:
@@ -37,6 +42,18 @@ class Crc32c:
 
     def update(self, data: BytesLike) -> None:
         self.value = _crc32c.crc32c(data, self.value)
+
+    def extend(self, crc: int, length: int) -> None:
+        """Continue over ``length`` bytes whose own CRC32C someone already computed."""
+        self.value = crc32c_combine(self.value, crc, length)
+
+    def feed(self, data: BytesLike, crc: int | None) -> None:
+        """Continue over ``data``, reusing its CRC32C ``crc`` when one is given and
+        the bytes are many (combining costs more than hashing a short write)."""
+        if crc is None or len(data) < COMBINE_ABOVE:
+            self.update(data)
+        else:
+            self.extend(crc, len(data))
 
     def hexdigest(self) -> str:
         return format_crc(self.value)
@@ -83,9 +100,9 @@ def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
     return crc1 ^ crc2
 
 
-def crc32c_of(data: BytesLike) -> int:
-    """The CRC32C of one buffer."""
-    return int(_crc32c.crc32c(data))
+def crc32c_of(data: BytesLike, value: int = 0) -> int:
+    """The CRC32C of one buffer (continuing from ``value``, the CRC32C of what precedes it)."""
+    return int(_crc32c.crc32c(data, value))
 
 
 def to_base64(value: int) -> str:

@@ -22,6 +22,7 @@ from objckpt.errors import BucketNotFoundError, UploadError
 from objckpt.options import MAX_PARTS
 from objckpt.writers.base import PROBE_KEY, ObjectStore, ObjectUpload, OpenUpload, translated_future
 from objckpt.writers.checksum import (
+    COMBINE_ABOVE,
     BytesLike,
     crc32c_combine,
     crc32c_of,
@@ -262,38 +263,52 @@ class S3Upload(ObjectUpload):
         self._part_size = part_size
         self._buf = bytearray(part_size)
         self._fill = 0
+        self._buf_crc = 0  # of self._buf[: self._fill]
         # The first full part waits here until a second one shows the object needs
         # multipart; objects up to two parts go up in a single request.
-        self._held: bytearray | None = None
+        self._held: tuple[bytearray, int] | None = None  # the part and its CRC32C
         self._upload_id: str | None = None
         self._parts: list[concurrent.futures.Future[dict[str, Any]]] = []
         self._crc = 0  # of the parts sent so far, combined
         self._done = False
 
-    def write(self, data: BytesLike) -> None:
+    def write(self, data: BytesLike) -> int:
+        """Copy ``data`` into part buffers, hashing each byte once: the CRC32C of a
+        part (sent with it) and of ``data`` (returned) are built from the same pieces."""
         view = memoryview(data)
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
         pos, total = 0, len(view)
+        crc = 0
         while pos < total:
             take = min(total - pos, self._part_size - self._fill)
-            self._buf[self._fill : self._fill + take] = view[pos : pos + take]
+            piece = view[pos : pos + take]
+            self._buf[self._fill : self._fill + take] = piece
+            if take < COMBINE_ABOVE:
+                self._buf_crc = crc32c_of(piece, self._buf_crc)
+                piece_crc = crc32c_of(piece)
+            else:
+                piece_crc = crc32c_of(piece)
+                self._buf_crc = crc32c_combine(self._buf_crc, piece_crc, take)
+            crc = crc32c_combine(crc, piece_crc, take) if pos else piece_crc
             self._fill += take
             pos += take
             if self._fill == self._part_size:
-                full, self._buf, self._fill = self._buf, bytearray(self._part_size), 0
-                self._part_full(full)
+                full, part_crc = self._buf, self._buf_crc
+                self._buf, self._fill, self._buf_crc = bytearray(self._part_size), 0, 0
+                self._part_full(full, part_crc)
+        return crc
 
-    def _part_full(self, full: bytearray) -> None:
+    def _part_full(self, full: bytearray, crc: int) -> None:
         if self._upload_id is None and self._held is None:
-            self._held = full
+            self._held = (full, crc)
             return
         if self._upload_id is None:
             assert self._held is not None
             self._start_multipart()
             held, self._held = self._held, None
-            self._send(held)
-        self._send(full)
+            self._send(*held)
+        self._send(full, crc)
 
     def _start_multipart(self) -> None:
         try:
@@ -311,14 +326,13 @@ class S3Upload(ObjectUpload):
             ) from exc
         self._upload_id = out["UploadId"]
 
-    def _send(self, data: bytearray) -> None:
+    def _send(self, data: bytearray, crc: int) -> None:
         number = len(self._parts) + 1
         if number > MAX_PARTS:
             raise UploadError(
                 f"{self._store.location.url_of(self.key)} needs more than {MAX_PARTS} parts; "
                 f"raise UploadOptions.part_size"
             )
-        crc = crc32c_of(data)
         self._crc = crc32c_combine(self._crc, crc, len(data))
         self._store.acquire_slot()
         fut = self._store.submit_coro(self._upload_part(number, data, crc))
@@ -342,12 +356,13 @@ class S3Upload(ObjectUpload):
         self._done = True
         url = self._store.location.url_of(self.key)
         if self._upload_id is None:
-            body = self._buf
+            body, crc = self._buf, self._buf_crc
             del body[self._fill :]
             if self._held is not None:
-                body = self._held + body
+                held, held_crc = self._held
+                crc = crc32c_combine(held_crc, crc, len(body))
+                body = held + body
             self._held = None
-            crc = crc32c_of(body)
             self.crc32c = format_crc(crc)
             self._store.acquire_slot()
             fut = self._store.submit_coro(
@@ -364,7 +379,7 @@ class S3Upload(ObjectUpload):
         if self._fill:
             last = self._buf
             del last[self._fill :]
-            self._send(last)
+            self._send(last, self._buf_crc)
         self.crc32c = format_crc(self._crc)
         return translated_future(self._store.submit_coro(self._complete()), url, "uploading")
 
