@@ -51,6 +51,7 @@ __all__ = [
     "MissingCredentialsError",
     "ObjckptError",
     "RequestFailedError",
+    "SaveDeadlineError",
     "SizeMismatchError",
     "StateDictError",
     "StateDictMismatchError",
@@ -101,6 +102,10 @@ class BucketNotFoundError(StoreError, FileNotFoundError):
 
 class UploadError(StoreError):
     """An object could not be written; any multipart upload was aborted."""
+
+
+class SaveDeadlineError(UploadError):
+    """A save's requests were not all answered within ``UploadOptions.deadline``."""
 
 
 class CheckpointNotFoundError(ObjckptError, FileNotFoundError):

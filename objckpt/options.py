@@ -43,12 +43,18 @@ class UploadOptions:
             ranks write more than that per second at once (e.g. 512 ranks x 8 parts
             in flight, parts finishing every ~1 s = 4,096 PUT/s) can meet 503s on
             one prefix; 1 digit spreads them over 16 prefixes, 2 over 256.
+        deadline: Seconds one save's store requests may take in all, from the
+            start of its uploads to the commit (None: no bound). A stalled endpoint
+            then fails the save in bounded time, with an error naming the rank and
+            the object, instead of after every part's retries in turn. Raise it
+            for many GiB per rank over a slow link.
     """
 
     part_size: int = 16 * MiB
     object_size: int = 64 * MiB
     max_inflight: int = 8
     prefix_entropy: int = 0
+    deadline: float | None = 600.0
 
     def __post_init__(self) -> None:
         _require(
@@ -76,6 +82,17 @@ class UploadOptions:
             "prefix_entropy",
             self.prefix_entropy,
             "an int between 0 (off) and 8 hex digits",
+        )
+        _require(
+            self.deadline is None
+            or (
+                isinstance(self.deadline, (int, float))
+                and not isinstance(self.deadline, bool)
+                and self.deadline > 0
+            ),
+            "deadline",
+            self.deadline,
+            "seconds > 0, or None for no deadline",
         )
 
     def part_size_for(self, size_hint: int) -> int:

@@ -7,6 +7,7 @@ with a clear error, and gc leaves nothing behind.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import subprocess
 import sys
@@ -284,3 +285,73 @@ def test_a_full_disk_fails_the_save_and_keeps_the_previous_step(tmp_path) -> Non
     got = empty_like_state(_state(0, mib=1))
     load(got, target.url("ok"), target)
     assert_state_equal(got, _state(8, mib=1))
+
+
+# A frozen endpoint: payload requests are accepted and never answered (the proxy
+# holds each far longer than the test), while the retry policy alone would wait
+# 6 attempts x 60 s per request.
+FROZEN = Rule(key_contains=".distcp", action="stall", stall=120)
+DEADLINE = 4.0
+
+
+def _fails_within_deadline(elapsed: float, message: str, url: str) -> None:
+    assert elapsed <= DEADLINE * 1.1, f"failed after {elapsed:.2f} s, deadline {DEADLINE} s"
+    assert "rank 0" in message and url in message, message
+    assert ".distcp" in message, message  # the object that got no answer
+    assert "UploadOptions.deadline" in message, message
+
+
+def test_a_sync_save_to_a_frozen_endpoint_fails_within_its_deadline_naming_rank_and_object(
+    via: StoreTarget, s3_proxy: FaultProxy, moto_server: MotoServer
+) -> None:
+    import torch.distributed.checkpoint as dcp
+    from helpers import quiet
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from objckpt import ObjectStoreWriter
+    from objckpt.errors import SaveDeadlineError
+
+    url = via.url("frozen")
+    s3_proxy.add(FROZEN)
+    writer = ObjectStoreWriter(
+        url,
+        storage_options=via.storage_options,
+        upload=dataclasses.replace(PARTS, deadline=DEADLINE),
+        retry=RetryPolicy(),  # the defaults: 6 attempts, 60 s per request
+    )
+    started = time.monotonic()
+    with quiet(), pytest.raises(CheckpointException) as info:
+        dcp.save(_state(6, mib=1), storage_writer=writer)
+    elapsed = time.monotonic() - started
+    error = carried(info.value)
+    assert isinstance(error, SaveDeadlineError), repr(error)
+    _fails_within_deadline(elapsed, str(error), url)
+    assert s3_proxy.count("PutObject", faulted=True) >= 1  # the stall was really hit
+    prefix = url.removeprefix("s3://objckpt-test/") + "/"
+    assert MANIFEST_KEY not in [
+        k.rsplit("/", 1)[-1] for k in _keys(moto_server, "objckpt-test", prefix)
+    ]
+
+
+def test_an_async_save_to_a_frozen_endpoint_fails_within_its_deadline(
+    via: StoreTarget, s3_proxy: FaultProxy, moto_server: MotoServer
+) -> None:
+    from objckpt import AsyncCheckpointer
+    from objckpt.errors import SaveDeadlineError
+
+    url = via.url("frozen-async")
+    with AsyncCheckpointer(
+        storage_options=via.storage_options, upload=dataclasses.replace(PARTS, deadline=DEADLINE)
+    ) as ckpt:
+        ckpt.save(_state(7, mib=1), via.url("warm")).result(timeout=60)  # workers up and warm
+        s3_proxy.add(FROZEN)
+        started = time.monotonic()
+        handle = ckpt.save(_state(7, mib=1), url)
+        with pytest.raises(SaveDeadlineError) as info:
+            handle.result(timeout=60)
+        elapsed = time.monotonic() - started
+        _fails_within_deadline(elapsed, str(info.value), url)
+        s3_proxy.clear()
+    prefix = url.removeprefix("s3://objckpt-test/") + "/"
+    keys = [k.rsplit("/", 1)[-1] for k in _keys(moto_server, "objckpt-test", prefix)]
+    assert MANIFEST_KEY not in keys

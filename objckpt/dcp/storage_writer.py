@@ -51,6 +51,7 @@ from objckpt.format.manifest import Manifest
 from objckpt.options import UploadOptions
 from objckpt.writers import ObjectStore, open_store
 from objckpt.writers.accounting import RequestCounter, RequestStats, counting
+from objckpt.writers.deadline import Deadline, bounded_by
 from objckpt.writers.location import Location
 from objckpt.writers.retry import RetryPolicy
 from objckpt.writers.translate import translate
@@ -121,6 +122,7 @@ class ObjectStoreWriter(StorageWriter):
         self.last_manifest: Manifest | None = None
         self._counter = RequestCounter()
         self._counter_attached = False
+        self._deadline: Deadline | None = None
 
     def attach(
         self,
@@ -202,12 +204,16 @@ class ObjectStoreWriter(StorageWriter):
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self._rank = int(rank)
+        # The save's clock starts here: preflight, uploads and the commit share it.
+        self._deadline = Deadline.start(
+            self.upload.deadline, f"rank {self._rank} saving {self.location.url}"
+        )
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self._attempt or self.save_id)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        with counting(self._counter):
+        with counting(self._counter), bounded_by(self._deadline):
             return self._check_target(plan)
 
     def _check_target(self, plan: SavePlan) -> SavePlan:
@@ -233,7 +239,7 @@ class ObjectStoreWriter(StorageWriter):
         if not isinstance(rank_plan, RankPlan):
             raise ConfigurationError("ObjectStoreWriter.write_data got a plan it did not prepare")
         self._attempt = rank_plan.attempt
-        with counting(self._counter):
+        with counting(self._counter), bounded_by(self._deadline):
             results = self._write(plan, rank_plan, planner)
         results.append(requests_result(self._counter.snapshot()))
         fut: Future[list[WriteResult]] = Future()
@@ -281,7 +287,7 @@ class ObjectStoreWriter(StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         if self._attempt is None:
             raise ConfigurationError("ObjectStoreWriter.finish called before a plan was prepared")
-        with counting(self._counter):
+        with counting(self._counter), bounded_by(self._deadline):
             self._commit(metadata, results, self._attempt)
 
     def _commit(self, metadata: Metadata, results: list[list[WriteResult]], attempt: str) -> None:

@@ -97,7 +97,7 @@ def open_manifest(store: ObjectStore) -> Manifest:
 
 
 def _stream(
-    store: ObjectStore, key: str, sink: Callable[[bytes], None], progress: Progress | None
+    store: ObjectStore, key: str, sink: Callable[[bytes], object], progress: Progress | None
 ) -> tuple[int, str]:
     """Read one object in chunks; returns (size, crc32c)."""
     crc = Crc32c()

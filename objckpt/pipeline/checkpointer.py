@@ -58,6 +58,7 @@ from objckpt.pipeline.plan_cache import (
 from objckpt.pipeline.stage import Staged, Stager
 from objckpt.pipeline.workers import WorkerPool
 from objckpt.writers.accounting import RequestCounter, counting
+from objckpt.writers.deadline import bounded_by
 from objckpt.writers.retry import RetryPolicy
 from objckpt.writers.translate import describe
 
@@ -385,7 +386,7 @@ class AsyncCheckpointer:
         url = writer.writer.location.url
         counter = writer.writer.request_counter
         try:
-            with counting(counter):
+            with counting(counter), bounded_by(writer.deadline):
                 manifest = self._finish(writer, staged, world, process_group, distributed)
             future.set_result(manifest)
         except BaseException as exc:

@@ -34,6 +34,7 @@ from objckpt.errors import ConfigurationError, UploadError
 from objckpt.format.layout import payload_key
 from objckpt.pipeline.stage import Staged, Wave
 from objckpt.pipeline.workers import WorkerPool, upload_object
+from objckpt.writers.deadline import Deadline
 
 __all__ = ["DeferredWriter", "Pending"]
 
@@ -68,6 +69,8 @@ class DeferredWriter(StorageWriter):
         self.rank_plan: RankPlan | None = None
         self.metadata: Metadata | None = None
         self.final_plan: SavePlan | None = None
+        #: Bounds this save's requests, in the workers and at the commit.
+        self.deadline: Deadline | None = None
 
     # -- DCP protocol: delegated to the plain writer ------------------------------------
     def reset(self, checkpoint_id: Any = None) -> None:
@@ -100,6 +103,9 @@ class DeferredWriter(StorageWriter):
         self.final_plan = plan
         upload = self.writer.upload
         location = self.writer.location
+        self.deadline = Deadline.start(
+            upload.deadline, f"rank {rank_plan.rank} saving {location.url}"
+        )
         items = list(plan.items)
         self.items = items
         resolved = resolve_bytes_items(items, planner)  # fails here, before any upload
@@ -130,7 +136,9 @@ class DeferredWriter(StorageWriter):
                 entries.append((pos, ref if ref is not None else tensor))
             if wave is not None:
                 entries = self._into_wave(wave, entries, this_wave, staged.cuda)
-            future = self._pool.submit(upload_object, location, upload, obj.key, entries)
+            future = self._pool.submit(
+                upload_object, location, upload, obj.key, entries, self.deadline
+            )
             self.pending.append(Pending(obj, future))
             this_wave.append(future)
         # DCP gathers these now; the real locations travel through the c10d store later.

@@ -37,6 +37,7 @@ from objckpt.pipeline.stage import SegmentRef, attach_tensor
 from objckpt.writers import ObjectStore, open_store
 from objckpt.writers.accounting import RequestCounter, counting
 from objckpt.writers.checksum import BytesLike
+from objckpt.writers.deadline import Deadline, bounded_by
 from objckpt.writers.location import Location
 
 __all__ = ["WorkerPool", "upload_object"]
@@ -80,12 +81,17 @@ def _unlink_attached_segments() -> None:
 
 
 def upload_object(
-    location: Location, options: UploadOptions, key: str, entries: list[Entry]
+    location: Location,
+    options: UploadOptions,
+    key: str,
+    entries: list[Entry],
+    deadline: Deadline | None = None,
 ) -> PayloadRecord:
     """Worker side: serialize ``entries`` into the object ``key`` and upload it.
 
     Entries are (item id, data): a :class:`SegmentRef` into a staging segment, a
-    tensor, or already-serialized bytes.
+    tensor, or already-serialized bytes. Every request is bounded by the save's
+    ``deadline``.
     """
     _forget_freed_segments()
     resolved: list[tuple[int, torch.Tensor | BytesLike]] = [
@@ -109,7 +115,7 @@ def upload_object(
     size_hint = sum(
         t.numel() * t.element_size() if isinstance(t, torch.Tensor) else len(t) for _, t in resolved
     )
-    with counting(RequestCounter()) as counter:
+    with counting(RequestCounter()) as counter, bounded_by(deadline):
         upload = store.begin(key, size_hint)
         try:
             record, done = close_payload(upload, write_payload(upload, resolved))

@@ -140,7 +140,9 @@ class ObjectStore(abc.ABC):
         # Bounds concurrent requests and the memory held by their buffers; halves
         # under throttling and grows back (AIMD), told by the retry layer.
         self.limit = AimdLimit(options.max_inflight)
-        retry.install(self.fs, location.retry, self.limit)
+        observe = getattr(self.fs, "add_observer", None)
+        if observe is not None:
+            observe(self.limit)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 

@@ -22,7 +22,7 @@ import fsspec
 from fsspec import AbstractFileSystem
 
 from objckpt.errors import ConfigurationError
-from objckpt.writers.retry import RetryPolicy, install, s3_options
+from objckpt.writers.retry import RetryPolicy, s3_options
 
 __all__ = ["Location"]
 
@@ -159,7 +159,12 @@ class Location:
         if fresh:
             options["skip_instance_cache"] = True
         try:
-            fs = fsspec.filesystem(self.protocol, **options)
+            if self.protocol in _S3:
+                from objckpt.writers.s3client import RetryingS3FileSystem
+
+                fs = RetryingS3FileSystem(retry_policy=self.retry, **options)
+            else:
+                fs = fsspec.filesystem(self.protocol, **options)
         except ImportError as exc:
             extra = _EXTRAS.get(self.protocol)
             hint = f"pip install 'objckpt[{extra}]'" if extra else "install its fsspec backend"
@@ -172,5 +177,4 @@ class Location:
                 f"the {self.protocol}:// backend rejected storage_options for {self.url} "
                 f"(option names given: {names}): {type(exc).__name__}"
             ) from exc
-        install(fs, self.retry)
         return fs

@@ -3,10 +3,12 @@
 Why objckpt owns this instead of leaving it to the SDKs: s3fs retries each call
 5 times and botocore retries again underneath, so a hard outage costs 25
 attempts with two unrelated backoffs, and neither tells objckpt it is being
-throttled. Here the SDK layers are set to a single attempt with a per-request
-timeout, and every S3 request (s3fs's ``_call_s3``, which uploads, reads,
-listings and deletes all go through) is retried by :class:`RetryPolicy`:
-capped exponential backoff with full jitter (tenacity), transient errors only.
+throttled nor knows a save's deadline. Here botocore is configured (through its
+public ``Config``) for a single attempt with a per-request timeout, and
+:class:`~objckpt.writers.s3client.RetryingS3FileSystem` (an s3fs subclass, so
+uploads, reads, listings and deletes all pass it) runs each request through
+:func:`call_with_retries`: capped exponential backoff with full jitter
+(tenacity), transient errors only, bounded by the save's deadline.
 
 Transient: HTTP 503/SlowDown and 500/InternalError, connection resets and
 refusals, timeouts, truncated responses. Permanent (raised at once): 403, 404
@@ -26,17 +28,25 @@ import errno
 import http.client
 import logging
 import socket
-import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 import tenacity
 
-from objckpt.errors import ConfigurationError
+from objckpt.errors import ConfigurationError, SaveDeadlineError
 from objckpt.writers.accounting import current_counter
+from objckpt.writers.deadline import current_deadline
 from objckpt.writers.translate import causes, service_error
 
-__all__ = ["RetryObserver", "RetryPolicy", "install", "is_throttle", "is_transient", "s3_options"]
+__all__ = [
+    "RetryObserver",
+    "RetryPolicy",
+    "call_with_retries",
+    "is_throttle",
+    "is_transient",
+    "retry_call",
+    "s3_options",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +144,10 @@ def is_throttle(exc: BaseException) -> bool:
 def is_transient(exc: BaseException) -> bool:
     """Whether retrying the same request may succeed (by type, code and status only)."""
     chain = causes(exc)
-    if any(isinstance(e, (PermissionError, FileNotFoundError, FileExistsError)) for e in chain):
+    if any(
+        isinstance(e, (PermissionError, FileNotFoundError, FileExistsError, SaveDeadlineError))
+        for e in chain
+    ):
         return False
     code, status = _service_answer(exc)
     if code is not None or status is not None:
@@ -187,81 +200,93 @@ def s3_options(options: Mapping[str, Any], policy: RetryPolicy) -> dict[str, Any
     return out
 
 
-class _Retrying:
-    """The wrapper installed on one s3fs instance's ``_call_s3``."""
+async def call_with_retries(
+    call: Callable[..., Awaitable[Any]],
+    policy: RetryPolicy,
+    observers: Iterable[RetryObserver],
+    method: str,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """Run one store request under ``policy`` and the current save's deadline.
 
-    def __init__(self, call: Callable[..., Any], policy: RetryPolicy) -> None:
-        self.call = call
-        self.policy = policy
-        # Weak: an async checkpointer shares one filesystem across saves, each save's
-        # store observes it, and a finished store must not be kept (or told) forever.
-        self.observers: weakref.WeakSet[Any] = weakref.WeakSet()
+    Each attempt is bounded by what is left of the deadline
+    (:mod:`objckpt.writers.deadline`); retries stop once no time is left for one
+    more, and the request fails with :class:`~objckpt.errors.SaveDeadlineError`
+    naming the save and the object. Every outcome is counted (the current
+    :class:`~objckpt.writers.accounting.RequestCounter`) and told to ``observers``.
+    """
+    deadline = current_deadline()
 
-    def _before_sleep(self, state: tenacity.RetryCallState, method: str) -> None:
-        exc = state.outcome.exception() if state.outcome else None
-        logger.info(
-            "retrying S3 %s after %s (attempt %d of %d)",
-            method,
-            type(exc).__name__ if exc else "an error",
-            state.attempt_number + 1,
-            self.policy.attempts,
-        )
+    def what() -> str:
+        bucket, key = kwargs.get("Bucket"), kwargs.get("Key")
+        target = f"s3://{bucket}/{key}" if key else f"s3://{bucket}" if bucket else "the store"
+        return f"S3 {method} of {target}"
 
-    async def __call__(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        policy = self.policy
-        retrying = tenacity.AsyncRetrying(
-            stop=tenacity.stop_after_attempt(policy.attempts),
-            wait=tenacity.wait_random_exponential(
-                multiplier=policy.base_delay, max=policy.max_delay
-            ),
-            retry=tenacity.retry_if_exception(is_transient),
-            before_sleep=lambda state: self._before_sleep(state, method),
-            reraise=True,
-        )
-        counter = current_counter()
-        body = kwargs.get("Body")
-        sent = len(body) if isinstance(body, (bytes, bytearray, memoryview)) else 0
-        async for attempt in retrying:
-            with attempt:
-                retry = attempt.retry_state.attempt_number > 1
-                try:
-                    out = await self.call(method, *args, **kwargs)
-                except Exception as exc:
-                    throttled = is_throttle(exc)
-                    if counter is not None:
-                        counter.record(method, sent=sent, retry=retry, throttled=throttled)
-                    if throttled:
-                        for o in list(self.observers):
-                            o.throttled()
-                    raise
+    def out_of_time(state: tenacity.RetryCallState) -> bool:
+        if state.attempt_number >= policy.attempts:
+            return True
+        # The next wait is at most max_delay; stop unless an attempt can follow it.
+        return deadline is not None and deadline.remaining() <= 0
+
+    retrying = tenacity.AsyncRetrying(
+        stop=out_of_time,
+        wait=tenacity.wait_random_exponential(multiplier=policy.base_delay, max=policy.max_delay),
+        retry=tenacity.retry_if_exception(is_transient),
+        before_sleep=lambda state: _log_retry(state, method, policy),
+        reraise=True,
+    )
+    counter = current_counter()
+    body = kwargs.get("Body")
+    sent = len(body) if isinstance(body, (bytes, bytearray, memoryview)) else 0
+    async for attempt in retrying:
+        with attempt:
+            retry = attempt.retry_state.attempt_number > 1
+            try:
+                if deadline is None:
+                    out = await call(method, *args, **kwargs)
+                else:
+                    left = deadline.remaining()
+                    if left <= 0:
+                        raise deadline.error(what())
+                    try:
+                        out = await asyncio.wait_for(call(method, *args, **kwargs), left)
+                    except asyncio.TimeoutError as exc:
+                        if deadline.remaining() > 0:
+                            raise  # the request's own timeout: transient, retried
+                        raise deadline.error(what()) from exc
+            except Exception as exc:
+                throttled = is_throttle(exc)
                 if counter is not None:
-                    received = out.get("ContentLength", 0) if method == "get_object" else 0
-                    counter.record(
-                        method,
-                        sent=sent,
-                        received=received if isinstance(received, int) else 0,
-                        retry=retry,
-                        throttled=False,
-                    )
-                for o in list(self.observers):
-                    o.succeeded()
-                return out
-        raise AssertionError("unreachable")  # pragma: no cover - reraise=True
+                    counter.record(method, sent=sent, retry=retry, throttled=throttled)
+                if throttled:
+                    for o in list(observers):
+                        o.throttled()
+                raise
+            if counter is not None:
+                received = out.get("ContentLength", 0) if method == "get_object" else 0
+                counter.record(
+                    method,
+                    sent=sent,
+                    received=received if isinstance(received, int) else 0,
+                    retry=retry,
+                    throttled=False,
+                )
+            for o in list(observers):
+                o.succeeded()
+            return out
+    raise AssertionError("unreachable")  # pragma: no cover - reraise=True
 
 
-def install(fs: Any, policy: RetryPolicy, observer: RetryObserver | None = None) -> None:
-    """Route an s3fs instance's requests through ``policy`` (idempotent); other
-    filesystems are left alone. ``observer`` hears of throttling and successes."""
-    call = getattr(fs, "_call_s3", None)
-    if call is None:
-        return
-    wrapper = call if isinstance(call, _Retrying) else None
-    if wrapper is None:
-        wrapper = _Retrying(call, policy)
-        fs._call_s3 = wrapper
-        fs.retries = 1  # s3fs's own loop (an instance attribute; 5 by default)
-    if observer is not None:
-        wrapper.observers.add(observer)
+def _log_retry(state: tenacity.RetryCallState, method: str, policy: RetryPolicy) -> None:
+    exc = state.outcome.exception() if state.outcome else None
+    logger.info(
+        "retrying S3 %s after %s (attempt %d of %d)",
+        method,
+        type(exc).__name__ if exc else "an error",
+        state.attempt_number + 1,
+        policy.attempts,
+    )
 
 
 def retry_call(fn: Callable[[], Any], policy: RetryPolicy, what: str) -> Any:

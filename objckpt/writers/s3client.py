@@ -1,0 +1,50 @@
+"""The s3fs filesystem objckpt builds for ``s3://``: s3fs with objckpt's retries.
+
+Why a subclass and not s3fs as is: s3fs retries each request itself (its class
+attribute ``retries``, 5 tries) on top of botocore's retries, does not know a
+save's deadline, and tells nobody about throttling. This subclass sets s3fs's loop
+to one try and overrides ``_call_s3``, the one coroutine every s3fs request goes
+through, to run it under :func:`~objckpt.writers.retry.call_with_retries`.
+``_call_s3`` and ``retries`` are s3fs internals: ``tests/test_s3client.py`` pins
+them for the s3fs range objckpt supports (``s3fs>=2024.6``), so a release that
+changes them fails there, not in a user's save.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from s3fs import S3FileSystem
+
+from objckpt.writers.retry import RetryObserver, RetryPolicy, call_with_retries
+
+__all__ = ["RetryingS3FileSystem"]
+
+
+class RetryingS3FileSystem(S3FileSystem):
+    """``S3FileSystem`` whose requests follow a :class:`RetryPolicy` and the save's deadline.
+
+    Args:
+        retry_policy: How requests are retried (objckpt's default if omitted).
+        *args, **kwargs: s3fs's own options (``storage_options``).
+    """
+
+    retries = 1  # s3fs's own retry loop: one try; call_with_retries retries instead
+
+    def __init__(self, *args: Any, retry_policy: RetryPolicy | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.retry_policy = retry_policy or RetryPolicy()
+        # Weak: a checkpointer shares one filesystem across saves, each save's store
+        # observes it, and a finished store must not be kept (or told) forever.
+        self._observers: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    def add_observer(self, observer: RetryObserver) -> None:
+        """Tell ``observer`` of every throttled and every successful request."""
+        self._observers.add(observer)
+
+    async def _call_s3(self, method: str, *akwarglist: Any, **kwargs: Any) -> Any:
+        call = super()._call_s3
+        return await call_with_retries(
+            call, self.retry_policy, self._observers, method, *akwarglist, **kwargs
+        )
