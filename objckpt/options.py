@@ -36,8 +36,8 @@ class UploadOptions:
         object_size: Target size of a payload object. Small tensors are packed
             together up to this size; a larger tensor gets an object of its own.
             Moderate objects keep ranged reads cheap and let uploads run in parallel.
-        max_inflight: Parts (or small objects) uploading at once per writer; also
-            bounds the memory held by part buffers to ``max_inflight * part_size``.
+        max_in_flight: Parts (or small objects) uploading at once per writer; also
+            bounds the memory held by part buffers to ``max_in_flight * part_size``.
         prefix_entropy: Hex digits of hashed sub-prefix in front of each payload
             key (0 = off). S3 serves about 3,500 PUT/s per prefix: a save whose
             ranks write more than that per second at once (e.g. 512 ranks x 8 parts
@@ -52,7 +52,7 @@ class UploadOptions:
 
     part_size: int = 16 * MiB
     object_size: int = 64 * MiB
-    max_inflight: int = 8
+    max_in_flight: int = 8
     prefix_entropy: int = 0
     deadline: float | None = 600.0
 
@@ -70,9 +70,9 @@ class UploadOptions:
             "a positive int (bytes)",
         )
         _require(
-            isinstance(self.max_inflight, int) and 1 <= self.max_inflight <= 256,
-            "max_inflight",
-            self.max_inflight,
+            isinstance(self.max_in_flight, int) and 1 <= self.max_in_flight <= 256,
+            "max_in_flight",
+            self.max_in_flight,
             "an int between 1 and 256",
         )
         _require(
@@ -111,7 +111,7 @@ class ReadOptions:
         range_size: Largest single ranged GET; bigger spans are split so they
             download in parallel.
         coalesce_gap: Ranges of one object closer than this are fetched as one.
-        max_inflight_bytes: Bytes fetched but not yet copied into tensors.
+        max_in_flight_bytes: Bytes fetched but not yet copied into tensors.
         trust_pickles: Let non-tensor values be unpickled with full pickle (custom
             classes). Off: they are read with ``torch.load(weights_only=True)``,
             which admits plain values only, so a crafted checkpoint cannot run code.
@@ -123,7 +123,7 @@ class ReadOptions:
     verify: bool = True
     range_size: int = 16 * MiB
     coalesce_gap: int = 1 * MiB
-    max_inflight_bytes: int = 256 * MiB
+    max_in_flight_bytes: int = 256 * MiB
     trust_pickles: bool = False
     share_replicated: bool = True
 
@@ -154,9 +154,10 @@ class ReadOptions:
             "an int >= 0",
         )
         _require(
-            isinstance(self.max_inflight_bytes, int) and self.max_inflight_bytes >= self.range_size,
-            "max_inflight_bytes",
-            self.max_inflight_bytes,
+            isinstance(self.max_in_flight_bytes, int)
+            and self.max_in_flight_bytes >= self.range_size,
+            "max_in_flight_bytes",
+            self.max_in_flight_bytes,
             "an int >= range_size",
         )
 
@@ -166,7 +167,7 @@ class AsyncOptions:
     """How async saves run.
 
     Attributes:
-        workers: Upload processes per rank (each with ``UploadOptions.max_inflight``
+        workers: Upload processes per rank (each with ``UploadOptions.max_in_flight``
             requests in flight).
         max_in_flight: Saves that may be uploading at once; a further ``save``
             waits for the oldest to finish (each in-flight save holds its own staging).

@@ -145,7 +145,7 @@ def test_staging_budget_below_the_largest_tensor_grows_to_fit(tmp_path, caplog) 
     state = {"huge": torch.randn(MiB), "small": torch.ones(10)}  # 4 MiB tensor
     opts = AsyncOptions(staging_budget=MiB)
     url = f"file://{tmp_path}/c"
-    with AsyncCheckpointer(options=opts) as ckpt:
+    with AsyncCheckpointer(async_options=opts) as ckpt:
         ckpt.save(state, url).result(timeout=120)
         assert [b.segment.size for b in ckpt._stager._all] == [4 * MiB]
     assert "below the largest tensor" in caplog.text
@@ -183,7 +183,7 @@ def test_killed_worker_fails_the_save_and_the_next_save_works(
 
 def test_max_in_flight_bounds_concurrent_saves(tmp_path) -> None:
     target = StoreTarget(root=f"file://{tmp_path}", storage_options={})
-    with AsyncCheckpointer(options=AsyncOptions(max_in_flight=1)) as ckpt:
+    with AsyncCheckpointer(async_options=AsyncOptions(max_in_flight=1)) as ckpt:
         handles = [
             ckpt.save({"w": torch.full((MiB,), float(i))}, target.url(f"s{i}")) for i in range(3)
         ]
@@ -209,7 +209,7 @@ def test_torch_async_save_with_objckpt_writer(target: StoreTarget) -> None:
 
 
 def test_workers_start_when_the_checkpointer_is_built_not_in_the_first_save() -> None:
-    with AsyncCheckpointer(options=AsyncOptions(workers=2)) as ckpt:
+    with AsyncCheckpointer(async_options=AsyncOptions(workers=2)) as ckpt:
         ckpt._pool.wait_ready(timeout=120)  # no save has been asked for
         assert len(ckpt.worker_pids) == 2
 

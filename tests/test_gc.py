@@ -90,14 +90,14 @@ def test_gc_after_a_save_killed_mid_upload(
         for k, v in state(1, 1).items():
             assert torch.equal(got[k], v), k
         # A young save might still be running: the default grace spares it.
-        spared = mgr.gc()
+        spared = mgr.gc(dry_run=False)
         assert spared.deleted == () and spared.aborted_uploads == ()
         assert spared.spared and all(k.startswith(step_name(2)) for k in spared.spared)
         assert spared.spared_uploads
         # Once the grace period has passed, gc removes the objects and the open uploads.
         dry = collect_garbage(mgr.root, grace=0, dry_run=True)
         assert dry.aborted_uploads and _open_uploads(moto_server, s3_bucket.bucket)
-        report = mgr.gc(grace=0)
+        report = mgr.gc(grace=0, dry_run=False)
         assert report.deleted == dry.deleted and report.bytes_reclaimed == dry.bytes_reclaimed
         assert report.deleted and all(k.startswith(step_name(2) + "/") for k in report.deleted)
         assert report.aborted_uploads
@@ -118,7 +118,7 @@ def test_gc_keeps_committed_objects_and_removes_zombie_payloads(s3_bucket: Store
         # and something not objckpt's lives beside the steps.
         fs.pipe_file(f"{step}/__0_0.0123456789abcdef.distcp", b"x" * 100)
         fs.pipe_file(f"{mgr.root.path}/notes.txt", b"keep me")
-        report = mgr.gc(grace=0)
+        report = mgr.gc(grace=0, dry_run=False)
         assert report.deleted == (f"{step_name(1)}/__0_0.0123456789abcdef.distcp",)
         assert report.bytes_reclaimed == 100
         fs.invalidate_cache()

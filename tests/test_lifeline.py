@@ -24,7 +24,7 @@ CHILD = textwrap.dedent(
 
     root, report = sys.argv[1], sys.argv[2]
     if __name__ == "__main__":
-        ckpt = AsyncCheckpointer(options=AsyncOptions(workers=2))
+        ckpt = AsyncCheckpointer(async_options=AsyncOptions(workers=2))
         ckpt.save({"w": torch.randn(1 << 16)}, f"file://{root}/c1").result(timeout=120)
         workers = list(ckpt._pool._pool._processes)
         segments = [b.segment.path for b in ckpt._stager._all]

@@ -383,7 +383,7 @@ def _lifecycle(proxy: FaultProxy, moto: MotoServer, tmp_path: Path) -> None:
     time.sleep(1.0)  # let the two parts in flight land
     store.close()
     with CheckpointManager("s3://iam-primary/run", storage_options=opts) as mgr:
-        report = mgr.gc(grace=0)
+        report = mgr.gc(grace=0, dry_run=False)
         assert report.aborted_uploads
         mgr.delete(2)
 

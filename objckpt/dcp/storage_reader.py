@@ -41,6 +41,7 @@ from objckpt.errors import (
     CheckpointNotCommittedError,
     CheckpointNotFoundError,
     ChecksumMismatchError,
+    ConfigurationError,
     ManifestError,
     SizeMismatchError,
     StateDictError,
@@ -78,14 +79,28 @@ class _Range:
     reads: list[tuple[ReadItem, StoredItem]]
 
 
+def _read_options(read: ReadOptions | None, verify: bool | None) -> ReadOptions:
+    """``read`` with the ``verify=`` shorthand applied: one switch per setting, so
+    the two may not disagree (a silent winner would verify, or not, by surprise)."""
+    if verify is None:
+        return read or ReadOptions()
+    if read is not None and read.verify != verify:
+        raise ConfigurationError(
+            f"option verify={verify!r} contradicts read=ReadOptions(verify={read.verify!r}); "
+            "set it in one place"
+        )
+    return dataclasses.replace(read or ReadOptions(), verify=verify)
+
+
 class ObjectStoreReader(StorageReader):
     """Load a committed checkpoint (or a stock DCP one) from any fsspec URL.
 
     Args:
         url: Checkpoint URL.
         storage_options: Passed untouched to fsspec.
-        verify: Check each item's CRC32C (objckpt checkpoints only).
-        read: Range sizing and read-ahead; ``verify`` overrides its field.
+        verify: Shorthand for ``read=ReadOptions(verify=...)`` (check each item's
+            CRC32C; on by default). Giving both with different values is an error.
+        read: Range sizing, read-ahead and verification.
         broadcast: Read the manifest once, on rank 0 of ``process_group``, and
             send its bytes to the other ranks, instead of every rank fetching it.
             Every rank of the group must then build its reader together (it is a
@@ -109,7 +124,7 @@ class ObjectStoreReader(StorageReader):
         url: str | os.PathLike[str],
         *,
         storage_options: Mapping[str, Any] | None = None,
-        verify: bool = True,
+        verify: bool | None = None,
         read: ReadOptions | None = None,
         retry: RetryPolicy | None = None,
         broadcast: bool = False,
@@ -118,7 +133,7 @@ class ObjectStoreReader(StorageReader):
     ) -> None:
         super().__init__()
         self.location = Location.parse(url, storage_options, retry)
-        self.options = dataclasses.replace(read or ReadOptions(), verify=verify)
+        self.options = _read_options(read, verify)
         self._fs: AbstractFileSystem | None = None
         self._fs_pid = -1
         self.manifest: Manifest | None = None
@@ -319,7 +334,7 @@ class ObjectStoreReader(StorageReader):
                 lambda rs, sent, data: self._deliver_shared(rs, sent, data, planner),
                 rank=self._rank,
                 process_group=self._group,
-                batch_bytes=self.options.max_inflight_bytes,
+                batch_bytes=self.options.max_in_flight_bytes,
                 url=self.location.url,
             )
             reads = [r for r in reads if r.storage_index not in owned]
@@ -463,7 +478,7 @@ class ObjectStoreReader(StorageReader):
         size = 0
         for rng in ranges:
             length = rng.end - rng.start
-            if batch and size + length > self.options.max_inflight_bytes:
+            if batch and size + length > self.options.max_in_flight_bytes:
                 yield batch
                 batch, size = [], 0
             batch.append(rng)

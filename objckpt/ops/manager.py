@@ -148,7 +148,7 @@ class CheckpointManager:
         self._checkpointer = AsyncCheckpointer(
             storage_options=self.storage_options,
             upload=upload,
-            options=async_options,
+            async_options=async_options,
             on_commit=self._on_commit,
             retry=self.retry,
         )
@@ -469,8 +469,10 @@ class CheckpointManager:
             self._steps.pop(step, None)
         logger.info("deleted step %d under %s", step, self.root.url)
 
-    def gc(self, *, grace: float = DEFAULT_GRACE, dry_run: bool = False) -> GcReport:
-        """Remove objects no committed manifest names and open uploads older than ``grace``."""
+    def gc(self, *, grace: float = DEFAULT_GRACE, dry_run: bool = True) -> GcReport:
+        """Find (and with ``dry_run=False``, remove) objects no committed manifest names
+        and open uploads older than ``grace``. A dry run by default, as
+        :func:`~objckpt.ops.gc.collect_garbage` and ``objckpt gc`` (without ``--apply``)."""
         self._coordinator_only("gc")
         return collect_garbage(self.root, grace=grace, dry_run=dry_run)
 

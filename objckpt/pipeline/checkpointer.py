@@ -130,7 +130,8 @@ class AsyncCheckpointer:
         storage_options: Passed untouched to fsspec for every save.
         upload: Object and part sizing for the workers (default: 4 parts in flight
             per worker).
-        options: Worker count, saves in flight, barrier timeout.
+        async_options: Worker count, saves in flight, barrier timeout (the same
+            keyword as :class:`~objckpt.CheckpointManager`'s).
         on_commit: Called on the coordinator with (url, manifest) after each commit.
         retry: How every store request is retried (:class:`~objckpt.RetryPolicy`).
     """
@@ -140,7 +141,7 @@ class AsyncCheckpointer:
         *,
         storage_options: Mapping[str, Any] | None = None,
         upload: UploadOptions | None = None,
-        options: AsyncOptions | None = None,
+        async_options: AsyncOptions | None = None,
         on_commit: Callable[[str, Manifest], Any] | None = None,
         retry: RetryPolicy | None = None,
     ) -> None:
@@ -148,8 +149,8 @@ class AsyncCheckpointer:
         self.retry = retry or RetryPolicy()
         # Measured on 2 cores against moto (1 GiB, medians of 3): 2 workers x 4 parts in
         # flight committed in 9.9 s, 2 x 8 in 10.8 s, 1 x 8 in 11.5 s, 1 x 16 in 12.1 s.
-        self.upload = upload or UploadOptions(max_inflight=4)
-        self.options = options or AsyncOptions()
+        self.upload = upload or UploadOptions(max_in_flight=4)
+        self.options = async_options or AsyncOptions()
         self._on_commit = on_commit
         self._stager = Stager(
             max_cached_sets=self.options.max_in_flight, budget=self.options.staging_budget
@@ -539,7 +540,7 @@ def async_save(
     for this save and closed when it finishes.
 
     Args:
-        kwargs: ``upload``, ``options`` and ``on_commit`` for the one-off checkpointer.
+        kwargs: ``upload``, ``async_options`` and ``on_commit`` for the one-off checkpointer.
     """
     if checkpointer is not None:
         return checkpointer.save(state_dict, url, process_group=process_group, overwrite=overwrite)

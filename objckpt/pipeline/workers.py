@@ -131,7 +131,7 @@ class WorkerPool:
 
     Args:
         workers: Number of processes. Each runs one object upload at a time with
-            ``UploadOptions.max_inflight`` parts in flight.
+            ``UploadOptions.max_in_flight`` parts in flight.
     """
 
     def __init__(self, workers: int = 2) -> None:

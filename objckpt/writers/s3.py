@@ -6,7 +6,7 @@ thread per part, and endpoint/credential handling stays s3fs's.
 
 Why not s3fs's ``open("wb")``: it uploads one part at a time and does not abort
 the multipart upload when a part fails, leaving billed, invisible garbage. Here
-parts are submitted as soon as they fill (bounded by ``max_inflight``), and any
+parts are submitted as soon as they fill (bounded by ``max_in_flight``), and any
 failure aborts the upload before the error is raised.
 """
 
@@ -134,7 +134,7 @@ class S3Store(ObjectStore):
             ChecksumType="FULL_OBJECT",
         )
         upload_id = out["UploadId"]
-        slots = asyncio.Semaphore(self.options.max_inflight)
+        slots = asyncio.Semaphore(self.options.max_in_flight)
 
         async def one(number: int, start: int) -> dict[str, Any]:
             end = min(start + part, size) - 1
