@@ -142,3 +142,46 @@ def test_delete_refuses_what_is_not_one_checkpoint(tmp_path) -> None:
     # manifest, .metadata, the payload and rank 0's index object
     assert delete_step(root.child(step_name(1))) == 4
     assert not (tmp_path / "root" / step_name(1)).exists()
+
+
+def test_gc_on_a_single_checkpoint_url(s3_bucket: StoreTarget) -> None:
+    """``gc URL`` where URL is one checkpoint saved directly (no manager): a failed
+    attempt's payload and index at its top go; what its manifest names, a stock DCP
+    checkpoint's files and objects that are not objckpt's stay."""
+    import torch.distributed.checkpoint as dcp
+    from helpers import quiet, save
+
+    from objckpt import ObjectStoreReader
+
+    url = s3_bucket.url("single")
+    save({"w": torch.ones(10)}, url, s3_bucket)
+    loc = Location.parse(url, s3_bucket.storage_options)
+    fs = loc.open_fs(fresh=True)
+    zombie = ["__0_0.0123456789abcdef.distcp", "__index_0.0123456789abcdef.json"]
+    for name in zombie:
+        fs.pipe_file(f"{loc.path}/{name}", b"x" * 50)
+    fs.pipe_file(f"{loc.path}/notes.txt", b"keep me")
+    named = set(fs.ls(loc.path, detail=False)) - {f"{loc.path}/{n}" for n in zombie}
+
+    dry = collect_garbage(loc, grace=0)
+    assert sorted(dry.deleted) == sorted(zombie) and dry.dry_run
+    report = collect_garbage(loc, grace=0, dry_run=False)
+    assert sorted(report.deleted) == sorted(zombie) and report.bytes_reclaimed == 100
+    fs.invalidate_cache()
+    assert set(fs.ls(loc.path, detail=False)) == named  # manifest, its objects, notes.txt
+    got = {"w": torch.zeros(10)}
+    with quiet():
+        reader = ObjectStoreReader(url, storage_options=s3_bucket.storage_options)
+        dcp.load(got, storage_reader=reader)
+    assert torch.equal(got["w"], torch.ones(10))
+
+    # A stock DCP checkpoint (no manifest): its names are not objckpt's; nothing goes.
+    stock = Location.parse(s3_bucket.url("stock"), s3_bucket.storage_options)
+    fs.pipe_file(f"{stock.path}/.metadata", b"m")
+    fs.pipe_file(f"{stock.path}/__0_0.distcp", b"p")
+    assert collect_garbage(stock, grace=0, dry_run=False).deleted == ()
+
+    # A save that never committed at a URL of its own: its objckpt objects go.
+    failed = Location.parse(s3_bucket.url("failed"), s3_bucket.storage_options)
+    fs.pipe_file(f"{failed.path}/{zombie[0]}", b"x")
+    assert collect_garbage(failed, grace=0, dry_run=False).deleted == (zombie[0],)

@@ -9,8 +9,11 @@ payloads of failed saves, of a zombie writer whose attempt lost, the
 ``.metadata`` of a step that never committed. Anything younger than the grace
 period is spared, because a save in flight looks exactly like that until it
 commits; so are multipart uploads opened less than the grace period ago.
-Objects outside step directories are never touched: the root may hold things
-that are not objckpt's.
+Objects outside step directories are never touched (the root may hold things
+that are not objckpt's), with one exception: when the root is itself a checkpoint
+(a URL saved to directly, not through a manager), objects only objckpt writes
+(payloads, index objects) at its top that its committed manifest does not name
+are garbage too: a failed save's, or an overwritten attempt's.
 """
 
 from __future__ import annotations
@@ -82,6 +85,29 @@ def _referenced(store: ObjectStore, steps: list[StepInfo]) -> tuple[set[str], li
     return keep, unreadable
 
 
+def _own_checkpoint(store: ObjectStore, objects: list[ObjectInfo]) -> frozenset[str] | None:
+    """When ``root`` is itself one checkpoint (``gc s3://b/ckpt`` on a checkpoint
+    saved outside a manager): the keys its committed manifest names (empty when it
+    has none). None when that manifest cannot be read (nothing is touched then)."""
+    if not any(o.key == MANIFEST_KEY for o in objects):
+        return frozenset()
+    try:
+        manifest = read_manifest(store)
+    except (ManifestError, FileNotFoundError) as exc:
+        logger.warning("gc leaves %s alone: its manifest is unreadable (%s)", store.location.url, exc)
+        return None
+    return frozenset({MANIFEST_KEY, METADATA_KEY, *(o.key for o in manifest.objects)})
+
+
+def _in_own_checkpoint(key: str, named: frozenset[str]) -> bool:
+    """An object at the root's top (or in an entropy sub-prefix) that only objckpt
+    writes and the root's own manifest does not name: a failed or superseded save's."""
+    head, sep, _ = key.partition("/")
+    if sep and not is_entropy_dir(head):
+        return False
+    return key not in named and is_objckpt_object(key)
+
+
 def collect_garbage(
     root: Location,
     *,
@@ -108,12 +134,16 @@ def collect_garbage(
         steps = steps_of(objects, root)
         keep, unreadable = _referenced(store, steps)
         skip_dirs = {step_name(s) + "/" for s in unreadable}
+        own = _own_checkpoint(store, objects)  # None: unreadable, its objects left alone
         garbage: list[ObjectInfo] = []
         spared: list[str] = []
         for obj in objects:
             head, sep, _ = obj.key.partition("/")
-            if not sep or parse_step(head) is None or obj.key in keep:
-                continue  # outside step directories, or named by a committed manifest
+            if obj.key in keep:
+                continue  # named by a committed manifest
+            in_step = bool(sep) and parse_step(head) is not None
+            if not in_step and not (own is not None and _in_own_checkpoint(obj.key, own)):
+                continue  # not objckpt's to judge: outside step directories
             if any(obj.key.startswith(d) for d in skip_dirs):
                 continue
             if obj.modified is None or now - obj.modified < grace:
@@ -134,7 +164,8 @@ def collect_garbage(
                 o.key.split("/", 1)[0] for o in objects if o.key not in gone
             }
             for name in left:  # step directories emptied by this run
-                _prune(store, root.child(name))
+                if parse_step(name) is not None:
+                    _prune(store, root.child(name))
         report = GcReport(
             root=root.url,
             dry_run=dry_run,
