@@ -183,8 +183,6 @@ def queue_across_ranks(
     rank: int, world: int, init_file: str, url: str, options: dict[str, Any]
 ) -> None:
     """Finalize runs only once every rank's work is done."""
-    import time
-
     from objckpt import AsyncCallsQueue, AsyncRequest
     from objckpt.pipeline.finalize import StoreBarrier
 
@@ -192,15 +190,15 @@ def queue_across_ranks(
     try:
         finalized: list[int] = []
         queue = AsyncCallsQueue(barrier=StoreBarrier(), finalize_timeout=60)
-        delay = 2.0 if rank == 1 else 0.0
-        idx = queue.schedule_async_request(
-            AsyncRequest(time.sleep, (delay,), [lambda: finalized.append(rank)])
-        )
+        store = dist.distributed_c10d._get_default_store()
+        # Rank 1's work cannot end before rank 0 has looked: it waits for rank 0's key.
+        work = (lambda: store.wait(["rank0-looked"])) if rank == 1 else (lambda: None)
+        idx = queue.schedule_async_request(AsyncRequest(work, (), [lambda: finalized.append(rank)]))
         assert idx == 0
         if rank == 0:
-            time.sleep(0.5)
             assert queue.maybe_finalize_async_calls(blocking=False) == []  # rank 1 still busy
             assert finalized == []
+            store.set("rank0-looked", "1")
         assert queue.maybe_finalize_async_calls(blocking=True) == [0]
         assert finalized == [rank] and queue.get_num_unfinalized_calls() == 0
         queue.close()

@@ -22,7 +22,7 @@ from objckpt.format.steps import StepInfo, step_name
 from objckpt.ops.backup import BackupTarget, lag_of
 from objckpt.ops.gc import delete_step
 from objckpt.ops.verify import copy_checkpoint, verify_checkpoint
-from objckpt.testing import MotoServer
+from objckpt.testing import FaultProxy, MotoServer, Rule
 from objckpt.testing.plugin import StoreTarget
 
 BACKUP_BUCKET = "objckpt-backup"
@@ -341,23 +341,29 @@ def test_cli_ls_shows_lag_and_cp_restores_from_a_backup(
 
 
 def test_primary_retention_spares_a_step_still_being_backed_up(
-    s3_bucket: StoreTarget, tmp_path
+    s3_bucket: StoreTarget, backup_bucket: StoreTarget, s3_proxy: FaultProxy
 ) -> None:
-    """keep_last=1 while backups lag: the step being copied is not deleted under them."""
+    """keep_last=1 while step 1's backup is held mid-copy (the proxy holds every
+    request for it): steps 2 and 3 commit, retention runs, and step 1 is still on the
+    primary; once the copy is let go, retention catches up."""
     opts = s3_bucket.storage_options
     root = s3_bucket.url("run")
-    with CheckpointManager(
-        root, storage_options=opts, keep_last=1, backups=[f"file://{tmp_path}/b"]
-    ) as mgr:
-        for step in (1, 2, 3):
-            mgr.save(step, _state(step))  # no wait: the backup thread runs behind
+    target = BackupTarget(backup_bucket.url("b"), storage_options=s3_proxy.storage_options())
+    s3_proxy.add(Rule(key_contains=step_name(1), action="hold", stall=120))
+    with CheckpointManager(root, storage_options=opts, keep_last=1, backups=[target]) as mgr:
+        mgr.save(1, _state(1)).result(timeout=60)
+        s3_proxy.wait_for(None, faulted=True, timeout=60)  # step 1's copy is under way, held
+        for step in (2, 3):
+            mgr.save(step, _state(step)).result(timeout=60)  # retention runs at each commit
+        assert 1 in _steps(root, opts), "a step was deleted while its backup was copying it"
+        assert mgr.backup_status()[0].latest_step is None  # step 1 not there yet
+        s3_proxy.release()
         mgr.wait_until_finished()
-        mgr.wait_for_backups(timeout=60)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while mgr.all_steps() != [3] and time.monotonic() < deadline:
-            time.sleep(0.1)
+            time.sleep(0.1)  # retention of the primary runs after the backup thread's copy
         assert mgr.all_steps() == [3]
-    assert _steps(f"file://{tmp_path}/b", {}) == [3]
+    assert _steps(backup_bucket.url("b"), backup_bucket.storage_options) == [3]
     assert _steps(root, opts) == [3]
 
 

@@ -222,7 +222,7 @@ def test_zombie_writer_of_an_old_attempt_never_reaches_the_committed_step(
 
     a = threading.Thread(target=job_a)
     a.start()
-    time.sleep(1.0)
+    s3_proxy.wait_for("PutObject", faulted=True, timeout=30)  # A is stalled mid-save
     # While A is writing: nothing is visible at the URL.
     with pytest.raises(CheckpointNotFoundError):
         load(empty_like_state(_state(0, mib=1)), url, s3_bucket)
@@ -278,7 +278,10 @@ def test_a_full_disk_fails_the_save_and_keeps_the_previous_step(tmp_path) -> Non
         check=False,
     )
     assert out.returncode == 3, out.stdout + out.stderr
-    assert "ERROR" in out.stdout and "full" in out.stdout, out.stdout
+    # The write error itself (EFBIG, as ENOSPC would be), named for the payload object.
+    line = out.stdout.strip().splitlines()[-1]
+    assert line.startswith("ERROR StoreError "), out.stdout
+    assert "File too large" in line and f"{target.url('full')}/__0_0." in line, line
     assert not (tmp_path / "full" / MANIFEST_KEY).exists()
     with pytest.raises(CheckpointNotFoundError):
         load(empty_like_state({"w": torch.ones(4 << 20)}), target.url("full"), target)

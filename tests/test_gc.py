@@ -80,7 +80,7 @@ def test_gc_after_a_save_killed_mid_upload(
     finally:
         os.killpg(child.pid, signal.SIGKILL)
         child.wait(timeout=30)
-    time.sleep(0.5)  # let moto finish any request the dead workers had sent
+    s3_proxy.wait_idle(timeout=30)  # requests the dead workers had sent have landed
 
     # The killed step is invisible; the previous step loads bit-exact.
     with CheckpointManager(root, storage_options=opts) as mgr:

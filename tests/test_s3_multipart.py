@@ -55,7 +55,7 @@ class _FailOn(DefaultSavePlanner):
 
 
 def test_failure_mid_object_aborts_the_upload(
-    s3_bucket: StoreTarget, moto_server: MotoServer
+    s3_bucket: StoreTarget, moto_server: MotoServer, s3_proxy
 ) -> None:
     state = {"a": torch.randn(4 * MiB), "b": torch.randn(4 * MiB)}
     opts = UploadOptions(part_size=5 * MiB, object_size=64 * MiB)  # both tensors in one object
@@ -65,11 +65,20 @@ def test_failure_mid_object_aborts_the_upload(
     from objckpt import ObjectStoreWriter
 
     writer = ObjectStoreWriter(
-        s3_bucket.url("c"), storage_options=s3_bucket.storage_options, upload=opts
+        s3_bucket.url("c"), storage_options=s3_proxy.storage_options(), upload=opts
     )
     with quiet(), pytest.raises(BaseException) as info:
         dcp.save(state, storage_writer=writer, planner=_FailOn("b"))
     assert "injected failure" in str(carried(info.value))
+
+    # "a" (16 MiB) had gone out as parts of a multipart upload, which was then aborted
+    # (the preflight's probe upload, begun and aborted at another key, aside).
+    def payload_requests(operation: str) -> int:
+        return sum(".distcp" in p for p in s3_proxy.paths(operation))
+
+    assert payload_requests("CreateMultipartUpload") == 1
+    assert payload_requests("UploadPart") >= 2
+    assert payload_requests("AbortMultipartUpload") == 1
     client = moto_server.boto3_client()
     assert not client.list_multipart_uploads(Bucket="objckpt-test").get("Uploads"), (
         "upload left open"

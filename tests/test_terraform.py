@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ast
 import re
-import time
 from pathlib import Path
 from typing import Any
 
@@ -380,7 +379,8 @@ def _lifecycle(proxy: FaultProxy, moto: MotoServer, tmp_path: Path) -> None:
     store = open_store(root.child(step_name(3)), parts)
     upload = store.begin(payload_key(0, 0, "feedface"), 15 * 1024 * 1024)
     upload.write(bytes(15 * 1024 * 1024))
-    time.sleep(1.0)  # let the two parts in flight land
+    proxy.wait_for("UploadPart", count=2, timeout=60)  # the two full parts went out
+    proxy.wait_idle(timeout=60)  # ... and landed
     store.close()
     with CheckpointManager("s3://iam-primary/run", storage_options=opts) as mgr:
         report = mgr.gc(grace=0, dry_run=False)

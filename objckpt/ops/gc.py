@@ -94,7 +94,9 @@ def _own_checkpoint(store: ObjectStore, objects: list[ObjectInfo]) -> frozenset[
     try:
         manifest = read_manifest(store)
     except (ManifestError, FileNotFoundError) as exc:
-        logger.warning("gc leaves %s alone: its manifest is unreadable (%s)", store.location.url, exc)
+        logger.warning(
+            "gc leaves %s alone: its manifest is unreadable (%s)", store.location.url, exc
+        )
         return None
     return frozenset({MANIFEST_KEY, METADATA_KEY, *(o.key for o in manifest.objects)})
 

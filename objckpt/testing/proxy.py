@@ -42,7 +42,7 @@ __all__ = ["FaultProxy", "Rule", "Seen", "s3_operation"]
 
 logger = logging.getLogger(__name__)
 
-ACTIONS = ("status", "reset", "stall", "truncate")
+ACTIONS = ("status", "reset", "stall", "hold", "truncate")
 _S3_ERRORS = {
     503: ("SlowDown", "Please reduce your request rate."),
     500: ("InternalError", "We encountered an internal error. Please try again."),
@@ -97,7 +97,9 @@ class Rule:
             (``"manifest.json"``, ``"partNumber=3&"``; None: any).
         action: ``status`` (answer ``status`` with an S3 error body), ``reset``
             (close the connection with a TCP reset, nothing answered), ``stall``
-            (hold the request ``stall`` seconds, then forward it), ``truncate``
+            (hold the request ``stall`` seconds, then forward it), ``hold``
+            (hold it until :meth:`FaultProxy.release` or ``stall`` seconds, then
+            forward it: a stall the test ends when it has seen what it wanted), ``truncate``
             (forward, then send half the response body and close).
         nth: Break only the nth matching request (1-based).
         probability: Break each matching request with this probability.
@@ -181,6 +183,9 @@ class FaultProxy:
         self._seed = seed
         self._lock = threading.Lock()
         self._rules: list[_RuleState] = []
+        self._changed = threading.Condition(self._lock)  # a request seen or finished
+        self._released = threading.Event()
+        self._forwarding = 0
         self.seen: list[Seen] = []
         self._received: dict[str, int] = {}
         handler = type("_Handler", (_Handler,), {"proxy": self})
@@ -252,8 +257,62 @@ class FaultProxy:
         return None
 
     def _record(self, seen: Seen) -> None:
-        with self._lock:
+        with self._changed:
             self.seen.append(seen)
+            self._changed.notify_all()
+
+    def wait_for(
+        self,
+        operation: str | None,
+        *,
+        count: int = 1,
+        faulted: bool | None = None,
+        timeout: float = 60.0,
+    ) -> None:
+        """Block until ``count`` requests of ``operation`` (None: any; faulted or
+        not, as :meth:`count`) have arrived; the way a test synchronises on what the code
+        under test has done, instead of sleeping.
+
+        Raises:
+            TimeoutError: Not seen within ``timeout`` seconds (says how many were).
+        """
+
+        def enough() -> bool:
+            return (
+                sum(
+                    1
+                    for s in self.seen
+                    if operation in (None, s.operation)
+                    and (faulted is None or (s.fault is not None) == faulted)
+                )
+                >= count
+            )
+
+        with self._changed:
+            if not self._changed.wait_for(enough, timeout):
+                raise TimeoutError(
+                    f"FaultProxy saw fewer than {count} {operation or 'S3'} requests in {timeout} s"
+                )
+
+    def release(self) -> None:
+        """Let every request a ``hold`` rule holds (and any it meets later) go on."""
+        self._released.set()
+
+    def wait_idle(self, timeout: float = 60.0) -> None:
+        """Block until no request is being forwarded upstream (held ones aside):
+        after the client was killed, the requests it had sent have landed.
+
+        Raises:
+            TimeoutError: Still forwarding after ``timeout`` seconds.
+        """
+        with self._changed:
+            if not self._changed.wait_for(lambda: self._forwarding == 0, timeout):
+                raise TimeoutError(f"FaultProxy still forwarding after {timeout} s")
+
+    def _forwarding_change(self, delta: int) -> None:
+        with self._changed:
+            self._forwarding += delta
+            self._changed.notify_all()
 
     def close(self) -> None:
         self._server.shutdown()
@@ -309,14 +368,20 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if rule is not None and rule.action == "stall":
             time.sleep(rule.stall)
             rule = None
+        if rule is not None and rule.action == "hold":
+            self.proxy._released.wait(rule.stall)
+            rule = None
         if rule is not None and rule.before_upstream and rule.action in ("status", "reset"):
             self._fault(rule)
             return
+        self.proxy._forwarding_change(+1)
         try:
             status, reason, out_headers, payload = self._forward(split, headers, body)
         except OSError as exc:
             self.send_error(502, f"upstream failed: {exc}")
             return
+        finally:
+            self.proxy._forwarding_change(-1)
         if rule is not None and rule.action in ("status", "reset"):
             self._fault(rule)  # applied upstream; the answer is lost
             return
