@@ -116,7 +116,7 @@ def _async_series(
 ) -> dict[str, Any]:
     """``saves`` saves through one checkpointer: stall, commit and peak memory of each."""
     stalls, commits, peaks = [], [], []
-    with objckpt.AsyncCheckpointer(storage_options=storage_options, options=options) as ckpt:
+    with objckpt.AsyncCheckpointer(storage_options=storage_options, async_options=options) as ckpt:
         for i in range(saves):
             with PeakMemory({server_pid}) as mem:
                 t0 = time.perf_counter()

@@ -100,7 +100,7 @@ def async_save_sharded(
             "step": 7,
         }
         opts = objckpt.AsyncOptions(workers=1, barrier_timeout=120)
-        with objckpt.AsyncCheckpointer(storage_options=options, options=opts) as ckpt:
+        with objckpt.AsyncCheckpointer(storage_options=options, async_options=opts) as ckpt:
             handle = ckpt.save(state, url)
             for v in state["model"].values():
                 v.to_local().add_(1)  # the loop moves on; the checkpoint must not see this
@@ -127,7 +127,7 @@ def async_save_with_silent_rank(
             "model": {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full_state().items()}
         }
         opts = objckpt.AsyncOptions(workers=1, barrier_timeout=3)
-        with objckpt.AsyncCheckpointer(storage_options=options, options=opts) as ckpt:
+        with objckpt.AsyncCheckpointer(storage_options=options, async_options=opts) as ckpt:
             handle = ckpt.save(state, url)
             try:
                 handle.result(timeout=60)
@@ -158,7 +158,7 @@ def async_save_with_killed_coordinator(
         "step": 7,
     }
     opts = objckpt.AsyncOptions(workers=1, barrier_timeout=2)
-    with objckpt.AsyncCheckpointer(storage_options=options, options=opts) as ckpt:
+    with objckpt.AsyncCheckpointer(storage_options=options, async_options=opts) as ckpt:
         ckpt.save(state, f"{url}/{step_name(1)}").result(timeout=120)
         if rank == 0:
 
@@ -220,7 +220,7 @@ def async_plan_cache(
     try:
         base = full_state()
         opts = objckpt.AsyncOptions(workers=1, barrier_timeout=120)
-        with objckpt.AsyncCheckpointer(storage_options=options, options=opts) as ckpt:
+        with objckpt.AsyncCheckpointer(storage_options=options, async_options=opts) as ckpt:
             state: dict[str, Any] = {}
             for step in range(4):
                 state = {

@@ -253,7 +253,7 @@ def c10d_keys_over_saves(rank: int, world: int, init_file: str, url: str, option
         counts = []
         opts = objckpt.AsyncOptions(workers=1, barrier_timeout=120)
         with objckpt.AsyncCheckpointer(
-            storage_options=_options(rank, options), options=opts
+            storage_options=_options(rank, options), async_options=opts
         ) as ckpt:
             for step in range(20):
                 state = {"w": torch.full((16,), float(step)), "step": step}

@@ -123,7 +123,7 @@ def test_staging_budget_stages_in_waves(target: StoreTarget, caplog) -> None:
     state = _wave_state()
     budget = 2 * MiB + 4096
     opts = AsyncOptions(staging_budget=budget)
-    with AsyncCheckpointer(storage_options=target.storage_options, options=opts) as ckpt:
+    with AsyncCheckpointer(storage_options=target.storage_options, async_options=opts) as ckpt:
         for step in range(2):  # the second save replays the plan, still in waves
             expected = _snapshot(state)
             with caplog.at_level("DEBUG", logger="objckpt.pipeline.deferred"):
@@ -160,7 +160,7 @@ def test_killed_worker_fails_the_save_and_the_next_save_works(
 ) -> None:
     state = {"w": torch.randn(48 * MiB)}  # 192 MiB: uploads take seconds against moto
     with AsyncCheckpointer(
-        storage_options=s3_bucket.storage_options, options=AsyncOptions(workers=2)
+        storage_options=s3_bucket.storage_options, async_options=AsyncOptions(workers=2)
     ) as ckpt:
         ckpt.save({"warm": torch.ones(1)}, s3_bucket.url("warm")).result(timeout=60)
         handle = ckpt.save(state, s3_bucket.url("killed"))
@@ -221,7 +221,7 @@ def test_two_threads_saving_at_once_both_commit_their_own_values(target: StoreTa
     start = threading.Barrier(2)
     handles: dict[int, object] = {}
     opts = AsyncOptions(max_in_flight=2)
-    with AsyncCheckpointer(storage_options=target.storage_options, options=opts) as ckpt:
+    with AsyncCheckpointer(storage_options=target.storage_options, async_options=opts) as ckpt:
 
         def run(n: int) -> None:
             start.wait()
@@ -249,7 +249,7 @@ def test_a_save_that_waited_for_the_previous_one_says_how_long(
 
     s3_proxy.add(Rule("PutObject", key_contains=".distcp", nth=1, action="stall", stall=2.0))
     opts = AsyncOptions(max_in_flight=1)
-    with AsyncCheckpointer(storage_options=s3_proxy.storage_options(), options=opts) as ckpt:
+    with AsyncCheckpointer(storage_options=s3_proxy.storage_options(), async_options=opts) as ckpt:
         first = ckpt.save({"w": torch.ones(8)}, s3_bucket.url("first"))
         second = ckpt.save({"w": torch.ones(8)}, s3_bucket.url("second"))
         assert first.waited_for_earlier < 0.05  # nothing was in flight
