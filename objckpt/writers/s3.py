@@ -181,8 +181,13 @@ class S3Store(ObjectStore):
         except Exception as exc:
             raise translate(exc, url=self.location.url_of(key), action="checking") from exc
         crc = head.get("ChecksumCRC32C")
-        # A composite (per-part) checksum is not comparable with the manifest's.
-        if not crc or head.get("ChecksumType", "FULL_OBJECT") != "FULL_OBJECT" or "-" in crc:
+        # A composite (per-part) checksum is not comparable with the manifest's. S3
+        # says which kind it keeps; a store that does not say (moto) is trusted only
+        # for single-request objects (a multipart ETag ends in "-<parts>").
+        kind = head.get("ChecksumType")
+        if kind is None:
+            kind = "COMPOSITE" if "-" in str(head.get("ETag", "")) else "FULL_OBJECT"
+        if not crc or kind != "FULL_OBJECT" or "-" in crc:
             return int(head["ContentLength"]), None
         return int(head["ContentLength"]), crc_from_base64(crc)
 
