@@ -1,0 +1,180 @@
+"""Export of a committed checkpoint to Hugging Face safetensors, store to store."""
+
+from __future__ import annotations
+
+import json
+
+import dist_helpers
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from click.testing import CliRunner
+from helpers import quiet
+from safetensors.torch import load as load_safetensors
+
+from objckpt import Location, ObjectStoreWriter
+from objckpt.cli import main
+from objckpt.errors import CheckpointExistsError, ConfigurationError
+from objckpt.ops.export import INDEX_NAME, export_safetensors, parse_size
+from objckpt.testing import FaultProxy, Rule
+from objckpt.testing.plugin import StoreTarget
+
+
+def gpt2_state(layers: int = 2, width: int = 64, vocab: int = 500) -> dict[str, torch.Tensor]:
+    """A tiny GPT-2-shaped state dict (transformers' key names), no hub download."""
+    g = torch.Generator().manual_seed(0)
+
+    def t(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g)
+
+    state = {"transformer.wte.weight": t(vocab, width), "transformer.wpe.weight": t(128, width)}
+    for i in range(layers):
+        p = f"transformer.h.{i}."
+        state |= {
+            p + "ln_1.weight": t(width),
+            p + "ln_1.bias": t(width),
+            p + "attn.c_attn.weight": t(width, 3 * width),
+            p + "attn.c_attn.bias": t(3 * width),
+            p + "attn.c_proj.weight": t(width, width),
+            p + "attn.c_proj.bias": t(width),
+            p + "ln_2.weight": t(width),
+            p + "ln_2.bias": t(width),
+            p + "mlp.c_fc.weight": t(width, 4 * width),
+            p + "mlp.c_fc.bias": t(4 * width),
+            p + "mlp.c_proj.weight": t(4 * width, width),
+            p + "mlp.c_proj.bias": t(width),
+        }
+    state |= {"transformer.ln_f.weight": t(width), "transformer.ln_f.bias": t(width)}
+    return state
+
+
+def _save(state: dict, url: str, target: StoreTarget) -> None:
+    with quiet():
+        dcp.save(
+            {**state, "step": 7},
+            storage_writer=ObjectStoreWriter(url, storage_options=target.storage_options),
+        )
+
+
+def _read_export(target: StoreTarget, url: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    fs = Location.parse(url, target.storage_options).open_fs(fresh=True)
+    base = Location.parse(url).path
+    index = json.loads(fs.cat_file(f"{base}/{INDEX_NAME}"))
+    tensors: dict[str, torch.Tensor] = {}
+    for name in sorted(set(index["weight_map"].values())):
+        tensors |= load_safetensors(fs.cat_file(f"{base}/{name}"))
+    return index, tensors
+
+
+def test_export_loads_with_safetensors_bit_exact(s3_bucket: StoreTarget) -> None:
+    state = gpt2_state()
+    _save(state, s3_bucket.url("ckpt"), s3_bucket)
+    report = export_safetensors(
+        s3_bucket.url("ckpt"),
+        s3_bucket.url("hf"),
+        storage_options=s3_bucket.storage_options,
+        shard_size="100KB",  # several shards
+    )
+    index, got = _read_export(s3_bucket, s3_bucket.url("hf"))
+    assert set(got) == set(state)  # the non-tensor "step" has no safetensors form
+    for k, v in state.items():
+        assert torch.equal(got[k], v), k
+    assert len(report.files) > 2 and len(set(index["weight_map"].values())) == len(report.files)
+    names = [f for f, _, _ in report.files]
+    assert names[0] == f"model-00001-of-{len(names):05d}.safetensors"
+    assert index["metadata"]["total_size"] == sum(v.numel() * 4 for v in state.values())
+    sizes = {f: s for f, s, _ in report.files}
+    fs = Location.parse(s3_bucket.url("hf"), s3_bucket.storage_options).open_fs(fresh=True)
+    for name, size in sizes.items():  # header + data, as the report says
+        assert fs.size(f"{Location.parse(s3_bucket.url('hf')).path}/{name}") == size
+
+
+def test_export_consolidates_shards_saved_by_four_ranks(s3_bucket: StoreTarget, tmp_path) -> None:
+    url = s3_bucket.url("ws4")
+    args = ("save_sharded", 4, str(tmp_path / "init"), url, s3_bucket.storage_options)
+    mp.spawn(dist_helpers.rank_main, args=args, nprocs=4, join=True)
+    export_safetensors(url, s3_bucket.url("ws4-hf"), storage_options=s3_bucket.storage_options)
+    _, got = _read_export(s3_bucket, s3_bucket.url("ws4-hf"))
+    full = dist_helpers.full_state()
+    assert set(got) == {f"model.{k}" for k in full}
+    for k, v in full.items():
+        assert torch.equal(got[f"model.{k}"], v), k  # rows from 4 ranks' objects, whole again
+
+
+def test_keys_and_dtype_select_and_convert(s3_bucket: StoreTarget) -> None:
+    state = gpt2_state()
+    state["transformer.h.0.attn.bias_mask"] = torch.ones(4, 4, dtype=torch.bool)
+    _save(state, s3_bucket.url("ckpt"), s3_bucket)
+    export_safetensors(
+        s3_bucket.url("ckpt"),
+        s3_bucket.url("h0"),
+        storage_options=s3_bucket.storage_options,
+        keys=["transformer.h.0.*"],
+        dtype="bf16",
+    )
+    _, got = _read_export(s3_bucket, s3_bucket.url("h0"))
+    assert set(got) == {k for k in state if k.startswith("transformer.h.0.")}
+    for k, v in got.items():
+        if state[k].is_floating_point():
+            assert v.dtype == torch.bfloat16 and torch.equal(v, state[k].to(torch.bfloat16)), k
+        else:
+            assert v.dtype == torch.bool and torch.equal(v, state[k]), k  # kept as is
+
+
+def test_a_second_export_to_the_same_place_is_refused(s3_bucket: StoreTarget) -> None:
+    _save(gpt2_state(layers=1), s3_bucket.url("ckpt"), s3_bucket)
+    kw = {"storage_options": s3_bucket.storage_options}
+    export_safetensors(s3_bucket.url("ckpt"), s3_bucket.url("hf"), **kw)
+    with pytest.raises(CheckpointExistsError, match=INDEX_NAME):
+        export_safetensors(s3_bucket.url("ckpt"), s3_bucket.url("hf"), **kw)
+
+
+def test_a_failed_export_leaves_no_index(s3_bucket: StoreTarget, s3_proxy: FaultProxy) -> None:
+    """The second shard's upload fails: the first shard is there, the index is not, so
+    nothing mistakes the half-written export for a complete one."""
+    from objckpt import RetryPolicy
+
+    _save(gpt2_state(), s3_bucket.url("ckpt"), s3_bucket)
+    s3_proxy.add(Rule("PutObject", key_contains="model-00002-of", action="status", status=403))
+    opts = s3_proxy.storage_options()
+    with pytest.raises(Exception, match="model-00002-of"):
+        export_safetensors(
+            s3_bucket.url("ckpt"),
+            s3_bucket.url("broken"),
+            storage_options=opts,
+            shard_size="100KB",
+            retry=RetryPolicy(attempts=1),
+        )
+    fs = Location.parse(s3_bucket.url("broken"), opts).open_fs(fresh=True)
+    names = [p.rsplit("/", 1)[-1] for p in fs.ls(Location.parse(s3_bucket.url("broken")).path)]
+    assert any(n.startswith("model-00001-of") for n in names)
+    assert INDEX_NAME not in names
+
+
+def test_bad_options_name_themselves(s3_bucket: StoreTarget) -> None:
+    _save(gpt2_state(layers=1), s3_bucket.url("ckpt"), s3_bucket)
+    kw = {"storage_options": s3_bucket.storage_options}
+    with pytest.raises(ConfigurationError, match="dtype='int3'"):
+        export_safetensors(s3_bucket.url("ckpt"), s3_bucket.url("x"), dtype="int3", **kw)
+    with pytest.raises(ConfigurationError, match="no tensors matching"):
+        export_safetensors(s3_bucket.url("ckpt"), s3_bucket.url("x"), keys=["nope.*"], **kw)
+    with pytest.raises(ConfigurationError, match="shard_size='lots'"):
+        export_safetensors(s3_bucket.url("ckpt"), s3_bucket.url("x"), shard_size="lots", **kw)
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("500MiB") == 500 * 2**20
+
+
+def test_cli_export(s3_bucket: StoreTarget) -> None:
+    _save(gpt2_state(layers=1), s3_bucket.url("ckpt"), s3_bucket)
+    flags = [f"--storage-option={k}={v}" for k, v in s3_bucket.storage_options.items()]
+    flags = [f for f in flags if not f.startswith("--storage-option=client_kwargs")]
+    flags.append('--storage-option=client_kwargs={"region_name": "us-east-1"}')
+    args = ["export", s3_bucket.url("ckpt"), s3_bucket.url("cli"), "--keys", "*.wte.*"]
+    result = CliRunner().invoke(main, [*args, "--json", *flags])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert doc["tensors"] == 1 and doc["files"][0]["name"] == "model-00001-of-00001.safetensors"
+    _, got = _read_export(s3_bucket, s3_bucket.url("cli"))
+    assert torch.equal(
+        got["transformer.wte.weight"], gpt2_state(layers=1)["transformer.wte.weight"]
+    )
