@@ -511,6 +511,28 @@ def export_command(
     )
 
 
+@main.command("import")
+@click.argument("src_url")
+@click.argument("step_url")
+@click.option("--keys", multiple=True, help="Glob of tensor names to import (repeatable).")
+@_command
+def import_command(ctx: _Context, src_url: str, step_url: str, keys: tuple[str, ...]) -> None:
+    """Import the safetensors checkpoint SRC_URL as a DCP checkpoint at STEP_URL."""
+    from objckpt.ops.export import import_safetensors
+
+    count = import_safetensors(
+        src_url,
+        step_url,
+        storage_options=ctx.storage_options(src_url),
+        dest_storage_options=ctx.storage_options(step_url),
+        keys=list(keys) or None,
+    )
+    ctx.emit(
+        {"src": src_url, "dest": step_url, "tensors": count},
+        lambda: click.echo(f"imported {count} tensors from {src_url} into {step_url}"),
+    )
+
+
 @main.command()
 @click.option("--steps", default=300, show_default=True, help="Training steps.")
 @click.option("--every", default=50, show_default=True, help="Checkpoint every N steps.")

@@ -292,3 +292,23 @@ def manager_across_ranks(
                 assert torch.equal(got["model"][k].full_tensor(), v + 3), k
     finally:
         dist.destroy_process_group()
+
+
+def load_model_sharded(
+    rank: int, world: int, init_file: str, url: str, options: dict[str, Any]
+) -> None:
+    """Load only ``model.*`` (e.g. from an imported safetensors checkpoint), sharded."""
+    mesh = _init(rank, world, init_file)
+    try:
+        expected = full_state()
+        state = {
+            "model": {
+                k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(0)])
+                for k, v in expected.items()
+            }
+        }
+        dcp.load(state, storage_reader=objckpt.ObjectStoreReader(url, storage_options=options))
+        for k, v in expected.items():
+            assert torch.equal(state["model"][k].full_tensor(), v), f"rank {rank}: {k} differs"
+    finally:
+        dist.destroy_process_group()

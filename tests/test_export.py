@@ -178,3 +178,46 @@ def test_cli_export(s3_bucket: StoreTarget) -> None:
     assert torch.equal(
         got["transformer.wte.weight"], gpt2_state(layers=1)["transformer.wte.weight"]
     )
+
+
+def test_import_of_a_safetensors_checkpoint_loads_sharded_on_two_ranks(
+    s3_bucket: StoreTarget, tmp_path
+) -> None:
+    """Fine-tuning's way in: safetensors written by the safetensors library itself,
+    imported, then loaded by a 2-rank job into DTensor shards, bit-exact."""
+    from safetensors.torch import save as save_safetensors
+
+    from objckpt.ops.export import import_safetensors
+
+    full = {f"model.{k}": v for k, v in dist_helpers.full_state().items()}
+    base = Location.parse(s3_bucket.url("st"), s3_bucket.storage_options)
+    fs = base.open_fs(fresh=True)
+    fs.pipe_file(f"{base.path}/model.safetensors", save_safetensors(full))
+    assert import_safetensors(
+        s3_bucket.url("st"), s3_bucket.url("imported"), storage_options=s3_bucket.storage_options
+    ) == len(full)
+    args = (
+        "load_model_sharded",
+        2,
+        str(tmp_path / "init"),
+        s3_bucket.url("imported"),
+        s3_bucket.storage_options,
+    )
+    mp.spawn(dist_helpers.rank_main, args=args, nprocs=2, join=True)
+
+
+def test_export_then_import_round_trips(s3_bucket: StoreTarget) -> None:
+    from objckpt import ObjectStoreReader
+    from objckpt.ops.export import import_safetensors
+
+    state = gpt2_state(layers=1)
+    state["mask"] = torch.tensor(True)  # 0-d, bool
+    _save(state, s3_bucket.url("a"), s3_bucket)
+    kw = {"storage_options": s3_bucket.storage_options}
+    export_safetensors(s3_bucket.url("a"), s3_bucket.url("a-hf"), shard_size="50KB", **kw)
+    import_safetensors(s3_bucket.url("a-hf"), s3_bucket.url("b"), **kw)
+    got = {k: torch.zeros_like(v) for k, v in state.items()}
+    with quiet():
+        dcp.load(got, storage_reader=ObjectStoreReader(s3_bucket.url("b"), **kw))
+    for k, v in state.items():
+        assert torch.equal(got[k], v), k

@@ -1,4 +1,4 @@
-"""Export a committed checkpoint to Hugging Face safetensors, store to store.
+"""Export a committed checkpoint to Hugging Face safetensors, store to store (and back).
 
 Why a streaming writer and not ``safetensors.torch.save_file``: that needs every
 tensor of a shard in memory and a local file. A safetensors file is an 8-byte
@@ -30,14 +30,26 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from objckpt.dcp.storage_reader import ObjectStoreReader
-from objckpt.errors import CheckpointExistsError, ConfigurationError
+from objckpt.dcp.storage_writer import ObjectStoreWriter
+from objckpt.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ConfigurationError,
+    ManifestError,
+)
 from objckpt.options import ReadOptions, UploadOptions
 from objckpt.writers import ObjectStore, open_store
 from objckpt.writers.checksum import Crc32c
 from objckpt.writers.location import Location
 from objckpt.writers.retry import RetryPolicy
 
-__all__ = ["INDEX_NAME", "ExportReport", "export_safetensors", "parse_size"]
+__all__ = [
+    "INDEX_NAME",
+    "ExportReport",
+    "export_safetensors",
+    "import_safetensors",
+    "parse_size",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -327,3 +339,82 @@ def _write_shard(
         upload.abort()
         raise
     return size, crc.hexdigest()
+
+
+_FROM_NAME = {name: dtype for dtype, name in _DTYPES.items()}
+
+
+def _safetensors_files(fs: Any, base: str) -> list[str]:
+    """The shard paths under ``base`` (its index names them), or ``base`` itself."""
+    if base.endswith(".safetensors"):
+        return [base]
+    try:
+        index = json.loads(fs.cat_file(f"{base}/{INDEX_NAME}"))
+    except FileNotFoundError:
+        single = f"{base}/model.safetensors"
+        if fs.exists(single):
+            return [single]
+        raise CheckpointNotFoundError(
+            f"no {INDEX_NAME} or model.safetensors under {base}: not a safetensors export"
+        ) from None
+    return [f"{base}/{name}" for name in sorted(set(index["weight_map"].values()))]
+
+
+def _read_shard(fs: Any, path: str, url: str) -> dict[str, torch.Tensor]:
+    """One shard's tensors: the header by a ranged read, each tensor's bytes by one more."""
+    (length,) = struct.unpack("<Q", fs.cat_file(path, start=0, end=8))
+    if length > 100 * 2**20:
+        raise ManifestError(f"{url}: safetensors header of {length} bytes; not a safetensors file")
+    header = json.loads(fs.cat_file(path, start=8, end=8 + length))
+    header.pop("__metadata__", None)
+    out = {}
+    for key, field in header.items():
+        dtype = _FROM_NAME.get(field["dtype"])
+        if dtype is None:
+            raise ConfigurationError(f"{url}: {key!r} has dtype {field['dtype']}, unsupported")
+        begin, end = field["data_offsets"]
+        if end > begin:
+            data = bytearray(fs.cat_file(path, start=8 + length + begin, end=8 + length + end))
+            flat = torch.frombuffer(data, dtype=torch.uint8)
+        else:
+            flat = torch.empty(0, dtype=torch.uint8)
+        out[key] = flat.view(dtype).reshape(field["shape"])
+    return out
+
+
+def import_safetensors(
+    src_url: str,
+    step_url: str,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    dest_storage_options: dict[str, Any] | None = None,
+    keys: Sequence[str] | None = None,
+    retry: RetryPolicy | None = None,
+) -> int:
+    """Write the safetensors checkpoint at ``src_url`` (a directory with
+    ``model.safetensors.index.json`` or ``model.safetensors``, or one ``.safetensors``
+    file) as a committed DCP checkpoint at ``step_url``, which a sharded job of any
+    world size loads (DCP reshards whole tensors on load). Returns the tensor count.
+
+    The tensors are held in memory once (DCP saves a whole state dict at a time);
+    reading takes one ranged GET per tensor.
+    """
+    src = Location.parse(src_url, storage_options, retry)
+    fs = src.open_fs(fresh=True)
+    state: dict[str, torch.Tensor] = {}
+    for path in _safetensors_files(fs, src.path.rstrip("/")):
+        for key, tensor in _read_shard(fs, path, src.url).items():
+            if keys and not any(fnmatch.fnmatchcase(key, p) for p in keys):
+                continue
+            state[key] = tensor
+    if not state:
+        wanted = f" matching {list(keys)}" if keys else ""
+        raise ConfigurationError(f"no tensors{wanted} in {src.url}")
+    writer = ObjectStoreWriter(
+        step_url,
+        storage_options=storage_options if dest_storage_options is None else dest_storage_options,
+        retry=retry,
+    )
+    dcp.save(state, storage_writer=writer, no_dist=True)
+    logger.info("imported %d tensors from %s into %s", len(state), src.url, writer.location.url)
+    return len(state)
