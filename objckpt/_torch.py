@@ -97,3 +97,27 @@ def save_tensor(tensor: torch.Tensor, stream: IO[bytes]) -> None:
     save(tensor, writer, pickle, serialization.DEFAULT_PROTOCOL, False)
     writer.write_end_of_file()
     stream.flush()
+
+
+def load_everything(storage_reader: Any) -> dict[str, Any]:
+    """Every entry of a checkpoint, nested as saved, without a template state dict,
+    loaded in this process alone (``no_dist``).
+
+    ``dcp.load`` fills only the keys its argument already has; DCP's own way to load
+    without one is private (``_load_state_dict`` with ``_EmptyStateDictLoadPlanner``,
+    which ``_load_state_dict_from_keys`` wraps, deciding ``no_dist`` by itself).
+    """
+    from torch.distributed.checkpoint import default_planner, state_dict_loader
+
+    load = getattr(state_dict_loader, "_load_state_dict", None)
+    planner_cls = getattr(default_planner, "_EmptyStateDictLoadPlanner", None)
+    if load is None or planner_cls is None:  # pragma: no cover - other torch versions
+        return dict(state_dict_loader._load_state_dict_from_keys(storage_reader=storage_reader))
+    state: dict[str, Any] = {}
+    load(
+        state_dict=state,
+        storage_reader=storage_reader,
+        planner=planner_cls(),
+        no_dist=True,
+    )
+    return state

@@ -80,6 +80,8 @@ def test_gc_after_a_save_killed_mid_upload(
     finally:
         os.killpg(child.pid, signal.SIGKILL)
         child.wait(timeout=30)
+        assert child.stdout is not None
+        child.stdout.close()
     s3_proxy.wait_idle(timeout=30)  # requests the dead workers had sent have landed
 
     # The killed step is invisible; the previous step loads bit-exact.

@@ -1,0 +1,116 @@
+"""The Lightning CheckpointIO, driven by a real ``Trainer.fit`` on a tiny model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pl = pytest.importorskip("pytorch_lightning", reason="the lightning extra is not installed")
+
+from pytorch_lightning.callbacks import ModelCheckpoint  # noqa: E402
+
+from objckpt import Location  # noqa: E402
+from objckpt.format.layout import MANIFEST_KEY  # noqa: E402
+from objckpt.lightning import ObjckptCheckpointIO  # noqa: E402
+from objckpt.testing.plugin import StoreTarget  # noqa: E402
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Linear(width, 1)
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):  # type: ignore[no-untyped-def]
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(32, self.hparams.width, generator=g)
+        data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
+        return torch.utils.data.DataLoader(data, batch_size=8)
+
+
+def _trainer(io: ObjckptCheckpointIO, dirpath: str, tmp_path, epochs: int) -> pl.Trainer:  # type: ignore[no-untyped-def]
+    return pl.Trainer(
+        max_epochs=epochs,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        plugins=[io],
+        callbacks=[ModelCheckpoint(dirpath=dirpath, save_last=True, save_top_k=-1)],
+    )
+
+
+@pytest.fixture
+def lightning_env(s3_bucket: StoreTarget, monkeypatch):  # type: ignore[no-untyped-def]
+    """ModelCheckpoint probes its dirpath with fsspec's defaults: point them at moto."""
+    opts = s3_bucket.storage_options
+    monkeypatch.setenv("AWS_ENDPOINT_URL", opts["endpoint_url"])
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", opts["key"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", opts["secret"])
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    return s3_bucket
+
+
+# Lightning's own note when a resumed run writes into the directory it resumes from.
+@pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty")
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_trainer_fit_saves_committed_checkpoints_and_resumes(
+    lightning_env: StoreTarget, tmp_path, async_save: bool
+) -> None:
+    target = lightning_env
+    dirpath = target.url(f"lightning-{async_save}")
+    io = ObjckptCheckpointIO(storage_options=target.storage_options, async_save=async_save)
+    model = Tiny()
+    _trainer(io, dirpath, tmp_path, epochs=2).fit(model)
+
+    fs = Location.parse(dirpath, target.storage_options).open_fs(fresh=True)
+    base = Location.parse(dirpath).path
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(base))
+    assert names == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "last.ckpt"], names
+    for name in names:  # every checkpoint is an objckpt checkpoint, committed
+        assert fs.exists(f"{base}/{name}/{MANIFEST_KEY}"), name
+
+    # Resume from last.ckpt in a new Trainer: weights, optimizer and loop state come back.
+    state = io.load_checkpoint(f"{dirpath}/last.ckpt")
+    assert state["global_step"] == 8 and state["epoch"] == 1
+    assert torch.equal(state["state_dict"]["net.weight"], model.net.weight.detach())
+    adam = state["optimizer_states"][0]["state"]
+    assert set(adam) == {0, 1} and float(adam[0]["step"]) == 8.0  # keyed by param index
+    resumed = Tiny()
+    io2 = ObjckptCheckpointIO(storage_options=target.storage_options, async_save=async_save)
+    trainer = _trainer(io2, dirpath, tmp_path, epochs=3)
+    trainer.fit(resumed, ckpt_path=f"{dirpath}/last.ckpt")
+    assert trainer.global_step == 12  # continued from step 8, one more epoch of 4 steps
+    assert fs.exists(f"{base}/epoch=2-step=12.ckpt/{MANIFEST_KEY}")
+
+
+def test_remove_checkpoint_deletes_the_committed_checkpoint(
+    lightning_env: StoreTarget, tmp_path
+) -> None:
+    target = lightning_env
+    dirpath = target.url("lightning-top1")
+    io = ObjckptCheckpointIO(storage_options=target.storage_options)
+    trainer = pl.Trainer(
+        max_epochs=3,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        plugins=[io],
+        callbacks=[ModelCheckpoint(dirpath=dirpath, save_top_k=1, monitor="step", mode="max")],
+    )
+    trainer.fit(Tiny())
+    fs = Location.parse(dirpath, target.storage_options).open_fs(fresh=True)
+    base = Location.parse(dirpath).path
+    fs.invalidate_cache()
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(base))
+    assert names == ["epoch=2-step=12.ckpt"], names  # the older two were removed whole
