@@ -71,3 +71,33 @@ def test_503s_show_as_retries_and_throttling(s3_bucket: StoreTarget, s3_proxy: F
     assert stats is not None
     assert stats.throttled == 2 and stats.retries >= 2
     assert stats.requests["UploadPart"] == s3_proxy.count("UploadPart")
+
+
+def test_a_load_by_checkpoint_id_reads_the_manifest_once(
+    s3_bucket: StoreTarget, s3_proxy: FaultProxy
+) -> None:
+    """dcp.load(checkpoint_id=url, storage_reader=reader) resets the reader with the URL it
+    was built for: the manifest is not fetched a second time. A later load of the same
+    URL (which may have been overwritten since) reads it again."""
+    import torch.distributed.checkpoint as dcp
+    from helpers import quiet, save
+
+    from objckpt import ObjectStoreReader
+
+    target = StoreTarget(root=s3_bucket.root, storage_options=s3_proxy.storage_options())
+    url = target.url("once")
+    save({"w": torch.ones(8)}, url, target)
+
+    def manifest_gets() -> int:
+        return sum(p.endswith("/manifest.json") for p in s3_proxy.paths("GetObject"))
+
+    before = manifest_gets()
+    reader = ObjectStoreReader(url, storage_options=target.storage_options)
+    got = {"w": torch.zeros(8)}
+    with quiet():
+        dcp.load(got, checkpoint_id=url, storage_reader=reader)
+    assert torch.equal(got["w"], torch.ones(8))
+    assert manifest_gets() - before == 1
+    with quiet():
+        dcp.load(got, checkpoint_id=url, storage_reader=reader)
+    assert manifest_gets() - before == 2  # a second load reads it again

@@ -152,6 +152,10 @@ class ObjectStoreReader(StorageReader):
         self._counter = RequestCounter()
         with counting(self._counter):
             self._open()
+        # No load has used what _open read yet: a reset(checkpoint_id) naming the same
+        # URL (how dcp.load starts) need not read the manifest again (at W ranks that
+        # second read is W GETs, or a second broadcast).
+        self._unused = True
 
     # -- opening --------------------------------------------------------------------------
     @property
@@ -268,6 +272,10 @@ class ObjectStoreReader(StorageReader):
             location = Location.parse(
                 checkpoint_id, self.location.storage_options, self.location.retry
             )
+            if self._unused and location.url == self.location.url:
+                self._unused = False
+                self.load_id = uuid.uuid4().hex  # still a new load
+                return
             # A new load (DCP calls this first): read the manifest again, as the URL
             # may have been overwritten since, but keep the warm client when the
             # protocol and options are the same.
@@ -316,6 +324,7 @@ class ObjectStoreReader(StorageReader):
         return self._counter.snapshot()
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        self._unused = False  # a later reset(url) is a new load: read the manifest again
         with counting(self._counter):
             self._read_plan(plan, planner)
         fut: Future[None] = Future()
