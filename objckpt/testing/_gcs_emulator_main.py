@@ -9,7 +9,9 @@ write happen under one lock so two racing creators cannot both succeed.
 It also knows one read-only principal, which the stock emulator (no auth at all)
 cannot express: requests bearing the token :data:`READ_ONLY_TOKEN` may read, but
 every write is answered ``403``, and ``testIamPermissions`` grants them only the
-read permissions, as GCS does for a ``roles/storage.objectViewer`` holder.
+read permissions, as GCS does for a ``roles/storage.objectViewer`` holder. Requests
+bearing :data:`INVALID_TOKEN` are all answered ``401 Invalid Credentials``, as GCS
+answers an expired or revoked token.
 
 Usage: ``python -m objckpt.testing._gcs_emulator_main HOST PORT``
 """
@@ -26,6 +28,7 @@ from gcp_storage_emulator import server as emulator
 from gcp_storage_emulator.exceptions import NotFound
 from gcp_storage_emulator.handlers import buckets, objects
 
+from objckpt.testing.servers import GCS_INVALID_TOKEN as INVALID_TOKEN
 from objckpt.testing.servers import GCS_READ_ONLY_TOKEN as READ_ONLY_TOKEN
 
 _READ_PERMISSIONS = frozenset(
@@ -101,6 +104,17 @@ def _writes_refused_for_read_only(handler: Any) -> Any:
     return guarded
 
 
+def _refused_for_invalid_token(handler: Any) -> Any:
+    def guarded(request: Any, response: Any, storage: Any, *args: Any, **kwargs: Any) -> Any:
+        if request.get_header("Authorization", "") == f"Bearer {INVALID_TOKEN}":
+            response.status = HTTPStatus.UNAUTHORIZED
+            response.json({"error": {"code": 401, "message": "Invalid Credentials", "errors": []}})
+            return None
+        return handler(request, response, storage, *args, **kwargs)
+
+    return guarded
+
+
 def main() -> None:
     host, port = sys.argv[1], int(sys.argv[2])
     for _, handlers in emulator.HANDLERS:
@@ -111,9 +125,11 @@ def main() -> None:
                 handler = _test_permissions
             if method not in _READS:
                 handler = _writes_refused_for_read_only(handler)
-            handlers[method] = handler
+            handlers[method] = _refused_for_invalid_token(handler)
     # the router's fallback path for uploads looks the insert handler up here
-    objects.insert = _writes_refused_for_read_only(_insert_with_preconditions)
+    objects.insert = _refused_for_invalid_token(
+        _writes_refused_for_read_only(_insert_with_preconditions)
+    )
     logging.basicConfig(level=logging.WARNING)
     emulator.create_server(host, port, in_memory=True).run()
 

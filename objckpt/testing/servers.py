@@ -38,6 +38,9 @@ TEST_KEY = "objckpt-test-key"
 TEST_SECRET = "objckpt-test-secret"
 #: The bearer token of the GCS emulator's read-only principal.
 GCS_READ_ONLY_TOKEN = "objckpt-read-only"
+#: The token the GCS emulator answers with 401 "Invalid Credentials" on every request
+#: (as GCS does for an expired or revoked token).
+GCS_INVALID_TOKEN = "objckpt-invalid-token"
 
 
 def s3_test_options(
@@ -258,6 +261,12 @@ class GcsEmulator(_ServerProcess):
         from google.oauth2.credentials import Credentials
 
         return {**self.storage_options(), "token": Credentials(token=GCS_READ_ONLY_TOKEN)}
+
+    def invalid_credentials_options(self) -> dict[str, Any]:
+        """gcsfs options whose token every request is refused for with 401."""
+        from google.oauth2.credentials import Credentials
+
+        return {**self.storage_options(), "token": Credentials(token=GCS_INVALID_TOKEN)}
 
     def reset(self) -> None:
         req = urllib.request.Request(f"{self.endpoint_url}/wipe", method="GET")

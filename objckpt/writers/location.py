@@ -30,6 +30,7 @@ __all__ = ["Location"]
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
 _LOCAL = ("file", "local")
 _S3 = ("s3", "s3a")
+_GCS = ("gs", "gcs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +164,10 @@ class Location:
                 from objckpt.writers.s3client import RetryingS3FileSystem
 
                 fs = RetryingS3FileSystem(retry_policy=self.retry, **options)
+            elif self.protocol in _GCS:
+                from objckpt.writers.gcsclient import RetryingGCSFileSystem
+
+                fs = RetryingGCSFileSystem(retry_policy=self.retry, **options)
             else:
                 fs = fsspec.filesystem(self.protocol, **options)
         except ImportError as exc:

@@ -204,6 +204,7 @@ async def call_with_retries(
     call: Callable[..., Awaitable[Any]],
     policy: RetryPolicy,
     observers: Iterable[RetryObserver],
+    what: Callable[[], str],
     method: str,
     *args: Any,
     **kwargs: Any,
@@ -213,15 +214,11 @@ async def call_with_retries(
     Each attempt is bounded by what is left of the deadline
     (:mod:`objckpt.writers.deadline`); retries stop once no time is left for one
     more, and the request fails with :class:`~objckpt.errors.SaveDeadlineError`
-    naming the save and the object. Every outcome is counted (the current
+    naming the save and the object (``what()`` says which request it is, for
+    messages). Every outcome is counted (the current
     :class:`~objckpt.writers.accounting.RequestCounter`) and told to ``observers``.
     """
     deadline = current_deadline()
-
-    def what() -> str:
-        bucket, key = kwargs.get("Bucket"), kwargs.get("Key")
-        target = f"s3://{bucket}/{key}" if key else f"s3://{bucket}" if bucket else "the store"
-        return f"S3 {method} of {target}"
 
     def out_of_time(state: tenacity.RetryCallState) -> bool:
         if state.attempt_number >= policy.attempts:
@@ -233,7 +230,7 @@ async def call_with_retries(
         stop=out_of_time,
         wait=tenacity.wait_random_exponential(multiplier=policy.base_delay, max=policy.max_delay),
         retry=tenacity.retry_if_exception(is_transient),
-        before_sleep=lambda state: _log_retry(state, method, policy),
+        before_sleep=lambda state: _log_retry(state, what, policy),
         reraise=True,
     )
     counter = current_counter()
@@ -278,11 +275,13 @@ async def call_with_retries(
     raise AssertionError("unreachable")  # pragma: no cover - reraise=True
 
 
-def _log_retry(state: tenacity.RetryCallState, method: str, policy: RetryPolicy) -> None:
+def _log_retry(
+    state: tenacity.RetryCallState, what: Callable[[], str], policy: RetryPolicy
+) -> None:
     exc = state.outcome.exception() if state.outcome else None
     logger.info(
-        "retrying S3 %s after %s (attempt %d of %d)",
-        method,
+        "retrying %s after %s (attempt %d of %d)",
+        what(),
         type(exc).__name__ if exc else "an error",
         state.attempt_number + 1,
         policy.attempts,

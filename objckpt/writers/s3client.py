@@ -44,7 +44,12 @@ class RetryingS3FileSystem(S3FileSystem):
         self._observers.add(observer)
 
     async def _call_s3(self, method: str, *akwarglist: Any, **kwargs: Any) -> Any:
+        def what() -> str:
+            bucket, key = kwargs.get("Bucket"), kwargs.get("Key")
+            target = f"s3://{bucket}/{key}" if key else f"s3://{bucket}" if bucket else "S3"
+            return f"S3 {method} of {target}"
+
         call = super()._call_s3
         return await call_with_retries(
-            call, self.retry_policy, self._observers, method, *akwarglist, **kwargs
+            call, self.retry_policy, self._observers, what, method, *akwarglist, **kwargs
         )

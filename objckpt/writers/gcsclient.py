@@ -1,0 +1,54 @@
+"""The gcsfs filesystem objckpt builds for ``gs://``: gcsfs with objckpt's retries.
+
+Why: gcsfs retries every request itself (``retry_request``, 6 tries with its own
+backoff, a 401 included), knows no save deadline and counts nothing, so GCS saves
+had neither :class:`~objckpt.RetryPolicy` nor ``UploadOptions.deadline`` nor request
+accounting. This subclass replaces gcsfs's ``_request`` (the coroutine every gcsfs
+request goes through) by the same function without gcsfs's retry decorator
+(``__wrapped__``), run under :func:`~objckpt.writers.retry.call_with_retries`: one
+retry loop, transient errors only (5xx, 429, connection errors; a 401 or 403 fails at
+once), bounded by the save's deadline. ``_request`` and its ``__wrapped__`` are gcsfs
+internals, pinned by ``tests/test_s3client.py``'s GCS twin for the supported range.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from gcsfs import GCSFileSystem
+
+from objckpt.writers.retry import RetryObserver, RetryPolicy, call_with_retries
+
+__all__ = ["RetryingGCSFileSystem"]
+
+#: gcsfs's request coroutine without its own retry loop.
+_SINGLE_REQUEST = GCSFileSystem._request.__wrapped__
+
+
+class RetryingGCSFileSystem(GCSFileSystem):
+    """``GCSFileSystem`` whose requests follow a :class:`RetryPolicy` and the save's deadline."""
+
+    def __init__(self, *args: Any, retry_policy: RetryPolicy | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.retry_policy = retry_policy or RetryPolicy()
+        self._observers: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    def add_observer(self, observer: RetryObserver) -> None:
+        """Tell ``observer`` of every throttled and every successful request."""
+        self._observers.add(observer)
+
+    async def _request(self, method: str, path: str, *args: Any, **kwargs: Any) -> Any:
+        def what() -> str:
+            try:
+                target = self._format_path(path, args)
+            except Exception:  # a message must not fail the request
+                target = path
+            return f"GCS {method} of {target}"
+
+        async def once(m: str, p: str, *a: Any, **kw: Any) -> Any:
+            return await _SINGLE_REQUEST(self, m, p, *a, **kw)
+
+        return await call_with_retries(
+            once, self.retry_policy, self._observers, what, method, path, *args, **kwargs
+        )
