@@ -35,7 +35,13 @@ class Tiny(pl.LightningModule):
         return torch.utils.data.DataLoader(data, batch_size=8)
 
 
-def _trainer(io: ObjckptCheckpointIO, dirpath: str, tmp_path, epochs: int) -> pl.Trainer:  # type: ignore[no-untyped-def]
+def _trainer(
+    io: ObjckptCheckpointIO,
+    dirpath: str,
+    tmp_path,  # type: ignore[no-untyped-def]
+    epochs: int,
+    checkpoint: ModelCheckpoint | None = None,
+) -> pl.Trainer:
     return pl.Trainer(
         max_epochs=epochs,
         accelerator="cpu",
@@ -44,7 +50,7 @@ def _trainer(io: ObjckptCheckpointIO, dirpath: str, tmp_path, epochs: int) -> pl
         enable_model_summary=False,
         default_root_dir=str(tmp_path),
         plugins=[io],
-        callbacks=[ModelCheckpoint(dirpath=dirpath, save_last=True, save_top_k=-1)],
+        callbacks=[checkpoint or ModelCheckpoint(dirpath=dirpath, save_last=True, save_top_k=-1)],
     )
 
 
@@ -98,16 +104,8 @@ def test_remove_checkpoint_deletes_the_committed_checkpoint(
     target = lightning_env
     dirpath = target.url("lightning-top1")
     io = ObjckptCheckpointIO(storage_options=target.storage_options)
-    trainer = pl.Trainer(
-        max_epochs=3,
-        accelerator="cpu",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(tmp_path),
-        plugins=[io],
-        callbacks=[ModelCheckpoint(dirpath=dirpath, save_top_k=1, monitor="step", mode="max")],
-    )
+    top1 = ModelCheckpoint(dirpath=dirpath, save_top_k=1, monitor="step", mode="max")
+    trainer = _trainer(io, dirpath, tmp_path, epochs=3, checkpoint=top1)
     trainer.fit(Tiny())
     fs = Location.parse(dirpath, target.storage_options).open_fs(fresh=True)
     base = Location.parse(dirpath).path

@@ -13,12 +13,11 @@ internals, pinned by ``tests/test_s3client.py``'s GCS twin for the supported ran
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 from gcsfs import GCSFileSystem
 
-from objckpt.writers.retry import RetryObserver, RetryPolicy, call_with_retries
+from objckpt.writers.retry import RetryingFileSystem
 
 __all__ = ["RetryingGCSFileSystem"]
 
@@ -26,17 +25,9 @@ __all__ = ["RetryingGCSFileSystem"]
 _SINGLE_REQUEST = GCSFileSystem._request.__wrapped__
 
 
-class RetryingGCSFileSystem(GCSFileSystem):
-    """``GCSFileSystem`` whose requests follow a :class:`RetryPolicy` and the save's deadline."""
-
-    def __init__(self, *args: Any, retry_policy: RetryPolicy | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.retry_policy = retry_policy or RetryPolicy()
-        self._observers: weakref.WeakSet[Any] = weakref.WeakSet()
-
-    def add_observer(self, observer: RetryObserver) -> None:
-        """Tell ``observer`` of every throttled and every successful request."""
-        self._observers.add(observer)
+class RetryingGCSFileSystem(RetryingFileSystem, GCSFileSystem):
+    """``GCSFileSystem`` whose requests follow a :class:`~objckpt.RetryPolicy` and the
+    save's deadline (``retry_policy=`` besides gcsfs's own options)."""
 
     async def _request(self, method: str, path: str, *args: Any, **kwargs: Any) -> Any:
         def what() -> str:
@@ -49,6 +40,4 @@ class RetryingGCSFileSystem(GCSFileSystem):
         async def once(m: str, p: str, *a: Any, **kw: Any) -> Any:
             return await _SINGLE_REQUEST(self, m, p, *a, **kw)
 
-        return await call_with_retries(
-            once, self.retry_policy, self._observers, what, method, path, *args, **kwargs
-        )
+        return await self._retried(once, what, method, path, *args, **kwargs)

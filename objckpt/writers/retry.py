@@ -28,6 +28,7 @@ import errno
 import http.client
 import logging
 import socket
+import weakref
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, Protocol
 
@@ -41,6 +42,7 @@ from objckpt.writers.translate import causes, service_error
 __all__ = [
     "RetryObserver",
     "RetryPolicy",
+    "RetryingFileSystem",
     "call_with_retries",
     "is_throttle",
     "is_transient",
@@ -273,6 +275,40 @@ async def call_with_retries(
                 o.succeeded()
             return out
     raise AssertionError("unreachable")  # pragma: no cover - reraise=True
+
+
+class RetryingFileSystem:
+    """What objckpt's s3fs and gcsfs subclasses share: a policy, observers told of
+    throttling, and one request run under :func:`call_with_retries`. Mixed in before
+    the fsspec class (``class RetryingS3FileSystem(RetryingFileSystem, S3FileSystem)``).
+
+    Args:
+        retry_policy: How requests are retried (objckpt's default if omitted).
+        *args, **kwargs: The filesystem's own options (``storage_options``).
+    """
+
+    def __init__(self, *args: Any, retry_policy: RetryPolicy | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.retry_policy = retry_policy or RetryPolicy()
+        # Weak: a checkpointer shares one filesystem across saves, each save's store
+        # observes it, and a finished store must not be kept (or told) forever.
+        self._observers: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    def add_observer(self, observer: RetryObserver) -> None:
+        """Tell ``observer`` of every throttled and every successful request."""
+        self._observers.add(observer)
+
+    async def _retried(
+        self,
+        call: Callable[..., Awaitable[Any]],
+        what: Callable[[], str],
+        method: str,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        return await call_with_retries(
+            call, self.retry_policy, self._observers, what, method, *args, **kwargs
+        )
 
 
 def _log_retry(

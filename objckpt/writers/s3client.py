@@ -12,36 +12,20 @@ changes them fails there, not in a user's save.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 from s3fs import S3FileSystem
 
-from objckpt.writers.retry import RetryObserver, RetryPolicy, call_with_retries
+from objckpt.writers.retry import RetryingFileSystem
 
 __all__ = ["RetryingS3FileSystem"]
 
 
-class RetryingS3FileSystem(S3FileSystem):
-    """``S3FileSystem`` whose requests follow a :class:`RetryPolicy` and the save's deadline.
-
-    Args:
-        retry_policy: How requests are retried (objckpt's default if omitted).
-        *args, **kwargs: s3fs's own options (``storage_options``).
-    """
+class RetryingS3FileSystem(RetryingFileSystem, S3FileSystem):
+    """``S3FileSystem`` whose requests follow a :class:`~objckpt.RetryPolicy` and the
+    save's deadline (``retry_policy=`` besides s3fs's own options)."""
 
     retries = 1  # s3fs's own retry loop: one try; call_with_retries retries instead
-
-    def __init__(self, *args: Any, retry_policy: RetryPolicy | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.retry_policy = retry_policy or RetryPolicy()
-        # Weak: a checkpointer shares one filesystem across saves, each save's store
-        # observes it, and a finished store must not be kept (or told) forever.
-        self._observers: weakref.WeakSet[Any] = weakref.WeakSet()
-
-    def add_observer(self, observer: RetryObserver) -> None:
-        """Tell ``observer`` of every throttled and every successful request."""
-        self._observers.add(observer)
 
     async def _call_s3(self, method: str, *akwarglist: Any, **kwargs: Any) -> Any:
         def what() -> str:
@@ -49,7 +33,4 @@ class RetryingS3FileSystem(S3FileSystem):
             target = f"s3://{bucket}/{key}" if key else f"s3://{bucket}" if bucket else "S3"
             return f"S3 {method} of {target}"
 
-        call = super()._call_s3
-        return await call_with_retries(
-            call, self.retry_policy, self._observers, what, method, *akwarglist, **kwargs
-        )
+        return await self._retried(super()._call_s3, what, method, *akwarglist, **kwargs)
