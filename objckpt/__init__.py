@@ -14,6 +14,7 @@ from objckpt.ops.backup import BackupStatus, BackupTarget
 from objckpt.ops.config import Config, load_config
 from objckpt.ops.manager import CheckpointManager
 from objckpt.ops.retention import RetentionPolicy
+from objckpt.ops.tiers import LocalTier, TierStatus
 from objckpt.options import AsyncOptions, ReadOptions, UploadOptions
 from objckpt.pipeline.checkpointer import AsyncCheckpointer, async_save
 from objckpt.pipeline.handle import SaveHandle
@@ -30,6 +31,7 @@ __all__ = [
     "BackupTarget",
     "CheckpointManager",
     "Config",
+    "LocalTier",
     "Location",
     "Manifest",
     "ObjectStoreReader",
@@ -38,6 +40,7 @@ __all__ = [
     "RetentionPolicy",
     "RetryPolicy",
     "SaveHandle",
+    "TierStatus",
     "UploadOptions",
     "__version__",
     "async_save",

@@ -20,6 +20,8 @@ def test_public_names_are_exactly_the_contract() -> None:
         "SaveHandle",
         "async_save",
         "Location",
+        "LocalTier",
+        "TierStatus",
         "Manifest",
         "ObjectStoreReader",
         "ObjectStoreWriter",

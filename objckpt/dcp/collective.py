@@ -15,11 +15,12 @@ import pickle
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from objckpt.errors import ObjckptError
 
-__all__ = ["broadcast_from_rank0", "is_distributed"]
+__all__ = ["any_rank", "broadcast_from_rank0", "is_distributed"]
 
 T = TypeVar("T")
 
@@ -65,3 +66,18 @@ def broadcast_from_rank0(fn: Callable[[], T], process_group: Any | None = None) 
         raise value
     result: T = value
     return result
+
+
+def any_rank(flag: bool, process_group: Any | None = None) -> bool:
+    """Whether ``flag`` is true on any rank of the group (one all-reduce of one int).
+
+    A collective: every rank of the group must call it at the same point.
+    """
+    if not is_distributed():
+        return flag
+    device = "cpu"
+    if dist.get_backend(process_group) == "nccl":
+        device = f"cuda:{torch.cuda.current_device()}"
+    value = torch.tensor([1 if flag else 0], dtype=torch.int64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=process_group)
+    return bool(value.item())

@@ -11,6 +11,14 @@ copied into tensors, and every item is checked against its CRC32C.
 A stock DCP checkpoint (``.metadata`` and stock payload names, no manifest)
 loads read-only and unverified, with a logged notice; an objckpt checkpoint
 whose manifest is missing is refused.
+
+With ``local=`` (a copy of the same checkpoint on this node's disk, the local
+tier of :class:`~objckpt.LocalTier`) every object is read from that copy when it
+is there with the manifest's size, and from the store otherwise: the choice is
+per object, so a rank whose disk holds its own part reads only the rest from the
+store, and a job restarted on another world size reads whatever mix of tiers
+holds the bytes. Local bytes are checked before use; a mismatch is logged
+naming the local object, and that object is read from the store instead.
 """
 
 from __future__ import annotations
@@ -77,6 +85,13 @@ class _Range:
     start: int
     end: int
     reads: list[tuple[ReadItem, StoredItem]]
+    #: Items checked when the span comes from the local tier (whole items it holds).
+    items: list[StoredItem] = dataclasses.field(default_factory=list)
+    #: Its items were checked already (read from the local copy).
+    verified: bool = False
+
+    def stored(self) -> list[StoredItem]:
+        return self.items or [it for _, it in self.reads]
 
 
 def _read_options(read: ReadOptions | None, verify: bool | None) -> ReadOptions:
@@ -111,6 +126,10 @@ class ObjectStoreReader(StorageReader):
         allow_stock: Load a stock DCP checkpoint (``.metadata``, no manifest) when
             that is what ``url`` holds. False: only committed objckpt checkpoints
             (the manager's rule: a step exists only once committed).
+        local: A local directory holding (some of) this checkpoint's objects under
+            the same names: read first, object by object, checked, with ``url``
+            for whatever it lacks or holds damaged. Its manifest, when present
+            and readable, is used without asking the store.
 
     Raises:
         CheckpointNotCommittedError: Payload exists but no manifest commits it.
@@ -130,9 +149,19 @@ class ObjectStoreReader(StorageReader):
         broadcast: bool = False,
         process_group: Any | None = None,
         allow_stock: bool = True,
+        local: str | os.PathLike[str] | None = None,
     ) -> None:
         super().__init__()
         self.location = Location.parse(url, storage_options, retry)
+        self.local = None if local is None else Location.parse(local)
+        if self.local is not None and not self.local.is_local:
+            raise ConfigurationError(f"option local={local!r}: expected a local directory")
+        self._local_fs: AbstractFileSystem | None = None
+        #: Objects of the local copy found usable (True) or not (False), by key.
+        self._local_ok: dict[str, bool] = {}
+        #: Bytes this reader took from the local copy, and where its manifest came from.
+        self.local_bytes_read = 0
+        self.manifest_source: str | None = None
         self.options = _read_options(read, verify)
         self._fs: AbstractFileSystem | None = None
         self._fs_pid = -1
@@ -171,7 +200,12 @@ class ObjectStoreReader(StorageReader):
         return self.manifest is None
 
     def _read_manifest(self) -> bytes | None:
-        """The manifest's bytes, or None when there is none."""
+        """The manifest's bytes (the local copy's when it is readable), or None."""
+        local = self._read_local_manifest()
+        if local is not None:
+            self.manifest_source = self.local.url_of(MANIFEST_KEY) if self.local else None
+            return local
+        self.manifest_source = self.location.url_of(MANIFEST_KEY)
         path = self.location.key_path(MANIFEST_KEY)
         try:
             self.fs.invalidate_cache(self.location.path)
@@ -184,6 +218,69 @@ class ObjectStoreReader(StorageReader):
             raise translate(exc, url=self.location.url, action="reading the manifest of") from exc
         self.metadata_bytes_fetched += len(data)
         return data
+
+    def _read_local_manifest(self) -> bytes | None:
+        """The local copy's manifest when it is there and parses (else None, logged)."""
+        if self.local is None:
+            return None
+        path = self.local.key_path(MANIFEST_KEY)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+            Manifest.from_json_bytes(data, url=self.local.url_of(MANIFEST_KEY))
+        except FileNotFoundError:
+            return None
+        except Exception as exc:
+            logger.warning(
+                "local copy %s is unusable (%s); reading the manifest from %s",
+                self.local.url_of(MANIFEST_KEY),
+                exc,
+                self.location.url,
+            )
+            return None
+        return data
+
+    # -- the local copy -------------------------------------------------------------------
+    @property
+    def local_fs(self) -> AbstractFileSystem:
+        if self._local_fs is None:
+            assert self.local is not None
+            self._local_fs = self.local.open_fs()
+        return self._local_fs
+
+    def _is_local(self, key: str) -> bool:
+        """Whether ``key`` is read from the local copy: there, with the manifest's size."""
+        if self.local is None or self.manifest is None:
+            return False
+        known = self._local_ok.get(key)
+        if known is not None:
+            return known
+        entry = self._objects.get(key)
+        try:
+            size = os.stat(self.local.key_path(key)).st_size
+        except OSError:
+            size = None
+        ok = entry is not None and size == entry.size
+        if size is not None and not ok:
+            logger.warning(
+                "local copy %s has %d bytes, the manifest says %s; reading it from %s",
+                self.local.url_of(key),
+                size,
+                entry.size if entry else "nothing",
+                self.location.url,
+            )
+        self._local_ok[key] = ok
+        return ok
+
+    def _distrust_local(self, key: str, why: str) -> None:
+        assert self.local is not None
+        logger.warning(
+            "local copy %s is corrupt (%s); reading it from %s instead",
+            self.local.url_of(key),
+            why,
+            self.location.url_of(key),
+        )
+        self._local_ok[key] = False
 
     def _open(self) -> None:
         if self._broadcast and is_distributed():
@@ -288,6 +385,7 @@ class ObjectStoreReader(StorageReader):
             self.load_id = uuid.uuid4().hex
             self.manifest, self._locator = None, None
             self._items, self._loaded_shards = {}, set()
+            self._local_ok = {}
             self._counter = RequestCounter()
             with counting(self._counter):
                 self._open()
@@ -372,7 +470,9 @@ class ObjectStoreReader(StorageReader):
         """Owner: the whole stored items this rank shares with the others."""
         self._locate(indices)
         items = [self._item_at(idx) for idx in indices]
-        ranges = [_Range(it.relative_path, it.offset, it.offset + it.length, []) for it in items]
+        ranges = [
+            _Range(it.relative_path, it.offset, it.offset + it.length, [], [it]) for it in items
+        ]
         out: list[tuple[Sent, bytes]] = []
         for batch in self._batches(ranges):
             out += [
@@ -404,22 +504,34 @@ class ObjectStoreReader(StorageReader):
         if not wanted:
             return
         keys = {shard: locator.index_keys[shard] for shard in sorted(wanted)}
-        paths = {shard: self.location.key_path(k) for shard, k in keys.items() if k is not None}
-        try:
-            blobs = retry_call(
-                lambda: self.fs.cat(list(paths.values())),
-                self.location.retry,
-                f"reading {len(paths)} index objects of {self.location.url}",
-            )
-        except Exception as exc:
-            raise translate(exc, url=self.location.url, action="reading the index of") from exc
+        found = self._local_index(keys)
+        paths = {
+            shard: self.location.key_path(k)
+            for shard, k in keys.items()
+            if k is not None and shard not in found
+        }
+        blobs: Any = {}
+        if paths:
+            try:
+                blobs = retry_call(
+                    lambda: self.fs.cat(list(paths.values())),
+                    self.location.retry,
+                    f"reading {len(paths)} index objects of {self.location.url}",
+                )
+            except Exception as exc:
+                raise translate(exc, url=self.location.url, action="reading the index of") from exc
+            if not isinstance(blobs, dict):
+                blobs = {next(iter(paths.values())): blobs}
         attempt = self.manifest.attempt
-        for shard, path in paths.items():
-            key = keys[shard]
-            assert key is not None
-            blob = bytes(blobs[path] if isinstance(blobs, dict) else blobs)
-            self.metadata_bytes_fetched += len(blob)
-            self._verify_object(key, blob)
+        for shard, key in keys.items():
+            if key is None:
+                continue
+            if shard in found:
+                blob = found[shard]
+            else:
+                blob = bytes(blobs[paths[shard]])
+                self.metadata_bytes_fetched += len(blob)
+                self._verify_object(key, blob)
             items = decode_index(
                 blob,
                 rank=shard,
@@ -430,6 +542,24 @@ class ObjectStoreReader(StorageReader):
             self._check_items(items.values())
             self._items.update(items)
             self._loaded_shards.add(shard)
+
+    def _local_index(self, keys: Mapping[int, str | None]) -> dict[int, bytes]:
+        """The index objects the local copy holds intact, by shard."""
+        out: dict[int, bytes] = {}
+        for shard, key in keys.items():
+            if key is None or not self._is_local(key):
+                continue
+            assert self.local is not None
+            with open(self.local.key_path(key), "rb") as f:
+                blob = f.read()
+            try:
+                self._verify_object(key, blob)
+            except (SizeMismatchError, ChecksumMismatchError) as exc:
+                self._distrust_local(key, str(exc))
+                continue
+            self.local_bytes_read += len(blob)
+            out[shard] = blob
+        return out
 
     def _verify_object(self, key: str, blob: bytes) -> None:
         """A whole metadata object against its manifest entry (always: it says where
@@ -496,6 +626,54 @@ class ObjectStoreReader(StorageReader):
             yield batch
 
     def _fetch(self, batch: list[_Range]) -> list[bytes]:
+        """Every range of a batch: from the local copy what it holds intact, the rest
+        from the store."""
+        if self.local is None:
+            return self._fetch_remote(batch)
+        out: list[bytes | None] = [None] * len(batch)
+        for n, rng in enumerate(batch):
+            if self._is_local(rng.key):
+                out[n] = self._read_local(rng)
+        remote = [n for n, data in enumerate(out) if data is None]
+        if remote:
+            for n, data in zip(remote, self._fetch_remote([batch[n] for n in remote]), strict=True):
+                out[n] = data
+        return [d for d in out if d is not None]
+
+    def _read_local(self, rng: _Range) -> bytes | None:
+        """A span of the local copy, its items checked; None when it is not usable."""
+        assert self.local is not None
+        try:
+            with open(self.local.key_path(rng.key), "rb") as f:
+                f.seek(rng.start)
+                data = f.read(rng.end - rng.start)
+        except OSError as exc:
+            self._distrust_local(rng.key, str(exc))
+            return None
+        if len(data) != rng.end - rng.start:
+            self._distrust_local(
+                rng.key, f"{len(data)} bytes at {rng.start}, not {rng.end - rng.start}"
+            )
+            return None
+        if self.options.verify:
+            view = memoryview(data)
+            for item in rng.stored():
+                if item.crc32c is None:
+                    continue
+                crc = Crc32c()
+                crc.update(view[item.offset - rng.start : item.offset - rng.start + item.length])
+                if crc.hexdigest() != item.crc32c:
+                    self._distrust_local(
+                        rng.key,
+                        f"CRC32C of bytes {item.offset}-{item.offset + item.length} is "
+                        f"{crc.hexdigest()}, the manifest says {item.crc32c}",
+                    )
+                    return None
+        self.local_bytes_read += len(data)
+        rng.verified = self.options.verify
+        return data
+
+    def _fetch_remote(self, batch: list[_Range]) -> list[bytes]:
         """Fetch every range of a batch concurrently; big ranges in parallel pieces."""
         paths, starts, ends, owner = [], [], [], []
         step = self.options.range_size
@@ -565,7 +743,7 @@ class ObjectStoreReader(StorageReader):
         view = memoryview(buf)
         for req, item in rng.reads:
             data = view[item.offset - rng.start : item.offset - rng.start + item.length]
-            if self.options.verify and item.crc32c is not None:
+            if self.options.verify and item.crc32c is not None and not rng.verified:
                 crc = Crc32c()
                 crc.update(data)
                 if crc.hexdigest() != item.crc32c:

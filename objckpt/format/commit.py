@@ -35,7 +35,13 @@ from objckpt.writers.accounting import RequestCounter, RequestStats, counting, c
 from objckpt.writers.base import ObjectStore
 from objckpt.writers.checksum import Crc32c
 
-__all__ = ["REQUESTS_FQN", "commit_checkpoint", "read_manifest", "requests_result"]
+__all__ = [
+    "REQUESTS_FQN",
+    "commit_checkpoint",
+    "read_manifest",
+    "requests_result",
+    "written_objects",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +57,20 @@ REQUESTS_FQN = "__objckpt_requests__"
 def requests_result(stats: RequestStats) -> WriteResult:
     """The entry that carries a rank's request counts among its write results."""
     return WriteResult(index=MetadataIndex(REQUESTS_FQN), size_in_bytes=0, storage_data=stats)
+
+
+def written_objects(results: Iterable[WriteResult]) -> tuple[ObjectEntry, ...]:
+    """The payload objects a rank's write results place items in, by key."""
+    objects = {
+        wr.storage_data.relative_path: ObjectEntry(
+            wr.storage_data.relative_path,
+            wr.storage_data.object_size,
+            wr.storage_data.object_crc32c,
+        )
+        for wr in results
+        if isinstance(wr.storage_data, StoredItem)
+    }
+    return tuple(objects[k] for k in sorted(objects))
 
 
 def read_manifest(store: ObjectStore) -> Manifest:

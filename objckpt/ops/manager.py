@@ -14,11 +14,19 @@ Every rank of a process group builds its own manager with the same arguments
 and calls ``save`` together; only the coordinator (rank 0) deletes and makes
 backups (:mod:`objckpt.ops.backup`). ``load`` falls back to the first backup that
 holds the step when the primary lacks it or fails verification.
+
+With ``local=LocalTier(...)`` every save commits to node-local disk first and
+every K-th is promoted to the root in the background (:mod:`objckpt.ops.tiers`,
+:mod:`objckpt.ops.promote`); ``load`` then reads each object from this node's
+copy when it holds it intact, from the root (then the backups) otherwise.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import os
+import shutil
 import threading
 import time
 import warnings
@@ -29,7 +37,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from objckpt.dcp.collective import broadcast_from_rank0, is_distributed
+from objckpt.dcp.collective import any_rank, broadcast_from_rank0, is_distributed
 from objckpt.dcp.storage_reader import ObjectStoreReader
 from objckpt.errors import (
     CheckpointNotFoundError,
@@ -40,11 +48,14 @@ from objckpt.errors import (
     StateDictMismatchError,
     StoreError,
 )
+from objckpt.format.layout import MANIFEST_KEY
 from objckpt.format.manifest import Manifest
 from objckpt.format.steps import StepInfo, parse_step, step_name
 from objckpt.ops.backup import BackupStatus, BackupTarget, Replicator, committed_steps
 from objckpt.ops.gc import DEFAULT_GRACE, GcReport, collect_garbage, delete_step
+from objckpt.ops.promote import Promoter
 from objckpt.ops.retention import RetentionPolicy
+from objckpt.ops.tiers import LocalTier, TierStatus, is_disk_full, local_room, state_bytes
 from objckpt.options import AsyncOptions, ReadOptions, UploadOptions
 from objckpt.pipeline.checkpointer import AsyncCheckpointer
 from objckpt.pipeline.handle import SaveHandle
@@ -97,6 +108,9 @@ class CheckpointManager:
             each committed step is copied there in the background by rank 0. A
             plain URL on the primary's protocol is reached with ``storage_options``.
         retry: How every store request is retried (:class:`~objckpt.RetryPolicy`).
+        local: A :class:`~objckpt.LocalTier`: saves commit on this node's disk first
+            and every ``promote_every``-th is promoted to ``root_url``. Each rank
+            passes its own node's directory.
 
     Raises:
         ConfigurationError: Bad URL or option.
@@ -117,7 +131,12 @@ class CheckpointManager:
         async_options: AsyncOptions | None = None,
         backups: Sequence[str | BackupTarget] = (),
         retry: RetryPolicy | None = None,
+        local: LocalTier | None = None,
     ) -> None:
+        if local is not None and not isinstance(local, LocalTier):
+            raise ConfigurationError(
+                f"option local={local!r} is invalid: expected objckpt.LocalTier(path, ...)"
+            )
         rules = (keep_last, keep_every, keep_newer_than)
         if retention is not None and any(r is not None for r in rules):
             raise ConfigurationError(
@@ -135,6 +154,15 @@ class CheckpointManager:
         self._lock = threading.RLock()
         self._steps: dict[int, StepInfo] = {}
         self._finished: list[int] = []
+        self.local = local
+        self._local_steps: dict[int, float] = {}  # committed locally: step -> commit time
+        self._local_saves = 0
+        self._to_promote: set[int] = set()  # picked for promotion, not durable yet
+        self._promotions: list[concurrent.futures.Future[None]] = []
+        self._promotion_errors: list[BaseException] = []
+        self._absorbed: list[BaseException] = []  # local disk-full failures (warned)
+        self._degraded: str | None = None  # why the local tier is off for good
+        self._last_bypass: str | None = None
         self.backups = tuple(self._target(b) for b in backups)
         self._replicator: Replicator | None = None
         if self.backups and self.rank == 0:
@@ -152,6 +180,20 @@ class CheckpointManager:
             on_commit=self._on_commit,
             retry=self.retry,
         )
+        self._promoter: Promoter | None = None
+        if local is not None:
+            self._promoter = Promoter(
+                local.location,
+                self.root,
+                submit=self._checkpointer.run_in_worker,
+                upload=self._checkpointer.upload,
+                rank=self.rank,
+                world=dist.get_world_size(process_group) if distributed else 1,
+                process_group=process_group,
+                distributed=distributed,
+                timeout=self._checkpointer.options.barrier_timeout,
+                on_durable=self._on_durable,
+            )
 
     def _target(self, backup: str | BackupTarget) -> BackupTarget:
         """A URL on the primary's protocol reuses the primary's storage options."""
@@ -178,9 +220,20 @@ class CheckpointManager:
         With backups configured, an unreachable primary is a warning (loading can
         still fall back to a backup); without, it raises :class:`StoreError`.
         """
-        found = self._on_rank0(self._list_primary)
+        found, local = self._on_rank0(lambda: (self._list_primary(), self._list_local()))
         with self._lock:
             self._steps = {s.step: s for s in found}
+            self._local_steps = {s.step: s.modified or time.time() for s in local}
+
+    def _list_local(self) -> list[StepInfo]:
+        """Rank 0: the steps committed on its local tier (it holds their manifests)."""
+        if self.local is None:
+            return []
+        try:
+            return committed_steps(self.local.location)
+        except StoreError as exc:
+            logger.warning("local tier %s cannot be listed: %s", self.local.location.url, exc)
+            return []
 
     def _list_primary(self) -> list[StepInfo]:
         try:
@@ -198,17 +251,35 @@ class CheckpointManager:
         return broadcast_from_rank0(fn, self.process_group)
 
     def all_steps(self) -> list[int]:
-        """Committed steps, ascending."""
+        """Steps committed on the root (durable), ascending."""
         with self._lock:
             return sorted(self._steps)
 
-    def latest_step(self) -> int | None:
-        """The newest committed step, or None when there is none."""
+    def local_steps(self) -> list[int]:
+        """Steps committed on the local tier (the coordinator's view), ascending."""
         with self._lock:
-            return max(self._steps) if self._steps else None
+            return sorted(self._local_steps)
+
+    def latest_step(self, *, durable: bool = False) -> int | None:
+        """The newest committed step, or None when there is none.
+
+        Args:
+            durable: Only steps committed on the root. False: a step committed
+                only on the local tier counts too (it loads on the nodes that
+                hold it, or wherever the root holds the rest).
+        """
+        with self._lock:
+            steps = set(self._steps) if durable else set(self._steps) | set(self._local_steps)
+        return max(steps) if steps else None
 
     def step_url(self, step: int) -> str:
         return self.root.child(step_name(step)).url
+
+    def local_step_url(self, step: int) -> str | None:
+        """This rank's local copy of ``step`` (None without a local tier)."""
+        if self.local is None:
+            return None
+        return self.local.location.child(step_name(step)).url
 
     # -- saving -----------------------------------------------------------------------------
     def save(
@@ -217,14 +288,23 @@ class CheckpointManager:
         state_dict: dict[str, Any],
         *,
         user_metadata: Mapping[str, Any] | None = None,
+        promote: bool | None = None,
     ) -> SaveHandle:
         """Start saving ``state_dict`` as ``step``; returns once it is staged.
+
+        With a local tier the save commits there, and is promoted to the root when
+        it is every ``promote_every``-th local save (``promote=True``/``False``
+        decides for this one save). When any rank's local disk lacks room the save
+        goes to the root directly, with a warning, on every rank.
 
         Raises:
             CheckpointExistsError: ``step`` is already committed.
             ConfigurationError, StateDictError, StoreError: before any upload.
         """
-        url = self.step_url(step)
+        local_url = None
+        if self.local is not None:
+            local_url = self._local_target(step, state_dict)
+        url = local_url or self.step_url(step)
         try:
             handle = self._checkpointer.save(
                 state_dict, url, process_group=self.process_group, user_metadata=user_metadata
@@ -234,24 +314,156 @@ class CheckpointManager:
             if inner is exc:
                 raise
             raise inner from exc
-        handle.add_done_callback(lambda h: self._on_done(step, h))
+        if local_url is None:
+            handle.add_done_callback(lambda h: self._on_done(step, h))
+            return handle
+        assert self.local is not None
+        self._local_saves += 1
+        if promote is None:
+            promote = self._local_saves % self.local.promote_every == 0
+        promotion: concurrent.futures.Future[None] | None = None
+        if promote:
+            promotion = concurrent.futures.Future()
+            with self._lock:
+                self._to_promote.add(step)
+                self._promotions.append(promotion)
+        handle._set_promotion(promotion)
+        handle.add_done_callback(lambda h: self._on_local_done(step, h, promotion))
         return handle
+
+    def _local_target(self, step: int, state_dict: Mapping[str, Any]) -> str | None:
+        """This rank's local URL for ``step``, or None when the save must bypass the
+        local tier (decided with every rank: one all-reduce)."""
+        assert self.local is not None
+        why = self._degraded or local_room(self.local, state_bytes(state_dict))
+        if not any_rank(why is not None, self.process_group):
+            self._last_bypass = None
+            return self.local_step_url(step)
+        why = why or "another rank's local tier has no room"
+        logger.warning(
+            "step %d goes to %s directly, not the local tier: %s", step, self.root.url, why
+        )
+        self._last_bypass = why
+        return None
+
+    def _on_local_done(
+        self,
+        step: int,
+        handle: SaveHandle,
+        promotion: concurrent.futures.Future[None] | None,
+    ) -> None:
+        """A local save ended: record it, start its promotion, apply local retention."""
+        exc = handle.exception()
+        if exc is not None:
+            if is_disk_full(exc):
+                assert self.local is not None
+                self._degraded = (
+                    f"a save to the local tier {self.local.location.url} ran out of space "
+                    f"(step {step}); later saves go to {self.root.url}"
+                )
+                logger.warning("%s: %s", self._degraded, exc)
+                with self._lock:
+                    self._absorbed.append(exc)
+            if promotion is not None:
+                with self._lock:
+                    self._to_promote.discard(step)
+                promotion.set_exception(exc)
+            return
+        with self._lock:
+            self._local_steps[step] = time.time()
+            self._finished.append(step)
+        if promotion is not None:
+            assert self._promoter is not None
+            try:
+                running = self._promoter.submit(step, handle)
+            except BaseException as err:  # closed while saving
+                self._promotion_ended(step, promotion, err)
+            else:
+                running.add_done_callback(
+                    lambda f: self._promotion_ended(step, promotion, f.exception())
+                )
+        self._apply_local_retention()
+
+    def _promotion_ended(
+        self,
+        step: int,
+        promotion: concurrent.futures.Future[None],
+        exc: BaseException | None,
+    ) -> None:
+        with self._lock:
+            self._to_promote.discard(step)
+            if exc is not None:
+                self._promotion_errors.append(exc)
+            elif self.rank != 0:  # the coordinator recorded it in _on_durable
+                self._record_durable(step)
+        if exc is not None:
+            promotion.set_exception(exc)
+        else:
+            promotion.set_result(None)
+        self._apply_local_retention()
+
+    def _on_durable(self, step: int, manifest: Manifest) -> None:
+        """Coordinator: the root's manifest of a promoted step is committed."""
+        self._on_commit(self.step_url(step), manifest)
+
+    def _record_durable(self, step: int) -> None:
+        """Non-coordinator ranks learn of a commit on the root, and of retention, here."""
+        with self._lock:
+            self._steps[step] = StepInfo(step, self.step_url(step), True, 0, 0, time.time())
+            for old in self.retention.to_delete(list(self._steps.values()), time.time()):
+                self._steps.pop(old, None)  # the coordinator deletes it
+
+    def _apply_local_retention(self) -> None:
+        """Every rank, its own local directory: keep the newest ``keep_last`` local
+        steps and every step whose promotion is still running."""
+        if self.local is None:
+            return
+        with self._lock:
+            committed = sorted(self._local_steps)
+            keep = set(committed[-self.local.keep_last :]) | self._to_promote
+            doomed = [s for s in committed if s not in keep]
+            for s in doomed:
+                self._local_steps.pop(s, None)
+            durable = set(self._steps)
+        for s in doomed:
+            if s not in durable:
+                logger.info(
+                    "local retention deletes step %d, which was never durable "
+                    "(not promoted, or its promotion failed; keep_last=%d)",
+                    s,
+                    self.local.keep_last,
+                )
+            self._delete_local(s)
+
+    def _delete_local(self, step: int) -> None:
+        assert self.local is not None
+        where = self.local.location.child(step_name(step)).path
+        try:  # the manifest first: a half-deleted step is never taken for committed
+            os.unlink(os.path.join(where, MANIFEST_KEY))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            logger.warning("cannot delete local step %s: %s", where, exc)
+            return
+        shutil.rmtree(where, ignore_errors=True)
+        logger.info("deleted local step %d at %s", step, where)
 
     def _on_done(self, step: int, handle: SaveHandle) -> None:
         if handle.exception() is not None:
             return
         with self._lock:
             self._finished.append(step)
-            if self.rank != 0:  # others learn of the commit, and of retention, here
-                self._steps[step] = StepInfo(step, self.step_url(step), True, 0, 0, time.time())
-                for old in self.retention.to_delete(list(self._steps.values()), time.time()):
-                    self._steps.pop(old, None)  # the coordinator deletes it
+        if self.rank != 0:
+            self._record_durable(step)
 
     def _on_commit(self, url: str, manifest: Manifest) -> None:
         """Coordinator, background thread: record the step, then apply retention."""
         step = parse_step(url)
         if step is None:
             return
+        if self.local is not None and url == self.local_step_url(step):
+            logger.info("step %d committed on the local tier %s", step, url)
+            return  # recorded by _on_local_done, on every rank
         info = StepInfo(step, url, True, len(manifest.objects), manifest.total_bytes, time.time())
         if manifest.requests is not None:
             logger.info("step %d committed; the save cost %s", step, manifest.requests.summary())
@@ -284,11 +496,15 @@ class CheckpointManager:
         return sorted(done)
 
     def wait_until_finished(self, backup_timeout: float | None = None) -> None:
-        """Wait for every save in flight and then for the backups of every committed
-        step; raise the first error not yet reported.
+        """Wait for every save in flight, then for the promotions of local steps, then
+        for the backups of every committed step; raise the first error not yet
+        reported.
 
-        A job that ends with this call and exits has its steps on every backup target
-        (each copy is bounded by the retry policy's attempts and timeouts).
+        A job that ends with this call and exits has its promoted steps on the root
+        and every step on every backup target (each copy is bounded by the retry
+        policy's attempts and timeouts). A local save that failed because the local
+        disk filled up is not raised (it was logged, and later saves bypass the
+        local tier).
 
         Args:
             backup_timeout: Seconds to wait for backups (None: until they end).
@@ -298,14 +514,73 @@ class CheckpointManager:
             TimeoutError: Backups still running after ``backup_timeout``.
         """
         try:
-            self._checkpointer.wait_until_finished()
+            self._raise_unreported(self._checkpointer.wait_until_finished)
+            with self._lock:
+                promotions = list(self._promotions)
+            concurrent.futures.wait(promotions)
+            self._raise_promotion_error()
         finally:
             if self._replicator is not None:
                 self._replicator.wait(backup_timeout)
 
     def check_for_errors(self) -> None:
-        """Raise the oldest unreported error of a finished save (each once)."""
-        self._checkpointer.check_for_errors()
+        """Raise the oldest unreported error of a finished save or promotion (each once)."""
+        self._raise_unreported(self._checkpointer.check_for_errors)
+        self._raise_promotion_error()
+
+    def _raise_unreported(self, call: Callable[[], None]) -> None:
+        """``call()``, skipping the local disk-full failures already logged."""
+        while True:
+            try:
+                call()
+                return
+            except BaseException as exc:
+                with self._lock:
+                    absorbed = any(exc is a for a in self._absorbed)
+                    if absorbed:
+                        self._absorbed = [a for a in self._absorbed if a is not exc]
+                if not absorbed:
+                    raise
+                call = self._checkpointer.check_for_errors
+
+    def _raise_promotion_error(self) -> None:
+        with self._lock:
+            self._promotions = [p for p in self._promotions if not p.done()]
+            if not self._promotion_errors:
+                return
+            exc = self._promotion_errors.pop(0)
+        raise exc
+
+    def tier_status(self) -> TierStatus:
+        """How far the root (the durable tier) trails this rank's local tier.
+
+        Raises:
+            ConfigurationError: The manager has no local tier.
+        """
+        if self.local is None or self._promoter is None:
+            raise ConfigurationError("tier_status needs a local tier (local=LocalTier(...))")
+        now = time.time()
+        with self._lock:
+            local_latest = max(self._local_steps, default=None)
+            durable_latest = max(self._steps, default=None)
+            behind = [
+                s
+                for s in self._to_promote
+                if s in self._local_steps and (durable_latest is None or s > durable_latest)
+            ]
+            oldest = min((self._local_steps[s] for s in behind), default=now)
+        last = self._promoter.last_durable
+        return TierStatus(
+            path=self.local.location.url,
+            local_latest=local_latest,
+            durable_latest=durable_latest,
+            steps_behind=len(behind),
+            seconds_behind=max(0.0, now - oldest),
+            promoting=self._promoter.running(),
+            last_time_to_durable=None if last is None else last[1],
+            degraded=self._degraded or self._last_bypass,
+            error=self._promoter.last_error,
+        )
 
     # -- loading ----------------------------------------------------------------------------
     def load(
@@ -333,14 +608,33 @@ class CheckpointManager:
             CheckpointNotFoundError: No committed step (or not this one) anywhere.
             IntegrityError: An object fails its check on the primary and every backup.
         """
-        if step is None:
-            step = self._on_rank0(self._newest_step)
+        if step is not None:
+            return self._load_step(step, state_dict, read)
+        newest, durable = self._on_rank0(self._newest_steps)
+        try:
+            return self._load_step(newest, state_dict, read)
+        except (CheckpointNotFoundError, IntegrityError, ManifestError, StoreError) as exc:
+            if durable is None or durable == newest:
+                raise
+            logger.warning(
+                "step %d (local tier) cannot be loaded everywhere (%s); loading step %d, "
+                "the newest durable one",
+                newest,
+                exc,
+                durable,
+            )
+            return self._load_step(durable, state_dict, read)
+
+    def _load_step(self, step: int, state_dict: dict[str, Any], read: ReadOptions | None) -> int:
+        """Load ``step`` from the root, then each backup: every object from this
+        node's local copy first when there is one."""
+        local = self.local_step_url(step)
         roots = [self.root] + [b.location for b in self.backups]
         failures: list[BaseException] = []
         for i, root in enumerate(roots):
             url = root.child(step_name(step)).url
             try:
-                self._load_from(url, root.storage_options, state_dict, read)
+                self._load_from(url, root.storage_options, state_dict, read, local)
             except (CheckpointNotFoundError, IntegrityError, ManifestError, StoreError) as exc:
                 failures.append(exc)
                 if i + 1 < len(roots):
@@ -362,17 +656,25 @@ class CheckpointManager:
             )
         raise failures[0]
 
-    def _newest_step(self) -> int:
-        """Rank 0: the newest committed step, listed now (primary, then backups)."""
+    def _newest_steps(self) -> tuple[int, int | None]:
+        """Rank 0: the newest committed step on any tier, and the newest durable one
+        (primary, then backups), listed now."""
         found = self._list_primary()
+        local = self._list_local()
         with self._lock:
             self._steps.update({s.step: s for s in found})
-        step = max((s.step for s in found), default=None)
-        if step is None and self.backups:
-            step = self._newest_backed_up()
-        if step is None:
-            raise CheckpointNotFoundError(f"no committed step under {self.root.url}")
-        return step
+            self._local_steps.update({s.step: s.modified or time.time() for s in local})
+        durable = max((s.step for s in found), default=None)
+        if durable is None and self.backups:
+            durable = self._newest_backed_up()
+        candidates = [s.step for s in local] + ([durable] if durable is not None else [])
+        newest = max(candidates, default=None)
+        if newest is None:
+            where = self.root.url
+            if self.local is not None:
+                where += f" or on the local tier {self.local.location.url}"
+            raise CheckpointNotFoundError(f"no committed step under {where}")
+        return newest, durable
 
     def _newest_backed_up(self) -> int | None:
         newest = None
@@ -392,6 +694,7 @@ class CheckpointManager:
         storage_options: Mapping[str, Any],
         state_dict: dict[str, Any],
         read: ReadOptions | None,
+        local: str | None = None,
     ) -> None:
         distributed = is_distributed()
         # With a group, rank 0 reads the manifest and the others receive it: one GET
@@ -405,6 +708,7 @@ class CheckpointManager:
             broadcast=distributed,
             process_group=self.process_group,
             allow_stock=False,  # a step exists only once its manifest is committed
+            local=local,
         )
         try:
             with warnings.catch_warnings():
@@ -426,7 +730,12 @@ class CheckpointManager:
             if inner is exc:
                 raise
             raise inner from exc
-        logger.info("loaded %s; this rank's load cost %s", url, reader.requests.summary())
+        logger.info(
+            "loaded %s; this rank's load cost %s%s",
+            url,
+            reader.requests.summary(),
+            f" and {reader.local_bytes_read} bytes from {local}" if local else "",
+        )
 
     # -- backups ----------------------------------------------------------------------------
     def backup_status(self) -> list[BackupStatus]:
@@ -486,9 +795,17 @@ class CheckpointManager:
     def close(self) -> None:
         """Wait for saves in flight and their backups, then stop the workers (errors
         stay for check_for_errors and wait_for_backups)."""
-        self._checkpointer.close()
-        if self._replicator is not None:
-            self._replicator.close()
+        try:
+            self._checkpointer.wait_all()
+            with self._lock:
+                promotions = list(self._promotions)
+            concurrent.futures.wait(promotions)
+            if self._promoter is not None:
+                self._promoter.close()
+        finally:
+            self._checkpointer.close()
+            if self._replicator is not None:
+                self._replicator.close()
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -40,6 +40,7 @@ __all__ = [
     "VerifyReport",
     "check_replica",
     "copy_checkpoint",
+    "copy_object",
     "open_manifest",
     "verify_checkpoint",
 ]
@@ -184,7 +185,7 @@ def _digest_check(
     return ObjectCheck(entry.key, entry.size, entry.crc32c, size, crc, problem)
 
 
-def _copy_object(
+def copy_object(
     src: ObjectStore, dst: ObjectStore, entry: ObjectEntry, progress: Progress | None
 ) -> bool:
     """Copy one object, checked against the manifest; True when copied server-side."""
@@ -309,7 +310,7 @@ def copy_checkpoint(
                 )
         with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
             futures = [
-                pool.submit(_copy_object, src_store, dst_store, e, progress)
+                pool.submit(copy_object, src_store, dst_store, e, progress)
                 for e in manifest.objects
             ]
             server_side = sum(bool(f.result()) for f in futures)

@@ -41,7 +41,7 @@ from objckpt.dcp.planner import ReplicaSlicingPlanner
 from objckpt.dcp.serialize import written_object
 from objckpt.dcp.storage_writer import ObjectStoreWriter
 from objckpt.errors import ConfigurationError, ObjckptError, UploadError
-from objckpt.format.commit import commit_checkpoint, requests_result
+from objckpt.format.commit import commit_checkpoint, requests_result, written_objects
 from objckpt.format.manifest import Manifest
 from objckpt.options import AsyncOptions, UploadOptions
 from objckpt.pipeline.deferred import DeferredWriter
@@ -260,6 +260,7 @@ class AsyncCheckpointer:
         future: concurrent.futures.Future[Manifest | None] = concurrent.futures.Future()
         handle = SaveHandle(loc.url, future, target.request_counter)
         handle.waited_for_earlier = waited
+        handle.attempt = target.attempt
         with self._lock:
             self._inflight.append(handle)
         thread = threading.Thread(
@@ -267,6 +268,7 @@ class AsyncCheckpointer:
             args=(
                 writer,
                 staged,
+                handle,
                 future,
                 world,
                 process_group if distributed else None,
@@ -379,6 +381,7 @@ class AsyncCheckpointer:
         self,
         writer: DeferredWriter,
         staged: Staged,
+        handle: SaveHandle,
         future: concurrent.futures.Future[Manifest | None],
         world: int,
         process_group: Any | None,
@@ -388,7 +391,7 @@ class AsyncCheckpointer:
         counter = writer.writer.request_counter
         try:
             with counting(counter), bounded_by(writer.deadline):
-                manifest = self._finish(writer, staged, world, process_group, distributed)
+                manifest = self._finish(writer, staged, handle, world, process_group, distributed)
             future.set_result(manifest)
         except BaseException as exc:
             logger.error("async save of %s failed: %s", url, describe(exc))
@@ -400,6 +403,7 @@ class AsyncCheckpointer:
         self,
         writer: DeferredWriter,
         staged: Staged,
+        handle: SaveHandle,
         world: int,
         process_group: Any | None,
         distributed: bool,
@@ -407,6 +411,7 @@ class AsyncCheckpointer:
         """Background thread: this rank's uploads, then the commit or its outcome."""
         results, error = self._collect(writer)
         self._stager.release(staged)
+        handle._set_written(written_objects(results))
         rank_plan = writer.rank_plan
         assert rank_plan is not None
         if not distributed:
@@ -480,12 +485,16 @@ class AsyncCheckpointer:
         return manifest
 
     # -- Orbax-style hooks ----------------------------------------------------------------
-    def wait_until_finished(self) -> None:
-        """Wait for every save in flight, then raise the first error not yet reported."""
+    def wait_all(self) -> None:
+        """Wait for every save in flight (their errors stay for ``check_for_errors``)."""
         with self._lock:
             handles = list(self._inflight)
         for h in handles:
             h.exception()
+
+    def wait_until_finished(self) -> None:
+        """Wait for every save in flight, then raise the first error not yet reported."""
+        self.wait_all()
         self.check_for_errors()
 
     def check_for_errors(self) -> None:
@@ -516,6 +525,13 @@ class AsyncCheckpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def run_in_worker(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+        """Run a module-level ``fn(*args)`` in an upload worker (e.g. a promotion's
+        copies: the bytes move outside the training process, like a save's)."""
+        if self._closed:
+            raise ConfigurationError("AsyncCheckpointer is closed")
+        return self._pool.submit(fn, *args)
 
     @property
     def worker_pids(self) -> list[int]:

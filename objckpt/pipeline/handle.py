@@ -8,10 +8,11 @@ told (``add_done_callback``), and the save's own error is re-raised unchanged.
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from collections.abc import Callable
 from typing import Any
 
-from objckpt.format.manifest import Manifest
+from objckpt.format.manifest import Manifest, ObjectEntry
 from objckpt.writers.accounting import RequestCounter, RequestStats
 
 __all__ = ["SaveHandle"]
@@ -22,6 +23,11 @@ class SaveHandle:
 
     ``result()`` returns the committed :class:`~objckpt.Manifest` on the
     coordinator and None on other ranks (once the coordinator has committed).
+
+    A save to the object store is durable when it commits. A save to a
+    :class:`~objckpt.LocalTier` commits on this node's disk first; it is durable
+    once promoted to the primary root (``wait_durable``), and never when the
+    tier's ``promote_every`` does not pick it (``will_be_durable`` is then False).
     """
 
     def __init__(
@@ -36,6 +42,81 @@ class SaveHandle:
         #: Seconds ``save`` waited for earlier saves to finish uploading before it
         #: could stage this one (``AsyncOptions.max_in_flight``): part of the stall.
         self.waited_for_earlier = 0.0
+        #: The save attempt's id (the same on every rank).
+        self.attempt: str | None = None
+        #: ``"primary"`` (the object store) or ``"local"`` (a LocalTier).
+        self.tier = "primary"
+        self._started = time.monotonic()
+        self._committed_at: float | None = None
+        self._written: tuple[ObjectEntry, ...] = ()
+        self._durable: concurrent.futures.Future[None] | None = None
+        self._durable_at: float | None = None
+        future.add_done_callback(self._mark_committed)
+
+    def _mark_committed(self, fut: concurrent.futures.Future[Any]) -> None:
+        if fut.exception() is None:
+            self._committed_at = time.monotonic()
+
+    def _set_written(self, objects: tuple[ObjectEntry, ...]) -> None:
+        """The pipeline records this rank's objects before the save resolves."""
+        self._written = objects
+
+    @property
+    def written(self) -> tuple[ObjectEntry, ...]:
+        """The payload objects this rank wrote (key, size, CRC32C), once done."""
+        return self._written
+
+    @property
+    def seconds_to_commit(self) -> float | None:
+        """Seconds from ``save`` to the commit of this save's tier (None: not yet)."""
+        return None if self._committed_at is None else self._committed_at - self._started
+
+    # -- durability -----------------------------------------------------------------------
+    def _set_promotion(self, promotion: concurrent.futures.Future[None] | None) -> None:
+        """A local save: ``promotion`` ends when the step is committed on the primary
+        (None: the step is not promoted)."""
+        self.tier = "local"
+        self._durable = promotion
+        if promotion is not None:
+            promotion.add_done_callback(self._mark_durable)
+
+    def _mark_durable(self, fut: concurrent.futures.Future[None]) -> None:
+        if fut.exception() is None:
+            self._durable_at = time.monotonic()
+
+    @property
+    def will_be_durable(self) -> bool:
+        """False for a local save its tier does not promote."""
+        return self.tier == "primary" or self._durable is not None
+
+    def wait_durable(self, timeout: float | None = None) -> bool:
+        """Wait until the save is committed on the primary root; False when it never
+        will be (a local step not promoted). Re-raises the save's or the promotion's
+        error.
+
+        Raises:
+            TimeoutError: Not durable within ``timeout`` seconds.
+        """
+        if self.tier == "primary":
+            self.result(timeout)
+            return True
+        if self._durable is None:
+            self.result(timeout)
+            return False
+        try:
+            self._durable.result(timeout)
+        except concurrent.futures.TimeoutError:
+            if self._durable.done():
+                raise
+            raise TimeoutError(f"save of {self.url} not durable within {timeout} s") from None
+        return True
+
+    @property
+    def seconds_to_durable(self) -> float | None:
+        """Seconds from ``save`` to the commit on the primary (None: not durable yet)."""
+        if self.tier == "primary":
+            return self.seconds_to_commit
+        return None if self._durable_at is None else self._durable_at - self._started
 
     @property
     def requests(self) -> RequestStats:

@@ -40,7 +40,7 @@ from objckpt.writers.checksum import BytesLike
 from objckpt.writers.deadline import Deadline, bounded_by
 from objckpt.writers.location import Location
 
-__all__ = ["WorkerPool", "upload_object"]
+__all__ = ["WorkerPool", "upload_object", "worker_store"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +80,26 @@ def _unlink_attached_segments() -> None:
             os.unlink(path)
 
 
+def worker_store(location: Location, options: UploadOptions) -> ObjectStore:
+    """Worker side: the store for ``location``, kept for the worker's life so its
+    HTTP connections serve every later object and save."""
+    # Everything the store was built from: a later save with other upload options
+    # or another retry policy must not reuse a store made for the first.
+    cache_key = (
+        location.protocol,
+        repr(sorted(location.storage_options.items())),
+        repr(location.retry),
+        repr(options),
+        os.getpid(),
+    )
+    store = _WORKER_STORES.get(cache_key)
+    if store is None:
+        store = open_store(location, options)
+        _WORKER_STORES[cache_key] = store
+    store.location = location
+    return store
+
+
 def upload_object(
     location: Location,
     options: UploadOptions,
@@ -98,20 +118,7 @@ def upload_object(
         (i, attach_tensor(d, _WORKER_SEGMENTS) if isinstance(d, SegmentRef) else d)
         for i, d in entries
     ]
-    # Everything the store was built from: a later save with other upload options
-    # or another retry policy must not reuse a store made for the first.
-    cache_key = (
-        location.protocol,
-        repr(sorted(location.storage_options.items())),
-        repr(location.retry),
-        repr(options),
-        os.getpid(),
-    )
-    store = _WORKER_STORES.get(cache_key)
-    if store is None:
-        store = open_store(location, options)
-        _WORKER_STORES[cache_key] = store
-    store.location = location
+    store = worker_store(location, options)
     size_hint = sum(
         t.numel() * t.element_size() if isinstance(t, torch.Tensor) else len(t) for _, t in resolved
     )

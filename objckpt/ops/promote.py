@@ -1,0 +1,225 @@
+"""Promotion: a step committed on the local tier becomes durable on the primary root.
+
+Each rank copies the payload objects it wrote from its local directory to the
+primary root, in the upload worker processes (the training process only waits
+on futures), every object checked against the CRC32C it was written with.
+Ranks report through the c10d store, as the async commit does (no collective,
+no call from the training loop); the coordinator then copies ``.metadata`` and
+the index objects and writes the very manifest the local tier holds, last and
+create-only. Until that PUT, nothing of the step is visible on the primary: a
+promotion killed half-way leaves the previous durable step as the newest and
+objects ``objckpt gc`` removes, while the local tier still holds the new step.
+
+Each rank's cost is its own bytes plus a constant number of store keys; the
+coordinator alone reads W keys, as it does for every async commit.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from objckpt._torch import group_store
+from objckpt.errors import CheckpointExistsError, ManifestError, UploadError
+from objckpt.format.commit import read_manifest
+from objckpt.format.layout import MANIFEST_KEY, is_objckpt_payload
+from objckpt.format.manifest import Manifest, ObjectEntry
+from objckpt.format.steps import step_name
+from objckpt.ops.verify import copy_object
+from objckpt.options import UploadOptions
+from objckpt.pipeline.finalize import RankExchange
+from objckpt.pipeline.handle import SaveHandle
+from objckpt.pipeline.workers import worker_store
+from objckpt.writers import open_store
+from objckpt.writers.accounting import RequestCounter, RequestStats, counting
+from objckpt.writers.location import Location
+from objckpt.writers.translate import describe
+
+__all__ = ["Promoter", "promote_object"]
+
+logger = logging.getLogger(__name__)
+
+
+def promote_object(
+    src: Location, dst: Location, options: UploadOptions, entry: ObjectEntry
+) -> RequestStats:
+    """Worker side: copy one object from the local tier to the primary, checked
+    against ``entry`` while it streams (a damaged local copy is never committed)."""
+    with counting(RequestCounter()) as counter:
+        copy_object(worker_store(src, options), worker_store(dst, options), entry, None)
+    return counter.snapshot()
+
+
+class Promoter:
+    """Promotes local steps of one rank, one step at a time, in order.
+
+    Args:
+        local: This rank's local tier root.
+        primary: The primary root.
+        submit: Runs a function in an upload worker (``WorkerPool.submit``).
+        upload: Part sizing for the copies.
+        rank, world, process_group: Who promotes together (``process_group`` None
+            and ``world`` 1: a single process).
+        timeout: Seconds the coordinator waits for every rank's report.
+        on_durable: Coordinator: called with (step, manifest) once the primary's
+            manifest is committed.
+    """
+
+    def __init__(
+        self,
+        local: Location,
+        primary: Location,
+        *,
+        submit: Callable[..., concurrent.futures.Future[Any]],
+        upload: UploadOptions,
+        rank: int,
+        world: int,
+        process_group: Any | None,
+        distributed: bool,
+        timeout: float,
+        on_durable: Callable[[int, Manifest], None] | None = None,
+    ) -> None:
+        self.local = local
+        self.primary = primary
+        self._submit = submit
+        self._upload = upload
+        self._rank = rank
+        self._world = world
+        self._group = process_group
+        self._distributed = distributed
+        self._timeout = timeout
+        self._on_durable = on_durable
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="objckpt-promote")
+        self._lock = threading.Lock()
+        self._running: dict[int, concurrent.futures.Future[None]] = {}
+        #: (step, seconds from save to durable) of the newest promotion that succeeded.
+        self.last_durable: tuple[int, float] | None = None
+        self.last_error: str | None = None
+
+    def submit(self, step: int, handle: SaveHandle) -> concurrent.futures.Future[None]:
+        """Promote ``step`` once its local save (``handle``) has committed."""
+        with self._lock:
+            fut = self._pool.submit(self._promote, step, handle)
+            self._running[step] = fut
+        fut.add_done_callback(lambda f: self._done(step, handle, f))
+        return fut
+
+    def _done(self, step: int, handle: SaveHandle, fut: concurrent.futures.Future[None]) -> None:
+        with self._lock:
+            self._running.pop(step, None)
+            exc = fut.exception()
+            if exc is None:
+                self.last_error = None
+                took = handle.seconds_to_durable
+                self.last_durable = (step, took if took is not None else 0.0)
+            else:
+                self.last_error = f"step {step}: {describe(exc)}"
+        if exc is not None:
+            logger.error("promotion of step %d to %s failed: %s", step, self.primary.url, exc)
+
+    def running(self) -> tuple[int, ...]:
+        with self._lock:
+            return tuple(sorted(self._running))
+
+    def _promote(self, step: int, handle: SaveHandle) -> None:
+        started = time.monotonic()
+        name = step_name(step)
+        src, dst = self.local.child(name), self.primary.child(name)
+        manifest = handle.result()  # committed locally (the coordinator's copy)
+        error: BaseException | None = None
+        stats = RequestStats()
+        try:
+            futures = [
+                self._submit(promote_object, src, dst, self._upload, e) for e in handle.written
+            ]
+            for f in futures:
+                stats = stats + f.result()
+        except BaseException as exc:
+            error = exc
+        if not self._distributed:
+            if error is not None:
+                raise error
+            assert manifest is not None
+            self._commit(step, src, dst, manifest)
+        else:
+            self._agree(step, handle, src, dst, manifest, error)
+        logger.info(
+            "step %d promoted to %s in %.2f s (this rank: %d objects, %s)",
+            step,
+            dst.url,
+            time.monotonic() - started,
+            len(handle.written),
+            stats.summary(),
+        )
+
+    def _agree(
+        self,
+        step: int,
+        handle: SaveHandle,
+        src: Location,
+        dst: Location,
+        manifest: Manifest | None,
+        error: BaseException | None,
+    ) -> None:
+        exchange = RankExchange(
+            group_store(self._group),
+            f"promote-{handle.attempt}",
+            self._rank,
+            self._world,
+            self._timeout,
+            f"{dst.url} (promotion from the local tier)",
+        )
+        exchange.post(error is None, None if error is None else describe(error))
+        if self._rank != 0:
+            if error is not None:
+                raise error
+            outcome = exchange.outcome()
+            if outcome is not None:
+                raise UploadError(outcome)
+            return
+        try:
+            exchange.gather()
+            assert manifest is not None
+            self._commit(step, src, dst, manifest)
+        except BaseException as exc:
+            exchange.publish_outcome(describe(exc))
+            raise
+        exchange.publish_outcome(None)
+
+    def _commit(self, step: int, src: Location, dst: Location, manifest: Manifest) -> None:
+        """Coordinator: the metadata objects, then the manifest, create-only."""
+        src_store, dst_store = open_store(src), open_store(dst, self._upload)
+        try:
+            for entry in manifest.objects:
+                if not is_objckpt_payload(entry.key):
+                    copy_object(src_store, dst_store, entry, None)
+            try:
+                dst_store.create(MANIFEST_KEY, manifest.to_json_bytes())
+            except FileExistsError as exc:
+                try:
+                    theirs = read_manifest(dst_store)
+                except (FileNotFoundError, ManifestError):
+                    theirs = None
+                if theirs is None or theirs.attempt != manifest.attempt:
+                    raise CheckpointExistsError(
+                        f"{dst.url} is already committed by another save; the local step "
+                        "was not promoted (the primary's step is intact)"
+                    ) from exc
+        finally:
+            src_store.close()
+            dst_store.close()
+        if self._on_durable is not None:
+            self._on_durable(step, manifest)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for the promotions submitted so far (errors stay with their handles)."""
+        with self._lock:
+            futures = list(self._running.values())
+        concurrent.futures.wait(futures, timeout=timeout)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
