@@ -9,6 +9,9 @@ import logging
 import os
 import resource
 import signal
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -259,3 +262,70 @@ def test_a_refused_payload_upload_fails_that_promotion_naming_the_object(
         mgr.check_for_errors()  # reported once
         assert mgr.all_steps() == [] and mgr.local_steps() == [1]
         assert s3_proxy.count("PutObject", faulted=True) >= 1
+
+
+_PROMOTING_CHILD = textwrap.dedent(
+    """
+    import sys, torch
+    import objckpt
+    root, local, options = sys.argv[1], sys.argv[2], eval(sys.argv[3])
+    mgr = objckpt.CheckpointManager(
+        root, storage_options=options, async_options=objckpt.AsyncOptions(workers=1),
+        local=objckpt.LocalTier(local),
+    )
+    assert mgr.save(1, {"w": torch.full((1 << 18,), 1.0), "step": 1}).wait_durable(60)
+    handle = mgr.save(2, {"w": torch.full((1 << 18,), 2.0), "step": 2})
+    handle.result(60)
+    print("LOCAL", flush=True)
+    handle.wait_durable(600)   # the proxy holds the promotion; the test kills us here
+    print("DURABLE", flush=True)
+    """
+)
+
+
+def test_kill_9_during_promotion_leaves_nothing_half_visible(
+    via: StoreTarget, s3_proxy: FaultProxy, tmp_path
+) -> None:
+    """The training process dies (SIGKILL) while step 2's payload is being promoted:
+    the root keeps step 1 as its newest durable step and shows no step 2, the local
+    tier still holds step 2, a restart loads it from disk alone, and gc finds the
+    promotion's leftovers on the root."""
+    local = str(tmp_path / "nvme")
+    s3_proxy.add(
+        Rule(operation="PutObject", key_contains=f"{step_name(2)}/__0_", action="hold", stall=120)
+    )
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            _PROMOTING_CHILD,
+            via.url("run"),
+            local,
+            repr(dict(via.storage_options)),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        s3_proxy.wait_for("PutObject", faulted=True, timeout=120)  # the promotion, held
+        child.kill()
+        out, err = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert child.returncode == -signal.SIGKILL, out + err
+    assert "LOCAL" in out and "DURABLE" not in out, out + err
+    s3_proxy.release()
+    s3_proxy.wait_idle()
+    assert os.path.exists(os.path.join(_step_dir(local, 2), MANIFEST_KEY))
+    s3_proxy.clear()
+    with _manager(via, local) as mgr:
+        assert mgr.latest_step(durable=True) == 1 and mgr.all_steps() == [1]
+        assert mgr.latest_step() == 2
+        got = {"w": torch.zeros(1 << 18), "step": 0}
+        assert mgr.load(got) == 2
+        assert torch.equal(got["w"], torch.full((1 << 18,), 2.0)) and got["step"] == 2
+        assert _gets(s3_proxy, 2) == []
+        leftovers = mgr.gc(grace=0).deleted
+    assert leftovers and all(step_name(2) in k for k in leftovers), leftovers

@@ -38,8 +38,14 @@ class SharedReads:
     entries: tuple[tuple[MetadataIndex, int], ...]
 
 
-def assign_owners(plans: Sequence[LoadPlan]) -> list[LoadPlan]:
-    """Coordinator: give every stored item read by several ranks one owner."""
+def assign_owners(
+    plans: Sequence[LoadPlan], writer_of: Callable[[MetadataIndex], int | None] | None = None
+) -> list[LoadPlan]:
+    """Coordinator: give every stored item read by several ranks one owner.
+
+    ``writer_of`` names the rank that wrote an item, when known: that rank owns it
+    whenever it reads it too, since with a local tier it is the one likely to
+    hold the item on its own disk (the others would fetch it from the store)."""
     readers: dict[MetadataIndex, list[int]] = {}
     weight: dict[MetadataIndex, int] = {}
     for rank, plan in enumerate(plans):
@@ -54,7 +60,8 @@ def assign_owners(plans: Sequence[LoadPlan]) -> list[LoadPlan]:
     for idx, ranks in readers.items():
         if len(ranks) < 2:
             continue
-        owner = min(ranks, key=lambda r: (load[r], r))
+        writer = writer_of(idx) if writer_of is not None else None
+        owner = writer if writer in ranks else min(ranks, key=lambda r: (load[r], r))
         load[owner] += weight[idx]
         entries.append((idx, owner))
     if not entries:

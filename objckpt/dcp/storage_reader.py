@@ -409,7 +409,10 @@ class ObjectStoreReader(StorageReader):
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         if self._broadcast and self.options.share_replicated and is_distributed():
-            return assign_owners(plans)
+            locator, metadata = self._locator, self._metadata
+            if locator is None:
+                return assign_owners(plans)
+            return assign_owners(plans, lambda idx: locator.shard_of(idx, metadata))
         return plans
 
     @classmethod

@@ -26,6 +26,7 @@ __all__ = [
     "MANIFEST_KEY",
     "METADATA_KEY",
     "index_key",
+    "index_rank",
     "is_objckpt_object",
     "is_objckpt_payload",
     "list_names",
@@ -62,6 +63,14 @@ def payload_key(rank: int, index: int, attempt: str, entropy: int = 0) -> str:
 def index_key(rank: int, attempt: str) -> str:
     """The key of ``rank``'s index object in ``attempt`` (see :mod:`objckpt.format.index`)."""
     return f"__index_{rank}.{attempt}.json"
+
+
+def index_rank(key: str) -> int | None:
+    """The rank whose index object ``key`` is, or None for any other key."""
+    last = key.rsplit("/", 1)[-1]
+    if not _INDEX.match(last):
+        return None
+    return int(last[len("__index_") :].split(".", 1)[0])
 
 
 def is_entropy_dir(name: str) -> bool:

@@ -24,6 +24,7 @@ copy when it holds it intact, from the root (then the backups) otherwise.
 from __future__ import annotations
 
 import concurrent.futures
+import datetime
 import logging
 import os
 import shutil
@@ -37,6 +38,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from objckpt._torch import group_store
 from objckpt.dcp.collective import any_rank, broadcast_from_rank0, is_distributed
 from objckpt.dcp.storage_reader import ObjectStoreReader
 from objckpt.errors import (
@@ -48,7 +50,7 @@ from objckpt.errors import (
     StateDictMismatchError,
     StoreError,
 )
-from objckpt.format.layout import MANIFEST_KEY
+from objckpt.format.layout import MANIFEST_KEY, index_key, index_rank
 from objckpt.format.manifest import Manifest
 from objckpt.format.steps import StepInfo, parse_step, step_name
 from objckpt.ops.backup import BackupStatus, BackupTarget, Replicator, committed_steps
@@ -151,6 +153,7 @@ class CheckpointManager:
         self.process_group = process_group
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(process_group) if distributed else 0
+        self.world = dist.get_world_size(process_group) if distributed else 1
         self._lock = threading.RLock()
         self._steps: dict[int, StepInfo] = {}
         self._finished: list[int] = []
@@ -188,7 +191,7 @@ class CheckpointManager:
                 submit=self._checkpointer.run_in_worker,
                 upload=self._checkpointer.upload,
                 rank=self.rank,
-                world=dist.get_world_size(process_group) if distributed else 1,
+                world=self.world,
                 process_group=process_group,
                 distributed=distributed,
                 timeout=self._checkpointer.options.barrier_timeout,
@@ -369,6 +372,7 @@ class CheckpointManager:
                     self._to_promote.discard(step)
                 promotion.set_exception(exc)
             return
+        self._keep_own_index(step, handle)
         with self._lock:
             self._local_steps[step] = time.time()
             self._finished.append(step)
@@ -383,6 +387,56 @@ class CheckpointManager:
                     lambda f: self._promotion_ended(step, promotion, f.exception())
                 )
         self._apply_local_retention()
+
+    # Each rank's local copy holds its own index object too (the coordinator wrote them
+    # all): a restart on the same ranks then reads nothing of its own part from the
+    # store. One c10d key per rank, read once and deleted (as the commit's own keys).
+    def _index_key(self, attempt: str | None, rank: int) -> str:
+        return f"objckpt/{attempt}/local-index/rank{rank}"
+
+    def _hand_out_index(self, url: str, manifest: Manifest) -> None:
+        """Coordinator, before the local commit's outcome is published: post each
+        rank's index object for it to keep on its own disk."""
+        if not is_distributed() or self.world == 1:
+            return
+        where = Location.parse(url).path
+        blobs: dict[int, bytes] = {}
+        for entry in manifest.objects:
+            rank = index_rank(entry.key)
+            if rank is not None and rank != 0:
+                with open(os.path.join(where, entry.key), "rb") as f:
+                    blobs[rank] = f.read()
+        store = group_store(self.process_group)
+        for rank in range(1, self.world):
+            store.set(self._index_key(manifest.attempt, rank), blobs.get(rank, b""))
+
+    def _keep_own_index(self, step: int, handle: SaveHandle) -> None:
+        """Non-coordinator, after the local commit: write this rank's index object."""
+        if self.rank == 0 or self.world == 1:
+            return
+        store = group_store(self.process_group)
+        key = self._index_key(handle.attempt, self.rank)
+        try:
+            store.wait(
+                [key], datetime.timedelta(seconds=self._checkpointer.options.barrier_timeout)
+            )
+            blob = bytes(store.get(key))
+            store.delete_key(key)
+        except Exception as exc:  # only a cost at load: the index is read from the root
+            logger.warning("step %d: this rank's index object was not handed out: %s", step, exc)
+            return
+        if not blob or handle.attempt is None:
+            return
+        path = os.path.join(
+            Location.parse(self.local_step_url(step) or "").path,
+            index_key(self.rank, handle.attempt),
+        )
+        if os.path.exists(path):  # a directory shared with the coordinator
+            return
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(blob)
+        os.replace(tmp, path)
 
     def _promotion_ended(
         self,
@@ -463,6 +517,7 @@ class CheckpointManager:
             return
         if self.local is not None and url == self.local_step_url(step):
             logger.info("step %d committed on the local tier %s", step, url)
+            self._hand_out_index(url, manifest)
             return  # recorded by _on_local_done, on every rank
         info = StepInfo(step, url, True, len(manifest.objects), manifest.total_bytes, time.time())
         if manifest.requests is not None:
