@@ -173,10 +173,19 @@ def main(ctx: click.Context, verbose: int, config: str | None) -> None:
 
 @main.command("ls")
 @click.argument("root", required=False)
+@click.option(
+    "--local",
+    "local",
+    default=None,
+    metavar="PATH",
+    help="Also list this node's local tier (LocalTier path): which steps are where, "
+    "and how far the root trails it.",
+)
 @_command
-def ls_command(ctx: _Context, root: str | None) -> None:
+def ls_command(ctx: _Context, root: str | None, local: str | None) -> None:
     """List the steps under ROOT: committed or not, objects, bytes, time; with a
-    config naming backups, how far each backup trails."""
+    config naming backups, how far each backup trails; with --local, which steps
+    this node's local tier holds."""
     from objckpt.format.steps import inventory, steps_of
     from objckpt.writers import open_store
 
@@ -186,7 +195,15 @@ def ls_command(ctx: _Context, root: str | None) -> None:
         steps = steps_of(inventory(store.fs, loc), loc)
     finally:
         store.close()
-    doc = [
+    local_steps: dict[int, StepInfo] = {}
+    if local is not None:
+        local_loc = Location.parse(local)
+        if not local_loc.is_local:
+            raise click.BadParameter(f"{local} is not a local directory", param_hint="--local")
+        local_steps = {
+            s.step: s for s in steps_of(inventory(local_loc.open_fs(), local_loc), local_loc)
+        }
+    doc: list[dict[str, Any]] = [
         {
             "step": s.step,
             "url": s.url,
@@ -195,19 +212,40 @@ def ls_command(ctx: _Context, root: str | None) -> None:
             "bytes": s.bytes,
             "modified": _when(s.modified),
         }
+        | ({"local": s.step in local_steps and local_steps[s.step].committed} if local else {})
         for s in steps
     ]
+    on_root = {s.step for s in steps}
+    doc += [
+        {
+            "step": s.step,
+            "url": s.url,
+            "committed": False,
+            "objects": 0,
+            "bytes": 0,
+            "modified": None,
+            "local": True,
+        }
+        for s in local_steps.values()
+        if s.committed and s.step not in on_root
+    ]
+    doc.sort(key=lambda d: d["step"])
     backups = _backup_lag(ctx, loc, steps)
+    tier = _tier_lag(local, steps, local_steps) if local else None
 
     def human() -> None:
-        if not steps:
+        if not doc:
             click.echo(f"no steps under {loc.url}")
         else:
-            click.echo(f"{'step':>12}  {'state':<11} {'objects':>7} {'bytes':>15}  modified")
+            where = f" {'local':<5}" if local else ""
+            click.echo(f"{'step':>12}  {'state':<11}{where} {'objects':>7} {'bytes':>15}  modified")
         for d in doc:
             state = "committed" if d["committed"] else "incomplete"
+            if d.get("local") and not d["objects"]:
+                state = "local only"
+            where = f" {'yes' if d.get('local') else '-':<5}" if local else ""
             click.echo(
-                f"{d['step']:>12}  {state:<11} {d['objects']:>7} {d['bytes']:>15,}  "
+                f"{d['step']:>12}  {state:<11}{where} {d['objects']:>7} {d['bytes']:>15,}  "
                 f"{d['modified'] or '-'}"
             )
         for b in backups:
@@ -217,8 +255,32 @@ def ls_command(ctx: _Context, root: str | None) -> None:
                 f"{b['steps_behind']} step(s) / {b['seconds_behind']:.0f} s behind"
             )
             click.echo(line + (f" [{b['error']}]" if b["error"] else ""))
+        if tier is not None:
+            click.echo(
+                f"local tier {tier['path']}: latest {tier['local_latest']}, root latest "
+                f"{tier['durable_latest']}; {tier['steps_not_durable']} local step(s) newer "
+                f"than the root's ({tier['seconds_behind']:.0f} s)"
+            )
 
-    ctx.emit({"root": loc.url, "steps": doc, "backups": backups}, human)
+    out: dict[str, Any] = {"root": loc.url, "steps": doc, "backups": backups}
+    if tier is not None:
+        out["local_tier"] = tier
+    ctx.emit(out, human)
+
+
+def _tier_lag(path: str, steps: list[StepInfo], local: dict[int, StepInfo]) -> dict[str, Any]:
+    """How far the root trails the local tier: local steps newer than its newest."""
+    durable = max((s.step for s in steps if s.committed), default=None)
+    held = [s for s in local.values() if s.committed]
+    ahead = [s for s in held if durable is None or s.step > durable]
+    times = [s.modified for s in ahead if s.modified is not None]
+    return {
+        "path": Location.parse(path).url,
+        "local_latest": max((s.step for s in held), default=None),
+        "durable_latest": durable,
+        "steps_not_durable": len(ahead),
+        "seconds_behind": round(max(0.0, time.time() - min(times)), 1) if times else 0.0,
+    }
 
 
 def _backup_lag(ctx: _Context, loc: Location, steps: list[StepInfo]) -> list[dict[str, Any]]:

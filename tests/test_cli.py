@@ -213,3 +213,30 @@ def test_installed_entry_point(moto_server: MotoServer, run_root: str) -> None:
         [exe, "info", f"{run_root}/{step_name(9)}"], capture_output=True, text=True, env=env
     )
     assert missing.returncode == 3 and "no checkpoint at" in missing.stderr
+
+
+def test_ls_local_shows_which_steps_are_only_on_the_local_tier(
+    cli, s3_bucket: StoreTarget, tmp_path
+) -> None:
+    from objckpt import AsyncOptions, LocalTier
+
+    root, local = s3_bucket.url("tiered"), str(tmp_path / "nvme")
+    with CheckpointManager(
+        root,
+        storage_options=s3_bucket.storage_options,
+        async_options=AsyncOptions(workers=1),
+        local=LocalTier(local, keep_last=3, promote_every=2),
+    ) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, _state(step))
+        mgr.wait_until_finished()
+    doc = json.loads(cli("ls", root, "--local", local, "--json").stdout)
+    where = [(s["step"], s["committed"], s["local"]) for s in doc["steps"]]
+    assert where == [(1, False, True), (2, True, True), (3, False, True)], where
+    assert doc["local_tier"]["local_latest"] == 3 and doc["local_tier"]["durable_latest"] == 2
+    assert doc["local_tier"]["steps_not_durable"] == 1
+    out = cli("ls", root, "--local", local)
+    assert out.exit_code == 0, out.output
+    assert "local only" in out.stdout and "1 local step(s) newer than the root's" in out.stdout
+    bad = CliRunner().invoke(main, ["ls", root, "--local", "s3://b/x"])
+    assert bad.exit_code != 0 and "s3://b/x is not a local directory" in bad.output

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from objckpt import AsyncOptions, RetentionPolicy, RetryPolicy, load_config
+from objckpt import AsyncOptions, LocalTier, RetentionPolicy, RetryPolicy, load_config
 from objckpt.errors import ConfigurationError
 from objckpt.ops.config import parse_config
 
@@ -26,6 +26,11 @@ staging_budget = 1073741824
 
 [gc]
 grace = 600
+
+[local]
+path = "/local_nvme/ckpt"
+keep_last = 3
+promote_every = 5
 
 [retry]
 attempts = 3
@@ -63,6 +68,7 @@ def test_a_full_config_parses(tmp_path) -> None:
     assert cfg.async_options == AsyncOptions(workers=3, staging_budget=1 << 30)
     assert cfg.gc_grace == 600
     assert cfg.retry == RetryPolicy(attempts=3, timeout=20)
+    assert cfg.local == LocalTier("/local_nvme/ckpt", keep_last=3, promote_every=5)
     assert [b.url for b in cfg.backups] == ["file:///backups/run-1", "gs://replica/run-1"]
     assert cfg.backups[1].storage_options == {"token": "anon"}
     assert cfg.backups[0].mode == "copy" and cfg.backups[0].retention is None
@@ -74,6 +80,7 @@ def test_a_full_config_parses(tmp_path) -> None:
 def test_only_root_is_required() -> None:
     cfg = parse_config('root = "file:///tmp/x"', environ={})
     assert cfg.retention.keeps_everything and cfg.backups == () and cfg.gc_grace == 3600
+    assert cfg.local is None
 
 
 @pytest.mark.parametrize(
@@ -104,6 +111,12 @@ def test_only_root_is_required() -> None:
             r"\[backups\[0\]\.retention\] option keep_last=",
         ),
         ('root = "s3://b/r"\n[[backups]]\nurl = "s3://c/r"\nkeep = 1', r"backups\[0\]\.'keep'"),
+        ('root = "s3://b/r"\n[local]\nkeep_last = 2', r"local\.path .* is required"),
+        ('root = "s3://b/r"\n[local]\npath = "/x"\npromote = 2', r"unknown key local\.'promote'"),
+        (
+            'root = "s3://b/r"\n[local]\npath = "s3://c/x"',
+            r"\[local\] LocalTier path s3://c/x is not a local directory",
+        ),
     ],
 )
 def test_mistakes_name_the_file_and_key(text: str, message: str) -> None:

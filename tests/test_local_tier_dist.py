@@ -28,9 +28,7 @@ def _step2(local: str, node: int) -> str:
 
 def _fetched(proxy: FaultProxy) -> set[str]:
     """Names of the step-2 objects a rank read from the store."""
-    return {
-        p.rsplit("/", 1)[-1] for p in proxy.paths("GetObject") if f"/{step_name(2)}/" in p
-    }
+    return {p.rsplit("/", 1)[-1] for p in proxy.paths("GetObject") if f"/{step_name(2)}/" in p}
 
 
 def test_restart_reads_only_what_each_node_lacks(

@@ -34,6 +34,12 @@ Schema (every table optional except ``root``)::
     max_delay = 10
     timeout = 60                            # seconds per request
 
+    [local]                                 # LocalTier: commit on node-local disk first
+    path = "/local_nvme/ckpt"               # this node's directory
+    keep_last = 2                           # local steps kept
+    promote_every = 5                       # every 5th local save goes to the root
+    min_free_bytes = 0                      # room to leave on the local disk
+
     [[backups]]                             # copies of each committed step (see README)
     url = "gs://replica/run-1"
     storage = { env = { token = "GOOGLE_APPLICATION_CREDENTIALS" } }
@@ -54,6 +60,7 @@ from objckpt.errors import ConfigurationError
 from objckpt.ops.backup import BackupTarget
 from objckpt.ops.gc import DEFAULT_GRACE
 from objckpt.ops.retention import RetentionPolicy
+from objckpt.ops.tiers import LocalTier
 from objckpt.options import AsyncOptions
 from objckpt.writers.location import Location
 from objckpt.writers.retry import RetryPolicy
@@ -82,7 +89,7 @@ _SECRET_NAMES = frozenset(
         "access_key_id",
     }
 )
-_TOP = {"root", "storage", "retention", "async", "gc", "backups", "retry"}
+_TOP = {"root", "storage", "retention", "async", "gc", "backups", "retry", "local"}
 _STORAGE = {"options", "env", "profile"}
 
 
@@ -98,6 +105,7 @@ class Config:
     gc_grace: float
     backups: tuple[BackupTarget, ...]
     retry: RetryPolicy = dataclasses.field(default_factory=RetryPolicy)
+    local: LocalTier | None = None
 
     def manager(self, **overrides: Any) -> Any:
         """A :class:`~objckpt.CheckpointManager` for this config (keywords override it)."""
@@ -109,6 +117,7 @@ class Config:
             "async_options": self.async_options,
             "backups": self.backups,
             "retry": self.retry,
+            "local": self.local,
         }
         kwargs.update(overrides)
         return CheckpointManager(self.root, **kwargs)
@@ -228,7 +237,14 @@ def parse_config(
         except ConfigurationError as exc:
             raise ConfigurationError(f"{source}: {where}: {exc}") from None
     retry = _typed(RetryPolicy, _table(data.get("retry", {}), "retry", source), "retry", source)
+    local = None
+    if "local" in data:
+        table = _table(data["local"], "local", source)
+        if not isinstance(table.get("path"), str) or not table["path"]:
+            raise ConfigurationError(f"{source}: local.path (this node's directory) is required")
+        local = _typed(LocalTier, table, "local", source)
     return Config(
+        local=local,
         retry=retry,
         source=source,
         root=root,
