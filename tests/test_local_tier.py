@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import assert_state_equal, empty_like_state
 
-from objckpt import CheckpointManager, LocalTier
+from objckpt import CheckpointManager, LocalTier, Location
 from objckpt.errors import ConfigurationError, StoreError
 from objckpt.format.layout import MANIFEST_KEY, is_objckpt_payload
 from objckpt.format.steps import step_name
@@ -93,10 +93,15 @@ def test_every_kth_save_is_promoted_and_durable_means_on_the_root(
         assert not [p for p in puts if f"/{step_name(step)}/" in p], step
     assert os.path.exists(os.path.join(_step_dir(local, 4), MANIFEST_KEY))
     assert not os.path.exists(_step_dir(local, 1))
-    # The root's manifest is the very one the local tier committed.
-    fs = s3_proxy  # noqa: F841 (the proxy saw the create-only PUT of both manifests)
+    # The root's manifest is the very one the local tier committed, and names the
+    # root's step (where the bytes end up) as DCP's checkpoint id.
     manifest_puts = [p for p in s3_proxy.paths("PutObject") if p.endswith(MANIFEST_KEY)]
     assert len(manifest_puts) == 2
+    root = Location.parse(via.url("run"), via.storage_options)
+    remote = root.open_fs(fresh=True).cat_file(root.child(step_name(4)).key_path(MANIFEST_KEY))
+    with open(os.path.join(_step_dir(local, 4), MANIFEST_KEY), "rb") as f:
+        assert f.read() == remote
+    assert root.child(step_name(4)).url in remote.decode()
 
 
 def test_load_reads_the_local_copy_and_nothing_of_the_step_from_the_store(

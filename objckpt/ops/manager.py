@@ -310,7 +310,11 @@ class CheckpointManager:
         url = local_url or self.step_url(step)
         try:
             handle = self._checkpointer.save(
-                state_dict, url, process_group=self.process_group, user_metadata=user_metadata
+                state_dict,
+                url,
+                process_group=self.process_group,
+                user_metadata=user_metadata,
+                checkpoint_id=self.step_url(step),
             )
         except BaseException as exc:
             inner = unwrap(exc)

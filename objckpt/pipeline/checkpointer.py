@@ -180,8 +180,13 @@ class AsyncCheckpointer:
         process_group: Any | None = None,
         overwrite: bool = False,
         user_metadata: Mapping[str, Any] | None = None,
+        checkpoint_id: str | None = None,
     ) -> SaveHandle:
         """Stage ``state_dict`` and start saving it to ``url``; returns once staged.
+
+        ``checkpoint_id`` is what DCP's ``StorageMeta.checkpoint_id`` records (default
+        ``url``; the manager records a local tier's step under its root URL, where
+        the same bytes end up).
 
         Must be called on every rank of ``process_group`` (DCP plans collectively).
         Safe to call from several threads: saves are staged and planned one at a
@@ -194,7 +199,9 @@ class AsyncCheckpointer:
                 when raised inside DCP's planning).
         """
         with self._save_lock:
-            return self._save(state_dict, url, process_group, overwrite, user_metadata)
+            return self._save(
+                state_dict, url, process_group, overwrite, user_metadata, checkpoint_id
+            )
 
     def _save(
         self,
@@ -203,6 +210,7 @@ class AsyncCheckpointer:
         process_group: Any | None,
         overwrite: bool,
         user_metadata: Mapping[str, Any] | None,
+        checkpoint_id: str | None = None,
     ) -> SaveHandle:
         if self._closed:
             raise ConfigurationError("AsyncCheckpointer is closed")
@@ -220,6 +228,8 @@ class AsyncCheckpointer:
             user_metadata=user_metadata,
             retry=self.retry,
         )
+        if checkpoint_id is not None:
+            target.checkpoint_id = checkpoint_id
         loc = target.location
         with self._lock:
             fs = self._filesystems.get(loc.protocol)
