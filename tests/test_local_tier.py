@@ -334,3 +334,34 @@ def test_kill_9_during_promotion_leaves_nothing_half_visible(
         assert _gets(s3_proxy, 2) == []
         leftovers = mgr.gc(grace=0).deleted
     assert leftovers and all(step_name(2) in k for k in leftovers), leftovers
+
+
+def test_local_retention_spares_a_step_until_its_promotion_ends(
+    via: StoreTarget, s3_proxy: FaultProxy, tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """keep_last=1, and step 1's promotion is held at the proxy while steps 2 and 3
+    commit locally: step 1 stays on disk (its only copy) until it is durable. Step 2,
+    which promote=False leaves local-only, is deleted with a log saying it was never
+    durable."""
+    local = str(tmp_path / "nvme")
+    s3_proxy.add(Rule(key_contains=f"{step_name(1)}/__0_", action="hold", stall=50))
+    with _manager(via, local, keep_last=1) as mgr, caplog.at_level(logging.INFO):
+        try:
+            first = mgr.save(1, _state(1))
+            first.result(60)
+            s3_proxy.wait_for("PutObject", faulted=True)  # step 1's payload, held
+            mgr.save(2, _state(2), promote=False).result(60)
+            third = mgr.save(3, _state(3))
+            third.result(60)
+            assert first.seconds_to_durable is None
+            assert os.path.exists(os.path.join(_step_dir(local, 1), MANIFEST_KEY))
+            assert not os.path.exists(_step_dir(local, 2))
+            assert mgr.tier_status().promoting == (1, 3)  # 3 queued behind 1
+        finally:
+            s3_proxy.release()
+        mgr.wait_until_finished()
+        assert first.wait_durable(60) and third.wait_durable(60)
+        assert mgr.all_steps() == [1, 3] and mgr.local_steps() == [3]
+    assert not os.path.exists(_step_dir(local, 1))
+    assert "deletes step 2, which was never durable" in caplog.text
+    assert "deletes step 1, which was never durable" not in caplog.text

@@ -61,6 +61,7 @@ from objckpt.ops.tiers import LocalTier, TierStatus, is_disk_full, local_room, s
 from objckpt.options import AsyncOptions, ReadOptions, UploadOptions
 from objckpt.pipeline.checkpointer import AsyncCheckpointer
 from objckpt.pipeline.handle import SaveHandle
+from objckpt.pipeline.workers import WorkerPool
 from objckpt.writers.location import Location
 from objckpt.writers.retry import RetryPolicy
 
@@ -184,11 +185,16 @@ class CheckpointManager:
             retry=self.retry,
         )
         self._promoter: Promoter | None = None
+        self._promotion_pool: WorkerPool | None = None
         if local is not None:
+            # Promotions get worker processes of their own: sharing the save's workers
+            # would queue the next local save (the fast tier) behind a slow upload.
+            self._promotion_pool = WorkerPool(self._checkpointer.options.workers)
+            self._promotion_pool.start()
             self._promoter = Promoter(
                 local.location,
                 self.root,
-                submit=self._checkpointer.run_in_worker,
+                submit=self._promotion_pool.submit,
                 upload=self._checkpointer.upload,
                 rank=self.rank,
                 world=self.world,
@@ -322,7 +328,7 @@ class CheckpointManager:
                 raise
             raise inner from exc
         if local_url is None:
-            handle.add_done_callback(lambda h: self._on_done(step, h))
+            handle._before_done(lambda exc: self._on_done(step, exc))
             return handle
         assert self.local is not None
         self._local_saves += 1
@@ -335,7 +341,7 @@ class CheckpointManager:
                 self._to_promote.add(step)
                 self._promotions.append(promotion)
         handle._set_promotion(promotion)
-        handle.add_done_callback(lambda h: self._on_local_done(step, h, promotion))
+        handle._before_done(lambda exc: self._on_local_done(step, handle, exc, promotion))
         return handle
 
     def _local_target(self, step: int, state_dict: Mapping[str, Any]) -> str | None:
@@ -357,10 +363,11 @@ class CheckpointManager:
         self,
         step: int,
         handle: SaveHandle,
+        exc: BaseException | None,
         promotion: concurrent.futures.Future[None] | None,
     ) -> None:
-        """A local save ended: record it, start its promotion, apply local retention."""
-        exc = handle.exception()
+        """A local save ended: record it, start its promotion, apply local retention
+        (before its handle reports it done)."""
         if exc is not None:
             if is_disk_full(exc):
                 assert self.local is not None
@@ -506,8 +513,9 @@ class CheckpointManager:
         shutil.rmtree(where, ignore_errors=True)
         logger.info("deleted local step %d at %s", step, where)
 
-    def _on_done(self, step: int, handle: SaveHandle) -> None:
-        if handle.exception() is not None:
+    def _on_done(self, step: int, exc: BaseException | None) -> None:
+        """A save to the root ended (before its handle reports it done)."""
+        if exc is not None:
             return
         with self._lock:
             self._finished.append(step)
@@ -862,6 +870,8 @@ class CheckpointManager:
             if self._promoter is not None:
                 self._promoter.close()
         finally:
+            if self._promotion_pool is not None:
+                self._promotion_pool.close()
             self._checkpointer.close()
             if self._replicator is not None:
                 self._replicator.close()

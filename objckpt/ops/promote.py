@@ -1,8 +1,9 @@
 """Promotion: a step committed on the local tier becomes durable on the primary root.
 
 Each rank copies the payload objects it wrote from its local directory to the
-primary root, in the upload worker processes (the training process only waits
-on futures), every object checked against the CRC32C it was written with.
+primary root, in worker processes of their own (the training process only waits
+on futures, and the next local save never queues behind a slow upload), every
+object checked against the CRC32C it was written with.
 Ranks report through the c10d store, as the async commit does (no collective,
 no call from the training loop); the coordinator then copies ``.metadata`` and
 the index objects and writes the very manifest the local tier holds, last and
@@ -60,7 +61,7 @@ class Promoter:
     Args:
         local: This rank's local tier root.
         primary: The primary root.
-        submit: Runs a function in an upload worker (``WorkerPool.submit``).
+        submit: Runs a function in a promotion worker process (``WorkerPool.submit``).
         upload: Part sizing for the copies.
         rank, world, process_group: Who promotes together (``process_group`` None
             and ``world`` 1: a single process).

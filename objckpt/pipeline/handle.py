@@ -8,6 +8,7 @@ told (``add_done_callback``), and the save's own error is re-raised unchanged.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +17,8 @@ from objckpt.format.manifest import Manifest, ObjectEntry
 from objckpt.writers.accounting import RequestCounter, RequestStats
 
 __all__ = ["SaveHandle"]
+
+logger = logging.getLogger(__name__)
 
 
 class SaveHandle:
@@ -52,6 +55,27 @@ class SaveHandle:
         self._durable: concurrent.futures.Future[None] | None = None
         self._durable_at: float | None = None
         future.add_done_callback(self._mark_committed)
+
+    def _before_done(self, fn: Callable[[BaseException | None], None]) -> None:
+        """Run ``fn(error or None)`` when the save ends, before the handle reports it:
+        whoever waits on the handle then sees what ``fn`` recorded (the manager's
+        step lists). ``fn``'s own failure is logged, never the save's outcome."""
+        inner = self._future
+        outer: concurrent.futures.Future[Manifest | None] = concurrent.futures.Future()
+        self._future = outer
+
+        def relay(f: concurrent.futures.Future[Manifest | None]) -> None:
+            exc = f.exception()
+            try:
+                fn(exc)
+            except Exception:
+                logger.exception("after the save of %s", self.url)
+            if exc is not None:
+                outer.set_exception(exc)
+            else:
+                outer.set_result(f.result())
+
+        inner.add_done_callback(relay)
 
     def _mark_committed(self, fut: concurrent.futures.Future[Any]) -> None:
         if fut.exception() is None:
