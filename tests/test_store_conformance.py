@@ -58,3 +58,18 @@ class TestGcs(StoreConformance):
     @pytest.fixture
     def store_location(self, gcs_bucket: StoreTarget) -> Location:
         return Location.parse(gcs_bucket.url(uuid.uuid4().hex[:8]), gcs_bucket.storage_options)
+
+
+class TestFakeGcsServer(StoreConformance):
+    """GCS through gcsfs against fake-gcs-server, an implementation that is not
+    objckpt's own: it enforces ``ifGenerationMatch=0`` itself, so the create-only
+    commit (and the racing-creators case) is checked against someone else's code."""
+
+    atomic_create = True
+    keeps_crc32c = True
+
+    @pytest.fixture
+    def store_location(self, fake_gcs_bucket: StoreTarget) -> Location:
+        return Location.parse(
+            fake_gcs_bucket.url(uuid.uuid4().hex[:8]), fake_gcs_bucket.storage_options
+        )

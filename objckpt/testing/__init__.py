@@ -2,21 +2,25 @@
 
 Installed as a pytest plugin (entry point ``objckpt``), so a project that has
 objckpt installed gets the fixtures ``moto_server``, ``s3_bucket``,
-``gcs_emulator`` and ``gcs_bucket`` without any conftest code. :class:`FaultProxy`
+``gcs_emulator``, ``gcs_bucket``, ``fake_gcs_server`` and ``fake_gcs_bucket``
+without any conftest code. :class:`FaultProxy`
 sits in front of the moto server to record S3 operations and inject faults.
 """
 
 from objckpt.testing.proxy import FaultProxy, Rule, s3_operation
 from objckpt.testing.servers import (
+    FakeGcsServer,
     GcsEmulator,
     MotoServer,
     free_port,
     offline_env,
+    start_fake_gcs_server,
     start_gcs_emulator,
     start_moto_server,
 )
 
 __all__ = [
+    "FakeGcsServer",
     "FaultProxy",
     "GcsEmulator",
     "MotoServer",
@@ -24,6 +28,7 @@ __all__ = [
     "free_port",
     "offline_env",
     "s3_operation",
+    "start_fake_gcs_server",
     "start_gcs_emulator",
     "start_moto_server",
 ]

@@ -11,6 +11,9 @@ Fixtures:
         :meth:`~objckpt.testing.MotoServer.add_user`. Started only when asked for.
     gcs_emulator: the session's :class:`~objckpt.testing.GcsEmulator`.
     gcs_bucket: a fresh, empty bucket on it, as a :class:`StoreTarget`.
+    fake_gcs_server: the session's :class:`~objckpt.testing.FakeGcsServer` (a
+        second, independent GCS implementation that enforces preconditions itself).
+    fake_gcs_bucket: a fresh bucket on it (a new name per test).
 """
 
 from __future__ import annotations
@@ -18,13 +21,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from objckpt.testing.proxy import FaultProxy
-from objckpt.testing.servers import GcsEmulator, MotoServer, start_gcs_emulator, start_moto_server
+from objckpt.testing.servers import (
+    FakeGcsServer,
+    GcsEmulator,
+    MotoServer,
+    start_fake_gcs_server,
+    start_gcs_emulator,
+    start_moto_server,
+)
 
 __all__ = ["StoreTarget"]
 
@@ -116,3 +127,22 @@ def gcs_bucket(gcs_emulator: GcsEmulator) -> StoreTarget:
     gcs_emulator.reset()
     gcs_emulator.create_bucket(BUCKET)
     return StoreTarget(root=f"gs://{BUCKET}/t", storage_options=gcs_emulator.storage_options())
+
+
+@pytest.fixture(scope="session")
+def fake_gcs_server() -> Iterator[FakeGcsServer]:
+    with _environment(GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false"):
+        server = start_fake_gcs_server()
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
+@pytest.fixture
+def fake_gcs_bucket(fake_gcs_server: FakeGcsServer) -> StoreTarget:
+    name = f"objckpt-test-{uuid.uuid4().hex[:12]}"  # no wipe endpoint: a bucket per test
+    fake_gcs_server.create_bucket(name)
+    return StoreTarget(
+        root=f"gs://{name}/t", storage_options=fake_gcs_server.storage_options(), bucket=name
+    )

