@@ -177,20 +177,26 @@ class CheckpointManager:
         if self._replicator is not None:
             self._replicator.scan()
             self._catch_up(self._replicator)
+        # With a step to resume from, the job loads first: the upload workers (an
+        # interpreter importing torch each) start once the load is done, not while
+        # it runs on the same cores; without one they start now, well before the
+        # first save.
         self._checkpointer = AsyncCheckpointer(
             storage_options=self.storage_options,
             upload=upload,
             async_options=async_options,
             on_commit=self._on_commit,
             retry=self.retry,
+            start_workers=self.latest_step() is None,
         )
         self._promoter: Promoter | None = None
         self._promotion_pool: WorkerPool | None = None
         if local is not None:
             # Promotions get worker processes of their own: sharing the save's workers
             # would queue the next local save (the fast tier) behind a slow upload.
+            # Started by the first promotion, not here: a restart that loads at once
+            # should not share the CPU with interpreters starting.
             self._promotion_pool = WorkerPool(self._checkpointer.options.workers)
-            self._promotion_pool.start()
             self._promoter = Promoter(
                 local.location,
                 self.root,
@@ -314,6 +320,7 @@ class CheckpointManager:
         if self.local is not None:
             local_url = self._local_target(step, state_dict)
         url = local_url or self.step_url(step)
+        self._checkpointer.start_workers()  # no load came first
         try:
             handle = self._checkpointer.save(
                 state_dict,
@@ -414,9 +421,13 @@ class CheckpointManager:
         blobs: dict[int, bytes] = {}
         for entry in manifest.objects:
             rank = index_rank(entry.key)
-            if rank is not None and rank != 0:
+            if rank is None or rank == 0:
+                continue
+            try:
                 with open(os.path.join(where, entry.key), "rb") as f:
                     blobs[rank] = f.read()
+            except OSError as exc:  # that rank reads its index from the root at load
+                logger.warning("cannot hand out %s: %s", entry.key, exc)
         store = group_store(self.process_group)
         for rank in range(1, self.world):
             store.set(self._index_key(manifest.attempt, rank), blobs.get(rank, b""))
@@ -675,6 +686,12 @@ class CheckpointManager:
             CheckpointNotFoundError: No committed step (or not this one) anywhere.
             IntegrityError: An object fails its check on the primary and every backup.
         """
+        try:
+            return self._load(state_dict, step, read)
+        finally:
+            self._checkpointer.start_workers()
+
+    def _load(self, state_dict: dict[str, Any], step: int | None, read: ReadOptions | None) -> int:
         if step is not None:
             return self._load_step(step, state_dict, read)
         newest, durable = self._on_rank0(self._newest_steps)

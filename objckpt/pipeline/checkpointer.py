@@ -134,6 +134,8 @@ class AsyncCheckpointer:
             keyword as :class:`~objckpt.CheckpointManager`'s).
         on_commit: Called on the coordinator with (url, manifest) after each commit.
         retry: How every store request is retried (:class:`~objckpt.RetryPolicy`).
+        start_workers: Start the upload workers now (False: at ``start_workers()``
+            or the first save).
     """
 
     def __init__(
@@ -144,6 +146,7 @@ class AsyncCheckpointer:
         async_options: AsyncOptions | None = None,
         on_commit: Callable[[str, Manifest], Any] | None = None,
         retry: RetryPolicy | None = None,
+        start_workers: bool = True,
     ) -> None:
         self.storage_options = dict(storage_options or {})
         self.retry = retry or RetryPolicy()
@@ -156,7 +159,8 @@ class AsyncCheckpointer:
             max_cached_sets=self.options.max_in_flight, budget=self.options.staging_budget
         )
         self._pool = WorkerPool(self.options.workers)
-        self._pool.start()  # interpreters start now, not inside the first save's stall
+        if start_workers:
+            self.start_workers()
         self._inflight: list[SaveHandle] = []
         self._errors: list[BaseException] = []
         # Filesystem clients by protocol, and buckets already checked: a save's
@@ -535,6 +539,12 @@ class AsyncCheckpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def start_workers(self) -> None:
+        """Start the upload worker processes in the background (once; never blocks):
+        starting an interpreter and importing torch takes seconds, which belong
+        outside the first save's stall."""
+        self._pool.start()
 
     def run_in_worker(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
         """Run a module-level ``fn(*args)`` in an upload worker (e.g. a promotion's

@@ -179,6 +179,8 @@ class WorkerPool:
         Starting an interpreter and importing torch takes seconds; doing it when the
         checkpointer is built keeps that out of the first save's stall.
         """
+        if self._warming:
+            return
         pool = self._ensure()
         self._warming = [pool.submit(_ready) for _ in range(self.workers)]
 
