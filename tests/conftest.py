@@ -17,9 +17,11 @@ import torch
 from objckpt.testing.plugin import StoreTarget
 
 
-@pytest.fixture(params=["memory", "file", "s3", "gcs"])
+@pytest.fixture(params=["memory", "file", "s3", "gcs", "fake-gcs"])
 def store(request: pytest.FixtureRequest, tmp_path: Any) -> StoreTarget:
-    """The same test against every store family, on real servers where there are any."""
+    """The same test against every store family, on real servers where there are any
+    (GCS twice: gcp-storage-emulator with objckpt's precondition launcher, and
+    fake-gcs-server, which enforces preconditions itself)."""
     kind = request.param
     if kind == "memory":
         return StoreTarget(root=f"memory://objckpt-test/{uuid.uuid4().hex}", storage_options={})
@@ -27,6 +29,8 @@ def store(request: pytest.FixtureRequest, tmp_path: Any) -> StoreTarget:
         return StoreTarget(root=f"file://{tmp_path}/root", storage_options={})
     if kind == "s3":
         return request.getfixturevalue("s3_bucket")
+    if kind == "fake-gcs":
+        return request.getfixturevalue("fake_gcs_bucket")
     return request.getfixturevalue("gcs_bucket")
 
 
