@@ -364,3 +364,23 @@ def tiered_load(rank: int, world: int, init_file: str, url: str, options: dict[s
             assert got["step"] == 2
     finally:
         dist.destroy_process_group()
+
+
+def tiered_one_rank_full(
+    rank: int, world: int, init_file: str, url: str, options: dict[str, Any]
+) -> None:
+    """Rank 1's local disk has no room (min_free_bytes beyond any disk): every rank
+    saves that step to the store directly, and the step is durable."""
+    mesh = _init(rank, world, init_file)
+    try:
+        tier = {"min_free_bytes": 1 << 62} if rank == 1 else {}
+        with _tiered(rank, url, options, **tier) as mgr:
+            handle = mgr.save(1, _tiered_state(mesh, 1))
+            assert handle.tier == "primary", (rank, handle.tier)
+            assert handle.wait_durable(120)
+            mgr.wait_until_finished()
+            assert mgr.all_steps() == [1] and mgr.local_steps() == [], rank
+            why = mgr.tier_status().degraded or ""
+            assert ("min_free_bytes" if rank == 1 else "another rank") in why, (rank, why)
+    finally:
+        dist.destroy_process_group()

@@ -9,11 +9,11 @@ import pytest
 
 from objckpt import Location, UploadOptions
 from objckpt.errors import ChecksumMismatchError
+from objckpt.testing.plugin import StoreTarget
 from objckpt.writers import open_store
 from objckpt.writers.checksum import Crc32c
 from objckpt.writers.gcs_compose import CompositeUpload
 from objckpt.writers.generic import GcsStore
-from objckpt.testing.plugin import StoreTarget
 
 MiB = 1 << 20
 PART = 5 * MiB

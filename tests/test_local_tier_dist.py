@@ -69,3 +69,22 @@ def test_restart_reads_only_what_each_node_lacks(
     finally:
         for p in proxies:
             p.close()
+
+
+def test_one_full_local_disk_sends_every_rank_to_the_store(
+    moto_server: MotoServer, s3_bucket: StoreTarget, tmp_path
+) -> None:
+    """The room check is agreed across ranks (one all-reduce): one rank short of room
+    and the step goes to S3 on both, committed there as one checkpoint."""
+    local = str(tmp_path / "local")
+    url = s3_bucket.url("full")
+    proxies = [FaultProxy(moto_server.endpoint_url) for _ in range(2)]
+    try:
+        options = {"per_rank": [p.storage_options() for p in proxies], "local": local}
+        _run(dist_helpers.tiered_one_rank_full, 2, tmp_path, url, options)
+        for p in proxies:  # each rank uploaded its own part straight to S3
+            assert any(".distcp" in path for path in p.paths("PutObject")), p.paths("PutObject")
+        assert not os.path.exists(os.path.join(local, "node0", step_name(1)))
+    finally:
+        for p in proxies:
+            p.close()
