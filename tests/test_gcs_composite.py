@@ -94,3 +94,29 @@ def test_a_damaged_piece_fails_the_object_and_leaves_nothing(
     with pytest.raises(ChecksumMismatchError, match=r"bad\.distcp: the composed object"):
         upload.close().result(120)
     assert _names(store) == []
+
+
+def test_gc_removes_pieces_a_crash_left_in_a_single_checkpoint(
+    fake_gcs_bucket: StoreTarget,
+) -> None:
+    """A save killed between uploading pieces and composing leaves pieces behind; they
+    are objckpt-named, so gc on the checkpoint URL itself (not a manager root) removes
+    them, and nothing the manifest names."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from objckpt import ObjectStoreWriter
+    from objckpt.ops.gc import collect_garbage
+
+    url = fake_gcs_bucket.url("one")
+    dcp.save(
+        {"w": torch.ones(8)},
+        storage_writer=ObjectStoreWriter(url, storage_options=fake_gcs_bucket.storage_options),
+    )
+    store = _store(fake_gcs_bucket, "one")
+    leftover = "__0_0.0123456789abcdef.distcp.objckpt-piece-0-00002"
+    store.put(leftover, b"x" * 10)
+    before = _names(store)
+    report = collect_garbage(store.location, grace=0, dry_run=False)
+    assert report.deleted == (leftover,)
+    assert _names(store) == [n for n in before if n != leftover]

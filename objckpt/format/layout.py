@@ -22,6 +22,8 @@ import time
 
 from fsspec import AbstractFileSystem
 
+from objckpt.writers.gcs_compose import PIECE_MARK
+
 __all__ = [
     "MANIFEST_KEY",
     "METADATA_KEY",
@@ -38,6 +40,8 @@ MANIFEST_KEY = "manifest.json"
 METADATA_KEY = ".metadata"
 _PAYLOAD = re.compile(r"^__\d+_\d+\.[0-9a-f]{16}\.distcp$")
 _INDEX = re.compile(r"^__index_\d+\.[0-9a-f]{16}\.json$")
+# A temporary piece of a GCS composite upload of a payload object (a crash leftover).
+_PIECE = re.compile(rf"^__\d+_\d+\.[0-9a-f]{{16}}\.distcp{re.escape(PIECE_MARK)}\d+-\d+$")
 _ENTROPY = re.compile(r"^[0-9a-f]{1,8}$")
 
 
@@ -97,6 +101,7 @@ def is_objckpt_payload(name: str) -> bool:
 
 
 def is_objckpt_object(name: str) -> bool:
-    """Whether a key names an object only objckpt writes (a payload or an index object)."""
+    """Whether a key names an object only objckpt writes (a payload, an index object,
+    or a piece of a payload's GCS composite upload)."""
     last = name.rsplit("/", 1)[-1]
-    return bool(_PAYLOAD.match(last) or _INDEX.match(last))
+    return bool(_PAYLOAD.match(last) or _INDEX.match(last) or _PIECE.match(last))

@@ -31,18 +31,20 @@ from objckpt.writers.translate import translate
 if TYPE_CHECKING:
     from objckpt.writers.generic import GcsStore
 
-__all__ = ["COMPOSE_LIMIT", "CompositeUpload", "piece_key"]
+__all__ = ["COMPOSE_LIMIT", "PIECE_MARK", "CompositeUpload", "piece_key"]
 
 logger = logging.getLogger(__name__)
 
 #: Source objects one GCS compose request accepts.
 COMPOSE_LIMIT = 32
+#: What follows an object's key in the names of its temporary pieces.
+PIECE_MARK = ".objckpt-piece-"
 
 
 def piece_key(key: str, level: int, index: int) -> str:
     """The temporary object of piece ``index`` (level 0) or of an intermediate
     composite (level > 0) of ``key``."""
-    return f"{key}.objckpt-piece-{level}-{index:05d}"
+    return f"{key}{PIECE_MARK}{level}-{index:05d}"
 
 
 class CompositeUpload(ObjectUpload):
