@@ -365,3 +365,23 @@ def test_local_retention_spares_a_step_until_its_promotion_ends(
     assert not os.path.exists(_step_dir(local, 1))
     assert "deletes step 2, which was never durable" in caplog.text
     assert "deletes step 1, which was never durable" not in caplog.text
+
+
+def test_a_restart_deletes_local_saves_that_never_committed(
+    via: StoreTarget, tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What a save killed before its local commit left (payload, no manifest) can never
+    load: the next manager deletes it from the local disk; committed steps stay."""
+    local = str(tmp_path / "nvme")
+    with _manager(via, local, promote_every=2) as mgr:
+        mgr.save(1, _state(1))  # local only
+        mgr.save(2, _state(2))  # durable
+        mgr.wait_until_finished()
+    stray = os.path.join(_step_dir(local, 3), "__0_0.0123456789abcdef.distcp")
+    os.makedirs(os.path.dirname(stray))
+    with open(stray, "wb") as f:
+        f.write(b"x" * 100)
+    with _manager(via, local, promote_every=2) as mgr, caplog.at_level(logging.INFO):
+        assert mgr.local_steps() == [1, 2]
+    assert sorted(os.listdir(local)) == [step_name(1), step_name(2)]
+    assert "never committed" in caplog.text

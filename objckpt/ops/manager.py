@@ -174,6 +174,7 @@ class CheckpointManager:
                 self.root, self.backups, retention=self.retention, on_done=self._after_backup
             )
         self.reload()
+        self._sweep_local()
         if self._replicator is not None:
             self._replicator.scan()
             self._catch_up(self._replicator)
@@ -249,6 +250,31 @@ class CheckpointManager:
         except StoreError as exc:
             logger.warning("local tier %s cannot be listed: %s", self.local.location.url, exc)
             return []
+
+    def _sweep_local(self) -> None:
+        """At start, every rank: delete step directories of its local tier that can
+        never load — committed neither on the local tier (the coordinator's view) nor
+        on the root: what a save killed before its local commit left. (A directory of a
+        durable step stays: its objects still spare this node reading them from the
+        root.)"""
+        if self.local is None:
+            return
+        root = self.local.location.path
+        try:
+            names = os.listdir(root)
+        except FileNotFoundError:
+            return
+        with self._lock:
+            known = set(self._local_steps) | set(self._steps)
+        for name in sorted(names):
+            step = parse_step(name)
+            if step is None or step in known:
+                continue
+            logger.info(
+                "deleting %s: a local save that never committed (a crash left it)",
+                os.path.join(root, name),
+            )
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
     def _list_primary(self) -> list[StepInfo]:
         try:
