@@ -377,10 +377,13 @@ def _lifecycle(proxy: FaultProxy, moto: MotoServer, tmp_path: Path) -> None:
     # A killed save's open multipart upload, then gc aborting it.
     root = Location.parse("s3://iam-primary/run", opts)
     store = open_store(root.child(step_name(3)), parts)
+    before = proxy.count("UploadPart")  # the saves above sent parts too
     upload = store.begin(payload_key(0, 0, "feedface"), 15 * 1024 * 1024)
     upload.write(bytes(15 * 1024 * 1024))
-    proxy.wait_for("UploadPart", count=2, timeout=60)  # the two full parts went out
-    proxy.wait_idle(timeout=60)  # ... and landed
+    # 15 MiB in 5 MiB parts: write() hands all three to the event loop. Wait until the
+    # proxy has seen these three, then until they landed; gc takes its clock after.
+    proxy.wait_for("UploadPart", count=before + 3, timeout=60)
+    proxy.wait_idle(timeout=60)
     store.close()
     with CheckpointManager("s3://iam-primary/run", storage_options=opts) as mgr:
         report = mgr.gc(grace=0, dry_run=False)
