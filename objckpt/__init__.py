@@ -3,24 +3,60 @@
 A checkpoint is a set of payload objects plus a ``manifest.json`` written last
 with a create-only PUT; the manifest is the one commit point, so a failed save
 never leaves a checkpoint that looks valid.
+
+The public names below are imported on first use (PEP 562): the upload worker
+processes import only the store layer, so they never pay for (or hold the memory
+of) importing torch.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from objckpt import errors
 from objckpt._version import __version__
-from objckpt.dcp.storage_reader import ObjectStoreReader
-from objckpt.dcp.storage_writer import ObjectStoreWriter
-from objckpt.format.manifest import Manifest
-from objckpt.ops.backup import BackupStatus, BackupTarget
-from objckpt.ops.config import Config, load_config
-from objckpt.ops.manager import CheckpointManager
-from objckpt.ops.retention import RetentionPolicy
-from objckpt.ops.tiers import LocalTier, TierStatus
-from objckpt.options import AsyncOptions, ReadOptions, UploadOptions
-from objckpt.pipeline.checkpointer import AsyncCheckpointer, async_save
-from objckpt.pipeline.handle import SaveHandle
-from objckpt.pipeline.queue import AsyncCallsQueue, AsyncRequest
-from objckpt.writers.location import Location
-from objckpt.writers.retry import RetryPolicy
+
+if TYPE_CHECKING:
+    from objckpt.dcp.storage_reader import ObjectStoreReader
+    from objckpt.dcp.storage_writer import ObjectStoreWriter
+    from objckpt.format.manifest import Manifest
+    from objckpt.ops.backup import BackupStatus, BackupTarget
+    from objckpt.ops.config import Config, load_config
+    from objckpt.ops.manager import CheckpointManager
+    from objckpt.ops.retention import RetentionPolicy
+    from objckpt.ops.tiers import LocalTier, TierStatus
+    from objckpt.options import AsyncOptions, ReadOptions, UploadOptions
+    from objckpt.pipeline.checkpointer import AsyncCheckpointer, async_save
+    from objckpt.pipeline.handle import SaveHandle
+    from objckpt.pipeline.queue import AsyncCallsQueue, AsyncRequest
+    from objckpt.writers.location import Location
+    from objckpt.writers.retry import RetryPolicy
+
+#: Public name -> the module that defines it.
+_HOMES = {
+    "AsyncCallsQueue": "objckpt.pipeline.queue",
+    "AsyncCheckpointer": "objckpt.pipeline.checkpointer",
+    "AsyncOptions": "objckpt.options",
+    "AsyncRequest": "objckpt.pipeline.queue",
+    "BackupStatus": "objckpt.ops.backup",
+    "BackupTarget": "objckpt.ops.backup",
+    "CheckpointManager": "objckpt.ops.manager",
+    "Config": "objckpt.ops.config",
+    "LocalTier": "objckpt.ops.tiers",
+    "Location": "objckpt.writers.location",
+    "Manifest": "objckpt.format.manifest",
+    "ObjectStoreReader": "objckpt.dcp.storage_reader",
+    "ObjectStoreWriter": "objckpt.dcp.storage_writer",
+    "ReadOptions": "objckpt.options",
+    "RetentionPolicy": "objckpt.ops.retention",
+    "RetryPolicy": "objckpt.writers.retry",
+    "SaveHandle": "objckpt.pipeline.handle",
+    "TierStatus": "objckpt.ops.tiers",
+    "UploadOptions": "objckpt.options",
+    "async_save": "objckpt.pipeline.checkpointer",
+    "load_config": "objckpt.ops.config",
+}
 
 __all__ = [
     "AsyncCallsQueue",
@@ -47,3 +83,16 @@ __all__ = [
     "errors",
     "load_config",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'objckpt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOMES})

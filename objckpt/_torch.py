@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Callable, Sequence
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import torch
 
@@ -22,6 +22,7 @@ __all__ = [
     "save_state_dict_fn",
     "save_tensor",
     "storage_info",
+    "tensor_frame",
 ]
 
 
@@ -97,6 +98,70 @@ def save_tensor(tensor: torch.Tensor, stream: IO[bytes]) -> None:
     save(tensor, writer, pickle, serialization.DEFAULT_PROTOCOL, False)
     writer.write_end_of_file()
     stream.flush()
+
+
+class _FrameRecorder:
+    """A file-like that keeps what ``torch.save`` writes and notes where, under
+    ``skip_data``, it seeks over a storage's bytes instead of writing them."""
+
+    def __init__(self) -> None:
+        self.chunks: list[bytes | int] = []  # bytes written, or a skipped length
+        self.pos = 0
+
+    def write(self, data: Any) -> int:
+        chunk = bytes(data)
+        self.chunks.append(chunk)
+        self.pos += len(chunk)
+        return len(chunk)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        if whence == 1 and offset > 0:
+            self.chunks.append(offset)
+            self.pos += offset
+        elif (whence, offset) not in ((0, self.pos), (1, 0)):
+            raise OSError("tensor framing: unexpected seek")
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def flush(self) -> None:
+        return None
+
+
+def tensor_frame(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[bytes, bytes] | None:
+    """The bytes ``torch.save`` writes around a contiguous tensor's data: ``head`` +
+    the tensor's raw bytes + ``tail`` is a file ``torch.load`` reads as that tensor.
+
+    The zip container, the pickle and the record alignment depend only on dtype and
+    shape (the zip CRC32 is off, see :func:`save_tensor`), so one frame serves every
+    tensor of that dtype and shape, and serializing a tensor is three writes instead
+    of a pickling pass; and a process that holds only the bytes (an upload worker)
+    needs no torch. Built with ``torch.serialization.skip_data`` over an uninitialized
+    tensor (its pages are never touched). None when this torch cannot (the caller
+    then runs ``torch.save`` itself).
+    """
+    skip_data = getattr(torch.serialization, "skip_data", None)
+    if skip_data is None:  # pragma: no cover - older torch
+        return None
+    recorder = _FrameRecorder()
+    template = torch.empty(shape, dtype=dtype)
+    nbytes = template.numel() * template.element_size()
+    try:
+        with skip_data():
+            save_tensor(template, cast(IO[bytes], recorder))
+    except (OSError, RuntimeError, TypeError):  # pragma: no cover - other torch versions
+        return None
+    skipped = [i for i, c in enumerate(recorder.chunks) if isinstance(c, int)]
+    if nbytes == 0 and not skipped:
+        head = b"".join(c for c in recorder.chunks if isinstance(c, bytes))
+        return head, b""
+    if len(skipped) != 1 or recorder.chunks[skipped[0]] != nbytes:
+        return None  # not one data record of the tensor's size: do not guess
+    at = skipped[0]
+    head = b"".join(cast(list[bytes], recorder.chunks[:at]))
+    tail = b"".join(cast(list[bytes], recorder.chunks[at + 1 :]))
+    return head, tail
 
 
 def load_everything(storage_reader: Any) -> dict[str, Any]:

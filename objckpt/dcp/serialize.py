@@ -1,17 +1,21 @@
 """Serialize write items into one payload object, checksumming on the way.
 
-Each tensor is written with ``torch.save`` exactly as DCP's own writers do, so a
-stock ``FileSystemReader``/``FsspecReader`` can load an objckpt checkpoint.
-``torch.save`` streams into a sink that feeds the store's upload directly and
-updates two CRC32Cs (the item's and the object's) on the same bytes, so there is
-no second pass and no whole-object buffer unless the store family needs one.
+Each tensor is stored as the file ``torch.save`` writes, exactly as DCP's own
+writers do, so a stock ``FileSystemReader``/``FsspecReader`` can load an objckpt
+checkpoint. The container around a tensor's bytes depends only on its dtype and
+shape, so it is built once per (dtype, shape) (:class:`Framer`) and each tensor
+goes out as frame head, its raw bytes, frame tail, straight into the store's
+upload (:class:`~objckpt.format.payload.PayloadWriter`), hashed once, with no
+whole-object buffer unless the store family needs one.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import dataclasses
 import io
+import threading
 from collections.abc import Iterable, Iterator
 from typing import IO, cast
 
@@ -19,59 +23,26 @@ import torch
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from objckpt._torch import save_tensor
+from objckpt._torch import save_tensor, tensor_frame
 from objckpt.dcp.plan import ObjectPlan
 from objckpt.errors import StateDictError
 from objckpt.format.dcp_json import StoredItem
-from objckpt.writers.accounting import RequestStats
+from objckpt.format.payload import PayloadRecord, PayloadWriter, close_payload
 from objckpt.writers.base import ObjectUpload
-from objckpt.writers.checksum import BytesLike, Crc32c
+from objckpt.writers.checksum import BytesLike
 
 __all__ = [
+    "Framer",
     "PayloadRecord",
     "WrittenObject",
     "close_payload",
     "resolve_bytes_items",
     "resolve_entries",
+    "serialized_tensor",
+    "tensor_bytes",
     "write_payload",
     "written_object",
 ]
-
-
-class _Sink:
-    """The file-like ``torch.save`` writes into."""
-
-    def __init__(self, upload: ObjectUpload) -> None:
-        self.upload = upload
-        self.pos = 0
-        self.object_crc = Crc32c()
-        self.item_crc = Crc32c()
-        # An upload that checksums its parts knows the object's CRC32C already.
-        self.own_crc = not upload.tracks_crc32c
-        #: The store's error, kept because torch.save replaces it with its own
-        #: ("unexpected pos ...") that names neither the object nor the cause.
-        self.error: BaseException | None = None
-
-    def write(self, data: BytesLike) -> int:
-        view = memoryview(data)
-        if view.format != "B" or view.ndim != 1:
-            view = view.cast("B")
-        if self.own_crc:
-            self.object_crc.update(view)
-        try:
-            crc = self.upload.write(view)
-        except BaseException as exc:
-            self.error = exc
-            raise
-        self.item_crc.feed(view, crc)
-        self.pos += view.nbytes
-        return view.nbytes
-
-    def flush(self) -> None:
-        return None
-
-    def tell(self) -> int:
-        return self.pos
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,56 +120,98 @@ def resolve_bytes_items(items: list[WriteItem], planner: SavePlanner) -> dict[in
     return out
 
 
-@dataclasses.dataclass(frozen=True)
-class PayloadRecord:
-    """What writing one payload object produced: its size, CRC32C and item places."""
+class Framer:
+    """Tensor frames (:func:`objckpt._torch.tensor_frame`) by dtype and shape.
 
-    size: int
-    crc32c: str
-    places: tuple[tuple[int, int, int, str], ...]  # (item id, offset, length, crc32c)
-    #: Store requests the upload made (set by the upload worker that made them).
-    requests: RequestStats = dataclasses.field(default_factory=RequestStats)
+    A state dict has few distinct shapes (a transformer's layers repeat), so a
+    writer that keeps one framer builds each frame once and then serializes every
+    tensor as head + raw bytes + tail. Bounded, oldest dropped first.
+    """
+
+    def __init__(self, max_frames: int = 4096) -> None:
+        self._frames: dict[tuple[torch.dtype, tuple[int, ...]], tuple[bytes, bytes] | None] = {}
+        self._max = max_frames
+        self._lock = threading.Lock()
+
+    def __reduce__(self) -> tuple[type[Framer], tuple[int]]:
+        return Framer, (self._max,)  # a copy in another process starts empty
+
+    def frame(self, tensor: torch.Tensor) -> tuple[bytes, bytes] | None:
+        """The frame of ``tensor`` saved as a contiguous CPU tensor of its own, or
+        None when its kind cannot be framed (sparse, quantized, subclasses,
+        conjugate/negative views): then ``torch.save`` serializes it."""
+        if (
+            type(tensor) is not torch.Tensor
+            or tensor.layout != torch.strided
+            or tensor.is_quantized
+            or tensor.is_conj()
+            or tensor.is_neg()
+        ):
+            return None
+        key = (tensor.dtype, tuple(tensor.shape))
+        with self._lock:
+            if key in self._frames:
+                return self._frames[key]
+        frame = tensor_frame(*key)
+        with self._lock:
+            if len(self._frames) >= self._max:
+                self._frames.pop(next(iter(self._frames)))
+            self._frames[key] = frame
+        return frame
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor, without a copy (any dtype, bfloat16
+    included). The caller keeps ``tensor`` alive while the view is in use."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+def serialized_tensor(tensor: torch.Tensor, framer: Framer) -> bytes:
+    """``tensor`` as the bytes DCP's writers store (for a worker that gets bytes)."""
+    t = _cpu_tensor(tensor)
+    frame = framer.frame(t)
+    if frame is None:
+        buf = io.BytesIO()
+        save_tensor(t, buf)
+        return buf.getvalue()
+    return frame[0] + bytes(tensor_bytes(t)) + frame[1]
 
 
 def write_payload(
-    upload: ObjectUpload, entries: Iterable[tuple[int, torch.Tensor | BytesLike]]
+    upload: ObjectUpload,
+    entries: Iterable[tuple[int, torch.Tensor | BytesLike]],
+    framer: Framer | None = None,
 ) -> PayloadRecord:
     """Serialize ``entries`` (id, tensor or raw bytes) into ``upload``, in order.
 
-    Tensors are written with ``torch.save`` (DCP's own payload format); bytes as
-    they are. Used by the synchronous writer and by the upload workers alike. The
-    caller closes or aborts ``upload``.
+    Tensors are stored as ``torch.save`` files (DCP's own payload format, so stock
+    readers load them): a framed tensor as three writes (frame head, its bytes,
+    frame tail), any other through ``torch.save`` itself. Bytes go as they are.
+    The caller closes or aborts ``upload``.
     """
-    sink = _Sink(upload)
-    places = []
+    framer = framer or Framer()
+    out = PayloadWriter(upload)
     for ident, data in entries:
-        start = sink.pos
-        sink.item_crc = Crc32c()
-        if isinstance(data, torch.Tensor):
-            try:
-                save_tensor(_cpu_tensor(data), cast(IO[bytes], sink))
-            except Exception as exc:
-                if sink.error is not None:
-                    raise sink.error from exc
-                raise
-        else:
-            sink.write(data)
-        places.append((ident, start, sink.pos - start, sink.item_crc.hexdigest()))
-    crc = sink.object_crc.hexdigest() if sink.own_crc else ""  # set by close_payload
-    return PayloadRecord(sink.pos, crc, tuple(places))
-
-
-def close_payload(
-    upload: ObjectUpload, record: PayloadRecord
-) -> tuple[PayloadRecord, concurrent.futures.Future[None]]:
-    """Close ``upload``; the record completed with the object CRC32C the upload
-    computed itself, when it did (see ``ObjectUpload.tracks_crc32c``)."""
-    done = upload.close()
-    if upload.tracks_crc32c:
-        if upload.crc32c is None:
-            raise StateDictError(f"internal: {upload.key} closed without its CRC32C")
-        record = dataclasses.replace(record, crc32c=upload.crc32c)
-    return record, done
+        if not isinstance(data, torch.Tensor):
+            out.write_item(ident, (data,))
+            continue
+        t = _cpu_tensor(data)
+        frame = framer.frame(t)
+        if frame is not None:
+            out.write_item(ident, (frame[0], tensor_bytes(t), frame[1]))
+            continue
+        out.begin_item(ident)
+        try:
+            save_tensor(t, cast(IO[bytes], out))
+        except Exception as exc:
+            if out.error is not None:
+                raise out.error from exc
+            raise
+        out.end_item()
+    return out.record()
 
 
 def resolve_entries(

@@ -30,6 +30,7 @@ from torch.futures import Future
 
 from objckpt.dcp.plan import RankPlan, assign_objects
 from objckpt.dcp.serialize import (
+    Framer,
     WrittenObject,
     close_payload,
     resolve_bytes_items,
@@ -106,6 +107,8 @@ class ObjectStoreWriter(StorageWriter):
         self.upload = upload or UploadOptions()
         self.preflight_timeout = float(preflight_timeout)
         self.user_metadata = dict(user_metadata or {})
+        #: Tensor frames by dtype and shape, kept across the saves of a reused writer.
+        self.framer = Framer()
         self._store: ObjectStore | None = None
         self._store_pid = -1
         self._fs: AbstractFileSystem | None = None  # shared by a checkpointer across saves
@@ -264,7 +267,7 @@ class ObjectStoreWriter(StorageWriter):
                 upload = store.begin(obj.key, obj.size_hint)
                 try:
                     record = write_payload(
-                        upload, resolve_entries(obj, planner, resolved, position)
+                        upload, resolve_entries(obj, planner, resolved, position), self.framer
                     )
                     record, done = close_payload(upload, record)
                     written.append(written_object(obj, items, record, done))

@@ -34,7 +34,7 @@ from objckpt.ops.verify import copy_object
 from objckpt.options import UploadOptions
 from objckpt.pipeline.finalize import RankExchange
 from objckpt.pipeline.handle import SaveHandle
-from objckpt.pipeline.workers import worker_store
+from objckpt.pipeline.upload_task import worker_store
 from objckpt.writers import open_store
 from objckpt.writers.accounting import RequestCounter, RequestStats, counting
 from objckpt.writers.location import Location

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from objckpt._torch import group_store, save_state_dict_fn
 from objckpt.dcp.planner import ReplicaSlicingPlanner
-from objckpt.dcp.serialize import written_object
+from objckpt.dcp.serialize import Framer, written_object
 from objckpt.dcp.storage_writer import ObjectStoreWriter
 from objckpt.errors import ConfigurationError, ObjckptError, UploadError
 from objckpt.format.commit import commit_checkpoint, requests_result, written_objects
@@ -159,6 +159,7 @@ class AsyncCheckpointer:
             max_cached_sets=self.options.max_in_flight, budget=self.options.staging_budget
         )
         self._pool = WorkerPool(self.options.workers)
+        self._framer = Framer()
         if start_workers:
             self.start_workers()
         self._inflight: list[SaveHandle] = []
@@ -261,7 +262,7 @@ class AsyncCheckpointer:
         except BaseException:
             check.exception()
             raise
-        writer = DeferredWriter(target, self._pool, staged)
+        writer = DeferredWriter(target, self._pool, staged, self._framer)
         try:
             self._plan(staged, writer, check.exception(), process_group, distributed)
         except BaseException:
@@ -542,7 +543,7 @@ class AsyncCheckpointer:
 
     def start_workers(self) -> None:
         """Start the upload worker processes in the background (once; never blocks):
-        starting an interpreter and importing torch takes seconds, which belong
+        starting an interpreter and its imports takes a moment, which belongs
         outside the first save's stall."""
         self._pool.start()
 

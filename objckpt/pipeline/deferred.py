@@ -18,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
@@ -28,12 +29,13 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from objckpt.dcp.plan import ObjectPlan, RankPlan, assign_objects, estimate_size
-from objckpt.dcp.serialize import PayloadRecord, resolve_bytes_items
+from objckpt.dcp.serialize import Framer, PayloadRecord, resolve_bytes_items, serialized_tensor
 from objckpt.dcp.storage_writer import ObjectStoreWriter
-from objckpt.errors import ConfigurationError, UploadError
+from objckpt.errors import ConfigurationError, StateDictError, UploadError
 from objckpt.format.layout import payload_key
 from objckpt.pipeline.stage import Staged, Wave
-from objckpt.pipeline.workers import WorkerPool, upload_object
+from objckpt.pipeline.upload_task import FramedRef, SegmentRef, upload_object
+from objckpt.pipeline.workers import WorkerPool
 from objckpt.writers.deadline import Deadline
 
 __all__ = ["DeferredWriter", "Pending"]
@@ -57,13 +59,17 @@ class DeferredWriter(StorageWriter):
             agreed attempt and any shared filesystem).
         pool: The upload workers.
         staged: The staged copy of the state dict the items resolve to.
+        framer: Tensor frames, kept by the checkpointer across saves.
     """
 
-    def __init__(self, writer: ObjectStoreWriter, pool: WorkerPool, staged: Staged) -> None:
+    def __init__(
+        self, writer: ObjectStoreWriter, pool: WorkerPool, staged: Staged, framer: Framer
+    ) -> None:
         super().__init__()
         self.writer = writer
         self._pool = pool
         self._staged = staged
+        self._framer = framer
         self.pending: list[Pending] = []
         self.items: list[Any] = []
         self.rank_plan: RankPlan | None = None
@@ -123,19 +129,23 @@ class DeferredWriter(StorageWriter):
         )
         this_wave: list[concurrent.futures.Future[PayloadRecord]] = []
         for obj in objects:
-            entries: list[tuple[int, Any]] = []
+            values: list[tuple[int, torch.Tensor | bytes]] = []
             for item in obj.items:
                 pos = position[id(item)]
                 if item.type == WriteItemType.BYTE_IO:
-                    entries.append((pos, resolved[pos].getvalue()))
+                    values.append((pos, resolved[pos].getvalue()))
                     continue
                 tensor = planner.resolve_data(item)
-                ref = None
-                if isinstance(tensor, torch.Tensor) and wave is None:
-                    ref = staged.ref_of(tensor)
-                entries.append((pos, ref if ref is not None else tensor))
+                if not isinstance(tensor, torch.Tensor):
+                    raise StateDictError(
+                        f"entry {item.index.fqn!r} was planned as a tensor but is "
+                        f"{type(tensor).__name__}"
+                    )
+                values.append((pos, tensor))
             if wave is not None:
-                entries = self._into_wave(wave, entries, this_wave, staged.cuda)
+                entries = self._into_wave(wave, values, this_wave, staged.cuda)
+            else:
+                entries = [(pos, self._entry(v, staged.ref_of)) for pos, v in values]
             future = self._pool.submit(
                 upload_object, location, upload, obj.key, entries, self.deadline
             )
@@ -170,13 +180,27 @@ class DeferredWriter(StorageWriter):
         for p in self.pending:
             p.future.exception()
 
+    def _entry(
+        self, value: torch.Tensor | bytes, ref_of: Callable[[torch.Tensor], SegmentRef | None]
+    ) -> FramedRef | bytes:
+        """What a worker gets for one item: a staged tensor as its frame and the place
+        of its bytes (the worker copies them from the segment); anything else as the
+        bytes DCP stores (serialized here, as a tensor that is not in a segment must be)."""
+        if not isinstance(value, torch.Tensor):
+            return value
+        frame = self._framer.frame(value)
+        ref = ref_of(value) if frame is not None else None
+        if frame is None or ref is None:
+            return serialized_tensor(value, self._framer)
+        return FramedRef(frame[0], ref, frame[1])
+
     def _into_wave(
         self,
         wave: Wave,
-        entries: list[tuple[int, Any]],
+        entries: list[tuple[int, torch.Tensor | bytes]],
         this_wave: list[concurrent.futures.Future[PayloadRecord]],
         cuda: bool,
-    ) -> list[tuple[int, Any]]:
+    ) -> list[tuple[int, FramedRef | bytes]]:
         """Copy one object's tensors into the wave segment, first draining a full wave."""
         tensors = [v for _, v in entries if isinstance(v, torch.Tensor)]
         if not wave.fits_all(tensors):
@@ -191,6 +215,6 @@ class DeferredWriter(StorageWriter):
                     ) from exc
             this_wave.clear()
             wave.reset()
-        out = [(pos, wave.put(v) if isinstance(v, torch.Tensor) else v) for pos, v in entries]
+        out = [(pos, self._entry(v, wave.put)) for pos, v in entries]
         wave.sync(cuda)
         return out

@@ -34,8 +34,9 @@ import torch
 
 from objckpt.errors import StateDictError
 from objckpt.pipeline import lifeline
+from objckpt.pipeline.upload_task import SegmentRef
 
-__all__ = ["SegmentRef", "Staged", "Stager", "Wave", "attach_tensor", "scan"]
+__all__ = ["SegmentRef", "Staged", "Stager", "Wave", "scan"]
 
 logger = logging.getLogger(__name__)
 _ALIGN = 64
@@ -91,17 +92,6 @@ def scan(state: Any) -> tuple[tuple[Hashable, ...], list[torch.Tensor]]:
 
     walk(state, "")
     return tuple(layout), tensors
-
-
-@dataclasses.dataclass(frozen=True)
-class SegmentRef:
-    """Where a staged tensor's bytes are: picklable, sent to upload workers."""
-
-    path: str
-    offset: int
-    nbytes: int
-    dtype: str
-    shape: tuple[int, ...]
 
 
 #: Where staging segments live: shared memory where the system has it.
@@ -284,21 +274,6 @@ def _rebuild(state: Any, views: list[torch.Tensor]) -> Any:
         return value
 
     return walk(state)
-
-
-def attach_tensor(ref: SegmentRef, cache: dict[str, Any]) -> torch.Tensor:
-    """Worker side: a tensor over a staged segment's bytes (the mapping is cached)."""
-    mapped = cache.get(ref.path)
-    if mapped is None:
-        fd = os.open(ref.path, os.O_RDWR)
-        try:
-            mapped = mmap.mmap(fd, 0)
-        finally:
-            os.close(fd)
-        cache[ref.path] = mapped
-    base = torch.frombuffer(mapped, dtype=torch.uint8)
-    dtype = getattr(torch, ref.dtype)
-    return base[ref.offset : ref.offset + ref.nbytes].view(dtype).view(ref.shape)
 
 
 class Stager:

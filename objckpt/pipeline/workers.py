@@ -1,202 +1,313 @@
-"""Upload worker processes, forked from a clean forkserver.
+"""Upload worker processes: fresh interpreters, never forks of the training process.
 
 Why not fork the training process (as NVIDIA's async checkpointing does): a
 fork copies a process whose native client threads may hold locks (a deadlock in
 the child), whose pinned memory is not copy-on-write (silent corruption), and
-whose torch intra-op pool hangs the child's first parallel op. The forkserver
-is a fresh interpreter started on first use, so its forks are clean whatever the
-training process has done since; workers preload torch once and then persist
-across saves.
+whose torch intra-op pool hangs the child's first parallel op. Why not
+``multiprocessing`` (spawn or forkserver) either: its children re-import the
+training script's ``__main__``, and with it torch (~190 MiB and seconds per
+worker) and whatever else the script loads. A worker here is
+``python -m objckpt.pipeline._worker_main``, started with ``exec`` (safe from a
+threaded process), talking to the pool over a socket pair; it imports the store
+layer only (:mod:`objckpt.pipeline.upload_task`) and persists across saves.
 
-Workers receive staged tensors through torch's shared-memory reductions (no
-copy: they map the staging buffers), build their own filesystem clients from the
-picklable :class:`~objckpt.writers.location.Location`, and upload with parts in flight.
-A worker that dies (``kill -9``, OOM) breaks the pool: every pending upload fails
-with ``BrokenProcessPool`` at once, and the next save starts a fresh pool.
+A worker that dies (``kill -9``, OOM) breaks the pool, as a
+``ProcessPoolExecutor`` does: every pending task fails with
+:class:`~concurrent.futures.process.BrokenProcessPool` at once, the other
+workers are stopped, and the next submit starts a fresh pool.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import dataclasses
 import logging
-import multiprocessing
 import os
+import pickle
+import queue
+import socket
+import struct
+import subprocess
+import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
-import torch
-
-from objckpt.dcp.serialize import PayloadRecord, close_payload, write_payload
 from objckpt.errors import ConfigurationError
-from objckpt.options import UploadOptions
-from objckpt.pipeline import lifeline
-from objckpt.pipeline.stage import SegmentRef, attach_tensor
-from objckpt.writers import ObjectStore, open_store
-from objckpt.writers.accounting import RequestCounter, counting
-from objckpt.writers.checksum import BytesLike
-from objckpt.writers.deadline import Deadline, bounded_by
-from objckpt.writers.location import Location
 
-__all__ = ["WorkerPool", "upload_object", "worker_store"]
+__all__ = ["Channel", "RemoteTraceback", "WorkerPool"]
 
 logger = logging.getLogger(__name__)
 
-# Per worker process: store objects by what they were built from, so a persistent
-# worker reuses its HTTP connections across objects and saves. Lives only in
-# worker processes (never in the training process).
-_WORKER_STORES: dict[tuple[str, str, str, str, int], ObjectStore] = {}
-_WORKER_SEGMENTS: dict[str, Any] = {}
-
-Entry = tuple[int, "SegmentRef | torch.Tensor | bytes"]
+_HEADER = struct.Struct("!Q")
+#: Seconds a closing pool waits for a worker to exit before killing it.
+_EXIT_WAIT = 30.0
 
 
-def _worker_init(parent_pid: int) -> None:
-    # A forked child that runs parallel torch ops can hang on the intra-op pool.
-    torch.set_num_threads(1)
-    lifeline.watch_parent(parent_pid, _unlink_attached_segments)
+class RemoteTraceback(Exception):
+    """The worker-side traceback of a task's exception (set as its ``__cause__``)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
 
 
-def _forget_freed_segments() -> None:
-    """Unmap staging segments the training process has freed (their file is gone):
-    a mapping kept here would hold the memory after the trainer let it go. Between
-    uploads none is in use (a worker runs one upload at a time)."""
-    for path in [p for p in _WORKER_SEGMENTS if not os.path.exists(p)]:
-        mapped = _WORKER_SEGMENTS.pop(path)
-        with contextlib.suppress(BufferError, ValueError):
-            mapped.close()
+class Channel:
+    """Length-prefixed pickles over a connected socket, one message at a time."""
 
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
 
-def _ready() -> None:
-    """A no-op task: submitting it makes the pool start a worker."""
+    def send_bytes(self, data: bytes) -> None:
+        self.sock.sendall(_HEADER.pack(len(data)))
+        self.sock.sendall(data)
 
+    def send(self, message: Any) -> None:
+        self.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
-def _unlink_attached_segments() -> None:
-    """The training process died: its staging segments would outlive it in /dev/shm."""
-    for path in list(_WORKER_SEGMENTS):
+    def recv_bytes(self) -> bytes:
+        """The next message, still pickled. Raises EOFError when the peer closed or died."""
+        (size,) = _HEADER.unpack(self._exactly(_HEADER.size))
+        return self._exactly(size)
+
+    def recv(self) -> Any:
+        return pickle.loads(self.recv_bytes())
+
+    def _exactly(self, size: int) -> bytes:
+        buf = bytearray(size)
+        view, got = memoryview(buf), 0
+        while got < size:
+            n = self.sock.recv_into(view[got:])
+            if n == 0:
+                raise EOFError("worker channel closed")
+            got += n
+        return bytes(buf)
+
+    def close(self) -> None:
         with contextlib.suppress(OSError):
-            os.unlink(path)
+            self.sock.close()
 
 
-def worker_store(location: Location, options: UploadOptions) -> ObjectStore:
-    """Worker side: the store for ``location``, kept for the worker's life so its
-    HTTP connections serve every later object and save."""
-    # Everything the store was built from: a later save with other upload options
-    # or another retry policy must not reuse a store made for the first.
-    cache_key = (
-        location.protocol,
-        repr(sorted(location.storage_options.items())),
-        repr(location.retry),
-        repr(options),
-        os.getpid(),
-    )
-    store = _WORKER_STORES.get(cache_key)
-    if store is None:
-        store = open_store(location, options)
-        _WORKER_STORES[cache_key] = store
-    store.location = location
-    return store
+class _Task:
+    __slots__ = ("args", "fn", "future")
+
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        self.fn = fn
+        self.args = args
+        self.future: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
 
-def upload_object(
-    location: Location,
-    options: UploadOptions,
-    key: str,
-    entries: list[Entry],
-    deadline: Deadline | None = None,
-) -> PayloadRecord:
-    """Worker side: serialize ``entries`` into the object ``key`` and upload it.
+class _Generation:
+    """One set of worker processes; broken for good when one of them dies."""
 
-    Entries are (item id, data): a :class:`SegmentRef` into a staging segment, a
-    tensor, or already-serialized bytes. Every request is bounded by the save's
-    ``deadline``.
-    """
-    _forget_freed_segments()
-    resolved: list[tuple[int, torch.Tensor | BytesLike]] = [
-        (i, attach_tensor(d, _WORKER_SEGMENTS) if isinstance(d, SegmentRef) else d)
-        for i, d in entries
-    ]
-    store = worker_store(location, options)
-    size_hint = sum(
-        t.numel() * t.element_size() if isinstance(t, torch.Tensor) else len(t) for _, t in resolved
-    )
-    with counting(RequestCounter()) as counter, bounded_by(deadline):
-        upload = store.begin(key, size_hint)
+    def __init__(self, workers: int, name: str) -> None:
+        self.name = name
+        self.tasks: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.broken = False
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.ready: list[concurrent.futures.Future[int]] = []
+        self.threads: list[threading.Thread] = []
+        for n in range(workers):
+            proc, channel = self._launch()
+            ready: concurrent.futures.Future[int] = concurrent.futures.Future()
+            thread = threading.Thread(
+                target=self._serve,
+                args=(proc, channel, ready),
+                name=f"objckpt-{name}-worker-{n}",
+                daemon=True,
+            )
+            self.procs.append(proc)
+            self.ready.append(ready)
+            self.threads.append(thread)
+            thread.start()
+
+    def _launch(self) -> tuple[subprocess.Popen[bytes], Channel]:
+        ours, theirs = socket.socketpair()
         try:
-            record, done = close_payload(upload, write_payload(upload, resolved))
-            done.result()
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "objckpt.pipeline._worker_main",
+                    str(theirs.fileno()),
+                    str(os.getpid()),
+                ],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+            )
         except BaseException:
-            upload.abort()
+            ours.close()
             raise
-    return dataclasses.replace(record, requests=counter.snapshot())
+        finally:
+            theirs.close()
+        channel = Channel(ours)
+        # The worker imports what a pickled task names; give it this process's path.
+        channel.send({"sys_path": list(sys.path)})
+        return proc, channel
+
+    def submit(self, task: _Task) -> bool:
+        """Queue ``task``; False when this generation is broken (use a fresh one)."""
+        with self.lock:
+            if self.broken:
+                return False
+            self.tasks.put(task)
+            return True
+
+    def _serve(
+        self,
+        proc: subprocess.Popen[bytes],
+        channel: Channel,
+        ready: concurrent.futures.Future[int],
+    ) -> None:
+        """One worker's thread: hands it one task at a time and settles its future."""
+        try:
+            ready.set_result(channel.recv())
+        except (EOFError, OSError) as exc:
+            ready.set_exception(self._died(proc, exc))
+            channel.close()
+            return
+        while True:
+            task = self.tasks.get()
+            if task is None:
+                with contextlib.suppress(OSError):
+                    channel.send(None)
+                break
+            if not task.future.set_running_or_notify_cancel():
+                continue
+            if self.broken:
+                task.future.set_exception(BrokenProcessPool(f"the {self.name} pool is broken"))
+                continue
+            try:
+                message = pickle.dumps((task.fn, task.args), protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as exc:  # the caller's unpicklable argument: its error alone
+                task.future.set_exception(exc)
+                continue
+            try:
+                channel.send_bytes(message)
+                reply = channel.recv_bytes()
+            except (EOFError, OSError) as exc:
+                task.future.set_exception(self._died(proc, exc))
+                break
+            try:
+                ok, value, remote = pickle.loads(reply)
+            except Exception as exc:  # e.g. an exception class that does not unpickle
+                task.future.set_exception(exc)
+                continue
+            if ok:
+                task.future.set_result(value)
+            else:
+                if remote:
+                    value.__cause__ = RemoteTraceback(remote)
+                task.future.set_exception(value)
+        channel.close()
+
+    def _died(self, proc: subprocess.Popen[bytes], exc: BaseException) -> BrokenProcessPool:
+        """A worker is gone: break the generation, fail what waits, stop the rest."""
+        try:
+            code = proc.wait(timeout=_EXIT_WAIT)
+        except subprocess.TimeoutExpired:
+            code = None
+        error = BrokenProcessPool(
+            f"an objckpt {self.name} worker (pid {proc.pid}) died"
+            + (f" with exit code {code}" if code is not None else "")
+            + " (killed, or out of memory?)"
+        )
+        error.__cause__ = exc
+        with self.lock:
+            first = not self.broken
+            self.broken = True
+        if first:
+            logger.warning("%s", error)
+            for other in self.procs:  # their threads fail their tasks on EOF
+                if other is not proc and other.poll() is None:
+                    other.kill()
+            while True:  # nothing is queued after ``broken`` is set (see submit)
+                try:
+                    task = self.tasks.get_nowait()
+                except queue.Empty:
+                    break
+                if task is not None and task.future.set_running_or_notify_cancel():
+                    task.future.set_exception(error)
+            for _ in self.threads:  # idle threads: stop
+                self.tasks.put(None)
+        return error
+
+    def close(self) -> None:
+        """Let queued tasks finish, then stop the workers."""
+        for _ in self.threads:
+            self.tasks.put(None)
+        for thread in self.threads:
+            thread.join()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=_EXIT_WAIT)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 class WorkerPool:
-    """A persistent pool of upload processes from the forkserver.
+    """A persistent pool of worker processes running picklable, importable functions.
 
     Args:
-        workers: Number of processes. Each runs one object upload at a time with
-            ``UploadOptions.max_in_flight`` parts in flight.
+        workers: Number of processes. Each runs one task at a time (an upload
+            worker: one object, with ``UploadOptions.max_in_flight`` parts in flight).
+        name: What the workers do, for logs and thread names.
     """
 
-    def __init__(self, workers: int = 2) -> None:
+    def __init__(self, workers: int = 2, *, name: str = "upload") -> None:
         if not isinstance(workers, int) or workers < 1:
             raise ConfigurationError(f"option workers={workers!r} is invalid: expected an int >= 1")
         self.workers = workers
-        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
-        self._warming: list[concurrent.futures.Future[None]] = []
+        self.name = name
+        self._gen: _Generation | None = None
         self._lock = threading.Lock()
 
-    def _ensure(self) -> concurrent.futures.ProcessPoolExecutor:
+    def _current(self) -> _Generation:
         with self._lock:
-            if self._pool is not None and getattr(self._pool, "_broken", False):
-                logger.warning("an upload worker died; starting a fresh worker pool")
-                self._pool.shutdown(wait=False, cancel_futures=True)
-                self._pool = None
-            if self._pool is None:
-                ctx = multiprocessing.get_context("forkserver")
-                self._pool = concurrent.futures.ProcessPoolExecutor(
-                    max_workers=self.workers,
-                    mp_context=ctx,
-                    initializer=_worker_init,
-                    initargs=(os.getpid(),),
-                )
-            return self._pool
+            if self._gen is not None and self._gen.broken:
+                logger.warning("starting a fresh %s worker pool", self.name)
+                self._gen.close()  # its workers were stopped; reap them
+                self._gen = None
+            if self._gen is None:
+                self._gen = _Generation(self.workers, self.name)
+            return self._gen
 
-    def submit(self, fn: Any, *args: Any) -> concurrent.futures.Future[Any]:
-        try:
-            return self._ensure().submit(fn, *args)
-        except BrokenProcessPool:
-            with self._lock:
-                self._pool = None
-            return self._ensure().submit(fn, *args)
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+        """Run ``fn(*args)`` in a worker (``fn`` must be importable by name there)."""
+        task = _Task(fn, args)
+        while not self._current().submit(task):
+            pass  # broken between lookup and put: the next lookup starts a fresh pool
+        return task.future
 
     def start(self) -> None:
         """Start the worker processes now, in the background (never blocks).
 
-        Starting an interpreter and importing torch takes seconds; doing it when the
+        An interpreter's start and its imports take a moment; doing it when the
         checkpointer is built keeps that out of the first save's stall.
         """
-        if self._warming:
-            return
-        pool = self._ensure()
-        self._warming = [pool.submit(_ready) for _ in range(self.workers)]
+        self._current()
 
     def wait_ready(self, timeout: float | None = None) -> None:
-        """Wait until the workers ``start`` began have run their first task."""
-        concurrent.futures.wait(self._warming, timeout=timeout)
+        """Wait until the started workers are up."""
+        gen = self._gen
+        if gen is not None:
+            concurrent.futures.wait(gen.ready, timeout=timeout)
 
     def pids(self) -> list[int]:
         """PIDs of the live worker processes (for tests and diagnostics)."""
-        pool = self._pool
-        if pool is None:
+        gen = self._gen
+        if gen is None:
             return []
-        return [p.pid for p in getattr(pool, "_processes", {}).values() if p.pid is not None]
+        return [p.pid for p in gen.procs if p.poll() is None]
 
     def close(self) -> None:
         with self._lock:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-                self._pool = None
+            gen, self._gen = self._gen, None
+        if gen is not None:
+            gen.close()

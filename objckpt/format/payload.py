@@ -1,0 +1,112 @@
+"""A payload object: items written back to back, each checksummed on the way.
+
+What an item's bytes are (a ``torch.save`` file, a pickled value) is decided by
+the caller; this module only lays items into one upload and records where each
+landed with its CRC32C, hashing every byte once. It imports no torch, so the
+upload worker processes that write staged tensors never load it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+
+from objckpt.errors import StateDictError
+from objckpt.writers.accounting import RequestStats
+from objckpt.writers.base import ObjectUpload
+from objckpt.writers.checksum import BytesLike, Crc32c
+
+__all__ = ["PayloadRecord", "PayloadWriter", "close_payload"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PayloadRecord:
+    """What writing one payload object produced: its size, CRC32C and item places."""
+
+    size: int
+    crc32c: str
+    places: tuple[tuple[int, int, int, str], ...]  # (item id, offset, length, crc32c)
+    #: Store requests the upload made (set by the upload worker that made them).
+    requests: RequestStats = dataclasses.field(default_factory=RequestStats)
+
+
+class PayloadWriter:
+    """The file-like items are written into, in order (``torch.save`` writes here too).
+
+    Each byte goes to the upload once and is hashed once: the upload's CRC32C of a
+    write (when the store tracks one) is reused for the item's and the object's.
+    Call :meth:`begin_item` before each item's bytes, :meth:`end_item` after.
+    """
+
+    def __init__(self, upload: ObjectUpload) -> None:
+        self.upload = upload
+        self.pos = 0
+        self._object_crc = Crc32c()
+        self._item_crc = Crc32c()
+        self._item: tuple[int, int] | None = None  # (id, start)
+        self._places: list[tuple[int, int, int, str]] = []
+        # An upload that checksums its parts knows the object's CRC32C already.
+        self._own_crc = not upload.tracks_crc32c
+        #: The store's error, kept because torch.save replaces it with its own
+        #: ("unexpected pos ...") that names neither the object nor the cause.
+        self.error: BaseException | None = None
+
+    def begin_item(self, ident: int) -> None:
+        self._item = (ident, self.pos)
+        self._item_crc = Crc32c()
+
+    def end_item(self) -> None:
+        if self._item is None:
+            raise StateDictError("internal: end_item without begin_item")
+        ident, start = self._item
+        self._places.append((ident, start, self.pos - start, self._item_crc.hexdigest()))
+        self._item = None
+
+    def write_item(self, ident: int, chunks: tuple[BytesLike, ...]) -> None:
+        """One item made of ``chunks`` (e.g. a tensor's frame head, data and tail)."""
+        self.begin_item(ident)
+        for chunk in chunks:
+            self.write(chunk)
+        self.end_item()
+
+    def write(self, data: BytesLike) -> int:
+        view = memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        if not view.nbytes:
+            return 0
+        if self._own_crc:
+            self._object_crc.update(view)
+        try:
+            crc = self.upload.write(view)
+        except BaseException as exc:
+            self.error = exc
+            raise
+        self._item_crc.feed(view, crc)
+        self.pos += view.nbytes
+        return view.nbytes
+
+    def flush(self) -> None:
+        return None
+
+    def tell(self) -> int:
+        return self.pos
+
+    def record(self) -> PayloadRecord:
+        """Every item so far; the object CRC32C is filled in by :func:`close_payload`
+        when the upload computes it."""
+        crc = self._object_crc.hexdigest() if self._own_crc else ""
+        return PayloadRecord(self.pos, crc, tuple(self._places))
+
+
+def close_payload(
+    upload: ObjectUpload, record: PayloadRecord
+) -> tuple[PayloadRecord, concurrent.futures.Future[None]]:
+    """Close ``upload``; the record completed with the object CRC32C the upload
+    computed itself, when it did (see ``ObjectUpload.tracks_crc32c``)."""
+    done = upload.close()
+    if upload.tracks_crc32c:
+        if upload.crc32c is None:
+            raise StateDictError(f"internal: {upload.key} closed without its CRC32C")
+        record = dataclasses.replace(record, crc32c=upload.crc32c)
+    return record, done
