@@ -1,7 +1,6 @@
 """Child process for the gc test: commit step 1, start step 2, then wait to be SIGKILLed.
 
-Run as a script (the upload workers come from a forkserver, which re-imports
-``__main__``). Prints ``committed`` after step 1 and ``uploading`` once step 2's
+Run as a script in a process of its own, so the test can SIGKILL it. Prints ``committed`` after step 1 and ``uploading`` once step 2's
 save has returned, then sleeps until killed.
 """
 

@@ -26,7 +26,7 @@ CHILD = textwrap.dedent(
     if __name__ == "__main__":
         ckpt = AsyncCheckpointer(async_options=AsyncOptions(workers=2))
         ckpt.save({"w": torch.randn(1 << 16)}, f"file://{root}/c1").result(timeout=120)
-        workers = list(ckpt._pool._pool._processes)
+        workers = ckpt.worker_pids
         segments = [b.segment.path for b in ckpt._stager._all]
         with open(report + ".tmp", "w") as f:
             json.dump({"workers": workers, "segments": segments}, f)

@@ -30,7 +30,7 @@ from objckpt.errors import CheckpointExistsError, ManifestError, StoreError
 from objckpt.format.dcp_json import StoredItem
 from objckpt.format.index import IndexShard, encode_metadata
 from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY
-from objckpt.format.manifest import Manifest, ObjectEntry
+from objckpt.format.manifest import Manifest, ObjectEntry, read_manifest
 from objckpt.writers.accounting import RequestCounter, RequestStats, counting, current_counter
 from objckpt.writers.base import ObjectStore
 from objckpt.writers.checksum import Crc32c
@@ -71,12 +71,6 @@ def written_objects(results: Iterable[WriteResult]) -> tuple[ObjectEntry, ...]:
         if isinstance(wr.storage_data, StoredItem)
     }
     return tuple(objects[k] for k in sorted(objects))
-
-
-def read_manifest(store: ObjectStore) -> Manifest:
-    """Read and validate the manifest at ``store.location`` (FileNotFoundError if none)."""
-    data = store.read(MANIFEST_KEY)
-    return Manifest.from_json_bytes(data, url=store.location.url_of(MANIFEST_KEY))
 
 
 def _put_index(store: ObjectStore, shards: list[IndexShard]) -> list[ObjectEntry]:

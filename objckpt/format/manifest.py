@@ -15,12 +15,16 @@ import dataclasses
 import datetime
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from objckpt.errors import ManifestError
+from objckpt.format.layout import MANIFEST_KEY
 from objckpt.writers.accounting import RequestStats
 
-__all__ = ["FORMAT", "VERSION", "Manifest", "ObjectEntry", "check_key"]
+if TYPE_CHECKING:
+    from objckpt.writers.base import ObjectStore
+
+__all__ = ["FORMAT", "VERSION", "Manifest", "ObjectEntry", "check_key", "read_manifest"]
 
 FORMAT = "objckpt.manifest"
 #: Written since format 2 (compact metadata + per-rank index objects,
@@ -159,3 +163,9 @@ class Manifest:
         if total != manifest.total_bytes:
             raise ManifestError(f"manifest {url}: total_bytes {total!r} != sum of object sizes")
         return manifest
+
+
+def read_manifest(store: ObjectStore) -> Manifest:
+    """Read and validate the manifest at ``store.location`` (FileNotFoundError if none)."""
+    data = store.read(MANIFEST_KEY)
+    return Manifest.from_json_bytes(data, url=store.location.url_of(MANIFEST_KEY))

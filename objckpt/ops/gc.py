@@ -26,8 +26,8 @@ import time
 from collections.abc import Callable
 
 from objckpt.errors import CheckpointNotFoundError, ConfigurationError, ManifestError
-from objckpt.format.commit import read_manifest
 from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY, is_entropy_dir, is_objckpt_object
+from objckpt.format.manifest import read_manifest
 from objckpt.format.steps import ObjectInfo, StepInfo, inventory, parse_step, step_name, steps_of
 from objckpt.writers import ObjectStore, OpenUpload, open_store
 from objckpt.writers.location import Location

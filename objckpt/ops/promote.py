@@ -26,33 +26,22 @@ from typing import Any
 
 from objckpt._torch import group_store
 from objckpt.errors import CheckpointExistsError, ManifestError, UploadError
-from objckpt.format.commit import read_manifest
 from objckpt.format.layout import MANIFEST_KEY, is_objckpt_payload
-from objckpt.format.manifest import Manifest, ObjectEntry
+from objckpt.format.manifest import Manifest, read_manifest
 from objckpt.format.steps import step_name
+from objckpt.ops.promote_task import promote_object
 from objckpt.ops.verify import copy_object
 from objckpt.options import UploadOptions
 from objckpt.pipeline.finalize import RankExchange
 from objckpt.pipeline.handle import SaveHandle
-from objckpt.pipeline.upload_task import worker_store
 from objckpt.writers import open_store
-from objckpt.writers.accounting import RequestCounter, RequestStats, counting
+from objckpt.writers.accounting import RequestStats
 from objckpt.writers.location import Location
 from objckpt.writers.translate import describe
 
 __all__ = ["Promoter", "promote_object"]
 
 logger = logging.getLogger(__name__)
-
-
-def promote_object(
-    src: Location, dst: Location, options: UploadOptions, entry: ObjectEntry
-) -> RequestStats:
-    """Worker side: copy one object from the local tier to the primary, checked
-    against ``entry`` while it streams (a damaged local copy is never committed)."""
-    with counting(RequestCounter()) as counter:
-        copy_object(worker_store(src, options), worker_store(dst, options), entry, None)
-    return counter.snapshot()
 
 
 class Promoter:

@@ -25,9 +25,8 @@ from objckpt.errors import (
     ManifestError,
     SizeMismatchError,
 )
-from objckpt.format.commit import read_manifest
 from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY, list_names
-from objckpt.format.manifest import Manifest, ObjectEntry
+from objckpt.format.manifest import Manifest, ObjectEntry, read_manifest
 from objckpt.options import UploadOptions
 from objckpt.writers import ObjectStore, open_store
 from objckpt.writers.checksum import Crc32c

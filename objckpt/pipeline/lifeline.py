@@ -3,11 +3,10 @@
 A training process can die by SIGKILL (the OOM killer, a scheduler's hard stop)
 with no chance to clean up. Two things would then linger on the node:
 
-* Upload workers. They come from the forkserver, so they are not the training
-  process's children, and a ``ProcessPoolExecutor`` worker holds both ends of its
-  own task pipe, so it never sees EOF: it would wait for work forever (and keep
-  the forkserver alive with it). Each worker therefore watches the training
-  process and exits when it is gone (:func:`watch_parent`).
+* Upload workers. An idle worker sees its socket to the pool close and exits,
+  but a worker in the middle of an upload would finish it (and a worker whose
+  pool's process is frozen would wait forever). Each worker therefore also
+  watches the training process and exits when it is gone (:func:`watch_parent`).
 * Staging segments: files in ``/dev/shm`` (host memory, as large as the state
   dict) that only the dead process would have unlinked. A watching worker unlinks
   the segments it had mapped; the next :class:`~objckpt.pipeline.stage.Stager` on the
