@@ -1,7 +1,8 @@
 """Child process for the gc test: commit step 1, start step 2, then wait to be SIGKILLed.
 
-Run as a script in a process of its own, so the test can SIGKILL it. Prints ``committed`` after step 1 and ``uploading`` once step 2's
-save has returned, then sleeps until killed.
+Run as a script in a process of its own, so the test can SIGKILL it. Prints
+``committed`` after step 1 and ``uploading`` once step 2's save has returned, then
+sleeps until killed.
 """
 
 from __future__ import annotations

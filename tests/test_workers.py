@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 import worker_tasks
+from helpers import load
 
 from objckpt import AsyncCheckpointer
 from objckpt.pipeline.workers import RemoteTraceback, WorkerPool
 from objckpt.testing.plugin import StoreTarget
-from helpers import load
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc")
 
