@@ -167,8 +167,9 @@ class AsyncOptions:
     """How async saves run.
 
     Attributes:
-        workers: Upload processes per rank (each with ``UploadOptions.max_in_flight``
-            requests in flight).
+        workers: Upload processes per rank. They share ``UploadOptions.max_in_flight``
+            (each gets its share, rounded up), so the rank's requests and part
+            buffers in flight stay what one synchronous writer would hold.
         max_in_flight: Saves that may be uploading at once; a further ``save``
             waits for the oldest to finish (each in-flight save holds its own staging).
         barrier_timeout: Seconds the commit waits for every rank's uploads (and

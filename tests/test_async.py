@@ -17,6 +17,7 @@ from objckpt import (
     AsyncOptions,
     ObjectStoreReader,
     ObjectStoreWriter,
+    UploadOptions,
     async_save,
 )
 from objckpt.errors import (
@@ -25,7 +26,7 @@ from objckpt.errors import (
     ConfigurationError,
     UploadError,
 )
-from objckpt.testing import MotoServer
+from objckpt.testing import FaultProxy, MotoServer, Rule
 from objckpt.testing.plugin import StoreTarget
 
 MiB = 1024 * 1024
@@ -255,3 +256,24 @@ def test_a_save_that_waited_for_the_previous_one_says_how_long(
         assert first.waited_for_earlier < 0.05  # nothing was in flight
         assert second.waited_for_earlier > 0.5  # the first save's upload was stalled 2 s
         second.result(timeout=120)
+
+
+@pytest.mark.timeout(180)
+def test_upload_workers_share_the_ranks_request_budget(
+    s3_bucket: StoreTarget, s3_proxy: FaultProxy
+) -> None:
+    """UploadOptions.max_in_flight bounds a rank's parts in flight (and so its part
+    buffers) across all its workers: 2 workers with max_in_flight=2 have at most two
+    UploadParts open at the server, not two each."""
+    upload = UploadOptions(part_size=5 * MiB, object_size=8 * MiB, max_in_flight=2)
+    # Four 12 MiB tensors: four objects of three parts, two workers busy at once.
+    state = {f"t{i}": torch.randn(3 * MiB) for i in range(4)}
+    s3_proxy.add(Rule(operation="UploadPart", action="stall", stall=0.3))
+    with AsyncCheckpointer(
+        storage_options=s3_proxy.storage_options(),
+        upload=upload,
+        async_options=AsyncOptions(workers=2),
+    ) as ckpt:
+        ckpt.save(state, s3_bucket.url("budget")).result(timeout=120)
+    assert s3_proxy.count("UploadPart") == 12
+    assert s3_proxy.peak_open("UploadPart") <= 2

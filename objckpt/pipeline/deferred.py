@@ -108,6 +108,10 @@ class DeferredWriter(StorageWriter):
         self.rank_plan = rank_plan
         self.final_plan = plan
         upload = self.writer.upload
+        # The workers share the rank's request budget (and so its part-buffer memory,
+        # max_in_flight * part_size), as one synchronous writer would hold it.
+        share = -(-upload.max_in_flight // self._pool.workers)
+        per_worker = dataclasses.replace(upload, max_in_flight=share)
         location = self.writer.location
         self.deadline = Deadline.start(
             upload.deadline, f"rank {rank_plan.rank} saving {location.url}"
@@ -147,7 +151,7 @@ class DeferredWriter(StorageWriter):
             else:
                 entries = [(pos, self._entry(v, staged.ref_of)) for pos, v in values]
             future = self._pool.submit(
-                upload_object, location, upload, obj.key, entries, self.deadline
+                upload_object, location, per_worker, obj.key, entries, self.deadline
             )
             self.pending.append(Pending(obj, future))
             this_wave.append(future)

@@ -186,6 +186,8 @@ class FaultProxy:
         self._changed = threading.Condition(self._lock)  # a request seen or finished
         self._released = threading.Event()
         self._forwarding = 0
+        self._open: dict[str, int] = {}
+        self._peak_open: dict[str, int] = {}
         self.seen: list[Seen] = []
         self._received: dict[str, int] = {}
         handler = type("_Handler", (_Handler,), {"proxy": self})
@@ -216,6 +218,7 @@ class FaultProxy:
             self._rules = []
             self.seen = []
             self._received = {}
+            self._peak_open = dict(self._open)
 
     def operations(self) -> set[str]:
         with self._lock:
@@ -309,6 +312,18 @@ class FaultProxy:
             if not self._changed.wait_for(lambda: self._forwarding == 0, timeout):
                 raise TimeoutError(f"FaultProxy still forwarding after {timeout} s")
 
+    def peak_open(self, operation: str) -> int:
+        """The most requests of ``operation`` the proxy had open at once (received,
+        not yet answered): how many a client had in flight, held ones included."""
+        with self._lock:
+            return self._peak_open.get(operation, 0)
+
+    def _open_change(self, operation: str, delta: int) -> None:
+        with self._lock:
+            now = self._open.get(operation, 0) + delta
+            self._open[operation] = now
+            self._peak_open[operation] = max(self._peak_open.get(operation, 0), now)
+
     def _forwarding_change(self, delta: int) -> None:
         with self._changed:
             self._forwarding += delta
@@ -352,6 +367,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         query = urllib.parse.parse_qs(split.query, keep_blank_values=True)
         headers = {k: v for k, v in self.headers.items()}
         operation = s3_operation(self.command, split.path, query, headers)
+        self.proxy._open_change(operation, +1)
+        try:
+            self._serve(split, headers, operation)
+        finally:
+            self.proxy._open_change(operation, -1)
+
+    def _serve(
+        self, split: urllib.parse.SplitResult, headers: dict[str, str], operation: str
+    ) -> None:
         body = self._body()
         rule = self.proxy._decide(operation, self.path)  # path and query
         fault = None if rule is None else rule.action
