@@ -29,7 +29,7 @@ import http.client
 import logging
 import socket
 import weakref
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sized
 from typing import Any, Protocol
 
 import tenacity
@@ -237,7 +237,7 @@ async def call_with_retries(
     )
     counter = current_counter()
     body = kwargs.get("Body")
-    sent = len(body) if isinstance(body, (bytes, bytearray, memoryview)) else 0
+    sent = len(body) if isinstance(body, (bytes, bytearray, memoryview, Sized)) else 0
     async for attempt in retrying:
         with attempt:
             retry = attempt.retry_state.attempt_number > 1

@@ -16,6 +16,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 from objckpt.errors import BucketNotFoundError, UploadError
@@ -32,7 +33,7 @@ from objckpt.writers.checksum import (
 )
 from objckpt.writers.translate import translate
 
-__all__ = ["S3Store"]
+__all__ = ["S3Store", "StreamedBody"]
 
 logger = logging.getLogger(__name__)
 
@@ -250,6 +251,51 @@ class S3Store(ObjectStore):
             raise translate(exc, url=self.location.url_of(upload.key), action="aborting") from exc
 
 
+class StreamedBody:
+    """A request body aiohttp sends in slices: a part's buffer, never copied whole.
+
+    Given a ``bytearray``, aiohttp slices it to the Content-Length (a copy of the
+    whole part) and hands it to the event loop's transport, which on Python 3.11 copies
+    whatever the socket does not take at once into a per-connection buffer that keeps
+    its size: two copies of each part, and up to a part of memory per pooled connection
+    for the life of the process. As an async iterable of ``chunk``-byte views, the body
+    is written a slice at a time with a drain between slices, so the copies are gone and
+    each connection buffers at most one slice. botocore sees a sized, seekable stream
+    (``read``/``seek``/``tell``), which it may rewind before a retry; each send streams
+    the whole body from the start.
+    """
+
+    def __init__(self, data: BytesLike, chunk: int = 1024 * 1024) -> None:
+        self._view = memoryview(data).cast("B")
+        self._chunk = chunk
+        self._pos = 0
+
+    def __len__(self) -> int:
+        return self._view.nbytes
+
+    def read(self, size: int | None = -1) -> bytes:
+        end = self._view.nbytes if size is None or size < 0 else self._pos + size
+        out = bytes(self._view[self._pos : end])
+        self._pos += len(out)
+        return out
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = (0, self._pos, self._view.nbytes)[whence]
+        self._pos = max(0, min(base + offset, self._view.nbytes))
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def __aiter__(self) -> AsyncIterator[memoryview]:
+        return self._slices()
+
+    async def _slices(self) -> AsyncIterator[memoryview]:
+        view, step = self._view, self._chunk
+        for start in range(0, view.nbytes, step):
+            yield view[start : start + step]
+
+
 class S3Upload(ObjectUpload):
     """One object: a single PUT when it fits in two parts, else a multipart upload.
 
@@ -352,7 +398,7 @@ class S3Upload(ObjectUpload):
             Key=self._obj,
             UploadId=self._upload_id,
             PartNumber=number,
-            Body=data,
+            Body=StreamedBody(data),
             ChecksumCRC32C=checksum,
         )
         return {"PartNumber": number, "ETag": out["ETag"], "ChecksumCRC32C": checksum}
@@ -375,7 +421,7 @@ class S3Upload(ObjectUpload):
                     "put_object",
                     Bucket=self._bucket,
                     Key=self._obj,
-                    Body=body,
+                    Body=StreamedBody(body),
                     ChecksumCRC32C=to_base64(crc),
                 )
             )
