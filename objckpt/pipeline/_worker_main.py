@@ -17,7 +17,7 @@ import sys
 import traceback
 from typing import Any
 
-from objckpt.pipeline.upload_task import init_worker
+from objckpt.pipeline.upload_task import init_worker, on_pool_gone
 from objckpt.pipeline.workers import Channel
 
 
@@ -51,7 +51,8 @@ def main(argv: list[str]) -> int:
         try:
             message = channel.recv_bytes()
         except (EOFError, OSError):
-            return 0  # the pool is gone
+            on_pool_gone(parent)  # no goodbye: perhaps the training process died
+            return 0
         try:
             task = pickle.loads(message)  # from the process that started us
             if task is None:

@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["segment_prefix", "sweep_stale_segments", "watch_parent"]
+__all__ = ["segment_prefix", "sweep_stale_segments", "wait_for_exit", "watch_parent"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,24 +82,30 @@ def sweep_stale_segments(directory: str | None) -> list[str]:
     return removed
 
 
-def _wait_for_exit(pid: int) -> None:
-    """Block until process ``pid`` has exited (a pidfd where Linux offers one)."""
+def wait_for_exit(pid: int, timeout: float | None = None) -> bool:
+    """Block until process ``pid`` has exited (a pidfd where Linux offers one) or
+    ``timeout`` seconds have passed; True if it exited. An exited process counts
+    even before its parent reaps it."""
     pidfd_open = getattr(os, "pidfd_open", None)
     if pidfd_open is not None:
         try:
             fd = pidfd_open(pid)
         except ProcessLookupError:
-            return
+            return True
         except OSError:
             fd = None  # kernel without pidfd: poll instead
         if fd is not None:
             try:
-                select.select([fd], [], [])
+                readable, _, _ = select.select([fd], [], [], timeout)
             finally:
                 os.close(fd)
-            return
+            return bool(readable)
+    deadline = None if timeout is None else time.monotonic() + timeout
     while _alive(pid):
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
         time.sleep(_POLL_SECONDS)
+    return True
 
 
 def watch_parent(parent_pid: int, on_exit: Callable[[], None]) -> threading.Thread:
@@ -110,7 +116,7 @@ def watch_parent(parent_pid: int, on_exit: Callable[[], None]) -> threading.Thre
     """
 
     def watch() -> None:
-        _wait_for_exit(parent_pid)
+        wait_for_exit(parent_pid)
         try:
             on_exit()
         finally:

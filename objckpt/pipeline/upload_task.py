@@ -65,12 +65,23 @@ Entry = tuple[int, "FramedRef | bytes"]
 
 _WORKER_STORES: dict[tuple[str, str, str, str, int], ObjectStore] = {}
 _WORKER_SEGMENTS: dict[str, mmap.mmap] = {}
+#: How long a worker whose socket closed waits to see the training process exit
+#: (the kernel closes a dead process's sockets as it exits, a moment apart).
+_PARENT_EXIT_GRACE_SECONDS = 5.0
 
 
 def init_worker(parent_pid: int) -> None:
     """Run once in each worker: exit (unlinking mapped segments) if the training
     process dies, see :mod:`objckpt.pipeline.lifeline`."""
     lifeline.watch_parent(parent_pid, _unlink_attached_segments)
+
+
+def on_pool_gone(parent_pid: int) -> None:
+    """The pool's socket closed without a goodbye. If that is because the training
+    process died, unlink its segments here: the worker is about to exit, and its
+    lifeline thread (which would have done it) dies with it."""
+    if lifeline.wait_for_exit(parent_pid, timeout=_PARENT_EXIT_GRACE_SECONDS):
+        _unlink_attached_segments()
 
 
 def ready() -> int:
