@@ -11,7 +11,7 @@ from conftest import assert_state_equal, empty_like_state
 from helpers import load
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from objckpt import AsyncCheckpointer
+from objckpt import AsyncCheckpointer, ReadOptions
 from objckpt.pipeline.plan_cache import PlanCacheStats
 from objckpt.testing.plugin import StoreTarget
 
@@ -117,3 +117,79 @@ def test_a_refused_save_keeps_the_cache(target: StoreTarget) -> None:
             ckpt.save(_state(2), target.url("a"))
         _roundtrip(ckpt, _state(3), target.url("b"), target)
         assert ckpt.plan_cache_stats == PlanCacheStats(hits=1, misses=1)
+
+
+@pytest.fixture
+def queued_on(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The thread each save's uploads were queued on."""
+    from objckpt.pipeline.deferred import DeferredWriter
+
+    threads: list[str] = []
+    original = DeferredWriter._queue
+
+    def recording(self: DeferredWriter, *args: Any, **kwargs: Any) -> None:
+        import threading
+
+        threads.append(threading.current_thread().name)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(DeferredWriter, "_queue", recording)
+    return threads
+
+
+class _Box:
+    """A picklable value the caller may mutate after ``save()`` returned."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Box) and other.n == self.n
+
+
+def test_a_hit_queues_uploads_after_save_returns_and_later_changes_are_not_saved(
+    target: StoreTarget, queued_on: list[str]
+) -> None:
+    """On a hit the uploads are framed and queued by the commit thread, not in the
+    stall; what the caller changes once ``save()`` returned (tensors in place, a
+    mutable non-tensor value) is not in the checkpoint."""
+    with AsyncCheckpointer() as ckpt:
+        first = {**_state(1), "box": _Box(1)}
+        ckpt.save(first, target.url("miss")).result(timeout=120)
+        state = {**_state(2), "box": _Box(2)}
+        expected = {**_state(2), "box": _Box(2)}
+        handle = ckpt.save(state, target.url("hit"))
+        state["model"]["w"].add_(100)
+        state["optim"]["moments"][0].zero_()
+        state["box"].n = 99
+        handle.result(timeout=120)
+        assert ckpt.plan_cache_stats == PlanCacheStats(hits=1, misses=1)
+    assert queued_on[0] == "MainThread"
+    assert queued_on[1].startswith("objckpt-commit-")
+    got = empty_like_state(expected)
+    got["box"] = None
+    load(got, target.url("hit"), target, read=ReadOptions(trust_pickles=True))
+    assert_state_equal({k: v for k, v in got.items() if k != "box"}, _state(2))
+    assert got["box"] == _Box(2)
+
+
+def test_a_queueing_error_after_save_returned_fails_the_save_and_commits_nothing(
+    target: StoreTarget, monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    from objckpt.dcp.serialize import Framer
+    from objckpt.format.layout import MANIFEST_KEY
+
+    with AsyncCheckpointer() as ckpt:
+        ckpt.save(_state(1), target.url("miss")).result(timeout=120)
+
+        def broken(self: Framer, tensor: torch.Tensor) -> Any:
+            raise RuntimeError("framing broke")
+
+        monkeypatch.setattr(Framer, "frame", broken)
+        handle = ckpt.save(_state(2), target.url("hit"))  # returns: nothing queued yet
+        with pytest.raises(RuntimeError, match="framing broke"):
+            handle.result(timeout=120)
+        with pytest.raises(RuntimeError, match="framing broke"):
+            ckpt.check_for_errors()
+    assert (tmp_path / "root" / "miss" / MANIFEST_KEY).exists()
+    assert not (tmp_path / "root" / "hit" / MANIFEST_KEY).exists()

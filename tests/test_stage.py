@@ -50,3 +50,32 @@ def test_cuda_tensors_stage_through_pinned_memory_and_save_the_values_at_call_ti
     got = {k: torch.zeros_like(v) for k, v in expected.items()}
     dcp.load(got, storage_reader=objckpt.ObjectStoreReader(f"file://{tmp_path}/c"), no_dist=True)
     assert all(torch.equal(got[k], v) for k, v in expected.items())
+
+
+def test_a_view_kept_past_close_stays_readable_and_the_segment_name_goes() -> None:
+    """A staged view can outlive its checkpointer (a failed save's traceback holds
+    one in a frame); closing must not unmap memory it points at. In a child
+    process: a regression here is a segfault, not an exception."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import os, torch
+        from objckpt.pipeline.stage import Stager
+        stager = Stager()
+        staged = stager.stage({"w": torch.arange(1 << 20, dtype=torch.float32)})
+        kept = staged.state["w"]
+        path = staged.buffers.segment.path
+        stager.release(staged)
+        stager.close()
+        print(os.path.exists(path), float(kept.sum()), float(kept[-1]))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    expected = float(torch.arange(1 << 20, dtype=torch.float32).sum())
+    assert out.stdout.split() == ["False", str(expected), str(float((1 << 20) - 1))]

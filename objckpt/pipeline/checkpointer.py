@@ -113,10 +113,13 @@ def _replay(
     The cached final local plan names the same items; only the attempt changes.
     The planner is set up on the new staged state so items resolve to its tensors.
     """
-    planner.set_up_planner(
-        state_dict=staged.state, storage_meta=writer.storage_meta(), is_coordinator=rank == 0
-    )
-    writer.replay(cached.plan, planner, cached.metadata)
+
+    def set_up() -> None:
+        planner.set_up_planner(
+            state_dict=staged.state, storage_meta=writer.storage_meta(), is_coordinator=rank == 0
+        )
+
+    writer.replay(cached.plan, planner, cached.metadata, set_up=set_up, later=cached.queue_later)
 
 
 class AsyncCheckpointer:
@@ -333,7 +336,8 @@ class AsyncCheckpointer:
         self._plan_cache = None
         _plan_and_queue(staged.state, writer, self._planner(world), process_group, distributed)
         if writer.final_plan is not None:
-            self._plan_cache = CachedPlan(key, writer.final_plan, writer.metadata)
+            queue_later = writer.all_staged and staged.wave is None
+            self._plan_cache = CachedPlan(key, writer.final_plan, writer.metadata, queue_later)
 
     def _planner(self, world: int) -> SavePlanner:
         """DCP's planner, splitting large replicated tensors across the replicas."""
@@ -424,7 +428,9 @@ class AsyncCheckpointer:
         distributed: bool,
     ) -> Manifest | None:
         """Background thread: this rank's uploads, then the commit or its outcome."""
+        queueing_error = writer.queue_deferred()
         results, error = self._collect(writer)
+        error = queueing_error or error
         self._stager.release(staged)
         handle._set_written(written_objects(results))
         rank_plan = writer.rank_plan

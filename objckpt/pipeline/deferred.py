@@ -77,6 +77,10 @@ class DeferredWriter(StorageWriter):
         self.final_plan: SavePlan | None = None
         #: Bounds this save's requests, in the workers and at the commit.
         self.deadline: Deadline | None = None
+        #: Whether every tensor item resolved into a staging segment (so a later
+        #: save of this structure may queue its uploads after ``save()`` returns).
+        self.all_staged = True
+        self._deferred: Callable[[], None] | None = None
 
     # -- DCP protocol: delegated to the plain writer ------------------------------------
     def reset(self, checkpoint_id: Any = None) -> None:
@@ -102,23 +106,87 @@ class DeferredWriter(StorageWriter):
 
     # -- queueing -------------------------------------------------------------------------
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        self._queue_after(plan, planner, later=False)
+        # DCP gathers these now; the real locations travel through the c10d store later.
+        placeholders = [
+            WriteResult(index=i.index, size_in_bytes=estimate_size(i), storage_data=None)
+            for i in self.items
+        ]
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(placeholders)
+        return fut
+
+    def _queue_after(
+        self,
+        plan: SavePlan,
+        planner: SavePlanner,
+        *,
+        later: bool,
+        set_up: Callable[[], None] | None = None,
+    ) -> None:
+        """Hand the plan's payload objects to the workers, now or (``later``) when
+        :meth:`queue_deferred` runs on the commit thread.
+
+        Only what reads the caller's objects must happen before ``save()`` returns:
+        the non-tensor entries are serialized now (``set_up`` readies the planner
+        for that). Tensor items resolve to staged copies this checkpointer owns, so
+        framing them and submitting their uploads can wait — when the caller says so,
+        having seen every tensor of this structure resolve into a segment.
+        """
         rank_plan = plan.storage_data
         if not isinstance(rank_plan, RankPlan):
             raise ConfigurationError("write_data got a plan this writer did not prepare")
         self.rank_plan = rank_plan
         self.final_plan = plan
+        self.items = list(plan.items)
+        upload = self.writer.upload
+        self.deadline = Deadline.start(
+            upload.deadline, f"rank {rank_plan.rank} saving {self.writer.location.url}"
+        )
+        has_bytes = any(i.type == WriteItemType.BYTE_IO for i in self.items)
+        later = later and self._staged.wave is None
+        if set_up is not None and (has_bytes or not later):
+            set_up()
+            set_up = None
+        # Fails here, before any upload, and reads the caller's objects: never deferred.
+        resolved = resolve_bytes_items(self.items, planner) if has_bytes else {}
+
+        def queue() -> None:
+            if set_up is not None:
+                set_up()
+            self._queue(rank_plan, planner, resolved, strict=later)
+
+        if later:
+            self._deferred = queue
+        else:
+            queue()
+
+    def queue_deferred(self) -> BaseException | None:
+        """On the commit thread: queue what :meth:`_queue_after` deferred; its error, if any."""
+        queue, self._deferred = self._deferred, None
+        if queue is None:
+            return None
+        try:
+            queue()
+        except BaseException as exc:  # reported as the save's error, after settling
+            return exc
+        return None
+
+    def _queue(
+        self,
+        rank_plan: RankPlan,
+        planner: SavePlanner,
+        resolved: dict[int, Any],
+        *,
+        strict: bool,
+    ) -> None:
         upload = self.writer.upload
         # The workers share the rank's request budget (and so its part-buffer memory,
         # max_in_flight * part_size), as one synchronous writer would hold it.
         share = -(-upload.max_in_flight // self._pool.workers)
         per_worker = dataclasses.replace(upload, max_in_flight=share)
         location = self.writer.location
-        self.deadline = Deadline.start(
-            upload.deadline, f"rank {rank_plan.rank} saving {location.url}"
-        )
-        items = list(plan.items)
-        self.items = items
-        resolved = resolve_bytes_items(items, planner)  # fails here, before any upload
+        items = self.items
         position = {id(item): n for n, item in enumerate(items)}
         staged = self._staged
         wave = staged.wave
@@ -149,34 +217,37 @@ class DeferredWriter(StorageWriter):
             if wave is not None:
                 entries = self._into_wave(wave, values, this_wave, staged.cuda)
             else:
-                entries = [(pos, self._entry(v, staged.ref_of)) for pos, v in values]
+                entries = [(pos, self._entry(v, staged.ref_of, strict)) for pos, v in values]
             future = self._pool.submit(
                 upload_object, location, per_worker, obj.key, entries, self.deadline
             )
             self.pending.append(Pending(obj, future))
             this_wave.append(future)
-        # DCP gathers these now; the real locations travel through the c10d store later.
-        placeholders = [
-            WriteResult(index=i.index, size_in_bytes=estimate_size(i), storage_data=None)
-            for i in items
-        ]
-        fut: Future[list[WriteResult]] = Future()
-        fut.set_result(placeholders)
-        return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         self.metadata = metadata  # committed later, by the background thread
 
-    def replay(self, plan: SavePlan, planner: SavePlanner, metadata: Metadata | None) -> None:
+    def replay(
+        self,
+        plan: SavePlan,
+        planner: SavePlanner,
+        metadata: Metadata | None,
+        *,
+        set_up: Callable[[], None],
+        later: bool,
+    ) -> None:
         """Queue the uploads of a cached final plan (the structure is unchanged).
 
         ``metadata`` is the cached global metadata (None on ranks other than the
-        coordinator, which never see it)."""
+        coordinator, which never see it). ``set_up`` readies ``planner`` on the new
+        staged state; with ``later`` both it and the queueing may wait for
+        :meth:`queue_deferred` (see :meth:`_queue_after`)."""
         attempt = self.writer.attempt
         if attempt is None:
             raise ConfigurationError("internal: replay before the attempt was agreed")
         rank_plan = RankPlan(rank=self.writer.rank, attempt=attempt)
-        self.write_data(dataclasses.replace(plan, storage_data=rank_plan), planner)
+        plan = dataclasses.replace(plan, storage_data=rank_plan)
+        self._queue_after(plan, planner, later=later, set_up=set_up)
         self.metadata = metadata
 
     def settle(self) -> None:
@@ -185,13 +256,27 @@ class DeferredWriter(StorageWriter):
             p.future.exception()
 
     def _entry(
-        self, value: torch.Tensor | bytes, ref_of: Callable[[torch.Tensor], SegmentRef | None]
+        self,
+        value: torch.Tensor | bytes,
+        ref_of: Callable[[torch.Tensor], SegmentRef | None],
+        strict: bool = False,
     ) -> FramedRef | bytes:
         """What a worker gets for one item: a staged tensor as its frame and the place
         of its bytes (the worker copies them from the segment); anything else as the
-        bytes DCP stores (serialized here, as a tensor that is not in a segment must be)."""
+        bytes DCP stores (serialized here, as a tensor that is not in a segment must be).
+
+        ``strict`` (queueing after ``save()`` returned): a tensor outside the staging
+        segments would be the caller's memory, read after they may have changed it.
+        """
         if not isinstance(value, torch.Tensor):
             return value
+        if not self._staged.owns(value):
+            if strict:
+                raise StateDictError(
+                    f"internal: a {tuple(value.shape)} tensor of {self.writer.location.url} "
+                    "is not in staging memory while queueing after save() returned"
+                )
+            self.all_staged = False
         frame = self._framer.frame(value)
         ref = ref_of(value) if frame is not None else None
         if frame is None or ref is None:

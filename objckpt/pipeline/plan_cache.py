@@ -47,6 +47,9 @@ class CachedPlan:
     key: tuple[Hashable, ...]
     plan: SavePlan  # this rank's final local plan (storage_data is replaced per save)
     metadata: Metadata | None  # the global metadata, coordinator only
+    #: Every tensor item resolved into staging memory: a save of this structure may
+    #: queue its uploads on the commit thread, after ``save()`` returned.
+    queue_later: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

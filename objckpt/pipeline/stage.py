@@ -127,12 +127,19 @@ class _Segment:
                 logger.warning("cudaHostRegister failed (%s); D2H copies will be synchronous", err)
 
     def close(self) -> None:
+        """Unlink the segment and drop this object's hold on its mapping.
+
+        The mapping is not closed here: ``torch.frombuffer`` keeps the ``mmap``
+        object alive but holds no buffer export, so ``mmap.close()`` would unmap
+        memory that a view still in use (a traceback's frame, a caller's
+        reference) points at, and touching it would crash the process. The pages
+        go when the last view does.
+        """
         if self.registered:
             torch.cuda.cudart().cudaHostUnregister(self.base.data_ptr())
             self.registered = False
         del self.base
-        with contextlib.suppress(BufferError):
-            self.map.close()
+        del self.map
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
@@ -222,6 +229,17 @@ class Staged:
     def pool_key(self) -> tuple[Hashable, ...]:
         """Which idle sets this one can stand in for: same structure, or same wave size."""
         return ("waves", self.buffers.segment.size) if self.wave else self.structure
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s bytes lie in this set's segment (or it has none):
+        reading it later reads this staged copy, never the caller's memory."""
+        if tensor.numel() == 0:
+            return True
+        base = self.buffers.segment.base.data_ptr()
+        start = tensor.untyped_storage().data_ptr()
+        return base <= start and start + tensor.untyped_storage().nbytes() <= base + max(
+            self.buffers.segment.size, 1
+        )
 
     def ref_of(self, tensor: torch.Tensor) -> SegmentRef | None:
         """The segment location of a staged tensor, or of a contiguous slice of one
