@@ -14,7 +14,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from objckpt import AsyncCheckpointer, ObjectStoreWriter
 from objckpt._torch import tensor_frame
-from objckpt.dcp.serialize import Framer, tensor_bytes
+from objckpt.dcp.serialize import Framer, serialized_tensor, tensor_bytes, unframe
 
 DTYPES = [
     torch.float32,
@@ -110,3 +110,60 @@ def test_async_save_of_odd_tensors_loads_with_the_stock_reader(tmp_path: Path) -
     with AsyncCheckpointer() as ckpt:
         ckpt.save(state, f"file://{tmp_path}/c").result(timeout=120)
     _check_stock_load(tmp_path / "c", state)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_unframe_reads_a_framed_tensor_without_torch_load(
+    dtype: torch.dtype, shape: tuple[int, ...]
+) -> None:
+    t = _sample(dtype, shape)
+    frame = tensor_frame(dtype, shape)
+    data = memoryview(serialized_tensor(t, Framer()))
+    got = unframe(data, frame, dtype, shape)
+    assert got is not None and got.dtype == dtype and got.shape == t.shape
+    assert torch.equal(got, t)
+
+
+def test_unframe_declines_anything_but_an_exact_frame() -> None:
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    frame = tensor_frame(t.dtype, (3, 4))
+    assert frame is not None
+    good = serialized_tensor(t, Framer())
+    head, tail = len(frame[0]), len(frame[1])
+    flipped_head = bytearray(good)
+    flipped_head[head // 2] ^= 1
+    flipped_tail = bytearray(good)
+    flipped_tail[-tail // 2] ^= 1
+    for bad in (bytes(flipped_head), bytes(flipped_tail), good[:-1], good + b"\0"):
+        assert unframe(memoryview(bad), frame, t.dtype, (3, 4)) is None
+    # the right bytes read as another dtype or shape: declined, not reinterpreted
+    assert unframe(memoryview(good), tensor_frame(torch.int32, (3, 4)), torch.int32, (3, 4)) is None
+    assert unframe(memoryview(good), tensor_frame(t.dtype, (4, 3)), t.dtype, (4, 3)) is None
+    assert unframe(memoryview(good), None, t.dtype, (3, 4)) is None
+
+
+def test_objckpt_reader_loads_framed_tensors_without_torch_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every framed tensor of an objckpt checkpoint is read by comparing frames; only
+    what torch.save wrote itself (a conjugate view) goes to torch.load."""
+    from objckpt import ObjectStoreReader
+
+    state = _odd_state()
+    with quiet():
+        dcp.save(state, storage_writer=ObjectStoreWriter(f"file://{tmp_path}/c"))
+    loads: list[int] = []
+    real_load = torch.load
+
+    def counting(*args: object, **kwargs: object) -> object:
+        loads.append(1)
+        return real_load(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch, "load", counting)
+    got = {k: torch.zeros_like(v.detach()).resolve_conj() for k, v in state.items()}
+    with quiet():
+        dcp.load(got, storage_reader=ObjectStoreReader(f"file://{tmp_path}/c"))
+    for k, v in state.items():
+        assert torch.equal(got[k], v.detach().resolve_conj()), k
+    assert len(loads) == 1  # the conjugate view, which torch.save wrote

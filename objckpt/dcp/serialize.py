@@ -15,7 +15,9 @@ import concurrent.futures
 import ctypes
 import dataclasses
 import io
+import math
 import threading
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import IO, cast
 
@@ -40,6 +42,7 @@ __all__ = [
     "resolve_entries",
     "serialized_tensor",
     "tensor_bytes",
+    "unframe",
     "write_payload",
     "written_object",
 ]
@@ -148,7 +151,11 @@ class Framer:
             or tensor.is_neg()
         ):
             return None
-        key = (tensor.dtype, tuple(tensor.shape))
+        return self.frame_for(tensor.dtype, tuple(tensor.shape))
+
+    def frame_for(self, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[bytes, bytes] | None:
+        """The frame of a plain contiguous tensor of ``dtype`` and ``shape``."""
+        key = (dtype, shape)
         with self._lock:
             if key in self._frames:
                 return self._frames[key]
@@ -167,6 +174,34 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     if nbytes == 0:
         return memoryview(b"")
     return memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+def unframe(
+    data: memoryview, frame: tuple[bytes, bytes] | None, dtype: torch.dtype, shape: tuple[int, ...]
+) -> torch.Tensor | None:
+    """The tensor in ``data`` without ``torch.load``, when ``data`` is exactly
+    ``frame``'s head, the raw bytes of a ``dtype``/``shape`` tensor, and its tail (as
+    objckpt's writers frame it, and as this torch's ``torch.save`` writes it). A
+    view of ``data`` (read-only: copy out of it); None when anything differs — then
+    the caller runs ``torch.load``, which knows every other layout.
+
+    Nothing is unpickled here: the head that would be unpickled is compared byte for
+    byte with one this process built from ``dtype`` and ``shape``.
+    """
+    if frame is None:
+        return None
+    head, tail = frame
+    nbytes = math.prod(shape) * dtype.itemsize
+    if len(data) != len(head) + nbytes + len(tail):
+        return None
+    if data[: len(head)] != head or data[len(head) + nbytes :] != tail:
+        return None
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable": only read
+        flat = torch.frombuffer(data[len(head) : len(head) + nbytes], dtype=dtype)
+    return flat.view(shape)
 
 
 def serialized_tensor(tensor: torch.Tensor, framer: Framer) -> bytes:

@@ -36,13 +36,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from fsspec import AbstractFileSystem
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from objckpt._torch import narrow
 from objckpt.dcp.collective import broadcast_from_rank0, is_distributed
+from objckpt.dcp.serialize import Framer, unframe
 from objckpt.dcp.shared_reads import Sent, SharedReads, assign_owners, exchange_shared
 from objckpt.dcp.stock_metadata import load_stock_metadata
 from objckpt.errors import (
@@ -179,6 +185,8 @@ class ObjectStoreReader(StorageReader):
         #: Metadata bytes this reader fetched from the store (manifest, index objects).
         self.metadata_bytes_fetched = 0
         self._counter = RequestCounter()
+        #: Tensor frames, to read framed tensors without torch.load.
+        self._framer = Framer()
         with counting(self._counter):
             self._open()
         # No load has used what _open read yet: a reset(checkpoint_id) naming the same
@@ -742,6 +750,20 @@ class ObjectStoreReader(StorageReader):
         out.seek(0)
         return out
 
+    def _unframed(self, data: memoryview, req: ReadItem) -> torch.Tensor | None:
+        """The stored chunk as a view of ``data`` when it is framed as objckpt writes
+        tensors (:func:`~objckpt.dcp.serialize.unframe`): no unpickling, no copy."""
+        md = self._metadata.state_dict_metadata.get(req.storage_index.fqn)
+        if not isinstance(md, TensorStorageMetadata):
+            return None
+        offset = req.storage_index.offset
+        for chunk in md.chunks:
+            if chunk.offsets == offset:
+                shape = tuple(chunk.sizes)
+                dtype = md.properties.dtype
+                return unframe(data, self._framer.frame_for(dtype, shape), dtype, shape)
+        return None
+
     def _deliver(self, rng: _Range, buf: bytes | memoryview, planner: LoadPlanner) -> None:
         view = memoryview(buf)
         for req, item in rng.reads:
@@ -759,7 +781,9 @@ class ObjectStoreReader(StorageReader):
             if req.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(req, self._plain_value(data, req.storage_index.fqn, item))
                 continue
-            tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            tensor = self._unframed(data, req)
+            if tensor is None:
+                tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
             tensor = narrow(tensor, req.storage_offsets, req.lengths)
             target = planner.resolve_tensor(req).detach()
             if target.size() != tensor.size():
