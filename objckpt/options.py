@@ -185,6 +185,15 @@ class AsyncOptions:
             two parts (``UploadOptions.part_size``) into row slices that the
             replicas upload a share each (DCP alone writes each one whole, from one
             rank). Off: each replicated tensor goes up whole from one rank.
+        background_staging: Return from ``save`` before the tensors are copied to
+            staging memory: the copy runs on the save's background thread, and the
+            caller must not change the tensors in place until
+            ``SaveHandle.wait_staged()`` returns (call it just before
+            ``optimizer.step()``: forward and backward only read the weights, so
+            the copy overlaps them). A tensor changed earlier is caught by its
+            version counter and fails that save (nothing is committed). The first
+            save of a state-dict structure, and saves in waves, copy in the call.
+            Off: ``save`` returns once the copy is done (the stall is the copy).
     """
 
     workers: int = 2
@@ -192,8 +201,14 @@ class AsyncOptions:
     barrier_timeout: float = 600.0
     staging_budget: int | None = None
     share_replicated: bool = True
+    background_staging: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.background_staging, bool):
+            raise ConfigurationError(
+                f"option background_staging={self.background_staging!r} is invalid: "
+                "expected True or False"
+            )
         if not isinstance(self.workers, int) or self.workers < 1:
             raise ConfigurationError(
                 f"option workers={self.workers!r} is invalid: expected an int >= 1"

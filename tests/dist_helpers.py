@@ -223,12 +223,25 @@ def async_plan_cache(
     Every rank must agree on hit or miss (a rank that replays while another plans
     would deadlock in DCP's collectives), and every save must hold its own values.
     """
+    _plan_cache_saves(rank, world, init_file, url, options, background=False)
+
+
+def async_plan_cache_background(
+    rank: int, world: int, init_file: str, url: str, options: dict[str, Any]
+) -> None:
+    """The same saves with background staging: hits copy on the commit thread."""
+    _plan_cache_saves(rank, world, init_file, url, options, background=True)
+
+
+def _plan_cache_saves(
+    rank: int, world: int, init_file: str, url: str, options: dict[str, Any], background: bool
+) -> None:
     from objckpt.pipeline.plan_cache import PlanCacheStats
 
     mesh = _init(rank, world, init_file)
     try:
         base = full_state()
-        opts = objckpt.AsyncOptions(workers=1, barrier_timeout=120)
+        opts = objckpt.AsyncOptions(workers=1, barrier_timeout=120, background_staging=background)
         with objckpt.AsyncCheckpointer(storage_options=options, async_options=opts) as ckpt:
             state: dict[str, Any] = {}
             for step in range(4):

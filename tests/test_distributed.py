@@ -63,9 +63,13 @@ def test_queue_finalizes_only_when_every_rank_is_done(tmp_path) -> None:
     _run(dist_helpers.queue_across_ranks, 2, tmp_path, "", {})
 
 
-def test_async_plan_cache_agrees_across_ranks(s3_bucket: StoreTarget, tmp_path) -> None:
-    url = s3_bucket.url("cache")
-    _run(dist_helpers.async_plan_cache, 2, tmp_path, url, s3_bucket.storage_options)
+@pytest.mark.parametrize("background", [False, True], ids=["staged-in-call", "background"])
+def test_async_plan_cache_agrees_across_ranks(
+    background: bool, s3_bucket: StoreTarget, tmp_path
+) -> None:
+    url = s3_bucket.url(f"cache-{background}")
+    fn = dist_helpers.async_plan_cache_background if background else dist_helpers.async_plan_cache
+    _run(fn, 2, tmp_path, url, s3_bucket.storage_options)
     expected = dist_helpers.full_state()
     attempts = set()
     for step in range(4):

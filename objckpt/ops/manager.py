@@ -602,6 +602,12 @@ class CheckpointManager:
             done, self._finished = self._finished, []
         return sorted(done)
 
+    def wait_staged(self) -> None:
+        """Wait until every save in flight has copied the state it was given, so the
+        training loop may change it (``AsyncOptions.background_staging``; call it
+        before ``optimizer.step()``). Returns at once without background staging."""
+        self._checkpointer.wait_staged()
+
     def wait_until_finished(self, backup_timeout: float | None = None) -> None:
         """Wait for every save in flight, then for the promotions of local steps, then
         for the backups of every committed step; raise the first error not yet

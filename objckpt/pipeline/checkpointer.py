@@ -261,7 +261,9 @@ class AsyncCheckpointer:
         if target.needs_preflight and check.exception() is not None:
             self._agree_or_raise(target, False, check.exception(), process_group, distributed)
         try:
-            staged = self._stager.stage(_plain_state_dict(state_dict))
+            staged = self._stager.stage(
+                _plain_state_dict(state_dict), defer_copy=self.options.background_staging
+            )
         except BaseException:
             check.exception()
             raise
@@ -276,7 +278,12 @@ class AsyncCheckpointer:
             self._checked.add((loc.protocol, loc.bucket))
         world = dist.get_world_size(process_group) if distributed else 1
         future: concurrent.futures.Future[Manifest | None] = concurrent.futures.Future()
-        handle = SaveHandle(loc.url, future, target.request_counter)
+        handle = SaveHandle(
+            loc.url,
+            future,
+            target.request_counter,
+            None if staged.copy is None else staged.copy.finished,
+        )
         handle.waited_for_earlier = waited
         handle.attempt = target.attempt
         with self._lock:
@@ -323,6 +330,8 @@ class AsyncCheckpointer:
             self._cache_stats = dataclasses.replace(
                 self._cache_stats, hits=self._cache_stats.hits + 1
             )
+            if staged.copy is not None and not cached.queue_later:
+                staged.copy.run()  # uploads are queued now: their bytes must be there
             try:
                 _replay(cached, staged, writer, self._planner(world), rank)
             except BaseException as exc:
@@ -334,6 +343,8 @@ class AsyncCheckpointer:
             self._cache_stats, misses=self._cache_stats.misses + 1
         )
         self._plan_cache = None
+        if staged.copy is not None:
+            staged.copy.run()  # a first plan queues its uploads as it goes
         _plan_and_queue(staged.state, writer, self._planner(world), process_group, distributed)
         if writer.final_plan is not None:
             queue_later = writer.all_staged and staged.wave is None
@@ -512,6 +523,15 @@ class AsyncCheckpointer:
             handles = list(self._inflight)
         for h in handles:
             h.exception()
+
+    def wait_staged(self) -> None:
+        """Wait until every save in flight has copied its state dict to staging
+        memory (``AsyncOptions.background_staging``): the tensors may change from
+        then on. Returns at once without background staging."""
+        with self._lock:
+            handles = list(self._inflight)
+        for h in handles:
+            h.wait_staged()
 
     def wait_until_finished(self) -> None:
         """Wait for every save in flight, then raise the first error not yet reported."""

@@ -152,6 +152,8 @@ class DeferredWriter(StorageWriter):
         resolved = resolve_bytes_items(self.items, planner) if has_bytes else {}
 
         def queue() -> None:
+            if self._staged.copy is not None:
+                self._staged.copy.run()  # background staging: the copy comes first
             if set_up is not None:
                 set_up()
             self._queue(rank_plan, planner, resolved, strict=later)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -38,9 +39,11 @@ class SaveHandle:
         url: str,
         future: concurrent.futures.Future[Manifest | None],
         counter: RequestCounter | None = None,
+        staged: threading.Event | None = None,
     ) -> None:
         self.url = url
         self._future = future
+        self._staged = staged
         self._counter = counter or RequestCounter()
         #: Seconds ``save`` waited for earlier saves to finish uploading before it
         #: could stage this one (``AsyncOptions.max_in_flight``): part of the stall.
@@ -76,6 +79,14 @@ class SaveHandle:
                 outer.set_result(f.result())
 
         inner.add_done_callback(relay)
+
+    def wait_staged(self, timeout: float | None = None) -> bool:
+        """Wait until the state dict is copied to staging memory; from then on the
+        caller may change its tensors. Returns at once unless
+        ``AsyncOptions.background_staging`` deferred the copy; False on timeout.
+        A copy that failed (a tensor changed before it ended) also counts as over:
+        its error is the save's (``result()``)."""
+        return True if self._staged is None else self._staged.wait(timeout)
 
     def _mark_committed(self, fut: concurrent.futures.Future[Any]) -> None:
         if fut.exception() is None:

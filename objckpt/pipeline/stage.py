@@ -51,9 +51,9 @@ def _mesh_id(mesh: Any) -> Hashable:
     return (tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), mesh.device_type)
 
 
-def scan(state: Any) -> tuple[tuple[Hashable, ...], list[torch.Tensor]]:
-    """One walk over a state dict: its layout (hashable, values excluded) and its
-    tensors in traversal order (DTensors as their local shards).
+def scan(state: Any) -> tuple[tuple[Hashable, ...], list[torch.Tensor], list[str]]:
+    """One walk over a state dict: its layout (hashable, values excluded), its
+    tensors in traversal order (DTensors as their local shards) and their paths.
 
     The layout is everything DCP's plan depends on, so equal layouts plan alike:
     paths, types, shapes, dtypes, devices, and for DTensors the global shape,
@@ -61,6 +61,7 @@ def scan(state: Any) -> tuple[tuple[Hashable, ...], list[torch.Tensor]]:
     """
     layout: list[Hashable] = []
     tensors: list[torch.Tensor] = []
+    paths: list[str] = []
 
     def walk(value: Any, path: str) -> None:
         if isinstance(value, torch.Tensor):
@@ -80,6 +81,7 @@ def scan(state: Any) -> tuple[tuple[Hashable, ...], list[torch.Tensor]]:
                 entry += (tuple(value.shape), str(dt.placements), _mesh_id(dt.device_mesh))
             layout.append(entry)
             tensors.append(t)
+            paths.append(path)
         elif isinstance(value, dict):
             for k in value:
                 walk(value[k], f"{path}.{k}")
@@ -91,7 +93,7 @@ def scan(state: Any) -> tuple[tuple[Hashable, ...], list[torch.Tensor]]:
             layout.append((path, type(value).__name__))
 
     walk(state, "")
-    return tuple(layout), tensors
+    return tuple(layout), tensors, paths
 
 
 #: Where staging segments live: shared memory where the system has it.
@@ -210,6 +212,90 @@ class Wave:
         self.used = 0
 
 
+class Copy:
+    """The copy of a state dict into its staging views, when it runs after ``save()``
+    returned (``AsyncOptions.background_staging``).
+
+    The caller promised not to change the tensors in place until ``finished`` is
+    set; the promise is checked: each tensor's version counter (bumped by every
+    in-place op, an optimizer step's included) is read when ``save()`` is called
+    and again after the copy, and a changed one fails the save instead of saving
+    a mix of two steps. (Writes through ``.data`` or a NumPy view bump nothing and
+    go unseen.)
+    """
+
+    def __init__(
+        self,
+        sources: list[torch.Tensor],
+        views: list[torch.Tensor],
+        paths: list[str],
+        versions: list[int],
+        cuda: bool,
+    ) -> None:
+        self._sources = sources
+        self._views = views
+        self._paths = paths
+        self._versions = versions
+        self._cuda = cuda
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._ran = False
+        #: Set once the copy has ended (whatever its outcome).
+        self.finished = threading.Event()
+
+    def run(self) -> None:
+        """Copy (once; later calls re-raise the first outcome).
+
+        Raises:
+            StateDictError: A tensor was changed in place before its copy ended.
+        """
+        with self._lock:
+            if not self._ran:
+                self._ran = True
+                try:
+                    _copy_into(self._sources, self._views, self._cuda)
+                    self._check()
+                except BaseException as exc:
+                    self._error = exc
+                finally:
+                    self._sources = []  # the caller's tensors are not held past the copy
+                    self.finished.set()
+            if self._error is not None:
+                raise self._error
+
+    def _check(self) -> None:
+        changed = [
+            p
+            for p, t, v in zip(self._paths, self._sources, self._versions, strict=True)
+            if t._version != v
+        ]
+        if changed:
+            shown = ", ".join(repr(p.lstrip(".")) for p in changed[:5])
+            more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
+            raise StateDictError(
+                f"{len(changed)} tensor(s) changed in place before the background copy of "
+                f"the save ended ({shown}{more}); nothing of this save is committed. With "
+                "AsyncOptions(background_staging=True), call handle.wait_staged() before "
+                "changing the state (before optimizer.step())"
+            )
+
+
+def _copy_into(sources: list[torch.Tensor], views: list[torch.Tensor], cuda: bool) -> None:
+    with torch.no_grad():
+        for src, dst in zip(sources, views, strict=True):
+            dst.copy_(src.detach(), non_blocking=cuda)
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def _versions(tensors: list[torch.Tensor]) -> list[int] | None:
+    """Each tensor's version counter; None when one has none (inference tensors)."""
+    try:
+        return [t._version for t in tensors]
+    except RuntimeError:
+        return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Staged:
     """A staged copy of a state dict. ``state`` mirrors the input with tensors in shared memory.
@@ -224,6 +310,8 @@ class Staged:
     buffers: _Buffers
     wave: Wave | None = None
     cuda: bool = False
+    #: The copy still to run (background staging), or None once staged.
+    copy: Copy | None = None
 
     @property
     def pool_key(self) -> tuple[Hashable, ...]:
@@ -337,14 +425,18 @@ class Stager:
             self._all.append(buffers)
         return buffers
 
-    def stage(self, state_dict: dict[str, Any]) -> Staged:
+    def stage(self, state_dict: dict[str, Any], *, defer_copy: bool = False) -> Staged:
         """Copy ``state_dict`` into owned shared memory; returns once the copy is complete.
+
+        With ``defer_copy`` the views are laid out but not filled: the returned
+        :class:`Staged` carries the :class:`Copy` to run (unless a tensor has no
+        version counter to guard it; then it is copied now).
 
         Over the budget, returns a :class:`Staged` with a wave segment instead
         and copies nothing. A wave must hold the largest tensor, so the segment
         is never smaller than that (with a warning).
         """
-        structure, tensors = scan(state_dict)
+        structure, tensors, paths = scan(state_dict)
         cuda = any(t.device.type == "cuda" for t in tensors)
         if self._budget is not None:
             sizes = [_aligned(t.numel() * t.element_size()) for t in tensors]
@@ -355,13 +447,14 @@ class Stager:
             buffers = self._allocate(tensors)
         if cuda:
             buffers.segment.pin()
-        with torch.no_grad():
-            for src, dst in zip(tensors, buffers.views, strict=True):
-                dst.copy_(src.detach(), non_blocking=cuda)
-        if cuda:
-            torch.cuda.synchronize()
+        versions = _versions(tensors) if defer_copy else None
+        copy = None
+        if versions is None:
+            _copy_into(tensors, buffers.views, cuda)
+        else:
+            copy = Copy(tensors, buffers.views, paths, versions, cuda)
         state = _rebuild(state_dict, buffers.views)
-        return Staged(state, structure, buffers)
+        return Staged(state, structure, buffers, cuda=cuda, copy=copy)
 
     def _take(self, key: tuple[Hashable, ...]) -> _Buffers | None:
         """An idle staging set for ``key``, if one is kept."""
