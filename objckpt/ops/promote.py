@@ -39,7 +39,7 @@ from objckpt.writers.accounting import RequestStats
 from objckpt.writers.location import Location
 from objckpt.writers.translate import describe
 
-__all__ = ["Promoter", "promote_object"]
+__all__ = ["Promoter"]
 
 logger = logging.getLogger(__name__)
 
