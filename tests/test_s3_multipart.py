@@ -118,13 +118,15 @@ def test_every_upload_carries_its_crc32c_and_the_sdk_hashes_nothing_more(
     assert torch.equal(got["big"], state["big"]) and torch.equal(got["small"], state["small"])
 
 
+@pytest.mark.parametrize("kept", [False, True], ids=["copied", "copied-and-kept"])
 @pytest.mark.parametrize("sizes", [[3, 70_000, 5 * MiB + 17, 9], [6 * MiB, 4 * MiB + 1, 100]])
 def test_upload_returns_each_writes_crc32c_and_hashes_parts_from_the_same_pieces(
-    s3_bucket: StoreTarget, s3_proxy, sizes: list[int]
+    s3_bucket: StoreTarget, s3_proxy, sizes: list[int], kept: bool
 ) -> None:
     """Writes that straddle part boundaries, short and long: the CRC32C returned for
     each write, the part checksums S3 verified and the object's CRC32C all match an
-    independent hash of the same bytes (each byte is hashed once inside the upload)."""
+    independent hash of the same bytes (each byte is hashed once inside the upload).
+    ``kept``: every other write is sent from the caller's buffer (``write_kept``)."""
     import os
 
     import crc32c
@@ -141,7 +143,10 @@ def test_upload_returns_each_writes_crc32c_and_hashes_parts_from_the_same_pieces
     try:
         chunks = [os.urandom(n) for n in sizes]
         upload = store.begin("obj", sum(sizes))
-        returned = [upload.write(c) for c in chunks]
+        returned = [
+            upload.write_kept(c) if kept and n % 2 else upload.write(c)
+            for n, c in enumerate(chunks)
+        ]
         upload.close().result()
         assert returned == [crc32c.crc32c(c) for c in chunks]
         assert upload.crc32c == f"{crc32c.crc32c(b''.join(chunks)):08x}"
@@ -172,6 +177,55 @@ def test_streamed_body_sends_views_and_rewinds_like_a_file() -> None:
     assert body.seek(-4, 2) == 2300 and body.read() == bytes(data[-4:])
     # Each send streams the whole body again, wherever a read left the position.
     assert b"".join(asyncio.run(collect())) == bytes(data)
+
+
+def test_streamed_body_of_several_pieces_reads_seeks_and_streams_them_in_order() -> None:
+    pieces = [b"head", bytearray(range(256)) * 5, memoryview(b"")[:0], b"tail!"]
+    whole = b"".join(bytes(p) for p in pieces)
+    body = StreamedBody(pieces, chunk=100)
+
+    async def collect() -> list[memoryview]:
+        return [chunk async for chunk in body]
+
+    chunks = asyncio.run(collect())
+    assert b"".join(chunks) == whole and len(body) == len(whole) == 1289
+    assert max(len(c) for c in chunks) == 100
+    assert body.read(6) == whole[:6]  # across the first boundary
+    assert body.read(1280) == whole[6:1286] and body.tell() == 1286
+    assert body.read() == whole[1286:] and body.read() == b""
+    assert body.seek(2) == 2 and body.read(3) == whole[2:5]
+    assert body.seek(-7, 2) == 1282 and body.read() == whole[-7:]
+
+
+@pytest.mark.parametrize("parts", [1, 3], ids=["one-put", "multipart"])
+def test_write_kept_sends_the_callers_bytes_and_write_copies_them(
+    s3_bucket: StoreTarget, monkeypatch: pytest.MonkeyPatch, parts: int
+) -> None:
+    """The request bodies are views of what ``write_kept`` got (no copy), never of
+    what ``write`` got (copied), and the object holds both in order."""
+    sources: list[object] = []
+
+    class Recording(StreamedBody):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            sources.extend(v.obj for v in self._views)
+
+    monkeypatch.setattr(s3_writers, "StreamedBody", Recording)
+    store = open_store(
+        Location.parse(s3_bucket.url("kept"), s3_bucket.storage_options),
+        UploadOptions(part_size=5 * MiB),
+    )
+    try:
+        kept, copied = bytearray(b"k" * (parts * 2 * MiB)), bytearray(b"c" * (parts * 2 * MiB))
+        upload = store.begin("obj", len(kept) + len(copied))
+        upload.write(copied)
+        upload.write_kept(kept)
+        upload.close().result(timeout=60)
+        assert store.read("obj") == bytes(copied) + bytes(kept)
+    finally:
+        store.close()
+    assert any(o is kept for o in sources)
+    assert not any(o is copied for o in sources)
 
 
 def test_finished_parts_are_freed_without_waiting_for_a_garbage_collection(

@@ -62,14 +62,16 @@ class PayloadWriter:
         self._places.append((ident, start, self.pos - start, self._item_crc.hexdigest()))
         self._item = None
 
-    def write_item(self, ident: int, chunks: tuple[BytesLike, ...]) -> None:
-        """One item made of ``chunks`` (e.g. a tensor's frame head, data and tail)."""
+    def write_item(self, ident: int, chunks: tuple[BytesLike, ...], *, kept: bool = False) -> None:
+        """One item made of ``chunks`` (e.g. a tensor's frame head, data and tail).
+        ``kept``: the caller keeps them valid until the upload ends
+        (:meth:`~objckpt.writers.base.ObjectUpload.write_kept`), so they need no copy."""
         self.begin_item(ident)
         for chunk in chunks:
-            self.write(chunk)
+            self.write(chunk, kept=kept)
         self.end_item()
 
-    def write(self, data: BytesLike) -> int:
+    def write(self, data: BytesLike, *, kept: bool = False) -> int:
         view = memoryview(data)
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
@@ -78,7 +80,7 @@ class PayloadWriter:
         if self._own_crc:
             self._object_crc.update(view)
         try:
-            crc = self.upload.write(view)
+            crc = self.upload.write_kept(view) if kept else self.upload.write(view)
         except BaseException as exc:
             self.error = exc
             raise

@@ -143,8 +143,10 @@ def _write_entries(out: PayloadWriter, entries: list[Entry]) -> None:
         if isinstance(value, FramedRef):
             ref = value.data
             end = ref.offset + ref.nbytes
-            with memoryview(_segment(ref.path)) as whole, whole[ref.offset : end] as data:
-                out.write_item(ident, (value.head, data, value.tail))
+            # The segment is not released before every upload of the save has ended,
+            # so the store may send these bytes from the mapping without a copy.
+            data = memoryview(_segment(ref.path))[ref.offset : end]
+            out.write_item(ident, (value.head, data, value.tail), kept=True)
         else:
             out.write_item(ident, (value,))
 

@@ -101,6 +101,13 @@ class ObjectUpload(abc.ABC):
         does not hash the same bytes a second time; None otherwise.
         """
 
+    def write_kept(self, data: BytesLike) -> int | None:
+        """:meth:`write` for bytes the caller keeps valid and unchanged until the
+        upload is closed and its future resolved (or aborted): a store may send them
+        from where they lie instead of copying them (an upload worker's view of a
+        staging segment). By default, :meth:`write`."""
+        return self.write(data)
+
     @abc.abstractmethod
     def close(self) -> concurrent.futures.Future[None]:
         """Finish the object; it is visible on the store once the future resolves.

@@ -252,7 +252,7 @@ class S3Store(ObjectStore):
 
 
 class StreamedBody:
-    """A request body aiohttp sends in slices: a part's buffer, never copied whole.
+    """A request body aiohttp sends in slices: a part's bytes, never copied whole.
 
     Given a ``bytearray``, aiohttp slices it to the Content-Length (a copy of the
     whole part) and hands it to the event loop's transport, which on Python 3.11 copies
@@ -263,25 +263,37 @@ class StreamedBody:
     each connection buffers at most one slice. botocore sees a sized, seekable stream
     (``read``/``seek``/``tell``), which it may rewind before a retry; each send streams
     the whole body from the start.
+
+    ``data`` is one buffer or a sequence of them (a part gathered from several
+    places: a frame's head, a staged tensor's bytes, its tail), sent in order.
     """
 
-    def __init__(self, data: BytesLike, chunk: int = 1024 * 1024) -> None:
-        self._view = memoryview(data).cast("B")
+    def __init__(self, data: BytesLike | list[BytesLike], chunk: int = 1024 * 1024) -> None:
+        pieces = data if isinstance(data, list) else [data]
+        self._views = [memoryview(p).cast("B") for p in pieces]
+        self._views = [v for v in self._views if v.nbytes]
+        self._size = sum(v.nbytes for v in self._views)
         self._chunk = chunk
         self._pos = 0
 
     def __len__(self) -> int:
-        return self._view.nbytes
+        return self._size
 
     def read(self, size: int | None = -1) -> bytes:
-        end = self._view.nbytes if size is None or size < 0 else self._pos + size
-        out = bytes(self._view[self._pos : end])
+        end = self._size if size is None or size < 0 else min(self._pos + size, self._size)
+        out = bytearray()
+        start = 0
+        for view in self._views:
+            stop = start + view.nbytes
+            if stop > self._pos and start < end:
+                out += view[max(self._pos - start, 0) : min(end, stop) - start]
+            start = stop
         self._pos += len(out)
-        return out
+        return bytes(out)
 
     def seek(self, offset: int, whence: int = 0) -> int:
-        base = (0, self._pos, self._view.nbytes)[whence]
-        self._pos = max(0, min(base + offset, self._view.nbytes))
+        base = (0, self._pos, self._size)[whence]
+        self._pos = max(0, min(base + offset, self._size))
         return self._pos
 
     def tell(self) -> int:
@@ -291,9 +303,45 @@ class StreamedBody:
         return self._slices()
 
     async def _slices(self) -> AsyncIterator[memoryview]:
-        view, step = self._view, self._chunk
-        for start in range(0, view.nbytes, step):
-            yield view[start : start + step]
+        step = self._chunk
+        for view in self._views:
+            for start in range(0, view.nbytes, step):
+                yield view[start : start + step]
+
+
+class _Part:
+    """The bytes of one part as they arrive: copies of what :meth:`S3Upload.write`
+    got (consecutive small writes share one buffer) and, without a copy, what
+    :meth:`S3Upload.write_kept` got. Tracks its size and CRC32C."""
+
+    def __init__(self) -> None:
+        self.pieces: list[BytesLike] = []
+        self.size = 0
+        self.crc = 0
+        self._open: bytearray | None = None  # the copy buffer later copies extend
+
+    def add(self, piece: memoryview, crc: int | None, *, copy: bool) -> None:
+        """Append ``piece``; ``crc`` is its CRC32C (None: computed here)."""
+        if piece.nbytes < COMBINE_ABOVE or crc is None:
+            self.crc = crc32c_of(piece, self.crc)
+        else:
+            self.crc = crc32c_combine(self.crc, crc, piece.nbytes)
+        if not copy:
+            self.pieces.append(piece)
+            self._open = None
+        elif self._open is not None:
+            self._open += piece
+        else:
+            self._open = bytearray(piece)
+            self.pieces.append(self._open)
+        self.size += piece.nbytes
+
+    def __add__(self, other: _Part) -> _Part:
+        joined = _Part()
+        joined.pieces = self.pieces + other.pieces
+        joined.size = self.size + other.size
+        joined.crc = crc32c_combine(self.crc, other.crc, other.size)
+        return joined
 
 
 class S3Upload(ObjectUpload):
@@ -312,12 +360,10 @@ class S3Upload(ObjectUpload):
         self._store = store
         self._bucket, self._obj = store._bucket_key(key)
         self._part_size = part_size
-        self._buf = bytearray(part_size)
-        self._fill = 0
-        self._buf_crc = 0  # of self._buf[: self._fill]
+        self._part = _Part()
         # The first full part waits here until a second one shows the object needs
         # multipart; objects up to two parts go up in a single request.
-        self._held: tuple[bytearray, int] | None = None  # the part and its CRC32C
+        self._held: _Part | None = None
         self._upload_id: str | None = None
         self._parts: list[concurrent.futures.Future[dict[str, Any]]] = []
         self._crc = 0  # of the parts sent so far, combined
@@ -326,40 +372,40 @@ class S3Upload(ObjectUpload):
     def write(self, data: BytesLike) -> int:
         """Copy ``data`` into part buffers, hashing each byte once: the CRC32C of a
         part (sent with it) and of ``data`` (returned) are built from the same pieces."""
+        return self._add(data, copy=True)
+
+    def write_kept(self, data: BytesLike) -> int:
+        """As :meth:`write`, but parts refer to ``data`` where it lies (no copy)."""
+        return self._add(data, copy=False)
+
+    def _add(self, data: BytesLike, *, copy: bool) -> int:
         view = memoryview(data)
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
         pos, total = 0, len(view)
         crc = 0
         while pos < total:
-            take = min(total - pos, self._part_size - self._fill)
+            take = min(total - pos, self._part_size - self._part.size)
             piece = view[pos : pos + take]
-            self._buf[self._fill : self._fill + take] = piece
-            if take < COMBINE_ABOVE:
-                self._buf_crc = crc32c_of(piece, self._buf_crc)
-                piece_crc = crc32c_of(piece)
-            else:
-                piece_crc = crc32c_of(piece)
-                self._buf_crc = crc32c_combine(self._buf_crc, piece_crc, take)
+            piece_crc = crc32c_of(piece)
+            self._part.add(piece, piece_crc, copy=copy)
             crc = crc32c_combine(crc, piece_crc, take) if pos else piece_crc
-            self._fill += take
             pos += take
-            if self._fill == self._part_size:
-                full, part_crc = self._buf, self._buf_crc
-                self._buf, self._fill, self._buf_crc = bytearray(self._part_size), 0, 0
-                self._part_full(full, part_crc)
+            if self._part.size == self._part_size:
+                full, self._part = self._part, _Part()
+                self._part_full(full)
         return crc
 
-    def _part_full(self, full: bytearray, crc: int) -> None:
+    def _part_full(self, full: _Part) -> None:
         if self._upload_id is None and self._held is None:
-            self._held = (full, crc)
+            self._held = full
             return
         if self._upload_id is None:
             assert self._held is not None
             self._start_multipart()
             held, self._held = self._held, None
-            self._send(*held)
-        self._send(full, crc)
+            self._send(held)
+        self._send(full)
 
     def _start_multipart(self) -> None:
         try:
@@ -377,20 +423,20 @@ class S3Upload(ObjectUpload):
             ) from exc
         self._upload_id = out["UploadId"]
 
-    def _send(self, data: bytearray, crc: int) -> None:
+    def _send(self, part: _Part) -> None:
         number = len(self._parts) + 1
         if number > MAX_PARTS:
             raise UploadError(
                 f"{self._store.location.url_of(self.key)} needs more than {MAX_PARTS} parts; "
                 f"raise UploadOptions.part_size"
             )
-        self._crc = crc32c_combine(self._crc, crc, len(data))
+        self._crc = crc32c_combine(self._crc, part.crc, part.size)
         self._store.acquire_slot()
-        fut = self._store.submit_coro(self._upload_part(number, data, crc))
+        fut = self._store.submit_coro(self._upload_part(number, part.pieces, part.crc))
         fut.add_done_callback(self._store.release_slot)
         self._parts.append(fut)
 
-    async def _upload_part(self, number: int, data: bytearray, crc: int) -> dict[str, Any]:
+    async def _upload_part(self, number: int, pieces: list[BytesLike], crc: int) -> dict[str, Any]:
         checksum = to_base64(crc)
         out = await self._store.call(
             "upload_part",
@@ -398,7 +444,7 @@ class S3Upload(ObjectUpload):
             Key=self._obj,
             UploadId=self._upload_id,
             PartNumber=number,
-            Body=StreamedBody(data),
+            Body=StreamedBody(pieces),
             ChecksumCRC32C=checksum,
         )
         return {"PartNumber": number, "ETag": out["ETag"], "ChecksumCRC32C": checksum}
@@ -407,13 +453,9 @@ class S3Upload(ObjectUpload):
         self._done = True
         url = self._store.location.url_of(self.key)
         if self._upload_id is None:
-            body, crc = self._buf, self._buf_crc
-            del body[self._fill :]
-            if self._held is not None:
-                held, held_crc = self._held
-                crc = crc32c_combine(held_crc, crc, len(body))
-                body = held + body
-            self._held = None
+            body = self._part if self._held is None else self._held + self._part
+            self._held, self._part = None, _Part()
+            crc = body.crc
             self.crc32c = format_crc(crc)
             self._store.acquire_slot()
             fut = self._store.submit_coro(
@@ -421,16 +463,15 @@ class S3Upload(ObjectUpload):
                     "put_object",
                     Bucket=self._bucket,
                     Key=self._obj,
-                    Body=StreamedBody(body),
+                    Body=StreamedBody(body.pieces),
                     ChecksumCRC32C=to_base64(crc),
                 )
             )
             fut.add_done_callback(self._store.release_slot)
             return translated_future(fut, url, "uploading")
-        if self._fill:
-            last = self._buf
-            del last[self._fill :]
-            self._send(last, self._buf_crc)
+        if self._part.size:
+            last, self._part = self._part, _Part()
+            self._send(last)
         self.crc32c = format_crc(self._crc)
         return translated_future(self._store.submit_coro(self._complete()), url, "uploading")
 
@@ -468,7 +509,7 @@ class S3Upload(ObjectUpload):
             )
 
     def abort(self) -> None:
-        self._buf = bytearray()
+        self._part = _Part()
         self._held = None
         if self._upload_id is not None and not self._done:
             self._done = True
