@@ -185,8 +185,13 @@ class ObjectStoreReader(StorageReader):
         #: Metadata bytes this reader fetched from the store (manifest, index objects).
         self.metadata_bytes_fetched = 0
         self._counter = RequestCounter()
-        #: Tensor frames, to read framed tensors without torch.load.
+        #: Tensor frames, to read framed tensors without torch.load, and each stored
+        #: chunk's dtype and shape by tensor and chunk offsets (built on first read).
         self._framer = Framer()
+        self._chunk_shapes: dict[
+            str, dict[tuple[int, ...], tuple[torch.dtype, tuple[int, ...]]]
+        ] = {}
+        self._chunk_shapes_of: Metadata | None = None
         with counting(self._counter):
             self._open()
         # No load has used what _open read yet: a reset(checkpoint_id) naming the same
@@ -753,16 +758,24 @@ class ObjectStoreReader(StorageReader):
     def _unframed(self, data: memoryview, req: ReadItem) -> torch.Tensor | None:
         """The stored chunk as a view of ``data`` when it is framed as objckpt writes
         tensors (:func:`~objckpt.dcp.serialize.unframe`): no unpickling, no copy."""
-        md = self._metadata.state_dict_metadata.get(req.storage_index.fqn)
-        if not isinstance(md, TensorStorageMetadata):
+        if self._chunk_shapes_of is not self._metadata:  # a reset to another checkpoint
+            self._chunk_shapes, self._chunk_shapes_of = {}, self._metadata
+        fqn = req.storage_index.fqn
+        shapes = self._chunk_shapes.get(fqn)
+        if shapes is None:
+            # One pass over the tensor's chunks (W of them for a tensor sharded over W
+            # ranks), not one per chunk read.
+            md = self._metadata.state_dict_metadata.get(fqn)
+            if not isinstance(md, TensorStorageMetadata):
+                return None
+            shapes = self._chunk_shapes[fqn] = {
+                tuple(c.offsets): (md.properties.dtype, tuple(c.sizes)) for c in md.chunks
+            }
+        found = shapes.get(tuple(req.storage_index.offset or ()))
+        if found is None:
             return None
-        offset = req.storage_index.offset
-        for chunk in md.chunks:
-            if chunk.offsets == offset:
-                shape = tuple(chunk.sizes)
-                dtype = md.properties.dtype
-                return unframe(data, self._framer.frame_for(dtype, shape), dtype, shape)
-        return None
+        dtype, shape = found
+        return unframe(data, self._framer.frame_for(dtype, shape), dtype, shape)
 
     def _deliver(self, rng: _Range, buf: bytes | memoryview, planner: LoadPlanner) -> None:
         view = memoryview(buf)

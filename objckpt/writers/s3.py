@@ -320,9 +320,9 @@ class _Part:
         self.crc = 0
         self._open: bytearray | None = None  # the copy buffer later copies extend
 
-    def add(self, piece: memoryview, crc: int | None, *, copy: bool) -> None:
-        """Append ``piece``; ``crc`` is its CRC32C (None: computed here)."""
-        if piece.nbytes < COMBINE_ABOVE or crc is None:
+    def add(self, piece: memoryview, crc: int, *, copy: bool) -> None:
+        """Append ``piece``, whose CRC32C is ``crc``."""
+        if piece.nbytes < COMBINE_ABOVE:  # rehashing is cheaper than combining
             self.crc = crc32c_of(piece, self.crc)
         else:
             self.crc = crc32c_combine(self.crc, crc, piece.nbytes)
