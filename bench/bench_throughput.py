@@ -9,6 +9,8 @@ method allows it), and reports the median of ``--repeats`` runs:
   skipped with a message when the ``bench`` extra is not installed;
 * ``objckpt``: ``ObjectStoreWriter``/``ObjectStoreReader``, one writer and one reader
   reused through ``checkpoint_id`` (their clients stay warm, as s3torchconnector's does);
+  ``objckpt_load_whole_objects`` loads again with ranges as large as objects (a moto
+  diagnostic: moto copies the whole object for every ranged GET);
 * ``boto3``: boto3's managed multipart upload of the same bytes (not a ceiling);
 * ``fsspec``: torch's ``FsspecWriter``/``FsspecReader``;
 * ``objckpt_async``: one ``AsyncCheckpointer`` reused; stall = ``save()`` returning,
@@ -220,6 +222,23 @@ def _run_all(
     out["objckpt_load"] = measure(objckpt_load, lambda: None, repeats, none)
     check(objckpt_load)
 
+    # A diagnostic, not a setting to copy: moto answers every ranged GET by copying the
+    # whole object first, so on moto a load costs (GETs per object x object size). With
+    # ranges as large as objects each object is one GET; on S3, where a ranged GET
+    # costs its range, the default 16 MiB ranges give a small state more parallel GETs.
+    whole = objckpt.ObjectStoreReader(
+        url("o"),
+        storage_options=opts,
+        read=objckpt.ReadOptions(range_size=objckpt.UploadOptions().object_size),
+    )
+
+    def objckpt_load_whole(target: dict[str, torch.Tensor] | None = None) -> None:
+        got = zeros_like(state) if target is None else target
+        dcp.load(got, storage_reader=whole, checkpoint_id=url("o"))
+
+    out["objckpt_load_whole_objects"] = measure(objckpt_load_whole, lambda: None, repeats, none)
+    check(objckpt_load_whole)
+
     # -- s3torchconnector -------------------------------------------------------------------
     try:
         from s3torchconnector import S3ClientConfig
@@ -370,6 +389,7 @@ def table(res: dict[str, Any]) -> str:
     rows = [
         ("AWS s3torchconnector (CRT)", "s3tc_save", "s3tc_load"),
         ("objckpt", "objckpt_save", "objckpt_load"),
+        ("objckpt, one GET per object (moto diagnostic)", None, "objckpt_load_whole_objects"),
         ("boto3 managed upload", "boto3_save", None),
         ("torch FsspecWriter/Reader", "fsspec_save", "fsspec_load"),
         ("objckpt async (commit / stall)", "objckpt_async", None),
@@ -382,11 +402,14 @@ def table(res: dict[str, Any]) -> str:
         "|---|---|---|---|---|",
     ]
     for name, save, load in rows:
-        if save not in res:
+        if save is None:
+            cells = [name, "", ""]
+        elif save in res:
+            s = res[save]
+            wall = f"{s['wall_s']:.2f}" + (f" / {s['stall_s']:.3f}" if "stall_s" in s else "")
+            cells = [name, wall, f"{s['cpu_s'] / gib:.1f}"]
+        else:
             continue
-        s = res[save]
-        wall = f"{s['wall_s']:.2f}" + (f" / {s['stall_s']:.3f}" if "stall_s" in s else "")
-        cells = [name, wall, f"{s['cpu_s'] / gib:.1f}"]
         if load and load in res:
             cells += [f"{res[load]['wall_s']:.2f}", f"{res[load]['cpu_s'] / gib:.1f}"]
         else:

@@ -169,7 +169,11 @@ class AsyncOptions:
     Attributes:
         workers: Upload processes per rank. They share ``UploadOptions.max_in_flight``
             (each gets its share, rounded up), so the rank's requests and part
-            buffers in flight stay what one synchronous writer would hold.
+            buffers in flight stay what one synchronous writer would hold. Each
+            process costs ~50 MiB (an interpreter with the store's client stack).
+        uploads_per_worker: Objects each worker uploads at once, on threads of its
+            own. They share the worker's parts in flight, so one worker keeps its
+            whole share busy even when each object has fewer parts than that.
         max_in_flight: Saves that may be uploading at once; a further ``save``
             waits for the oldest to finish (each in-flight save holds its own staging).
         barrier_timeout: Seconds the commit waits for every rank's uploads (and
@@ -196,7 +200,8 @@ class AsyncOptions:
             Off: ``save`` returns once the copy is done (the stall is the copy).
     """
 
-    workers: int = 2
+    workers: int = 1
+    uploads_per_worker: int = 2
     max_in_flight: int = 1
     barrier_timeout: float = 600.0
     staging_budget: int | None = None
@@ -209,9 +214,18 @@ class AsyncOptions:
                 f"option background_staging={self.background_staging!r} is invalid: "
                 "expected True or False"
             )
-        if not isinstance(self.workers, int) or self.workers < 1:
+        if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers < 1:
             raise ConfigurationError(
                 f"option workers={self.workers!r} is invalid: expected an int >= 1"
+            )
+        if (
+            not isinstance(self.uploads_per_worker, int)
+            or isinstance(self.uploads_per_worker, bool)
+            or self.uploads_per_worker < 1
+        ):
+            raise ConfigurationError(
+                f"option uploads_per_worker={self.uploads_per_worker!r} is invalid: "
+                "expected an int >= 1"
             )
         if not isinstance(self.max_in_flight, int) or self.max_in_flight < 1:
             raise ConfigurationError(

@@ -27,13 +27,26 @@ def _open_uploads(moto_server: MotoServer, bucket: str) -> list[dict]:
     return moto_server.boto3_client().list_multipart_uploads(Bucket=bucket).get("Uploads", [])
 
 
-def _uploads_with_parts(moto_server: MotoServer, bucket: str) -> list[dict]:
+def _upload_parts(moto_server: MotoServer, bucket: str) -> dict[str, int]:
     client = moto_server.boto3_client()
-    return [
-        u
+    return {
+        u["Key"]: len(
+            client.list_parts(Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"]).get("Parts", [])
+        )
         for u in _open_uploads(moto_server, bucket)
-        if client.list_parts(Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"]).get("Parts")
-    ]
+    }
+
+
+def _open_uploads_all_have_parts(moto_server: MotoServer, bucket: str) -> bool:
+    """Some upload is open and each has a part. moto reports a fixed 2010 ``Initiated``
+    for every upload, so only its parts' times show an upload is young: one killed
+    before its first part landed would look abandoned to gc (on S3 it would not)."""
+    client = moto_server.boto3_client()
+    uploads = _open_uploads(moto_server, bucket)
+    return bool(uploads) and all(
+        client.list_parts(Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"]).get("Parts")
+        for u in uploads
+    )
 
 
 def _keys(moto_server: MotoServer, bucket: str, prefix: str) -> list[str]:
@@ -48,8 +61,8 @@ def test_gc_after_a_save_killed_mid_upload(
     root = s3_bucket.url("killed")
     opts = s3_bucket.storage_options
     # The child saves through the proxy: once one of step 2's objects is complete, the
-    # proxy holds every further CompleteMultipartUpload, so an upload is certainly
-    # still open when the child is killed.
+    # proxy holds every further CompleteMultipartUpload (and CreateMultipartUpload), so
+    # an upload is certainly still open, with parts, when the child is killed.
     child = subprocess.Popen(
         [
             sys.executable,
@@ -69,13 +82,22 @@ def test_gc_after_a_save_killed_mid_upload(
         assert child.stdout.readline().strip() == "uploading"
         deadline = time.monotonic() + 60
         killed = f"{Location.parse(root).path.split('/', 1)[1]}/{step_name(2)}/"
-        # Kill mid-upload: some of step 2's objects complete, another one's parts in flight.
-        held = False
-        while not (held and _uploads_with_parts(moto_server, s3_bucket.bucket)):
-            assert time.monotonic() < deadline, "never caught the save mid-upload"
+        # Kill mid-upload: some of step 2's objects complete, another one's parts in
+        # flight. Once an object is complete, completions are held; once an upload is
+        # open with parts, new uploads are held too, so that none opened just before
+        # the kill lacks a part (see _open_uploads_all_have_parts).
+        held = frozen = False
+        while not (frozen and _open_uploads_all_have_parts(moto_server, s3_bucket.bucket)):
+            assert time.monotonic() < deadline, (
+                f"never caught the save mid-upload: held={held}, frozen={frozen}, "
+                f"open uploads: {_upload_parts(moto_server, s3_bucket.bucket)}"
+            )
             if not held and _keys(moto_server, s3_bucket.bucket, killed):
                 s3_proxy.add(Rule("CompleteMultipartUpload", action="stall", stall=300))
                 held = True
+            elif held and not frozen and any(_upload_parts(moto_server, s3_bucket.bucket).values()):
+                s3_proxy.add(Rule("CreateMultipartUpload", action="stall", stall=300))
+                frozen = True
             time.sleep(0.01)
     finally:
         os.killpg(child.pid, signal.SIGKILL)

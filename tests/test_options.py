@@ -1,6 +1,6 @@
 import pytest
 
-from objckpt import ReadOptions, UploadOptions
+from objckpt import AsyncOptions, ReadOptions, UploadOptions
 from objckpt.errors import ConfigurationError
 from objckpt.options import MAX_PARTS, MiB
 
@@ -24,6 +24,13 @@ def test_part_size_grows_under_the_part_limit() -> None:
 def test_bad_upload_options_name_the_option(kwargs: dict, name: str) -> None:
     with pytest.raises(ConfigurationError, match=f"option {name}="):
         UploadOptions(**kwargs)
+
+
+@pytest.mark.parametrize("value", [0, -1, True, 1.5, "2"])
+def test_bad_worker_counts_name_the_option(value: object) -> None:
+    for name in ("workers", "uploads_per_worker"):
+        with pytest.raises(ConfigurationError, match=f"option {name}="):
+            AsyncOptions(**{name: value})  # type: ignore[arg-type]
 
 
 def test_bad_read_options() -> None:

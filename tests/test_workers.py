@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import signal
+import threading
 import time
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -14,7 +15,8 @@ import torch
 import worker_tasks
 from helpers import load
 
-from objckpt import AsyncCheckpointer
+from objckpt import AsyncCheckpointer, Location, UploadOptions
+from objckpt.pipeline.upload_task import worker_store
 from objckpt.pipeline.workers import RemoteTraceback, WorkerPool
 from objckpt.testing.plugin import StoreTarget
 
@@ -41,7 +43,7 @@ def test_upload_workers_never_import_torch(s3_bucket: StoreTarget) -> None:
     with AsyncCheckpointer(storage_options=s3_bucket.storage_options) as ckpt:
         ckpt.save(state, url).result(timeout=120)
         pids = ckpt.worker_pids
-        assert len(pids) == 2
+        assert len(pids) == ckpt.options.workers
         for pid in pids:
             maps = Path(f"/proc/{pid}/maps").read_text()
             assert "libtorch" not in maps, f"worker {pid} mapped torch"
@@ -77,16 +79,17 @@ def test_unpicklable_argument_fails_that_task_only() -> None:
         pool.close()
 
 
+@pytest.mark.parametrize(("workers", "slots"), [(2, 1), (1, 2)])
 def test_killed_worker_fails_running_and_queued_tasks_then_a_fresh_pool_runs(
-    tmp_path: Path,
+    tmp_path: Path, workers: int, slots: int
 ) -> None:
-    pool = WorkerPool(2, name="test")
+    pool = WorkerPool(workers, slots=slots, name="test")
     release = tmp_path / "release"
     try:
         started = [tmp_path / f"started-{n}" for n in range(3)]
         running = [pool.submit(worker_tasks.hold, str(s), str(release)) for s in started[:2]]
         for s in started[:2]:
-            _wait_for(s)  # both workers are busy now
+            _wait_for(s)  # both workers (or both slots of one) are busy now
         queued = pool.submit(worker_tasks.hold, str(started[2]), str(release))
         first = pool.pids()
         victim = int(started[0].read_text())
@@ -135,3 +138,62 @@ def test_started_workers_serve_tasks_on_every_worker(tmp_path: Path) -> None:
     finally:
         release.touch()
         pool.close()
+
+
+def test_one_worker_runs_a_task_per_slot_at_once(tmp_path: Path) -> None:
+    pool = WorkerPool(1, slots=2, name="test")
+    release = tmp_path / "release"
+    try:
+        started = [tmp_path / f"started-{n}" for n in range(3)]
+        futures = [pool.submit(worker_tasks.hold, str(s), str(release)) for s in started]
+        for s in started[:2]:
+            _wait_for(s)  # two tasks running at once, in one process
+        assert not started[2].exists()  # the third waits for a free slot
+        assert len(pool.pids()) == 1
+        release.touch()
+        assert {f.result(timeout=60) for f in futures} == set(pool.pids())
+        assert started[2].exists()
+    finally:
+        release.touch()
+        pool.close()
+
+
+def test_close_lets_a_busy_slot_finish_after_the_idle_one_said_goodbye(
+    tmp_path: Path,
+) -> None:
+    pool = WorkerPool(1, slots=2, name="slots")
+    release = tmp_path / "release"
+    try:
+        started = tmp_path / "started"
+        busy = pool.submit(worker_tasks.hold, str(started), str(release))
+        _wait_for(started)
+        closer = threading.Thread(target=pool.close)
+        closer.start()
+        # The idle slot's thread ends once it has sent its worker the goodbye.
+        deadline = time.monotonic() + 60
+        while sum(t.name.startswith("objckpt-slots-") for t in threading.enumerate()) > 1:
+            assert time.monotonic() < deadline, "the idle slot never said goodbye"
+            time.sleep(0.01)
+        release.touch()
+        closer.join(timeout=60)
+        assert not closer.is_alive()
+        assert busy.result(timeout=0) == int(started.read_text())  # not a broken pool
+    finally:
+        release.touch()
+        pool.close()
+
+
+def test_a_worker_keeps_one_store_per_location_over_one_filesystem(
+    s3_bucket: StoreTarget,
+) -> None:
+    # A worker's upload threads may write to two checkpoints at once (saves in
+    # flight, a promotion's source and destination): each needs its own location.
+    opts = UploadOptions()
+    here = Location.parse(s3_bucket.url("a"), s3_bucket.storage_options)
+    there = Location.parse(s3_bucket.url("b"), s3_bucket.storage_options)
+    first, second = worker_store(here, opts), worker_store(there, opts)
+    assert (first.location.url, second.location.url) == (here.url, there.url)
+    assert first.fs is second.fs  # one client, one connection pool
+    assert worker_store(here, opts) is first
+    other = worker_store(here, UploadOptions(max_in_flight=3))
+    assert other.fs is not first.fs  # other options: a filesystem of their own

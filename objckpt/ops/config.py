@@ -20,7 +20,8 @@ Schema (every table optional except ``root``)::
     keep_newer_than = 86400                 # seconds
 
     [async]
-    workers = 2
+    workers = 1                             # upload processes per rank
+    uploads_per_worker = 2                  # objects each uploads at once
     max_in_flight = 1
     barrier_timeout = 600
     staging_budget = 4294967296             # bytes

@@ -201,7 +201,11 @@ class CheckpointManager:
             # would queue the next local save (the fast tier) behind a slow upload.
             # Started by the first promotion, not here: a restart that loads at once
             # should not share the CPU with interpreters starting.
-            self._promotion_pool = WorkerPool(self._checkpointer.options.workers, name="promotion")
+            self._promotion_pool = WorkerPool(
+                self._checkpointer.options.workers,
+                slots=self._checkpointer.options.uploads_per_worker,
+                name="promotion",
+            )
             self._promoter = Promoter(
                 local.location,
                 self.root,

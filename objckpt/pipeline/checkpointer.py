@@ -161,7 +161,7 @@ class AsyncCheckpointer:
         self._stager = Stager(
             max_cached_sets=self.options.max_in_flight, budget=self.options.staging_budget
         )
-        self._pool = WorkerPool(self.options.workers)
+        self._pool = WorkerPool(self.options.workers, slots=self.options.uploads_per_worker)
         self._framer = Framer()
         if start_workers:
             self.start_workers()

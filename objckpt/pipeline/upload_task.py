@@ -14,10 +14,14 @@ and their mappings of staging segments.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import mmap
 import os
+import threading
+
+from fsspec import AbstractFileSystem
 
 from objckpt.format.payload import PayloadRecord, PayloadWriter, close_payload
 from objckpt.options import UploadOptions
@@ -63,7 +67,16 @@ class FramedRef:
 #: (item id, a framed staged tensor or bytes already serialized).
 Entry = tuple[int, "FramedRef | bytes"]
 
-_WORKER_STORES: dict[tuple[str, str, str, str, int], ObjectStore] = {}
+# A worker's state, kept for its life; its upload threads share it under _LOCK.
+_LOCK = threading.Lock()
+#: Filesystems by what they were built from: their HTTP connections serve every
+#: later object and save of the worker.
+_WORKER_FS: dict[tuple[str, str, str, str, int], AbstractFileSystem] = {}
+#: Stores by filesystem and location (a store names its objects under one location,
+#: and a worker may upload to several at once: saves in flight, a promotion's source
+#: and destination). The newest few are kept; each shares its filesystem's clients.
+_WORKER_STORES: collections.OrderedDict[tuple[object, ...], ObjectStore] = collections.OrderedDict()
+_KEPT_STORES = 8
 _WORKER_SEGMENTS: dict[str, mmap.mmap] = {}
 #: How long a worker whose socket closed waits to see the training process exit
 #: (the kernel closes a dead process's sockets as it exits, a moment apart).
@@ -91,51 +104,63 @@ def ready() -> int:
 
 def _unlink_attached_segments() -> None:
     """The training process died: its staging segments would outlive it in /dev/shm."""
-    for path in list(_WORKER_SEGMENTS):
+    with _LOCK:
+        paths = list(_WORKER_SEGMENTS)
+    for path in paths:
         with contextlib.suppress(OSError):
             os.unlink(path)
 
 
 def _forget_freed_segments() -> None:
     """Unmap staging segments the training process has freed (their file is gone):
-    a mapping kept here would hold the memory after the trainer let it go. Between
-    uploads none is in use (a worker runs one upload at a time)."""
-    for path in [p for p in _WORKER_SEGMENTS if not os.path.exists(p)]:
-        mapped = _WORKER_SEGMENTS.pop(path)
+    a mapping kept here would hold the memory after the trainer let it go. None is
+    in use: the trainer frees a segment once every upload from it has ended."""
+    with _LOCK:
+        freed = [p for p in _WORKER_SEGMENTS if not os.path.exists(p)]
+        mappings = [_WORKER_SEGMENTS.pop(p) for p in freed]
+    for mapped in mappings:
         with contextlib.suppress(BufferError, ValueError):
             mapped.close()
 
 
 def _segment(path: str) -> mmap.mmap:
-    mapped = _WORKER_SEGMENTS.get(path)
-    if mapped is None:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            mapped = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)
-        _WORKER_SEGMENTS[path] = mapped
-    return mapped
+    with _LOCK:
+        mapped = _WORKER_SEGMENTS.get(path)
+        if mapped is None:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                mapped = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)
+            _WORKER_SEGMENTS[path] = mapped
+        return mapped
 
 
 def worker_store(location: Location, options: UploadOptions) -> ObjectStore:
-    """Worker side: the store for ``location``, kept for the worker's life so its
-    HTTP connections serve every later object and save."""
-    # Everything the store was built from: a later save with other upload options
-    # or another retry policy must not reuse a store made for the first.
-    cache_key = (
+    """Worker side: the store for ``location``. Its filesystem (clients, HTTP
+    connections) is kept for the worker's life and shared by every store built from
+    the same options; ``options.max_in_flight`` bounds each store's requests."""
+    # Everything the filesystem was built from: a later save with other upload
+    # options or another retry policy must not reuse one made for the first.
+    fs_key = (
         location.protocol,
         repr(sorted(location.storage_options.items())),
         repr(location.retry),
         repr(options),
         os.getpid(),
     )
-    store = _WORKER_STORES.get(cache_key)
-    if store is None:
-        store = open_store(location, options)
-        _WORKER_STORES[cache_key] = store
-    store.location = location
-    return store
+    key = (fs_key, location.url)
+    with _LOCK:
+        store = _WORKER_STORES.get(key)
+        if store is not None:
+            _WORKER_STORES.move_to_end(key)
+            return store
+        store = open_store(location, options, fs=_WORKER_FS.get(fs_key))
+        _WORKER_FS.setdefault(fs_key, store.fs)
+        _WORKER_STORES[key] = store
+        while len(_WORKER_STORES) > _KEPT_STORES:
+            _WORKER_STORES.popitem(last=False)  # an upload using it keeps its reference
+        return store
 
 
 def _write_entries(out: PayloadWriter, entries: list[Entry]) -> None:

@@ -104,7 +104,7 @@ class _Task:
 class _Generation:
     """One set of worker processes; broken for good when one of them dies."""
 
-    def __init__(self, workers: int, name: str) -> None:
+    def __init__(self, workers: int, name: str, slots: int) -> None:
         self.name = name
         self.tasks: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self.lock = threading.Lock()
@@ -113,42 +113,46 @@ class _Generation:
         self.ready: list[concurrent.futures.Future[int]] = []
         self.threads: list[threading.Thread] = []
         for n in range(workers):
-            proc, channel = self._launch()
-            ready: concurrent.futures.Future[int] = concurrent.futures.Future()
-            thread = threading.Thread(
-                target=self._serve,
-                args=(proc, channel, ready),
-                name=f"objckpt-{name}-worker-{n}",
-                daemon=True,
-            )
+            proc, channels = self._launch(slots)
             self.procs.append(proc)
-            self.ready.append(ready)
-            self.threads.append(thread)
-            thread.start()
+            for s, channel in enumerate(channels):
+                ready: concurrent.futures.Future[int] = concurrent.futures.Future()
+                thread = threading.Thread(
+                    target=self._serve,
+                    args=(proc, channel, ready),
+                    name=f"objckpt-{name}-worker-{n}-slot-{s}",
+                    daemon=True,
+                )
+                self.ready.append(ready)
+                self.threads.append(thread)
+                thread.start()
 
-    def _launch(self) -> tuple[subprocess.Popen[bytes], Channel]:
-        ours, theirs = socket.socketpair()
+    def _launch(self, slots: int) -> tuple[subprocess.Popen[bytes], list[Channel]]:
+        pairs = [socket.socketpair() for _ in range(slots)]
+        theirs = [pair[1].fileno() for pair in pairs]
         try:
             proc = subprocess.Popen(
                 [
                     sys.executable,
                     "-m",
                     "objckpt.pipeline._worker_main",
-                    str(theirs.fileno()),
+                    ",".join(map(str, theirs)),
                     str(os.getpid()),
                 ],
-                pass_fds=(theirs.fileno(),),
+                pass_fds=theirs,
                 stdin=subprocess.DEVNULL,
             )
         except BaseException:
-            ours.close()
+            for ours, _ in pairs:
+                ours.close()
             raise
         finally:
-            theirs.close()
-        channel = Channel(ours)
+            for _, their in pairs:
+                their.close()
+        channels = [Channel(ours) for ours, _ in pairs]
         # The worker imports what a pickled task names; give it this process's path.
-        channel.send({"sys_path": list(sys.path)})
-        return proc, channel
+        channels[0].send({"sys_path": list(sys.path)})
+        return proc, channels
 
     def submit(self, task: _Task) -> bool:
         """Queue ``task``; False when this generation is broken (use a fresh one)."""
@@ -164,7 +168,8 @@ class _Generation:
         channel: Channel,
         ready: concurrent.futures.Future[int],
     ) -> None:
-        """One worker's thread: hands it one task at a time and settles its future."""
+        """One slot's thread: hands its worker one task at a time on this channel and
+        settles the task's future."""
         try:
             ready.set_result(channel.recv())
         except (EOFError, OSError) as exc:
@@ -255,15 +260,19 @@ class WorkerPool:
     """A persistent pool of worker processes running picklable, importable functions.
 
     Args:
-        workers: Number of processes. Each runs one task at a time (an upload
-            worker: one object, with ``UploadOptions.max_in_flight`` parts in flight).
+        workers: Number of processes.
+        slots: Tasks each process runs at once, each on a thread of its own (an
+            upload worker: that many objects, sharing the worker's parts in flight).
         name: What the workers do, for logs and thread names.
     """
 
-    def __init__(self, workers: int = 2, *, name: str = "upload") -> None:
+    def __init__(self, workers: int = 1, *, slots: int = 1, name: str = "upload") -> None:
         if not isinstance(workers, int) or workers < 1:
             raise ConfigurationError(f"option workers={workers!r} is invalid: expected an int >= 1")
+        if not isinstance(slots, int) or slots < 1:
+            raise ConfigurationError(f"option slots={slots!r} is invalid: expected an int >= 1")
         self.workers = workers
+        self.slots = slots
         self.name = name
         self._gen: _Generation | None = None
         self._lock = threading.Lock()
@@ -275,7 +284,7 @@ class WorkerPool:
                 self._gen.close()  # its workers were stopped; reap them
                 self._gen = None
             if self._gen is None:
-                self._gen = _Generation(self.workers, self.name)
+                self._gen = _Generation(self.workers, self.name, self.slots)
             return self._gen
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
