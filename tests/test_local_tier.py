@@ -221,7 +221,10 @@ def test_a_full_local_disk_degrades_to_object_store_saves(
         caplog.at_level(logging.WARNING),
     ):
         run = mgr._checkpointer.run_in_worker
-        run(signal.signal, signal.SIGXFSZ, signal.SIG_IGN).result(60)  # EFBIG, not a signal
+        # Python ignores SIGXFSZ from startup, so a write past the limit fails with
+        # EFBIG rather than killing the worker (a task may run off the main thread,
+        # where signal.signal is refused).
+        assert run(signal.getsignal, signal.SIGXFSZ).result(60) == signal.SIG_IGN
         run(resource.setrlimit, resource.RLIMIT_FSIZE, (1 << 20, 1 << 20)).result(60)
         first = mgr.save(1, {"w": torch.ones(1 << 20)})  # 4 MiB: the local write fails
         assert first.tier == "local" and first.exception(60) is not None
