@@ -3,7 +3,9 @@ tensor's raw bytes written between head and tail; stock torch and DCP read it.""
 
 from __future__ import annotations
 
+import gc
 import io
+import weakref
 from pathlib import Path
 
 import pytest
@@ -167,3 +169,18 @@ def test_objckpt_reader_loads_framed_tensors_without_torch_load(
     for k, v in state.items():
         assert torch.equal(got[k], v.detach().resolve_conj()), k
     assert len(loads) == 1  # the conjugate view, which torch.save wrote
+
+
+def test_tensor_bytes_keeps_its_tensor_alive() -> None:
+    """An upload may still send from the view after the writer let go of the tensor
+    (e.g. the contiguous copy of a view it made for the save)."""
+    t = torch.arange(1000, dtype=torch.float32)
+    ref = weakref.ref(t)
+    view = tensor_bytes(t)
+    del t
+    gc.collect()
+    assert ref() is not None
+    assert bytes(view) == torch.arange(1000, dtype=torch.float32).numpy().tobytes()
+    del view
+    gc.collect()
+    assert ref() is None

@@ -228,6 +228,30 @@ def test_write_kept_sends_the_callers_bytes_and_write_copies_them(
     assert not any(o is copied for o in sources)
 
 
+def test_sync_save_sends_tensors_from_their_own_memory(
+    s3_bucket: StoreTarget, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A synchronous save copies no tensor into part buffers: each tensor's bytes go
+    to S3 as a view of the tensor's memory (frame head and tail are the only copies),
+    in single PUTs and multipart parts alike."""
+    owners: list[torch.Tensor] = []
+
+    class Recording(StreamedBody):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            owners.extend(v.obj.owner for v in self._views if hasattr(v.obj, "owner"))
+
+    monkeypatch.setattr(s3_writers, "StreamedBody", Recording)
+    state = {"big": torch.randn(3 * MiB), "small": torch.randn(1000)}  # 12 MiB: multipart
+    url = s3_bucket.url("sync-views")
+    save(state, url, s3_bucket, upload=UploadOptions(part_size=5 * MiB))
+    sent_from = {t.data_ptr() for t in owners}
+    assert {state["big"].data_ptr(), state["small"].data_ptr()} <= sent_from
+    got = {k: torch.zeros_like(v) for k, v in state.items()}
+    load(got, url, s3_bucket)
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+
+
 def test_finished_parts_are_freed_without_waiting_for_a_garbage_collection(
     s3_bucket: StoreTarget, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -169,11 +169,14 @@ class Framer:
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, without a copy (any dtype, bfloat16
-    included). The caller keeps ``tensor`` alive while the view is in use."""
+    included). The view keeps ``tensor`` alive, so an upload may send from it after
+    the caller has let the tensor go (e.g. a contiguous copy made for the save)."""
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:
         return memoryview(b"")
-    return memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")
+    raw = (ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())
+    raw.owner = tensor  # type: ignore[attr-defined]  # the view's buffer holds `raw`
+    return memoryview(raw).cast("B")
 
 
 def unframe(
@@ -236,7 +239,10 @@ def write_payload(
         t = _cpu_tensor(data)
         frame = framer.frame(t)
         if frame is not None:
-            out.write_item(ident, (frame[0], tensor_bytes(t), frame[1]))
+            # Sent from the tensor's memory, no copy into part buffers: the caller
+            # holds the state dict unchanged until the save returns (as with DCP's
+            # own writers), and the view keeps ``t`` alive until the upload is done.
+            out.write_item(ident, (frame[0], tensor_bytes(t), frame[1]), kept=True)
             continue
         out.begin_item(ident)
         try:
