@@ -214,18 +214,13 @@ class AsyncOptions:
                 f"option background_staging={self.background_staging!r} is invalid: "
                 "expected True or False"
             )
-        if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers < 1:
-            raise ConfigurationError(
-                f"option workers={self.workers!r} is invalid: expected an int >= 1"
-            )
-        if (
-            not isinstance(self.uploads_per_worker, int)
-            or isinstance(self.uploads_per_worker, bool)
-            or self.uploads_per_worker < 1
-        ):
-            raise ConfigurationError(
-                f"option uploads_per_worker={self.uploads_per_worker!r} is invalid: "
-                "expected an int >= 1"
+        for name in ("workers", "uploads_per_worker"):
+            count = getattr(self, name)
+            _require(
+                isinstance(count, int) and not isinstance(count, bool) and count >= 1,
+                name,
+                count,
+                "an int >= 1",
             )
         if not isinstance(self.max_in_flight, int) or self.max_in_flight < 1:
             raise ConfigurationError(

@@ -41,12 +41,8 @@ def _open_uploads_all_have_parts(moto_server: MotoServer, bucket: str) -> bool:
     """Some upload is open and each has a part. moto reports a fixed 2010 ``Initiated``
     for every upload, so only its parts' times show an upload is young: one killed
     before its first part landed would look abandoned to gc (on S3 it would not)."""
-    client = moto_server.boto3_client()
-    uploads = _open_uploads(moto_server, bucket)
-    return bool(uploads) and all(
-        client.list_parts(Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"]).get("Parts")
-        for u in uploads
-    )
+    parts = _upload_parts(moto_server, bucket)
+    return bool(parts) and all(parts.values())
 
 
 def _keys(moto_server: MotoServer, bucket: str, prefix: str) -> list[str]:
