@@ -198,6 +198,11 @@ class AsyncOptions:
             version counter and fails that save (nothing is committed). The first
             save of a state-dict structure, and saves in waves, copy in the call.
             Off: ``save`` returns once the copy is done (the stall is the copy).
+        staging_threads: Threads the copy into staging memory may use (capped at
+            the CPUs the process may run on). One thread copies host memory at
+            about half the rate two do, and torch copies in parallel only inside
+            one tensor and only on its intra-op threads; the copy is cut into
+            pieces of equal bytes instead. CUDA tensors are copied on one stream.
     """
 
     workers: int = 1
@@ -207,6 +212,7 @@ class AsyncOptions:
     staging_budget: int | None = None
     share_replicated: bool = True
     background_staging: bool = False
+    staging_threads: int = 4
 
     def __post_init__(self) -> None:
         if not isinstance(self.background_staging, bool):
@@ -214,7 +220,7 @@ class AsyncOptions:
                 f"option background_staging={self.background_staging!r} is invalid: "
                 "expected True or False"
             )
-        for name in ("workers", "uploads_per_worker"):
+        for name in ("workers", "uploads_per_worker", "staging_threads"):
             count = getattr(self, name)
             _require(
                 isinstance(count, int) and not isinstance(count, bool) and count >= 1,

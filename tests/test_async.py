@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -195,6 +196,25 @@ def test_max_in_flight_bounds_concurrent_saves(tmp_path) -> None:
         got = {"w": torch.zeros(MiB)}
         load(got, target.url(f"s{i}"), target)
         assert float(got["w"][0]) == float(i)
+
+
+def test_saves_one_after_another_reuse_their_commit_thread(tmp_path) -> None:
+    """A thread started per save made each save's caller wait for it to run (a GIL
+    switch interval); the commit threads are started once and reused."""
+    target = StoreTarget(root=f"file://{tmp_path}", storage_options={})
+    with AsyncCheckpointer() as ckpt:
+        for i in range(5):
+            ckpt.save({"w": torch.full((1024,), float(i))}, target.url(f"s{i}")).result(120)
+        # A save handed over while the previous commit thread is returning may start a
+        # second thread, never a third.
+        assert ckpt._finalizers.threads <= 2
+    threads = [t for t in threading.enumerate() if t.name.startswith("objckpt-commit-")]
+    for t in threads:  # close() lets them end
+        t.join(30)
+        assert not t.is_alive()
+    got = {"w": torch.zeros(1024)}
+    load(got, target.url("s4"), target)
+    assert float(got["w"][0]) == 4.0
 
 
 def test_torch_async_save_with_objckpt_writer(target: StoreTarget) -> None:

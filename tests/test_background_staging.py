@@ -11,10 +11,10 @@ import torch
 from conftest import assert_state_equal, empty_like_state
 from helpers import load
 
-import objckpt.pipeline.stage as stage_module
 from objckpt import AsyncCheckpointer, AsyncOptions, CheckpointManager
 from objckpt.errors import ConfigurationError, StateDictError
 from objckpt.format.layout import MANIFEST_KEY
+from objckpt.pipeline.host_copy import HostCopier
 from objckpt.testing.plugin import StoreTarget
 
 OPTIONS = AsyncOptions(background_staging=True)
@@ -43,15 +43,15 @@ class _Gate:
 @pytest.fixture
 def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Gate]:
     g = _Gate()
-    real = stage_module._copy_into
+    real = HostCopier.copy
 
-    def gated(*args: Any) -> None:
+    def gated(self: HostCopier, *args: Any) -> None:
         g.threads.append(threading.current_thread().name)
         if threading.current_thread() is not threading.main_thread():
             assert g.open.wait(60), "the test never opened the gate"
-        real(*args)
+        real(self, *args)
 
-    monkeypatch.setattr(stage_module, "_copy_into", gated)
+    monkeypatch.setattr(HostCopier, "copy", gated)
     yield g
     g.open.set()
 

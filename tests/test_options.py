@@ -27,8 +27,8 @@ def test_bad_upload_options_name_the_option(kwargs: dict, name: str) -> None:
 
 
 @pytest.mark.parametrize("value", [0, -1, True, 1.5, "2"])
-def test_bad_worker_counts_name_the_option(value: object) -> None:
-    for name in ("workers", "uploads_per_worker"):
+def test_bad_worker_and_thread_counts_name_the_option(value: object) -> None:
+    for name in ("workers", "uploads_per_worker", "staging_threads"):
         with pytest.raises(ConfigurationError, match=f"option {name}="):
             AsyncOptions(**{name: value})  # type: ignore[arg-type]
 

@@ -25,6 +25,7 @@ Schema (every table optional except ``root``)::
     max_in_flight = 1
     barrier_timeout = 600
     staging_budget = 4294967296             # bytes
+    staging_threads = 4                     # threads of the copy into staging
 
     [gc]
     grace = 3600                            # seconds an unreferenced object is spared

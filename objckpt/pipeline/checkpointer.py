@@ -44,6 +44,7 @@ from objckpt.errors import ConfigurationError, ObjckptError, UploadError
 from objckpt.format.commit import commit_checkpoint, requests_result, written_objects
 from objckpt.format.manifest import Manifest
 from objckpt.options import AsyncOptions, UploadOptions
+from objckpt.pipeline.daemons import DaemonThreads
 from objckpt.pipeline.deferred import DeferredWriter
 from objckpt.pipeline.finalize import RankExchange
 from objckpt.pipeline.handle import SaveHandle
@@ -161,7 +162,9 @@ class AsyncCheckpointer:
         self.options = async_options or AsyncOptions()
         self._on_commit = on_commit
         self._stager = Stager(
-            max_cached_sets=self.options.max_in_flight, budget=self.options.staging_budget
+            max_cached_sets=self.options.max_in_flight,
+            budget=self.options.staging_budget,
+            copy_threads=self.options.staging_threads,
         )
         self._pool = WorkerPool(self.options.workers, slots=self.options.uploads_per_worker)
         self._framer = Framer()
@@ -175,6 +178,8 @@ class AsyncCheckpointer:
         self._checked: set[tuple[str, str]] = set()
         self._plan_cache: CachedPlan | None = None
         self._checker = concurrent.futures.ThreadPoolExecutor(1, "objckpt-check")
+        # Each save's uploads and commit: threads that wait for it, not one per save.
+        self._finalizers = DaemonThreads("objckpt-commit")
         self._cache_stats = PlanCacheStats()
         self._lock = threading.RLock()
         # Held from staging to the end of planning: one save's collectives at a time.
@@ -290,21 +295,16 @@ class AsyncCheckpointer:
         handle.attempt = target.attempt
         with self._lock:
             self._inflight.append(handle)
-        thread = threading.Thread(
-            target=self._finalize,
-            args=(
-                writer,
-                staged,
-                handle,
-                future,
-                world,
-                process_group if distributed else None,
-                distributed,
-            ),
-            name=f"objckpt-commit-{writer.rank_plan.attempt if writer.rank_plan else ''}",
-            daemon=True,
+        self._finalizers.submit(
+            self._finalize,
+            writer,
+            staged,
+            handle,
+            future,
+            world,
+            process_group if distributed else None,
+            distributed,
         )
-        thread.start()
         return handle
 
     def _plan(
@@ -560,6 +560,7 @@ class AsyncCheckpointer:
         finally:
             self._closed = True
             self._checker.shutdown()
+            self._finalizers.close()
             self._pool.close()
             self._stager.close()
 

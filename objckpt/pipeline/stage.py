@@ -34,6 +34,7 @@ import torch
 
 from objckpt.errors import StateDictError
 from objckpt.pipeline import lifeline
+from objckpt.pipeline.host_copy import HostCopier
 from objckpt.pipeline.upload_task import SegmentRef
 
 __all__ = ["SegmentRef", "Staged", "Stager", "Wave", "scan"]
@@ -231,7 +232,9 @@ class Copy:
         paths: list[str],
         versions: list[int],
         cuda: bool,
+        copier: HostCopier,
     ) -> None:
+        self._copier = copier
         self._sources = sources
         self._views = views
         self._paths = paths
@@ -253,7 +256,7 @@ class Copy:
             if not self._ran:
                 self._ran = True
                 try:
-                    _copy_into(self._sources, self._views, self._cuda)
+                    self._copier.copy(self._sources, self._views, self._cuda)
                     self._check()
                 except BaseException as exc:
                     self._error = exc
@@ -278,14 +281,6 @@ class Copy:
                 "AsyncOptions(background_staging=True), call handle.wait_staged() before "
                 "changing the state (before optimizer.step())"
             )
-
-
-def _copy_into(sources: list[torch.Tensor], views: list[torch.Tensor], cuda: bool) -> None:
-    with torch.no_grad():
-        for src, dst in zip(sources, views, strict=True):
-            dst.copy_(src.detach(), non_blocking=cuda)
-    if cuda:
-        torch.cuda.synchronize()
 
 
 def _versions(tensors: list[torch.Tensor]) -> list[int] | None:
@@ -389,9 +384,13 @@ class Stager:
         max_cached_sets: Idle staging sets kept for reuse.
         budget: Bytes one staging set may take; a larger state dict is staged in
             waves (see :class:`Wave`). None: no bound.
+        copy_threads: Threads a copy into staging may use (see :class:`HostCopier`).
     """
 
-    def __init__(self, max_cached_sets: int = 2, budget: int | None = None) -> None:
+    def __init__(
+        self, max_cached_sets: int = 2, budget: int | None = None, copy_threads: int = 1
+    ) -> None:
+        self._copier = HostCopier(copy_threads)
         self._free: dict[tuple[Hashable, ...], list[_Buffers]] = {}
         self._idle: list[tuple[tuple[Hashable, ...], _Buffers]] = []  # oldest first
         self._max = max_cached_sets
@@ -450,9 +449,9 @@ class Stager:
         versions = _versions(tensors) if defer_copy else None
         copy = None
         if versions is None:
-            _copy_into(tensors, buffers.views, cuda)
+            self._copier.copy(tensors, buffers.views, cuda)
         else:
-            copy = Copy(tensors, buffers.views, paths, versions, cuda)
+            copy = Copy(tensors, buffers.views, paths, versions, cuda, self._copier)
         state = _rebuild(state_dict, buffers.views)
         return Staged(state, structure, buffers, cuda=cuda, copy=copy)
 
@@ -513,6 +512,7 @@ class Stager:
 
     def close(self) -> None:
         """Unmap and delete every segment (no save may be in flight)."""
+        self._copier.close()
         with self._lock:
             all_buffers, self._all, self._free, self._idle = self._all, [], {}, []
         for b in all_buffers:

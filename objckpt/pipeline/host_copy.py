@@ -1,0 +1,136 @@
+"""Copying host tensors into staging views on several threads at once.
+
+The copy into staging is the whole stall of a default async save, and one thread
+copies host memory well below what the memory system takes: 256 MiB took 23 ms
+on one thread and 12 ms on two on the 2-core machine the benchmarks ran on.
+torch parallelises a copy only inside one tensor and only over its intra-op
+threads, which training jobs often set to one per rank, and a state dict is
+hundreds of tensors of every size. So the copy is cut into pieces of about equal
+bytes (large tensors split along their flat storage) and each thread copies one
+run of consecutive pieces; ``copy_`` releases the GIL while it moves the bytes.
+
+CUDA sources are not split: their device-to-host copies are queued non-blocking
+on one stream and waited for once, which already overlaps them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import threading
+
+import torch
+
+__all__ = ["HostCopier"]
+
+logger = logging.getLogger(__name__)
+
+#: Below this many bytes a copy runs on the calling thread alone: handing work to
+#: another thread costs tens of microseconds, a MiB copies in about as long.
+_PARALLEL_FROM = 4 * 2**20
+#: Large tensors are cut into pieces of at most this many bytes, so the threads'
+#: shares come out even whatever the tensor sizes.
+_PIECE = 4 * 2**20
+
+_Piece = tuple[torch.Tensor, torch.Tensor, int]  # source, destination, bytes
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the system has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _pieces(sources: list[torch.Tensor], views: list[torch.Tensor]) -> list[_Piece]:
+    """(source, destination, bytes) pieces covering every pair, in staging order."""
+    out: list[_Piece] = []
+    for src, dst in zip(sources, views, strict=True):
+        src = src.detach()
+        nbytes = dst.numel() * dst.element_size()
+        if nbytes <= _PIECE or not src.is_contiguous():
+            out.append((src, dst, nbytes))
+            continue
+        flat_src, flat_dst = src.view(-1), dst.view(-1)
+        size = dst.element_size()
+        step = max(1, _PIECE // size)
+        for start in range(0, flat_dst.numel(), step):
+            end = min(start + step, flat_dst.numel())
+            out.append((flat_src[start:end], flat_dst[start:end], (end - start) * size))
+    return out
+
+
+def _shares(pieces: list[_Piece], count: int) -> list[list[_Piece]]:
+    """``pieces`` cut into at most ``count`` runs of consecutive pieces, about equal in bytes
+    (consecutive, so each thread writes one stretch of the segment)."""
+    total = sum(p[2] for p in pieces)
+    shares: list[list[_Piece]] = [[]]
+    done = 0
+    for piece in pieces:
+        if shares[-1] and len(shares) < count and done >= total * len(shares) / count:
+            shares.append([])
+        shares[-1].append(piece)
+        done += piece[2]
+    return shares
+
+
+def _copy_share(share: list[_Piece]) -> None:
+    with torch.no_grad():
+        for src, dst, _ in share:
+            dst.copy_(src)
+
+
+class HostCopier:
+    """Copies tensors into their staging views on up to ``threads`` threads.
+
+    The calling thread copies one share itself; the others run on a pool started
+    on first use and stopped by :meth:`close`. One copy runs at a time (the stager
+    copies one save at a time anyway); a second waits for the first.
+
+    Args:
+        threads: Threads one copy may use, the caller's included; capped at the
+            CPUs this process may run on.
+    """
+
+    def __init__(self, threads: int) -> None:
+        self.threads = max(1, min(threads, usable_cpus()))
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def copy(self, sources: list[torch.Tensor], views: list[torch.Tensor], cuda: bool) -> None:
+        """Copy each source into its view; returns when every byte is in place."""
+        if cuda:
+            with torch.no_grad():
+                for src, dst in zip(sources, views, strict=True):
+                    dst.copy_(src.detach(), non_blocking=True)
+            torch.cuda.synchronize()
+            return
+        pieces = _pieces(sources, views)
+        total = sum(p[2] for p in pieces)
+        if self.threads == 1 or total < _PARALLEL_FROM:
+            _copy_share(pieces)
+            return
+        shares = _shares(pieces, self.threads)
+        with self._lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    self.threads - 1, thread_name_prefix="objckpt-copy"
+                )
+            futures = [self._pool.submit(_copy_share, share) for share in shares[1:]]
+            try:
+                _copy_share(shares[0])
+            finally:
+                # Every share must have ended before the caller may reuse the views
+                # or report an error: no copy may still be writing behind it.
+                concurrent.futures.wait(futures)
+            for future in futures:
+                future.result()
+
+    def close(self) -> None:
+        """Stop the pool's threads (a later copy starts a new pool)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)

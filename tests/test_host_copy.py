@@ -1,0 +1,161 @@
+"""The staging copy on several threads: every byte lands, shares are even, errors surface."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from objckpt.pipeline import host_copy
+from objckpt.pipeline.host_copy import HostCopier
+
+MiB = 2**20
+
+
+def _state() -> list[torch.Tensor]:
+    """Tensors of every kind the copy must handle: sizes below and above a piece (with a
+    ragged tail), several dtypes, empty and 0-dim ones, and a non-contiguous source."""
+    g = torch.Generator().manual_seed(0)
+    return [
+        torch.randn(9 * MiB // 4 + 3, generator=g),  # > two pieces, ragged
+        torch.randn(1000, 1000, generator=g).to(torch.bfloat16),
+        torch.randint(0, 2**40, (3 * MiB // 8 + 1,), generator=g),  # int64
+        torch.rand(5000, generator=g) > 0.5,  # bool
+        torch.empty(0),
+        torch.tensor(7.5),  # 0-dim
+        torch.randn(3000, 1000, generator=g).t(),  # non-contiguous: copied whole
+        torch.randn(17, generator=g),
+    ]
+
+
+@pytest.fixture
+def four_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Let the copier use four threads on any CI machine (it caps at the usable CPUs)."""
+    monkeypatch.setattr(host_copy, "usable_cpus", lambda: 4)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_every_byte_lands_in_its_view(four_cpus: None, threads: int) -> None:
+    sources = _state()
+    views = [torch.empty(s.shape, dtype=s.dtype) for s in sources]
+    copier = HostCopier(threads)
+    try:
+        copier.copy(sources, views, cuda=False)
+    finally:
+        copier.close()
+    assert copier.threads == threads
+    for src, view in zip(sources, views, strict=True):
+        assert view.dtype == src.dtype and torch.equal(view, src)
+
+
+def test_a_large_copy_runs_on_several_threads_in_even_shares(
+    four_cpus: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ran: list[tuple[str, int]] = []
+    lock = threading.Lock()
+    real = host_copy._copy_share
+
+    def spy(share: list[host_copy._Piece]) -> None:
+        with lock:
+            ran.append((threading.current_thread().name, sum(p[2] for p in share)))
+        real(share)
+
+    monkeypatch.setattr(host_copy, "_copy_share", spy)
+    sources = [torch.randn(MiB // 4) for _ in range(24)] + [torch.randn(10 * MiB // 4)]
+    views = [torch.empty_like(s) for s in sources]
+    copier = HostCopier(3)
+    try:
+        copier.copy(sources, views, cuda=False)
+    finally:
+        copier.close()
+    assert len({name for name, _ in ran}) == 3  # the caller and two pool threads
+    assert threading.current_thread().name in {name for name, _ in ran}
+    sizes = [n for _, n in ran]
+    assert sum(sizes) == 34 * MiB
+    assert max(sizes) - min(sizes) <= host_copy._PIECE  # even to within one piece
+    assert all(torch.equal(v, s) for v, s in zip(views, sources, strict=True))
+
+
+def test_shares_keep_staging_order_and_split_by_bytes() -> None:
+    pieces = [(torch.empty(0), torch.empty(0), n) for n in (5, 1, 1, 1, 8, 2, 2, 4)]
+    shares = host_copy._shares(pieces, 3)
+    assert [p for share in shares for p in share] == pieces
+    assert [sum(p[2] for p in s) for s in shares] == [8, 8, 8]
+    assert host_copy._shares(pieces[:1], 4) == [pieces[:1]]  # never an empty share
+
+
+def test_a_small_copy_stays_on_the_calling_thread(four_cpus: None) -> None:
+    copier = HostCopier(4)
+    sources = [torch.randn(1000) for _ in range(10)]
+    views = [torch.empty_like(s) for s in sources]
+    copier.copy(sources, views, cuda=False)
+    assert copier._pool is None  # no thread was started for 40 KB
+    assert all(torch.equal(v, s) for v, s in zip(views, sources, strict=True))
+
+
+def test_an_error_is_raised_only_after_every_share_ended(
+    four_cpus: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The caller must not reuse the views (or report) while a share still writes."""
+    failing = threading.Event()
+    ended = threading.Event()
+    real = host_copy._copy_share
+
+    def caller_fails_first(share: list[host_copy._Piece]) -> None:
+        if threading.current_thread() is threading.main_thread():
+            failing.set()
+            raise OSError("disk on fire")
+        assert failing.wait(30)  # the other share starts only once the caller failed
+        real(share)
+        ended.set()
+
+    monkeypatch.setattr(host_copy, "_copy_share", caller_fails_first)
+    sources = [torch.randn(2 * MiB) for _ in range(4)]
+    views = [torch.zeros_like(s) for s in sources]
+    copier = HostCopier(2)
+    with pytest.raises(OSError, match="disk on fire"):
+        copier.copy(sources, views, cuda=False)
+    assert ended.is_set()
+    copier.close()
+    assert torch.equal(views[-1], sources[-1])  # the other share's bytes are all there
+
+
+def test_an_error_in_another_threads_share_reaches_the_caller(
+    four_cpus: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = host_copy._copy_share
+
+    def pool_fails(share: list[host_copy._Piece]) -> None:
+        if threading.current_thread() is threading.main_thread():
+            real(share)
+        else:
+            raise OSError("bad page")
+
+    monkeypatch.setattr(host_copy, "_copy_share", pool_fails)
+    sources = [torch.randn(2 * MiB) for _ in range(4)]
+    views = [torch.zeros_like(s) for s in sources]
+    copier = HostCopier(2)
+    with pytest.raises(OSError, match="bad page"):
+        copier.copy(sources, views, cuda=False)
+    copier.close()
+
+
+def test_close_stops_the_threads_and_a_later_copy_starts_new_ones(four_cpus: None) -> None:
+    copier = HostCopier(2)
+    sources = [torch.randn(2 * MiB) for _ in range(4)]
+    views = [torch.empty_like(s) for s in sources]
+    copier.copy(sources, views, cuda=False)
+    pool = copier._pool
+    assert pool is not None
+    copier.close()
+    assert copier._pool is None and pool._shutdown
+    copier.copy(sources, views, cuda=False)
+    assert copier._pool is not None and copier._pool is not pool
+    copier.close()
+
+
+def test_threads_are_capped_at_the_usable_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(host_copy, "usable_cpus", lambda: 2)
+    assert HostCopier(8).threads == 2
+    assert HostCopier(1).threads == 1
