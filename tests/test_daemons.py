@@ -37,23 +37,35 @@ def test_calls_at_once_each_get_a_thread() -> None:
     pool.close()
 
 
-def test_a_failing_call_is_logged_and_its_thread_serves_the_next(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
+class _Seen(logging.Handler):
+    """Sets an event when a record is emitted (the log line comes after the call ended)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+        self.event = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+        self.event.set()
+
+
+def test_a_failing_call_is_logged_and_the_pool_serves_the_next() -> None:
     pool = DaemonThreads("t-err")
-    failed = threading.Event()
-
-    def boom() -> None:
-        failed.set()
-        raise ValueError("lost upload")
-
-    with caplog.at_level(logging.ERROR, logger="objckpt.pipeline.daemons"):
-        pool.submit(boom)
-        assert failed.wait(30)
-        done = threading.Event()
-        pool.submit(done.set)
-        assert done.wait(30)
-    assert "lost upload" in caplog.text and "t-err" in caplog.text
+    seen = _Seen()
+    logger = logging.getLogger("objckpt.pipeline.daemons")
+    logger.addHandler(seen)
+    try:
+        pool.submit(lambda: (_ for _ in ()).throw(ValueError("lost upload")))
+        assert seen.event.wait(30)
+    finally:
+        logger.removeHandler(seen)
+    record = seen.records[0]
+    assert "t-err" in record.getMessage() and record.exc_info is not None
+    assert "lost upload" in str(record.exc_info[1])
+    done = threading.Event()
+    pool.submit(done.set)
+    assert done.wait(30)
     pool.close()
 
 
