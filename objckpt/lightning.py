@@ -21,12 +21,13 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch.distributed.checkpoint as dcp
 
 try:
     from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
+    from pytorch_lightning.callbacks import Callback
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "objckpt.lightning needs PyTorch Lightning: pip install 'objckpt[lightning]'"
@@ -35,6 +36,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 from objckpt._torch import load_everything
 from objckpt.dcp.storage_reader import ObjectStoreReader
 from objckpt.dcp.storage_writer import ObjectStoreWriter
+from objckpt.errors import ConfigurationError
 from objckpt.ops.gc import delete_step
 from objckpt.options import AsyncOptions, ReadOptions, UploadOptions
 from objckpt.pipeline.checkpointer import AsyncCheckpointer
@@ -42,7 +44,7 @@ from objckpt.pipeline.handle import SaveHandle
 from objckpt.writers.location import Location
 from objckpt.writers.retry import RetryPolicy
 
-__all__ = ["ObjckptCheckpointIO"]
+__all__ = ["ObjckptCheckpointIO", "WaitStaged"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +75,10 @@ class ObjckptCheckpointIO(CheckpointIO):
         retry: How store requests are retried.
         async_save: Return from ``save_checkpoint`` once the state is staged; uploads
             and the commit continue in the background (``teardown`` waits).
-        async_options: Workers and saves in flight for ``async_save``.
+        async_options: Workers and saves in flight for ``async_save``. With
+            ``background_staging=True``, register :meth:`staging_callback` with the
+            Trainer: ``save_checkpoint`` then returns before the state is copied,
+            and the callback waits for the copy before the optimizer changes it.
     """
 
     def __init__(
@@ -95,6 +100,26 @@ class ObjckptCheckpointIO(CheckpointIO):
         self._checkpointer: AsyncCheckpointer | None = None
         self.async_save = async_save
         self._pending: dict[str, SaveHandle] = {}
+        self._callback_attached = False
+
+    def staging_callback(
+        self, wait_at: Literal["optimizer_step", "batch_start"] = "optimizer_step"
+    ) -> WaitStaged:
+        """The callback background staging needs: ``Trainer(callbacks=[io.staging_callback()])``.
+
+        Args:
+            wait_at: ``"optimizer_step"`` waits just before each optimizer step, so the
+                copy overlaps forward and backward. ``"batch_start"`` waits before each
+                training batch, for models whose forward changes state in place
+                (BatchNorm running statistics), which would otherwise fail the save.
+        """
+        return WaitStaged(self, wait_at)
+
+    def wait_staged(self) -> None:
+        """Return once every save in flight has copied its state (at once when none has
+        a copy running)."""
+        if self._checkpointer is not None:
+            self._checkpointer.wait_staged()
 
     def _url(self, path: str | os.PathLike[str]) -> str:
         return Location.parse(str(path), self.storage_options).url
@@ -131,6 +156,13 @@ class ObjckptCheckpointIO(CheckpointIO):
             )
             dcp.save(checkpoint, storage_writer=writer, no_dist=True)
             return
+        background = self._async_options is not None and self._async_options.background_staging
+        if background and not self._callback_attached:
+            raise ConfigurationError(
+                "ObjckptCheckpointIO with AsyncOptions(background_staging=True) needs its "
+                "staging callback: Trainer(callbacks=[io.staging_callback()], plugins=[io]); "
+                "without it the optimizer could change the weights while they are copied"
+            )
         self._settle(url)  # a save to the same path (last.ckpt) waits for the previous
         if self._checkpointer is None:
             self._checkpointer = AsyncCheckpointer(
@@ -179,3 +211,36 @@ class ObjckptCheckpointIO(CheckpointIO):
             if self._checkpointer is not None:
                 self._checkpointer.close()
                 self._checkpointer = None
+
+
+class WaitStaged(Callback):
+    """Waits for :class:`ObjckptCheckpointIO`'s background copies before the weights change.
+
+    Lightning calls ``save_checkpoint`` after a batch's optimizer step; with
+    ``background_staging`` the copy then runs while the next batch loads and runs
+    forward and backward, and this callback makes the optimizer step wait for it.
+    Made by :meth:`ObjckptCheckpointIO.staging_callback`.
+    """
+
+    def __init__(
+        self, io: ObjckptCheckpointIO, wait_at: Literal["optimizer_step", "batch_start"]
+    ) -> None:
+        if wait_at not in ("optimizer_step", "batch_start"):
+            raise ConfigurationError(
+                f"option wait_at={wait_at!r} is invalid: expected 'optimizer_step' or 'batch_start'"
+            )
+        self.io = io
+        self.wait_at = wait_at
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self.io._callback_attached = True
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if self.wait_at == "optimizer_step":
+            self.io.wait_staged()
+
+    def on_train_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.wait_at == "batch_start":
+            self.io.wait_staged()

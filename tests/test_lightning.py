@@ -112,3 +112,94 @@ def test_remove_checkpoint_deletes_the_committed_checkpoint(
     fs.invalidate_cache()
     names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(base))
     assert names == ["epoch=2-step=12.ckpt"], names  # the older two were removed whole
+
+
+def test_background_staging_waits_for_each_copy_before_the_optimizer_step(
+    lightning_env: StoreTarget, tmp_path, monkeypatch
+) -> None:
+    """Every background copy is held until the callback waits for it, so an optimizer
+    step that ran before that wait would see a copy still running."""
+    import threading
+
+    from objckpt import AsyncOptions
+    from objckpt.pipeline.host_copy import HostCopier
+
+    target = lightning_env
+    dirpath = target.url("lightning-bg")
+    io = ObjckptCheckpointIO(
+        storage_options=target.storage_options,
+        async_save=True,
+        async_options=AsyncOptions(background_staging=True),
+    )
+    waited = threading.Event()
+    real_wait, real_copy = ObjckptCheckpointIO.wait_staged, HostCopier.copy
+    real_teardown = ObjckptCheckpointIO.teardown
+
+    def wait_staged(self: ObjckptCheckpointIO) -> None:
+        waited.set()
+        real_wait(self)
+
+    def teardown(self: ObjckptCheckpointIO) -> None:  # the last save has no step after it
+        waited.set()
+        real_teardown(self)
+
+    def copy(self: HostCopier, *args) -> None:  # type: ignore[no-untyped-def]
+        if threading.current_thread() is not threading.main_thread():
+            assert waited.wait(60), "nobody waited for the background copy"
+        real_copy(self, *args)
+
+    monkeypatch.setattr(ObjckptCheckpointIO, "wait_staged", wait_staged)
+    monkeypatch.setattr(ObjckptCheckpointIO, "teardown", teardown)
+    monkeypatch.setattr(HostCopier, "copy", copy)
+    steps: list[bool] = []
+
+    def before_step(optimizer, args, kwargs) -> None:  # type: ignore[no-untyped-def]
+        steps.append(all(h.wait_staged(timeout=0) for h in io._pending.values()))
+        waited.clear()  # the next background copy waits for the next wait
+
+    class Hooked(Tiny):
+        def configure_optimizers(self):  # type: ignore[no-untyped-def]
+            opt = super().configure_optimizers()
+            opt.register_step_pre_hook(before_step)
+            return opt
+
+    model = Hooked()
+    trainer = pl.Trainer(
+        max_epochs=2,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        plugins=[io],
+        callbacks=[
+            ModelCheckpoint(dirpath=dirpath, save_top_k=-1, every_n_train_steps=2),
+            io.staging_callback(),
+        ],
+    )
+    trainer.fit(model)
+    assert len(steps) == 8 and all(steps)
+    fs = Location.parse(dirpath, target.storage_options).open_fs(fresh=True)
+    base = Location.parse(dirpath).path
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(base))
+    assert names == [f"epoch={s // 5}-step={s}.ckpt" for s in (2, 4, 6, 8)], names
+    # The last checkpoint holds the weights of the end of training.
+    state = io.load_checkpoint(f"{dirpath}/epoch=1-step=8.ckpt")
+    assert torch.equal(state["state_dict"]["net.weight"], model.net.weight.detach())
+
+
+def test_background_staging_without_the_callback_is_refused(
+    lightning_env: StoreTarget, tmp_path
+) -> None:
+    from objckpt import AsyncOptions
+    from objckpt.errors import ConfigurationError
+
+    io = ObjckptCheckpointIO(
+        storage_options=lightning_env.storage_options,
+        async_save=True,
+        async_options=AsyncOptions(background_staging=True),
+    )
+    with pytest.raises(ConfigurationError, match="staging_callback"):
+        _trainer(io, lightning_env.url("lightning-nocb"), tmp_path, epochs=1).fit(Tiny())
+    with pytest.raises(ConfigurationError, match="wait_at='soon'"):
+        io.staging_callback("soon")  # type: ignore[arg-type]
