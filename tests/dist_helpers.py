@@ -70,6 +70,27 @@ def save_sharded(rank: int, world: int, init_file: str, url: str, options: dict[
         dist.destroy_process_group()
 
 
+def save_with_rank_options(
+    rank: int, world: int, init_file: str, url: str, options: list[dict[str, Any]]
+) -> None:
+    """A sync save where each rank has credentials of its own; rank 1's cannot write.
+    Every rank must see the save fail, naming the denied write."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    mesh = _init(rank, world, init_file)
+    try:
+        state = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full_state().items()}
+        writer = objckpt.ObjectStoreWriter(url, storage_options=options[rank])
+        try:
+            dcp.save(state, storage_writer=writer)
+        except CheckpointException as exc:
+            assert "AccessDenied" in str(exc), str(exc)
+        else:
+            raise AssertionError(f"rank {rank}: the save succeeded with a rank that cannot write")
+    finally:
+        dist.destroy_process_group()
+
+
 def load_sharded(
     rank: int,
     world: int,

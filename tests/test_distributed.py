@@ -14,7 +14,9 @@ from objckpt import Location, ObjectStoreReader
 from objckpt.errors import CheckpointNotCommittedError
 from objckpt.format.steps import step_name
 from objckpt.ops.gc import collect_garbage
+from objckpt.testing import FaultProxy, MotoServer
 from objckpt.testing.plugin import StoreTarget
+from objckpt.writers.base import PROBE_KEY
 
 
 def _run(fn, world: int, tmp_path, url: str, options: dict) -> None:
@@ -43,6 +45,38 @@ def test_reshard_save_on_4_load_on_2_and_1(s3_bucket: StoreTarget, tmp_path) -> 
     for k, v in expected.items():
         assert torch.equal(state["model"][k], v), k
     assert state["step"] == 7
+
+
+def test_a_sync_save_proves_write_access_on_the_coordinator_only(
+    s3_proxy: FaultProxy, s3_bucket: StoreTarget, tmp_path
+) -> None:
+    """A fresh writer per save (DCP's usual way) made every rank probe the bucket on every
+    save: 3 requests x W per save. The coordinator's probe stands for the save."""
+    url = s3_bucket.url("probe-once")
+    _run(dist_helpers.save_sharded, 4, tmp_path, url, s3_proxy.storage_options())
+    probes = [p for p in s3_proxy.paths("CreateMultipartUpload") if p.endswith(PROBE_KEY)]
+    assert len(probes) == 1, probes
+    aborts = [p for p in s3_proxy.paths("AbortMultipartUpload") if p.endswith(PROBE_KEY)]
+    assert len(aborts) == 1, aborts
+    reader = ObjectStoreReader(url, storage_options=s3_bucket.storage_options)
+    assert reader.manifest is not None and reader.manifest.world_size == 4
+
+
+def test_a_rank_that_cannot_write_fails_the_save_on_every_rank_and_nothing_commits(
+    moto_iam_server: MotoServer, tmp_path
+) -> None:
+    """Without its own probe, rank 1 learns it cannot write from its first upload."""
+    admin = moto_iam_server.storage_options()
+    moto_iam_server.boto3_client().create_bucket(Bucket="ranks")
+    read_only = moto_iam_server.add_user(
+        "dist-read-only", ["s3:GetObject", "s3:ListBucket", "s3:HeadBucket"]
+    )
+    url = "s3://ranks/step-1"
+    _run(dist_helpers.save_with_rank_options, 2, tmp_path, url, [admin, read_only])
+    with pytest.raises(CheckpointNotCommittedError):
+        ObjectStoreReader(url, storage_options=admin)
+    client = moto_iam_server.boto3_client()
+    assert not client.list_multipart_uploads(Bucket="ranks").get("Uploads")
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -4,7 +4,7 @@ DCP calls, in order (rank 0 is the coordinator)::
 
     reset(checkpoint_id)            every rank (dcp.save with checkpoint_id)
     set_up_storage_writer(...)      every rank
-    prepare_local_plan(plan)        every rank: preflight the store, refuse a committed URL
+    prepare_local_plan(plan)        coordinator: preflight the store, refuse a committed URL
     prepare_global_plan(plans)      coordinator: pick the attempt id, name each rank
     write_data(plan, planner)       every rank: serialize + upload its payload objects
     finish(metadata, results)       coordinator: .metadata, then the manifest (commit)
@@ -73,7 +73,11 @@ class ObjectStoreWriter(StorageWriter):
             loadable until the new manifest replaces it in one write.
         upload: Object and part sizing, upload concurrency.
         preflight_timeout: Seconds allowed to confirm the bucket is reachable and
-            writable before anything is written.
+            writable before anything is written. The coordinator proves it for the
+            save (other ranks would multiply its requests by the world size on every
+            save; a rank that cannot write fails its first upload instead, and
+            nothing is committed). An async checkpointer proves it on every rank,
+            once, before its first copy.
         user_metadata: JSON-serializable values stored in the manifest's ``user``.
 
     Raises:
@@ -113,7 +117,9 @@ class ObjectStoreWriter(StorageWriter):
         self._store_pid = -1
         self._fs: AbstractFileSystem | None = None  # shared by a checkpointer across saves
         self._fs_pid = -1
-        self._needs_preflight = True
+        # None: the coordinator's saves only (see preflight_timeout); attach() decides
+        # for a checkpointer's writers.
+        self._needs_preflight: bool | None = None
         self._agreed_attempt: str | None = None  # set by attach(): all ranks agreed on it
         self._rank = 0
         self._is_coordinator = True
@@ -179,6 +185,8 @@ class ObjectStoreWriter(StorageWriter):
     @property
     def needs_preflight(self) -> bool:
         """Whether ``prepare_local_plan`` will prove the bucket writable first."""
+        if self._needs_preflight is None:
+            return self._is_coordinator
         return self._needs_preflight
 
     @property
@@ -221,7 +229,7 @@ class ObjectStoreWriter(StorageWriter):
 
     def _check_target(self, plan: SavePlan) -> SavePlan:
         store = self.store
-        if self._needs_preflight:
+        if self.needs_preflight:
             store.preflight(self.preflight_timeout)
         # Only the coordinator asks "already committed?": one LIST per save instead of
         # one per rank, and DCP raises its refusal on every rank.
