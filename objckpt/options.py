@@ -111,7 +111,9 @@ class ReadOptions:
         range_size: Largest single ranged GET; bigger spans are split so they
             download in parallel.
         coalesce_gap: Ranges of one object closer than this are fetched as one.
-        max_in_flight_bytes: Bytes fetched but not yet copied into tensors.
+        max_in_flight_bytes: Bytes fetched but not yet copied into tensors: half
+            for the batch being copied, half for the next one being fetched (a
+            batch holds at least one range, so it may exceed its half by that).
         trust_pickles: Let non-tensor values be unpickled with full pickle (custom
             classes). Off: they are read with ``torch.load(weights_only=True)``,
             which admits plain values only, so a crafted checkpoint cannot run code.

@@ -132,3 +132,43 @@ def test_shape_mismatch_is_named(store: StoreTarget) -> None:
     # dcp.load raises torch's planner error (CheckpointManager.load adds the URL).
     assert isinstance(err, ValueError) and "Size mismatch" in str(err)
     assert str(err).endswith("for w") and "[4, 4]" in str(err) and "[3, 4]" in str(err)
+
+
+def test_bytes_fetched_and_not_yet_copied_stay_within_max_in_flight_bytes(
+    s3_bucket: StoreTarget, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The next batch is fetched while one is copied: both together, not each, are
+    bounded by ReadOptions.max_in_flight_bytes."""
+    import threading
+
+    from objckpt import ReadOptions
+    from objckpt.dcp.storage_reader import ObjectStoreReader as Reader
+
+    kib = 1024
+    state = {f"t{n}": torch.full((64 * kib,), float(n)) for n in range(12)}  # 256 KiB each
+    url = s3_bucket.url("bounded-read")
+    save(state, url, s3_bucket)
+    limit = 1024 * kib
+    options = ReadOptions(range_size=256 * kib, coalesce_gap=0, max_in_flight_bytes=limit)
+    lock = threading.Lock()
+    held = [0, 0, 0]  # bytes now, peak, batches
+    real_fetch, real_deliver = Reader._fetch, Reader._deliver
+
+    def fetch(self: Reader, batch: list) -> list[bytes]:  # type: ignore[type-arg]
+        with lock:
+            held[0] += sum(r.end - r.start for r in batch)
+            held[1], held[2] = max(held[1], held[0]), held[2] + 1
+        return real_fetch(self, batch)
+
+    def deliver(self: Reader, rng, buf, planner) -> None:  # type: ignore[no-untyped-def]
+        real_deliver(self, rng, buf, planner)
+        with lock:
+            held[0] -= rng.end - rng.start
+
+    monkeypatch.setattr(Reader, "_fetch", fetch)
+    monkeypatch.setattr(Reader, "_deliver", deliver)
+    got = {k: torch.zeros_like(v) for k, v in state.items()}
+    load(got, url, s3_bucket, read=options)
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+    assert held[2] >= 4  # several batches, so one was fetched while another was copied
+    assert held[0] == 0 and held[1] <= limit, held

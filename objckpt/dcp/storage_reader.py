@@ -629,11 +629,14 @@ class ObjectStoreReader(StorageReader):
         return ranges
 
     def _batches(self, ranges: list[_Range]) -> Iterator[list[_Range]]:
+        """Ranges in batches of at most half of ``max_in_flight_bytes`` (at least one
+        range each): one batch is copied into tensors while the next is fetched."""
+        limit = self.options.max_in_flight_bytes // 2
         batch: list[_Range] = []
         size = 0
         for rng in ranges:
             length = rng.end - rng.start
-            if batch and size + length > self.options.max_in_flight_bytes:
+            if batch and size + length > limit:
                 yield batch
                 batch, size = [], 0
             batch.append(rng)
