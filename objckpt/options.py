@@ -114,6 +114,8 @@ class ReadOptions:
         max_in_flight_bytes: Bytes fetched but not yet copied into tensors: half
             for the batch being copied, half for the next one being fetched (a
             batch holds at least one range, so it may exceed its half by that).
+            Batches of 256 MiB fetch 16 ranges at once; at 128 MiB a 1 GiB load
+            on moto took 4.1 s instead of 3.1 s.
         trust_pickles: Let non-tensor values be unpickled with full pickle (custom
             classes). Off: they are read with ``torch.load(weights_only=True)``,
             which admits plain values only, so a crafted checkpoint cannot run code.
@@ -125,7 +127,7 @@ class ReadOptions:
     verify: bool = True
     range_size: int = 16 * MiB
     coalesce_gap: int = 1 * MiB
-    max_in_flight_bytes: int = 256 * MiB
+    max_in_flight_bytes: int = 512 * MiB
     trust_pickles: bool = False
     share_replicated: bool = True
 

@@ -457,7 +457,7 @@ class ObjectStoreReader(StorageReader):
                 lambda rs, sent, data: self._deliver_shared(rs, sent, data, planner),
                 rank=self._rank,
                 process_group=self._group,
-                batch_bytes=self.options.max_in_flight_bytes,
+                batch_bytes=self.options.max_in_flight_bytes // 2,
                 url=self.location.url,
             )
             reads = [r for r in reads if r.storage_index not in owned]
