@@ -28,8 +28,9 @@ class DaemonThreads:
     """Runs each submitted call on an idle thread, starting one when none is idle.
 
     Calls must handle their own errors (a save reports them through its handle);
-    one that escapes is logged. Threads are never more than the calls running at
-    once, and stay until :meth:`close`.
+    one that escapes is logged. A thread is started only when none waits, so there
+    are never more threads than calls running (or just returning) at once; they
+    stay until :meth:`close`.
     """
 
     def __init__(self, name: str) -> None:
