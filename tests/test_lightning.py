@@ -153,17 +153,15 @@ def test_background_staging_waits_for_each_copy_before_the_optimizer_step(
     monkeypatch.setattr(HostCopier, "copy", copy)
     steps: list[bool] = []
 
-    def before_step(optimizer, args, kwargs) -> None:  # type: ignore[no-untyped-def]
-        steps.append(all(h.wait_staged(timeout=0) for h in io._pending.values()))
-        waited.clear()  # the next background copy waits for the next wait
+    class StepCheck(pl.Callback):
+        """Runs after the staging callback, just before the optimizer changes the weights
+        (Lightning calls callbacks in order, after the closure's forward and backward)."""
 
-    class Hooked(Tiny):
-        def configure_optimizers(self):  # type: ignore[no-untyped-def]
-            opt = super().configure_optimizers()
-            opt.register_step_pre_hook(before_step)
-            return opt
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:  # type: ignore[no-untyped-def]
+            steps.append(all(h.wait_staged(timeout=0) for h in io._pending.values()))
+            waited.clear()  # the next background copy waits for the next wait
 
-    model = Hooked()
+    model = Tiny()
     trainer = pl.Trainer(
         max_epochs=2,
         accelerator="cpu",
@@ -175,6 +173,7 @@ def test_background_staging_waits_for_each_copy_before_the_optimizer_step(
         callbacks=[
             ModelCheckpoint(dirpath=dirpath, save_top_k=-1, every_n_train_steps=2),
             io.staging_callback(),
+            StepCheck(),
         ],
     )
     trainer.fit(model)
