@@ -94,6 +94,19 @@ def test_a_small_copy_stays_on_the_calling_thread(four_cpus: None) -> None:
     assert all(torch.equal(v, s) for v, s in zip(views, sources, strict=True))
 
 
+def _failing_two_thread_copy(error: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Copy 8 MiB on two threads, expecting ``OSError(error)``; the sources and views."""
+    sources = [torch.randn(2 * MiB) for _ in range(4)]
+    views = [torch.zeros_like(s) for s in sources]
+    copier = HostCopier(2)
+    try:
+        with pytest.raises(OSError, match=error):
+            copier.copy(sources, views, cuda=False)
+    finally:
+        copier.close()
+    return sources, views
+
+
 def test_an_error_is_raised_only_after_every_share_ended(
     four_cpus: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -111,13 +124,8 @@ def test_an_error_is_raised_only_after_every_share_ended(
         ended.set()
 
     monkeypatch.setattr(host_copy, "_copy_share", caller_fails_first)
-    sources = [torch.randn(2 * MiB) for _ in range(4)]
-    views = [torch.zeros_like(s) for s in sources]
-    copier = HostCopier(2)
-    with pytest.raises(OSError, match="disk on fire"):
-        copier.copy(sources, views, cuda=False)
+    sources, views = _failing_two_thread_copy("disk on fire")
     assert ended.is_set()
-    copier.close()
     assert torch.equal(views[-1], sources[-1])  # the other share's bytes are all there
 
 
@@ -133,12 +141,7 @@ def test_an_error_in_another_threads_share_reaches_the_caller(
             raise OSError("bad page")
 
     monkeypatch.setattr(host_copy, "_copy_share", pool_fails)
-    sources = [torch.randn(2 * MiB) for _ in range(4)]
-    views = [torch.zeros_like(s) for s in sources]
-    copier = HostCopier(2)
-    with pytest.raises(OSError, match="bad page"):
-        copier.copy(sources, views, cuda=False)
-    copier.close()
+    _failing_two_thread_copy("bad page")
 
 
 def test_close_stops_the_threads_and_a_later_copy_starts_new_ones(four_cpus: None) -> None:

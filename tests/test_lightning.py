@@ -41,6 +41,7 @@ def _trainer(
     tmp_path,  # type: ignore[no-untyped-def]
     epochs: int,
     checkpoint: ModelCheckpoint | None = None,
+    extra: tuple[pl.Callback, ...] = (),
 ) -> pl.Trainer:
     return pl.Trainer(
         max_epochs=epochs,
@@ -50,7 +51,10 @@ def _trainer(
         enable_model_summary=False,
         default_root_dir=str(tmp_path),
         plugins=[io],
-        callbacks=[checkpoint or ModelCheckpoint(dirpath=dirpath, save_last=True, save_top_k=-1)],
+        callbacks=[
+            checkpoint or ModelCheckpoint(dirpath=dirpath, save_last=True, save_top_k=-1),
+            *extra,
+        ],
     )
 
 
@@ -162,19 +166,9 @@ def test_background_staging_waits_for_each_copy_before_the_optimizer_step(
             waited.clear()  # the next background copy waits for the next wait
 
     model = Tiny()
-    trainer = pl.Trainer(
-        max_epochs=2,
-        accelerator="cpu",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(tmp_path),
-        plugins=[io],
-        callbacks=[
-            ModelCheckpoint(dirpath=dirpath, save_top_k=-1, every_n_train_steps=2),
-            io.staging_callback(),
-            StepCheck(),
-        ],
+    checkpoint = ModelCheckpoint(dirpath=dirpath, save_top_k=-1, every_n_train_steps=2)
+    trainer = _trainer(
+        io, dirpath, tmp_path, 2, checkpoint, extra=(io.staging_callback(), StepCheck())
     )
     trainer.fit(model)
     assert len(steps) == 8 and all(steps)
