@@ -31,7 +31,9 @@ exception text at ERROR level, so an error message is as public as a log line.
     │   └── SizeMismatchError
     ├── BackupError                           a backup target is not up to date
     ├── BarrierTimeoutError (TimeoutError)    ranks did not report in time (async commit)
-    └── RequestFailedError                    an async request failed on some rank
+    ├── RequestFailedError                    an async request failed on some rank
+    ├── PeerRankError                         another rank failed this save or load
+    └── SaveSequenceError                     ranks called save() a different number of times
 """
 
 from __future__ import annotations
@@ -50,8 +52,10 @@ __all__ = [
     "ManifestError",
     "MissingCredentialsError",
     "ObjckptError",
+    "PeerRankError",
     "RequestFailedError",
     "SaveDeadlineError",
+    "SaveSequenceError",
     "SizeMismatchError",
     "StateDictError",
     "StateDictMismatchError",
@@ -146,3 +150,24 @@ class BarrierTimeoutError(ObjckptError, TimeoutError):
 
 class RequestFailedError(ObjckptError):
     """An async request's work failed on some rank, so no rank finalizes it as a success."""
+
+
+class PeerRankError(ObjckptError):
+    """Another rank of the group failed this save or load; its error is in the text.
+
+    Raised on every rank but the failing one (which raises its own error), so every
+    rank of a job ends a collective operation with the same outcome.
+    """
+
+    def __init__(self, message: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        #: The (group) rank whose error this is, when known.
+        self.rank = rank
+
+    def __reduce__(self) -> tuple[type[PeerRankError], tuple[str, int | None]]:
+        return (type(self), (str(self), self.rank))
+
+
+class SaveSequenceError(ObjckptError):
+    """Ranks reached a save's agreement in different saves (one rank skipped or
+    repeated a ``save()`` call): refused on every rank instead of pairing them."""

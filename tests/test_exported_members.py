@@ -1,3 +1,5 @@
+from typing import Any
+
 import objckpt
 
 
@@ -68,3 +70,69 @@ def test_layers_import_only_downwards() -> None:
                     if parts[1] in order and order.index(parts[1]) > level:
                         bad.append(f"{layer}/{path.name} imports {node.module}")
     assert bad == []
+
+
+def _imported_modules(path: Any, name: str, known: set[str]) -> set[str]:
+    """Modules of objckpt that ``path`` (module ``name``) imports, lazy imports included
+    and ``if TYPE_CHECKING:`` blocks excepted. ``from pkg import mod`` counts as an edge
+    to ``pkg.mod`` alone when ``mod`` is a module, else to ``pkg``."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    typing_only = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for n in ast.walk(node)
+    }
+    is_package = path.name == "__init__.py"
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = name.split(".")
+                keep = len(parts) - node.level + (1 if is_package else 0)
+                base = ".".join(parts[:keep] + ([node.module] if node.module else []))
+            subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in known]
+            targets = subs or [base]
+        else:
+            continue
+        out.update(t for t in targets if t in known and t != name)
+    return out
+
+
+def test_no_import_cycles() -> None:
+    """No module of objckpt imports itself back through others, lazy imports included
+    (a cycle hidden in a function body is still a cycle; only typing imports are exempt)."""
+    import pathlib
+
+    root = pathlib.Path(objckpt.__file__).parent
+    modules = {}
+    for path in root.rglob("*.py"):
+        parts = ("objckpt", *path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules[".".join(parts)] = path
+    known = set(modules)
+    graph = {name: _imported_modules(path, name, known) for name, path in modules.items()}
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: finished
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append([*trail[trail.index(nxt) :], nxt])
+            elif nxt not in state:
+                visit(nxt, [*trail, nxt])
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert cycles == []

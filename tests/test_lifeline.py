@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from objckpt.pipeline import lifeline
-from objckpt.pipeline.stage import SHM_DIR, Stager
+from objckpt.pipeline.segment import SHM_DIR
+from objckpt.pipeline.stage import Stager
 
 CHILD = textwrap.dedent(
     """

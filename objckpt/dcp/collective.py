@@ -1,18 +1,37 @@
-"""Decide once on rank 0, tell every rank: the one pattern that keeps ranks agreeing.
+"""Every collective objckpt makes, on whatever device the process group supports.
 
-Anything every rank would otherwise do on its own against the store — read a
-manifest, list a root, pick the latest step, choose a backup to fall back to — costs
-W requests per job and can give W different answers when the store changes in
-between (a step committing between two ranks' listings). Run on rank 0 and
-broadcast, it costs one request and gives one answer. Errors travel too: when
-rank 0 fails, every rank raises the same error instead of some ranks hanging in a
-collective the others never reach.
+Two jobs, one module, because they are the same question asked twice:
+
+**Decide once on rank 0, tell every rank.** Anything every rank would otherwise do
+on its own against the store — read a manifest, list a root, pick the latest step,
+choose a backup to fall back to — costs W requests per job and can give W different
+answers when the store changes in between (a step committing between two ranks'
+listings). Run on rank 0 and broadcast, it costs one request and gives one answer.
+Errors travel too: when rank 0 fails, every rank raises the same error instead of
+some ranks hanging in a collective the others never reach.
+
+**Run on the group's device.** A job that calls ``init_process_group("nccl")`` has
+no CPU backend: a CPU tensor in a collective fails there ("No backend type
+associated with device type cpu"), and torch's object collectives move their bytes
+through CUDA. :class:`Route` picks, once per process group: CPU tensors when the
+group has a CPU backend (gloo, or ``cpu:gloo,cuda:nccl``); CUDA tensors on the
+current device when it has none and CUDA is there (as DCP's own object collectives
+do); otherwise a gloo side group over the same ranks, created once (a CUDA-only
+backend string on a machine without CUDA, e.g. ``cuda:gloo`` in tests, which
+refuses CPU tensors exactly as NCCL does).
+
+The side groups are the only state kept here: a process-wide map from a process
+group's name to its side group, like torch's own registry of groups (a group is
+process-wide state already, and building a second side group for it would be a
+collective every rank must repeat).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -20,14 +39,72 @@ import torch.distributed as dist
 
 from objckpt.errors import ObjckptError
 
-__all__ = ["any_rank", "broadcast_from_rank0", "is_distributed"]
+__all__ = [
+    "Route",
+    "all_reduce_max",
+    "any_rank",
+    "broadcast_bytes",
+    "broadcast_from_rank0",
+    "broadcast_object",
+    "is_distributed",
+    "route",
+]
 
 T = TypeVar("T")
+
+_SIDE_GROUPS: dict[str, Any] = {}
+_SIDE_LOCK = threading.Lock()
 
 
 def is_distributed() -> bool:
     """Whether a default process group exists in this process."""
     return dist.is_available() and dist.is_initialized()
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """Where a collective of one process group runs: which group, which device."""
+
+    group: Any | None  # the group to pass to torch (the caller's, or its gloo side group)
+    device: torch.device
+    side_group: bool = False
+
+
+def _has_cpu_backend(group: Any | None) -> bool:
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    try:
+        pg._get_backend(torch.device("cpu"))
+    except RuntimeError:
+        return False
+    return True
+
+
+def route(group: Any | None = None) -> Route:
+    """Where ``group``'s collectives run (the default group when None)."""
+    if _has_cpu_backend(group):
+        return Route(group, torch.device("cpu"))
+    if torch.cuda.is_available():
+        return Route(group, torch.device("cuda", torch.cuda.current_device()))
+    return Route(_side_group(group), torch.device("cpu"), side_group=True)
+
+
+def _side_group(group: Any | None) -> Any:
+    """A gloo group over ``group``'s ranks, built the first time it is needed.
+
+    Every rank of ``group`` reaches its first objckpt collective at the same point,
+    so every rank builds the side group at the same point too.
+    """
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    name = pg.group_name
+    with _SIDE_LOCK:
+        side = _SIDE_GROUPS.get(name)
+        if side is None:
+            ranks = dist.get_process_group_ranks(pg)
+            side = dist.new_group(
+                ranks=ranks, backend="gloo", use_local_synchronization=group is not None
+            )
+            _SIDE_GROUPS[name] = side
+    return side
 
 
 def _portable(exc: BaseException) -> BaseException:
@@ -37,6 +114,44 @@ def _portable(exc: BaseException) -> BaseException:
     except Exception:
         return ObjckptError(f"{type(exc).__name__}: {exc}")
     return exc
+
+
+def _global(rank: int, group: Any | None) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def broadcast_object(obj: Any, src: int, group: Any | None = None) -> Any:
+    """``obj`` from group rank ``src`` on every rank (a collective).
+
+    Pickled: only for objckpt's own values (rank 0's decisions, item descriptions).
+    """
+    r = route(group)
+    box = [obj]
+    src_global = _global(src, group)
+    dist.broadcast_object_list(box, src=src_global, group=r.group, device=r.device)
+    return box[0]
+
+
+def broadcast_bytes(buffer: bytearray, src: int, group: Any | None = None) -> None:
+    """Fill ``buffer`` on every rank with group rank ``src``'s bytes, in place (a collective)."""
+    if not buffer:
+        return
+    r = route(group)
+    host = torch.frombuffer(buffer, dtype=torch.uint8)
+    if r.device.type == "cpu":
+        dist.broadcast(host, src=_global(src, group), group=r.group)
+        return
+    moved = host.to(r.device)
+    dist.broadcast(moved, src=_global(src, group), group=r.group)
+    host.copy_(moved.cpu())
+
+
+def all_reduce_max(values: Sequence[int], group: Any | None = None) -> list[int]:
+    """The element-wise maximum of ``values`` over the group (one all-reduce)."""
+    r = route(group)
+    tensor = torch.tensor(list(values), dtype=torch.int64, device=r.device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=r.group)
+    return [int(v) for v in tensor.tolist()]
 
 
 def broadcast_from_rank0(fn: Callable[[], T], process_group: Any | None = None) -> T:
@@ -56,10 +171,7 @@ def broadcast_from_rank0(fn: Callable[[], T], process_group: Any | None = None) 
         except Exception as exc:
             error = exc
             payload = (False, _portable(exc))
-    box = [payload]
-    src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
-    dist.broadcast_object_list(box, src=src, group=process_group)
-    ok, value = box[0]
+    ok, value = broadcast_object(payload, 0, process_group)
     if error is not None:
         raise error
     if not ok:
@@ -75,9 +187,4 @@ def any_rank(flag: bool, process_group: Any | None = None) -> bool:
     """
     if not is_distributed():
         return flag
-    device = "cpu"
-    if dist.get_backend(process_group) == "nccl":
-        device = f"cuda:{torch.cuda.current_device()}"
-    value = torch.tensor([1 if flag else 0], dtype=torch.int64, device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=process_group)
-    return bool(value.item())
+    return bool(all_reduce_max([1 if flag else 0], process_group)[0])

@@ -21,11 +21,10 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
+from objckpt.dcp.collective import broadcast_bytes, broadcast_object
 from objckpt.errors import ObjckptError
 
 __all__ = ["Sent", "SharedReads", "assign_owners", "exchange_shared"]
@@ -117,9 +116,7 @@ def exchange_shared(
             except Exception as exc:
                 error = error or exc
                 announce = f"{type(exc).__name__}: {exc}"
-        box = [announce]
-        dist.broadcast_object_list(box, src=_global(owner, process_group), group=process_group)
-        described = box[0]
+        described = broadcast_object(announce, owner, process_group)
         if isinstance(described, str):
             if owner != rank:
                 error = error or ObjckptError(
@@ -133,9 +130,7 @@ def exchange_shared(
                 raw = bytearray(b"".join(fetched[i][1] for i in batch))
             else:
                 raw = bytearray(total)
-            if total:  # received in place: the tensor shares the bytearray's memory
-                tensor = torch.frombuffer(raw, dtype=torch.uint8)
-                dist.broadcast(tensor, src=_global(owner, process_group), group=process_group)
+            broadcast_bytes(raw, owner, process_group)  # received in place
             view = memoryview(raw)
             pos = 0
             for i in batch:
@@ -164,7 +159,3 @@ def _batches(order: list[int], described: Sequence[Sent], limit: int) -> list[li
             out.append([i])
             size = n
     return out
-
-
-def _global(rank: int, group: Any | None) -> int:
-    return rank if group is None else dist.get_global_rank(group, rank)

@@ -6,11 +6,20 @@
     <ckpt>/__index_<rank>.<attempt>.json   where rank's items are (manifest format 2)
     <ckpt>/.metadata                       DCP's pickled Metadata, for stock DCP readers
     <ckpt>/manifest.json                   the commit, written last and create-only
+    <ckpt>/__<rank>_<i>.<attempt>.distcp.objckpt-piece-<level>-<n>
+                                           a temporary piece of a payload's GCS
+                                           composite upload (a crash leftover)
 
 The attempt id in payload names means a zombie writer from a crashed attempt can
 never overwrite bytes that a newer manifest points at, and it is how an
 uncommitted objckpt checkpoint is told apart from a stock DCP one (stock names
 have no attempt id).
+
+Pieces are the one name here this module does not make: the store layer's
+composite upload names them after the object they become
+(:func:`objckpt.writers.gcs_compose.piece_key`), for any caller, so this module
+recognises them through that naming's inverse (``piece_owner``) rather than
+owning a copy of it.
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ import time
 
 from fsspec import AbstractFileSystem
 
-from objckpt.writers.gcs_compose import PIECE_MARK
+from objckpt.writers.gcs_compose import piece_owner
 
 __all__ = [
     "MANIFEST_KEY",
@@ -40,8 +49,6 @@ MANIFEST_KEY = "manifest.json"
 METADATA_KEY = ".metadata"
 _PAYLOAD = re.compile(r"^__\d+_\d+\.[0-9a-f]{16}\.distcp$")
 _INDEX = re.compile(r"^__index_\d+\.[0-9a-f]{16}\.json$")
-# A temporary piece of a GCS composite upload of a payload object (a crash leftover).
-_PIECE = re.compile(rf"^__\d+_\d+\.[0-9a-f]{{16}}\.distcp{re.escape(PIECE_MARK)}\d+-\d+$")
 _ENTROPY = re.compile(r"^[0-9a-f]{1,8}$")
 
 
@@ -104,4 +111,9 @@ def is_objckpt_object(name: str) -> bool:
     """Whether a key names an object only objckpt writes (a payload, an index object,
     or a piece of a payload's GCS composite upload)."""
     last = name.rsplit("/", 1)[-1]
-    return bool(_PAYLOAD.match(last) or _INDEX.match(last) or _PIECE.match(last))
+    owner = piece_owner(last)
+    return bool(
+        _PAYLOAD.match(last)
+        or _INDEX.match(last)
+        or (owner is not None and _PAYLOAD.fullmatch(owner))
+    )

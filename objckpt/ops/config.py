@@ -109,21 +109,6 @@ class Config:
     retry: RetryPolicy = dataclasses.field(default_factory=RetryPolicy)
     local: LocalTier | None = None
 
-    def manager(self, **overrides: Any) -> Any:
-        """A :class:`~objckpt.CheckpointManager` for this config (keywords override it)."""
-        from objckpt.ops.manager import CheckpointManager
-
-        kwargs: dict[str, Any] = {
-            "storage_options": self.storage_options,
-            "retention": self.retention,
-            "async_options": self.async_options,
-            "backups": self.backups,
-            "retry": self.retry,
-            "local": self.local,
-        }
-        kwargs.update(overrides)
-        return CheckpointManager(self.root, **kwargs)
-
 
 def _table(value: Any, where: str, source: str) -> dict[str, Any]:
     if not isinstance(value, dict):

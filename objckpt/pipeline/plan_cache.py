@@ -28,14 +28,15 @@ import logging
 from collections.abc import Hashable
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
+from objckpt.dcp.collective import all_reduce_max
+from objckpt.errors import SaveSequenceError
 from objckpt.format.layout import new_attempt_id
 
-__all__ = ["Agreement", "CachedPlan", "PlanCacheStats", "agree", "cache_key"]
+__all__ = ["Agreement", "CachedPlan", "PlanCacheStats", "PlanMemory", "agree", "cache_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,31 +98,61 @@ def agree(
     rank: int,
     process_group: Any | None,
     distributed: bool,
+    sequence: int = 0,
 ) -> Agreement:
     """One all-reduce (MAX) settles hit or miss, the attempt id and refusals on every rank.
 
     Without a process group it is a local decision. Must be called by every rank
-    of the group for every save, hit or miss.
+    of the group for every save, hit or miss. ``sequence`` numbers this
+    checkpointer's saves: ranks that arrive with different numbers (one rank in
+    save N+1 while another is still in save N) get :class:`SaveSequenceError` on
+    every rank instead of pairing two different saves.
     """
     proposal = new_attempt_id() if rank == 0 else "0" * 16
     if not distributed:
         return Agreement(local_hit, proposal, 0 if refused else None)
     hi, lo = _attempt_to_ints(proposal)
-    device = "cpu"
-    if dist.get_backend(process_group) == "nccl":
-        device = f"cuda:{torch.cuda.current_device()}"
     world = dist.get_world_size(process_group)
     # MAX over: miss flag, (world - refusing rank) so the lowest refusing rank wins,
-    # and rank 0's attempt id (every other rank proposes zero).
-    values = torch.tensor(
-        [0 if local_hit else 1, world - rank if refused else 0, hi, lo],
-        dtype=torch.int64,
-        device=device,
+    # rank 0's attempt id (every other rank proposes zero), and the save number with
+    # its negation (the maximum and the minimum: equal unless ranks are out of step).
+    miss, refusal, hi, lo, highest, neg_lowest = all_reduce_max(
+        [0 if local_hit else 1, world - rank if refused else 0, hi, lo, sequence, -sequence],
+        process_group,
     )
-    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=process_group)
-    miss, refusal, hi, lo = (int(v) for v in values.tolist())
+    if highest != -neg_lowest:
+        raise SaveSequenceError(
+            f"ranks are in different saves: this rank (rank {rank}) is in save {sequence}, "
+            f"others between save {-neg_lowest} and save {highest}; a rank skipped or "
+            "repeated a save() call, so their collectives would pair different saves"
+        )
     return Agreement(
         hit=miss == 0,
         attempt=_ints_to_attempt(hi, lo),
         refused_by=world - refusal if refusal else None,
     )
+
+
+class PlanMemory:
+    """One checkpointer's cached plan and its hit/miss counts (this rank).
+
+    Only the save sequence touches it, under the checkpointer's save lock (one
+    save plans at a time), so it needs no lock of its own.
+    """
+
+    def __init__(self) -> None:
+        self.cached: CachedPlan | None = None
+        self.stats = PlanCacheStats()
+
+    def lookup(self, key: tuple[Hashable, ...]) -> CachedPlan | None:
+        """The cached plan when its key is ``key`` (this rank's view of a hit)."""
+        cached = self.cached
+        return cached if cached is not None and cached.key == key else None
+
+    def count_hit(self) -> None:
+        self.stats = dataclasses.replace(self.stats, hits=self.stats.hits + 1)
+
+    def count_miss(self) -> None:
+        """A full plan follows: forget the old one until it is replaced."""
+        self.stats = dataclasses.replace(self.stats, misses=self.stats.misses + 1)
+        self.cached = None

@@ -7,8 +7,9 @@ reset connection, a stall, a truncated response. Each :class:`Rule` picks
 requests by S3 operation, key substring, ordinal or probability.
 
 The proxy understands path-style S3 requests (what botocore sends to an IP
-endpoint) well enough to name their operation; it forwards bytes unchanged,
-so signatures stay valid.
+endpoint) well enough to name their operation (:mod:`objckpt.testing.s3_operations`);
+it forwards bytes unchanged, so signatures stay valid. The rule and record values
+live in :mod:`objckpt.testing.rules`; this module is the server that applies them.
 
 Example::
 
@@ -21,150 +22,30 @@ Example::
 from __future__ import annotations
 
 import base64
-import dataclasses
 import http.client
 import http.server
 import logging
-import random
 import socket
 import struct
 import threading
 import time
 import urllib.parse
-from collections.abc import Mapping
 from typing import Any
 
 import crc32c
 
+from objckpt.testing.rules import Rule, RuleState, Seen
+from objckpt.testing.s3_operations import s3_operation
 from objckpt.testing.servers import s3_test_options
 
 __all__ = ["FaultProxy", "Rule", "Seen", "s3_operation"]
 
 logger = logging.getLogger(__name__)
 
-ACTIONS = ("status", "reset", "stall", "hold", "truncate")
 _S3_ERRORS = {
     503: ("SlowDown", "Please reduce your request rate."),
     500: ("InternalError", "We encountered an internal error. Please try again."),
 }
-
-
-def s3_operation(
-    method: str, path: str, query: Mapping[str, Any], headers: Mapping[str, str]
-) -> str:
-    """The S3 API operation of a path-style request (``UploadPart``, ``HeadBucket``...)."""
-    parts = urllib.parse.unquote(path).lstrip("/").split("/", 1)
-    copy = any(k.lower() == "x-amz-copy-source" for k in headers)
-    if not parts[0]:
-        return "ListBuckets"
-    if len(parts) == 1 or not parts[1]:
-        bucket_ops = {
-            ("HEAD", None): "HeadBucket",
-            ("GET", "uploads"): "ListMultipartUploads",
-            ("GET", "list-type"): "ListObjectsV2",
-            ("GET", "location"): "GetBucketLocation",
-            ("GET", "versioning"): "GetBucketVersioning",
-            ("POST", "delete"): "DeleteObjects",
-            ("PUT", None): "CreateBucket",
-            ("DELETE", None): "DeleteBucket",
-        }
-        for (m, q), name in bucket_ops.items():
-            if m == method and (q is None or q in query):
-                return name
-        return "ListObjects" if method == "GET" else f"Bucket{method.title()}"
-    if method == "PUT":
-        if "partNumber" in query and "uploadId" in query:
-            return "UploadPartCopy" if copy else "UploadPart"
-        return "CopyObject" if copy else "PutObject"
-    if method == "POST":
-        return "CreateMultipartUpload" if "uploads" in query else "CompleteMultipartUpload"
-    if method == "DELETE":
-        return "AbortMultipartUpload" if "uploadId" in query else "DeleteObject"
-    if method == "GET":
-        return "ListParts" if "uploadId" in query else "GetObject"
-    if method == "HEAD":
-        return "HeadObject"
-    return f"Object{method.title()}"
-
-
-@dataclasses.dataclass(frozen=True)
-class Rule:
-    """Which requests to break and how.
-
-    Attributes:
-        operation: S3 operation name to match (None: any).
-        key_contains: Substring of the request target, path and query, to match
-            (``"manifest.json"``, ``"partNumber=3&"``; None: any).
-        action: ``status`` (answer ``status`` with an S3 error body), ``reset``
-            (close the connection with a TCP reset, nothing answered), ``stall``
-            (hold the request ``stall`` seconds, then forward it), ``hold``
-            (hold it until :meth:`FaultProxy.release` or ``stall`` seconds, then
-            forward it: a stall the test ends when it has seen what it wanted), ``truncate``
-            (forward, then send half the response body and close).
-        nth: Break only the nth matching request (1-based).
-        probability: Break each matching request with this probability.
-        times: Break at most this many requests (None: no limit).
-        status: The HTTP status for ``action="status"``.
-        stall: Seconds for ``action="stall"``.
-        before_upstream: For ``status``/``reset``: break before the upstream
-            sees the request (False: after it was applied, the answer lost).
-    """
-
-    operation: str | None = None
-    key_contains: str | None = None
-    action: str = "status"
-    nth: int | None = None
-    probability: float | None = None
-    times: int | None = None
-    status: int = 503
-    stall: float = 5.0
-    before_upstream: bool = True
-
-    def __post_init__(self) -> None:
-        if self.action not in ACTIONS:
-            raise ValueError(f"Rule action={self.action!r}: expected one of {ACTIONS}")
-        if self.probability is not None and not 0.0 <= self.probability <= 1.0:
-            raise ValueError(f"Rule probability={self.probability!r}: expected 0..1")
-
-
-@dataclasses.dataclass(frozen=True)
-class Seen:
-    """One request that reached the proxy, and what the proxy did with it."""
-
-    operation: str
-    method: str
-    path: str
-    fault: str | None
-    #: Bytes of the request's payload (decoded from aws-chunked framing).
-    sent: int = 0
-    #: The request's ``x-amz-*`` headers (checksums, payload hash), names lowercased.
-    amz: tuple[tuple[str, str], ...] = ()
-    #: Whether the payload matches its ``x-amz-checksum-crc32c`` header (None: no header).
-    crc32c_ok: bool | None = None
-
-
-class _RuleState:
-    def __init__(self, rule: Rule, seed: int) -> None:
-        self.rule = rule
-        self.matched = 0
-        self.fired = 0
-        self.rng = random.Random(seed)
-
-    def fires(self, operation: str, path: str) -> bool:
-        r = self.rule
-        if r.operation is not None and r.operation != operation:
-            return False
-        if r.key_contains is not None and r.key_contains not in path:
-            return False
-        self.matched += 1
-        if r.times is not None and self.fired >= r.times:
-            return False
-        if r.nth is not None and self.matched != r.nth:
-            return False
-        if r.probability is not None and self.rng.random() >= r.probability:
-            return False
-        self.fired += 1
-        return True
 
 
 class FaultProxy:
@@ -182,7 +63,7 @@ class FaultProxy:
         self.upstream = (parts.hostname, parts.port or 80)
         self._seed = seed
         self._lock = threading.Lock()
-        self._rules: list[_RuleState] = []
+        self._rules: list[RuleState] = []
         self._changed = threading.Condition(self._lock)  # a request seen or finished
         self._released = threading.Event()
         self._forwarding = 0
@@ -209,7 +90,7 @@ class FaultProxy:
 
     def add(self, rule: Rule) -> Rule:
         with self._lock:
-            self._rules.append(_RuleState(rule, self._seed + len(self._rules)))
+            self._rules.append(RuleState(rule, self._seed + len(self._rules)))
         return rule
 
     def clear(self) -> None:

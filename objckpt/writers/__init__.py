@@ -1,7 +1,8 @@
 """The store layer: how bytes get onto each store family, behind one protocol.
 
-``base`` is the protocol (:class:`ObjectStore`); ``s3``, ``generic`` (GCS, memory,
-any fsspec store) and ``local`` implement it. Beside them live what every store
+``base`` is the protocol (:class:`ObjectStore`); ``s3`` (its uploads in ``s3_upload``
+and ``s3_body``), ``generic`` (GCS, memory, any fsspec store; GCS composite uploads
+in ``gcs_compose``) and ``local`` implement it. Beside them live what every store
 request needs: ``location`` (URL parsing and filesystem clients), ``retry`` and
 ``throttle`` (retry policy, AIMD concurrency), ``translate`` (backend errors to
 objckpt's) and ``checksum`` (CRC32C). Nothing here knows about DCP or manifests.

@@ -35,9 +35,9 @@ from typing import Any
 from fsspec import AbstractFileSystem
 from fsspec.asyn import AsyncFileSystem, FSTimeoutError, sync
 
+import objckpt.writers.retry as retry
 from objckpt.errors import BucketNotFoundError
 from objckpt.options import UploadOptions
-from objckpt.writers import retry
 from objckpt.writers.checksum import BytesLike
 from objckpt.writers.location import Location
 from objckpt.writers.throttle import AimdLimit

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import re
 import threading
 from typing import TYPE_CHECKING
 
@@ -31,7 +32,7 @@ from objckpt.writers.translate import translate
 if TYPE_CHECKING:
     from objckpt.writers.generic import GcsStore
 
-__all__ = ["COMPOSE_LIMIT", "PIECE_MARK", "CompositeUpload", "piece_key"]
+__all__ = ["COMPOSE_LIMIT", "PIECE_MARK", "CompositeUpload", "piece_key", "piece_owner"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,12 +40,27 @@ logger = logging.getLogger(__name__)
 COMPOSE_LIMIT = 32
 #: What follows an object's key in the names of its temporary pieces.
 PIECE_MARK = ".objckpt-piece-"
+_PIECE = re.compile(rf"(.+){re.escape(PIECE_MARK)}\d+-\d+$", re.DOTALL)
 
 
 def piece_key(key: str, level: int, index: int) -> str:
     """The temporary object of piece ``index`` (level 0) or of an intermediate
     composite (level > 0) of ``key``."""
     return f"{key}{PIECE_MARK}{level}-{index:05d}"
+
+
+def piece_owner(name: str) -> str | None:
+    """The key whose temporary piece ``name`` is (the inverse of :func:`piece_key`).
+
+    Pieces are named here, by the upload that makes them, whoever the caller; a
+    layer that finds one left on the store (a crash leftover) asks this function
+    whose it is instead of parsing the name itself.
+
+    Returns:
+        The owner's key, or None when ``name`` is not a piece's name.
+    """
+    match = _PIECE.match(name)
+    return match.group(1) if match else None
 
 
 class CompositeUpload(ObjectUpload):

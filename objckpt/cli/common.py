@@ -1,0 +1,166 @@
+"""What every store command of the CLI shares: options, context, exit codes, output.
+
+A store command gets ``--storage-option`` and ``--json`` from :func:`store_command`,
+resolves its URLs through one :class:`CommandContext` (config file first, then
+``--storage-option``), prints through :meth:`CommandContext.emit` (one JSON document
+with ``--json``, lines for people otherwise) and turns objckpt errors into the
+documented exit codes. Keeping this in one place is what keeps the commands' flags,
+messages and exit codes alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import click
+
+from objckpt.errors import CheckpointNotFoundError, ObjckptError
+from objckpt.writers.location import Location
+
+__all__ = [
+    "EXIT_CHECK_FAILED",
+    "EXIT_ERROR",
+    "EXIT_NOT_FOUND",
+    "CommandContext",
+    "committed_manifest",
+    "errors_to_exit_codes",
+    "parse_options",
+    "progress_bar",
+    "store_command",
+]
+
+EXIT_CHECK_FAILED = 1
+EXIT_NOT_FOUND = 3
+EXIT_ERROR = 4
+
+
+def parse_options(pairs: tuple[str, ...]) -> dict[str, Any]:
+    """Repeated ``KEY=VALUE`` pairs as a dict, each value JSON if it parses.
+
+    Args:
+        pairs: The ``--storage-option`` values as given.
+
+    Returns:
+        The options by key; a value that is not JSON stays a string.
+
+    Raises:
+        click.BadParameter: A pair has no ``=`` or no key.
+    """
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(
+                f"expected KEY=VALUE, got {pair!r}", param_hint="--storage-option"
+            )
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class CommandContext:
+    """What the group's options give every command."""
+
+    config_path: str | None
+    options: dict[str, Any]
+    as_json: bool
+
+    @functools.cached_property
+    def config(self) -> Any:
+        """The loaded config file (read on first use), or None without ``--config``."""
+        from objckpt.ops.config import load_config
+
+        return load_config(self.config_path) if self.config_path else None
+
+    def storage_options(self, url: str) -> dict[str, Any]:
+        """Options for ``url``: the config's, then --storage-option; none for local paths."""
+
+        if Location.parse(url).is_local:
+            return {}
+        merged = dict(self.config.storage_options) if self.config else {}
+        merged.update(self.options)
+        return merged
+
+    def location(self, url: str | None, what: str) -> Any:
+        """The :class:`Location` of ``url``, or of the config's root when ``url`` is None.
+
+        Raises:
+            click.UsageError: No ``url`` and no config naming a root (``what`` names
+                the missing argument).
+        """
+        if url is None:
+            if self.config is None:
+                raise click.UsageError(f"give {what} or a config file (--config) naming the root")
+            url = self.config.root
+        return Location.parse(url, self.storage_options(url))
+
+    def emit(self, doc: Any, human: Callable[[], None]) -> None:
+        """Print ``doc`` as JSON with ``--json``, else call ``human`` to print lines."""
+        if self.as_json:
+            click.echo(json.dumps(doc, indent=2, default=str))
+        else:
+            human()
+
+
+@contextlib.contextmanager
+def errors_to_exit_codes() -> Iterator[None]:
+    """objckpt errors become one line on stderr and a documented exit code."""
+    try:
+        yield
+    except CheckpointNotFoundError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_NOT_FOUND)
+    except ObjckptError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_ERROR)
+
+
+def store_command(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Common options of every store command: --storage-option and --json."""
+
+    @click.option(
+        "--storage-option",
+        "storage_option",
+        multiple=True,
+        metavar="KEY=VALUE",
+        help="fsspec option (repeatable; JSON values allowed).",
+    )
+    @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+    @click.pass_obj
+    @functools.wraps(fn)
+    def wrapper(
+        obj: dict[str, Any], storage_option: tuple[str, ...], as_json: bool, **kw: Any
+    ) -> Any:
+        ctx = CommandContext(obj.get("config"), parse_options(storage_option), as_json)
+        with errors_to_exit_codes():
+            return fn(ctx, **kw)
+
+    return wrapper
+
+
+def progress_bar(total: int, label: str, quiet: bool) -> Any:
+    """A progress bar on stderr (drawn only on a terminal, never with --json)."""
+    if quiet:
+        return contextlib.nullcontext(None)
+    return click.progressbar(length=total, label=label, file=sys.stderr, show_pos=False)
+
+
+def committed_manifest(loc: Any) -> Any:
+    """The committed manifest at ``loc`` (read once; the command passes it on)."""
+    from objckpt.ops.verify import open_manifest
+    from objckpt.writers import open_store
+
+    store = open_store(loc)
+    try:
+        return open_manifest(store)
+    finally:
+        store.close()

@@ -1,0 +1,106 @@
+"""The CLI's ``export`` and ``import``: between DCP checkpoints and safetensors.
+
+``export`` writes a committed checkpoint as Hugging Face safetensors shards (index
+last); ``import`` turns such a directory into a DCP checkpoint. Both pass each
+side's storage options on, so source and destination may live on different stores.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+
+from objckpt.cli.common import CommandContext, store_command
+
+__all__ = ["export_command", "import_command"]
+
+
+@click.command("export")
+@click.argument("step_url")
+@click.argument("dest_url")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["safetensors"]),
+    default="safetensors",
+    show_default=True,
+    help="What to write (Hugging Face safetensors shards and their index).",
+)
+@click.option("--dtype", default=None, help="Convert floating-point tensors (bf16, fp16, fp32).")
+@click.option("--keys", multiple=True, help="Glob of tensor names to export (repeatable).")
+@click.option("--shard-size", default="5GB", show_default=True, help="Most bytes per shard.")
+@store_command
+def export_command(
+    ctx: CommandContext,
+    step_url: str,
+    dest_url: str,
+    fmt: str,
+    dtype: str | None,
+    keys: tuple[str, ...],
+    shard_size: str,
+) -> None:
+    """Export the committed checkpoint STEP_URL to DEST_URL (index written last)."""
+    from objckpt.ops.export import export_safetensors
+
+    bar: Any = None
+
+    def progress(n: int, total: int) -> None:
+        nonlocal bar
+        if ctx.as_json:
+            return
+        if bar is None:
+            bar = click.progressbar(length=total, label="exporting", file=sys.stderr)
+            bar.__enter__()
+        bar.update(n)
+
+    try:
+        report = export_safetensors(
+            step_url,
+            dest_url,
+            storage_options=ctx.storage_options(step_url),
+            dest_storage_options=ctx.storage_options(dest_url),
+            dtype=dtype,
+            keys=list(keys) or None,
+            shard_size=shard_size,
+            progress=progress,
+        )
+    finally:
+        if bar is not None:
+            bar.__exit__(None, None, None)
+    ctx.emit(
+        {
+            "dest": report.dest,
+            "format": fmt,
+            "tensors": report.tensors,
+            "total_size": report.total_size,
+            "files": [{"name": n, "size": s, "crc32c": c} for n, s, c in report.files],
+        },
+        lambda: click.echo(
+            f"exported {report.tensors} tensors ({report.total_size:,} bytes) to {report.dest} "
+            f"in {len(report.files)} shard(s)"
+        ),
+    )
+
+
+@click.command("import")
+@click.argument("src_url")
+@click.argument("step_url")
+@click.option("--keys", multiple=True, help="Glob of tensor names to import (repeatable).")
+@store_command
+def import_command(ctx: CommandContext, src_url: str, step_url: str, keys: tuple[str, ...]) -> None:
+    """Import the safetensors checkpoint SRC_URL as a DCP checkpoint at STEP_URL."""
+    from objckpt.ops.export import import_safetensors
+
+    count = import_safetensors(
+        src_url,
+        step_url,
+        storage_options=ctx.storage_options(src_url),
+        dest_storage_options=ctx.storage_options(step_url),
+        keys=list(keys) or None,
+    )
+    ctx.emit(
+        {"src": src_url, "dest": step_url, "tensors": count},
+        lambda: click.echo(f"imported {count} tensors from {src_url} into {step_url}"),
+    )

@@ -1,0 +1,66 @@
+"""The CLI's ``verify``: check a checkpoint's objects against its manifest.
+
+Its own module because it is the one check whose failure is an answer, not an
+error: a bad object exits 1 (``EXIT_CHECK_FAILED``) after naming each failure.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from objckpt.cli.common import (
+    EXIT_CHECK_FAILED,
+    CommandContext,
+    committed_manifest,
+    progress_bar,
+    store_command,
+)
+
+__all__ = ["verify_command"]
+
+
+@click.command("verify")
+@click.argument("ckpt")
+@store_command
+def verify_command(ctx: CommandContext, ckpt: str) -> None:
+    """Check every object of CKPT against the manifest's size and CRC32C.
+
+    Exits 1 and names each object that fails; never loads anything into torch.
+    """
+    from objckpt.ops.verify import verify_checkpoint
+
+    loc = ctx.location(ckpt, "CKPT")
+    manifest = committed_manifest(loc)
+    with progress_bar(manifest.total_bytes, "verifying", ctx.as_json) as bar:
+        report = verify_checkpoint(
+            loc, manifest=manifest, progress=bar.update if bar is not None else None
+        )
+    doc = {
+        "url": loc.url,
+        "ok": report.ok,
+        "objects": len(report.objects),
+        "bytes": report.manifest.total_bytes,
+        "failures": [
+            {
+                "key": f.key,
+                "problem": f.problem,
+                "size": f.size,
+                "actual_size": f.actual_size,
+                "crc32c": f.crc32c,
+                "actual_crc32c": f.actual_crc32c,
+            }
+            for f in report.failures
+        ],
+    }
+
+    def human() -> None:
+        for f in report.failures:
+            click.echo(f"FAIL {loc.url_of(f.key)}: {f.problem}")
+        verdict = "ok" if report.ok else f"{len(report.failures)} of {len(report.objects)} failed"
+        click.echo(f"{loc.url}: {len(report.objects)} objects checked, {verdict}")
+
+    ctx.emit(doc, human)
+    if not report.ok:
+        sys.exit(EXIT_CHECK_FAILED)

@@ -1,0 +1,156 @@
+"""The local tier as a reader sees it: this node's copy of a checkpoint, trusted per object.
+
+A copy on local disk (the local tier of :class:`~objckpt.LocalTier`) may hold all of
+a checkpoint, only this rank's part of it, or damaged bytes. So it is never trusted
+as a whole: an object is read from it when it is there with the manifest's size,
+its bytes are checked before use, and an object found wrong is logged, naming the
+local object, and read from the store for the rest of the load. The choice is per
+object, so a job restarted on another world size reads whatever mix of tiers holds
+the bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable, Mapping
+
+from objckpt.errors import ChecksumMismatchError, SizeMismatchError
+from objckpt.format.dcp_json import StoredItem
+from objckpt.format.layout import MANIFEST_KEY
+from objckpt.format.manifest import Manifest, ObjectEntry
+from objckpt.writers.checksum import Crc32c
+from objckpt.writers.location import Location
+
+__all__ = ["LocalCopy"]
+
+logger = logging.getLogger(__name__)
+
+
+class LocalCopy:
+    """A local directory holding (some of) a checkpoint's objects under the store's names.
+
+    Args:
+        location: The local directory.
+        store: The checkpoint in the store that the copy stands in for.
+
+    Attributes:
+        location: The local directory.
+        bytes_read: Bytes taken from the copy over this object's life.
+    """
+
+    def __init__(self, location: Location, store: Location) -> None:
+        self.location = location
+        self.bytes_read = 0
+        self._store = store
+        #: The manifest's objects (None: no manifest, so nothing local can be
+        #: checked, and nothing local is used).
+        self._objects: Mapping[str, ObjectEntry] | None = None
+        #: Objects found usable (True) or not (False), by key.
+        self._ok: dict[str, bool] = {}
+
+    def read_manifest(self, store_url: str) -> bytes | None:
+        """The copy's manifest when it is there and parses (else None, logged)."""
+        path = self.location.key_path(MANIFEST_KEY)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+            Manifest.from_json_bytes(data, url=self.location.url_of(MANIFEST_KEY))
+        except FileNotFoundError:
+            return None
+        except Exception as exc:
+            logger.warning(
+                "local copy %s is unusable (%s); reading the manifest from %s",
+                self.location.url_of(MANIFEST_KEY),
+                exc,
+                store_url,
+            )
+            return None
+        return data
+
+    def start(self, store: Location, objects: Mapping[str, ObjectEntry] | None) -> None:
+        """Begin a load of ``store``, whose manifest lists ``objects`` (None: it has
+        none); what earlier loads found about the copy is forgotten."""
+        self._store, self._objects, self._ok = store, objects, {}
+
+    def holds(self, key: str) -> bool:
+        """Whether ``key`` is read from the copy: there, with the manifest's size."""
+        if self._objects is None:
+            return False
+        known = self._ok.get(key)
+        if known is not None:
+            return known
+        entry = self._objects.get(key)
+        try:
+            size = os.stat(self.location.key_path(key)).st_size
+        except OSError:
+            size = None
+        ok = entry is not None and size == entry.size
+        if size is not None and not ok:
+            logger.warning(
+                "local copy %s has %d bytes, the manifest says %s; reading it from %s",
+                self.location.url_of(key),
+                size,
+                entry.size if entry else "nothing",
+                self._store.url,
+            )
+        self._ok[key] = ok
+        return ok
+
+    def distrust(self, key: str, why: str) -> None:
+        """Read ``key`` from the store from now on, logging ``why``."""
+        logger.warning(
+            "local copy %s is corrupt (%s); reading it from %s instead",
+            self.location.url_of(key),
+            why,
+            self._store.url_of(key),
+        )
+        self._ok[key] = False
+
+    def read_object(self, key: str, check: Callable[[bytes], None]) -> bytes | None:
+        """A whole object, or None when ``check`` finds it damaged (then distrusted).
+
+        Raises:
+            OSError: The object could not be read.
+        """
+        with open(self.location.key_path(key), "rb") as f:
+            blob = f.read()
+        try:
+            check(blob)
+        except (SizeMismatchError, ChecksumMismatchError) as exc:
+            self.distrust(key, str(exc))
+            return None
+        self.bytes_read += len(blob)
+        return blob
+
+    def read_span(
+        self, key: str, start: int, end: int, items: Iterable[StoredItem], verify: bool
+    ) -> bytes | None:
+        """Bytes ``start``-``end`` of ``key``, each of ``items`` checked when ``verify``;
+        None when the span is not usable (then ``key`` is distrusted)."""
+        try:
+            with open(self.location.key_path(key), "rb") as f:
+                f.seek(start)
+                data = f.read(end - start)
+        except OSError as exc:
+            self.distrust(key, str(exc))
+            return None
+        if len(data) != end - start:
+            self.distrust(key, f"{len(data)} bytes at {start}, not {end - start}")
+            return None
+        if verify:
+            view = memoryview(data)
+            for item in items:
+                if item.crc32c is None:
+                    continue
+                crc = Crc32c()
+                crc.update(view[item.offset - start : item.offset - start + item.length])
+                if crc.hexdigest() != item.crc32c:
+                    self.distrust(
+                        key,
+                        f"CRC32C of bytes {item.offset}-{item.offset + item.length} is "
+                        f"{crc.hexdigest()}, the manifest says {item.crc32c}",
+                    )
+                    return None
+        self.bytes_read += len(data)
+        return data

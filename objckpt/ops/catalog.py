@@ -1,0 +1,228 @@
+"""The step catalog: which steps of one run are committed, where, and which retention drops.
+
+Step N lives at ``<root>/step-<N, 10 digits>/`` and exists only once its manifest
+is committed, so a listing never names a half-written step. In a process group
+only rank 0 lists and the others receive its answer (one LIST per job instead of
+one per rank, and one picture for all ranks: a step committing between two ranks'
+listings cannot make them disagree).
+
+The catalog keeps two views: steps committed on the root (durable) and steps
+committed on the local tier (the coordinator's view, with their commit times),
+and the steps that committed since the training loop last asked. Retention is
+chosen here, over durable steps only; deleting is the caller's.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from objckpt.dcp.collective import broadcast_from_rank0, is_distributed
+from objckpt.errors import CheckpointNotFoundError, StoreError
+from objckpt.format.steps import StepInfo, step_name
+from objckpt.ops.backup import BackupTarget, committed_steps
+from objckpt.ops.retention import RetentionPolicy
+from objckpt.writers.location import Location
+
+__all__ = ["StepCatalog", "on_rank0"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def on_rank0(fn: Callable[[], T], process_group: Any | None) -> T:
+    """``fn()`` decided on rank 0 and shared with every rank of the group (a
+    collective when a process group exists; a plain call otherwise)."""
+    if not is_distributed():
+        return fn()
+    return broadcast_from_rank0(fn, process_group)
+
+
+class StepCatalog:
+    """The committed steps of one run, as this rank knows them.
+
+    Args:
+        root: The primary root (durable steps).
+        retention: Which durable steps to drop.
+        local: This rank's local tier root (None without a local tier).
+        backups: Backup roots, listed when the primary holds no step.
+        process_group: The group whose rank 0 lists for all.
+    """
+
+    def __init__(
+        self,
+        root: Location,
+        *,
+        retention: RetentionPolicy,
+        local: Location | None = None,
+        backups: tuple[BackupTarget, ...] = (),
+        process_group: Any | None = None,
+    ) -> None:
+        self.root = root
+        self.retention = retention
+        self.local = local
+        self.backups = backups
+        self._group = process_group
+        self._lock = threading.Lock()
+        self._steps: dict[int, StepInfo] = {}
+        self._local: dict[int, float] = {}  # committed locally: step -> commit time
+        self._finished: list[int] = []
+
+    # -- listing ----------------------------------------------------------------------------
+    def reload(self) -> None:
+        """Re-list the root and the local tier on rank 0; every rank takes its answer.
+
+        Every rank of the group must call it together (a collective).
+
+        Raises:
+            StoreError: The primary cannot be listed and there is no backup.
+        """
+        found, local = on_rank0(lambda: (self._list_primary(), self._list_local()), self._group)
+        with self._lock:
+            self._steps = {s.step: s for s in found}
+            self._local = {s.step: s.modified or time.time() for s in local}
+
+    def newest(self) -> tuple[int, int | None]:
+        """Rank 0: the newest committed step on any tier, and the newest durable one
+        (primary, then backups), listed now.
+
+        Raises:
+            CheckpointNotFoundError: No committed step anywhere.
+        """
+        found = self._list_primary()
+        local = self._list_local()
+        with self._lock:
+            self._steps.update({s.step: s for s in found})
+            self._local.update({s.step: s.modified or time.time() for s in local})
+        durable = max((s.step for s in found), default=None)
+        if durable is None and self.backups:
+            durable = self._newest_backed_up()
+        candidates = [s.step for s in local] + ([durable] if durable is not None else [])
+        newest = max(candidates, default=None)
+        if newest is None:
+            where = self.root.url
+            if self.local is not None:
+                where += f" or on the local tier {self.local.url}"
+            raise CheckpointNotFoundError(f"no committed step under {where}")
+        return newest, durable
+
+    def _list_primary(self) -> list[StepInfo]:
+        try:
+            return committed_steps(self.root)
+        except StoreError as exc:
+            if not self.backups:
+                raise
+            logger.warning("primary %s cannot be listed (%s); backups remain", self.root.url, exc)
+            return []
+
+    def _list_local(self) -> list[StepInfo]:
+        """Rank 0: the steps committed on its local tier (it holds their manifests)."""
+        if self.local is None:
+            return []
+        try:
+            return committed_steps(self.local)
+        except StoreError as exc:
+            logger.warning("local tier %s cannot be listed: %s", self.local.url, exc)
+            return []
+
+    def _newest_backed_up(self) -> int | None:
+        newest = None
+        for target in self.backups:
+            try:
+                steps = [s.step for s in committed_steps(target.location)]
+            except StoreError as exc:
+                logger.warning("cannot list backup %s: %s", target.url, exc)
+                continue
+            if steps and (newest is None or max(steps) > newest):
+                newest = max(steps)
+        return newest
+
+    # -- views ------------------------------------------------------------------------------
+    def durable(self) -> list[StepInfo]:
+        """The steps committed on the root."""
+        with self._lock:
+            return list(self._steps.values())
+
+    def durable_steps(self) -> list[int]:
+        """The steps committed on the root, ascending."""
+        with self._lock:
+            return sorted(self._steps)
+
+    def local_steps(self) -> dict[int, float]:
+        """Steps committed on the local tier, with their commit times."""
+        with self._lock:
+            return dict(self._local)
+
+    def latest(self, *, durable: bool = False) -> int | None:
+        """The newest committed step (``durable``: on the root only), or None."""
+        with self._lock:
+            steps = set(self._steps) if durable else set(self._steps) | set(self._local)
+        return max(steps) if steps else None
+
+    def step_url(self, step: int) -> str:
+        return self.root.child(step_name(step)).url
+
+    def local_step_url(self, step: int) -> str | None:
+        """This rank's local copy of ``step`` (None without a local tier)."""
+        if self.local is None:
+            return None
+        return self.local.child(step_name(step)).url
+
+    # -- changes ----------------------------------------------------------------------------
+    def add(self, info: StepInfo) -> None:
+        """Coordinator: a step committed on the root."""
+        with self._lock:
+            self._steps[info.step] = info
+
+    def add_local(self, step: int) -> None:
+        """A step committed on the local tier (now)."""
+        with self._lock:
+            self._local[step] = time.time()
+            self._finished.append(step)
+
+    def finished(self, step: int) -> None:
+        """A save of ``step`` to the root ended well (see :meth:`take_finished`)."""
+        with self._lock:
+            self._finished.append(step)
+
+    def take_finished(self) -> list[int]:
+        """Steps that committed since the last call, ascending."""
+        with self._lock:
+            done, self._finished = self._finished, []
+        return sorted(done)
+
+    def add_durable(self, step: int) -> None:
+        """Non-coordinator ranks learn of a commit on the root, and of retention, here
+        (the coordinator deletes what retention drops)."""
+        with self._lock:
+            self._steps[step] = StepInfo(step, self.step_url(step), True, 0, 0, time.time())
+            for old in self.retention.to_delete(list(self._steps.values()), time.time()):
+                self._steps.pop(old, None)
+
+    def remove(self, step: int) -> None:
+        """A durable step was deleted."""
+        with self._lock:
+            self._steps.pop(step, None)
+
+    def to_delete(self) -> list[int]:
+        """The durable steps the retention policy drops now."""
+        with self._lock:
+            return self.retention.to_delete(list(self._steps.values()), time.time())
+
+    def prune_local(self, keep_last: int, spare: set[int]) -> list[tuple[int, bool]]:
+        """Forget all local steps but the newest ``keep_last`` and ``spare``.
+
+        Returns:
+            The steps forgotten (to delete from disk), each with whether it is durable.
+        """
+        with self._lock:
+            committed = sorted(self._local)
+            keep = set(committed[-keep_last:]) | spare
+            doomed = [s for s in committed if s not in keep]
+            for s in doomed:
+                self._local.pop(s, None)
+            return [(s, s in self._steps) for s in doomed]

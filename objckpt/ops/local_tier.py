@@ -1,0 +1,358 @@
+"""Running the local tier for one manager: where each save goes, and what happens after.
+
+:mod:`objckpt.ops.tiers` holds the values (:class:`~objckpt.LocalTier`,
+:class:`~objckpt.TierStatus`) and the room checks; :mod:`objckpt.ops.promote` copies
+one step to the root. This module holds the bookkeeping between them, per rank:
+
+* before a save: the local tier, or the root directly when any rank's disk lacks
+  room or a local save once ran out of space (decided with every rank, so all
+  ranks write to the same place);
+* after a local commit: each rank keeps its own index object on its disk (handed
+  out by the coordinator through the c10d store), every ``promote_every``-th step
+  is promoted, and local retention keeps the newest ``keep_last`` steps plus every
+  step whose promotion is still running;
+* at start: step directories no commit names (a save killed before its local
+  commit) are swept away.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+from objckpt._torch import group_store
+from objckpt.dcp.collective import any_rank, is_distributed
+from objckpt.errors import CheckpointNotFoundError, ObjckptError
+from objckpt.format.layout import index_key, index_rank
+from objckpt.format.manifest import Manifest
+from objckpt.format.steps import parse_step, step_name
+from objckpt.ops.catalog import StepCatalog
+from objckpt.ops.gc import delete_step
+from objckpt.ops.promote import Promoter
+from objckpt.ops.tiers import LocalTier, TierStatus, is_disk_full, local_room, state_bytes
+from objckpt.options import AsyncOptions, UploadOptions
+from objckpt.pipeline.handle import SaveHandle
+from objckpt.pipeline.workers import WorkerPool
+from objckpt.writers import open_store
+from objckpt.writers.location import Location
+from objckpt.writers.translate import describe
+
+__all__ = ["LocalTierControl", "sweep"]
+
+logger = logging.getLogger(__name__)
+
+
+def sweep(tier: LocalTier, known: Collection[int]) -> None:
+    """At start, every rank: delete step directories of its local tier that can
+    never load — committed neither on the local tier (the coordinator's view) nor
+    on the root (``known``): what a save killed before its local commit left. (A
+    directory of a durable step stays: its objects still spare this node reading
+    them from the root.)"""
+    root = tier.location.path
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return
+    for name in sorted(names):
+        step = parse_step(name)
+        if step is None or step in known:
+            continue
+        logger.info(
+            "deleting %s: a local save that never committed (a crash left it)",
+            os.path.join(root, name),
+        )
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+class LocalTierControl:
+    """One rank's local saves, their promotions and local retention.
+
+    Promotions get worker processes of their own: sharing the save's workers would
+    queue the next local save (the fast tier) behind a slow upload. They start with
+    the first promotion, not here: a restart that loads at once should not share the
+    CPU with interpreters starting.
+
+    Args:
+        tier: This rank's local tier.
+        catalog: The run's steps (local commits are recorded there).
+        upload: Part sizing for the promotions' copies.
+        options: Worker counts and the barrier timeout of the saves.
+        rank, world, process_group, distributed: Who saves together.
+        on_durable: Coordinator: called with (step, manifest) once a promoted
+            step's manifest is committed on the root.
+    """
+
+    def __init__(
+        self,
+        tier: LocalTier,
+        catalog: StepCatalog,
+        *,
+        upload: UploadOptions,
+        options: AsyncOptions,
+        rank: int,
+        world: int,
+        process_group: Any | None,
+        distributed: bool,
+        on_durable: Callable[[int, Manifest], None],
+    ) -> None:
+        self.tier = tier
+        self._catalog = catalog
+        self._rank = rank
+        self._world = world
+        self._group = process_group
+        self._timeout = options.barrier_timeout
+        self._lock = threading.Lock()
+        self._saves = 0
+        self._to_promote: set[int] = set()  # picked for promotion, not durable yet
+        self._promotions: list[concurrent.futures.Future[None]] = []
+        self._errors: list[BaseException] = []
+        self._absorbed: list[BaseException] = []  # local disk-full failures (warned)
+        self._degraded: str | None = None  # why the local tier is off for good
+        self._last_bypass: str | None = None
+        self._last_durable_s: float | None = None  # save to durable, newest promotion
+        self._last_error: str | None = None  # the last promotion's failure
+        self._pool = WorkerPool(options.workers, slots=options.uploads_per_worker, name="promotion")
+        self._promoter = Promoter(
+            tier.location,
+            catalog.root,
+            submit=self._pool.submit,
+            upload=upload,
+            rank=rank,
+            world=world,
+            process_group=process_group,
+            distributed=distributed,
+            timeout=options.barrier_timeout,
+            on_durable=on_durable,
+        )
+
+    def _url(self, step: int) -> str:
+        return self.tier.location.child(step_name(step)).url
+
+    # -- a save -----------------------------------------------------------------------------
+    def target(self, step: int, state_dict: Mapping[str, Any]) -> str | None:
+        """This rank's local URL for ``step``, or None when the save must bypass the
+        local tier (decided with every rank: one all-reduce)."""
+        why = self._degraded or local_room(self.tier, state_bytes(state_dict))
+        if not any_rank(why is not None, self._group):
+            self._last_bypass = None
+            return self._url(step)
+        why = why or "another rank's local tier has no room"
+        logger.warning(
+            "step %d goes to %s directly, not the local tier: %s", step, self._catalog.root.url, why
+        )
+        self._last_bypass = why
+        return None
+
+    def track(self, step: int, handle: SaveHandle, promote: bool | None) -> None:
+        """Follow a save started to the local tier: pick it for promotion (every
+        ``promote_every``-th, unless ``promote`` decides) and act when it ends."""
+        self._saves += 1
+        if promote is None:
+            promote = self._saves % self.tier.promote_every == 0
+        promotion: concurrent.futures.Future[None] | None = None
+        if promote:
+            promotion = concurrent.futures.Future()
+            with self._lock:
+                self._to_promote.add(step)
+                self._promotions.append(promotion)
+        handle._set_promotion(promotion)
+        handle._before_done(lambda exc: self._saved(step, handle, exc, promotion))
+
+    def _saved(
+        self,
+        step: int,
+        handle: SaveHandle,
+        exc: BaseException | None,
+        promotion: concurrent.futures.Future[None] | None,
+    ) -> None:
+        """A local save ended: record it, start its promotion, apply local retention
+        (before its handle reports it done)."""
+        if exc is not None:
+            if is_disk_full(exc):
+                self._degraded = (
+                    f"a save to the local tier {self.tier.location.url} ran out of space "
+                    f"(step {step}); later saves go to {self._catalog.root.url}"
+                )
+                logger.warning("%s: %s", self._degraded, exc)
+                with self._lock:
+                    self._absorbed.append(exc)
+            if promotion is not None:
+                with self._lock:
+                    self._to_promote.discard(step)
+                promotion.set_exception(exc)
+            return
+        self._keep_own_index(step, handle)
+        self._catalog.add_local(step)
+        if promotion is not None:
+            try:
+                running = self._promoter.submit(step, handle)
+            except BaseException as err:  # closed while saving
+                self._promotion_ended(step, handle, promotion, err)
+            else:
+                running.add_done_callback(
+                    lambda f: self._promotion_ended(step, handle, promotion, f.exception())
+                )
+        self._apply_retention()
+
+    # -- index objects ----------------------------------------------------------------------
+    # Each rank's local copy holds its own index object too (the coordinator wrote them
+    # all): a restart on the same ranks then reads nothing of its own part from the
+    # store. One c10d key per rank, read once and deleted (as the commit's own keys).
+    def _index_key(self, attempt: str | None, rank: int) -> str:
+        return f"objckpt/{attempt}/local-index/rank{rank}"
+
+    def hand_out_index(self, url: str, manifest: Manifest) -> None:
+        """Coordinator, before the local commit's outcome is published: post each
+        rank's index object for it to keep on its own disk."""
+        if not is_distributed() or self._world == 1:
+            return
+        local = open_store(Location.parse(url))
+        blobs: dict[int, bytes] = {}
+        for entry in manifest.objects:
+            rank = index_rank(entry.key)
+            if rank is None or rank == 0:
+                continue
+            try:
+                blobs[rank] = local.read(entry.key)
+            except OSError as exc:  # that rank reads its index from the root at load
+                logger.warning("cannot hand out %s: %s", entry.key, exc)
+        store = group_store(self._group)
+        for rank in range(1, self._world):
+            store.set(self._index_key(manifest.attempt, rank), blobs.get(rank, b""))
+
+    def _keep_own_index(self, step: int, handle: SaveHandle) -> None:
+        """Non-coordinator, after the local commit: write this rank's index object."""
+        if self._rank == 0 or self._world == 1:
+            return
+        store = group_store(self._group)
+        key = self._index_key(handle.attempt, self._rank)
+        try:
+            store.wait([key], datetime.timedelta(seconds=self._timeout))
+            blob = bytes(store.get(key))
+            store.delete_key(key)
+        except Exception as exc:  # only a cost at load: the index is read from the root
+            logger.warning("step %d: this rank's index object was not handed out: %s", step, exc)
+            return
+        if not blob or handle.attempt is None:
+            return
+        local = open_store(Location.parse(self._url(step)))
+        key = index_key(self._rank, handle.attempt)
+        if not local.exists(key):  # else a directory shared with the coordinator
+            local.put(key, blob)
+
+    # -- promotion and retention ------------------------------------------------------------
+    def _promotion_ended(
+        self,
+        step: int,
+        handle: SaveHandle,
+        promotion: concurrent.futures.Future[None],
+        exc: BaseException | None,
+    ) -> None:
+        with self._lock:
+            self._to_promote.discard(step)
+            if exc is not None:
+                self._errors.append(exc)
+        if exc is None and self._rank != 0:  # the coordinator recorded it on commit
+            self._catalog.add_durable(step)
+        if exc is not None:
+            promotion.set_exception(exc)
+        else:
+            promotion.set_result(None)  # the handle's seconds_to_durable is set now
+        with self._lock:
+            if exc is not None:
+                self._last_error = f"step {step}: {describe(exc)}"
+            else:
+                self._last_error = None
+                self._last_durable_s = handle.seconds_to_durable
+        self._apply_retention()
+
+    def _apply_retention(self) -> None:
+        """Every rank, its own local directory: keep the newest ``keep_last`` local
+        steps and every step whose promotion is still running."""
+        with self._lock:
+            spare = set(self._to_promote)
+        for s, durable in self._catalog.prune_local(self.tier.keep_last, spare):
+            if not durable:
+                logger.info(
+                    "local retention deletes step %d, which was never durable "
+                    "(not promoted, or its promotion failed; keep_last=%d)",
+                    s,
+                    self.tier.keep_last,
+                )
+            self._delete(s)
+
+    def _delete(self, step: int) -> None:
+        where = self.tier.location.child(step_name(step))
+        try:  # the manifest first: a half-deleted step is never taken for committed
+            delete_step(where)
+        except CheckpointNotFoundError:
+            return
+        except ObjckptError as exc:
+            logger.warning("cannot delete local step %s: %s", where.url, exc)
+            return
+        logger.info("deleted local step %d at %s", step, where.url)
+
+    # -- errors, status, lifetime -----------------------------------------------------------
+    def absorbed(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is a local disk-full failure already logged (reported once:
+        it is forgotten here)."""
+        with self._lock:
+            found = any(exc is a for a in self._absorbed)
+            if found:
+                self._absorbed = [a for a in self._absorbed if a is not exc]
+        return found
+
+    def wait_promotions(self) -> None:
+        """Wait for the promotions started so far."""
+        with self._lock:
+            promotions = list(self._promotions)
+        concurrent.futures.wait(promotions)
+
+    def raise_promotion_error(self) -> None:
+        """Raise the oldest promotion error not yet raised."""
+        with self._lock:
+            self._promotions = [p for p in self._promotions if not p.done()]
+            if not self._errors:
+                return
+            exc = self._errors.pop(0)
+        raise exc
+
+    def status(self) -> TierStatus:
+        """How far the root trails this rank's local tier."""
+        now = time.time()
+        local = self._catalog.local_steps()
+        durable_latest = self._catalog.latest(durable=True)
+        with self._lock:
+            behind = [
+                s
+                for s in self._to_promote
+                if s in local and (durable_latest is None or s > durable_latest)
+            ]
+        oldest = min((local[s] for s in behind), default=now)
+        return TierStatus(
+            path=self.tier.location.url,
+            local_latest=max(local, default=None),
+            durable_latest=durable_latest,
+            steps_behind=len(behind),
+            seconds_behind=max(0.0, now - oldest),
+            promoting=self._promoter.running(),
+            last_time_to_durable=self._last_durable_s,
+            degraded=self._degraded or self._last_bypass,
+            error=self._last_error,
+        )
+
+    def drain(self) -> None:
+        """Wait for the promotions started so far, then stop promoting."""
+        self.wait_promotions()
+        self._promoter.close()
+
+    def close(self) -> None:
+        """Stop the promotion workers."""
+        self._pool.close()

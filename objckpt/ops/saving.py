@@ -1,0 +1,172 @@
+"""The save path of a run: where each save goes, and what follows when it ends.
+
+A save goes to this node's local tier when there is one and every rank has room,
+to the root otherwise (:mod:`objckpt.ops.local_tier` decides, with every rank). Its
+handle then reports it done only after what follows has happened: a local save is
+recorded, maybe promoted and pruned (:mod:`objckpt.ops.local_tier`); a save to the
+root is recorded, backed up and retention applied (:mod:`objckpt.ops.durable`).
+
+Errors of finished saves and promotions are raised once each, from the training
+loop's next check; a local save that failed because the disk filled up is logged
+instead (later saves bypass the local tier), never raised.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from objckpt.format.manifest import Manifest
+from objckpt.format.steps import parse_step
+from objckpt.ops.catalog import StepCatalog
+from objckpt.ops.durable import DurableSteps
+from objckpt.ops.local_tier import LocalTierControl
+from objckpt.ops.tiers import LocalTier
+from objckpt.ops.torch_errors import unwrap
+from objckpt.options import AsyncOptions, UploadOptions
+from objckpt.pipeline.checkpointer import AsyncCheckpointer
+from objckpt.pipeline.handle import SaveHandle
+from objckpt.writers.retry import RetryPolicy
+
+__all__ = ["SaveFlow"]
+
+logger = logging.getLogger(__name__)
+
+
+class SaveFlow:
+    """Starts a run's saves and follows each to its end.
+
+    Args:
+        catalog: The run's steps (step URLs; commits are recorded there).
+        durable: What follows a commit on the root.
+        local: This rank's local tier, or None.
+        storage_options, upload, async_options, retry: The checkpointer's.
+        start_workers: Start the upload workers now (False: at the first save or
+            ``start_workers()``).
+        rank, world, process_group, distributed: Who saves together.
+    """
+
+    def __init__(
+        self,
+        catalog: StepCatalog,
+        durable: DurableSteps,
+        *,
+        local: LocalTier | None,
+        storage_options: Mapping[str, Any],
+        upload: UploadOptions | None,
+        async_options: AsyncOptions | None,
+        retry: RetryPolicy,
+        start_workers: bool,
+        rank: int,
+        world: int,
+        process_group: Any | None,
+        distributed: bool,
+    ) -> None:
+        self._catalog = catalog
+        self._durable = durable
+        self._group = process_group
+        self.checkpointer = AsyncCheckpointer(
+            storage_options=storage_options,
+            upload=upload,
+            async_options=async_options,
+            on_commit=self._on_commit,
+            retry=retry,
+            start_workers=start_workers,
+        )
+        self.local: LocalTierControl | None = None
+        if local is not None:
+            self.local = LocalTierControl(
+                local,
+                catalog,
+                upload=self.checkpointer.upload,
+                options=self.checkpointer.options,
+                rank=rank,
+                world=world,
+                process_group=process_group,
+                distributed=distributed,
+                on_durable=self._on_durable,
+            )
+
+    def save(
+        self,
+        step: int,
+        state_dict: dict[str, Any],
+        user_metadata: Mapping[str, Any] | None,
+        promote: bool | None,
+    ) -> SaveHandle:
+        """Start saving ``step`` (see :meth:`objckpt.CheckpointManager.save`)."""
+        local_url = self.local.target(step, state_dict) if self.local is not None else None
+        url = local_url or self._catalog.step_url(step)
+        self.checkpointer.start_workers()  # no load came first
+        try:
+            handle = self.checkpointer.save(
+                state_dict,
+                url,
+                process_group=self._group,
+                user_metadata=user_metadata,
+                checkpoint_id=self._catalog.step_url(step),
+            )
+        except BaseException as exc:
+            inner = unwrap(exc)
+            if inner is exc:
+                raise
+            raise inner from exc
+        if self.local is None or local_url is None:
+            handle._before_done(lambda exc: self._durable.saved(step, exc))
+        else:
+            self.local.track(step, handle, promote)
+        return handle
+
+    def _on_durable(self, step: int, manifest: Manifest) -> None:
+        """Coordinator: the root's manifest of a promoted step is committed."""
+        self._durable.committed(step, self._catalog.step_url(step), manifest)
+
+    def _on_commit(self, url: str, manifest: Manifest) -> None:
+        """Coordinator, background thread: a save committed (locally or on the root)."""
+        step = parse_step(url)
+        if step is None:
+            return
+        if self.local is not None and url == self._catalog.local_step_url(step):
+            logger.info("step %d committed on the local tier %s", step, url)
+            self.local.hand_out_index(url, manifest)
+            return  # recorded when its handle ends, on every rank
+        self._durable.committed(step, url, manifest)
+
+    # -- errors -----------------------------------------------------------------------------
+    def wait_until_finished(self) -> None:
+        """Wait for every save in flight, then for the promotions; raise the first
+        error not yet reported."""
+        self._raise_unreported(self.checkpointer.wait_until_finished)
+        if self.local is not None:
+            self.local.wait_promotions()
+            self.local.raise_promotion_error()
+
+    def check_for_errors(self) -> None:
+        """Raise the oldest unreported error of a finished save or promotion."""
+        self._raise_unreported(self.checkpointer.check_for_errors)
+        if self.local is not None:
+            self.local.raise_promotion_error()
+
+    def _raise_unreported(self, call: Callable[[], None]) -> None:
+        """``call()``, skipping the local disk-full failures already logged."""
+        while True:
+            try:
+                call()
+                return
+            except BaseException as exc:
+                if self.local is None or not self.local.absorbed(exc):
+                    raise
+                call = self.checkpointer.check_for_errors
+
+    # -- lifetime ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Wait for saves and promotions in flight, then stop every worker."""
+        try:
+            self.checkpointer.wait_all()
+            if self.local is not None:
+                self.local.drain()
+        finally:
+            if self.local is not None:
+                self.local.close()
+            self.checkpointer.close()

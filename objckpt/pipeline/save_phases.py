@@ -1,0 +1,407 @@
+"""One async save on the caller's thread, phase by phase: stage, agree, plan or replay, queue.
+
+:class:`~objckpt.pipeline.checkpointer.AsyncCheckpointer` owns what lasts across
+saves (staging memory, worker processes, filesystem clients, the plan cache);
+this module is the sequence one save walks through them, so it reads top to
+bottom in :func:`run_save`::
+
+    open the target    -> an ObjectStoreWriter on a reused filesystem client
+    check the target   -> preflight and "already committed?", beside the copy
+    stage              -> copy the state dict into staging memory
+    agree              -> one all-reduce: cache hit, attempt id, any rank's refusal
+    plan or replay     -> DCP's planning collectives, or the cached plan
+    queue              -> hand the commit to a background thread (commit_phase)
+
+The agreement is the one collective every rank makes for every save, whatever
+failed before it: a rank's refusal travels inside it, so a save refused on one
+rank is refused on all.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextvars
+import dataclasses
+import threading
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+
+from objckpt._torch import save_state_dict_fn
+from objckpt.dcp.collective import broadcast_object
+from objckpt.dcp.planner import ReplicaSlicingPlanner
+from objckpt.dcp.serialize import Framer
+from objckpt.dcp.storage_writer import ObjectStoreWriter
+from objckpt.errors import ConfigurationError, PeerRankError
+from objckpt.options import AsyncOptions, UploadOptions
+from objckpt.pipeline.commit_phase import exchange_for
+from objckpt.pipeline.deferred import DeferredWriter
+from objckpt.pipeline.plan_cache import (
+    Agreement,
+    CachedPlan,
+    PlanMemory,
+    agree,
+    cache_key,
+    group_ranks,
+)
+from objckpt.pipeline.stage import Staged, Stager
+from objckpt.pipeline.workers import WorkerPool
+from objckpt.writers.accounting import RequestCounter
+from objckpt.writers.retry import RetryPolicy
+from objckpt.writers.translate import describe
+
+__all__ = ["SaveRequest", "SaveResources", "TargetCache", "run_save"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveRequest:
+    """What the caller asked of one save."""
+
+    state_dict: dict[str, Any]
+    url: str
+    process_group: Any | None = None
+    overwrite: bool = False
+    user_metadata: Mapping[str, Any] | None = None
+    #: What DCP's ``StorageMeta.checkpoint_id`` records (default ``url``).
+    checkpoint_id: str | None = None
+
+
+class TargetCache:
+    """Filesystem clients by protocol and buckets already proven writable.
+
+    A save's stall should not pay for a new HTTP session or a preflight round trip,
+    so both outlive the save that created them.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._filesystems: dict[str, Any] = {}
+        self._checked: set[tuple[str, str]] = set()
+
+    def attach(self, target: ObjectStoreWriter) -> None:
+        """Give ``target`` this protocol's client, a request counter, and a preflight
+        only when its bucket has not been proven writable yet."""
+        loc = target.location
+        with self._lock:
+            fs = self._filesystems.get(loc.protocol)
+            if fs is None:
+                fs = self._filesystems[loc.protocol] = loc.open_fs(fresh=True)
+            target.attach(
+                fs=fs,
+                preflight=(loc.protocol, loc.bucket) not in self._checked,
+                requests=RequestCounter(),
+            )
+
+    def proven(self, target: ObjectStoreWriter) -> None:
+        """Record that a save to ``target``'s bucket got past its preflight."""
+        with self._lock:
+            self._checked.add((target.location.protocol, target.location.bucket))
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveResources:
+    """What a checkpointer lends each save (owned and closed by the checkpointer)."""
+
+    storage_options: Mapping[str, Any]
+    upload: UploadOptions
+    options: AsyncOptions
+    retry: RetryPolicy
+    stager: Stager
+    pool: WorkerPool
+    framer: Framer
+    targets: TargetCache
+    plans: PlanMemory
+    #: One thread that checks targets while the caller's tensors are copied.
+    checker: concurrent.futures.ThreadPoolExecutor
+
+
+@dataclasses.dataclass(frozen=True)
+class Queued:
+    """A save that passed every foreground phase: the commit thread takes it from here."""
+
+    writer: DeferredWriter
+    staged: Staged
+    world: int
+    process_group: Any | None
+    distributed: bool
+
+
+def run_save(
+    res: SaveResources, request: SaveRequest, sequence: int, refusal: BaseException | None = None
+) -> Queued:
+    """Stage, agree, plan or replay, and queue one save (caller's thread, every rank).
+
+    Every rank reaches the agreement whatever failed before it on that rank (the
+    target could not be opened or checked, the state dict could not be staged):
+    that failure becomes the rank's refusal, and every rank raises.
+
+    Args:
+        sequence: This checkpointer's save number (the same on every rank).
+        refusal: A reason to refuse known before the save starts (a closed checkpointer).
+
+    Raises:
+        ConfigurationError, StateDictError, CheckpointExistsError, StoreError: this
+            rank's own refusal, before anything is uploaded (wrapped by torch's
+            CheckpointException when raised inside DCP's planning).
+        PeerRankError: another rank refused (its rank and error in the message).
+        SaveSequenceError: the ranks are not in the same save.
+    """
+    distributed = dist.is_available() and dist.is_initialized()
+    process_group = request.process_group
+    rank = dist.get_rank(process_group) if distributed else 0
+    target: ObjectStoreWriter | None = None
+    staged: Staged | None = None
+    check: concurrent.futures.Future[SavePlan] | None = None
+    if refusal is None:
+        try:
+            target, check = _open_and_check(res, request, rank)
+            # A bucket not yet proven writable is checked before the copy: credentials
+            # that cannot write fail before any copy.
+            if not (target.needs_preflight and check.exception() is not None):
+                staged = _stage(res, request)
+        except Exception as exc:
+            refusal = exc
+        if refusal is None and check is not None:
+            refusal = check.exception()
+    elif check is not None:
+        check.exception()
+    writer = None if target is None or staged is None else _writer(res, target, staged)
+    try:
+        _plan(res, request.url, staged, writer, refusal, process_group, distributed, sequence)
+    except BaseException:
+        if writer is not None:
+            writer.settle()
+        if staged is not None:
+            res.stager.release(staged)
+        raise
+    assert target is not None and staged is not None and writer is not None  # agreed: no refusal
+    res.targets.proven(target)
+    world = dist.get_world_size(process_group) if distributed else 1
+    return Queued(writer, staged, world, process_group if distributed else None, distributed)
+
+
+def _open_and_check(
+    res: SaveResources, request: SaveRequest, rank: int
+) -> tuple[ObjectStoreWriter, concurrent.futures.Future[SavePlan]]:
+    """The target writer, and its check (preflight, "already committed?") started.
+
+    The check is a round trip to the store: it runs while the copy runs. Only
+    rank 0 asks whether the URL is committed; the agreement shares its refusal.
+    """
+    if request.url.startswith("memory://"):
+        raise ConfigurationError(
+            f"async save cannot write {request.url}: memory:// is private to one process and "
+            "the uploads run in worker processes; use file://, s3:// or gs://"
+        )
+    target = _open_target(res, request)
+    target.set_up_storage_writer(rank == 0, rank=rank)
+    check = res.checker.submit(
+        contextvars.copy_context().run, target.prepare_local_plan, SavePlan([])
+    )
+    return target, check
+
+
+def _stage(res: SaveResources, request: SaveRequest) -> Staged:
+    staged = res.stager.stage(
+        _plain_state_dict(request.state_dict), defer_copy=res.options.background_staging
+    )
+    return staged
+
+
+def _writer(res: SaveResources, target: ObjectStoreWriter, staged: Staged) -> DeferredWriter:
+    return DeferredWriter(target, res.pool, staged, res.framer)
+
+
+def _open_target(res: SaveResources, request: SaveRequest) -> ObjectStoreWriter:
+    target = ObjectStoreWriter(
+        request.url,
+        storage_options=res.storage_options,
+        overwrite=request.overwrite,
+        upload=res.upload,
+        user_metadata=request.user_metadata,
+        retry=res.retry,
+    )
+    if request.checkpoint_id is not None:
+        target.checkpoint_id = request.checkpoint_id
+    res.targets.attach(target)
+    return target
+
+
+def _plain_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Replace ``Stateful`` values by their ``state_dict()``, as ``dcp.save`` does."""
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    def plain(value: Any) -> Any:
+        # Tensors and containers are never Stateful; skip the costly protocol check.
+        if isinstance(value, (torch.Tensor, dict, list, tuple, int, float, str, bytes)):
+            return value
+        return value.state_dict() if isinstance(value, Stateful) else value
+
+    return {k: plain(v) for k, v in state_dict.items()}
+
+
+def _plan(
+    res: SaveResources,
+    url: str,
+    staged: Staged | None,
+    writer: DeferredWriter | None,
+    refusal: BaseException | None,
+    process_group: Any,
+    distributed: bool,
+    sequence: int,
+) -> None:
+    """Agree with the other ranks (on the cache and on refusals), then replay or plan.
+
+    ``refusal`` is this rank's error from opening or checking the target or from
+    staging (``staged`` and ``writer`` are then None).
+    """
+    rank = dist.get_rank(process_group) if distributed else 0
+    world = dist.get_world_size(process_group) if distributed else 1
+    cached = None
+    key: tuple[Any, ...] = ()
+    if staged is not None:
+        group = group_ranks(process_group) if distributed else (0,)
+        key = cache_key(staged.structure, rank, world, group)
+        cached = res.plans.lookup(key)
+        if refusal is None and cached is None and staged.copy is not None:
+            try:  # a miss copies before planning anyway: a copy error is a refusal
+                staged.copy.run()
+            except Exception as exc:
+                refusal = exc
+    agreement = agree_or_raise(
+        url, cached is not None, refusal, process_group, distributed, sequence
+    )
+    assert staged is not None and writer is not None  # no rank refused
+    writer.writer.attach(attempt=agreement.attempt)
+    planner = _planner(res, world)
+    if agreement.hit and cached is not None:
+        res.plans.count_hit()
+        announce = _announcer(
+            writer, process_group, world, res.options.barrier_timeout, distributed
+        )
+        if staged.copy is not None and not cached.queue_later:
+            try:
+                staged.copy.run()  # uploads are queued now: their bytes must be there
+            except BaseException as exc:
+                announce(exc)
+                raise
+        _replay(cached, staged, writer, planner, rank, on_error=announce)
+        return
+    res.plans.count_miss()
+    if staged.copy is not None:
+        # Copied before the agreement unless this rank hit and another missed.
+        staged.copy.run()  # a first plan queues its uploads as it goes
+    _plan_and_queue(staged.state, writer, planner, process_group, distributed)
+    if writer.final_plan is not None:
+        queue_later = writer.all_staged and staged.wave is None
+        res.plans.cached = CachedPlan(key, writer.final_plan, writer.metadata, queue_later)
+
+
+def _planner(res: SaveResources, world: int) -> SavePlanner:
+    """DCP's planner, splitting large replicated tensors across the replicas."""
+    if world > 1 and res.options.share_replicated:
+        return ReplicaSlicingPlanner(replicas=world, slice_bytes=res.upload.part_size)
+    return DefaultSavePlanner()
+
+
+def agree_or_raise(
+    url: str,
+    hit: bool,
+    refusal: BaseException | None,
+    process_group: Any,
+    distributed: bool,
+    sequence: int = 0,
+) -> Agreement:
+    """The one collective of a save: every rank calls it exactly once, whether it
+    refused before staging, after staging, or not at all. Raises on every rank
+    when any rank refused: the refusing rank its own error, the others a
+    :class:`PeerRankError` naming that rank and its error (one more broadcast, on
+    the failure path only)."""
+    rank = dist.get_rank(process_group) if distributed else 0
+    agreement = agree(hit, refusal is not None, rank, process_group, distributed, sequence)
+    refused_by = agreement.refused_by
+    if refused_by is None:
+        return agreement
+    cause = describe(refusal) if refusal is not None else None
+    if distributed:
+        cause = broadcast_object(cause, refused_by, process_group)
+    if refusal is not None:
+        raise refusal
+    raise PeerRankError(
+        f"save of {url} was refused on rank {refused_by}: {cause}; nothing was uploaded",
+        rank=refused_by,
+    )
+
+
+def _announcer(
+    writer: DeferredWriter, process_group: Any, world: int, timeout: float, distributed: bool
+) -> Callable[[BaseException], None]:
+    """How a replay error reaches the other ranks: through the commit exchange (the
+    replay makes no collective they could learn it from)."""
+
+    def announce(exc: BaseException) -> None:
+        if not distributed:
+            return
+        exchange = exchange_for(writer, process_group, world, timeout)
+        exchange.post(False, describe(exc))
+        if exchange.rank == 0:  # no coordinator will gather: tell the others now
+            exchange.publish_outcome(f"rank 0: {describe(exc)}")
+
+    return announce
+
+
+def _plan_and_queue(
+    state: dict[str, Any],
+    writer: DeferredWriter,
+    planner: SavePlanner,
+    process_group: Any,
+    distributed: bool,
+) -> None:
+    """Run DCP's plan -> write -> finish with the deferred writer.
+
+    DCP's internal ``_save_state_dict`` is used when present: the public
+    ``dcp.save`` wraps every entry in logging that costs ~0.1 ms per tensor,
+    which is most of the stall for a state dict of thousands of small tensors.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        save_state_dict_fn()(
+            state,
+            storage_writer=writer,
+            planner=planner,
+            process_group=process_group,
+            no_dist=not distributed,
+        )
+
+
+def _replay(
+    cached: CachedPlan,
+    staged: Staged,
+    writer: DeferredWriter,
+    planner: SavePlanner,
+    rank: int,
+    on_error: Callable[[BaseException], None],
+) -> None:
+    """Queue the uploads of a save whose structure equals the cached plan's.
+
+    The cached final local plan names the same items; only the attempt changes.
+    The planner is set up on the new staged state so items resolve to its tensors.
+    """
+
+    def set_up() -> None:
+        planner.set_up_planner(
+            state_dict=staged.state, storage_meta=writer.storage_meta(), is_coordinator=rank == 0
+        )
+
+    try:
+        writer.replay(
+            cached.plan, planner, cached.metadata, set_up=set_up, later=cached.queue_later
+        )
+    except BaseException as exc:
+        on_error(exc)
+        raise

@@ -1,0 +1,105 @@
+"""Walking a state dict: its layout and tensors out, staged views back in.
+
+Staging needs two passes over the caller's nested dicts, lists and tuples, and
+both must visit tensors in the same order: :func:`scan` collects the tensors
+(DTensors as their local shards) and a hashable layout that says whether a
+previous save's staging set and plan still fit; :func:`rebuild` puts the staged
+views back where the tensors were (re-wrapping DTensor shards), giving the state
+dict DCP plans and writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any, cast
+
+import torch
+
+from objckpt.errors import StateDictError
+
+__all__ = ["rebuild", "scan"]
+
+
+def _dtensor_local(value: torch.Tensor) -> torch.Tensor | None:
+    to_local = getattr(value, "to_local", None)
+    return to_local() if callable(to_local) and hasattr(value, "device_mesh") else None
+
+
+def _mesh_id(mesh: Any) -> Hashable:
+    return (tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), mesh.device_type)
+
+
+def scan(state: Any) -> tuple[tuple[Hashable, ...], list[torch.Tensor], list[str]]:
+    """One walk over a state dict: its layout (hashable, values excluded), its
+    tensors in traversal order (DTensors as their local shards) and their paths.
+
+    The layout is everything DCP's plan depends on, so equal layouts plan alike:
+    paths, types, shapes, dtypes, devices, and for DTensors the global shape,
+    placements and mesh.
+    """
+    layout: list[Hashable] = []
+    tensors: list[torch.Tensor] = []
+    paths: list[str] = []
+
+    def walk(value: Any, path: str) -> None:
+        if isinstance(value, torch.Tensor):
+            local = _dtensor_local(value)
+            if local is None and value.layout != torch.strided:
+                raise StateDictError(f"async save does not support {value.layout} tensors ({path})")
+            t = value if local is None else local
+            entry: tuple[Hashable, ...] = (
+                path,
+                type(value).__name__,
+                tuple(t.shape),
+                str(t.dtype),
+                t.device.type,
+            )
+            if local is not None:  # where the shard sits in the global tensor
+                dt = cast(Any, value)
+                entry += (tuple(value.shape), str(dt.placements), _mesh_id(dt.device_mesh))
+            layout.append(entry)
+            tensors.append(t)
+            paths.append(path)
+        elif isinstance(value, dict):
+            for k in value:
+                walk(value[k], f"{path}.{k}")
+        elif isinstance(value, (list, tuple)):
+            layout.append((path, type(value).__name__, len(value)))
+            for i, v in enumerate(value):
+                walk(v, f"{path}[{i}]")
+        else:
+            layout.append((path, type(value).__name__))
+
+    walk(state, "")
+    return tuple(layout), tensors, paths
+
+
+def rebuild(state: Any, views: list[torch.Tensor]) -> Any:
+    """``state`` with each tensor replaced by its staged view, in traversal order."""
+    it = iter(views)
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            view = next(it)
+            if _dtensor_local(value) is None:
+                return view
+            from torch.distributed.tensor import DTensor
+
+            dt = cast(Any, value)
+            return DTensor.from_local(
+                view,
+                dt.device_mesh,
+                dt.placements,
+                run_check=False,
+                shape=value.shape,
+                stride=value.stride(),
+            )
+        if isinstance(value, dict):
+            return {k: walk(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [walk(v) for v in value]
+        if isinstance(value, tuple):
+            return tuple(walk(v) for v in value)
+        return value
+
+    return walk(state)
