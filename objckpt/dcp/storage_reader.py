@@ -24,6 +24,7 @@ by one module per step:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import uuid
 from collections.abc import Iterable, Mapping
@@ -51,6 +52,8 @@ from objckpt.options import ReadOptions
 from objckpt.writers.accounting import RequestCounter, RequestStats, counting
 from objckpt.writers.location import Location
 from objckpt.writers.retry import RetryPolicy
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ObjectStoreReader"]
 
@@ -150,8 +153,10 @@ class ObjectStoreReader(StorageReader):
         self.metadata_bytes_fetched = 0
         self._counter = RequestCounter()
         self._delivery = Delivery(self.options)
+        #: The open's error, kept for dcp.load's first step in a process group.
+        self._deferred: Exception | None = None
         with counting(self._counter):
-            self._open()
+            self._open_or_defer()
         # No load has used what _open read yet: a reset(checkpoint_id) naming the same
         # URL (how dcp.load starts) need not read the manifest again (at W ranks that
         # second read is W GETs, or a second broadcast).
@@ -185,6 +190,25 @@ class ObjectStoreReader(StorageReader):
     def requests(self) -> RequestStats:
         """Store requests this reader made on this rank (opening included)."""
         return self._counter.snapshot()
+
+    def _open_or_defer(self) -> None:
+        """Open the checkpoint; in a process group, keep a failure for ``dcp.load``.
+
+        A reader is built outside DCP's collectives: one rank raising here (its
+        node cannot reach the store, the manifest it read is bad) would leave
+        that rank's next ``dcp.load`` pairing with this one on the other ranks.
+        In a process group the error is raised from ``set_up_storage_reader``
+        instead, inside DCP's first step, whose errors DCP raises on every rank.
+        """
+        self._deferred = None
+        try:
+            self._open()
+        except Exception as exc:
+            if not is_distributed():
+                raise
+            logger.warning("opening %s failed on this rank: %s", self.location.url, exc)
+            self._deferred = exc
+            self._metadata = Metadata(state_dict_metadata={})
 
     def _open(self) -> None:
         opened = open_checkpoint(
@@ -235,15 +259,21 @@ class ObjectStoreReader(StorageReader):
             self.manifest, self._locator = None, None
             self._counter = RequestCounter()
             with counting(self._counter):
-                self._open()
+                self._open_or_defer()
 
     def read_metadata(self) -> Metadata:
+        """The checkpoint's DCP metadata; its ``storage_meta.load_id`` is this load's
+        ``load_id`` (as torch's own readers fill it). After a failed open in a
+        process group it describes nothing, and ``set_up_storage_reader`` raises."""
         meta = self._metadata.storage_meta or StorageMeta()
-        return dataclasses.replace(self._metadata, storage_meta=dataclasses.replace(meta))
+        meta = dataclasses.replace(meta, load_id=self.load_id)
+        return dataclasses.replace(self._metadata, storage_meta=meta)
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
+        if self._deferred is not None:
+            raise self._deferred
         rank = kwargs.get("rank")
         if rank is None:
             rank = dist.get_rank(self._group) if is_distributed() else 0
