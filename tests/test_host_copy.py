@@ -55,10 +55,14 @@ def test_a_large_copy_runs_on_several_threads_in_even_shares(
     ran: list[tuple[str, int]] = []
     lock = threading.Lock()
     real = host_copy._copy_share
+    # Every share waits for the other two: the copy passes only when three shares run
+    # at once, whatever thread the pool would have reused on a loaded machine.
+    together = threading.Barrier(3, timeout=60)
 
     def spy(share: list[host_copy._Piece]) -> None:
         with lock:
             ran.append((threading.current_thread().name, sum(p[2] for p in share)))
+        together.wait()
         real(share)
 
     monkeypatch.setattr(host_copy, "_copy_share", spy)
