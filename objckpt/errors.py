@@ -171,3 +171,12 @@ class PeerRankError(ObjckptError):
 class SaveSequenceError(ObjckptError):
     """Ranks reached a save's agreement in different saves (one rank skipped or
     repeated a ``save()`` call): refused on every rank instead of pairing them."""
+
+    def __init__(self, message: str, highest: int = 0) -> None:
+        super().__init__(message)
+        #: The highest save number any rank brought: every rank continues from it,
+        #: so the next save (made by every rank) agrees again.
+        self.highest = highest
+
+    def __reduce__(self) -> tuple[type[SaveSequenceError], tuple[str, int]]:
+        return (type(self), (str(self), self.highest))

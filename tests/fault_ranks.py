@@ -312,3 +312,18 @@ def collectives_without_cpu_backend(rank: int, world: int, init_file: str) -> No
         assert agreement.refused_by == 1 and agreement.hit
     finally:
         dist.destroy_process_group()
+
+
+def saves_out_of_step(rank: int, world: int, init_file: str, root: str, out: str) -> None:
+    """Rank 1 has counted one save() more than rank 0 (as if it made a call rank 0 did
+    not): that save fails on both ranks naming the numbers, and the next one commits."""
+    _init(rank, world, init_file)
+    try:
+        with objckpt.AsyncCheckpointer(async_options=objckpt.AsyncOptions(workers=1)) as ckpt:
+            ckpt.save(_state(rank), f"{root}/one").result(timeout=120)
+            if rank == 1:
+                ckpt._sequence += 1
+            _record(out, "skewed", rank, lambda: ckpt.save(_state(rank), f"{root}/two").result())
+            _record(out, "next", rank, lambda: ckpt.save(_state(rank), f"{root}/three").result(120))
+    finally:
+        dist.destroy_process_group()

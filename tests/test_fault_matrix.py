@@ -174,3 +174,15 @@ def test_a_sparse_tensor_on_one_rank_fails_the_save_on_every_rank_and_the_next_c
 def test_objckpt_collectives_run_on_a_group_without_a_cpu_backend(tmp_path: Path) -> None:
     args = ("collectives_without_cpu_backend", 2, str(tmp_path / "init"))
     mp.spawn(fault_ranks.rank_main, args=args, nprocs=2, join=True)
+
+
+def test_ranks_in_different_saves_fail_that_save_and_the_next_commits(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    args = ("saves_out_of_step", 2, str(tmp_path / "init"), f"file://{tmp_path}/ck", str(out))
+    mp.spawn(fault_ranks.rank_main, args=args, nprocs=2, join=True)
+    skewed = [json.loads((out / f"skewed.rank{r}.json").read_text()) for r in range(2)]
+    assert [s["type"] for s in skewed] == ["SaveSequenceError"] * 2, skewed
+    assert "save 2" in skewed[0]["error"] and "save 3" in skewed[0]["error"], skewed
+    after = [json.loads((out / f"next.rank{r}.json").read_text()) for r in range(2)]
+    assert [s["outcome"] for s in after] == ["ok", "ok"], after

@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from objckpt.dcp.serialize import Framer
-from objckpt.errors import ConfigurationError
+from objckpt.errors import ConfigurationError, SaveSequenceError
 from objckpt.format.manifest import Manifest
 from objckpt.options import AsyncOptions, UploadOptions
 from objckpt.pipeline.commit_phase import Committer
@@ -157,7 +157,11 @@ class AsyncCheckpointer:
             self._sequence += 1
             refusal = ConfigurationError("AsyncCheckpointer is closed") if self._closed else None
             waited = self._throttle() if refusal is None else 0.0
-            queued = run_save(self._resources, request, self._sequence, refusal)
+            try:
+                queued = run_save(self._resources, request, self._sequence, refusal)
+            except SaveSequenceError as exc:
+                self._sequence = exc.highest  # every rank resumes in step from here
+                raise
             future: concurrent.futures.Future[Manifest | None] = concurrent.futures.Future()
             target = queued.writer.writer
             copy = queued.staged.copy

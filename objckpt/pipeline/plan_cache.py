@@ -124,7 +124,8 @@ def agree(
         raise SaveSequenceError(
             f"ranks are in different saves: this rank (rank {rank}) is in save {sequence}, "
             f"others between save {-neg_lowest} and save {highest}; a rank skipped or "
-            "repeated a save() call, so their collectives would pair different saves"
+            "repeated a save() call, so their collectives would pair different saves",
+            highest=highest,
         )
     return Agreement(
         hit=miss == 0,
