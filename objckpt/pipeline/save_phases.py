@@ -163,14 +163,17 @@ def run_save(
             # A bucket not yet proven writable is checked before the copy: credentials
             # that cannot write fail before any copy.
             if not (target.needs_preflight and check.exception() is not None):
-                staged = _stage(res, request)
+                staged = res.stager.stage(
+                    _plain_state_dict(request.state_dict),
+                    defer_copy=res.options.background_staging,
+                )
         except Exception as exc:
             refusal = exc
         if refusal is None and check is not None:
             refusal = check.exception()
-    elif check is not None:
-        check.exception()
-    writer = None if target is None or staged is None else _writer(res, target, staged)
+    writer = None
+    if target is not None and staged is not None:
+        writer = DeferredWriter(target, res.pool, staged, res.framer)
     try:
         _plan(res, request.url, staged, writer, refusal, process_group, distributed, sequence)
     except BaseException:
@@ -204,17 +207,6 @@ def _open_and_check(
         contextvars.copy_context().run, target.prepare_local_plan, SavePlan([])
     )
     return target, check
-
-
-def _stage(res: SaveResources, request: SaveRequest) -> Staged:
-    staged = res.stager.stage(
-        _plain_state_dict(request.state_dict), defer_copy=res.options.background_staging
-    )
-    return staged
-
-
-def _writer(res: SaveResources, target: ObjectStoreWriter, staged: Staged) -> DeferredWriter:
-    return DeferredWriter(target, res.pool, staged, res.framer)
 
 
 def _open_target(res: SaveResources, request: SaveRequest) -> ObjectStoreWriter:
