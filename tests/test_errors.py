@@ -151,6 +151,26 @@ def test_unserializable_entry_fails_before_upload(store: StoreTarget) -> None:
     assert leftovers == [], "nothing may be written for a state dict that cannot be saved"
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [torch.eye(3).to_sparse(), torch.empty(3, device="meta")],
+    ids=["sparse", "meta"],
+)
+def test_a_tensor_no_payload_can_hold_is_named_before_upload(
+    store: StoreTarget, bad: torch.Tensor
+) -> None:
+    """A sync save of a sparse or meta tensor fails with StateDictError naming its
+    key (as the async path does), before any object is written."""
+    url = store.url("c1")
+    with pytest.raises(BaseException) as info:
+        save({"w": torch.ones(1000), "opt": {"bad": bad}}, url, store)
+    err = carried(info.value)
+    assert isinstance(err, StateDictError) and "'opt.bad'" in str(err), err
+    fs = fs_of(store)
+    path = path_of(store, url)
+    assert (fs.ls(path, detail=False) if fs.exists(path) else []) == []
+
+
 def test_gcs_refusals_translate_to_access_denied() -> None:
     """gcsfs raises a bare OSError("Forbidden: ...") for 403 and HttpError(code=401) for
     rejected credentials; both must read as AccessDeniedError naming the URL."""
@@ -209,3 +229,15 @@ def test_bad_manifest_on_the_store_is_named(
         pytest.raises(ManifestError, match=needle),
     ):
         mgr.load({"w": torch.zeros(16)}, step=1)
+
+
+def test_an_async_save_names_a_meta_tensor_before_upload(s3_bucket: StoreTarget) -> None:
+    import objckpt
+
+    url = s3_bucket.url("c1")
+    state = {"w": torch.ones(8), "model": {"lazy": torch.empty(4, device="meta")}}
+    with pytest.raises(StateDictError, match=r"'model\.lazy'.*meta tensor"):
+        objckpt.async_save(state, url, storage_options=s3_bucket.storage_options)
+    fs = fs_of(s3_bucket)
+    path = path_of(s3_bucket, url)
+    assert (fs.ls(path, detail=False) if fs.exists(path) else []) == []

@@ -14,14 +14,18 @@ import contextlib
 import dataclasses
 import functools
 import json
+import logging
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import click
+from torch.distributed.checkpoint.api import CheckpointException
 
-from objckpt.errors import CheckpointNotFoundError, ObjckptError
+from objckpt.errors import BucketNotFoundError, CheckpointNotFoundError, ObjckptError
+from objckpt.ops.torch_errors import unwrap
 from objckpt.writers.location import Location
+from objckpt.writers.translate import describe
 
 __all__ = [
     "EXIT_CHECK_FAILED",
@@ -30,10 +34,14 @@ __all__ = [
     "CommandContext",
     "committed_manifest",
     "errors_to_exit_codes",
+    "exit_code",
+    "one_line",
     "parse_options",
     "progress_bar",
     "store_command",
 ]
+
+logger = logging.getLogger(__name__)
 
 EXIT_CHECK_FAILED = 1
 EXIT_NOT_FOUND = 3
@@ -111,17 +119,36 @@ class CommandContext:
             human()
 
 
+def exit_code(exc: BaseException) -> int:
+    """The documented exit code for an error a command met: 3 for a checkpoint or
+    bucket that is not there, 4 for anything else."""
+    if isinstance(exc, (CheckpointNotFoundError, BucketNotFoundError)):
+        return EXIT_NOT_FOUND
+    return EXIT_ERROR
+
+
+def one_line(exc: BaseException) -> str:
+    """What the CLI prints for ``exc``: objckpt's own message, or for anything else
+    its type and a credential-free summary (torch's ``CheckpointException`` is seen
+    through to the error a rank raised)."""
+    inner = unwrap(exc)
+    if isinstance(inner, ObjckptError):
+        return str(inner).splitlines()[0] if str(inner) else type(inner).__name__
+    return describe(inner).splitlines()[0]
+
+
 @contextlib.contextmanager
 def errors_to_exit_codes() -> Iterator[None]:
-    """objckpt errors become one line on stderr and a documented exit code."""
+    """Every error a command meets becomes one line on stderr and a documented exit
+    code, never a traceback (``-vv`` logs the traceback at debug level)."""
     try:
         yield
-    except CheckpointNotFoundError as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(EXIT_NOT_FOUND)
-    except ObjckptError as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(EXIT_ERROR)
+    except (click.ClickException, click.exceptions.Exit, click.Abort):
+        raise
+    except (Exception, CheckpointException) as exc:  # torch's is a BaseException
+        logger.debug("the command failed", exc_info=True)
+        click.echo(f"error: {one_line(exc)}", err=True)
+        sys.exit(exit_code(unwrap(exc)))
 
 
 def store_command(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,7 +1,8 @@
 """The CLI's ``demo``: train, checkpoint, restart and verify, end to end.
 
-Unlike the store commands it takes no config and reports its own exit codes: 1 when
-objckpt fails, 2 when the restored weights do not match the saved ones.
+Unlike the store commands it takes no config; its errors get the store commands'
+exit codes (3 for a missing bucket, 4 for any other failure), and 5 means the
+restored weights did not match the saved ones.
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ import sys
 
 import click
 
-from objckpt.cli.common import parse_options
-from objckpt.errors import ObjckptError
+from objckpt.cli.common import errors_to_exit_codes, parse_options
 
-__all__ = ["demo"]
+__all__ = ["EXIT_MISMATCH", "demo"]
+
+#: The demo's own exit code: the restored weights differ from the saved ones.
+EXIT_MISMATCH = 5
 
 
 @click.command()
@@ -44,7 +47,7 @@ def demo(
 
     if every < 1 or steps < every:
         raise click.BadParameter("need --steps >= --every >= 1", param_hint="--every")
-    try:
+    with errors_to_exit_codes():
         result = run_demo(
             steps=steps,
             every=every,
@@ -52,9 +55,6 @@ def demo(
             url=url,
             storage_options=parse_options(storage_option) or None,
         )
-    except ObjckptError as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(1)
     if as_json:
         click.echo(
             json.dumps(
@@ -82,4 +82,4 @@ def demo(
             f"weights match: {'yes' if result.weights_match else 'NO'}"
         )
     if not result.weights_match:
-        sys.exit(2)
+        sys.exit(EXIT_MISMATCH)

@@ -255,6 +255,32 @@ def write_payload(
     return out.record()
 
 
+def refuse_unwritable(items: list[WriteItem], planner: SavePlanner) -> None:
+    """Refuse, before any upload, a tensor entry no payload can hold: a sparse or
+    other non-strided layout, or a meta tensor (no data); the message names its key,
+    as the async path's staging does.
+
+    Raises:
+        StateDictError: Such an entry; the message names its key.
+    """
+    for item in items:
+        if item.type == WriteItemType.BYTE_IO:
+            continue
+        data = planner.resolve_data(item)
+        if not isinstance(data, torch.Tensor):
+            continue  # resolve_entries names it with its type
+        if data.layout != torch.strided:
+            raise StateDictError(
+                f"state-dict entry {item.index.fqn!r} is a {data.layout} tensor, which "
+                "objckpt cannot save; convert it (e.g. .to_dense()) before saving"
+            )
+        if data.is_meta:
+            raise StateDictError(
+                f"state-dict entry {item.index.fqn!r} is a meta tensor (it has no data); "
+                "materialize it before saving"
+            )
+
+
 def resolve_entries(
     obj: ObjectPlan, planner: SavePlanner, resolved: dict[int, io.BytesIO], position: dict[int, int]
 ) -> Iterator[tuple[int, torch.Tensor | BytesLike]]:

@@ -33,6 +33,7 @@ from objckpt.dcp.serialize import (
     Framer,
     WrittenObject,
     close_payload,
+    refuse_unwritable,
     resolve_bytes_items,
     resolve_entries,
     write_payload,
@@ -262,6 +263,7 @@ class ObjectStoreWriter(StorageWriter):
     ) -> list[WriteResult]:
         store = self.store
         items = list(plan.items)
+        refuse_unwritable(items, planner)
         resolved = resolve_bytes_items(items, planner)
         position = {id(item): n for n, item in enumerate(items)}
         objects = assign_objects(

@@ -21,7 +21,7 @@ from typing import Any
 
 from fsspec import AbstractFileSystem
 
-from objckpt.errors import ConfigurationError
+from objckpt.errors import BucketNotFoundError, ConfigurationError
 from objckpt.format.layout import MANIFEST_KEY
 from objckpt.writers.location import Location
 from objckpt.writers.translate import translate
@@ -104,16 +104,25 @@ def _mtime(info: Mapping[str, Any]) -> float | None:
 def inventory(fs: AbstractFileSystem, root: Location) -> list[ObjectInfo]:
     """Every object under ``root`` (one recursive listing), sorted by key.
 
+    An empty answer from an object store is checked once more: a root in a bucket
+    that does not exist must not look like a root without steps (a typo in the
+    bucket name would otherwise read as "nothing saved yet").
+
     Raises:
+        BucketNotFoundError: The root's bucket does not exist (object stores only;
+            a missing local directory is an empty root).
         StoreError: The listing failed (translated, naming the root).
     """
     fs.invalidate_cache(root.path)
     try:
         found = fs.find(root.path, detail=True)
     except FileNotFoundError:
-        return []
+        found = {}
     except Exception as exc:
         raise translate(exc, url=root.url, action="listing", missing_is_bucket=True) from exc
+    if not found:
+        _require_bucket(fs, root)
+        return []
     prefix = root.path.rstrip("/") + "/"
     out = []
     for path, info in found.items():
@@ -125,6 +134,18 @@ def inventory(fs: AbstractFileSystem, root: Location) -> list[ObjectInfo]:
         key = path[len(prefix) :] if path.startswith(prefix) else path.rsplit("/", 1)[-1]
         out.append(ObjectInfo(key, int(info.get("size") or 0), _mtime(info)))
     return sorted(out, key=lambda o: o.key)
+
+
+def _require_bucket(fs: AbstractFileSystem, root: Location) -> None:
+    """Raise when ``root``'s bucket does not exist (one request; object stores only)."""
+    if root.is_local:
+        return
+    try:
+        exists = fs.exists(root.bucket)
+    except Exception as exc:
+        raise translate(exc, url=root.url, action="listing", missing_is_bucket=True) from exc
+    if not exists:
+        raise BucketNotFoundError(f"bucket {root.bucket!r} of {root.url} does not exist")
 
 
 def steps_of(objects: Iterable[ObjectInfo], root: Location) -> list[StepInfo]:

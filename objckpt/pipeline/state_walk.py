@@ -45,7 +45,15 @@ def scan(state: Any) -> tuple[tuple[Hashable, ...], list[torch.Tensor], list[str
         if isinstance(value, torch.Tensor):
             local = _dtensor_local(value)
             if local is None and value.layout != torch.strided:
-                raise StateDictError(f"async save does not support {value.layout} tensors ({path})")
+                raise StateDictError(
+                    f"state-dict entry {path.lstrip('.')!r} is a {value.layout} tensor, "
+                    "which async save does not support; convert it (e.g. .to_dense())"
+                )
+            if value.is_meta:
+                raise StateDictError(
+                    f"state-dict entry {path.lstrip('.')!r} is a meta tensor (it has no data); "
+                    "materialize it before saving"
+                )
             t = value if local is None else local
             entry: tuple[Hashable, ...] = (
                 path,
