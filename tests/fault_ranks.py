@@ -14,7 +14,6 @@ keyed by the cell's URL (``/<cell>/``), so a rule breaks only its own cell.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import signal
@@ -26,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from dist_helpers import _init
+from simulated_room import simulated_room
 
 import objckpt
 from objckpt.pipeline.deferred import DeferredWriter
@@ -130,8 +130,10 @@ def _fault(cell: str, mine: bool, ckpt: Any = None) -> contextlib.AbstractContex
     if not mine:
         return contextlib.nullcontext()
     if cell == "staging-no-room":
-        no_room = OSError(errno.ENOSPC, "No space left on device", "/dev/shm")
-        return _patched(ckpt._stager, "stage", _raiser(no_room))
+        # This rank's staging directory is full: no idle set to reuse, and a reservation
+        # for a new one (the whole state dict, then one wave) meets ENOSPC.
+        ckpt._stager.free_idle()
+        return simulated_room(ckpt._stager.directory, 0)
     if cell == "fs-open-fails":
         down = objckpt.errors.StoreUnreachableError("cannot open the filesystem (injected)")
         if ckpt is not None:

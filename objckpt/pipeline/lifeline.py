@@ -7,10 +7,13 @@ with no chance to clean up. Two things would then linger on the node:
   but a worker in the middle of an upload would finish it (and a worker whose
   pool's process is frozen would wait forever). Each worker therefore also
   watches the training process and exits when it is gone (:func:`watch_parent`).
-* Staging segments: files in ``/dev/shm`` (host memory, as large as the state
+* Staging segments: files in the staging directory (``/dev/shm`` unless
+  ``AsyncOptions.staging_dir`` names another; host memory, as large as the state
   dict) that only the dead process would have unlinked. A watching worker unlinks
-  the segments it had mapped; the next :class:`~objckpt.pipeline.stage.Stager` on the
-  node removes any left by dead processes (:func:`sweep_stale_segments`).
+  the segments it had mapped (by path, wherever they lie); the next
+  :class:`~objckpt.pipeline.stage.Stager` on the node removes any left by dead
+  processes (:func:`sweep_stale_segments`) in the default directory and in its own,
+  so a job that names a directory sweeps what its killed predecessor left there.
 
 Segment names carry the pid namespace and the pid of their owner
 (``objckpt-<ns>-<pid>-<random>``), so the sweep only judges processes it can see:

@@ -16,6 +16,14 @@ waited for before ``stage`` returns, so the caller may change its tensors as
 soon as it returns. A state dict over the staging budget is copied in
 waves (:class:`Wave`) instead; with background staging the copy runs later
 (:mod:`objckpt.pipeline.background_copy`).
+
+Staging lives in a directory that may be small: containers give ``/dev/shm``
+64 MiB unless told otherwise. Segments reserve their bytes when made, so a state
+dict that does not fit is known before anything is copied; idle sets are freed if
+that makes the room, else the save is staged in waves of at most half the free
+space (ranks of a node share the directory), and where not even the largest
+tensor fits, ``stage`` raises :class:`~objckpt.errors.StagingSpaceError`: the
+rank's refusal in the save's agreement, never a crash mid-copy.
 """
 
 from __future__ import annotations
@@ -29,11 +37,11 @@ from typing import Any
 
 import torch
 
-from objckpt.errors import StateDictError
+from objckpt.errors import StagingSpaceError, StateDictError
 from objckpt.pipeline.background_copy import Copy, tensor_versions
 from objckpt.pipeline.host_copy import HostCopier
 from objckpt.pipeline.lifeline import sweep_stale_segments
-from objckpt.pipeline.segment import SHM_DIR, Buffers, Segment, aligned
+from objckpt.pipeline.segment import Buffers, Segment, aligned, default_staging_dir, no_room
 from objckpt.pipeline.state_walk import rebuild, scan
 from objckpt.pipeline.upload_task import SegmentRef
 
@@ -153,10 +161,15 @@ class Stager:
         budget: Bytes one staging set may take; a larger state dict is staged in
             waves (see :class:`Wave`). None: no bound.
         copy_threads: Threads a copy into staging may use (see :class:`HostCopier`).
+        staging_dir: Where segments live (None: :func:`default_staging_dir`).
     """
 
     def __init__(
-        self, max_cached_sets: int = 2, budget: int | None = None, copy_threads: int = 1
+        self,
+        max_cached_sets: int = 2,
+        budget: int | None = None,
+        copy_threads: int = 1,
+        staging_dir: str | None = None,
     ) -> None:
         self._copier = HostCopier(copy_threads)
         self._free: dict[tuple[Hashable, ...], list[Buffers]] = {}
@@ -165,8 +178,11 @@ class Stager:
         self._budget = budget
         self._lock = threading.Lock()
         self._all: list[Buffers] = []
-        # Segments of processes that died without cleaning up (SIGKILL) hold host memory.
-        sweep_stale_segments(SHM_DIR)
+        self.directory = staging_dir or default_staging_dir()
+        # Segments of processes that died without cleaning up (SIGKILL) hold host memory,
+        # in the default directory or in the one this job names.
+        for directory in dict.fromkeys((default_staging_dir(), self.directory)):
+            sweep_stale_segments(directory)
 
     def _allocate(self, tensors: list[torch.Tensor]) -> Buffers:
         layout, offset = [], 0
@@ -174,7 +190,7 @@ class Stager:
             nbytes = t.numel() * t.element_size()
             layout.append((offset, nbytes, t.dtype, tuple(t.shape)))
             offset += aligned(nbytes)
-        segment = Segment(offset)
+        segment = self._reserve(offset)
         views, refs = [], {}
         for off, nbytes, dtype, shape in layout:
             view = segment.view(off, nbytes, dtype, shape)
@@ -199,19 +215,33 @@ class Stager:
         :class:`Staged` carries the :class:`Copy` to run (unless a tensor has no
         version counter to guard it; then it is copied now).
 
-        Over the budget, returns a :class:`Staged` with a wave segment instead
-        and copies nothing. A wave must hold the largest tensor, so the segment
-        is never smaller than that (with a warning).
+        Over the budget, or where the staging directory has no room for the whole
+        state dict, returns a :class:`Staged` with a wave segment instead and
+        copies nothing. A wave must hold the largest tensor, so the segment is
+        never smaller than that (with a warning).
+
+        Raises:
+            StagingSpaceError: Not even one wave fits in the staging directory.
         """
         structure, tensors, paths = scan(state_dict)
         cuda = any(t.device.type == "cuda" for t in tensors)
-        if self._budget is not None:
-            sizes = [aligned(t.numel() * t.element_size()) for t in tensors]
-            if sum(sizes) > self._budget:
-                return self._wave(state_dict, structure, max(sizes), cuda)
+        sizes = [aligned(t.numel() * t.element_size()) for t in tensors]
+        if self._budget is not None and sum(sizes) > self._budget:
+            if (floor := max(sizes)) > self._budget:
+                logger.warning(
+                    "staging budget %d bytes is below the largest tensor (%d bytes); "
+                    "staging waves use %d bytes",
+                    self._budget,
+                    floor,
+                    floor,
+                )
+            return self._wave(state_dict, structure, sizes, cuda, self._budget)
         buffers = self._take(structure)
         if buffers is None:
-            buffers = self._allocate(tensors)
+            try:
+                buffers = self._allocate(tensors)
+            except StagingSpaceError as exc:
+                return self._wave(state_dict, structure, sizes, cuda, exc.free // 2, exc)
         if cuda:
             buffers.segment.pin()
         versions = tensor_versions(tensors) if defer_copy else None
@@ -234,27 +264,101 @@ class Stager:
             return buffers
 
     def _wave(
-        self, state_dict: dict[str, Any], structure: tuple[Hashable, ...], floor: int, cuda: bool
+        self,
+        state_dict: dict[str, Any],
+        structure: tuple[Hashable, ...],
+        sizes: list[int],
+        cuda: bool,
+        wanted: int,
+        why: StagingSpaceError | None = None,
     ) -> Staged:
-        assert self._budget is not None
-        capacity = max(self._budget, floor)
-        if capacity > self._budget:
-            logger.warning(
-                "staging budget %d bytes is below the largest tensor (%d bytes); "
-                "staging waves use %d bytes",
-                self._budget,
-                floor,
-                capacity,
-            )
-        key: tuple[Hashable, ...] = ("waves", capacity)
-        buffers = self._take(key)
+        """Stage in waves of ``wanted`` bytes (at least the largest tensor), reusing an
+        idle wave set that fits; ``why``: the whole state dict had no room."""
+        capacity = max(wanted, max(sizes, default=1))
+        buffers = self._take_wave(max(sizes, default=1), capacity)
         if buffers is None:
-            buffers = Buffers(Segment(capacity), [], {})
+            buffers = Buffers(self._wave_segment(sizes, capacity), [], {})
             with self._lock:
                 self._all.append(buffers)
+        if why is not None:
+            logger.warning(
+                "staging the state dict needs %d bytes in %s, %d bytes are free: staging in "
+                "waves of %d bytes instead (the save's stall then includes uploading all "
+                "but the last wave; give %s more room or set AsyncOptions.staging_dir)",
+                why.needed,
+                self.directory,
+                why.free,
+                buffers.segment.size,
+                self.directory,
+            )
         if cuda:
             buffers.segment.pin()
         return Staged(state_dict, structure, buffers, Wave(buffers.segment), cuda)
+
+    def _take_wave(self, floor: int, capacity: int) -> Buffers | None:
+        """The largest idle wave set holding at least ``floor`` and at most ``capacity`` bytes."""
+        with self._lock:
+            waves = [k[1] for k, v in self._free.items() if v and k[0] == "waves"]
+        fitting = [size for size in waves if isinstance(size, int) and floor <= size <= capacity]
+        return self._take(("waves", max(fitting))) if fitting else None
+
+    def _wave_segment(self, sizes: list[int], capacity: int) -> Segment:
+        """A wave segment of ``capacity`` bytes, or smaller (half the free space, never
+        below the largest tensor) where that does not fit."""
+        floor = max(sizes, default=1)
+        try:
+            return self._reserve(capacity)
+        except StagingSpaceError as exc:
+            failed = exc
+        smaller = max(floor, failed.free // 2)
+        if smaller < capacity:
+            logger.warning(
+                "a staging wave of %d bytes does not fit in %s (%d bytes free); using "
+                "waves of %d bytes",
+                capacity,
+                self.directory,
+                failed.free,
+                smaller,
+            )
+            try:
+                return self._reserve(smaller)
+            except StagingSpaceError as exc:
+                failed = exc
+        raise no_room(
+            f"one staging wave of a {sum(sizes)}-byte state dict (a wave must hold its "
+            "largest tensor)",
+            floor,
+            failed.free,
+            self.directory,
+        ) from failed
+
+    def _reserve(self, size: int) -> Segment:
+        """A new segment of ``size`` bytes, freeing the idle sets first where their
+        bytes make the room."""
+        try:
+            return Segment(size, self.directory)
+        except StagingSpaceError as exc:
+            with self._lock:
+                idle = sum(b.segment.size for _, b in self._idle)
+            if idle == 0 or exc.free + idle < size:
+                raise
+        logger.info(
+            "freed %d bytes of idle staging sets to make room for %d bytes in %s",
+            self.free_idle(),
+            size,
+            self.directory,
+        )
+        return Segment(size, self.directory)
+
+    def free_idle(self) -> int:
+        """Free every idle staging set (they are kept only to be reused); returns their bytes."""
+        with self._lock:
+            idle = [b for _, b in self._idle]
+            self._idle, self._free = [], {}
+            self._all = [b for b in self._all if all(b is not i for i in idle)]
+        for buffers in idle:
+            buffers.segment.close()
+        return sum(b.segment.size for b in idle)
 
     def release(self, staged: Staged) -> None:
         """Return a staging set for reuse once its uploads are finished.
