@@ -283,3 +283,70 @@ def test_finished_parts_are_freed_without_waiting_for_a_garbage_collection(
     finally:
         gc.enable()
         store.close()
+
+
+def test_multipart_uploads_keep_a_full_object_crc32c_that_digest_reports(
+    s3_bucket: StoreTarget, s3_proxy
+) -> None:
+    """CreateMultipartUpload asks for ChecksumType=FULL_OBJECT and the Complete sends
+    the CRC32C combined from the parts', so the store keeps the object's CRC32C and
+    ``digest()`` answers from a HEAD: copies and backups need not read the object."""
+    import crc32c
+
+    from objckpt.writers.checksum import to_base64
+
+    store = open_store(
+        Location.parse(s3_bucket.url("full"), s3_proxy.storage_options()),
+        UploadOptions(part_size=5 * MiB),
+    )
+    try:
+        data = bytes(range(256)) * (12 * MiB // 256) + b"tail"
+        upload = store.begin("obj.bin", len(data))
+        upload.write(data)
+        upload.close().result(timeout=60)
+        want = f"{crc32c.crc32c(data):08x}"
+        assert upload.crc32c == want
+        assert store.digest("obj.bin") == (len(data), want)
+    finally:
+        store.close()
+    (create,) = [s for s in s3_proxy.seen if s.operation == "CreateMultipartUpload"]
+    assert dict(create.amz).get("x-amz-checksum-type") == "FULL_OBJECT"
+    (complete,) = [s for s in s3_proxy.seen if s.operation == "CompleteMultipartUpload"]
+    sent = dict(complete.amz)
+    assert sent.get("x-amz-checksum-crc32c") == to_base64(crc32c.crc32c(data))
+    assert sent.get("x-amz-checksum-type") == "FULL_OBJECT"
+
+
+def test_a_store_refusing_full_object_crc32c_gets_todays_uploads_and_is_asked_once(
+    s3_bucket: StoreTarget, s3_proxy, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An S3-compatible store that answers 400 to ChecksumType=FULL_OBJECT: the upload
+    goes on with per-part checksums, a warning names the store once, and later uploads
+    through the same client (a later save's store included) do not ask again."""
+    import logging
+
+    from objckpt.testing import Rule
+
+    s3_proxy.add(
+        Rule(operation="CreateMultipartUpload", status=400, code="InvalidArgument", times=1)
+    )
+    loc = Location.parse(s3_bucket.url("plain"), s3_proxy.storage_options())
+    data = b"x" * (11 * MiB)
+    first = open_store(loc, UploadOptions(part_size=5 * MiB))
+    second = open_store(loc.child("later"), first.options, first.fs)
+    try:
+        with caplog.at_level(logging.WARNING, logger="objckpt.writers"):
+            for store, key in ((first, "a.bin"), (first, "b.bin"), (second, "c.bin")):
+                upload = store.begin(key, len(data))
+                upload.write(data)
+                upload.close().result(timeout=60)
+                assert store.read(key) == data
+                assert store.digest(key) == (len(data), None)  # read back when checked
+    finally:
+        second.close()
+        first.close()
+    creates = [dict(s.amz) for s in s3_proxy.seen if s.operation == "CreateMultipartUpload"]
+    asked = [c.get("x-amz-checksum-type") for c in creates]
+    assert asked == ["FULL_OBJECT", None, None, None]  # refused, then a.bin again, b, c
+    warnings = [r for r in caplog.records if "full-object CRC32C" in r.getMessage()]
+    assert len(warnings) == 1 and s3_bucket.url("plain") in warnings[0].getMessage()

@@ -18,7 +18,7 @@ import io
 import math
 import threading
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import IO, cast
 
 import torch
@@ -260,25 +260,38 @@ def refuse_unwritable(items: list[WriteItem], planner: SavePlanner) -> None:
     other non-strided layout, or a meta tensor (no data); the message names its key,
     as the async path's staging does.
 
+    Looks the entries up in the planner's (flattened) state dict rather than
+    resolving them, so a planner whose ``resolve_data`` does work is not asked
+    twice; a planner without one is checked item by item as it is written
+    (:func:`resolve_entries`).
+
     Raises:
         StateDictError: Such an entry; the message names its key.
     """
+    state = getattr(planner, "state_dict", None)
+    if not isinstance(state, Mapping):
+        return
     for item in items:
         if item.type == WriteItemType.BYTE_IO:
             continue
-        data = planner.resolve_data(item)
-        if not isinstance(data, torch.Tensor):
-            continue  # resolve_entries names it with its type
-        if data.layout != torch.strided:
-            raise StateDictError(
-                f"state-dict entry {item.index.fqn!r} is a {data.layout} tensor, which "
-                "objckpt cannot save; convert it (e.g. .to_dense()) before saving"
-            )
-        if data.is_meta:
-            raise StateDictError(
-                f"state-dict entry {item.index.fqn!r} is a meta tensor (it has no data); "
-                "materialize it before saving"
-            )
+        value = state.get(item.index.fqn)
+        if isinstance(value, torch.Tensor):
+            _refuse_unwritable_tensor(item.index.fqn, value)
+
+
+def _refuse_unwritable_tensor(fqn: str, data: torch.Tensor) -> None:
+    if type(data) is not torch.Tensor and hasattr(data, "to_local"):
+        data = data.to_local()  # a DTensor: its local shard is what is written
+    if data.layout != torch.strided:
+        raise StateDictError(
+            f"state-dict entry {fqn!r} is a {data.layout} tensor, which objckpt cannot "
+            "save; convert it (e.g. .to_dense()) before saving"
+        )
+    if data.is_meta:
+        raise StateDictError(
+            f"state-dict entry {fqn!r} is a meta tensor (it has no data); "
+            "materialize it before saving"
+        )
 
 
 def resolve_entries(
@@ -295,6 +308,7 @@ def resolve_entries(
             raise StateDictError(
                 f"entry {item.index.fqn!r} was planned as a tensor but is {type(data).__name__}"
             )
+        _refuse_unwritable_tensor(item.index.fqn, data)
         yield pos, data
 
 

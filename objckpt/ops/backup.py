@@ -13,7 +13,8 @@ target on one background thread (saves and training never wait for it):
 * ``mode="replicated"``: the buckets replicate themselves (S3 Cross-Region
   Replication, a GCS transfer job). objckpt copies nothing; it polls until the
   replica's manifest and objects exist and match, and only then counts the
-  step as backed up. Deletion there is the replication rules' business.
+  step as backed up, reading each object back at most once
+  (:mod:`objckpt.ops.replica`). Deletion there is the replication rules' business.
 
 Primary retention never deletes a step whose backup is still being made.
 """
@@ -32,8 +33,9 @@ from objckpt.errors import BackupError, ConfigurationError
 from objckpt.format.manifest import Manifest
 from objckpt.format.steps import StepInfo, inventory, step_name, steps_of
 from objckpt.ops.gc import delete_step
+from objckpt.ops.replica import VerifiedObjects, await_replica
 from objckpt.ops.retention import RetentionPolicy
-from objckpt.ops.verify import check_replica, copy_checkpoint, open_manifest
+from objckpt.ops.verify import copy_checkpoint, open_manifest
 from objckpt.writers import open_store
 from objckpt.writers.location import Location
 
@@ -129,6 +131,8 @@ class _TargetState:
     target: BackupTarget
     steps: set[int] = dataclasses.field(default_factory=set)
     error: str | None = None
+    #: What polls of a ``replicated`` target found to match (not read again).
+    verified: VerifiedObjects = dataclasses.field(default_factory=VerifiedObjects)
 
 
 class Replicator:
@@ -229,7 +233,13 @@ class Replicator:
                         report = copy_checkpoint(source, dest, manifest=manifest)
                         how = f"{report.server_side} server-side, {report.streamed} streamed"
                     else:
-                        self._await_replica(dest, manifest, target.replica_timeout)
+                        await_replica(
+                            state.verified,
+                            dest,
+                            manifest,
+                            timeout=target.replica_timeout,
+                            interval=self._poll,
+                        )
                         how = "replicated by the store, checked"
                 except Exception as exc:
                     logger.warning("backup of step %d to %s failed: %s", step, target.url, exc)
@@ -261,21 +271,6 @@ class Replicator:
                     self._on_done(step)
                 except Exception:
                     logger.warning("after backing up step %d", step, exc_info=True)
-
-    def _await_replica(self, dest: Location, manifest: Manifest, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            found = check_replica(dest, manifest)
-            if not isinstance(found, str):
-                bad = [c for c in found if c.problem is not None]
-                if not bad:
-                    return
-                why = f"{dest.url_of(bad[0].key)}: {bad[0].problem}"
-            else:
-                why = found
-            if time.monotonic() >= deadline:
-                raise BackupError(f"replica not in place after {timeout:.0f} s: {why}")
-            time.sleep(self._poll)
 
     def _apply_retention(self, state: _TargetState) -> None:
         policy = state.target.retention or self.retention

@@ -8,6 +8,20 @@ Why not s3fs's ``open("wb")``: it uploads one part at a time and does not abort
 the multipart upload when a part fails, leaving billed, invisible garbage. Here
 parts are submitted as soon as they fill (bounded by ``max_in_flight``), and any
 failure aborts the upload before the error is raised.
+
+A request whose answer was lost may still have been applied, and the retry layer
+sends it again. Two multipart requests are not idempotent, and both are settled
+here (:mod:`objckpt.writers.s3_settle`) rather than guessed:
+
+* ``CompleteMultipartUpload``: the retry meets ``NoSuchUpload`` because the first
+  try already made the object. The object is read back (HEAD): there with the
+  upload's size and CRC32C (or the ETag its parts make) means done.
+* ``CreateMultipartUpload``: the first try began an upload whose id never arrived.
+  No request can make a Create idempotent (S3 takes no client token), so when a
+  Create was retried after a failure that was not a throttle, one listing of the
+  key's open uploads after the object is finished finds it and aborts it: one LIST
+  per such object, none otherwise. The key carries the save's attempt id, so no
+  other writer has an upload open there.
 """
 
 from __future__ import annotations
@@ -19,10 +33,12 @@ from typing import TYPE_CHECKING, Any
 
 from objckpt.errors import UploadError
 from objckpt.options import MAX_PARTS
+from objckpt.writers.accounting import RequestCounter, counting, current_counter
 from objckpt.writers.base import ObjectUpload, translated_future
 from objckpt.writers.checksum import BytesLike, crc32c_combine, crc32c_of, format_crc, to_base64
 from objckpt.writers.s3_body import Part, StreamedBody
-from objckpt.writers.translate import translate
+from objckpt.writers.s3_settle import abort_orphans, landed, no_such_upload, refuses_parameters
+from objckpt.writers.translate import describe, translate
 
 if TYPE_CHECKING:
     from objckpt.writers.s3 import S3Store
@@ -39,6 +55,12 @@ class S3Upload(ObjectUpload):
     verifies each part in transit; the object's CRC32C is combined from the parts'
     (no second pass), and botocore's own checksum and payload hash are turned off
     (:func:`objckpt.writers.retry.s3_options`): each byte is hashed once, not three times.
+
+    A multipart upload asks for a full-object CRC32C (``ChecksumType=FULL_OBJECT``)
+    and completes with the combined value, which S3 checks against the bytes and keeps:
+    :meth:`~objckpt.writers.s3.S3Store.digest` then answers from a HEAD, so copies and
+    backup polls need not read the object back. A store that refuses the parameters
+    (or ignores them) gets today's per-part checksums; the store remembers it.
     """
 
     tracks_crc32c = True
@@ -55,6 +77,9 @@ class S3Upload(ObjectUpload):
         self._upload_id: str | None = None
         self._parts: list[concurrent.futures.Future[dict[str, Any]]] = []
         self._crc = 0  # of the parts sent so far, combined
+        self._size = 0  # of the parts sent so far
+        self._full_object = False  # the store keeps the object's CRC32C
+        self._lost_create = False  # a Create may have begun an upload we never heard of
         self._done = False
 
     def write(self, data: BytesLike) -> int:
@@ -96,20 +121,45 @@ class S3Upload(ObjectUpload):
         self._send(full)
 
     def _start_multipart(self) -> None:
+        # Its own tally (still counted into the save's) says whether a try failed.
+        tally = RequestCounter(parent=current_counter())
         try:
-            out = self._store.run_coro(
-                self._store.call(
-                    "create_multipart_upload",
-                    Bucket=self._bucket,
-                    Key=self._obj,
-                    ChecksumAlgorithm="CRC32C",
-                )
-            )
+            with counting(tally):
+                out = self._store.run_coro(self._create())
         except Exception as exc:
+            self._lost_create = self._create_was_retried(tally)
+            if self._lost_create:
+                self._store.run_coro(self._abort_orphans())
             raise translate(
                 exc, url=self._store.location.url_of(self.key), action="uploading"
             ) from exc
         self._upload_id = out["UploadId"]
+        self._full_object = out.get("ChecksumType") == "FULL_OBJECT"
+        self._lost_create = self._create_was_retried(tally)
+
+    @staticmethod
+    def _create_was_retried(tally: RequestCounter) -> bool:
+        # A 503 SlowDown was refused unapplied; any other failed try may have begun
+        # an upload (each retry follows one failed try).
+        stats = tally.snapshot()
+        return stats.retries > stats.throttled
+
+    async def _create(self) -> dict[str, Any]:
+        args = {"Bucket": self._bucket, "Key": self._obj, "ChecksumAlgorithm": "CRC32C"}
+        if not self._store.full_object_crc32c:
+            return dict(await self._store.call("create_multipart_upload", **args))
+        try:
+            out = await self._store.call(
+                "create_multipart_upload", ChecksumType="FULL_OBJECT", **args
+            )
+        except Exception as exc:
+            if not refuses_parameters(exc):
+                raise
+            self._store.no_full_object_crc32c(f"CreateMultipartUpload refused: {describe(exc)}")
+            return dict(await self._store.call("create_multipart_upload", **args))
+        if out.get("ChecksumType") != "FULL_OBJECT":
+            self._store.no_full_object_crc32c("CreateMultipartUpload ignored ChecksumType")
+        return dict(out)
 
     def _send(self, part: Part) -> None:
         number = len(self._parts) + 1
@@ -119,6 +169,7 @@ class S3Upload(ObjectUpload):
                 f"raise UploadOptions.part_size"
             )
         self._crc = crc32c_combine(self._crc, part.crc, part.size)
+        self._size += part.size
         self._store.acquire_slot()
         fut = self._store.submit_coro(self._upload_part(number, part.pieces, part.crc))
         fut.add_done_callback(self._store.release_slot)
@@ -164,18 +215,42 @@ class S3Upload(ObjectUpload):
         return translated_future(self._store.submit_coro(self._complete()), url, "uploading")
 
     async def _complete(self) -> None:
+        whole = (
+            {"ChecksumCRC32C": to_base64(self._crc), "ChecksumType": "FULL_OBJECT"}
+            if self._full_object
+            else {}
+        )
         try:
             parts = await asyncio.gather(*(asyncio.wrap_future(p) for p in self._parts))
-            await self._store.call(
-                "complete_multipart_upload",
-                Bucket=self._bucket,
-                Key=self._obj,
-                UploadId=self._upload_id,
-                MultipartUpload={"Parts": list(parts)},
-            )
+            try:
+                await self._store.call(
+                    "complete_multipart_upload",
+                    Bucket=self._bucket,
+                    Key=self._obj,
+                    UploadId=self._upload_id,
+                    MultipartUpload={"Parts": list(parts)},
+                    **whole,
+                )
+            except Exception as exc:
+                # A retry after a lost answer: the first try may have made the object.
+                if not no_such_upload(exc) or not await landed(
+                    self._store, self.key, self._size, self._crc, parts
+                ):
+                    raise
+                logger.info(
+                    "settled %s: its completion was answered NoSuchUpload, and the object "
+                    "is there with the upload's %d bytes and checksum",
+                    self._store.location.url_of(self.key),
+                    self._size,
+                )
         except BaseException:
             await self._abort_async()
             raise
+        await self._abort_orphans()
+
+    async def _abort_orphans(self) -> None:
+        if self._lost_create:
+            await abort_orphans(self._store, self.key, self._upload_id)
 
     async def _abort_async(self) -> None:
         # Let parts already sent settle first: S3 may keep a part that completes
@@ -195,6 +270,7 @@ class S3Upload(ObjectUpload):
                 self._store.location.url_of(self.key),
                 exc_info=True,
             )
+        await self._abort_orphans()
 
     def abort(self) -> None:
         self._part = Part()

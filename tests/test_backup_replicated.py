@@ -1,0 +1,161 @@
+"""Replicated backups read each object back at most once (#25 item 10).
+
+The "replication" is done by hand between two buckets of one moto server, as S3
+Cross-Region Replication would do it (moto replicates nothing itself); the replica
+is checked through the recording proxy, so its counts say what each poll cost.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+import torch
+from helpers import save
+
+from objckpt import Location, UploadOptions
+from objckpt.format.layout import METADATA_KEY, is_objckpt_payload
+from objckpt.format.manifest import read_manifest
+from objckpt.format.steps import step_name
+from objckpt.ops.backup import BackupTarget, Replicator
+from objckpt.ops.replica import VerifiedObjects, poll_replica
+from objckpt.testing import FaultProxy, MotoServer, Rule
+from objckpt.testing.plugin import StoreTarget
+from objckpt.writers import open_store
+
+MiB = 1024 * 1024
+REPLICA = "objckpt-replica"
+
+
+@pytest.fixture
+def replica_bucket(s3_bucket: StoreTarget, moto_server: MotoServer) -> str:
+    moto_server.boto3_client().create_bucket(Bucket=REPLICA)
+    return REPLICA
+
+
+def _save_step(s3_bucket: StoreTarget, step: int) -> str:
+    """A committed step with a multipart payload (12 MiB in 5 MiB parts) and small
+    objects; returns the step's key prefix."""
+    g = torch.Generator().manual_seed(step)
+    state = {"big": torch.randn(3 * MiB, generator=g), "small": torch.randn(100, generator=g)}
+    save(
+        state,
+        s3_bucket.url(f"run/{step_name(step)}"),
+        s3_bucket,
+        upload=UploadOptions(part_size=5 * MiB),
+    )
+    return f"t/run/{step_name(step)}/"
+
+
+def _keys(client, bucket: str, prefix: str) -> list[str]:
+    return [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"]]
+
+
+def _replicate(client, src: str, key: str) -> None:
+    """One object as S3 replication makes it: a full-object CRC32C travels with the
+    object (moto's CopyObject keeps it); a composite one, or none, does not help."""
+    head = client.head_object(Bucket=src, Key=key, ChecksumMode="ENABLED")
+    if head.get("ChecksumType") == "FULL_OBJECT":
+        client.copy_object(Bucket=REPLICA, Key=key, CopySource={"Bucket": src, "Key": key})
+    else:
+        body = client.get_object(Bucket=src, Key=key)["Body"].read()
+        client.put_object(Bucket=REPLICA, Key=key, Body=body)
+
+
+def _replicator(s3_bucket: StoreTarget, proxy: FaultProxy) -> Replicator:
+    target = BackupTarget(
+        f"s3://{REPLICA}/t/run", proxy.storage_options(), mode="replicated", replica_timeout=60
+    )
+    primary = Location.parse(s3_bucket.url("run"), s3_bucket.storage_options)
+    return Replicator(primary, [target], poll_interval=0.01)
+
+
+def _payload_gets(proxy: FaultProxy) -> list[str]:
+    return [p for p in proxy.paths("GetObject") if is_objckpt_payload(p.rsplit("/", 1)[-1])]
+
+
+def test_a_replica_keeping_full_object_crc32c_is_checked_without_reading_multipart_objects(
+    s3_bucket: StoreTarget, moto_server: MotoServer, replica_bucket: str, s3_proxy: FaultProxy
+) -> None:
+    """The multipart payload carries a full-object CRC32C, replication keeps it, and the
+    check compares it from a HEAD: the 12 MiB object is never read across regions."""
+    prefix = _save_step(s3_bucket, 1)
+    client = moto_server.boto3_client()
+    keys = _keys(client, s3_bucket.bucket, prefix)
+    multipart = [
+        k for k in keys if "-" in client.head_object(Bucket=s3_bucket.bucket, Key=k)["ETag"]
+    ]
+    assert len(multipart) == 1
+    for key in keys:
+        _replicate(client, s3_bucket.bucket, key)
+    replicator = _replicator(s3_bucket, s3_proxy)
+    try:
+        replicator.submit(1)
+        replicator.wait(timeout=120)
+    finally:
+        replicator.close()
+    assert [p for p in _payload_gets(s3_proxy) if p.endswith(multipart[0])] == []
+    assert s3_proxy.count("HeadObject") >= len(keys)  # each object was checked
+
+
+def test_a_second_poll_reads_no_payload_object_the_first_one_verified(
+    s3_bucket: StoreTarget, moto_server: MotoServer, replica_bucket: str, s3_proxy: FaultProxy
+) -> None:
+    """Every object but ``.metadata`` has arrived (it is written after the manifest):
+    the first poll reads the payloads back (this replica keeps no checksums) and finds
+    ``.metadata`` missing; the polls after it issue no GET of any payload, only HEADs,
+    until ``.metadata`` arrives and the step is backed up."""
+    prefix = _save_step(s3_bucket, 1)
+    client = moto_server.boto3_client()
+    late = prefix + METADATA_KEY
+    for key in _keys(client, s3_bucket.bucket, prefix):
+        if key != late:
+            body = client.get_object(Bucket=s3_bucket.bucket, Key=key)["Body"].read()
+            client.put_object(Bucket=REPLICA, Key=key, Body=body)  # no checksum kept
+    # Each poll looks for .metadata once (a HEAD); the rule only counts those.
+    looks = Rule(operation="HeadObject", key_contains=late, action="stall", stall=0)
+    s3_proxy.add(looks)
+    replicator = _replicator(s3_bucket, s3_proxy)
+    try:
+        replicator.submit(1)
+        s3_proxy.wait_for(None, faulted=True, count=2)  # poll 2 began: poll 1 is over
+        assert _payload_gets(s3_proxy), "the first poll read the payloads back"
+        s3_proxy.clear()
+        s3_proxy.add(looks)
+        s3_proxy.wait_for(None, faulted=True, count=2)  # a whole poll ran since
+        assert _payload_gets(s3_proxy) == []
+        assert replicator.lacking(1)  # still waiting for .metadata
+        body = client.get_object(Bucket=s3_bucket.bucket, Key=late)["Body"].read()
+        client.put_object(Bucket=REPLICA, Key=late, Body=body)
+        replicator.wait(timeout=120)
+    finally:
+        replicator.close()
+    assert replicator.lacking(1) == []
+
+
+def test_a_verified_object_that_changes_is_checked_again(
+    s3_bucket: StoreTarget, moto_server: MotoServer, replica_bucket: str
+) -> None:
+    """What was verified holds only while the store reports the same size and ETag:
+    a replica object rewritten with other bytes is read again and fails its check."""
+    prefix = _save_step(s3_bucket, 1)
+    client = moto_server.boto3_client()
+    for key in _keys(client, s3_bucket.bucket, prefix):
+        body = client.get_object(Bucket=s3_bucket.bucket, Key=key)["Body"].read()
+        client.put_object(Bucket=REPLICA, Key=key, Body=body)
+    dest = Location.parse(f"s3://{REPLICA}/{prefix.rstrip('/')}", s3_bucket.storage_options)
+    store = open_store(dest)
+    verified = VerifiedObjects()
+    try:
+        manifest = read_manifest(store)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            assert poll_replica(verified, store, manifest, pool) is None
+            assert len(verified) == len(manifest.objects)
+            payload = next(e.key for e in manifest.objects if is_objckpt_payload(e.key))
+            body = bytearray(client.get_object(Bucket=REPLICA, Key=prefix + payload)["Body"].read())
+            body[len(body) // 2] ^= 0xFF  # same size, other bytes: another ETag
+            client.put_object(Bucket=REPLICA, Key=prefix + payload, Body=bytes(body))
+            why = poll_replica(verified, store, manifest, pool)
+    finally:
+        store.close()
+    assert why is not None and payload in why and "CRC32C" in why
