@@ -10,6 +10,7 @@ import shutil
 from collections.abc import Iterator
 
 import dist_helpers
+import tier_ranks
 import torch.multiprocessing as mp
 
 from objckpt.format.layout import MANIFEST_KEY
@@ -92,3 +93,73 @@ def test_one_full_local_disk_sends_every_rank_to_the_store(
         for p in proxies:  # each rank uploaded its own part straight to S3
             assert any(".distcp" in path for path in p.paths("PutObject")), p.paths("PutObject")
         assert not os.path.exists(os.path.join(local, "node0", step_name(1)))
+
+
+def _spawn(body: str, world: int, tmp_path, *args: object) -> None:
+    init_file = tmp_path / f"init-{body}-{world}"
+    mp.spawn(
+        tier_ranks.rank_main, args=(body, world, str(init_file), *args), nprocs=world, join=True
+    )
+
+
+def _tier_files(local: str, world: int) -> dict[str, set[str]]:
+    """Every file of every node's tier directory, by node and step directory."""
+    out = {}
+    for n in range(world):
+        node = os.path.join(local, f"node{n}")
+        for name in sorted(os.listdir(node)):
+            out[f"node{n}/{name}"] = set(os.listdir(os.path.join(node, name)))
+    return out
+
+
+def _stray(local: str, node: int, step: int) -> str:
+    """What a save killed before its local commit leaves on a node: a payload, no manifest."""
+    path = os.path.join(
+        local, f"node{node}", step_name(step), f"__{node}_0.0123456789abcdef.distcp"
+    )
+    os.makedirs(os.path.dirname(path))
+    with open(path, "wb") as f:
+        f.write(b"x" * 64)
+    return os.path.dirname(path)
+
+
+def test_a_restart_that_moves_rank_0_to_another_node_deletes_no_committed_step(
+    s3_bucket: StoreTarget, tmp_path
+) -> None:
+    """Steps 1 and 3 are committed on the local tier only (their manifests on node 0,
+    rank 0's node then), step 2 is durable. The job restarts with the ranks swapped
+    onto each other's nodes: no node loses a file of steps 1-3, the leftovers of a
+    killed save (step 9, committed nowhere) are still swept on both nodes, and the
+    newest step every rank can load (2: rank 0's new node holds no manifest of 1 or 3)
+    loads bit-exact."""
+    local = str(tmp_path / "local")
+    url = s3_bucket.url("moved")
+    options = {"storage": s3_bucket.storage_options, "local": local}
+    _spawn("save_three", 2, tmp_path, url, options)
+    before = _tier_files(local, 2)
+    assert MANIFEST_KEY in before[f"node0/{step_name(3)}"]
+    assert MANIFEST_KEY not in before[f"node1/{step_name(3)}"]
+    strays = [_stray(local, n, 9) for n in range(2)]
+    _spawn("restart_and_load", 2, tmp_path, url, {**options, "swap": True, "expect": 2})
+    assert not any(os.path.exists(s) for s in strays)
+    assert _tier_files(local, 2) == before
+
+
+def test_a_local_tier_one_rank_cannot_list_sweeps_nothing_on_any_rank(
+    s3_bucket: StoreTarget, tmp_path
+) -> None:
+    """Rank 1's listing of its tier fails at start: no rank deletes anything (not even
+    a killed save's leftovers), both start, and they load step 3 together."""
+    local = str(tmp_path / "local")
+    url = s3_bucket.url("unlisted")
+    options = {"storage": s3_bucket.storage_options, "local": local}
+    _spawn("save_three", 2, tmp_path, url, options)
+    strays = [_stray(local, n, 9) for n in range(2)]
+    before = _tier_files(local, 2)
+    _spawn("restart_with_rank1_unable_to_list", 2, tmp_path, url, options)
+    assert _tier_files(local, 2) == before
+    assert all(os.path.exists(s) for s in strays)
+
+
+def test_the_sweeps_all_gather_runs_without_a_cpu_backend(tmp_path) -> None:
+    _spawn("gather_without_cpu_backend", 2, tmp_path)

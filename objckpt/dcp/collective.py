@@ -41,6 +41,7 @@ from objckpt.errors import ObjckptError
 
 __all__ = [
     "Route",
+    "all_gather_object",
     "all_reduce_max",
     "any_rank",
     "broadcast_bytes",
@@ -144,6 +145,17 @@ def broadcast_bytes(buffer: bytearray, src: int, group: Any | None = None) -> No
     moved = host.to(r.device)
     dist.broadcast(moved, src=_global(src, group), group=r.group)
     host.copy_(moved.cpu())
+
+
+def all_gather_object(obj: Any, group: Any | None = None) -> list[Any]:
+    """Every rank's ``obj``, in group rank order, on every rank (a collective).
+
+    Pickled: only for objckpt's own small values (what each rank found on its disk).
+    """
+    r = route(group)
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=r.group)
+    return out
 
 
 def all_reduce_max(values: Sequence[int], group: Any | None = None) -> list[int]:

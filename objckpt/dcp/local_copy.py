@@ -7,6 +7,11 @@ its bytes are checked before use, and an object found wrong is logged, naming th
 local object, and read from the store for the rest of the load. The choice is per
 object, so a job restarted on another world size reads whatever mix of tiers holds
 the bytes.
+
+A copy whose directory is a symbolic link is not used at all: the local tier never
+follows a link at a step's name (it neither lists, writes nor deletes through one,
+see :mod:`objckpt.ops.local_disk`), and reading through one would make a step the
+tier does not list load from a directory it does not own.
 """
 
 from __future__ import annotations
@@ -48,9 +53,20 @@ class LocalCopy:
         self._objects: Mapping[str, ObjectEntry] | None = None
         #: Objects found usable (True) or not (False), by key.
         self._ok: dict[str, bool] = {}
+        self._linked = os.path.islink(location.path.rstrip("/"))
+        if self._linked:
+            logger.warning(
+                "local copy %s is a symbolic link (to %s); the local tier does not follow "
+                "links, so every object is read from %s",
+                location.path,
+                os.path.realpath(location.path),
+                store.url,
+            )
 
     def read_manifest(self, store_url: str) -> bytes | None:
         """The copy's manifest when it is there and parses (else None, logged)."""
+        if self._linked:
+            return None
         path = self.location.key_path(MANIFEST_KEY)
         try:
             with open(path, "rb") as f:
@@ -75,7 +91,7 @@ class LocalCopy:
 
     def holds(self, key: str) -> bool:
         """Whether ``key`` is read from the copy: there, with the manifest's size."""
-        if self._objects is None:
+        if self._objects is None or self._linked:
             return False
         known = self._ok.get(key)
         if known is not None:

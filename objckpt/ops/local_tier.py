@@ -4,15 +4,17 @@
 :class:`~objckpt.TierStatus`) and the room checks; :mod:`objckpt.ops.promote` copies
 one step to the root. This module holds the bookkeeping between them, per rank:
 
-* before a save: the local tier, or the root directly when any rank's disk lacks
-  room or a local save once ran out of space (decided with every rank, so all
-  ranks write to the same place);
+* before a save: the local tier, or the root directly when any rank's tier is not
+  writable, lacks room, holds a link at the step's name, or a local save once ran
+  out of space or was refused (decided with every rank, so all ranks write to the
+  same place; a training step never fails for the local tier);
 * after a local commit: each rank keeps its own index object on its disk (handed
   out by the coordinator through the c10d store), every ``promote_every``-th step
   is promoted, and local retention keeps the newest ``keep_last`` steps plus every
   step whose promotion is still running;
 * at start: step directories no commit names (a save killed before its local
-  commit) are swept away.
+  commit) are swept away (:func:`objckpt.ops.local_disk.sweep`, agreed by every
+  rank; deleting only objckpt's own files, never through a link).
 """
 
 from __future__ import annotations
@@ -20,23 +22,27 @@ from __future__ import annotations
 import concurrent.futures
 import datetime
 import logging
-import os
-import shutil
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from objckpt._torch import group_store
 from objckpt.dcp.collective import any_rank, is_distributed
-from objckpt.errors import CheckpointNotFoundError, ObjckptError
 from objckpt.format.layout import index_key, index_rank
 from objckpt.format.manifest import Manifest
-from objckpt.format.steps import parse_step, step_name
+from objckpt.format.steps import step_name
 from objckpt.ops.catalog import StepCatalog
-from objckpt.ops.gc import delete_step
+from objckpt.ops.local_disk import delete_local_step, step_dir_refusal
 from objckpt.ops.promote import Promoter
-from objckpt.ops.tiers import LocalTier, TierStatus, is_disk_full, local_room, state_bytes
+from objckpt.ops.tiers import (
+    LocalTier,
+    TierStatus,
+    is_disk_full,
+    is_not_writable,
+    local_room,
+    state_bytes,
+)
 from objckpt.options import AsyncOptions, UploadOptions
 from objckpt.pipeline.handle import SaveHandle
 from objckpt.pipeline.workers import WorkerPool
@@ -44,31 +50,9 @@ from objckpt.writers import open_store
 from objckpt.writers.location import Location
 from objckpt.writers.translate import describe
 
-__all__ = ["LocalTierControl", "sweep"]
+__all__ = ["LocalTierControl"]
 
 logger = logging.getLogger(__name__)
-
-
-def sweep(tier: LocalTier, known: Collection[int]) -> None:
-    """At start, every rank: delete step directories of its local tier that can
-    never load — committed neither on the local tier (the coordinator's view) nor
-    on the root (``known``): what a save killed before its local commit left. (A
-    directory of a durable step stays: its objects still spare this node reading
-    them from the root.)"""
-    root = tier.location.path
-    try:
-        names = os.listdir(root)
-    except FileNotFoundError:
-        return
-    for name in sorted(names):
-        step = parse_step(name)
-        if step is None or step in known:
-            continue
-        logger.info(
-            "deleting %s: a local save that never committed (a crash left it)",
-            os.path.join(root, name),
-        )
-        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
 class LocalTierControl:
@@ -113,7 +97,7 @@ class LocalTierControl:
         self._to_promote: set[int] = set()  # picked for promotion, not durable yet
         self._promotions: list[concurrent.futures.Future[None]] = []
         self._errors: list[BaseException] = []
-        self._absorbed: list[BaseException] = []  # local disk-full failures (warned)
+        self._absorbed: list[BaseException] = []  # local disk-full/refused failures (warned)
         self._degraded: str | None = None  # why the local tier is off for good
         self._last_bypass: str | None = None
         self._last_durable_s: float | None = None  # save to durable, newest promotion
@@ -139,12 +123,18 @@ class LocalTierControl:
     def target(self, step: int, state_dict: Mapping[str, Any]) -> str | None:
         """This rank's local URL for ``step``, or None when the save must bypass the
         local tier (decided with every rank: one all-reduce)."""
-        why = self._degraded or local_room(self.tier, state_bytes(state_dict))
+        why = (
+            self._degraded
+            or step_dir_refusal(self.tier.location.child(step_name(step)).path)
+            or local_room(self.tier, state_bytes(state_dict))
+        )
         if not any_rank(why is not None, self._group):
             self._last_bypass = None
             return self._url(step)
-        why = why or "another rank's local tier has no room"
-        logger.warning(
+        why = why or "another rank's local tier cannot take this save"
+        # Warned when the reason changes, not at every save while it lasts.
+        log = logger.info if why == self._last_bypass else logger.warning
+        log(
             "step %d goes to %s directly, not the local tier: %s", step, self._catalog.root.url, why
         )
         self._last_bypass = why
@@ -175,10 +165,12 @@ class LocalTierControl:
         """A local save ended: record it, start its promotion, apply local retention
         (before its handle reports it done)."""
         if exc is not None:
-            if is_disk_full(exc):
+            full, refused = is_disk_full(exc), is_not_writable(exc)
+            if full or refused:
                 self._degraded = (
-                    f"a save to the local tier {self.tier.location.url} ran out of space "
-                    f"(step {step}); later saves go to {self._catalog.root.url}"
+                    f"a save to the local tier {self.tier.location.url} "
+                    + ("ran out of space" if full else "was refused (not writable)")
+                    + f" (step {step}); later saves go to {self._catalog.root.url}"
                 )
                 logger.warning("%s: %s", self._degraded, exc)
                 with self._lock:
@@ -289,20 +281,16 @@ class LocalTierControl:
             self._delete(s)
 
     def _delete(self, step: int) -> None:
+        """Delete this rank's directory of ``step``: objckpt's own files, the manifest
+        first (a half-deleted step is never taken for committed), never through a link."""
         where = self.tier.location.child(step_name(step))
-        try:  # the manifest first: a half-deleted step is never taken for committed
-            delete_step(where)
-        except CheckpointNotFoundError:
-            return
-        except ObjckptError as exc:
-            logger.warning("cannot delete local step %s: %s", where.url, exc)
-            return
-        logger.info("deleted local step %d at %s", step, where.url)
+        if delete_local_step(where.path):
+            logger.info("deleted local step %d at %s", step, where.url)
 
     # -- errors, status, lifetime -----------------------------------------------------------
     def absorbed(self, exc: BaseException) -> bool:
-        """Whether ``exc`` is a local disk-full failure already logged (reported once:
-        it is forgotten here)."""
+        """Whether ``exc`` is a local failure already logged (a full disk, or a tier
+        that refused the write; reported once: it is forgotten here)."""
         with self._lock:
             found = any(exc is a for a in self._absorbed)
             if found:

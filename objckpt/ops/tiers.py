@@ -13,7 +13,9 @@ also holds the manifest, ``.metadata`` and the index objects. A step is
 *durable* only once the primary root's manifest for it is committed.
 
 This module holds the values (:class:`LocalTier`, :class:`TierStatus`) and the
-checks the manager makes before a local save (is there room?).
+checks the manager makes before a local save (can this node write there, is there
+room?), and recognises the failures that turn the tier off instead of failing a
+training step (a full disk, a tier that refuses writes).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import errno
 import logging
 import os
 import shutil
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,12 +35,21 @@ from objckpt.errors import ConfigurationError
 from objckpt.writers.location import Location
 from objckpt.writers.translate import causes
 
-__all__ = ["LocalTier", "TierStatus", "is_disk_full", "local_room", "state_bytes"]
+__all__ = [
+    "LocalTier",
+    "TierStatus",
+    "is_disk_full",
+    "is_not_writable",
+    "local_room",
+    "state_bytes",
+]
 
 logger = logging.getLogger(__name__)
 
 _FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 _FULL_TEXT = tuple(os.strerror(e) for e in _FULL)
+_REFUSED = (errno.EACCES, errno.EPERM, errno.EROFS)
+_REFUSED_TEXT = tuple(os.strerror(e) for e in _REFUSED)
 
 
 def _positive_int(name: str, value: object, *, allow_none: bool) -> None:
@@ -145,12 +157,26 @@ def state_bytes(state_dict: Mapping[str, Any]) -> int:
     return total
 
 
+def _probe_write(root: str) -> None:
+    """Create and remove one empty file in ``root``: the one test of "can this process
+    write here" that read-only mounts, ACLs and root's immunity to modes all answer
+    truthfully (``os.access`` does not)."""
+    probe = os.path.join(root, f".objckpt-probe.{uuid.uuid4().hex}")
+    with open(probe, "xb"):
+        pass
+    os.unlink(probe)
+
+
 def local_room(tier: LocalTier, need: int) -> str | None:
-    """None when ``need`` bytes (plus 5 % and the tier's headroom) fit on the local
-    disk, else why not (a sentence for the log)."""
+    """None when this process can write to the local tier and ``need`` bytes (plus
+    5 % and the tier's headroom) fit there, else why not (a sentence for the log)."""
     root = tier.location.path
     try:
         os.makedirs(root, exist_ok=True)
+        _probe_write(root)
+    except OSError as exc:
+        return f"local tier {root} is not writable ({exc.strerror or exc})"
+    try:
         free = shutil.disk_usage(root).free
     except OSError as exc:
         return f"local tier {root} is not usable: {exc}"
@@ -171,5 +197,16 @@ def is_disk_full(exc: BaseException) -> bool:
         if isinstance(e, OSError) and e.errno in _FULL:
             return True
         if any(t in str(e) for t in _FULL_TEXT):
+            return True
+    return False
+
+
+def is_not_writable(exc: BaseException) -> bool:
+    """Whether a local save failed because the tier refuses writes (EACCES, EPERM,
+    EROFS), read from its errno or, for errors pickled by upload workers, its text."""
+    for e in causes(exc):
+        if isinstance(e, OSError) and e.errno in _REFUSED:
+            return True
+        if isinstance(e, PermissionError) or any(t in str(e) for t in _REFUSED_TEXT):
             return True
     return False

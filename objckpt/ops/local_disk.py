@@ -1,0 +1,247 @@
+"""What the local tier holds on this node's disk: listed, judged and removed without trust.
+
+The tier's directory is a place users and other tools can reach, so objckpt treats
+what it finds there as untrusted, as it treats bucket contents:
+
+* **Links are never followed.** A step directory that is a symbolic link (a stale
+  link to a user's directory, or a committed step moved to another disk and linked
+  back) is not listed as a step, not written into (that save goes to the root) and
+  not deleted or swept; each start names it in a warning. Writing or deleting
+  through a link reaches a directory that is not the tier's own, and objckpt cannot
+  tell whose it is.
+* **Only objckpt's own files are deleted.** A step directory is removed file by file,
+  the manifest first, and only names objckpt writes: attempt-named payloads and
+  index objects, ``manifest.json``, ``.metadata`` beside them, and the temporary
+  files of a commit. Anything else stays (with a warning), and so does the directory.
+* **The start-up sweep is agreed.** Only the coordinator's node holds a step's
+  manifest, and after an elastic restart rank 0 may run on another node than before
+  (c10d rendezvous keeps no node ranks), so no one rank's directory says which steps
+  are committed. Every rank lists its own directory and the lists are all-gathered: a
+  step committed on any node, or on the root, is kept on every node; a rank deletes
+  only its directories of steps no node and not the root holds committed. A node's
+  part of a committed step is kept whatever it holds (a load checks each object and
+  reads what is missing or damaged from the root). When any rank cannot list its
+  directory, no rank deletes anything at that start: what that directory holds is
+  unknown, and deleting on a guess loses the only copy of a local-only step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import re
+import stat
+from collections.abc import Collection
+from typing import Any
+
+from objckpt.dcp.collective import all_gather_object, is_distributed
+from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY, is_entropy_dir, is_objckpt_object
+from objckpt.format.steps import parse_step, step_name
+from objckpt.ops.tiers import LocalTier
+
+__all__ = ["TierListing", "delete_local_step", "list_tier", "step_dir_refusal", "sweep"]
+
+logger = logging.getLogger(__name__)
+
+# A commit's temporary file: "." + the object's key + "." + 32 hex digits + ".tmp".
+_TMP = re.compile(r"^\.(?P<key>.+)\.[0-9a-f]{32}\.tmp$")
+
+
+@dataclasses.dataclass(frozen=True)
+class TierListing:
+    """One rank's local tier directory, as the start-up sweep shares it.
+
+    Attributes:
+        path: The directory listed.
+        committed: Steps whose directory holds a manifest (committed on this node).
+        present: Every step directory (links excluded).
+        links: Step names that are symbolic links (never followed), with their targets.
+        error: Why the directory could not be listed (None: it was).
+    """
+
+    path: str
+    committed: frozenset[int] = frozenset()
+    present: tuple[int, ...] = ()
+    links: tuple[tuple[str, str], ...] = ()
+    error: str | None = None
+
+
+def _link_target(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError as exc:
+        return f"? ({exc})"
+
+
+def list_tier(root: str) -> TierListing:
+    """This node's step directories under ``root``, without following links; a
+    listing that fails is reported in the answer, never raised (the answer is shared
+    in a collective every rank must reach)."""
+    committed: set[int] = set()
+    present: list[int] = []
+    links: list[tuple[str, str]] = []
+    try:
+        with os.scandir(root) as entries:
+            found = sorted(
+                (e.name, e.path, e.is_symlink(), e.is_dir(follow_symlinks=False)) for e in entries
+            )
+        for name, path, link, is_dir in found:
+            step = parse_step(name)
+            if step is None:
+                continue
+            if link:
+                links.append((path, _link_target(path)))
+                continue
+            if not is_dir:
+                continue
+            present.append(step)
+            try:
+                if stat.S_ISREG(os.lstat(os.path.join(path, MANIFEST_KEY)).st_mode):
+                    committed.add(step)
+            except FileNotFoundError:
+                pass
+    except FileNotFoundError:
+        return TierListing(root)
+    except Exception as exc:
+        return TierListing(root, error=f"{type(exc).__name__}: {exc}")
+    return TierListing(root, frozenset(committed), tuple(present), tuple(links))
+
+
+def step_dir_refusal(path: str) -> str | None:
+    """Why a save must not write into the step directory ``path`` (None: it may).
+
+    A link, or anything that is not a directory, under a step's name is refused: the
+    save would write where the tier has no say (see the module docstring).
+    """
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"{path} cannot be checked: {exc}"
+    if stat.S_ISLNK(mode):
+        return (
+            f"{path} is a symbolic link to {_link_target(path)}; the local tier never "
+            "writes through a link (remove it, or move the directory back)"
+        )
+    if not stat.S_ISDIR(mode):
+        return f"{path} exists and is not a directory"
+    return None
+
+
+def _ours(name: str, beside_ours: bool) -> bool:
+    """Whether ``name`` is a file objckpt writes into a step directory."""
+    tmp = _TMP.match(name)
+    if tmp is not None:
+        name = tmp.group("key")
+    if name == MANIFEST_KEY or is_objckpt_object(name):
+        return True
+    return name == METADATA_KEY and beside_ours
+
+
+def _unlink_ours(directory: str, names: list[str], beside_ours: bool) -> list[str]:
+    """Unlink the names of ``directory`` that are objckpt's (manifest first); the
+    others' names are returned. A link is unlinked itself, never its target."""
+    names = sorted(names, key=lambda n: n != MANIFEST_KEY)
+    left = []
+    for name in names:
+        if not _ours(name, beside_ours):
+            left.append(name)
+            continue
+        with contextlib.suppress(FileNotFoundError):  # a rank on the same node got it
+            os.unlink(os.path.join(directory, name))
+    return left
+
+
+def delete_local_step(path: str) -> bool:
+    """Delete the local step directory ``path``: objckpt's own files, manifest first.
+
+    Never follows a link (a linked step directory is left as it is); files objckpt
+    does not write, and directories other than prefix-entropy ones, stay, and so
+    does the directory then. Errors are logged, not raised (a local deletion never
+    fails a save).
+
+    Returns:
+        Whether the directory is gone.
+    """
+    refusal = step_dir_refusal(path)
+    if refusal is not None:
+        logger.warning("not deleting local step %s: %s", path, refusal)
+        return False
+    try:
+        with os.scandir(path) as entries:
+            found = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
+        files = [n for n, d in found if not d]
+        beside = any(n == MANIFEST_KEY or is_objckpt_object(n) for n in files)
+        left = _unlink_ours(path, files, beside)
+        for name in (n for n, d in found if d):
+            sub = os.path.join(path, name)
+            if not is_entropy_dir(name):
+                left.append(name + "/")
+                continue
+            with os.scandir(sub) as entries:
+                inner = _unlink_ours(sub, [e.name for e in entries], True)
+            if inner:
+                left.extend(f"{name}/{n}" for n in inner)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.rmdir(sub)
+        if left:
+            logger.warning(
+                "local step %s holds %d file(s) objckpt did not write (%s); they stay, "
+                "and so does the directory",
+                path,
+                len(left),
+                ", ".join(sorted(left)[:5]),
+            )
+            return False
+        with contextlib.suppress(FileNotFoundError):
+            os.rmdir(path)
+    except FileNotFoundError:
+        return True
+    except OSError as exc:
+        logger.warning("cannot delete local step %s: %s", path, exc)
+        return False
+    return True
+
+
+def sweep(tier: LocalTier, durable: Collection[int], process_group: Any | None) -> None:
+    """At start, every rank together (a collective): delete the step directories that
+    can never load, on every node alike.
+
+    A step is kept when any rank's directory holds its manifest or the root holds
+    it committed (``durable``); a rank deletes its own directories of every other
+    step (what a save killed before its local commit left). When any rank cannot
+    list its directory, nothing is deleted anywhere (each rank warns, naming it).
+    """
+    root = tier.location.path
+    mine = list_tier(root)
+    for path, target in mine.links:
+        logger.warning(
+            "local step %s is a symbolic link to %s: the local tier does not follow "
+            "links (it neither lists, writes nor deletes through one); move the "
+            "directory back under %s to use it",
+            path,
+            target,
+            root,
+        )
+    views = all_gather_object(mine, process_group) if is_distributed() else [mine]
+    failed = [(r, v) for r, v in enumerate(views) if v.error is not None]
+    if failed:
+        for r, v in failed:
+            logger.warning(
+                "local tier not swept at this start on any rank: rank %d cannot list %s (%s)",
+                r,
+                v.path,
+                v.error,
+            )
+        return
+    known = set(durable).union(*(v.committed for v in views))
+    for step in mine.present:
+        if step in known:
+            continue
+        path = os.path.join(root, step_name(step))
+        logger.info("deleting %s: a local save that never committed (a crash left it)", path)
+        delete_local_step(path)
