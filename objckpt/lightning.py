@@ -9,9 +9,12 @@ returns once the state is staged and uploads run in objckpt's worker processes (
 role Lightning's ``AsyncCheckpointIO`` thread plays, without holding the GIL for the
 upload); ``teardown`` waits for them.
 
-Lightning saves from global rank 0 only, with the whole (replicated) state: that is
-what this plugin writes (``no_dist``). Sharded strategies (FSDP, ModelParallel) save
-through DCP themselves; give them :class:`~objckpt.ObjectStoreWriter` instead.
+Lightning saves (and removes) from global rank 0 only, with the whole (replicated)
+state, while the other ranks train on; it loads on every rank. So every call here is
+this process alone (``no_dist``), sync or async, and makes no collective: under DDP
+one would wait for ranks that never join it. Sharded strategies (FSDP,
+ModelParallel) save through DCP themselves; give them
+:class:`~objckpt.ObjectStoreWriter` instead.
 
 Needs the optional ``lightning`` extra (``pytorch-lightning``).
 """
@@ -24,6 +27,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 try:
     from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -38,6 +42,7 @@ from objckpt.dcp.storage_reader import ObjectStoreReader
 from objckpt.dcp.storage_writer import ObjectStoreWriter
 from objckpt.errors import ConfigurationError
 from objckpt.ops.gc import delete_step
+from objckpt.ops.torch_errors import unwrap
 from objckpt.options import AsyncOptions, ReadOptions, UploadOptions
 from objckpt.pipeline.checkpointer import AsyncCheckpointer
 from objckpt.pipeline.handle import SaveHandle
@@ -171,7 +176,7 @@ class ObjckptCheckpointIO(CheckpointIO):
                 async_options=self._async_options,
                 retry=self.retry,
             )
-        self._pending[url] = self._checkpointer.save(checkpoint, url, overwrite=True)
+        self._pending[url] = self._checkpointer.save(checkpoint, url, overwrite=True, no_dist=True)
 
     def load_checkpoint(
         self,
@@ -195,7 +200,17 @@ class ObjckptCheckpointIO(CheckpointIO):
             retry=self.retry,
             allow_stock=False,
         )
-        return _int_keyed_optimizer_state(load_everything(reader))
+        try:
+            state = load_everything(reader)
+        except CheckpointException as exc:
+            # Loaded alone, so torch's wrapper carries this rank's error only; in a process
+            # group the reader keeps an open error (not committed, not found) for DCP's
+            # first step, and it would otherwise reach Lightning wrapped.
+            cause = unwrap(exc)
+            if cause is exc:
+                raise
+            raise cause from exc
+        return _int_keyed_optimizer_state(state)
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Delete the checkpoint at ``path`` (its manifest first), once any save to it ended."""

@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import no_dist_ranks
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 pl = pytest.importorskip("pytorch_lightning", reason="the lightning extra is not installed")
 
@@ -196,3 +206,90 @@ def test_background_staging_without_the_callback_is_refused(
         _trainer(io, lightning_env.url("lightning-nocb"), tmp_path, epochs=1).fit(Tiny())
     with pytest.raises(ConfigurationError, match="wait_at='soon'"):
         io.staging_callback("soon")  # type: ignore[arg-type]
+
+
+DDP_JOB = Path(__file__).with_name("lightning_ddp_job.py")
+#: Each job (two ranks starting, 3 or 2 steps) took 30-50 s here; one still running at this hangs.
+DDP_TIMEOUT = 240.0
+
+
+def _run_ddp_job(phase: str, dirpath: str, target: StoreTarget, out: Path) -> dict[int, dict]:
+    """Run ``lightning_ddp_job.py`` (rank 0, which starts rank 1) and return each rank's
+    record; a job still running after ``DDP_TIMEOUT`` fails the test as a hang."""
+    command = [sys.executable, str(DDP_JOB), phase, dirpath]
+    command += [json.dumps(target.storage_options), str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # A session of its own: rank 1 (rank 0's child) is killed with it on a hang.
+    job = subprocess.Popen(
+        command,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = job.communicate(timeout=DDP_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        output, _ = job.communicate()
+        pytest.fail(
+            f"the DDP job's {phase} did not end within {DDP_TIMEOUT:g} s "
+            f"(a rank waits for the other in a collective):\n{output[-6000:]}"
+        )
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)  # whatever of the job is left
+    assert job.returncode == 0, f"the DDP job's {phase} exited {job.returncode}:\n{output[-6000:]}"
+    return {r: json.loads((out / f"{phase}-rank{r}.json").read_text()) for r in (0, 1)}
+
+
+@pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty")
+def test_async_saves_under_ddp_commit_and_resume_on_every_rank(
+    lightning_env: StoreTarget, tmp_path: Path
+) -> None:
+    """Lightning saves (and removes) on rank 0 only while rank 1 trains on: an async
+    save that made a collective would wait for rank 1 forever (or pair with its
+    gradient all-reduce). Every step is checkpointed, then a second job resumes."""
+    target = lightning_env
+    dirpath = target.url("lightning-ddp")
+    fit = _run_ddp_job("fit", dirpath, target, tmp_path)
+    assert [fit[r]["world_size"] for r in (0, 1)] == [2, 2]
+    assert [fit[r]["end_step"] for r in (0, 1)] == [3, 3]
+
+    fs = Location.parse(dirpath, target.storage_options).open_fs(fresh=True)
+    base = Location.parse(dirpath).path
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(base))
+    # save_top_k=2: rank 0 removed step 1's checkpoint whole.
+    assert names == ["epoch=0-step=2.ckpt", "epoch=0-step=3.ckpt", "last.ckpt"], names
+    for name in names:
+        assert fs.exists(f"{base}/{name}/{MANIFEST_KEY}"), name
+    io = ObjckptCheckpointIO(storage_options=target.storage_options)
+    last = io.load_checkpoint(f"{dirpath}/last.ckpt")
+    assert last["global_step"] == 3
+    saved = last["state_dict"]["net.weight"].flatten()
+    assert torch.equal(saved, torch.tensor(fit[0]["end_weights"]))
+
+    resume = _run_ddp_job("resume", dirpath, target, tmp_path)
+    for r in (0, 1):  # every rank loaded last.ckpt: step and weights where fit ended
+        assert resume[r]["start_step"] == 3, (r, resume[r])
+        assert torch.equal(torch.tensor(resume[r]["start_weights"]), saved), r
+        assert resume[r]["end_step"] == 5, (r, resume[r])
+    fs.invalidate_cache()
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(base))
+    assert names == ["epoch=0-step=4.ckpt", "epoch=1-step=5.ckpt", "last.ckpt"], names
+    assert io.load_checkpoint(f"{dirpath}/last.ckpt")["global_step"] == 5
+
+
+@pytest.mark.timeout(300)
+def test_calls_on_one_rank_of_a_process_group_make_no_collective(
+    s3_bucket: StoreTarget, tmp_path: Path
+) -> None:
+    """Real gloo ranks: rank 0 saves (async), loads and removes while rank 1 waits on the
+    c10d store (a collective would never be joined: the group's timeout fails it);
+    then rank 1 loads a path holding nothing and gets CheckpointNotFoundError."""
+    root = s3_bucket.url("one-rank")
+    args = ("lightning_load_alone", 2, str(tmp_path / "init"), root, s3_bucket.storage_options)
+    mp.spawn(no_dist_ranks.rank_main, args=args, nprocs=2, join=True)
+    fs = Location.parse(root, s3_bucket.storage_options).open_fs(fresh=True)
+    assert not fs.exists(Location.parse(f"{root}/step-1.ckpt").path)  # removed whole

@@ -14,7 +14,7 @@ bottom in :func:`run_save`::
 
 The agreement is the one collective every rank makes for every save, whatever
 failed before it: a rank's refusal travels inside it, so a save refused on one
-rank is refused on all.
+rank is refused on all. A ``no_dist`` save makes none (rank 0 of a group of one).
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ class SaveRequest:
     user_metadata: Mapping[str, Any] | None = None
     #: What DCP's ``StorageMeta.checkpoint_id`` records (default ``url``).
     checkpoint_id: str | None = None
+    no_dist: bool = False  # this process alone: a group of one, no collective (DCP's)
 
 
 class TargetCache:
@@ -151,7 +152,7 @@ def run_save(
         PeerRankError: another rank refused (its rank and error in the message).
         SaveSequenceError: the ranks are not in the same save.
     """
-    distributed = dist.is_available() and dist.is_initialized()
+    distributed = not request.no_dist and dist.is_available() and dist.is_initialized()
     process_group = request.process_group
     rank = dist.get_rank(process_group) if distributed else 0
     target: ObjectStoreWriter | None = None
