@@ -14,10 +14,12 @@ exception text at ERROR level, so an error message is as public as a log line.
 
     ObjckptError
     ├── ConfigurationError (ValueError)       bad option, URL or protocol
+    ├── StagingSpaceError (OSError)           no room for staging memory (a full /dev/shm)
     ├── StateDictError (TypeError)            a state-dict entry that cannot be saved
     │   └── StateDictMismatchError (ValueError) load target's shapes differ from the step
     ├── StoreError (OSError)                  the store refused or failed a request
     │   ├── StoreUnreachableError (ConnectionError)
+    │   │   └── RequestDeadlineError          no answer within RetryPolicy.request_deadline
     │   ├── AccessDeniedError (PermissionError)
     │   │   └── MissingCredentialsError
     │   ├── BucketNotFoundError (FileNotFoundError)
@@ -33,10 +35,13 @@ exception text at ERROR level, so an error message is as public as a log line.
     ├── BarrierTimeoutError (TimeoutError)    ranks did not report in time (async commit)
     ├── RequestFailedError                    an async request failed on some rank
     ├── PeerRankError                         another rank failed this save or load
-    └── SaveSequenceError                     ranks called save() a different number of times
+    ├── SaveSequenceError                     ranks called save() a different number of times
+    └── StepOrderError (ValueError)           a save below the newest step of the run (a rollback)
 """
 
 from __future__ import annotations
+
+import errno
 
 __all__ = [
     "AccessDeniedError",
@@ -53,12 +58,15 @@ __all__ = [
     "MissingCredentialsError",
     "ObjckptError",
     "PeerRankError",
+    "RequestDeadlineError",
     "RequestFailedError",
     "SaveDeadlineError",
     "SaveSequenceError",
     "SizeMismatchError",
+    "StagingSpaceError",
     "StateDictError",
     "StateDictMismatchError",
+    "StepOrderError",
     "StoreError",
     "StoreUnreachableError",
     "UploadError",
@@ -71,6 +79,31 @@ class ObjckptError(Exception):
 
 class ConfigurationError(ObjckptError, ValueError):
     """An option, URL or protocol the caller gave cannot work."""
+
+
+class StagingSpaceError(ObjckptError, OSError):
+    """Staging memory could not get room: the directory it lives in is too full.
+
+    Containers give ``/dev/shm`` 64 MiB unless told otherwise; staging reserves its
+    bytes before copying, so a full directory is this error on the rank that met it
+    (and its refusal in the save's agreement) instead of a SIGBUS mid-copy. An
+    ``OSError`` with ``errno.ENOSPC``, as the reservation's own failure would be.
+
+    Attributes:
+        needed: Bytes the reservation asked for.
+        free: Bytes free in ``directory`` when it failed.
+        directory: Where staging lives (``AsyncOptions.staging_dir``).
+    """
+
+    def __init__(self, message: str, needed: int = 0, free: int = 0, directory: str = "") -> None:
+        super().__init__(message)
+        self.errno = errno.ENOSPC
+        self.needed = needed
+        self.free = free
+        self.directory = directory
+
+    def __reduce__(self) -> tuple[type[StagingSpaceError], tuple[str, int, int, str]]:
+        return (type(self), (str(self), self.needed, self.free, self.directory))
 
 
 class StateDictError(ObjckptError, TypeError):
@@ -90,6 +123,13 @@ class StoreError(ObjckptError, OSError):
 
 class StoreUnreachableError(StoreError, ConnectionError):
     """The store's endpoint could not be reached in the allotted time."""
+
+
+class RequestDeadlineError(StoreUnreachableError):
+    """A store request and its retries got no answer within
+    ``RetryPolicy.request_deadline`` (reads, listings and deletes, which no save's
+    deadline bounds): a silent endpoint fails in that time instead of after every
+    attempt's own timeout in turn."""
 
 
 class AccessDeniedError(StoreError, PermissionError):
@@ -180,3 +220,10 @@ class SaveSequenceError(ObjckptError):
 
     def __reduce__(self) -> tuple[type[SaveSequenceError], tuple[str, int]]:
         return (type(self), (str(self), self.highest))
+
+
+class StepOrderError(ObjckptError, ValueError):
+    """A manager's save of a step below the newest step of the run, refused before
+    anything is written: retention ranks steps by number and a restart resumes from
+    the newest, so the lower step would be deleted or ignored. The message names both
+    steps and ``CheckpointManager.discard_after``, the explicit way to roll back."""

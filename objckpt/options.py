@@ -9,6 +9,7 @@ was written, not halfway through a save.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from objckpt.errors import ConfigurationError
 
@@ -122,6 +123,16 @@ class ReadOptions:
         share_replicated: When the reader coordinates a process group
             (``broadcast=True``, as ``CheckpointManager.load`` does), fetch each item
             several ranks read once, on one of them, and broadcast it to the others.
+        max_metadata_bytes: Largest manifest, index object or stock ``.metadata``
+            the reader accepts, judged before it is fetched (from the size the
+            manifest or the listing records, or by reading at most this many bytes
+            plus one of the manifest), so a crafted one costs bounded memory. The
+            default is far above what objckpt writes: bench/bench_scale.py's
+            1,200-tensor model gives a 1.07 MB manifest and 58 KB index objects at
+            4,096 ranks (about 1.8 MB and the same 58 KB at 8,192). Older format-1
+            manifests pass it at about 900 ranks (290 MB at 1,024) and stock
+            ``.metadata`` pickles at about 1,400 (195 MB at 1,024): raise it to
+            read those.
     """
 
     verify: bool = True
@@ -130,9 +141,16 @@ class ReadOptions:
     max_in_flight_bytes: int = 512 * MiB
     trust_pickles: bool = False
     share_replicated: bool = True
+    max_metadata_bytes: int = 256 * MiB
 
     def __post_init__(self) -> None:
         _require(isinstance(self.verify, bool), "verify", self.verify, "True or False")
+        _require(
+            type(self.max_metadata_bytes) is int and self.max_metadata_bytes >= 1,
+            "max_metadata_bytes",
+            self.max_metadata_bytes,
+            "a positive int (bytes)",
+        )
         _require(
             isinstance(self.share_replicated, bool),
             "share_replicated",
@@ -207,6 +225,20 @@ class AsyncOptions:
             about half the rate two do, and torch copies in parallel only inside
             one tensor and only on its intra-op threads; the copy is cut into
             pieces of equal bytes instead. CUDA tensors are copied on one stream.
+        staging_dir: The directory staging memory lives in (None: ``/dev/shm``
+            where the system has it, else the temporary directory). Staging
+            reserves its bytes there before copying; where the whole state dict
+            does not fit, ``save`` copies in waves (as with ``staging_budget``)
+            and where not even a wave fits the save fails with
+            ``StagingSpaceError``. Containers give ``/dev/shm`` 64 MiB unless
+            told otherwise (``docker run --shm-size``, a Kubernetes ``emptyDir``
+            with ``medium: Memory``); a directory on another tmpfs or a local
+            disk works too (a disk is slower, and the page cache holds the bytes).
+        exit_timeout: Seconds the interpreter's exit waits for saves still in
+            flight (a script that ended without ``wait_until_finished``), after
+            warning which; a save not done by then is dropped, uncommitted, with a
+            second warning. 0: warn only. Bounded so that exit never hangs on a
+            stuck store; long enough for a save whose uploads were nearly done.
     """
 
     workers: int = 1
@@ -217,8 +249,26 @@ class AsyncOptions:
     share_replicated: bool = True
     background_staging: bool = False
     staging_threads: int = 4
+    staging_dir: str | None = None
+    exit_timeout: float = 60.0
 
     def __post_init__(self) -> None:
+        if self.staging_dir is not None:
+            _require(
+                isinstance(self.staging_dir, str), "staging_dir", self.staging_dir, "a str path"
+            )
+            _require(
+                os.path.isdir(self.staging_dir),
+                "staging_dir",
+                self.staging_dir,
+                "an existing directory",
+            )
+            _require(
+                os.access(self.staging_dir, os.W_OK | os.X_OK),
+                "staging_dir",
+                self.staging_dir,
+                "a directory this process may create files in",
+            )
         if not isinstance(self.background_staging, bool):
             raise ConfigurationError(
                 f"option background_staging={self.background_staging!r} is invalid: "
@@ -254,3 +304,11 @@ class AsyncOptions:
             raise ConfigurationError(
                 f"option barrier_timeout={self.barrier_timeout!r} must be a positive number"
             )
+        _require(
+            isinstance(self.exit_timeout, (int, float))
+            and not isinstance(self.exit_timeout, bool)
+            and self.exit_timeout >= 0,
+            "exit_timeout",
+            self.exit_timeout,
+            "seconds >= 0 (0: warn only)",
+        )

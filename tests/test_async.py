@@ -295,5 +295,8 @@ def test_upload_workers_share_the_ranks_request_budget(
         async_options=AsyncOptions(workers=2),
     ) as ckpt:
         ckpt.save(state, s3_bucket.url("budget")).result(timeout=120)
-    assert s3_proxy.count("UploadPart") == 12
+    # Four objects of three parts went up (a part retried on a loaded machine is
+    # seen twice: a floor, not an exact count). The proxy counts a request answered
+    # before its answer goes out, so the client's next part never overlaps it.
+    assert s3_proxy.count("UploadPart") >= 12
     assert s3_proxy.peak_open("UploadPart") <= 2

@@ -23,6 +23,7 @@ training loop calls; the sequence itself lives in the two phase modules.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import logging
 import threading
@@ -30,13 +31,16 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch.distributed as dist
+
 from objckpt.dcp.serialize import Framer
-from objckpt.errors import ConfigurationError, SaveSequenceError
+from objckpt.errors import ConfigurationError, SaveDeadlineError, SaveSequenceError
 from objckpt.format.manifest import Manifest
 from objckpt.options import AsyncOptions, UploadOptions
-from objckpt.pipeline.commit_phase import Committer
+from objckpt.pipeline.commit_phase import WEDGED_AFTER, Committer
 from objckpt.pipeline.daemons import DaemonThreads
 from objckpt.pipeline.handle import SaveHandle
+from objckpt.pipeline.lifetime import register, wait_bounded, warn_and_wait
 from objckpt.pipeline.plan_cache import PlanCacheStats, PlanMemory
 from objckpt.pipeline.save_phases import SaveRequest, SaveResources, TargetCache, run_save
 from objckpt.pipeline.stage import Stager
@@ -46,6 +50,9 @@ from objckpt.writers.retry import RetryPolicy
 __all__ = ["AsyncCheckpointer", "async_save"]
 
 logger = logging.getLogger(__name__)
+
+#: Seconds ``close`` lets idle workers say goodbye once every save has ended.
+_CLOSE_WAIT = 30.0
 
 
 class AsyncCheckpointer:
@@ -89,6 +96,7 @@ class AsyncCheckpointer:
             max_cached_sets=self.options.max_in_flight,
             budget=self.options.staging_budget,
             copy_threads=self.options.staging_threads,
+            staging_dir=self.options.staging_dir,
         )
         self._pool = WorkerPool(self.options.workers, slots=self.options.uploads_per_worker)
         self._framer = Framer()
@@ -113,13 +121,20 @@ class AsyncCheckpointer:
         # Each save's uploads and commit: threads that wait for it, not one per save.
         self._finalizers = DaemonThreads("objckpt-commit")
         self._committer = Committer(
-            self._stager.release, self.options.barrier_timeout, on_commit, self._record_error
+            self._stager.release,
+            self.options.barrier_timeout,
+            on_commit,
+            self._record_error,
+            workers=self._pool,
         )
         self._lock = threading.RLock()
         # Held from staging to the end of planning: one save's collectives at a time.
         self._save_lock = threading.Lock()
         self._closed = False
         self._sequence = 0
+        # Saves in flight at interpreter exit are named and waited for a bounded
+        # time (pipeline.lifetime); the hook holds this checkpointer weakly.
+        self._exit_hook = register(self)
 
     # -- saving ---------------------------------------------------------------------------
     def save(
@@ -131,6 +146,7 @@ class AsyncCheckpointer:
         overwrite: bool = False,
         user_metadata: Mapping[str, Any] | None = None,
         checkpoint_id: str | None = None,
+        no_dist: bool = False,
     ) -> SaveHandle:
         """Stage ``state_dict`` and start saving it to ``url``; returns once staged.
 
@@ -138,27 +154,40 @@ class AsyncCheckpointer:
         ``url``; the manager records a local tier's step under its root URL, where
         the same bytes end up).
 
-        Must be called on every rank of ``process_group`` (DCP plans collectively).
-        Safe to call from several threads: saves are staged and planned one at a
-        time (their collectives must not interleave), then upload concurrently up to
-        ``AsyncOptions.max_in_flight``.
+        Must be called on every rank of ``process_group`` (DCP plans collectively),
+        unless ``no_dist``. Safe to call from several threads: saves are staged and
+        planned one at a time (their collectives must not interleave), then upload
+        concurrently up to ``AsyncOptions.max_in_flight``.
+
+        Args:
+            no_dist: Save what this process holds as a process group of one (DCP's
+                ``no_dist``): no collective and no c10d key, even inside a process
+                group, so one rank may call it alone (Lightning saves on global rank
+                0 only). The checkpoint has world size 1; the other ranks' saves do
+                not count it in their sequence.
 
         Raises:
             ConfigurationError, StateDictError, CheckpointExistsError, StoreError:
                 before anything is uploaded (wrapped by torch's CheckpointException
                 when raised inside DCP's planning).
         """
+        if no_dist and process_group is not None:
+            raise ConfigurationError(
+                f"save of {url}: option no_dist=True saves without a process group, "
+                "but process_group was given too; pass one or the other"
+            )
         request = SaveRequest(
-            state_dict, url, process_group, overwrite, user_metadata, checkpoint_id
+            state_dict, url, process_group, overwrite, user_metadata, checkpoint_id, no_dist
         )
         with self._save_lock:
-            # Every save() call counts, refused or not: the ranks' numbers stay equal as
-            # long as every rank calls save() the same number of times.
-            self._sequence += 1
+            # Every collective save() call counts, refused or not: the ranks' numbers stay
+            # equal as long as every rank calls save() the same number of times.
+            if not no_dist:
+                self._sequence += 1
             refusal = ConfigurationError("AsyncCheckpointer is closed") if self._closed else None
-            waited = self._throttle() if refusal is None else 0.0
+            waited, refused = self._throttle(refusal, process_group)
             try:
-                queued = run_save(self._resources, request, self._sequence, refusal)
+                queued = run_save(self._resources, request, self._sequence, refused)
             except SaveSequenceError as exc:
                 self._sequence = exc.highest  # every rank resumes in step from here
                 raise
@@ -173,6 +202,7 @@ class AsyncCheckpointer:
             )
             handle.waited_for_earlier = waited
             handle.attempt = target.attempt
+            handle._ends_by = self._committer.ends_by(queued.writer, queued.distributed)
             with self._lock:
                 self._inflight.append(handle)
             self._finalizers.submit(
@@ -196,24 +226,56 @@ class AsyncCheckpointer:
         with self._lock:
             self._errors.append(exc)
 
-    def _throttle(self) -> float:
-        """Wait while ``max_in_flight`` saves are uploading; returns the seconds waited."""
+    def _throttle(
+        self, refusal: BaseException | None, process_group: Any
+    ) -> tuple[float, BaseException | None]:
+        """Wait while ``max_in_flight`` saves are uploading; returns the seconds waited
+        and this save's refusal (``refusal``, or: the oldest save in flight is stuck
+        past its own bound, so no slot will free). A refusal goes into the save's
+        agreement: every rank refuses this save, none waits for ever."""
         started = time.perf_counter()
-        while True:
+        while refusal is None:
             with self._lock:
                 self._inflight = [h for h in self._inflight if not h.done()]
                 if len(self._inflight) < self.options.max_in_flight:
-                    return time.perf_counter() - started
+                    break
                 oldest = self._inflight[0]
-            oldest.exception()  # wait; its error is reported by check_for_errors
+            if not oldest._settled():  # its error is reported by check_for_errors
+                rank = dist.get_rank(process_group) if dist.is_initialized() else 0
+                refusal = SaveDeadlineError(
+                    f"rank {rank}: the save of {oldest.url} is still running "
+                    f"{WEDGED_AFTER:g} s past its deadline of {self.upload.deadline} s "
+                    "(UploadOptions.deadline) and the commit's waits, so none of the "
+                    f"AsyncOptions.max_in_flight={self.options.max_in_flight} slots is "
+                    "free: this save was refused (is an on-commit hook stuck?)"
+                )
+        return time.perf_counter() - started, refusal
+
+    def _wait_bounded(self) -> list[SaveHandle]:
+        """Wait for the saves in flight, each at most until its own bound; returns
+        those still running."""
+        with self._lock:
+            handles = list(self._inflight)
+        return wait_bounded(handles)
 
     # -- Orbax-style hooks ----------------------------------------------------------------
     def wait_all(self) -> None:
-        """Wait for every save in flight (their errors stay for ``check_for_errors``)."""
+        """Wait for every save in flight (their errors stay for ``check_for_errors``).
+
+        Each is waited for until its own bound at most (its deadline, then the
+        commit's waits); one still running then is stuck, and logged."""
+        for h in self._wait_bounded():
+            logger.error("the save of %s is still running past its deadline's bound", h.url)
+
+    def settles_by(self) -> float | None:
+        """The ``time.monotonic()`` by which every save now in flight has committed or
+        failed, stuck workers and stores included (now, with none in flight; None
+        when one has no deadline). Only a hung on-commit hook outlasts it."""
         with self._lock:
-            handles = list(self._inflight)
-        for h in handles:
-            h.exception()
+            bounds = [h._ends_by for h in self._inflight if not h.done()]
+        if any(b is None for b in bounds):
+            return None
+        return max([time.monotonic(), *(b for b in bounds if b is not None)])
 
     def wait_staged(self) -> None:
         """Wait until every save in flight has copied its state dict to staging
@@ -238,20 +300,40 @@ class AsyncCheckpointer:
         raise exc
 
     def close(self) -> None:
-        """Wait for saves in flight, stop the workers and free staging memory."""
+        """Wait for saves in flight, stop the workers and free staging memory.
+
+        Returns in bounded time when saves have a deadline (``UploadOptions``):
+        each save in flight is waited for until its own bound (the deadline, plus
+        ``WEDGED_AFTER`` for a stuck worker, plus the commit's waits); by then a
+        stuck upload has failed its save. A save still running past it (a hung
+        on-commit hook) is logged as abandoned and the workers are killed.
+        """
         if self._closed:
             return
+        stuck: list[SaveHandle] = []
         try:
-            with self._lock:
-                handles = list(self._inflight)
-            for h in handles:
-                h.exception()
+            stuck = self._wait_bounded()
         finally:
             self._closed = True
-            self._checker.shutdown()
+            atexit.unregister(self._exit_hook)
+            if stuck:
+                logger.warning(
+                    "closing the checkpointer abandons %d save(s) still running past "
+                    "their deadline's bound: %s; their workers are stopped",
+                    len(stuck),
+                    ", ".join(h.url for h in stuck),
+                )
+            self._checker.shutdown(wait=not stuck)
             self._finalizers.close()
-            self._pool.close()
+            self._pool.close(timeout=0.0 if stuck else _CLOSE_WAIT)
             self._stager.close()
+
+    def _at_exit(self) -> None:
+        """At interpreter exit: name the saves in flight and wait for them up to
+        ``AsyncOptions.exit_timeout`` (see :mod:`objckpt.pipeline.lifetime`)."""
+        with self._lock:
+            pending = [h for h in self._inflight if not h.done()]
+        warn_and_wait(pending, self.options.exit_timeout)
 
     def __enter__(self) -> AsyncCheckpointer:
         return self
@@ -286,6 +368,7 @@ def async_save(
     process_group: Any | None = None,
     checkpointer: AsyncCheckpointer | None = None,
     overwrite: bool = False,
+    no_dist: bool = False,
     **kwargs: Any,
 ) -> SaveHandle:
     """Save asynchronously; returns a handle as soon as ``state_dict`` is staged.
@@ -295,13 +378,19 @@ def async_save(
     for this save and closed when it finishes.
 
     Args:
+        no_dist: This process alone, without a collective (see
+            :meth:`AsyncCheckpointer.save`).
         kwargs: ``upload``, ``async_options`` and ``on_commit`` for the one-off checkpointer.
     """
     if checkpointer is not None:
-        return checkpointer.save(state_dict, url, process_group=process_group, overwrite=overwrite)
+        return checkpointer.save(
+            state_dict, url, process_group=process_group, overwrite=overwrite, no_dist=no_dist
+        )
     ckpt = AsyncCheckpointer(storage_options=storage_options, **kwargs)
     try:
-        handle = ckpt.save(state_dict, url, process_group=process_group, overwrite=overwrite)
+        handle = ckpt.save(
+            state_dict, url, process_group=process_group, overwrite=overwrite, no_dist=no_dist
+        )
     except BaseException:
         ckpt.close()
         raise

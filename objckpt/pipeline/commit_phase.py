@@ -11,6 +11,12 @@ call of the training loop is needed for a save to finish::
 
 The save's future gets the committed manifest (rank 0), None (other ranks) or
 the error; a rank's own upload error wins over the coordinator's summary of it.
+
+Every wait here is bounded, so the thread ends by :meth:`Committer.ends_by`: the
+uploads by the save's deadline plus :data:`WEDGED_AFTER` (an upload still
+outstanding then hangs: its workers are killed and the save fails naming the
+objects), the exchange by the barrier timeout. A save without a deadline
+(``UploadOptions(deadline=None)``) waits for its uploads as long as they take.
 """
 
 from __future__ import annotations
@@ -32,19 +38,26 @@ from objckpt.pipeline.deferred import DeferredWriter
 from objckpt.pipeline.finalize import RankExchange
 from objckpt.pipeline.handle import SaveHandle
 from objckpt.pipeline.stage import Staged
+from objckpt.pipeline.workers import WorkerPool
 from objckpt.writers.accounting import counting
 from objckpt.writers.deadline import bounded_by
 from objckpt.writers.translate import describe
 
-__all__ = ["Committer", "exchange_for"]
+__all__ = ["WEDGED_AFTER", "Committer", "exchange_for"]
 
 logger = logging.getLogger(__name__)
+
+#: Seconds past a save's deadline after which an upload that has not answered
+#: counts as wedged. A healthy worker shares the deadline and fails its own
+#: requests when it passes; this covers that error's trip back on a busy host.
+WEDGED_AFTER = 10.0
 
 
 def exchange_for(
     writer: DeferredWriter, process_group: Any, world: int, timeout: float
 ) -> RankExchange:
-    """The c10d-store exchange of ``writer``'s save attempt."""
+    """The c10d-store exchange of ``writer``'s save attempt (saves in a process group
+    only: a ``no_dist`` save, like one outside a group, commits without it)."""
     target = writer.writer
     if target.attempt is None:
         raise ObjckptError("internal: rank exchange before the attempt was agreed")
@@ -61,6 +74,8 @@ class Committer:
         barrier_timeout: How long a rank waits for the others through the store.
         on_commit: Called on the coordinator with (url, manifest) after each commit.
         on_error: Records a failed save's error (for ``check_for_errors``).
+        workers: The upload workers, stopped when an upload outlives its save's
+            deadline by :data:`WEDGED_AFTER` (None: nothing to stop).
     """
 
     def __init__(
@@ -69,11 +84,27 @@ class Committer:
         barrier_timeout: float,
         on_commit: Callable[[str, Manifest], Any] | None,
         on_error: Callable[[BaseException], None],
+        workers: WorkerPool | None = None,
     ) -> None:
         self._release = release
         self._timeout = barrier_timeout
         self._on_commit = on_commit
         self._on_error = on_error
+        self._workers = workers
+
+    def ends_by(self, writer: DeferredWriter, distributed: bool) -> float | None:
+        """The ``time.monotonic()`` by which :meth:`finalize` has settled ``writer``'s
+        save (None: the save has no deadline, so its uploads have no bound).
+
+        The uploads end by the deadline plus :data:`WEDGED_AFTER`; then rank 0 gathers
+        (``barrier_timeout``), while the other ranks wait up to twice that plus 30 s
+        for rank 0's outcome (see ``RankExchange.outcome``). An on-commit hook that
+        never returns is the one thing that can keep the thread past it.
+        """
+        if writer.deadline is None:
+            return None
+        exchange = 2 * self._timeout + 30 if distributed else 0.0
+        return writer.deadline.at + WEDGED_AFTER + exchange
 
     def finalize(
         self,
@@ -107,7 +138,7 @@ class Committer:
         distributed: bool,
     ) -> Manifest | None:
         queueing_error = writer.queue_deferred()
-        results, error = _collect(writer)
+        results, error = _collect(writer, self._workers)
         error = queueing_error or error
         self._release(staged)
         handle._set_written(written_objects(results))
@@ -172,13 +203,36 @@ class Committer:
             logger.exception("the on-commit hook failed after %s committed", url)
 
 
-def _collect(writer: DeferredWriter) -> tuple[list[WriteResult], BaseException | None]:
-    """This rank's write results (and its request totals), or its first upload error."""
+def _collect(
+    writer: DeferredWriter, workers: WorkerPool | None
+) -> tuple[list[WriteResult], BaseException | None]:
+    """This rank's write results (and its request totals), or its first upload error.
+
+    Waits until the save's deadline plus :data:`WEDGED_AFTER`: an upload still
+    outstanding then is held by a wedged worker (a live one fails its requests at
+    the deadline), so the save fails with a :class:`SaveDeadlineError` naming the
+    objects, and those workers are killed so the next save gets fresh ones.
+    """
     results: list[WriteResult] = []
     error: BaseException | None = None
+    deadline = writer.deadline
+    futures = [p.future for p in writer.pending]
+    timeout = None if deadline is None else max(0.0, deadline.remaining() + WEDGED_AFTER)
+    _, outstanding = concurrent.futures.wait(futures, timeout=timeout)
+    if outstanding and deadline is not None:
+        keys = [p.obj.key for p in writer.pending if p.future in outstanding]
+        named = ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+        error = deadline.error(
+            f"the upload of {len(keys)} object(s) ({named}) had no answer from its upload "
+            f"worker {WEDGED_AFTER:g} s past the deadline (the worker is stuck; it was stopped)"
+        )
+        if workers is not None:
+            workers.terminate(outstanding, f"{deadline.who}: no answer past the save's deadline")
     done: concurrent.futures.Future[None] = concurrent.futures.Future()
     done.set_result(None)
     for p in writer.pending:
+        if p.future in outstanding:
+            continue
         try:
             record = p.future.result()
         except BrokenProcessPool as exc:
@@ -189,6 +243,8 @@ def _collect(writer: DeferredWriter) -> tuple[list[WriteResult], BaseException |
             error.__cause__ = exc
             continue
         except BaseException as exc:
+            if error is not None:  # the first error is the save's; the rest go to the log
+                logger.debug("another upload of %s failed too: %s", p.obj.key, describe(exc))
             error = error or exc
             continue
         writer.writer.request_counter.add(record.requests)

@@ -52,6 +52,10 @@ class SaveHandle:
         self.attempt: str | None = None
         #: ``"primary"`` (the object store) or ``"local"`` (a LocalTier).
         self.tier = "primary"
+        #: The ``time.monotonic()`` by which the pipeline has settled this save, even
+        #: with a worker or the store stuck (None: the save has no deadline). A wait
+        #: past it would wait for something stuck: closing gives up on it there.
+        self._ends_by: float | None = None
         self._started = time.monotonic()
         self._committed_at: float | None = None
         self._written: tuple[ObjectEntry, ...] = ()
@@ -188,6 +192,18 @@ class SaveHandle:
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The save's error (None if it committed), waiting up to ``timeout`` seconds."""
         return self._future.exception(timeout)
+
+    def _settled(self, until: float | None = None) -> bool:
+        """Wait until the save ends, at most until ``until`` (a ``time.monotonic()``;
+        None: no bound of the caller's), never past its own bound ``_ends_by``; whether it ended."""
+        bounds = [b for b in (until, self._ends_by) if b is not None]
+        until = min(bounds) if bounds else None
+        timeout = None if until is None else max(0.0, until - time.monotonic())
+        try:
+            self._future.exception(timeout)
+        except concurrent.futures.TimeoutError:
+            return self._future.done()
+        return True
 
     def add_done_callback(self, fn: Callable[[SaveHandle], Any]) -> None:
         """Call ``fn(handle)`` once the save has committed or failed."""

@@ -10,6 +10,12 @@ Unlike NVIDIA's ``AsyncCallsQueue``, the work does not run in a fork of the
 training process (forking after CUDA or client threads exist is the known cause
 of deadlocks and corruption), and "done on every rank" is decided through the
 c10d store rather than a collective the training loop must call on all ranks.
+
+Nothing a callback raises is lost: a failed report to the barrier (a
+``Future`` done-callback, whose errors ``concurrent.futures`` would only log
+without the request) is logged with the request's index and raised by this rank's
+next finalize of that request, and a finalize function's error is logged with
+the request's index and raised to the caller.
 """
 
 from __future__ import annotations
@@ -97,6 +103,26 @@ class _Active:
     index: int
     request: AsyncRequest
     future: concurrent.futures.Future[Any]
+    #: Set once this rank's end was reported to the barrier (or that failed).
+    arrived: threading.Event = dataclasses.field(default_factory=threading.Event)
+    #: This rank's report to the barrier failed: the request cannot conclude.
+    arrive_error: BaseException | None = None
+
+
+def _arrive(barrier: RankBarrier, call: _Active) -> None:
+    """Report ``call``'s end to ``barrier`` (a done-callback: it must not raise)."""
+    try:
+        barrier.arrive(f"req{call.index}", call.future.exception() is None)
+    except Exception as exc:
+        logger.error(
+            "async request %d: reporting its end to the other ranks failed: %s",
+            call.index,
+            exc,
+            exc_info=True,
+        )
+        call.arrive_error = exc
+    finally:
+        call.arrived.set()
 
 
 class AsyncCallsQueue:
@@ -140,10 +166,11 @@ class AsyncCallsQueue:
                 future = self._executor.submit(
                     frozen.async_fn, *frozen.async_fn_args, **frozen.async_fn_kwargs
                 )
-            if self._barrier is not None:
-                barrier, key = self._barrier, f"req{index}"
-                future.add_done_callback(lambda f: barrier.arrive(key, f.exception() is None))
-            self._calls.append(_Active(index, frozen, future))
+            call = _Active(index, frozen, future)
+            self._calls.append(call)
+            barrier = self._barrier
+            if barrier is not None:
+                future.add_done_callback(lambda f: _arrive(barrier, call))
             return index
 
     def _done_everywhere(self, call: _Active, blocking: bool) -> bool:
@@ -153,6 +180,14 @@ class AsyncCallsQueue:
             return False
         if self._barrier is None:
             return True
+        # The report runs as the future's callback, after waiters were woken.
+        if not call.arrived.wait(None if blocking else 0.0):
+            return False
+        if call.arrive_error is not None:  # the other ranks never heard of its end
+            raise RequestFailedError(
+                f"async request {call.index}: this rank could not report its end to the "
+                f"other ranks ({call.arrive_error}); its finalize functions were not run"
+            ) from call.arrive_error
         return self._barrier.all_arrived(f"req{call.index}", self._timeout if blocking else 0.0)
 
     def maybe_finalize_async_calls(self, blocking: bool = False) -> list[int]:
@@ -183,8 +218,20 @@ class AsyncCallsQueue:
                 exc = call.future.exception()
                 if exc is not None:
                     raise exc
-                for fn in call.request.finalize_fns:
-                    fn()
+                for n, fn in enumerate(call.request.finalize_fns):
+                    try:
+                        fn()
+                    except Exception:
+                        logger.error(
+                            "async request %d: finalize function %d of %d (%r) failed; the "
+                            "ones after it were not run",
+                            call.index,
+                            n + 1,
+                            len(call.request.finalize_fns),
+                            fn,
+                            exc_info=True,
+                        )
+                        raise
                 finalized.append(call.index)
         return finalized
 

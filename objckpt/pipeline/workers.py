@@ -14,7 +14,11 @@ layer only (:mod:`objckpt.pipeline.upload_task`) and persists across saves.
 A worker that dies (``kill -9``, OOM) breaks the pool, as a
 ``ProcessPoolExecutor`` does: every pending task fails with
 :class:`~concurrent.futures.process.BrokenProcessPool` at once, the other
-workers are stopped, and the next submit starts a fresh pool.
+workers are stopped, and the next submit starts a fresh pool. A worker that
+hangs instead (stopped, stuck in native code) would hold its tasks' futures
+forever: whoever waits on them with a bound calls :meth:`WorkerPool.terminate`,
+which kills the workers those futures were handed to, so the same rule applies
+and the next submit gets fresh workers.
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ import struct
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+import time
+import weakref
+from collections.abc import Callable, Iterable
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
@@ -109,6 +115,10 @@ class _Generation:
         self.tasks: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self.lock = threading.Lock()
         self.broken = False
+        #: Why the pool stopped these workers itself (None: it did not).
+        self.stopped: str | None = None
+        #: Every future handed to this generation (to find the workers of a wedged one).
+        self.futures: weakref.WeakSet[concurrent.futures.Future[Any]] = weakref.WeakSet()
         self.procs: list[subprocess.Popen[bytes]] = []
         self.ready: list[concurrent.futures.Future[int]] = []
         self.threads: list[threading.Thread] = []
@@ -159,6 +169,7 @@ class _Generation:
         with self.lock:
             if self.broken:
                 return False
+            self.futures.add(task.future)
             self.tasks.put(task)
             return True
 
@@ -217,43 +228,81 @@ class _Generation:
             code = proc.wait(timeout=_EXIT_WAIT)
         except subprocess.TimeoutExpired:
             code = None
-        error = BrokenProcessPool(
-            f"an objckpt {self.name} worker (pid {proc.pid}) died"
-            + (f" with exit code {code}" if code is not None else "")
-            + " (killed, or out of memory?)"
-        )
+        if self.stopped is not None:
+            error = BrokenProcessPool(
+                f"an objckpt {self.name} worker (pid {proc.pid}) was stopped: {self.stopped}"
+            )
+        else:
+            error = BrokenProcessPool(
+                f"an objckpt {self.name} worker (pid {proc.pid}) died"
+                + (f" with exit code {code}" if code is not None else "")
+                + " (killed, or out of memory?)"
+            )
         error.__cause__ = exc
+        if self._break(error, spare=proc):
+            logger.warning("%s", error)
+        return error
+
+    def _break(self, error: BrokenProcessPool, spare: subprocess.Popen[bytes] | None) -> bool:
+        """Break the generation once: kill its workers (but ``spare``), fail every
+        queued task with ``error`` and let idle threads end. False if already broken."""
         with self.lock:
             first = not self.broken
             self.broken = True
-        if first:
-            logger.warning("%s", error)
-            for other in self.procs:  # their threads fail their tasks on EOF
-                if other is not proc and other.poll() is None:
-                    other.kill()
-            while True:  # nothing is queued after ``broken`` is set (see submit)
-                try:
-                    task = self.tasks.get_nowait()
-                except queue.Empty:
-                    break
-                if task is not None and task.future.set_running_or_notify_cancel():
-                    task.future.set_exception(error)
-            for _ in self.threads:  # idle threads: stop
-                self.tasks.put(None)
-        return error
+        if not first:
+            return False
+        for other in self.procs:  # their threads fail their tasks on EOF
+            if other is not spare and other.poll() is None:
+                other.kill()
+        while True:  # nothing is queued after ``broken`` is set (see submit)
+            try:
+                task = self.tasks.get_nowait()
+            except queue.Empty:
+                break
+            if task is not None and task.future.set_running_or_notify_cancel():
+                task.future.set_exception(error)
+        for _ in self.threads:  # idle threads: stop
+            self.tasks.put(None)
+        return True
 
-    def close(self) -> None:
-        """Let queued tasks finish, then stop the workers."""
+    def terminate(self, reason: str) -> list[int]:
+        """Kill every worker of this generation (a wedged one cannot be asked to
+        stop): their tasks fail with BrokenProcessPool naming ``reason``; returns
+        the pids killed."""
+        with self.lock:
+            if self.stopped is None:
+                self.stopped = reason
+        live = [p.pid for p in self.procs if p.poll() is None]
+        logger.warning("stopping objckpt %s workers %s: %s", self.name, live, reason)
+        self._break(
+            BrokenProcessPool(f"the objckpt {self.name} workers were stopped: {reason}"), spare=None
+        )
+        return live
+
+    def close(self, timeout: float | None = None) -> list[int]:
+        """Let queued tasks finish, then stop the workers; returns the pids killed.
+
+        With a ``timeout``, tasks still running after it are abandoned: their
+        workers are killed (a wedged worker never answers a goodbye) and their
+        futures fail, so closing never waits longer than ``timeout`` plus a kill.
+        """
         for _ in self.threads:
             self.tasks.put(None)
+        until = None if timeout is None else time.monotonic() + timeout
         for thread in self.threads:
-            thread.join()
+            thread.join(None if until is None else max(0.0, until - time.monotonic()))
+        killed: list[int] = []
+        if any(t.is_alive() for t in self.threads):
+            killed = self.terminate(f"still busy {timeout:g} s after the pool was closed")
+            for thread in self.threads:
+                thread.join(_EXIT_WAIT)  # their channels end with the killed workers
         for proc in self.procs:
             try:
                 proc.wait(timeout=_EXIT_WAIT)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        return killed
 
 
 class WorkerPool:
@@ -315,8 +364,29 @@ class WorkerPool:
             return []
         return [p.pid for p in gen.procs if p.poll() is None]
 
-    def close(self) -> None:
+    def terminate(
+        self, futures: Iterable[concurrent.futures.Future[Any]], reason: str
+    ) -> list[int]:
+        """Kill the workers that hold any of ``futures`` not yet done (they hang:
+        a bounded wait on them ran out); returns the pids killed.
+
+        The whole generation goes, as when a worker dies: every task it holds
+        fails with BrokenProcessPool naming ``reason`` (another save's uploads on
+        those workers included), and the next submit starts fresh workers.
+        """
+        with self._lock:
+            gen = self._gen
+        if gen is None or not any(f in gen.futures for f in futures if not f.done()):
+            return []
+        return gen.terminate(reason)
+
+    def close(self, timeout: float | None = None) -> list[int]:
+        """Let queued tasks finish, then stop the workers; returns the pids killed.
+
+        Args:
+            timeout: Seconds to let running tasks finish; after it their workers are
+                killed and their futures fail (None: wait for them).
+        """
         with self._lock:
             gen, self._gen = self._gen, None
-        if gen is not None:
-            gen.close()
+        return [] if gen is None else gen.close(timeout)
