@@ -70,6 +70,46 @@ def test_a_wedged_worker_fails_the_save_by_its_deadline_and_is_replaced(tmp_path
     assert torch.equal(got["w"], after["w"])
 
 
+@pytest.mark.timeout(240)
+def test_a_wedged_worker_cannot_hold_a_save_in_staging_waves(tmp_path: Path) -> None:
+    """In waves, save() itself waits for a full wave's uploads before reusing its
+    memory: that wait is bounded by the deadline too, and the workers are replaced."""
+    from objckpt.options import AsyncOptions
+
+    target = StoreTarget(root=f"file://{tmp_path}/root", storage_options={})
+    MiB = 1024 * 1024
+    state = {f"t{i}": torch.full((MiB // 4,), float(i)) for i in range(4)}  # 4 x 1 MiB
+    opts = AsyncOptions(staging_budget=MiB + 4096)  # one tensor per wave
+    with AsyncCheckpointer(
+        upload=UploadOptions(deadline=DEADLINE, object_size=MiB), async_options=opts
+    ) as ckpt:
+        ckpt.save(state, target.url("warm")).result(timeout=120)
+        stopped = stop_workers(ckpt)
+        outcome: list[BaseException | None] = []
+
+        def save() -> None:
+            try:
+                ckpt.save(state, target.url("wedged")).result(timeout=BOUND)
+                outcome.append(None)
+            except BaseException as exc:  # the outcome under test
+                outcome.append(exc)
+
+        saver = threading.Thread(target=save)
+        try:
+            saver.start()
+            saver.join(timeout=BOUND)  # before the fix: save() waits for ever
+            assert not saver.is_alive(), "save() did not return with a wedged worker"
+        finally:
+            end(stopped)
+        from objckpt.ops.torch_errors import unwrap
+
+        err = unwrap(outcome[0]) if outcome[0] is not None else None
+        assert isinstance(err, SaveDeadlineError), outcome
+        assert "staging wave" in str(err) and f"deadline of {DEADLINE:g} s" in str(err)
+        assert ckpt.save(state, target.url("after")).result(timeout=120) is not None
+        assert {p.pid for p in stopped}.isdisjoint(ckpt.worker_pids)  # fresh workers
+
+
 @pytest.mark.timeout(300)
 def test_a_wedged_worker_on_rank_1_fails_the_save_on_both_ranks(tmp_path: Path) -> None:
     out = tmp_path / "out"

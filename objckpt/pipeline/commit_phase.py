@@ -38,7 +38,7 @@ from objckpt.pipeline.deferred import DeferredWriter
 from objckpt.pipeline.finalize import RankExchange
 from objckpt.pipeline.handle import SaveHandle
 from objckpt.pipeline.stage import Staged
-from objckpt.pipeline.workers import WorkerPool
+from objckpt.pipeline.workers import WEDGED_AFTER, WorkerPool
 from objckpt.writers.accounting import counting
 from objckpt.writers.deadline import bounded_by
 from objckpt.writers.translate import describe
@@ -46,12 +46,6 @@ from objckpt.writers.translate import describe
 __all__ = ["WEDGED_AFTER", "Committer", "exchange_for"]
 
 logger = logging.getLogger(__name__)
-
-#: Seconds past a save's deadline after which an upload that has not answered
-#: counts as wedged. A healthy worker shares the deadline and fails its own
-#: requests when it passes; this covers that error's trip back on a busy host.
-WEDGED_AFTER = 10.0
-
 
 def exchange_for(
     writer: DeferredWriter, process_group: Any, world: int, timeout: float

@@ -35,7 +35,7 @@ from objckpt.errors import ConfigurationError, StateDictError, UploadError
 from objckpt.format.layout import payload_key
 from objckpt.pipeline.stage import Staged, Wave
 from objckpt.pipeline.upload_task import FramedRef, SegmentRef, upload_object
-from objckpt.pipeline.workers import WorkerPool
+from objckpt.pipeline.workers import WEDGED_AFTER, WorkerPool
 from objckpt.writers.deadline import Deadline
 
 __all__ = ["DeferredWriter", "Pending"]
@@ -285,6 +285,29 @@ class DeferredWriter(StorageWriter):
             return serialized_tensor(value, self._framer)
         return FramedRef(frame[0], ref, frame[1])
 
+    def _drain_wave(self, this_wave: list[concurrent.futures.Future[PayloadRecord]]) -> None:
+        """Wait for a full wave's uploads before its memory is reused, bounded as the
+        commit thread's wait is: until the save's deadline plus ``WEDGED_AFTER``, after
+        which the uploads still outstanding are held by a wedged worker, which is
+        killed (a live one fails its requests at the deadline)."""
+        deadline = self.deadline
+        timeout = None if deadline is None else max(0.0, deadline.remaining() + WEDGED_AFTER)
+        _, outstanding = concurrent.futures.wait(this_wave, timeout=timeout)
+        if outstanding and deadline is not None:
+            self._pool.terminate(outstanding, f"{deadline.who}: no answer past the deadline")
+            raise deadline.error(
+                f"a staging wave's {len(outstanding)} upload(s) had no answer from the upload "
+                f"workers {WEDGED_AFTER:g} s past the deadline (they were stopped)"
+            )
+        for f in this_wave:
+            try:
+                f.result()
+            except BrokenProcessPool as exc:
+                raise UploadError(
+                    f"an upload worker died while saving {self.writer.location.url} in "
+                    "staging waves (killed or out of memory); nothing was committed"
+                ) from exc
+
     def _into_wave(
         self,
         wave: Wave,
@@ -296,14 +319,7 @@ class DeferredWriter(StorageWriter):
         tensors = [v for _, v in entries if isinstance(v, torch.Tensor)]
         if not wave.fits_all(tensors):
             logger.debug("staging wave full (%d bytes); waiting for its uploads", wave.used)
-            for f in this_wave:
-                try:
-                    f.result()
-                except BrokenProcessPool as exc:
-                    raise UploadError(
-                        f"an upload worker died while saving {self.writer.location.url} in "
-                        "staging waves (killed or out of memory); nothing was committed"
-                    ) from exc
+            self._drain_wave(this_wave)
             this_wave.clear()
             wave.reset()
         out = [(pos, self._entry(v, wave.put)) for pos, v in entries]

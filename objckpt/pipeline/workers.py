@@ -42,9 +42,14 @@ from typing import Any
 
 from objckpt.errors import ConfigurationError
 
-__all__ = ["Channel", "RemoteTraceback", "WorkerPool"]
+__all__ = ["WEDGED_AFTER", "Channel", "RemoteTraceback", "WorkerPool"]
 
 logger = logging.getLogger(__name__)
+
+#: Seconds past a save's deadline after which an upload that has not answered
+#: counts as wedged. A healthy worker shares the deadline and fails its own
+#: requests when it passes; this covers that error's trip back on a busy host.
+WEDGED_AFTER = 10.0
 
 _HEADER = struct.Struct("!Q")
 #: Seconds a closing pool waits for a worker to exit before killing it.
