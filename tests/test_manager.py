@@ -13,6 +13,7 @@ from objckpt.errors import (
     CheckpointNotFoundError,
     ConfigurationError,
     StateDictMismatchError,
+    StepOrderError,
 )
 from objckpt.format.steps import step_name
 from objckpt.testing.plugin import StoreTarget
@@ -116,3 +117,73 @@ def test_load_into_mismatched_shapes_names_step_and_key(target: StoreTarget) -> 
     assert isinstance(info.value, ValueError)
     assert mgr.step_url(1) in message and "for w" in message
     assert "[4, 4]" in message and "[3, 4]" in message
+
+
+def _rolled_back_run(target: StoreTarget, root: str) -> CheckpointManager:
+    """Steps 10, 15 and 20 of a run kept by keep_last=2, keep_every=10; then step 10
+    loaded (a loss spike after it), as a job about to go on from step 10 would."""
+    mgr = CheckpointManager(
+        root, storage_options=target.storage_options, keep_last=2, keep_every=10
+    )
+    for step in (10, 15, 20):
+        mgr.save(step, _state(step)).result(timeout=120)
+    mgr.wait_until_finished()
+    assert mgr.all_steps() == [10, 15, 20]
+    got = empty_like_state(_state(0))
+    assert mgr.load(got, step=10) == 10
+    return mgr
+
+
+def test_a_save_below_the_newest_step_is_refused_naming_both_steps(
+    s3_bucket: StoreTarget,
+) -> None:
+    """Before: save(11) after loading step 10 succeeded, then retention (which ranks
+    steps by number) deleted step 11 at once, and a restart resumed from step 20. Now
+    the save is refused before anything is written, naming both steps and the way on."""
+    root = s3_bucket.url("rollback")
+    with _rolled_back_run(s3_bucket, root) as mgr:
+        with pytest.raises(StepOrderError) as info:
+            mgr.save(11, _state(11))
+        assert mgr.all_steps() == [10, 15, 20] and mgr.latest_step() == 20
+    message = str(info.value)
+    assert "step 11 is below step 20" in message and root in message
+    assert "discard_after(10)" in message  # the step loaded
+    assert _dirs(s3_bucket, root) == [step_name(10), step_name(15), step_name(20)]
+
+
+def test_discard_after_keeps_the_new_runs_steps_and_a_restart_resumes_from_them(
+    s3_bucket: StoreTarget,
+) -> None:
+    root = s3_bucket.url("rollback-discard")
+    with _rolled_back_run(s3_bucket, root) as mgr:
+        assert mgr.discard_after(10) == [15, 20]
+        assert mgr.all_steps() == [10] and mgr.latest_step() == 10
+        for step in (11, 12, 13):
+            mgr.save(step, _state(step)).result(timeout=120)
+        mgr.wait_until_finished()
+        # Retention ranks the new run's steps as the newest: 12 and 13 (keep_last=2)
+        # and the milestone 10 stay.
+        assert mgr.all_steps() == [10, 12, 13] and mgr.latest_step() == 13
+        with pytest.raises(StepOrderError, match="step 12 is below step 13"):
+            mgr.save(12, _state(12))
+    assert _dirs(s3_bucket, root) == [step_name(10), step_name(12), step_name(13)]
+    with CheckpointManager(root, storage_options=s3_bucket.storage_options) as mgr:
+        got = empty_like_state(_state(0))
+        got["step"] = None
+        assert mgr.load(got) == 13  # the new run, not step 20 of the abandoned one
+        assert_state_equal(got, _state(13))
+
+
+def test_a_save_below_a_step_still_in_flight_is_refused(s3_bucket: StoreTarget) -> None:
+    """The bound counts steps this manager started saving, committed yet or not: step
+    20 still uploading makes a save of step 15 the same rollback (on every rank alike,
+    whatever each rank's catalog has heard of the commit so far)."""
+    with CheckpointManager(
+        s3_bucket.url("inflight"), storage_options=s3_bucket.storage_options
+    ) as mgr:
+        handle = mgr.save(20, _state(20))
+        with pytest.raises(StepOrderError, match="step 15 is below step 20"):
+            mgr.save(15, _state(15))
+        handle.result(timeout=120)
+        mgr.save(21, _state(21)).result(timeout=120)
+        assert mgr.all_steps() == [20, 21]

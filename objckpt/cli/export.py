@@ -64,6 +64,7 @@ def export_command(
             dtype=dtype,
             keys=list(keys) or None,
             shard_size=shard_size,
+            retry=ctx.retry,
             progress=progress,
         )
     finally:
@@ -99,6 +100,7 @@ def import_command(ctx: CommandContext, src_url: str, step_url: str, keys: tuple
         storage_options=ctx.storage_options(src_url),
         dest_storage_options=ctx.storage_options(step_url),
         keys=list(keys) or None,
+        retry=ctx.retry,
     )
     ctx.emit(
         {"src": src_url, "dest": step_url, "tensors": count},

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from objckpt.dcp.collective import broadcast_from_rank0, is_distributed
-from objckpt.errors import CheckpointNotFoundError, StoreError
+from objckpt.errors import CheckpointNotFoundError, StepOrderError, StoreError
 from objckpt.format.steps import StepInfo, step_name
 from objckpt.ops.backup import BackupTarget, committed_steps
 from objckpt.ops.retention import RetentionPolicy
@@ -32,6 +32,10 @@ __all__ = ["StepCatalog", "on_rank0"]
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+def _some(value: int | None) -> tuple[int, ...]:
+    return () if value is None else (value,)
 
 
 def on_rank0(fn: Callable[[], T], process_group: Any | None) -> T:
@@ -71,6 +75,10 @@ class StepCatalog:
         self._steps: dict[int, StepInfo] = {}
         self._local: dict[int, float] = {}  # committed locally: step -> commit time
         self._finished: list[int] = []
+        # The newest step committed at the last listing or started by a save since: the
+        # order check's bound. Made only from the broadcast listing and the save() calls,
+        # which every rank makes alike, so every rank refuses the same saves.
+        self._high: int | None = None
 
     # -- listing ----------------------------------------------------------------------------
     def reload(self) -> None:
@@ -85,6 +93,7 @@ class StepCatalog:
         with self._lock:
             self._steps = {s.step: s for s in found}
             self._local = {s.step: s.modified or time.time() for s in local}
+            self._high = max([*self._steps, *self._local, *_some(self._high)], default=None)
 
     def newest(self) -> tuple[int, int | None]:
         """Rank 0: the newest committed step on any tier, and the newest durable one
@@ -207,6 +216,54 @@ class StepCatalog:
         """A durable step was deleted."""
         with self._lock:
             self._steps.pop(step, None)
+
+    def check_order(self, step: int, *, loaded: int | None) -> None:
+        """Refuse a save of ``step`` below the newest step of the run (every rank alike).
+
+        Retention ranks steps by number and a restart resumes from the newest, so a
+        lower step, saved after a rollback, would be deleted by retention or never
+        resumed from.
+
+        Raises:
+            ConfigurationError: ``step`` is not an int >= 0.
+            StepOrderError: ``step`` is below the newest step committed or saved (the
+                message names both and the way out).
+        """
+        step_name(step)  # a step that is no step at all is refused as such first
+        with self._lock:
+            high = self._high
+        if high is None or step >= high:
+            return
+        base = loaded if loaded is not None and loaded < step else None
+        back = f"discard_after({base})" if base is not None else "discard_after(<the step loaded>)"
+        lost = ""
+        if not self.retention.keeps_everything:
+            lost = f"retention (which ranks steps by number) would delete step {step} and "
+        raise StepOrderError(
+            f"step {step} is below step {high}, the newest step committed or saved under "
+            f"{self.root.url}: {lost}a restart would resume from step {high}. To continue "
+            f"a run rolled back, call CheckpointManager.{back} on every rank first (it "
+            f"deletes the committed steps above it), or save a step above {high}"
+        )
+
+    def started(self, step: int) -> None:
+        """Every rank: a save of ``step`` started (later saves must not go below it)."""
+        with self._lock:
+            self._high = max((step, *_some(self._high)))
+
+    def forget_after(self, step: int) -> None:
+        """Every rank: the steps above ``step`` were discarded (see
+        :meth:`objckpt.CheckpointManager.discard_after`); the next :meth:`reload`
+        sets the order check's bound from what is left."""
+        with self._lock:
+            self._steps = {s: i for s, i in self._steps.items() if s <= step}
+            self._local = {s: t for s, t in self._local.items() if s <= step}
+            self._high = None
+
+    def above(self, step: int) -> list[int]:
+        """Steps above ``step`` committed on the root or the local tier, ascending."""
+        with self._lock:
+            return sorted(s for s in {*self._steps, *self._local} if s > step)
 
     def to_delete(self) -> list[int]:
         """The durable steps the retention policy drops now."""

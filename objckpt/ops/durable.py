@@ -13,9 +13,10 @@ from __future__ import annotations
 import logging
 import time
 
+from objckpt.errors import BackupError, CheckpointNotFoundError
 from objckpt.format.manifest import Manifest
 from objckpt.format.steps import StepInfo, step_name
-from objckpt.ops.backup import BackupStatus, Replicator
+from objckpt.ops.backup import BackupStatus, Replicator, committed_steps
 from objckpt.ops.catalog import StepCatalog
 from objckpt.ops.gc import delete_step
 
@@ -100,6 +101,41 @@ class DurableSteps:
         delete_step(root.child(step_name(step)))
         self._catalog.remove(step)
         logger.info("deleted step %d under %s", step, root.url)
+
+    def discard_after(self, step: int) -> list[int]:
+        """Coordinator: delete every step above ``step`` committed on the root, and on
+        each backup target objckpt copies to (``mode="copy"``, whose retention ranks
+        steps by number too), newest first; returns the root's steps deleted, ascending.
+
+        Backups in flight are waited for first (a copy landing afterwards would bring
+        a discarded step back). ``replicated`` targets follow the store's replication
+        rules, as their retention does.
+
+        Raises:
+            StoreError: A listing or a deletion failed; what is left above ``step``
+                stays committed, and calling again finishes the job.
+        """
+        if self._replicator is not None:
+            try:
+                self._replicator.wait()
+            except BackupError as exc:  # kept for wait_for_backups; the copies ended
+                logger.info("backups before discarding the steps above %d: %s", step, exc)
+        doomed = sorted(s.step for s in committed_steps(self._catalog.root) if s.step > step)
+        for s in reversed(doomed):  # newest first: what is left is always a prefix
+            try:
+                self.delete(s)
+            except CheckpointNotFoundError:
+                self._catalog.remove(s)
+        if self._replicator is not None:
+            for target in self._replicator.targets:
+                if target.mode != "copy":
+                    continue
+                listed = committed_steps(target.location)
+                for s in sorted((i.step for i in listed if i.step > step), reverse=True):
+                    delete_step(target.location.child(step_name(s)))
+                    logger.info("deleted step %d from the backup %s", s, target.url)
+            self._replicator.scan()
+        return doomed
 
     def backup_status(self) -> list[BackupStatus]:
         """How far each backup trails the primary (empty without backups)."""

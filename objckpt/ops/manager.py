@@ -29,6 +29,7 @@ commit (:mod:`objckpt.ops.durable`: backups, retention) and the load fallback
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -40,13 +41,15 @@ from objckpt.ops.catalog import StepCatalog
 from objckpt.ops.config import load_config
 from objckpt.ops.durable import DurableSteps
 from objckpt.ops.gc import DEFAULT_GRACE, GcReport, collect_garbage
-from objckpt.ops.local_tier import sweep
+from objckpt.ops.local_disk import sweep
 from objckpt.ops.restore import Restorer
 from objckpt.ops.retention import RetentionPolicy
+from objckpt.ops.rollback import discard_after
 from objckpt.ops.saving import SaveFlow
 from objckpt.ops.tiers import LocalTier, TierStatus
 from objckpt.options import AsyncOptions, ReadOptions, UploadOptions
 from objckpt.pipeline.handle import SaveHandle
+from objckpt.pipeline.lifetime import run_bounded
 from objckpt.writers.location import Location
 from objckpt.writers.retry import RetryPolicy
 
@@ -115,6 +118,7 @@ class CheckpointManager:
         self.world = dist.get_world_size(process_group) if distributed else 1
         self.local = local
         self.backups = tuple(self._target(b) for b in backups)
+        self._loaded: int | None = None  # the step the last load returned (every rank alike)
         self._catalog = StepCatalog(
             self.root,
             retention=self.retention,
@@ -126,7 +130,7 @@ class CheckpointManager:
         self._durable = DurableSteps(self._catalog, rank=self.rank)
         self.reload()
         if local is not None:
-            sweep(local, {*self._catalog.local_steps(), *self._catalog.durable_steps()})
+            sweep(local, self._catalog.durable_steps(), process_group)  # every rank agrees
         self._durable.start()
         # With a step to resume from, the job loads first: the upload workers (an
         # interpreter importing torch each) start once the load is done, not while
@@ -224,11 +228,17 @@ class CheckpointManager:
         decides for this one save). When any rank's local disk lacks room the save
         goes to the root directly, with a warning, on every rank.
 
+        A step below the newest committed or saved is refused (:meth:`discard_after`).
+
         Raises:
             CheckpointExistsError: ``step`` is already committed.
+            StepOrderError: ``step`` is below the newest step of the run.
             ConfigurationError, StateDictError, StoreError: before any upload.
         """
-        return self._saves.save(step, state_dict, user_metadata, promote)
+        self._catalog.check_order(step, loaded=self._loaded)
+        handle = self._saves.save(step, state_dict, user_metadata, promote)
+        self._catalog.started(step)  # every rank alike: its save started
+        return handle
 
     def maybe_finalize(self) -> list[int]:
         """Steps that committed since the last call (cheap; never blocks)."""
@@ -304,7 +314,8 @@ class CheckpointManager:
             IntegrityError: An object fails its check on the primary and every backup.
         """
         try:
-            return self._restorer.load(state_dict, step, read)
+            self._loaded = self._restorer.load(state_dict, step, read)
+            return self._loaded
         finally:
             self._checkpointer.start_workers()
 
@@ -333,6 +344,18 @@ class CheckpointManager:
         self._coordinator_only("delete")
         self._durable.delete(step)
 
+    def discard_after(self, step: int) -> list[int]:
+        """Delete every committed step above ``step`` (root, copy backups, local tiers),
+        so the steps saved from now on are the newest; returns them, ascending. Every
+        rank calls it together (:mod:`objckpt.ops.rollback`).
+
+        Raises:
+            ConfigurationError, StoreError: a bad step; a deletion failed (every rank).
+        """
+        return discard_after(
+            step, self._catalog, self._durable, self._saves, self.local, self.process_group
+        )
+
     def gc(self, *, grace: float = DEFAULT_GRACE, dry_run: bool = True) -> GcReport:
         """Find (and with ``dry_run=False``, remove) objects no committed manifest names
         and open uploads older than ``grace``. A dry run by default, as
@@ -349,7 +372,21 @@ class CheckpointManager:
     # -- lifetime ---------------------------------------------------------------------------
     def close(self) -> None:
         """Wait for saves in flight and their backups, then stop the workers (errors
-        stay for check_for_errors and wait_for_backups)."""
+        stay for check_for_errors and wait_for_backups).
+
+        Returns in bounded time when saves have a deadline (``UploadOptions``): saves
+        in flight get their own bound (see :meth:`AsyncCheckpointer.close`), the
+        promotions and backups after them one more deadline and 30 s. What still
+        runs then is logged and abandoned; nothing uncommitted becomes visible.
+        """
+        deadline = self._checkpointer.upload.deadline
+        settles_by = self._checkpointer.settles_by()
+        timeout = None
+        if deadline is not None and settles_by is not None:
+            timeout = settles_by - time.monotonic() + deadline + 30.0
+        run_bounded(self._close, timeout, f"closing the CheckpointManager of {self.root.url}")
+
+    def _close(self) -> None:
         try:
             self._saves.close()
         finally:

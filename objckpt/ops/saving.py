@@ -7,8 +7,8 @@ recorded, maybe promoted and pruned (:mod:`objckpt.ops.local_tier`); a save to t
 root is recorded, backed up and retention applied (:mod:`objckpt.ops.durable`).
 
 Errors of finished saves and promotions are raised once each, from the training
-loop's next check; a local save that failed because the disk filled up is logged
-instead (later saves bypass the local tier), never raised.
+loop's next check; a local save that failed because the disk filled up or the tier
+refused the write is logged instead (later saves bypass the local tier), never raised.
 """
 
 from __future__ import annotations
@@ -134,6 +134,13 @@ class SaveFlow:
         self._durable.committed(step, url, manifest)
 
     # -- errors -----------------------------------------------------------------------------
+    def settle(self) -> None:
+        """Wait for every save in flight, then for the promotions started (their errors
+        stay for :meth:`check_for_errors`)."""
+        self.checkpointer.wait_all()
+        if self.local is not None:
+            self.local.wait_promotions()
+
     def wait_until_finished(self) -> None:
         """Wait for every save in flight, then for the promotions; raise the first
         error not yet reported."""
@@ -149,7 +156,7 @@ class SaveFlow:
             self.local.raise_promotion_error()
 
     def _raise_unreported(self, call: Callable[[], None]) -> None:
-        """``call()``, skipping the local disk-full failures already logged."""
+        """``call()``, skipping the local failures already logged (full, refused)."""
         while True:
             try:
                 call()
