@@ -10,7 +10,9 @@ deletes the shards it wrote: nothing that reads the index mistakes it for a comp
 one, and no committed index ever names bytes another attempt wrote.
 
 Import is the way back: a safetensors directory (sharded or ``model.safetensors``)
-saved as a committed DCP checkpoint.
+saved as a committed DCP checkpoint. Its source is untrusted input, checked whole
+before anything is read or written (:mod:`objckpt.ops.safetensors_read`), then
+read a tensor at a time as the writer asks for each.
 """
 
 from __future__ import annotations
@@ -23,22 +25,24 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.planner import WriteItem
 
 from objckpt.dcp.storage_reader import ObjectStoreReader
 from objckpt.dcp.storage_writer import ObjectStoreWriter
 from objckpt.errors import CheckpointExistsError, ConfigurationError
 from objckpt.format.layout import new_attempt_id
 from objckpt.ops.export_write import commit_index, write_shards
-from objckpt.ops.safetensors_format import (
-    DTYPES,
-    INDEX_NAME,
-    Entry,
-    index_document,
-    read_shard,
-    safetensors_files,
-    shard_name,
+from objckpt.ops.safetensors_format import DTYPES, INDEX_NAME, Entry, index_document, shard_name
+from objckpt.ops.safetensors_read import (
+    MAX_HEADER_BYTES,
+    Shard,
+    Stored,
+    read_source,
+    read_tensor,
 )
+from objckpt.ops.torch_errors import unwrap
 from objckpt.options import ReadOptions, UploadOptions
 from objckpt.writers import open_store
 from objckpt.writers.location import Location
@@ -248,24 +252,45 @@ def import_safetensors(
     dest_storage_options: dict[str, Any] | None = None,
     keys: Sequence[str] | None = None,
     retry: RetryPolicy | None = None,
+    max_header_bytes: int = MAX_HEADER_BYTES,
 ) -> int:
     """Write the safetensors checkpoint at ``src_url`` (a directory with
     ``model.safetensors.index.json`` or ``model.safetensors``, or one ``.safetensors``
     file) as a committed DCP checkpoint at ``step_url``, which a sharded job of any
     world size loads (DCP reshards whole tensors on load). Returns the tensor count.
 
-    The tensors are held in memory once (DCP saves a whole state dict at a time);
-    reading takes one ranged GET per tensor.
+    The source is untrusted input: the index and every header are checked before
+    anything is read or written (:mod:`objckpt.ops.safetensors_read`), then each
+    tensor is read with one ranged GET as the writer asks for it, so memory holds
+    about one tensor at a time (plus the writer's part buffers), not the model.
+
+    Args:
+        storage_options: fsspec options for ``src_url``.
+        dest_storage_options: For ``step_url`` (default: ``storage_options``).
+        keys: Glob patterns (``"model.*"``); only matching tensors are imported.
+        max_header_bytes: Most bytes of a header or index read (default and most:
+            the format's own cap, 100,000,000).
+
+    Raises:
+        SafetensorsError: A malformed index or header (a shard name outside the
+            source, byte ranges that overlap, leave gaps or run past the file, a
+            shape or dtype the format does not allow); the message names the file.
+            Nothing is written at ``step_url``.
+        CheckpointNotFoundError: No safetensors export at ``src_url``.
+        CheckpointExistsError: ``step_url`` holds a committed checkpoint.
+        ConfigurationError: No tensor matches ``keys``; a bad option.
+        StoreError: Reading or writing failed (nothing is committed then).
     """
     src = Location.parse(src_url, storage_options, retry)
     fs = src.open_fs(fresh=True)
-    state: dict[str, torch.Tensor] = {}
-    for path in safetensors_files(fs, src.path.rstrip("/")):
-        for key, tensor in read_shard(fs, path, src.url).items():
-            if keys and not any(fnmatch.fnmatchcase(key, p) for p in keys):
-                continue
-            state[key] = tensor
-    if not state:
+    shards = read_source(src, fs, max_header_bytes=max_header_bytes)
+    chosen = {
+        t.key: (shard, t)
+        for shard in shards
+        for t in shard.tensors
+        if not keys or any(fnmatch.fnmatchcase(t.key, p) for p in keys)
+    }
+    if not chosen:
         wanted = f" matching {list(keys)}" if keys else ""
         raise ConfigurationError(f"no tensors{wanted} in {src.url}")
     writer = ObjectStoreWriter(
@@ -273,6 +298,40 @@ def import_safetensors(
         storage_options=storage_options if dest_storage_options is None else dest_storage_options,
         retry=retry,
     )
-    dcp.save(state, storage_writer=writer, no_dist=True)
-    logger.info("imported %d tensors from %s into %s", len(state), src.url, writer.location.url)
-    return len(state)
+    planner = _SourcePlanner(fs, chosen)
+    try:
+        dcp.save(planner.placeholders(), storage_writer=writer, planner=planner, no_dist=True)
+    except BaseException as exc:
+        inner = unwrap(exc)
+        if inner is exc:
+            raise
+        raise inner from exc
+    logger.info("imported %d tensors from %s into %s", len(chosen), src.url, writer.location.url)
+    return len(chosen)
+
+
+class _SourcePlanner(DefaultSavePlanner):
+    """DCP's default save planner over placeholders, each tensor read from its shard
+    only when the writer asks for it (:meth:`resolve_data`).
+
+    ``dcp.save`` plans from a state dict's shapes and dtypes; handing it the real
+    tensors would hold the whole model at once. A placeholder is one element
+    broadcast to the tensor's shape (strided, not meta, so the writer's checks pass)
+    and is never read: the writer resolves every item through the planner.
+    """
+
+    def __init__(self, fs: Any, tensors: dict[str, tuple[Shard, Stored]]) -> None:
+        super().__init__()
+        self._fs = fs
+        self._tensors = tensors
+
+    def placeholders(self) -> dict[str, torch.Tensor]:
+        """What ``dcp.save`` plans from: each tensor's dtype and shape, no bytes."""
+        return {
+            key: torch.empty((), dtype=t.dtype).expand(t.shape)
+            for key, (_, t) in self._tensors.items()
+        }
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+        shard, stored = self._tensors[write_item.index.fqn]
+        return read_tensor(self._fs, shard, stored)

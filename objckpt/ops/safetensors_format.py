@@ -13,8 +13,9 @@ any name there; only the index's name is fixed, and it is the export's commit
 (create-only, written last). Exports made before attempt ids (``model-00001-of-00003
 .safetensors``) read the same way.
 
-This module holds the naming, the header encoding and the reading of headers;
-writing and committing are :mod:`objckpt.ops.export_write`'s.
+This module holds the naming and the header encoding; writing and committing are
+:mod:`objckpt.ops.export_write`'s, and reading a source to import, which trusts
+nothing in it, is :mod:`objckpt.ops.safetensors_read`'s.
 """
 
 from __future__ import annotations
@@ -26,8 +27,6 @@ from typing import Any
 
 import torch
 
-from objckpt.errors import CheckpointNotFoundError, ConfigurationError, ManifestError
-
 __all__ = [
     "DTYPES",
     "INDEX_NAME",
@@ -35,8 +34,6 @@ __all__ = [
     "encode_header",
     "index_attempt",
     "index_document",
-    "read_shard",
-    "safetensors_files",
     "shard_name",
 ]
 
@@ -57,7 +54,6 @@ DTYPES: dict[torch.dtype, str] = {
     torch.float8_e4m3fn: "F8_E4M3",
     torch.float8_e5m2: "F8_E5M2",
 }
-_FROM_NAME = {name: dtype for dtype, name in DTYPES.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,41 +125,3 @@ def index_attempt(raw: bytes) -> str:
         return str(doc["metadata"]["objckpt"]["attempt"])
     except (ValueError, KeyError, TypeError):
         return "unknown"
-
-
-def safetensors_files(fs: Any, base: str) -> list[str]:
-    """The shard paths under ``base`` (its index names them), or ``base`` itself."""
-    if base.endswith(".safetensors"):
-        return [base]
-    try:
-        index = json.loads(fs.cat_file(f"{base}/{INDEX_NAME}"))
-    except FileNotFoundError:
-        single = f"{base}/model.safetensors"
-        if fs.exists(single):
-            return [single]
-        raise CheckpointNotFoundError(
-            f"no {INDEX_NAME} or model.safetensors under {base}: not a safetensors export"
-        ) from None
-    return [f"{base}/{name}" for name in sorted(set(index["weight_map"].values()))]
-
-
-def read_shard(fs: Any, path: str, url: str) -> dict[str, torch.Tensor]:
-    """One shard's tensors: the header by a ranged read, each tensor's bytes by one more."""
-    (length,) = struct.unpack("<Q", fs.cat_file(path, start=0, end=8))
-    if length > 100 * 2**20:
-        raise ManifestError(f"{url}: safetensors header of {length} bytes; not a safetensors file")
-    header = json.loads(fs.cat_file(path, start=8, end=8 + length))
-    header.pop("__metadata__", None)
-    out = {}
-    for key, field in header.items():
-        dtype = _FROM_NAME.get(field["dtype"])
-        if dtype is None:
-            raise ConfigurationError(f"{url}: {key!r} has dtype {field['dtype']}, unsupported")
-        begin, end = field["data_offsets"]
-        if end > begin:
-            data = bytearray(fs.cat_file(path, start=8 + length + begin, end=8 + length + end))
-            flat = torch.frombuffer(data, dtype=torch.uint8)
-        else:
-            flat = torch.empty(0, dtype=torch.uint8)
-        out[key] = flat.view(dtype).reshape(field["shape"])
-    return out
