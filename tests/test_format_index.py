@@ -27,6 +27,7 @@ from objckpt.errors import ChecksumMismatchError, ManifestError, SizeMismatchErr
 from objckpt.format import columns
 from objckpt.format.dcp_json import StoredItem
 from objckpt.format.index import decode_index, decode_metadata, encode_metadata
+from objckpt.format.manifest import ObjectEntry
 
 ATTEMPT = "6b0000000000cafe"
 DATA = Path(__file__).parent / "data"
@@ -163,6 +164,83 @@ def test_a_manifest_whose_writer_column_names_no_rank_is_refused() -> None:
     doc["state_dict"]["layers.0.w"]["writer"] = [0, 5]
     with pytest.raises(ManifestError, match=r"s3://b/c.*not a rank of the index"):
         decode_metadata(doc, url="s3://b/c")
+
+
+def _objects(shards, payload: int) -> dict[str, ObjectEntry]:
+    """A manifest's objects for ``shards``: their index objects and one payload."""
+    out = {s.key: ObjectEntry(s.key, len(s.data), "00000000") for s in shards}
+    out["p"] = ObjectEntry("p", payload, "00000000")
+    return out
+
+
+@pytest.mark.parametrize(
+    ("edit", "needle"),
+    [
+        # A few bytes that would expand into 300M chunks (gigabytes) before any check.
+        (
+            lambda d: d["state_dict"]["layers.0.w"].update(
+                chunks=300_000_000,
+                offsets=[{"runs": [0, 0, 300_000_000]}] * 2,
+                sizes=[{"runs": [1, 0, 300_000_000]}] * 2,
+                writer={"runs": [0, 0, 300_000_000]},
+            ),
+            "chunk count of 'layers.0.w' is 300000000, more than 387",
+        ),
+        (
+            lambda d: d["state_dict"]["layers.0.w"].update(size=[2**40, 8]),
+            "needs more bytes than the checkpoint's",
+        ),
+        (
+            lambda d: d["state_dict"]["layers.0.w"].update(size=[48.0, 8]),
+            "expected an integer",
+        ),
+        (
+            lambda d: d["state_dict"]["layers.0.w"]["sizes"].__setitem__(0, [7, 7, 99]),
+            "sizes[0] reach 7..99, outside its dimension of 48",
+        ),
+        (lambda d: d.update(index=["sub/__index_0.json", None]), "directly in the checkpoint"),
+    ],
+)
+def test_counts_and_extents_are_bounded_before_anything_is_expanded(edit, needle: str) -> None:
+    meta, items = _simulated(3)
+    doc, shards = encode_metadata(meta, items, ATTEMPT)
+    doc = json.loads(json.dumps(doc))
+    decode_metadata(doc, url="s3://b/c", objects=_objects(shards, 10_000))
+    edit(doc)
+    with pytest.raises(ManifestError, match="s3://b/c") as info:
+        decode_metadata(doc, url="s3://b/c", objects=_objects(shards, 10_000))
+    assert needle in str(info.value)
+
+
+def test_more_chunks_than_the_index_objects_can_place_are_refused() -> None:
+    meta, items = _simulated(3)
+    doc, shards = encode_metadata(meta, items, ATTEMPT)
+    tiny = {s.key: ObjectEntry(s.key, 16, "00000000") for s in shards}  # 2 items each
+    tiny["p"] = ObjectEntry("p", 10_000, "00000000")
+    with pytest.raises(ManifestError, match="more than the 0 items the index objects"):
+        decode_metadata(json.loads(json.dumps(doc)), url="u", objects=tiny)
+
+
+@pytest.mark.parametrize(
+    ("column", "values", "needle"),
+    [
+        ("fqn", -1, "column 'fqn' reaches -1"),  # would count from the end of the table
+        ("key", 5, "column 'key' reaches"),
+        ("chunk", 99, "has 3 chunks, not a chunk 99"),
+        ("length", -4, "column 'length' reaches -4"),
+    ],
+)
+def test_index_columns_stay_inside_the_tables_they_point_into(
+    column: str, values: int, needle: str
+) -> None:
+    meta, items = _simulated(3)
+    doc, shards = encode_metadata(meta, items, ATTEMPT)
+    decoded, _ = decode_metadata(json.loads(json.dumps(doc)), url="u")
+    bad = json.loads(shards[0].data)
+    bad[column] = [values] * (len(bad["crc32c"]) // 8)
+    with pytest.raises(ManifestError, match="idx") as info:
+        decode_index(json.dumps(bad).encode(), rank=0, attempt=ATTEMPT, metadata=decoded, url="idx")
+    assert needle in str(info.value)
 
 
 # -- on disk ---------------------------------------------------------------------------------

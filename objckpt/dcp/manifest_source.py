@@ -10,13 +10,23 @@ Without a manifest, a stock DCP checkpoint (``.metadata`` and stock payload
 names) opens read-only and unverified, with a logged notice, its pickle read
 through an allow-list; an objckpt checkpoint whose manifest is missing is refused
 as not committed, since the save that wrote its payload never finished.
+
+Whatever describes the checkpoint passes the reader's validation boundary
+(:mod:`objckpt.format.bounds`) before anything it names is requested: its size is
+bounded before it is read (the manifest by a ranged read of at most
+``ReadOptions.max_metadata_bytes`` + 1 bytes, a ``.metadata`` by its listed size,
+each index object by its manifest entry), and every item it places must lie
+inside the checkpoint, inside its object's recorded size, and be as long as its
+tensor chunk's dtype and shape need. The stock path gets the same checks, its
+object sizes from the listing it makes anyway.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from fsspec import AbstractFileSystem
@@ -26,22 +36,27 @@ from objckpt.dcp.collective import broadcast_from_rank0, is_distributed
 from objckpt.dcp.local_copy import LocalCopy
 from objckpt.dcp.stock_metadata import load_stock_metadata
 from objckpt.errors import CheckpointNotCommittedError, CheckpointNotFoundError, ManifestError
+from objckpt.format.bounds import (
+    DEFAULT_MAX_METADATA_BYTES,
+    check_item,
+    check_key,
+    check_metadata,
+    check_size,
+)
 from objckpt.format.dcp_json import StoredItem, metadata_from_json
-from objckpt.format.index import Locator, decode_metadata
+from objckpt.format.index_read import Locator, decode_metadata
 from objckpt.format.layout import (
     MANIFEST_KEY,
     METADATA_KEY,
     is_entropy_dir,
     is_objckpt_object,
-    list_names,
 )
 from objckpt.format.manifest import Manifest, ObjectEntry
-from objckpt.writers.base import read_whole
 from objckpt.writers.location import Location
 from objckpt.writers.retry import retry_call
 from objckpt.writers.translate import translate
 
-__all__ = ["Opened", "check_items", "open_checkpoint"]
+__all__ = ["Opened", "check_items", "open_checkpoint", "read_bounded"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +101,7 @@ def open_checkpoint(
     broadcast: bool = False,
     process_group: Any | None = None,
     allow_stock: bool = True,
+    max_bytes: int = DEFAULT_MAX_METADATA_BYTES,
 ) -> Opened:
     """Read and check the description of the checkpoint at ``location``.
 
@@ -97,56 +113,121 @@ def open_checkpoint(
             other ranks (a collective: every rank must call it together).
         process_group: The group for ``broadcast`` (default: the default group).
         allow_stock: Open a stock DCP checkpoint when that is what is there.
+        max_bytes: ``ReadOptions.max_metadata_bytes``: the largest manifest, index
+            object or ``.metadata`` accepted, judged before it is fetched.
 
     Raises:
         CheckpointNotCommittedError: Payload exists but no manifest commits it.
         CheckpointNotFoundError: Nothing checkpoint-like at ``location``.
-        ManifestError: The manifest is unreadable, inconsistent or from a newer format.
+        ManifestError: The manifest (or ``.metadata``) is unreadable, too large,
+            inconsistent, places anything outside the checkpoint, or is from a
+            newer format.
         StoreError: The store failed.
     """
     read = _Read()
     if broadcast and is_distributed():
         data = broadcast_from_rank0(
-            lambda: _read_manifest(location, fs, local, read), process_group
+            lambda: _read_manifest(location, fs, local, read, max_bytes), process_group
         )
     else:
-        data = _read_manifest(location, fs, local, read)
+        data = _read_manifest(location, fs, local, read, max_bytes)
     if data is None:
-        metadata, items = _open_stock(location, fs, allow_stock)
+        metadata, items = _open_stock(location, fs, allow_stock, max_bytes)
         return Opened(None, metadata, {}, items, source=read.source, fetched=read.fetched)
     url = location.url
-    manifest = Manifest.from_json_bytes(data, url=location.url_of(MANIFEST_KEY))
+    manifest_url = location.url_of(MANIFEST_KEY)
+    manifest = Manifest.from_json_bytes(data, url=manifest_url, max_bytes=max_bytes)
     objects = {o.key: o for o in manifest.objects}
     if manifest.version >= 2:
-        metadata, locator = decode_metadata(manifest.metadata, url=url)
+        metadata, locator = decode_metadata(manifest.metadata, url=manifest_url, objects=objects)
         for key in locator.index_keys:
-            if key is not None and key not in objects:
-                raise ManifestError(
-                    f"manifest of {url} names index object {key!r}, which its object list does not"
-                )
+            if key is None:
+                continue
+            entry = objects[key]  # decode_metadata refused an unlisted one
+            # Judged by the size the manifest records, before any index is fetched
+            # (and each is fetched no longer than that, then checked whole).
+            check_size(entry.size, max_bytes, what="index object", url=location.url_of(key))
+            if entry.size == 0:
+                raise ManifestError(f"manifest of {url} records index object {key!r} as empty")
         return Opened(manifest, metadata, objects, {}, locator, read.source, read.fetched)
-    metadata, items = metadata_from_json(manifest.metadata, url=url)
-    check_items(items.values(), objects, url)
+    metadata, items = metadata_from_json(manifest.metadata, url=manifest_url)
+    where = f"manifest {manifest_url}"
+    check_metadata(metadata, where=where, payload_bytes=manifest.total_bytes, items=len(items))
+    check_items(items, objects, metadata, where=where)
     return Opened(manifest, metadata, objects, items, None, read.source, read.fetched)
 
 
-def check_items(items: Iterable[StoredItem], objects: Mapping[str, ObjectEntry], url: str) -> None:
-    """Refuse items placed in objects the manifest does not list, or stored transformed.
+def check_items(
+    items: Mapping[MetadataIndex, StoredItem],
+    objects: Mapping[str, ObjectEntry],
+    metadata: Metadata,
+    *,
+    where: str,
+) -> None:
+    """Refuse items placed outside what the checkpoint lists, or stored transformed.
+
+    Each item must lie in an object ``objects`` lists, inside its recorded size, and
+    a tensor chunk must be as long as its dtype and shape need (give or take the
+    ``torch.save`` container), all before any of it is requested.
+
+    Args:
+        items: The items, by DCP index.
+        objects: The checkpoint's objects by key (the manifest's, or the listing's).
+        metadata: The checkpoint's DCP metadata.
+        where: The object that places the items (``manifest <url>``, ``index <url>``).
 
     Raises:
-        ManifestError: Naming the first such item's object or transforms.
+        ManifestError: Naming ``where`` and the first such item.
     """
-    for item in items:
-        if item.relative_path not in objects:
+    for index, item in items.items():
+        entry = objects.get(item.relative_path)
+        if entry is None:
             raise ManifestError(
-                f"manifest of {url} places an item in {item.relative_path!r}, "
-                "which its object list does not name"
+                f"{where} places an item in {item.relative_path!r}, "
+                "which is not an object of the checkpoint"
             )
         if item.transform_descriptors:
             raise ManifestError(
-                f"{url} uses stream transforms {item.transform_descriptors}, "
+                f"{where} uses stream transforms {item.transform_descriptors}, "
                 "which objckpt does not support"
             )
+        check_item(
+            index,
+            item.offset,
+            item.length,
+            entry.size,
+            metadata,
+            where=where,
+            key=item.relative_path,
+        )
+
+
+def read_bounded(fs: AbstractFileSystem, path: str, limit: int) -> bytes:
+    """At most ``limit + 1`` bytes of an object, in one ranged GET: a longer answer
+    means the object is over ``limit``, found without reading it whole (and without
+    a HEAD, whose bodiless 403 would hide which credential was refused).
+
+    Raises:
+        FileNotFoundError: No such object.
+        Exception: The store's own error.
+    """
+    try:
+        return bytes(fs.cat_file(path, start=0, end=limit + 1))
+    except Exception as exc:
+        if _unsatisfiable(exc):
+            return b""  # a range of an empty object: S3 and GCS answer 416
+        raise
+
+
+def _unsatisfiable(exc: BaseException) -> bool:
+    """Whether ``exc`` is a store's 416 (a range of an empty object)."""
+    if getattr(exc, "code", None) == 416:  # gcsfs
+        return True
+    return (
+        isinstance(exc, OSError)
+        and exc.errno == errno.EINVAL  # s3fs's InvalidRange
+        and "range" in str(exc).lower()
+    )
 
 
 def _read_manifest(
@@ -154,8 +235,14 @@ def _read_manifest(
     fs: Callable[[], AbstractFileSystem],
     local: LocalCopy | None,
     read: _Read,
+    max_bytes: int,
 ) -> bytes | None:
-    """The manifest's bytes (the local copy's when it is readable), or None."""
+    """The manifest's bytes (the local copy's when it is readable), or None.
+
+    Raises:
+        ManifestError: It is larger than ``max_bytes`` (at most ``max_bytes`` + 1
+            bytes were read to tell).
+    """
     if local is not None:
         data = local.read_manifest(location.url)
         if data is not None:
@@ -165,34 +252,38 @@ def _read_manifest(
     path = location.key_path(MANIFEST_KEY)
     try:
         fs().invalidate_cache(location.path)
-        data = retry_call(lambda: read_whole(fs(), path), location.retry, f"reading {path}")
+        data = retry_call(
+            lambda: read_bounded(fs(), path, max_bytes), location.retry, f"reading {path}", fs()
+        )
     except FileNotFoundError:
         return None
     except Exception as exc:
         raise translate(exc, url=location.url, action="reading the manifest of") from exc
     read.fetched += len(data)
+    check_size(len(data), max_bytes, what="manifest", url=read.source, exact=False)
     return data
 
 
 def _open_stock(
-    location: Location, fs: Callable[[], AbstractFileSystem], allow_stock: bool
+    location: Location, fs: Callable[[], AbstractFileSystem], allow_stock: bool, max_bytes: int
 ) -> tuple[Metadata, dict[MetadataIndex, StoredItem]]:
-    """A stock DCP checkpoint's metadata and item locations, from its ``.metadata``."""
+    """A stock DCP checkpoint's metadata and item locations, from its ``.metadata``,
+    checked against the listing: every item inside the checkpoint and its object."""
     url = location.url
     if not allow_stock:
         raise CheckpointNotFoundError(f"no committed checkpoint at {url}: no {MANIFEST_KEY}")
     try:
-        names = list_names(fs(), location.path)
+        listed = _listing(fs(), location.path)
     except Exception as exc:
         raise translate(exc, url=url, action="listing") from exc
-    if any(is_objckpt_object(n) or is_entropy_dir(n) for n in names):
+    if any(is_objckpt_object(n) or is_entropy_dir(n) for n in listed):
         raise CheckpointNotCommittedError(
             f"{url} is not committed: it holds objckpt payload objects but no {MANIFEST_KEY} "
             "(the save that wrote them failed or is still running). "
             "Load an earlier checkpoint; "
             "`objckpt gc` removes the leftovers."
         )
-    if METADATA_KEY not in names:
+    if METADATA_KEY not in listed:
         raise CheckpointNotFoundError(
             f"no checkpoint at {url}: no {MANIFEST_KEY} and no {METADATA_KEY}"
         )
@@ -203,18 +294,40 @@ def _open_stock(
         url,
     )
     meta_url = location.url_of(METADATA_KEY)
+    check_size(listed[METADATA_KEY], max_bytes, what="stock DCP metadata", url=meta_url)
     try:
-        blob = read_whole(fs(), location.key_path(METADATA_KEY))
+        blob = read_bounded(fs(), location.key_path(METADATA_KEY), max_bytes)
     except Exception as exc:
         raise translate(exc, url=meta_url, action="reading") from exc
+    check_size(len(blob), max_bytes, what="stock DCP metadata", url=meta_url, exact=False)
     metadata = load_stock_metadata(blob, url=meta_url)
-    items = {
-        index: StoredItem(
-            relative_path=info.relative_path,
-            offset=int(info.offset),
-            length=int(info.length),
-            transform_descriptors=tuple(getattr(info, "transform_descriptors", None) or ()) or None,
-        )
-        for index, info in metadata.storage_data.items()
-    }
+    items: dict[MetadataIndex, StoredItem] = {}
+    try:
+        for index, info in metadata.storage_data.items():
+            if not isinstance(index, MetadataIndex):
+                raise ManifestError(f"{meta_url} places {index!r}, which is not a DCP index")
+            items[index] = StoredItem(
+                relative_path=check_key(info.relative_path, meta_url),
+                offset=info.offset,
+                length=info.length,
+                transform_descriptors=tuple(getattr(info, "transform_descriptors", None) or ())
+                or None,
+            )
+    except AttributeError as exc:
+        raise ManifestError(f"{meta_url} holds a malformed storage entry ({exc})") from exc
+    objects = {name: ObjectEntry(name, size, "") for name, size in listed.items()}
+    payload = sum(size for name, size in listed.items() if name != METADATA_KEY)
+    check_metadata(metadata, where=meta_url, payload_bytes=payload, items=len(items))
+    check_items(items, objects, metadata, where=meta_url)
     return metadata, items
+
+
+def _listing(fs: AbstractFileSystem, path: str) -> dict[str, int]:
+    """Size by name of each object directly under ``path`` (empty if none): one
+    listing answers what is here and how large each object is."""
+    fs.invalidate_cache(path)
+    try:
+        entries = fs.ls(path, detail=True)
+    except FileNotFoundError:
+        return {}
+    return {str(e["name"]).rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0) for e in entries}

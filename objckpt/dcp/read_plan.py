@@ -2,9 +2,12 @@
 
 A format-2 manifest does not say where each item is: per-rank index objects do,
 so a rank fetches only the index objects of the ranks whose items it loads (the
-local copy's when intact), each checked whole against the manifest first, since
-it says where every byte is and a damaged one must never be followed. Formats 1
-and stock place every item when the checkpoint is opened.
+local copy's when intact), each no longer than the manifest records and checked
+whole against it first, since it says where every byte is and a damaged one must
+never be followed; then every item it places is checked against the manifest's
+objects and the tensor's chunk (:func:`~objckpt.dcp.manifest_source.check_items`)
+before any range is planned. Formats 1 and stock place every item when the
+checkpoint is opened.
 
 Items of one object lying close together are fetched as one ranged read (up to
 ``ReadOptions.range_size``, across gaps up to ``coalesce_gap``): fewer requests
@@ -28,7 +31,7 @@ from objckpt.dcp.local_copy import LocalCopy
 from objckpt.dcp.manifest_source import Opened, check_items
 from objckpt.errors import ChecksumMismatchError, SizeMismatchError, StateDictError
 from objckpt.format.dcp_json import StoredItem
-from objckpt.format.index import decode_index
+from objckpt.format.index_read import decode_index
 from objckpt.options import ReadOptions
 from objckpt.writers.checksum import Crc32c
 from objckpt.writers.location import Location
@@ -117,23 +120,25 @@ class ItemIndex:
             return 0
         keys = {shard: locator.index_keys[shard] for shard in sorted(wanted)}
         found = self._local_index(keys)
-        paths = {
-            shard: self._location.key_path(k)
-            for shard, k in keys.items()
-            if k is not None and shard not in found
-        }
-        blobs: Any = {}
+        remote = {shard: k for shard, k in keys.items() if k is not None and shard not in found}
+        paths = {shard: self._location.key_path(k) for shard, k in remote.items()}
+        blobs: dict[str, bytes] = {}
         if paths:
+            # Each no longer than the manifest records (plus one byte, to tell a
+            # longer one): a replaced index object costs its recorded size at most.
+            ends = [self._opened.objects[k].size + 1 for k in remote.values()]
             try:
-                blobs = retry_call(
-                    lambda: self._fs().cat(list(paths.values())),
+                got = retry_call(
+                    lambda: _raise_first(
+                        self._fs().cat_ranges(list(paths.values()), [0] * len(ends), ends)
+                    ),
                     self._location.retry,
                     f"reading {len(paths)} index objects of {self._location.url}",
+                    self._fs(),
                 )
             except Exception as exc:
                 raise translate(exc, url=self._location.url, action="reading the index of") from exc
-            if not isinstance(blobs, dict):
-                blobs = {next(iter(paths.values())): blobs}
+            blobs = dict(zip(paths.values(), got, strict=True))
         fetched = 0
         for shard, key in keys.items():
             if key is None:
@@ -151,7 +156,9 @@ class ItemIndex:
                 metadata=metadata,
                 url=self._location.url_of(key),
             )
-            check_items(items.values(), self._opened.objects, self._location.url)
+            check_items(
+                items, self._opened.objects, metadata, where=f"index {self._location.url_of(key)}"
+            )
             self._items.update(items)
             self._loaded_shards.add(shard)
         return fetched
@@ -183,6 +190,15 @@ class ItemIndex:
                 f"{url}: CRC32C is {crc.hexdigest()}, the manifest says {entry.crc32c}; "
                 "the index object is corrupt"
             )
+
+
+def _raise_first(pieces: list[Any]) -> list[bytes]:
+    """``cat_ranges``' answers, raising the first error among them (so it is retried
+    or translated as a failed request is)."""
+    for piece in pieces:
+        if isinstance(piece, BaseException):
+            raise piece
+    return [bytes(p) for p in pieces]
 
 
 def plan_ranges(

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from objckpt.errors import ManifestError
-from objckpt.format.manifest import check_key
+from objckpt.format.bounds import MAX_DIMS, check_int, check_key
 
 __all__ = [
     "StoredItem",
@@ -142,6 +142,13 @@ def metadata_from_json(
         ) from exc
 
 
+def _ints(values: Any, what: str) -> list[int]:
+    """A list of at most MAX_DIMS integers in the 64-bit range (sizes, offsets)."""
+    if not isinstance(values, list) or len(values) > MAX_DIMS:
+        raise ValueError(f"{what} must be a list of at most {MAX_DIMS} integers")
+    return [check_int(v, what) for v in values]
+
+
 def _decode(doc: Mapping[str, Any]) -> tuple[Metadata, dict[MetadataIndex, StoredItem]]:
     sd_md: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
     for fqn, raw in doc["state_dict"].items():
@@ -152,11 +159,11 @@ def _decode(doc: Mapping[str, Any]) -> tuple[Metadata, dict[MetadataIndex, Store
                 properties=TensorProperties(
                     dtype=dtype_from_name(raw["dtype"]), requires_grad=bool(raw["requires_grad"])
                 ),
-                size=torch.Size([int(s) for s in raw["size"]]),
+                size=torch.Size(_ints(raw["size"], f"size of {fqn!r}")),
                 chunks=[
                     ChunkStorageMetadata(
-                        offsets=torch.Size([int(o) for o in c["offsets"]]),
-                        sizes=torch.Size([int(s) for s in c["sizes"]]),
+                        offsets=torch.Size(_ints(c["offsets"], f"a chunk offset of {fqn!r}")),
+                        sizes=torch.Size(_ints(c["sizes"], f"a chunk size of {fqn!r}")),
                     )
                     for c in raw["chunks"]
                 ],
@@ -167,17 +174,19 @@ def _decode(doc: Mapping[str, Any]) -> tuple[Metadata, dict[MetadataIndex, Store
     for raw in doc["storage"]:
         offset = raw["chunk_offset"]
         index = MetadataIndex(
-            raw["fqn"], None if offset is None else [int(o) for o in offset], raw["index"]
+            raw["fqn"],
+            None if offset is None else _ints(offset, f"chunk offset of {raw['fqn']!r}"),
+            raw["index"],
         )
-        length, start = int(raw["length"]), int(raw["offset"])
-        if length < 0 or start < 0:
-            raise ValueError(f"negative offset or length for {raw['fqn']!r}")
+        crc = raw["crc32c"]
+        if crc is not None and (not isinstance(crc, str) or len(crc) != 8):
+            raise ValueError(f"crc32c of {raw['fqn']!r} must be 8 hex digits")
         transforms = raw.get("transforms")
         items[index] = StoredItem(
             relative_path=check_key(raw["key"], f"item {raw['fqn']!r}"),
-            offset=start,
-            length=length,
-            crc32c=raw["crc32c"],
+            offset=check_int(raw["offset"], f"offset of {raw['fqn']!r}"),
+            length=check_int(raw["length"], f"length of {raw['fqn']!r}"),
+            crc32c=crc,
             transform_descriptors=tuple(transforms) if transforms else None,
         )
     metadata = Metadata(

@@ -4,9 +4,10 @@ It is versioned JSON (never pickle, so reading it cannot run code) and holds
 everything objckpt's reader needs: the list of payload objects with size and
 CRC32C, and the DCP metadata in JSON form. Parsing validates every field, so a
 damaged or hostile manifest is refused with a message naming its URL rather
-than failing somewhere deep in a load. Object keys are checked to stay inside
-the checkpoint (no ``..``, no absolute paths), so a crafted manifest cannot make
-the reader fetch anything else.
+than failing somewhere deep in a load. The checks (size, JSON depth and numbers,
+keys that stay inside the checkpoint) are the reader's one validation boundary,
+:mod:`objckpt.format.bounds`, so a crafted manifest cannot make the reader fetch
+anything else or spend unbounded memory.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from objckpt.errors import ManifestError
+from objckpt.format.bounds import check_key, load_json
 from objckpt.format.layout import MANIFEST_KEY
 from objckpt.writers.accounting import RequestStats
 
@@ -30,21 +32,6 @@ FORMAT = "objckpt.manifest"
 #: Written since format 2 (compact metadata + per-rank index objects,
 #: :mod:`objckpt.format.index`); format 1 (every item a record here) still loads.
 VERSION = 2
-
-
-def check_key(key: object, where: str) -> str:
-    """Validate an object key relative to the checkpoint URL."""
-    if not isinstance(key, str) or not key:
-        raise ManifestError(f"{where}: object key must be a non-empty string, got {key!r}")
-    parts = key.split("/")
-    if (
-        key.startswith("/")
-        or "\\" in key
-        or "://" in key
-        or any(p in ("", ".", "..") for p in parts)
-    ):
-        raise ManifestError(f"{where}: object key {key!r} escapes the checkpoint directory")
-    return key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,12 +96,15 @@ class Manifest:
         return json.dumps(doc, separators=(",", ":"), sort_keys=False).encode()
 
     @classmethod
-    def from_json_bytes(cls, data: bytes, *, url: str) -> Manifest:
-        """Parse and validate; raises ManifestError naming ``url`` on any problem."""
-        try:
-            doc = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ManifestError(f"manifest {url} is not valid JSON ({exc})") from exc
+    def from_json_bytes(cls, data: bytes, *, url: str, max_bytes: int | None = None) -> Manifest:
+        """Parse and validate; raises ManifestError naming ``url`` on any problem.
+
+        Args:
+            data: The manifest's bytes.
+            url: Its URL, for messages.
+            max_bytes: ``ReadOptions.max_metadata_bytes`` (None: its default).
+        """
+        doc = load_json(data, what="manifest", url=url, max_bytes=max_bytes)
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             raise ManifestError(f"{url} is not an objckpt manifest (format != {FORMAT!r})")
         version = doc.get("version")

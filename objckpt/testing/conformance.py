@@ -24,19 +24,35 @@ Attributes a subclass sets (the defaults are the weakest promise):
     keeps_crc32c: ``digest`` returns the CRC32C the store computed itself.
     lists_open_uploads: unfinished multipart uploads are listed by ``open_uploads``.
     part_size: the part size the suite's uploads use (multipart where the family has it).
+
+The last group holds crafted checkpoints: bucket contents are untrusted, and a
+reader's bounds rest on the store too (a ranged read stops where asked, an empty
+object reads as empty, a listing tells sizes), so each family shows that a
+crafted manifest, index object or stock ``.metadata`` is refused naming it.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
+import pickle
 import threading
+import warnings
 from collections.abc import Iterator
+from pathlib import Path
 
 import crc32c
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-from objckpt.format.layout import list_names
+from objckpt.dcp.manifest_source import read_bounded
+from objckpt.dcp.storage_reader import ObjectStoreReader
+from objckpt.dcp.storage_writer import ObjectStoreWriter
+from objckpt.errors import ManifestError
+from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY, list_names
 from objckpt.options import UploadOptions
 from objckpt.writers import ObjectStore, open_store
 from objckpt.writers.location import Location
@@ -184,3 +200,113 @@ class StoreConformance:
                 assert not other.exists("src.bin")  # declined: nothing was written
         finally:
             other.close()
+
+    # -- untrusted contents ----------------------------------------------------------------
+    def test_a_bounded_read_stops_at_its_limit(self, store: ObjectStore) -> None:
+        """What the manifest's size cap rests on: one ranged read of ``limit + 1``
+        bytes, whatever the object's size (an empty one reads as empty)."""
+        store.put("big.json", b"x" * (MiB + 10))
+        store.put("small.json", b"{}")
+        store.put("empty.json", b"")
+        assert read_bounded(store.fs, store.path("big.json"), 1000) == b"x" * 1001
+        assert read_bounded(store.fs, store.path("small.json"), 1000) == b"{}"
+        assert read_bounded(store.fs, store.path("empty.json"), 1000) == b""
+        with pytest.raises(FileNotFoundError):
+            read_bounded(store.fs, store.path("missing.json"), 1000)
+
+    @pytest.mark.parametrize("craft", ["index-claims-a-tib", "deep-manifest", "chunk-count"])
+    def test_a_crafted_checkpoint_is_refused_naming_the_object(
+        self, store: ObjectStore, store_location: Location, craft: str
+    ) -> None:
+        location = store_location.child("ck")
+        state = {"w": torch.arange(1024, dtype=torch.float32), "step": 1}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(
+                state,
+                storage_writer=ObjectStoreWriter(
+                    location.url, storage_options=location.storage_options
+                ),
+                no_dist=True,
+            )
+        ck = open_store(location, store.options)
+        try:
+            culprit = _craft(ck, craft)
+            with pytest.raises(BaseException) as info:
+                reader = ObjectStoreReader(location.url, storage_options=location.storage_options)
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                    dcp.load({"w": torch.zeros(1024), "step": 0}, storage_reader=reader)
+        finally:
+            ck.close()
+        err = _carried(info.value)
+        assert isinstance(err, ManifestError), repr(err)
+        assert location.url_of(culprit) in str(err), str(err)
+
+    def test_a_stock_metadata_naming_a_path_outside_is_refused(
+        self, store: ObjectStore, store_location: Location, tmp_path: Path
+    ) -> None:
+        stock = tmp_path / "stock"
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save({"w": torch.ones(8)}, storage_writer=dcp.FileSystemWriter(str(stock)))
+        metadata = pickle.loads((stock / METADATA_KEY).read_bytes())
+        metadata.storage_data = {
+            index: _StorageInfo("../outside/" + info.relative_path, info.offset, info.length)
+            for index, info in metadata.storage_data.items()
+        }
+        location = store_location.child("ck")
+        for where in (location, store_location.child("outside")):
+            target = open_store(where, store.options)
+            try:
+                for f in stock.iterdir():
+                    target.put(f.name, f.read_bytes())
+                if where is location:
+                    target.put(METADATA_KEY, pickle.dumps(metadata))
+            finally:
+                target.close()
+        with pytest.raises(ManifestError, match="escapes the checkpoint") as info:
+            ObjectStoreReader(location.url, storage_options=location.storage_options)
+        assert location.url_of(METADATA_KEY) in str(info.value)
+
+
+def _craft(ck: ObjectStore, craft: str) -> str:
+    """Edit the checkpoint in ``ck`` as an attacker would (recorded sizes and
+    CRC32Cs kept matching); the key of the object that is now wrong."""
+    manifest = json.loads(ck.read(MANIFEST_KEY))
+    if craft == "index-claims-a-tib":
+        key = next(k for k in manifest["metadata"]["index"] if k)
+        index = json.loads(ck.read(key))
+        index["length"] = [1 << 40] * (len(index["crc32c"]) // 8)
+        data = json.dumps(index).encode()
+        ck.put(key, data)
+        entry = next(o for o in manifest["objects"] if o["key"] == key)
+        entry.update(size=len(data), crc32c=_crc(data))
+        manifest["total_bytes"] = sum(o["size"] for o in manifest["objects"])
+    elif craft == "chunk-count":
+        key, n = MANIFEST_KEY, 300_000_000
+        manifest["metadata"]["state_dict"]["w"].update(
+            chunks=n,
+            offsets=[{"runs": [0, 0, n]}],
+            sizes=[{"runs": [1024, 0, n]}],
+            writer={"runs": [0, 0, n]},
+        )
+    else:
+        key = MANIFEST_KEY
+        manifest["user"] = {"x": 0}
+        deep = b"[" * 100_000 + b"]" * 100_000
+        ck.create(
+            MANIFEST_KEY, json.dumps(manifest).encode().replace(b'{"x": 0}', deep), overwrite=True
+        )
+        return key
+    ck.create(MANIFEST_KEY, json.dumps(manifest).encode(), overwrite=True)
+    return key
+
+
+def _carried(exc: BaseException) -> BaseException:
+    """The error torch's CheckpointException carries, or ``exc`` itself."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        failure = next(iter(failures.values()))
+        return failure[0] if isinstance(failure, tuple) else failure
+    return exc

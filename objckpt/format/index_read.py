@@ -1,0 +1,334 @@
+"""Reading manifest format 2: compact metadata and per-rank index objects, bounded.
+
+The layout is described in :mod:`objckpt.format.index`, which writes it. Both
+documents come from the bucket, so every count and extent in them is checked
+against what the rest of the metadata allows (:mod:`objckpt.format.bounds`)
+before a run is expanded or anything is fetched: a tensor's chunk count against
+its element count and what the index objects can place, chunk columns against
+the tensor's dimensions, index columns against the tables they point into. A
+crafted manifest costs a ``ManifestError`` naming it, not memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from objckpt.errors import ManifestError
+from objckpt.format import columns
+from objckpt.format.bounds import (
+    MAX_INT,
+    check_count,
+    check_dims,
+    check_key,
+    check_name,
+    column_extent,
+    load_json,
+)
+from objckpt.format.dcp_json import (
+    StoredItem,
+    decode_planner_data,
+    decode_storage_meta,
+    dtype_from_name,
+    metadata_from_json,
+)
+from objckpt.format.manifest import Manifest, ObjectEntry
+
+__all__ = ["INDEX_FORMAT", "Locator", "dcp_metadata", "decode_index", "decode_metadata"]
+
+INDEX_FORMAT = "objckpt.index"
+_HEX = frozenset("0123456789abcdef")
+
+
+def _decode_paths(raw: Any, keys: Sequence[str]) -> Any:
+    if isinstance(raw, dict) and raw.get("split_keys") is True:
+        found = raw.get("except") or {}
+        if not isinstance(found, dict):
+            raise ValueError("planner_data exceptions must be an object")
+        out = {k: tuple(k.split(".")) for k in keys}
+        out.update({k: tuple(v) for k, v in found.items()})
+        return out
+    return decode_planner_data(raw)
+
+
+class Locator:
+    """Which index object holds each stored item of a format-2 checkpoint."""
+
+    def __init__(
+        self,
+        index_keys: Sequence[str | None],
+        writers: Mapping[str, list[int] | int],
+    ) -> None:
+        self.index_keys = tuple(index_keys)
+        self._writers = writers
+
+    def shard_of(self, index: MetadataIndex, metadata: Metadata) -> int | None:
+        """The rank whose index object locates ``index`` (None: no such item)."""
+        writer = self._writers.get(index.fqn)
+        if writer is None:
+            return None
+        if isinstance(writer, int):
+            return writer
+        pos = index.index
+        md = metadata.state_dict_metadata[index.fqn]
+        if not isinstance(md, TensorStorageMetadata):
+            return None
+        if pos is None or pos >= len(md.chunks) or md.chunks[pos].offsets != index.offset:
+            pos = next(
+                (n for n, c in enumerate(md.chunks) if c.offsets == index.offset),
+                None,
+            )
+        if pos is None or writer[pos] < 0:
+            return None
+        return writer[pos]
+
+
+def decode_metadata(
+    doc: Mapping[str, Any], *, url: str, objects: Mapping[str, ObjectEntry] | None = None
+) -> tuple[Metadata, Locator]:
+    """DCP metadata (without item locations) and the locator of a format-2 manifest.
+
+    Args:
+        doc: The manifest's ``metadata``.
+        url: The checkpoint's URL, for messages.
+        objects: The manifest's objects by key: with them, no tensor may need more
+            bytes than the payload holds, and no more chunks may be claimed than the
+            index objects can place (each item takes 8 bytes of CRC32C in one).
+
+    Raises:
+        ManifestError: Malformed, or a count or extent the rest does not allow.
+    """
+    try:
+        return _decode_metadata(doc, _Budget.of(doc, objects))
+    except ManifestError as exc:
+        raise ManifestError(f"manifest {url}: {exc}") from exc
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        raise ManifestError(
+            f"manifest {url}: malformed DCP metadata ({type(exc).__name__}: {exc})"
+        ) from exc
+
+
+@dataclasses.dataclass
+class _Budget:
+    """What the rest of a manifest allows its tensors: payload bytes, and chunks."""
+
+    payload_bytes: int
+    chunks: int
+
+    @classmethod
+    def of(cls, doc: Mapping[str, Any], objects: Mapping[str, ObjectEntry] | None) -> _Budget:
+        if objects is None:
+            return cls(MAX_INT, MAX_INT)
+        index = doc.get("index")
+        keys = []
+        for n, key in enumerate(index if isinstance(index, list) else []):
+            if key is None:
+                continue
+            keys.append(check_name(key, f"index[{n}]"))
+            if key not in objects:
+                raise ManifestError(f"names index object {key!r}, which its object list does not")
+        placed = sum(objects[k].size // 8 for k in keys)
+        return cls(sum(o.size for o in objects.values()), placed)
+
+    def take_chunks(self, n: int, fqn: str) -> None:
+        if n > self.chunks:
+            raise ManifestError(
+                f"{fqn!r} claims {n} chunks, more than the {self.chunks} items the "
+                "index objects' recorded sizes can place (8 bytes of CRC32C each)"
+            )
+        self.chunks -= n
+
+
+def _decode_metadata(doc: Mapping[str, Any], budget: _Budget) -> tuple[Metadata, Locator]:
+    index_keys = doc["index"]
+    if not isinstance(index_keys, list):
+        raise ValueError("'index' must be a list")
+    keys = [None if k is None else check_name(k, f"index[{n}]") for n, k in enumerate(index_keys)]
+    world = len(keys)
+    sd_md: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    writers: dict[str, list[int] | int] = {}
+    sizes_cache: dict[tuple[int, ...], torch.Size] = {}
+    for fqn, raw in doc["state_dict"].items():
+        kind = raw.get("type", "tensor")
+        if kind == "bytes":
+            sd_md[fqn] = BytesStorageMetadata()
+            writer = raw["writer"]
+            if type(writer) is not int or not 0 <= writer < world:
+                raise ValueError(f"{fqn!r}: writer {writer!r} is not a rank of the index")
+            writers[fqn] = writer
+            continue
+        if kind != "tensor":
+            raise ValueError(f"unknown entry type {kind!r} for {fqn!r}")
+        dtype = dtype_from_name(raw["dtype"])
+        if not isinstance(raw["size"], list):
+            raise ValueError(f"{fqn!r}: size must be a list")
+        size = raw["size"]
+        numel = check_dims(
+            tuple(size), fqn, dtype, where="state_dict", payload_bytes=budget.payload_bytes
+        )
+        ndim = len(size)
+        if "chunks" not in raw:  # saved whole: one chunk at the origin
+            budget.take_chunks(1, fqn)
+            n, offs, lens = 1, [[0] for _ in size], [[s] for s in size]
+            writer_col = [raw["writer"]]
+            if type(writer_col[0]) is not int:
+                raise ValueError(f"{fqn!r}: writer {writer_col[0]!r} is not a rank")
+        else:
+            # Bounded before any run is expanded: a chunk per element, plus an
+            # empty one per rank (a shard of nothing), and no more than the index
+            # objects can place.
+            n = check_count(
+                raw["chunks"],
+                f"chunk count of {fqn!r}",
+                at_most=numel + world,
+                because=f"its {numel} elements plus an empty chunk for each of {world} ranks",
+            )
+            budget.take_chunks(n, fqn)
+            if len(raw["offsets"]) != ndim or len(raw["sizes"]) != ndim:
+                raise ValueError(f"{fqn!r}: chunk columns do not match its {ndim} dimensions")
+            for d in range(ndim):
+                for name in ("offsets", "sizes"):
+                    low, high = column_extent(raw[name][d], n, f"{fqn!r} {name}[{d}]")
+                    if low < 0 or high > size[d]:
+                        raise ManifestError(
+                            f"{fqn!r} {name}[{d}] reach {low}..{high}, outside its "
+                            f"dimension of {size[d]}"
+                        )
+            low, high = column_extent(raw["writer"], n, f"{fqn!r} writer")
+            if low < -1 or high >= world:
+                raise ManifestError(f"{fqn!r}: a chunk's writer is not a rank of the index")
+            offs = [columns.unpack(raw["offsets"][d], n, f"{fqn!r} offsets") for d in range(ndim)]
+            lens = [columns.unpack(raw["sizes"][d], n, f"{fqn!r} sizes") for d in range(ndim)]
+            writer_col = columns.unpack(raw["writer"], n, f"{fqn!r} writer")
+        if any(not -1 <= w < world for w in writer_col):
+            raise ValueError(f"{fqn!r}: a chunk's writer is not a rank of the index")
+        # The hot loop of a load at scale (a chunk per tensor and rank): tuples
+        # straight from the columns, and one torch.Size per distinct chunk shape.
+        if ndim:
+            shapes = []
+            for shape in zip(*lens, strict=True):
+                cached = sizes_cache.get(shape)
+                if cached is None:
+                    cached = sizes_cache[shape] = torch.Size(shape)
+                shapes.append(cached)
+            chunks = [
+                ChunkStorageMetadata(torch.Size(offset), shape)
+                for offset, shape in zip(zip(*offs, strict=True), shapes, strict=True)
+            ]
+        else:  # a 0-d tensor: one chunk of no dimensions
+            chunks = [ChunkStorageMetadata(torch.Size(()), torch.Size(())) for _ in range(n)]
+        sd_md[fqn] = TensorStorageMetadata(
+            properties=TensorProperties(
+                dtype=dtype,
+                requires_grad=bool(raw.get("requires_grad", False)),
+            ),
+            size=torch.Size(size),
+            chunks=chunks,
+        )
+        writers[fqn] = writer_col
+    metadata = Metadata(
+        state_dict_metadata=sd_md,
+        planner_data=_decode_paths(doc.get("planner_data"), list(sd_md)),
+        storage_data=None,
+        storage_meta=decode_storage_meta(doc.get("storage_meta")),
+        version=doc.get("version"),
+    )
+    return metadata, Locator(keys, writers)
+
+
+def dcp_metadata(manifest: Manifest, *, url: str) -> Metadata:
+    """The DCP metadata of a manifest of any format (format 2: without item locations)."""
+    if manifest.version >= 2:
+        objects = {o.key: o for o in manifest.objects}
+        return decode_metadata(manifest.metadata, url=url, objects=objects)[0]
+    return metadata_from_json(manifest.metadata, url=url)[0]
+
+
+def decode_index(
+    blob: bytes, *, rank: int, attempt: str, metadata: Metadata, url: str
+) -> dict[MetadataIndex, StoredItem]:
+    """The item locations in one index object; ManifestError naming ``url`` on bad input.
+
+    ``blob`` was checked whole against the manifest's entry (size, CRC32C) and that
+    size against ``ReadOptions.max_metadata_bytes`` before it was fetched; here every
+    column is bounded by the tables it points into before it is expanded.
+    """
+    doc = load_json(blob, what="index", url=url, max_bytes=MAX_INT)
+    try:
+        return _decode_index(doc, rank, attempt, metadata)
+    except ManifestError as exc:
+        raise ManifestError(f"index {url}: {exc}") from exc
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+        raise ManifestError(f"index {url} is malformed ({type(exc).__name__}: {exc})") from exc
+
+
+def _decode_index(
+    doc: Any, rank: int, attempt: str, metadata: Metadata
+) -> dict[MetadataIndex, StoredItem]:
+    if not isinstance(doc, dict) or doc.get("format") != INDEX_FORMAT or doc.get("version") != 1:
+        raise ValueError("not an objckpt index (format/version)")
+    if doc.get("rank") != rank or doc.get("attempt") != attempt:
+        raise ValueError(f"belongs to rank {doc.get('rank')} of attempt {doc.get('attempt')}")
+    fqns, keys, crcs = doc["fqns"], doc["keys"], doc["crc32c"]
+    if not isinstance(fqns, list) or not all(isinstance(f, str) for f in fqns):
+        raise ValueError("fqns must be a list of strings")
+    if not isinstance(keys, list):
+        raise ValueError("keys must be a list")
+    if not isinstance(crcs, str) or len(crcs) % 8 or not set(crcs) <= _HEX | {"-"}:
+        raise ValueError("crc32c must be 8 hex digits per item")
+    n = len(crcs) // 8
+    # Every column fits the tables it points into before it is expanded (a negative
+    # position would silently count from the end).
+    for name, low_bound, high_bound in (
+        ("fqn", 0, len(fqns)),
+        ("key", 0, len(keys)),
+        ("chunk", -1, MAX_INT),
+        ("offset", 0, MAX_INT),
+        ("length", 0, MAX_INT),
+    ):
+        low, high = column_extent(doc[name], n, name)
+        if n and (low < low_bound or high >= high_bound):
+            raise ManifestError(
+                f"column {name!r} reaches {low}..{high}, outside [{low_bound}, {high_bound})"
+            )
+    fqn_col = columns.unpack(doc["fqn"], n, "fqn")
+    chunk_col = columns.unpack(doc["chunk"], n, "chunk")
+    key_col = columns.unpack(doc["key"], n, "key")
+    off_col = columns.unpack(doc["offset"], n, "offset")
+    len_col = columns.unpack(doc["length"], n, "length")
+    checked_keys = [check_key(k, "index keys") for k in keys]
+    items: dict[MetadataIndex, StoredItem] = {}
+    sd_md = metadata.state_dict_metadata
+    for i in range(n):
+        fqn = fqns[fqn_col[i]]
+        chunk = chunk_col[i]
+        md = sd_md.get(fqn)
+        if chunk < 0:
+            if not isinstance(md, BytesStorageMetadata):
+                raise ValueError(f"{fqn!r} is not a non-tensor value in the manifest")
+            index = MetadataIndex(fqn)
+        else:
+            if not isinstance(md, TensorStorageMetadata):
+                raise ValueError(f"{fqn!r} is not a tensor in the manifest")
+            if chunk >= len(md.chunks):
+                raise ValueError(f"{fqn!r} has {len(md.chunks)} chunks, not a chunk {chunk}")
+            index = MetadataIndex(fqn, md.chunks[chunk].offsets, chunk)
+        crc = crcs[8 * i : 8 * i + 8]
+        items[index] = StoredItem(
+            relative_path=checked_keys[key_col[i]],
+            offset=off_col[i],
+            length=len_col[i],
+            crc32c=None if crc == "--------" else crc,
+        )
+    return items
