@@ -13,7 +13,15 @@ produce it, then encoded and decoded three ways in the same run:
   object; ``load_decode_s`` is what that rank spends turning them into DCP
   ``Metadata`` and item locations before the first payload byte.
 
-Usage: ``python bench/bench_scale.py [--worlds 8,64,256,1024] [--repeats 3]``
+Per-rank decode + planning (``plan``): the last rank's load of its own row shard of
+every tensor, decoded and planned two ways in the same run: objckpt's reader and
+``objckpt.LoadPlanner`` (chunks kept as runs, only the overlapping ones built), and
+what a rank paid before it (every chunk built, then DCP's ``DefaultLoadPlanner``).
+Both plans are checked equal. The local shards are given through DCP's checkpoint
+protocol (``__create_chunk_list__``, what DTensor implements), so no process group
+is needed.
+
+Usage: ``python bench/bench_scale.py [--worlds 8,64,256,1024] [--repeats 3] [--plan-from 1024]``
 Results go to ``bench/results/scale-<date>.json`` and a Markdown table to stdout.
 """
 
@@ -31,6 +39,7 @@ from typing import Any
 
 import torch
 from record import write_record
+from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -42,6 +51,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+import objckpt
 from objckpt.format.dcp_json import StoredItem, encode_planner_data, encode_storage_meta
 from objckpt.format.index import decode_index, decode_metadata, encode_metadata
 
@@ -149,7 +159,82 @@ def timed(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
     return statistics.median(times), out
 
 
-def measure(world: int, repeats: int, with_dcp: bool) -> dict[str, Any]:
+class LocalShard(torch.Tensor):
+    """A rank's row shard as a load planner sees it (DCP's ``__create_chunk_list__``
+    and the global ``size()``, as DTensor gives them), without a process group."""
+
+    _chunk: ChunkStorageMetadata
+
+    @staticmethod
+    def __new__(cls, start: int, rows: int) -> LocalShard:
+        shard = torch.Tensor._make_subclass(cls, torch.empty(0))
+        shard._chunk = ChunkStorageMetadata(torch.Size([start, 0]), torch.Size([rows, COLS]))
+        return shard
+
+    def size(self, dim: int | None = None) -> Any:  # type: ignore[override]
+        full = torch.Size([ROWS, COLS])
+        return full if dim is None else full[dim]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [self._chunk]
+
+
+def local_state(meta: Metadata, world: int, rank: int) -> dict[str, Any]:
+    """Rank ``rank``'s state dict at ``world`` ranks: its row shard of every tensor."""
+    rows = -(-ROWS // world)
+    start = rank * rows
+    n = max(0, min(rows, ROWS - start))
+    state: dict[str, Any] = {
+        fqn: LocalShard(start, n)
+        for fqn, md in meta.state_dict_metadata.items()
+        if isinstance(md, TensorStorageMetadata)
+    }
+    state["step"] = 0
+    return state
+
+
+def _plan(planner: Any, state: dict[str, Any], md: Metadata) -> list[Any]:
+    planner.set_up_planner(state, md, is_coordinator=False)
+    items = planner.create_local_plan().items
+    return sorted((r.storage_index.fqn, r.storage_index.index, tuple(r.lengths)) for r in items)
+
+
+def measure_plan(world: int, repeats: int, manifest: bytes, own: Any) -> dict[str, Any]:
+    """The last rank's decode + plan, objckpt's way and the way before it."""
+    rank = world - 1
+
+    def decode() -> Metadata:
+        doc = json.loads(manifest)["metadata"]
+        decoded, _locator = decode_metadata(doc, url="s3://b/run/step")
+        decode_index(own.data, rank=own.rank, attempt=ATTEMPT, metadata=decoded, url="x")
+        return decoded
+
+    def ours() -> list[Any]:
+        md = decode()
+        return _plan(objckpt.LoadPlanner(), local_state(md, world, rank), md)
+
+    def before() -> list[Any]:
+        md = decode()
+        for tmd in md.state_dict_metadata.values():  # every chunk built, as before
+            if isinstance(tmd, TensorStorageMetadata):
+                tmd.chunks = list(tmd.chunks)
+        return _plan(DefaultLoadPlanner(), local_state(md, world, rank), md)
+
+    ours_s, ours_plan = timed(ours, repeats)
+    before_s, before_plan = timed(before, repeats)
+    if ours_plan != before_plan:
+        raise AssertionError(f"W={world}: objckpt.LoadPlanner's reads differ from DCP's")
+    decode_s, _ = timed(decode, repeats)
+    return {
+        "rank": rank,
+        "reads": len(ours_plan),
+        "decode_s": decode_s,
+        "objckpt_decode_plan_s": ours_s,
+        "default_decode_plan_s": before_s,
+    }
+
+
+def measure(world: int, repeats: int, with_dcp: bool, with_plan: bool = False) -> dict[str, Any]:
     meta, items = simulate(world)
     row: dict[str, Any] = {"world": world, "chunks": sum(len(i) for i in items)}
     if with_dcp:
@@ -208,6 +293,10 @@ def measure(world: int, repeats: int, with_dcp: bool) -> dict[str, Any]:
         "per_rank_fetch": len(manifest) + len(own.data),
         "load_decode_s": dec,
     }
+    if with_plan:
+        del meta, items
+        gc.collect()
+        row["plan"] = measure_plan(world, repeats, manifest, own)
     return row
 
 
@@ -233,6 +322,23 @@ def table(rows: list[dict[str, Any]]) -> str:
         cells.append(_mb(v2["per_rank_fetch"]) + fetched)
         cells.append(f"{v2['load_decode_s']:.2f} s")
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plan_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| W | reads | decode + plan, objckpt.LoadPlanner | decode + plan, before "
+        "(every chunk + DefaultLoadPlanner) | ratio |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        p = r.get("plan")
+        if p:
+            ours, before = p["objckpt_decode_plan_s"], p["default_decode_plan_s"]
+            lines.append(
+                f"| {r['world']} | {p['reads']} | {ours:.3f} s | {before:.2f} s "
+                f"| {before / ours:.0f}x |"
+            )
     return "\n".join(lines)
 
 
@@ -262,19 +368,25 @@ def main() -> None:
     parser.add_argument(
         "--dcp-up-to", type=int, default=1024, help="largest W that also measures DCP and v1"
     )
+    parser.add_argument(
+        "--plan-from", type=int, default=1024, help="smallest W that also measures planning"
+    )
+    parser.add_argument("--name", default="scale", help="result file name prefix")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     rows = []
     for world in (int(w) for w in args.worlds.split(",")):
         log.info("W=%d ...", world)
-        rows.append(measure(world, args.repeats, world <= args.dcp_up_to))
+        rows.append(measure(world, args.repeats, world <= args.dcp_up_to, world >= args.plan_from))
         log.info("%s", json.dumps(rows[-1]))
     real = real_save()
     path = write_record(
-        args.out, "scale", 0, {"repeats": args.repeats, "rows": rows, "real_w1": real}
+        args.out, args.name, 0, {"repeats": args.repeats, "rows": rows, "real_w1": real}
     )
     print(table(rows))
+    if any("plan" in r for r in rows):
+        print("\n" + plan_table(rows))
     ours = real["manifest"] + real["index"]
     print(
         f"\nreal W=1 save of {real['tensors']} tensors: manifest + index {ours / 1e3:.0f} kB, "

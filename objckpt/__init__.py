@@ -18,6 +18,7 @@ from objckpt import errors
 from objckpt._version import __version__
 
 if TYPE_CHECKING:
+    from objckpt.dcp.load_planner import LoadPlanner
     from objckpt.dcp.storage_reader import ObjectStoreReader
     from objckpt.dcp.storage_writer import ObjectStoreWriter
     from objckpt.format.manifest import Manifest
@@ -43,6 +44,7 @@ _HOMES = {
     "BackupTarget": "objckpt.ops.backup",
     "CheckpointManager": "objckpt.ops.manager",
     "Config": "objckpt.ops.config",
+    "LoadPlanner": "objckpt.dcp.load_planner",
     "LocalTier": "objckpt.ops.tiers",
     "Location": "objckpt.writers.location",
     "Manifest": "objckpt.format.manifest",
@@ -67,6 +69,7 @@ __all__ = [
     "BackupTarget",
     "CheckpointManager",
     "Config",
+    "LoadPlanner",
     "LocalTier",
     "Location",
     "Manifest",

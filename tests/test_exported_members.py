@@ -23,6 +23,7 @@ def test_public_names_are_exactly_the_contract() -> None:
         "async_save",
         "Location",
         "LocalTier",
+        "LoadPlanner",
         "TierStatus",
         "Manifest",
         "ObjectStoreReader",

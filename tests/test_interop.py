@@ -104,3 +104,37 @@ def test_dcp_sees_the_callers_checkpoint_id_and_a_save_id_while_planning(tmp_pat
     first = reader.load_id
     reader.reset(url)
     assert reader.load_id and reader.load_id != first
+
+
+def test_objckpt_load_planner_plans_with_any_reader(target: StoreTarget) -> None:
+    """``planner=objckpt.LoadPlanner()`` in a plain ``dcp.load``: with objckpt's reader,
+    and with a stock reader on a stock checkpoint (DCP's own planning then)."""
+    state = sample_state(big=100_000)
+    save(state, target.url("ours-planned"), target)
+    got = empty_like_state(state)
+    with quiet():
+        dcp.load(
+            got,
+            storage_reader=objckpt.ObjectStoreReader(
+                target.url("ours-planned"), storage_options=target.storage_options
+            ),
+            planner=objckpt.LoadPlanner(),
+        )
+    assert_state_equal(got, state)
+    with quiet():
+        dcp.save(
+            state,
+            storage_writer=FsspecWriter(
+                _fsspec_path(target, "stock-planned"), sync_files=False, **target.storage_options
+            ),
+        )
+    got = empty_like_state(state)
+    with quiet():
+        dcp.load(
+            got,
+            storage_reader=FsspecReader(
+                _fsspec_path(target, "stock-planned"), **target.storage_options
+            ),
+            planner=objckpt.LoadPlanner(),
+        )
+    assert_state_equal(got, state)

@@ -26,6 +26,7 @@ from objckpt._torch import narrow
 from objckpt.dcp.read_plan import Range
 from objckpt.dcp.serialize import Framer, unframe
 from objckpt.errors import ChecksumMismatchError, StateDictError
+from objckpt.format.chunk_runs import chunk_of
 from objckpt.format.dcp_json import StoredItem
 from objckpt.options import ReadOptions
 from objckpt.writers.checksum import Crc32c
@@ -65,13 +66,8 @@ class Delivery:
 
     def __init__(self, options: ReadOptions) -> None:
         self.options = options
-        #: Tensor frames, to read framed tensors without torch.load, and each stored
-        #: chunk's dtype and shape by tensor and chunk offsets (built on first read).
+        #: Tensor frames, to read framed tensors without torch.load.
         self._framer = Framer()
-        self._chunk_shapes: dict[
-            str, dict[tuple[int, ...], tuple[torch.dtype, tuple[int, ...]]]
-        ] = {}
-        self._chunk_shapes_of: Metadata | None = None
 
     def deliver(
         self,
@@ -150,21 +146,12 @@ class Delivery:
     def _unframed(self, data: memoryview, req: ReadItem, metadata: Metadata) -> torch.Tensor | None:
         """The stored chunk as a view of ``data`` when it is framed as objckpt writes
         tensors (:func:`~objckpt.dcp.serialize.unframe`): no unpickling, no copy."""
-        if self._chunk_shapes_of is not metadata:  # a reset to another checkpoint
-            self._chunk_shapes, self._chunk_shapes_of = {}, metadata
-        fqn = req.storage_index.fqn
-        shapes = self._chunk_shapes.get(fqn)
-        if shapes is None:
-            # One pass over the tensor's chunks (W of them for a tensor sharded over W
-            # ranks), not one per chunk read.
-            md = metadata.state_dict_metadata.get(fqn)
-            if not isinstance(md, TensorStorageMetadata):
-                return None
-            shapes = self._chunk_shapes[fqn] = {
-                tuple(c.offsets): (md.properties.dtype, tuple(c.sizes)) for c in md.chunks
-            }
-        found = shapes.get(tuple(req.storage_index.offset or ()))
-        if found is None:
+        md = metadata.state_dict_metadata.get(req.storage_index.fqn)
+        if not isinstance(md, TensorStorageMetadata):
             return None
-        dtype, shape = found
+        # By position (one chunk built), not a map of the tensor's W chunks.
+        chunk = chunk_of(md, req.storage_index)
+        if chunk is None:
+            return None
+        dtype, shape = md.properties.dtype, tuple(chunk.sizes)
         return unframe(data, self._framer.frame_for(dtype, shape), dtype, shape)

@@ -13,12 +13,13 @@ Encoded form: a plain JSON list of ints, or ``{"runs": [start, step, count, ...]
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import bisect
+from collections.abc import Iterator, Sequence
+from typing import Any, overload
 
 from objckpt.errors import ManifestError
 
-__all__ = ["pack", "unpack"]
+__all__ = ["Column", "column", "pack", "unpack"]
 
 
 def pack(values: Sequence[int]) -> Any:
@@ -67,3 +68,105 @@ def unpack(doc: Any, length: int, what: str) -> list[int]:
     if doc is out and not all(type(v) is int for v in out):
         raise ManifestError(f"{what}: values must be integers")
     return out
+
+
+class Column(Sequence[int]):
+    """A decoded column that keeps its runs: values computed on demand, never stored.
+
+    A load at scale reads a chunk column of W values per tensor but needs a handful
+    of them (the chunks its shard overlaps); expanding every column costs every rank
+    tensors x W integers. A ``Column`` answers ``len``, indexing (a binary search
+    over its runs) and iteration, and hands its runs to whoever can work on them
+    directly (:mod:`objckpt.format.chunk_runs`).
+
+    Attributes:
+        firsts: Index of each run's first value (ascending, starting at 0).
+        starts: Each run's first value.
+        steps: Each run's step.
+    """
+
+    __slots__ = ("_length", "firsts", "starts", "steps")
+
+    def __init__(self, firsts: list[int], starts: list[int], steps: list[int], length: int) -> None:
+        self.firsts, self.starts, self.steps, self._length = firsts, starts, steps, length
+
+    def __len__(self) -> int:
+        return self._length
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(self._length))]
+        if i < 0:
+            i += self._length
+        if not 0 <= i < self._length:
+            raise IndexError(f"column index {i} out of range for {self._length} values")
+        k = bisect.bisect_right(self.firsts, i) - 1
+        return self.starts[k] + self.steps[k] * (i - self.firsts[k])
+
+    def __iter__(self) -> Iterator[int]:
+        ends = [*self.firsts[1:], self._length]
+        for start, step, first, end in zip(self.starts, self.steps, self.firsts, ends, strict=True):
+            count = end - first
+            yield from (range(start, start + step * count, step) if step else [start] * count)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, str | bytes):
+            return NotImplemented
+        return len(other) == self._length and all(a == b for a, b in zip(self, other, strict=False))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (list, (list(self),))  # pickles as the plain list it stands for
+
+    def __repr__(self) -> str:
+        return f"Column({self._length} values in {len(self.starts)} runs)"
+
+
+def column(doc: Any, length: int, what: str) -> Column:
+    """Decode a column of exactly ``length`` ints without expanding its runs (a plain
+    list is folded into runs); ManifestError naming ``what`` otherwise.
+
+    Same checks as :func:`unpack`, at a cost of its runs, not its values.
+    """
+    firsts: list[int] = []
+    starts: list[int] = []
+    steps: list[int] = []
+    if isinstance(doc, list):
+        if not all(type(v) is int for v in doc):
+            raise ManifestError(f"{what}: values must be integers")
+        i, n = 0, len(doc)
+        while i < n:
+            step = doc[i + 1] - doc[i] if i + 1 < n else 0
+            j = i + 1
+            while j < n and doc[j] - doc[j - 1] == step:
+                j += 1
+            firsts.append(i)
+            starts.append(doc[i])
+            steps.append(step)
+            i = j
+        total = n
+    elif isinstance(doc, dict) and isinstance(doc.get("runs"), list) and len(doc) == 1:
+        runs = doc["runs"]
+        if len(runs) % 3:
+            raise ManifestError(f"{what}: runs must come in (start, step, count) triples")
+        total = 0
+        for k in range(0, len(runs), 3):
+            start, step, count = runs[k : k + 3]
+            if not all(type(v) is int for v in (start, step, count)) or count < 1:
+                raise ManifestError(f"{what}: run {runs[k : k + 3]!r} is not (int, int, int>=1)")
+            if total + count > length:
+                raise ManifestError(f"{what}: runs hold more than {length} values")
+            firsts.append(total)
+            starts.append(start)
+            steps.append(step)
+            total += count
+    else:
+        raise ManifestError(f"{what}: expected a list of ints or {{'runs': [...]}}")
+    if total != length:
+        raise ManifestError(f"{what}: {total} values, expected {length}")
+    return Column(firsts, starts, steps, length)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -36,6 +36,7 @@ from objckpt.format.bounds import (
     column_extent,
     load_json,
 )
+from objckpt.format.chunk_runs import ChunkRuns
 from objckpt.format.dcp_json import (
     StoredItem,
     decode_planner_data,
@@ -68,7 +69,7 @@ class Locator:
     def __init__(
         self,
         index_keys: Sequence[str | None],
-        writers: Mapping[str, list[int] | int],
+        writers: Mapping[str, Sequence[int] | int],
     ) -> None:
         self.index_keys = tuple(index_keys)
         self._writers = writers
@@ -157,8 +158,7 @@ def _decode_metadata(doc: Mapping[str, Any], budget: _Budget) -> tuple[Metadata,
     keys = [None if k is None else check_name(k, f"index[{n}]") for n, k in enumerate(index_keys)]
     world = len(keys)
     sd_md: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
-    writers: dict[str, list[int] | int] = {}
-    sizes_cache: dict[tuple[int, ...], torch.Size] = {}
+    writers: dict[str, Sequence[int] | int] = {}
     for fqn, raw in doc["state_dict"].items():
         kind = raw.get("type", "tensor")
         if kind == "bytes":
@@ -178,12 +178,15 @@ def _decode_metadata(doc: Mapping[str, Any], budget: _Budget) -> tuple[Metadata,
             tuple(size), fqn, dtype, where="state_dict", payload_bytes=budget.payload_bytes
         )
         ndim = len(size)
+        chunks: Sequence[ChunkStorageMetadata]
+        writer_col: Sequence[int]
         if "chunks" not in raw:  # saved whole: one chunk at the origin
             budget.take_chunks(1, fqn)
-            n, offs, lens = 1, [[0] for _ in size], [[s] for s in size]
-            writer_col = [raw["writer"]]
-            if type(writer_col[0]) is not int:
-                raise ValueError(f"{fqn!r}: writer {writer_col[0]!r} is not a rank")
+            chunks = [ChunkStorageMetadata(torch.Size([0] * ndim), torch.Size(size))]
+            writer = raw["writer"]
+            if type(writer) is not int or not -1 <= writer < world:
+                raise ValueError(f"{fqn!r}: writer {writer!r} is not a rank of the index")
+            writer_col = [writer]
         else:
             # Bounded before any run is expanded: a chunk per element, plus an
             # empty one per rank (a shard of nothing), and no more than the index
@@ -208,33 +211,22 @@ def _decode_metadata(doc: Mapping[str, Any], budget: _Budget) -> tuple[Metadata,
             low, high = column_extent(raw["writer"], n, f"{fqn!r} writer")
             if low < -1 or high >= world:
                 raise ManifestError(f"{fqn!r}: a chunk's writer is not a rank of the index")
-            offs = [columns.unpack(raw["offsets"][d], n, f"{fqn!r} offsets") for d in range(ndim)]
-            lens = [columns.unpack(raw["sizes"][d], n, f"{fqn!r} sizes") for d in range(ndim)]
-            writer_col = columns.unpack(raw["writer"], n, f"{fqn!r} writer")
-        if any(not -1 <= w < world for w in writer_col):
-            raise ValueError(f"{fqn!r}: a chunk's writer is not a rank of the index")
-        # The hot loop of a load at scale (a chunk per tensor and rank): tuples
-        # straight from the columns, and one torch.Size per distinct chunk shape.
-        if ndim:
-            shapes = []
-            for shape in zip(*lens, strict=True):
-                cached = sizes_cache.get(shape)
-                if cached is None:
-                    cached = sizes_cache[shape] = torch.Size(shape)
-                shapes.append(cached)
-            chunks = [
-                ChunkStorageMetadata(torch.Size(offset), shape)
-                for offset, shape in zip(zip(*offs, strict=True), shapes, strict=True)
-            ]
-        else:  # a 0-d tensor: one chunk of no dimensions
-            chunks = [ChunkStorageMetadata(torch.Size(()), torch.Size(())) for _ in range(n)]
+            # Kept as runs: a rank reads a handful of a tensor's W chunks, and
+            # objckpt.LoadPlanner finds them from the runs (chunk_runs.py).
+            chunks = ChunkRuns(
+                [columns.column(raw["offsets"][d], n, f"{fqn!r} offsets") for d in range(ndim)],
+                [columns.column(raw["sizes"][d], n, f"{fqn!r} sizes") for d in range(ndim)],
+                n,
+            )
+            writer_col = columns.column(raw["writer"], n, f"{fqn!r} writer")
         sd_md[fqn] = TensorStorageMetadata(
             properties=TensorProperties(
                 dtype=dtype,
                 requires_grad=bool(raw.get("requires_grad", False)),
             ),
             size=torch.Size(size),
-            chunks=chunks,
+            # DCP types it a list; ChunkRuns is the read-only sequence standing for one.
+            chunks=cast(list[ChunkStorageMetadata], chunks),
         )
         writers[fqn] = writer_col
     metadata = Metadata(

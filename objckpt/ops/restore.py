@@ -22,6 +22,7 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 
 from objckpt.dcp.collective import is_distributed
+from objckpt.dcp.load_planner import LoadPlanner
 from objckpt.dcp.storage_reader import ObjectStoreReader
 from objckpt.errors import (
     CheckpointNotFoundError,
@@ -139,6 +140,7 @@ class Restorer:
                 dcp.load(
                     state_dict,
                     storage_reader=reader,
+                    planner=LoadPlanner(),  # plans from the chunk runs: flat in W
                     process_group=self._group,
                     no_dist=not distributed,
                 )
