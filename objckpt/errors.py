@@ -28,6 +28,7 @@ exception text at ERROR level, so an error message is as public as a log line.
     │   └── CheckpointNotCommittedError       payload present, no manifest
     ├── CheckpointExistsError (FileExistsError)
     ├── ManifestError (ValueError)            manifest unreadable, malformed or too new
+    │   └── SafetensorsError                  a safetensors file or index to import is malformed
     ├── IntegrityError                        bytes on the store do not match the manifest
     │   ├── ChecksumMismatchError
     │   └── SizeMismatchError
@@ -60,6 +61,7 @@ __all__ = [
     "PeerRankError",
     "RequestDeadlineError",
     "RequestFailedError",
+    "SafetensorsError",
     "SaveDeadlineError",
     "SaveSequenceError",
     "SizeMismatchError",
@@ -166,6 +168,13 @@ class CheckpointExistsError(ObjckptError, FileExistsError):
 
 class ManifestError(ObjckptError, ValueError):
     """The manifest is not JSON, fails validation, or is from a newer format."""
+
+
+class SafetensorsError(ManifestError):
+    """A safetensors file or index that ``import`` reads is malformed: a header, a
+    byte range, a dtype or a shard name the format does not allow. The message names
+    the file (and the tensor or shard at fault); nothing is written at the destination.
+    A :class:`ManifestError` too: stored metadata refused, as a crafted manifest is."""
 
 
 class IntegrityError(ObjckptError):

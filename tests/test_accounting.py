@@ -27,7 +27,7 @@ def _target(proxy: FaultProxy, s3_bucket: StoreTarget) -> StoreTarget:
 def _assert_matches_the_wire(stats: RequestStats, proxy: FaultProxy, commit_puts: int) -> None:
     kinds = stats.requests
     assert kinds.get("UploadPart", 0) == proxy.count("UploadPart") > 0
-    # The manifest's own PUT happens after its counts were written down.
+    # The manifest's own PUT, and .metadata's after it, happen after its counts were written.
     assert kinds.get("PUT", 0) + commit_puts == proxy.count("PutObject")
     assert kinds.get("LIST", 0) == proxy.count("ListObjectsV2")
     uploaded = proxy.sent_bytes("UploadPart", "PutObject")
@@ -40,7 +40,7 @@ def test_a_sync_save_records_its_requests_in_the_manifest(
     writer = save(_state(), s3_bucket.url("c"), _target(s3_proxy, s3_bucket), upload=PARTS)
     manifest = writer.last_manifest
     assert manifest is not None and manifest.requests is not None
-    _assert_matches_the_wire(manifest.requests, s3_proxy, commit_puts=1)
+    _assert_matches_the_wire(manifest.requests, s3_proxy, commit_puts=2)
     assert manifest.requests.retries == 0 and manifest.requests.throttled == 0
 
 
@@ -54,9 +54,9 @@ def test_an_async_save_counts_its_workers_requests_and_the_load_its_own(
         handle.result(timeout=120)
     total = handle.total_requests
     assert total is not None
-    _assert_matches_the_wire(total, s3_proxy, commit_puts=1)
-    # This rank did everything: its own count is the total plus the manifest PUT.
-    assert handle.requests.requests["PUT"] == total.requests["PUT"] + 1
+    _assert_matches_the_wire(total, s3_proxy, commit_puts=2)
+    # This rank did everything: its own count is the total plus the manifest and .metadata PUTs.
+    assert handle.requests.requests["PUT"] == total.requests["PUT"] + 2
     s3_proxy.clear()
     state = {"big": torch.zeros(3 * MiB), "small": torch.zeros(10), "step": 0}
     reader = load(state, f"{target.root}/{step_name(1)}", target)

@@ -12,8 +12,9 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from objckpt import Location, UploadOptions
 from objckpt.errors import CheckpointExistsError
-from objckpt.format.commit import commit_checkpoint, read_manifest
+from objckpt.format.commit import commit_checkpoint
 from objckpt.format.layout import MANIFEST_KEY
+from objckpt.format.settle import put_manifest
 from objckpt.testing.plugin import StoreTarget
 from objckpt.writers import open_store
 
@@ -45,6 +46,8 @@ def test_create_is_exclusive_under_a_race(store: StoreTarget) -> None:
 
 
 def test_retried_commit_of_the_same_attempt_is_settled(store: StoreTarget) -> None:
+    """A manifest PUT retried after its answer was lost meets its own write: the same
+    bytes are ours. Other bytes, even of the same attempt, are another commit's."""
     s = _store(store, "c")
     if s.location.protocol == "file":
         import os
@@ -52,13 +55,15 @@ def test_retried_commit_of_the_same_attempt_is_settled(store: StoreTarget) -> No
         os.makedirs(s.location.path, exist_ok=True)
     empty = Metadata(state_dict_metadata={})
     commit_checkpoint(s, empty, [], attempt="aaaaaaaaaaaaaaaa", world_size=1, overwrite=False)
-    # The same attempt again (a PUT whose response was lost, retried): treated as ours.
-    commit_checkpoint(s, empty, [], attempt="aaaaaaaaaaaaaaaa", world_size=1, overwrite=False)
+    ours = s.read(MANIFEST_KEY)
+    put_manifest(s, ours)  # the retried PUT: settled as committed
+    with pytest.raises(CheckpointExistsError, match=r"already committed by attempt a{16}"):
+        put_manifest(s, ours.replace(b'"world_size":1', b'"world_size":2'))
     with pytest.raises(
         CheckpointExistsError, match="already committed by attempt aaaaaaaaaaaaaaaa"
     ):
         commit_checkpoint(s, empty, [], attempt="bbbbbbbbbbbbbbbb", world_size=1, overwrite=False)
-    assert read_manifest(s).attempt == "aaaaaaaaaaaaaaaa"
+    assert s.read(MANIFEST_KEY) == ours
 
 
 def test_two_jobs_saving_the_same_step(store: StoreTarget) -> None:

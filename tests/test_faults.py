@@ -36,6 +36,9 @@ from objckpt.writers import open_store
 FAST = RetryPolicy(attempts=4, base_delay=0.05, max_delay=0.5, timeout=5)
 MiB = 1024 * 1024
 PARTS = UploadOptions(part_size=5 * MiB, object_size=64 * MiB)
+#: A save without a deadline tries each request ``attempts`` times; one with a
+#: deadline retries until it (so a permanent fault would take the whole deadline).
+UNBOUNDED = dataclasses.replace(PARTS, deadline=None)
 
 
 def _state(seed: int, mib: int = 12) -> dict:
@@ -101,7 +104,7 @@ def test_a_part_that_always_fails_aborts_the_upload_and_commits_nothing(
     save(_state(1), via.url("ok"), via, upload=PARTS, retry=FAST)
     s3_proxy.add(Rule("UploadPart", key_contains="partNumber=2", action="status", status=500))
     with pytest.raises(BaseException) as info:  # torch's CheckpointException
-        save(_state(2), via.url("bad"), via, upload=PARTS, retry=FAST)
+        save(_state(2), via.url("bad"), via, upload=UNBOUNDED, retry=FAST)
     err = carried(info.value)
     assert isinstance(err, StoreError) and "s3://objckpt-test/t/bad/" in str(err), err
     assert s3_proxy.count("UploadPart", faulted=True) == FAST.attempts  # retried, then given up
@@ -120,7 +123,7 @@ def test_failing_manifest_put_leaves_no_visible_step(
 ) -> None:
     root = via.url("run")
     with CheckpointManager(
-        root, storage_options=via.storage_options, upload=PARTS, retry=FAST
+        root, storage_options=via.storage_options, upload=UNBOUNDED, retry=FAST
     ) as mgr:
         mgr.save(1, _state(1)).result()
         s3_proxy.add(Rule("PutObject", key_contains=MANIFEST_KEY, action="status", status=500))
@@ -136,7 +139,7 @@ def test_failing_manifest_put_leaves_no_visible_step(
         assert mgr.load(got) == 1
         assert_state_equal(got, _state(1))
     report = collect_garbage(Location.parse(root, via.storage_options), grace=0, dry_run=False)
-    assert report.deleted  # the failed step's payload and .metadata
+    assert report.deleted  # the failed step's payload and index object
     _assert_clean(via, moto_server)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from killed_save import state
 from objckpt import CheckpointManager, Location
 from objckpt.errors import CheckpointNotFoundError, ConfigurationError
 from objckpt.format.steps import step_name
-from objckpt.ops.gc import collect_garbage, delete_step
+from objckpt.ops.gc import GcReport, collect_garbage, delete_step
 from objckpt.testing import FaultProxy, MotoServer, Rule, offline_env
 from objckpt.testing.plugin import StoreTarget
 
@@ -205,3 +206,113 @@ def test_gc_on_a_single_checkpoint_url(s3_bucket: StoreTarget) -> None:
     failed = Location.parse(s3_bucket.url("failed"), s3_bucket.storage_options)
     fs.pipe_file(f"{failed.path}/{zombie[0]}", b"x")
     assert collect_garbage(failed, grace=0, dry_run=False).deleted == (zombie[0],)
+
+
+def _hold_index_put(proxy: FaultProxy, where: str) -> None:
+    """Hold the index object PUTs under ``where``: the payload is up, the commit waits."""
+    proxy.add(Rule("PutObject", key_contains=f"{where}/__index_", action="hold", stall=120))
+
+
+def _payloads_collected(report: GcReport, prefix: str) -> list[str]:
+    """The payload keys gc deleted (some, all starting with ``prefix``), without it."""
+    from objckpt.format.layout import is_objckpt_payload
+
+    early = [k for k in report.deleted if is_objckpt_payload(k)]
+    assert early and all(k.startswith(prefix) for k in early), report
+    return [k[len(prefix) :] for k in early]
+
+
+def test_a_save_whose_payload_gc_collected_fails_at_its_commit(
+    s3_bucket: StoreTarget, s3_proxy: FaultProxy
+) -> None:
+    """gc (grace 0) deletes a save's payload between its upload and its commit: the
+    commit's listing finds it gone, the save fails naming it, nothing is committed,
+    and the next save to the URL commits."""
+    import threading
+
+    from helpers import carried, load, save
+
+    from objckpt.errors import CheckpointNotCommittedError, UploadError
+
+    via = StoreTarget(root=s3_bucket.root, storage_options=s3_proxy.storage_options())
+    url = via.url("slow")
+    _hold_index_put(s3_proxy, "slow")
+    outcome: dict[str, BaseException | None] = {}
+
+    def slow_save() -> None:
+        try:
+            save({"w": torch.ones(1000)}, url, via)
+            outcome["save"] = None
+        except BaseException as exc:
+            outcome["save"] = carried(exc)
+
+    saver = threading.Thread(target=slow_save)
+    saver.start()
+    try:
+        s3_proxy.wait_for("PutObject", faulted=True, timeout=60)
+        report = collect_garbage(
+            Location.parse(url, s3_bucket.storage_options), grace=0, dry_run=False
+        )
+    finally:
+        s3_proxy.release()
+        saver.join(timeout=120)
+    early = _payloads_collected(report, "")
+    err = outcome.get("save")
+    assert isinstance(err, UploadError), outcome
+    assert all(k in str(err) for k in early), (str(err), early)
+    assert "nothing was committed" in str(err) and url in str(err)
+    s3_proxy.clear()
+    with pytest.raises(CheckpointNotCommittedError):
+        load({"w": torch.zeros(1000)}, url, via)
+    save({"w": torch.full((1000,), 2.0)}, url, via)
+    got = {"w": torch.zeros(1000)}
+    load(got, url, via)
+    assert torch.equal(got["w"], torch.full((1000,), 2.0))
+
+
+def test_gc_racing_a_slow_promotion_fails_it_and_the_local_copy_stays(
+    s3_bucket: StoreTarget, s3_proxy: FaultProxy, tmp_path: pathlib.Path
+) -> None:
+    """The promotion of step 2 is held at its commit (the proxy holds its index PUT)
+    while gc with grace 0 deletes the payload it already copied: the promotion's
+    commit refuses, naming the payload; the root keeps step 1 as its newest step, the
+    local tier keeps step 2 (its only full copy), and step 3 is promoted."""
+    from objckpt import LocalTier
+    from objckpt.errors import UploadError
+    from objckpt.format.layout import MANIFEST_KEY
+    from objckpt.options import AsyncOptions
+
+    via = StoreTarget(root=s3_bucket.root, storage_options=s3_proxy.storage_options())
+    local = str(tmp_path / "nvme")
+    two = os.path.join(local, step_name(2), MANIFEST_KEY)
+    with CheckpointManager(
+        via.url("run"),
+        storage_options=via.storage_options,
+        async_options=AsyncOptions(workers=1),
+        local=LocalTier(local),
+    ) as mgr:
+        assert mgr.save(1, {"w": torch.ones(1000)}).wait_durable(60)
+        _hold_index_put(s3_proxy, step_name(2))
+        handle = mgr.save(2, {"w": torch.full((1000,), 2.0)})
+        try:
+            s3_proxy.wait_for("PutObject", faulted=True, timeout=60)
+            report = collect_garbage(
+                Location.parse(s3_bucket.url("run"), s3_bucket.storage_options),
+                grace=0,
+                dry_run=False,
+            )
+        finally:
+            s3_proxy.release()
+        early = _payloads_collected(report, step_name(2) + "/")
+        with pytest.raises(UploadError, match="refusing to commit") as info:
+            handle.wait_durable(60)
+        assert all(k in str(info.value) for k in early), str(info.value)
+        with pytest.raises(UploadError):
+            mgr.check_for_errors()
+        assert mgr.all_steps() == [1] and os.path.exists(two)
+        s3_proxy.clear()
+        assert mgr.save(3, {"w": torch.full((1000,), 3.0)}).wait_durable(60)
+        assert mgr.all_steps() == [1, 3] and mgr.local_steps() == [2, 3]
+        got = {"w": torch.zeros(1000)}
+        assert mgr.load(got, step=2) == 2 and torch.equal(got["w"], torch.full((1000,), 2.0))
+    assert os.path.exists(two)

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from objckpt.errors import BucketNotFoundError, CheckpointNotFoundError, ObjckptError
 from objckpt.ops.torch_errors import unwrap
 from objckpt.writers.location import Location
+from objckpt.writers.retry import RetryPolicy
 from objckpt.writers.translate import describe
 
 __all__ = [
@@ -81,6 +82,8 @@ class CommandContext:
     config_path: str | None
     options: dict[str, Any]
     as_json: bool
+    #: ``--deadline``: overrides the config's ``[retry] request_deadline``.
+    request_deadline: float | None = None
 
     @functools.cached_property
     def config(self) -> Any:
@@ -88,6 +91,16 @@ class CommandContext:
         from objckpt.ops.config import load_config
 
         return load_config(self.config_path) if self.config_path else None
+
+    @functools.cached_property
+    def retry(self) -> RetryPolicy:
+        """How the command's requests are retried: the config's ``[retry]`` table,
+        then ``--deadline`` (each request with its retries, so a silent endpoint
+        fails the command in that time)."""
+        policy = self.config.retry if self.config else RetryPolicy()
+        if self.request_deadline is not None:
+            policy = dataclasses.replace(policy, request_deadline=self.request_deadline)
+        return policy
 
     def storage_options(self, url: str) -> dict[str, Any]:
         """Options for ``url``: the config's, then --storage-option; none for local paths."""
@@ -109,7 +122,7 @@ class CommandContext:
             if self.config is None:
                 raise click.UsageError(f"give {what} or a config file (--config) naming the root")
             url = self.config.root
-        return Location.parse(url, self.storage_options(url))
+        return Location.parse(url, self.storage_options(url), self.retry)
 
     def emit(self, doc: Any, human: Callable[[], None]) -> None:
         """Print ``doc`` as JSON with ``--json``, else call ``human`` to print lines."""
@@ -152,7 +165,7 @@ def errors_to_exit_codes() -> Iterator[None]:
 
 
 def store_command(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Common options of every store command: --storage-option and --json."""
+    """Common options of every store command: --storage-option, --deadline and --json."""
 
     @click.option(
         "--storage-option",
@@ -161,13 +174,28 @@ def store_command(fn: Callable[..., Any]) -> Callable[..., Any]:
         metavar="KEY=VALUE",
         help="fsspec option (repeatable; JSON values allowed).",
     )
+    @click.option(
+        "--deadline",
+        "request_deadline",
+        type=click.FloatRange(min=0, min_open=True),
+        default=None,
+        metavar="SECONDS",
+        help="Seconds each store request may take with its retries "
+        "(RetryPolicy.request_deadline; default 300, or the config's [retry]).",
+    )
     @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
     @click.pass_obj
     @functools.wraps(fn)
     def wrapper(
-        obj: dict[str, Any], storage_option: tuple[str, ...], as_json: bool, **kw: Any
+        obj: dict[str, Any],
+        storage_option: tuple[str, ...],
+        request_deadline: float | None,
+        as_json: bool,
+        **kw: Any,
     ) -> Any:
-        ctx = CommandContext(obj.get("config"), parse_options(storage_option), as_json)
+        ctx = CommandContext(
+            obj.get("config"), parse_options(storage_option), as_json, request_deadline
+        )
         with errors_to_exit_codes():
             return fn(ctx, **kw)
 

@@ -2,9 +2,10 @@
 
 Store reads go through fsspec's ``cat_ranges``, all ranges of a batch at once, and
 a range larger than ``ReadOptions.range_size`` is split into pieces fetched in
-parallel. A response cut off mid-body fails its batch, which is retried whole. A
-piece missing or shorter than the manifest says is a :class:`SizeMismatchError`
-naming the object: the manifest lists it, so the store lost it.
+parallel. A response cut off mid-body is retried as its own request by the store's
+retry layer (a store without one gets its batch retried whole). A piece missing
+or shorter than the manifest says is a :class:`SizeMismatchError` naming the
+object: the manifest lists it, so the store lost it.
 """
 
 from __future__ import annotations
@@ -69,11 +70,13 @@ def _fetch_remote(
             starts.append(start)
             ends.append(min(start + step, rng.end))
             owner.append(n)
-    # A response cut off mid-body fails the batch; the whole batch is retried.
+    # One retry layer: each request retries itself (body included) on S3 and GCS;
+    # other stores get the whole batch retried.
     return retry_call(
         lambda: _fetch_once(batch, location, fs, paths, starts, ends, owner),
         location.retry,
         f"reading {len(paths)} ranges of {location.url}",
+        fs(),
     )
 
 

@@ -1,12 +1,21 @@
-"""The commit: ``.metadata`` for stock readers, then ``manifest.json`` create-only.
+"""The commit: index objects, then ``manifest.json`` create-only, then ``.metadata``.
 
 A checkpoint exists if and only if its manifest exists. Everything else the
 save wrote is invisible until then, so a crash at any earlier moment leaves the
 previous state of the URL untouched.
 
-A create-only PUT that is retried after its response was lost meets its own
-earlier write and fails with a precondition error. That is settled by reading the
-manifest back: our attempt id means we committed; another id is a real conflict.
+Nothing a committed manifest names may be written by another attempt. Payload
+and index names carry the attempt id; ``.metadata`` (DCP's pickle, for stock
+readers) has a fixed name, so it is written only after this attempt's manifest
+is on the store: a failed, losing or overwriting attempt never touches the
+committed checkpoint's ``.metadata`` before it has won. Until that one PUT
+lands, a stock reader sees no ``.metadata`` (a new URL) or the previous
+checkpoint's, whose objects are all still there (an overwrite deletes what only
+the replaced manifest named after ``.metadata`` is replaced, never before).
+
+Before the manifest, one listing checks that every object it names is there;
+any error of the manifest PUT is settled by reading it back
+(:mod:`objckpt.format.settle`).
 """
 
 from __future__ import annotations
@@ -26,11 +35,12 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from objckpt._torch import storage_info
 from objckpt._version import __version__
-from objckpt.errors import CheckpointExistsError, ManifestError, StoreError
+from objckpt.errors import ManifestError, StoreError
 from objckpt.format.dcp_json import StoredItem
 from objckpt.format.index import IndexShard, encode_metadata
 from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY
 from objckpt.format.manifest import Manifest, ObjectEntry, read_manifest
+from objckpt.format.settle import after_commit, put_manifest, require_present
 from objckpt.writers.accounting import RequestCounter, RequestStats, counting, current_counter
 from objckpt.writers.base import ObjectStore
 from objckpt.writers.checksum import Crc32c
@@ -102,7 +112,9 @@ def commit_checkpoint(
     user: Mapping[str, Any] | None = None,
     checkpoint_id: str | os.PathLike[str] | None = None,
 ) -> Manifest:
-    """Write the index objects and ``.metadata``, then the manifest; returns the manifest.
+    """Write the index objects, then the manifest, then ``.metadata``; returns the
+    manifest. With ``overwrite``, the replaced checkpoint stays whole (every byte its
+    manifest names) until this manifest is committed.
 
     Args:
         checkpoint_id: What DCP's ``StorageMeta.checkpoint_id`` records (the id as
@@ -110,6 +122,7 @@ def commit_checkpoint(
 
     Raises:
         CheckpointExistsError: Another attempt committed this URL first.
+        UploadError: An object the manifest would name is gone (nothing committed).
     """
     items: dict[MetadataIndex, StoredItem] = {}
     by_rank: list[dict[MetadataIndex, StoredItem]] = []
@@ -146,18 +159,18 @@ def commit_checkpoint(
         },
     )
     blob = pickle.dumps(stock)
-    commit_counter = RequestCounter(parent=current_counter())
-    with counting(commit_counter):
-        store.put(METADATA_KEY, blob)
     crc = Crc32c()
     crc.update(blob)
     objects[METADATA_KEY] = ObjectEntry(METADATA_KEY, len(blob), crc.hexdigest())
 
     ours = dataclasses.replace(metadata, version=_DCP_VERSION, storage_meta=storage_meta)
     doc, shards = encode_metadata(ours, by_rank, attempt)
+    commit_counter = RequestCounter(parent=current_counter())
     with counting(commit_counter):
         for entry in _put_index(store, shards):
             objects[entry.key] = entry
+        # .metadata is written after the commit: everything else must be there now.
+        require_present(store, (o for o in objects.values() if o.key != METADATA_KEY))
     manifest = Manifest(
         attempt=attempt,
         created=Manifest.now(),
@@ -170,26 +183,21 @@ def commit_checkpoint(
         requests=ranks_requests + commit_counter.snapshot() if counted else None,
     )
     superseded = _previous_objects(store) if overwrite else set()
-    try:
-        store.create(MANIFEST_KEY, manifest.to_json_bytes(), overwrite=overwrite)
-    except FileExistsError as exc:
-        try:
-            existing = read_manifest(store)
-        except (FileNotFoundError, ManifestError) as read_exc:
-            raise CheckpointExistsError(
-                f"{url} was committed concurrently and its manifest cannot be read back"
-            ) from read_exc
-        if existing.attempt != attempt:
-            raise CheckpointExistsError(
-                f"{url} is already committed by attempt {existing.attempt}; "
-                f"this save (attempt {attempt}) was not committed; "
-                "the existing checkpoint is intact"
-            ) from exc
-        logger.info("manifest of %s was already written by this attempt (retried PUT)", url)
+    put_manifest(store, manifest.to_json_bytes(), overwrite=overwrite)
     logger.info(
         "committed %s (%d objects, %d bytes)", url, len(manifest.objects), manifest.total_bytes
     )
-    _delete_superseded(store, superseded - {o.key for o in manifest.objects} - {MANIFEST_KEY})
+    if after_commit(store, f"writing {METADATA_KEY}", lambda: store.put(METADATA_KEY, blob)):
+        # Only now: until .metadata is replaced, stock readers load the replaced
+        # checkpoint, whose objects must stay until then.
+        _delete_superseded(store, superseded - {o.key for o in manifest.objects} - {MANIFEST_KEY})
+    elif superseded:
+        logger.warning(
+            "the objects only the checkpoint %s replaced named are kept (its %s still "
+            "points at them); `objckpt gc` removes them",
+            url,
+            METADATA_KEY,
+        )
     return manifest
 
 

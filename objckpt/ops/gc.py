@@ -29,6 +29,7 @@ from objckpt.errors import CheckpointNotFoundError, ConfigurationError, Manifest
 from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY, is_entropy_dir, is_objckpt_object
 from objckpt.format.manifest import read_manifest
 from objckpt.format.steps import ObjectInfo, StepInfo, inventory, parse_step, step_name, steps_of
+from objckpt.options import UploadOptions
 from objckpt.writers import ObjectStore, OpenUpload, open_store
 from objckpt.writers.location import Location
 from objckpt.writers.translate import translate
@@ -37,8 +38,13 @@ __all__ = ["DEFAULT_GRACE", "GcReport", "collect_garbage", "delete_step"]
 
 logger = logging.getLogger(__name__)
 
-#: Seconds an unreferenced object or open upload is spared (a save may be in flight).
-DEFAULT_GRACE = 3600.0
+#: Seconds an unreferenced object or open upload is spared (a save may be in flight):
+#: an hour, and never less than the default save deadline, so that with the defaults
+#: gc cannot collect a save that is still allowed to run. A promotion has no deadline
+#: of its own; a grace shorter than a save or promotion makes that save fail at its
+#: commit (the commit lists its objects first, :mod:`objckpt.format.settle`), never
+#: commit a manifest that names deleted objects.
+DEFAULT_GRACE = max(3600.0, UploadOptions().deadline or 0.0)
 
 
 @dataclasses.dataclass(frozen=True)

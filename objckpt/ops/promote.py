@@ -5,9 +5,11 @@ primary root, in worker processes of their own (the training process only waits
 on futures, and the next local save never queues behind a slow upload), every
 object checked against the CRC32C it was written with.
 Ranks report through the c10d store, as the async commit does (no collective,
-no call from the training loop); the coordinator then copies ``.metadata`` and
-the index objects and writes the very manifest the local tier holds, last and
-create-only. Until that PUT, nothing of the step is visible on the primary: a
+no call from the training loop); the coordinator then copies the index objects,
+checks with one listing that every object the manifest names arrived, and writes
+the very manifest the local tier holds, create-only, then ``.metadata``
+(:func:`~objckpt.ops.verify.commit_copy`, as ``objckpt cp`` commits). Until that
+PUT, nothing of the step is visible on the primary: a
 promotion killed half-way leaves the previous durable step as the newest and
 objects ``objckpt gc`` removes, while the local tier still holds the new step.
 
@@ -25,12 +27,12 @@ from collections.abc import Callable
 from typing import Any
 
 from objckpt._torch import group_store
-from objckpt.errors import CheckpointExistsError, ManifestError, UploadError
-from objckpt.format.layout import MANIFEST_KEY, is_objckpt_payload
-from objckpt.format.manifest import Manifest, read_manifest
+from objckpt.errors import CheckpointExistsError, UploadError
+from objckpt.format.layout import is_objckpt_payload
+from objckpt.format.manifest import Manifest
 from objckpt.format.steps import step_name
 from objckpt.ops.promote_task import promote_object
-from objckpt.ops.verify import copy_object
+from objckpt.ops.verify import commit_copy
 from objckpt.options import UploadOptions
 from objckpt.pipeline.finalize import RankExchange
 from objckpt.pipeline.handle import SaveHandle
@@ -172,30 +174,21 @@ class Promoter:
         exchange.publish_outcome(None)
 
     def _commit(self, step: int, src: Location, dst: Location, manifest: Manifest) -> None:
-        """Coordinator: the metadata objects (W index objects, 16 at a time), then the
-        manifest, create-only; the ranks copied the payload."""
-        metadata = [e for e in manifest.objects if not is_objckpt_payload(e.key)]
+        """Coordinator: the index objects (W of them, 16 at a time), one listing that
+        every object the manifest names is on the primary (the ranks copied the
+        payload; a ``gc`` with a short grace may have deleted some since), the
+        manifest create-only, then ``.metadata`` (a fixed name: written before the
+        commit it would change an already committed root step's)."""
+        index = tuple(e for e in manifest.objects if not is_objckpt_payload(e.key))
         src_store, dst_store = open_store(src), open_store(dst, self._upload)
         try:
-            with concurrent.futures.ThreadPoolExecutor(
-                max(1, min(16, len(metadata))), thread_name_prefix="objckpt-promote-meta"
-            ) as pool:
-                for f in [
-                    pool.submit(copy_object, src_store, dst_store, e, None) for e in metadata
-                ]:
-                    f.result()
-            try:
-                dst_store.create(MANIFEST_KEY, manifest.to_json_bytes())
-            except FileExistsError as exc:
-                try:
-                    theirs = read_manifest(dst_store)
-                except (FileNotFoundError, ManifestError):
-                    theirs = None
-                if theirs is None or theirs.attempt != manifest.attempt:
-                    raise CheckpointExistsError(
-                        f"{dst.url} is already committed by another save; the local step "
-                        "was not promoted (the primary's step is intact)"
-                    ) from exc
+            commit_copy(
+                src_store, dst_store, manifest, None, min(16, len(index)), False, objects=index
+            )
+        except CheckpointExistsError as exc:
+            raise CheckpointExistsError(
+                f"{exc}; the local step {step} was not promoted ({self.local.url} keeps it)"
+            ) from exc
         finally:
             src_store.close()
             dst_store.close()

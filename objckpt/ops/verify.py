@@ -5,8 +5,11 @@ size and CRC32C with the manifest: the check a job should be able to run on a
 checkpoint before trusting it (or before deleting the only other copy).
 
 ``copy_checkpoint`` streams each object from one store to another, checking
-the CRC32C on the way, and writes the manifest last, create-only: a copy that
-stops half-way is, like a failed save, invisible and garbage for ``gc``.
+the CRC32C on the way, then commits as a save does (:mod:`objckpt.format.settle`):
+one listing proves every object arrived, the manifest goes create-only (settled by
+reading it back on any error), and ``.metadata`` only after it. A copy that stops
+half-way is, like a failed save, invisible and garbage for ``gc``; a copy that
+fails or loses onto a committed destination leaves every byte of it unchanged.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from objckpt.errors import (
 )
 from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY, list_names
 from objckpt.format.manifest import Manifest, ObjectEntry, read_manifest
+from objckpt.format.settle import after_commit, put_manifest, require_present
 from objckpt.options import UploadOptions
 from objckpt.writers import ObjectStore, open_store
 from objckpt.writers.checksum import Crc32c
@@ -38,6 +42,7 @@ __all__ = [
     "ObjectCheck",
     "VerifyReport",
     "check_replica",
+    "commit_copy",
     "copy_checkpoint",
     "copy_object",
     "open_manifest",
@@ -196,7 +201,7 @@ def copy_object(
             cls = SizeMismatchError if check.problem.startswith("size") else ChecksumMismatchError
             raise cls(f"server-side copy of {src.location.url_of(entry.key)}: {check.problem}")
         return True
-    if entry.key == METADATA_KEY:  # small, and replaced in place on an overwrite
+    if entry.key == METADATA_KEY:  # small; written after the commit (replaced on an overwrite)
         chunks: list[bytes] = []
         size, crc = _stream(src, entry.key, chunks.append, progress)
         _check_copy(src, entry, size, crc)
@@ -307,13 +312,7 @@ def copy_checkpoint(
                 raise CheckpointExistsError(
                     f"{dst.url} already holds a committed checkpoint; pass overwrite to replace it"
                 )
-        with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
-            futures = [
-                pool.submit(copy_object, src_store, dst_store, e, progress)
-                for e in manifest.objects
-            ]
-            server_side = sum(bool(f.result()) for f in futures)
-        dst_store.create(MANIFEST_KEY, manifest.to_json_bytes(), overwrite=overwrite)
+        server_side = commit_copy(src_store, dst_store, manifest, progress, parallel, overwrite)
     finally:
         src_store.close()
         dst_store.close()
@@ -326,3 +325,43 @@ def copy_checkpoint(
         streamed,
     )
     return CopyReport(src.url, dst.url, manifest, True, server_side, streamed)
+
+
+def commit_copy(
+    src: ObjectStore,
+    dst: ObjectStore,
+    manifest: Manifest,
+    progress: Progress | None,
+    parallel: int,
+    overwrite: bool,
+    objects: tuple[ObjectEntry, ...] | None = None,
+) -> int:
+    """Copy ``objects`` (default: every object but ``.metadata``), check with one
+    listing that all the manifest names but ``.metadata`` is at ``dst``, write the
+    manifest (settled by read-back), then copy ``.metadata``. Returns how many
+    objects went server-side.
+
+    ``.metadata`` has a fixed name, so writing it before the commit would change a
+    committed destination's even when this copy then fails or loses.
+
+    Raises:
+        CheckpointExistsError: Another manifest won at ``dst``.
+        UploadError: An object is missing at ``dst`` before the commit.
+    """
+    rest = [e for e in manifest.objects if e.key != METADATA_KEY]
+    todo = rest if objects is None else [e for e in objects if e.key != METADATA_KEY]
+    with concurrent.futures.ThreadPoolExecutor(max(1, parallel)) as pool:
+        futures = [pool.submit(copy_object, src, dst, e, progress) for e in todo]
+        server_side = sum(bool(f.result()) for f in futures)
+    require_present(dst, rest)
+    put_manifest(dst, manifest.to_json_bytes(), overwrite=overwrite)
+    metadata = manifest.object(METADATA_KEY)
+    if metadata is not None:
+        copied: list[bool] = []
+        after_commit(
+            dst,
+            f"copying {METADATA_KEY}",
+            lambda: copied.append(copy_object(src, dst, metadata, progress)),
+        )
+        server_side += sum(copied)
+    return server_side

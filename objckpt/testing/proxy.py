@@ -249,10 +249,22 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         headers = {k: v for k, v in self.headers.items()}
         operation = s3_operation(self.command, split.path, query, headers)
         self.proxy._open_change(operation, +1)
+        self._unanswered: str | None = operation
         try:
             self._serve(split, headers, operation)
         finally:
+            self._answered()
+
+    def _answered(self) -> None:
+        """The request is answered (or given up): no longer open. Counted before the
+        answer goes out, as the client may send its next request once it reads it."""
+        operation, self._unanswered = getattr(self, "_unanswered", None), None
+        if operation is not None:
             self.proxy._open_change(operation, -1)
+
+    def send_response(self, code: int, message: str | None = None) -> None:
+        self._answered()
+        super().send_response(code, message)
 
     def _serve(
         self, split: urllib.parse.SplitResult, headers: dict[str, str], operation: str
@@ -270,11 +282,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if claimed is not None and not decoded:  # plain bodies only (not aws-chunked)
             crc_ok = base64.b64encode(crc32c.crc32c(body).to_bytes(4, "big")).decode() == claimed
         self.proxy._record(Seen(operation, self.command, split.path, fault, sent, amz, crc_ok))
-        if rule is not None and rule.action == "stall":
-            time.sleep(rule.stall)
-            rule = None
-        if rule is not None and rule.action == "hold":
-            self.proxy._released.wait(rule.stall)
+        if rule is not None and rule.before_upstream and rule.action in ("stall", "hold"):
+            self._wait(rule)
             rule = None
         if rule is not None and rule.before_upstream and rule.action in ("status", "reset"):
             self._fault(rule)
@@ -287,6 +296,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return
         finally:
             self.proxy._forwarding_change(-1)
+        if rule is not None and rule.action in ("stall", "hold"):
+            self._wait(rule)  # applied upstream; the answer comes late
+            rule = None
         if rule is not None and rule.action in ("status", "reset"):
             self._fault(rule)  # applied upstream; the answer is lost
             return
@@ -329,11 +341,19 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         finally:
             conn.close()
 
+    def _wait(self, rule: Rule) -> None:
+        """A ``stall`` sleeps its seconds; a ``hold`` waits for a release (at most as long)."""
+        if rule.action == "stall":
+            time.sleep(rule.stall)
+        else:
+            self.proxy._released.wait(rule.stall)
+
     def _fault(self, rule: Rule) -> None:
         if rule.action == "reset":
             self._reset()
             return
         code, message = _S3_ERRORS.get(rule.status, ("InternalError", "injected"))
+        code = rule.code or code
         body = (
             f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
             f"<Message>{message}</Message></Error>"

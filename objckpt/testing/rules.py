@@ -35,8 +35,14 @@ class Rule:
         times: Break at most this many requests (None: no limit).
         status: The HTTP status for ``action="status"``.
         stall: Seconds for ``action="stall"``.
-        before_upstream: For ``status``/``reset``: break before the upstream
-            sees the request (False: after it was applied, the answer lost).
+        before_upstream: Break before the upstream sees the request. False: forward
+            it first (it is applied), then ``status``/``reset`` lose the answer and
+            ``stall``/``hold`` delay it (a request that lands while its caller
+            gives up on it).
+        code: For ``action="status"``: the S3 error code in the body (None:
+            ``SlowDown`` for 503, ``InternalError`` otherwise); e.g. ``NoSuchUpload``
+            with 404, as S3 answers a retried ``CompleteMultipartUpload`` whose first
+            try completed the upload.
     """
 
     operation: str | None = None
@@ -48,6 +54,7 @@ class Rule:
     status: int = 503
     stall: float = 5.0
     before_upstream: bool = True
+    code: str | None = None
 
     def __post_init__(self) -> None:
         if self.action not in ACTIONS:

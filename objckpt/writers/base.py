@@ -11,14 +11,15 @@ Call order during one save, per rank (rank 0 is the coordinator)::
     up = store.begin(key, size_hint)              # every rank, once per payload object
     up.write(...); ...; fut = up.close()          #   (or up.abort() on any failure)
     fut.result()                                  #   object visible once this returns
-    store.put(".metadata", ...)                   # coordinator, after every rank's objects
-    store.create("manifest.json", ...)            # coordinator, LAST: the commit
+    store.create("manifest.json", ...)            # coordinator, after every rank's objects
+    store.put(".metadata", ...)                   # coordinator, once the manifest is ours
     store.close()
 
 ``create`` is the only commit primitive and must be atomic and create-only on
-the store: it raises :class:`FileExistsError` if the key exists. The caller
-settles a conflict by reading the manifest back (a retried PUT can meet its own
-earlier write whose response was lost).
+the store: it raises :class:`FileExistsError` if the key exists (a 412 answer,
+whether or not it names the condition). The caller settles that, and any other
+error, by reading the manifest back (a retried PUT can meet its own earlier write
+whose response was lost): :mod:`objckpt.format.settle`.
 """
 
 from __future__ import annotations
@@ -250,6 +251,7 @@ class ObjectStore(abc.ABC):
                     lambda: read_whole(self.fs, self.path(key)),
                     self.location.retry,
                     f"reading {self.location.url_of(key)}",
+                    self.fs,
                 )
             )
         except FileNotFoundError:

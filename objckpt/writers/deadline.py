@@ -1,14 +1,21 @@
-"""A deadline that every store request of one save shares.
+"""Deadlines that bound store requests: one per save, else one per request.
 
 Why: with the endpoint frozen (connections accepted, nothing answered), each part
 waits ``RetryPolicy.attempts`` x ``timeout`` in turn, so a save took 20 minutes to
 fail. A save sets one :class:`Deadline` (``UploadOptions.deadline`` seconds from
 its start) in a context variable; the retry layer bounds every attempt by what is
-left and stops retrying once nothing is, raising :class:`SaveDeadlineError` that
-names the rank and the object. Context variables follow the request onto the
-filesystem's event loop thread (``run_coroutine_threadsafe`` copies the caller's
-context), and upload worker processes get the same absolute deadline
-(``time.monotonic`` is one clock for every process on a Linux host).
+left, retries transient failures for as long as another attempt can start before
+it, and then raises :class:`SaveDeadlineError` naming the rank and the object.
+Context variables follow the request onto the filesystem's event loop thread
+(``run_coroutine_threadsafe`` copies the caller's context), and upload worker
+processes get the same absolute deadline (``time.monotonic`` is one clock for
+every process on a Linux host).
+
+Reads, listings, HEADs and deletes belong to no save: there each request with its
+retries gets a deadline of its own (``RetryPolicy.request_deadline``, see
+:meth:`Deadline.for_request`), so ``objckpt info`` against a silent endpoint fails
+in that time with :class:`RequestDeadlineError` instead of after ``attempts`` x
+``timeout`` (and more where one operation makes several requests).
 """
 
 from __future__ import annotations
@@ -18,40 +25,72 @@ import contextvars
 import dataclasses
 import time
 from collections.abc import Iterator
+from typing import Literal
 
-from objckpt.errors import SaveDeadlineError
+from objckpt.errors import RequestDeadlineError, SaveDeadlineError, StoreError
 
 __all__ = ["Deadline", "bounded_by", "current_deadline"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Deadline:
-    """When a save must have ended (a ``time.monotonic()`` value), and for whom.
+    """When a save (or one request) must have ended (a ``time.monotonic()`` value),
+    and for whom.
 
     Attributes:
-        at: The monotonic time the save's requests must be answered by.
-        seconds: The budget the save started with (for messages).
-        who: What is saving, for messages, e.g. ``"rank 3 saving s3://b/ckpt"``.
+        at: The monotonic time the requests must be answered by.
+        seconds: The budget it started with (for messages).
+        who: What is saving, for messages, e.g. ``"rank 3 saving s3://b/ckpt"``; for
+            a request's own deadline, the endpoint asked (or ``""``).
+        kind: ``"save"`` (``UploadOptions.deadline``: retries go on until it) or
+            ``"request"`` (``RetryPolicy.request_deadline``: at most ``attempts``
+            tries within it).
     """
 
     at: float
     seconds: float
     who: str
+    kind: Literal["save", "request"] = "save"
 
     @classmethod
     def start(cls, seconds: float | None, who: str) -> Deadline | None:
-        """A deadline ``seconds`` from now; None when the save has none."""
+        """A save's deadline ``seconds`` from now; None when the save has none."""
         if seconds is None:
             return None
         return cls(time.monotonic() + seconds, seconds, who)
 
+    @classmethod
+    def for_request(cls, seconds: float | None, endpoint: str | None) -> Deadline | None:
+        """One request's deadline (with its retries) ``seconds`` from now, where no
+        save's applies; None when ``seconds`` is None (no bound)."""
+        if seconds is None:
+            return None
+        return cls(time.monotonic() + seconds, seconds, endpoint or "", "request")
+
     def remaining(self) -> float:
         return self.at - time.monotonic()
 
-    def error(self, what: str) -> SaveDeadlineError:
+    def error(self, what: str, attempts: int = 0, last: str = "") -> StoreError:
+        """The error for ``what`` (e.g. ``"S3 get_object of s3://b/k"``) not done in time.
+
+        Args:
+            what: The request, naming its object.
+            attempts: How many attempts were made (0: not counted).
+            last: A description of the last attempt's failure, if one failed.
+        """
+        tried = f" after {attempts} attempt{'s' if attempts != 1 else ''}" if attempts else ""
+        why = f" (last: {last})" if last else ""
+        if self.kind == "request":
+            where = f" at endpoint {self.who}" if self.who else ""
+            return RequestDeadlineError(
+                f"{what}{where} got no answer within {self.seconds:g} s{tried}{why} "
+                "(RetryPolicy.request_deadline): the store is unreachable or too slow; "
+                "raise request_deadline for a slow link"
+            )
         return SaveDeadlineError(
             f"{self.who}: {what} was not done within the save's deadline of "
-            f"{self.seconds:g} s (UploadOptions.deadline); the save was not committed"
+            f"{self.seconds:g} s{tried}{why} (UploadOptions.deadline); "
+            "the save was not committed"
         )
 
 

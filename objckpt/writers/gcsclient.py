@@ -41,3 +41,11 @@ class RetryingGCSFileSystem(RetryingFileSystem, GCSFileSystem):
             return await _SINGLE_REQUEST(self, m, p, *a, **kw)
 
         return await self._retried(once, what, method, path, *args, **kwargs)
+
+    def endpoint(self) -> str | None:
+        """The GCS endpoint requests go to (an emulator's, or Google's)."""
+        try:
+            url = self._location
+        except Exception:  # a message must not fail the request
+            return None
+        return url.split("?")[0] if isinstance(url, str) and url else None

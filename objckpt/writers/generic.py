@@ -20,7 +20,7 @@ from objckpt.errors import AccessDeniedError
 from objckpt.writers.base import BufferedUpload, ObjectStore, ObjectUpload
 from objckpt.writers.checksum import crc_from_base64
 from objckpt.writers.gcs_compose import CompositeUpload
-from objckpt.writers.translate import translate
+from objckpt.writers.translate import precondition_failed, translate
 
 __all__ = ["GcsStore", "GenericStore", "MemoryStore"]
 
@@ -94,6 +94,8 @@ class GcsStore(GenericStore):
         except FileExistsError:
             raise
         except Exception as exc:
+            if not overwrite and precondition_failed(exc):  # 412 by another route than gcsfs's
+                raise FileExistsError(self.location.url_of(key)) from exc
             raise translate(exc, url=self.location.url_of(key), action="committing") from exc
         finally:
             self.fs.invalidate_cache(self.path(key))

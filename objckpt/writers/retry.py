@@ -1,4 +1,4 @@
-"""Retries for store requests: one policy value, applied where every request passes.
+"""Retries for store requests: one policy value, one layer, where every request passes.
 
 Why objckpt owns this instead of leaving it to the SDKs: s3fs retries each call
 5 times and botocore retries again underneath, so a hard outage costs 25
@@ -7,37 +7,41 @@ throttled nor knows a save's deadline. Here botocore is configured (through its
 public ``Config``) for a single attempt with a per-request timeout, and
 :class:`~objckpt.writers.s3client.RetryingS3FileSystem` (an s3fs subclass, so
 uploads, reads, listings and deletes all pass it) runs each request through
-:func:`call_with_retries`: capped exponential backoff with full jitter
-(tenacity), transient errors only, bounded by the save's deadline.
+:func:`call_with_retries`: capped exponential backoff with full jitter,
+transient errors only (:mod:`objckpt.writers.transient`). GCS requests take the
+same path (:class:`~objckpt.writers.gcsclient.RetryingGCSFileSystem` removes
+gcsfs's own retry loop from the request coroutine).
 
-Transient: HTTP 503/SlowDown and 500/InternalError, connection resets and
-refusals, timeouts, truncated responses. Permanent (raised at once): 403, 404
-(no bucket or key), 412 (the create-only commit lost), bad requests. Each
-throttling answer is reported to observers, which is how upload concurrency
-backs off (:mod:`objckpt.writers.throttle`).
+One layer: a request is retried here and nowhere above it. A GET's retried unit
+includes reading its body, so a response cut off after its 200 is retried like a
+refused one, and whole-operation retries (:func:`retry_call`) run only for
+fsspec stores that have no such layer. A failing object therefore costs
+``attempts`` requests, not ``attempts`` squared.
 
-GCS requests keep gcsfs's own retry loop (it already retries 5xx, 429 and
-connection errors with backoff); the policy's timeout is not applied there.
+Deadlines (:mod:`objckpt.writers.deadline`): inside a save with one, transient
+failures are retried until it (a short outage costs its length, not the save);
+anywhere else each request with its retries is bounded by
+``RetryPolicy.request_deadline``. Each throttling answer is reported to observers,
+which is how upload concurrency backs off (:mod:`objckpt.writers.throttle`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import errno
-import http.client
 import logging
-import socket
+import random
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sized
 from typing import Any, Protocol
 
 import tenacity
 
-from objckpt.errors import ConfigurationError, SaveDeadlineError
+from objckpt.errors import ConfigurationError
 from objckpt.writers.accounting import current_counter
-from objckpt.writers.deadline import current_deadline
-from objckpt.writers.translate import causes, service_error
+from objckpt.writers.deadline import Deadline, current_deadline
+from objckpt.writers.transient import is_throttle, is_transient
+from objckpt.writers.translate import describe
 
 __all__ = [
     "RetryObserver",
@@ -52,36 +56,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_TRANSIENT_ERRNOS = {errno.EBUSY, errno.EREMOTEIO, errno.ETIMEDOUT, errno.ECONNRESET, errno.EAGAIN}
-_TRANSIENT_NAMES = {
-    # botocore / aiobotocore / aiohttp / s3fs names, matched by name so that the
-    # optional packages need not be importable here.
-    "EndpointConnectionError",
-    "ConnectionClosedError",
-    "ReadTimeoutError",
-    "ConnectTimeoutError",
-    "ResponseStreamingError",
-    "ResponseParserError",
-    "HTTPClientError",
-    "IncompleteReadError",
-    "ClientPayloadError",
-    "ClientConnectorError",
-    "ClientConnectionError",
-    "ClientOSError",
-    "ServerDisconnectedError",
-    "ServerTimeoutError",
-    "FSTimeoutError",
-}
-# Service error codes (botocore's ``Error.Code``) and HTTP statuses worth another try;
-# anything else the service answered is permanent. Never read from message text: a
-# ValueError naming step-0000005030 is not a 503.
-_THROTTLE_CODES = frozenset(
-    {"SlowDown", "Throttling", "ThrottlingException", "TooManyRequests", "RequestLimitExceeded"}
-)
-_TRANSIENT_CODES = _THROTTLE_CODES | {"ServiceUnavailable", "InternalError", "RequestTimeout"}
-_THROTTLE_STATUS = frozenset({429, 503})
-_TRANSIENT_STATUS = _THROTTLE_STATUS | {500, 502, 504}
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RetryPolicy:
@@ -95,12 +69,21 @@ class RetryPolicy:
             together do not retry together.
         timeout: Seconds one request may take to connect and to deliver each
             read; a stalled request fails and is retried.
+        request_deadline: Seconds one request may take with all its retries where
+            no save's deadline applies (reads, listings, HEADs, deletes, the CLI,
+            saves with ``UploadOptions(deadline=None)``); None: no bound but
+            ``attempts``. Each attempt is cut at what is left, whatever ``timeout``
+            says, so a silent endpoint fails in this time with
+            :class:`~objckpt.errors.RequestDeadlineError`. Inside a save with a
+            deadline, that deadline bounds each request instead, and transient
+            failures are retried until it (``attempts`` does not apply there).
     """
 
     attempts: int = 6
     base_delay: float = 0.2
     max_delay: float = 10.0
     timeout: float = 60.0
+    request_deadline: float | None = 300.0
 
     def __post_init__(self) -> None:
         if (
@@ -117,60 +100,18 @@ class RetryPolicy:
                 raise ConfigurationError(
                     f"option {name}={value!r} is invalid: expected seconds > 0"
                 )
+        deadline = self.request_deadline
+        if deadline is not None and (
+            isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or deadline <= 0
+        ):
+            raise ConfigurationError(
+                f"option request_deadline={deadline!r} is invalid: "
+                "expected seconds > 0, or None for no bound"
+            )
         if self.max_delay < self.base_delay:
             raise ConfigurationError(
                 f"option max_delay={self.max_delay!r} is invalid: expected >= base_delay"
             )
-
-
-def _service_answer(exc: BaseException) -> tuple[str | None, int | None]:
-    """The service's error code and HTTP status anywhere in ``exc``'s cause chain:
-    botocore keeps them in ``response``, aiohttp puts the status on ``status``,
-    gcsfs on ``code``."""
-    for e in causes(exc):
-        code, status = service_error(e)
-        if code is not None or status is not None:
-            return code, status
-    return None, None
-
-
-def is_throttle(exc: BaseException) -> bool:
-    """A 503 SlowDown (or 429) answer: the store asks for fewer requests."""
-    code, status = _service_answer(exc)
-    if code is not None or status is not None:
-        return code in _THROTTLE_CODES or status in _THROTTLE_STATUS
-    # s3fs without the botocore cause: it maps SlowDown/503 to EBUSY.
-    return any(isinstance(e, OSError) and e.errno == errno.EBUSY for e in causes(exc))
-
-
-def is_transient(exc: BaseException) -> bool:
-    """Whether retrying the same request may succeed (by type, code and status only)."""
-    chain = causes(exc)
-    if any(
-        isinstance(e, (PermissionError, FileNotFoundError, FileExistsError, SaveDeadlineError))
-        for e in chain
-    ):
-        return False
-    code, status = _service_answer(exc)
-    if code is not None or status is not None:
-        return code in _TRANSIENT_CODES or status in _TRANSIENT_STATUS
-    for e in chain:
-        if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
-            return True
-        if isinstance(
-            e,
-            (
-                ConnectionError,
-                TimeoutError,
-                socket.timeout,
-                asyncio.TimeoutError,
-                http.client.IncompleteRead,
-            ),
-        ):
-            return True
-        if type(e).__name__ in _TRANSIENT_NAMES:
-            return True
-    return False
 
 
 class RetryObserver(Protocol):
@@ -202,6 +143,13 @@ def s3_options(options: Mapping[str, Any], policy: RetryPolicy) -> dict[str, Any
     return out
 
 
+def _backoff(policy: RetryPolicy, attempt: int) -> float:
+    """The wait after the ``attempt``-th failure: full jitter under a cap doubling
+    from ``base_delay`` up to ``max_delay``."""
+    cap = min(policy.max_delay, policy.base_delay * 2.0 ** min(attempt - 1, 60))
+    return random.uniform(0.0, cap)
+
+
 async def call_with_retries(
     call: Callable[..., Awaitable[Any]],
     policy: RetryPolicy,
@@ -209,72 +157,76 @@ async def call_with_retries(
     what: Callable[[], str],
     method: str,
     *args: Any,
+    endpoint: Callable[[], str | None] = lambda: None,
     **kwargs: Any,
 ) -> Any:
-    """Run one store request under ``policy`` and the current save's deadline.
+    """Run one store request under ``policy`` and the deadline that bounds it.
 
-    Each attempt is bounded by what is left of the deadline
-    (:mod:`objckpt.writers.deadline`); retries stop once no time is left for one
-    more, and the request fails with :class:`~objckpt.errors.SaveDeadlineError`
-    naming the save and the object (``what()`` says which request it is, for
-    messages). Every outcome is counted (the current
+    Within a save that has a deadline (:mod:`objckpt.writers.deadline`), transient
+    failures are retried with capped backoff for as long as the next attempt can
+    start before it (``attempts`` does not apply): an outage of a few seconds
+    costs those seconds, not the save. Anywhere else (reads, listings, deletes, a
+    save without a deadline) at most ``policy.attempts`` tries are made, all within
+    ``policy.request_deadline``. Each attempt is cut at what is left of the
+    deadline, whatever ``policy.timeout`` says; a request that runs out of time
+    fails with :class:`~objckpt.errors.SaveDeadlineError` naming the save and the
+    object, or :class:`~objckpt.errors.RequestDeadlineError` naming the object and
+    the endpoint (``what()`` and ``endpoint()`` say which, for messages). Every
+    outcome is counted (the current
     :class:`~objckpt.writers.accounting.RequestCounter`) and told to ``observers``.
     """
     deadline = current_deadline()
-
-    def out_of_time(state: tenacity.RetryCallState) -> bool:
-        if state.attempt_number >= policy.attempts:
-            return True
-        # The next wait is at most max_delay; stop unless an attempt can follow it.
-        return deadline is not None and deadline.remaining() <= 0
-
-    retrying = tenacity.AsyncRetrying(
-        stop=out_of_time,
-        wait=tenacity.wait_random_exponential(multiplier=policy.base_delay, max=policy.max_delay),
-        retry=tenacity.retry_if_exception(is_transient),
-        before_sleep=lambda state: _log_retry(state, what, policy),
-        reraise=True,
-    )
+    until_deadline = deadline is not None
+    if deadline is None:
+        deadline = Deadline.for_request(policy.request_deadline, endpoint())
     counter = current_counter()
     body = kwargs.get("Body")
     sent = len(body) if isinstance(body, (bytes, bytearray, memoryview, Sized)) else 0
-    async for attempt in retrying:
-        with attempt:
-            retry = attempt.retry_state.attempt_number > 1
-            try:
-                if deadline is None:
-                    out = await call(method, *args, **kwargs)
-                else:
-                    left = deadline.remaining()
-                    if left <= 0:
-                        raise deadline.error(what())
-                    try:
-                        out = await asyncio.wait_for(call(method, *args, **kwargs), left)
-                    except asyncio.TimeoutError as exc:
-                        if deadline.remaining() > 0:
-                            raise  # the request's own timeout: transient, retried
-                        raise deadline.error(what()) from exc
-            except Exception as exc:
-                throttled = is_throttle(exc)
-                if counter is not None:
-                    counter.record(method, sent=sent, retry=retry, throttled=throttled)
-                if throttled:
-                    for o in list(observers):
-                        o.throttled()
-                raise
+    attempt = 0
+    while True:
+        attempt += 1
+        retry = attempt > 1
+        try:
+            if deadline is None:
+                out = await call(method, *args, **kwargs)
+            else:
+                left = deadline.remaining()
+                if left <= 0:
+                    raise deadline.error(what(), attempt - 1)
+                try:
+                    out = await asyncio.wait_for(call(method, *args, **kwargs), left)
+                except asyncio.TimeoutError as exc:
+                    if deadline.remaining() > 0:
+                        raise  # the request's own timeout: transient, retried
+                    raise deadline.error(what(), attempt, describe(exc)) from exc
+        except Exception as exc:
+            throttled = is_throttle(exc)
             if counter is not None:
-                received = out.get("ContentLength", 0) if method == "get_object" else 0
-                counter.record(
-                    method,
-                    sent=sent,
-                    received=received if isinstance(received, int) else 0,
-                    retry=retry,
-                    throttled=False,
-                )
-            for o in list(observers):
-                o.succeeded()
-            return out
-    raise AssertionError("unreachable")  # pragma: no cover - reraise=True
+                counter.record(method, sent=sent, retry=retry, throttled=throttled)
+            if throttled:
+                for o in list(observers):
+                    o.throttled()
+            if not is_transient(exc) or (not until_deadline and attempt >= policy.attempts):
+                raise
+            wait = _backoff(policy, attempt)
+            if deadline is not None and deadline.remaining() <= wait:
+                # The next attempt could not start in time: fail now, naming why.
+                raise deadline.error(what(), attempt, describe(exc)) from exc
+            _log_retry(what, exc, attempt, None if until_deadline else policy.attempts)
+            await asyncio.sleep(wait)
+            continue
+        if counter is not None:
+            received = out.get("ContentLength", 0) if method == "get_object" else 0
+            counter.record(
+                method,
+                sent=sent,
+                received=received if isinstance(received, int) else 0,
+                retry=retry,
+                throttled=False,
+            )
+        for o in list(observers):
+            o.succeeded()
+        return out
 
 
 class RetryingFileSystem:
@@ -307,29 +259,50 @@ class RetryingFileSystem:
         **kwargs: Any,
     ) -> Any:
         return await call_with_retries(
-            call, self.retry_policy, self._observers, what, method, *args, **kwargs
+            call,
+            self.retry_policy,
+            self._observers,
+            what,
+            method,
+            *args,
+            endpoint=self.endpoint,
+            **kwargs,
         )
 
+    def endpoint(self) -> str | None:
+        """The endpoint requests go to, for messages (no credentials, no query);
+        None where unknown. Subclasses say where theirs is."""
+        return None
 
-def _log_retry(
-    state: tenacity.RetryCallState, what: Callable[[], str], policy: RetryPolicy
-) -> None:
-    exc = state.outcome.exception() if state.outcome else None
+
+def _log_retry(what: Callable[[], str], exc: BaseException, attempt: int, of: int | None) -> None:
     logger.info(
-        "retrying %s after %s (attempt %d of %d)",
+        "retrying %s after %s (attempt %d%s)",
         what(),
-        type(exc).__name__ if exc else "an error",
-        state.attempt_number + 1,
-        policy.attempts,
+        type(exc).__name__,
+        attempt + 1,
+        f" of {of}" if of is not None else ", until the save's deadline",
     )
 
 
-def retry_call(fn: Callable[[], Any], policy: RetryPolicy, what: str) -> Any:
-    """Call ``fn`` until it succeeds, raises a permanent error, or attempts run out
-    (for work above single requests, such as reading a batch of ranges whose
-    response body was cut off)."""
+def retry_call(fn: Callable[[], Any], policy: RetryPolicy, what: str, fs: Any) -> Any:
+    """Call ``fn`` (a whole operation on ``fs``, such as reading a batch of ranges)
+    until it succeeds, raises a permanent error, or attempts run out.
+
+    One retry layer per request: where ``fs`` retries each of its requests itself
+    (objckpt's S3 and GCS filesystems, :class:`RetryingFileSystem`, whose retried
+    request includes reading the answer's body) ``fn`` runs once, so a failing
+    object costs ``policy.attempts`` requests, not that number squared. Other
+    fsspec stores have no retry layer of their own; this is theirs (within
+    ``policy.request_deadline`` where one is set, checked between attempts).
+    """
+    if isinstance(fs, RetryingFileSystem):
+        return fn()
+    stop: tenacity.stop.stop_base = tenacity.stop_after_attempt(policy.attempts)
+    if policy.request_deadline is not None:
+        stop = stop | tenacity.stop_after_delay(policy.request_deadline)
     retrying = tenacity.Retrying(
-        stop=tenacity.stop_after_attempt(policy.attempts),
+        stop=stop,
         wait=tenacity.wait_random_exponential(multiplier=policy.base_delay, max=policy.max_delay),
         retry=tenacity.retry_if_exception(is_transient),
         before_sleep=lambda s: logger.info(

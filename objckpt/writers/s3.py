@@ -19,15 +19,44 @@ from objckpt.errors import BucketNotFoundError
 from objckpt.writers.base import PROBE_KEY, ObjectStore, ObjectUpload, OpenUpload
 from objckpt.writers.checksum import crc32c_of, crc_from_base64, to_base64
 from objckpt.writers.s3_upload import S3Upload
-from objckpt.writers.translate import translate
+from objckpt.writers.translate import precondition_failed, translate
 
 __all__ = ["S3Store"]
 
 logger = logging.getLogger(__name__)
 
+#: Attribute of an s3fs filesystem marking that its endpoint refused full-object
+#: CRC32C multipart uploads. On the filesystem, not the store: a training process and
+#: each upload worker keep one filesystem for all their saves (a store per save), so
+#: the endpoint is asked, and the fallback logged, once per process.
+_NO_FULL_OBJECT_CRC32C = "_objckpt_no_full_object_crc32c"
+
 
 class S3Store(ObjectStore):
     """Writes objects to S3 (or any S3-compatible endpoint) through s3fs."""
+
+    @property
+    def full_object_crc32c(self) -> bool:
+        """Whether multipart uploads ask the store to keep a full-object CRC32C
+        (``ChecksumType=FULL_OBJECT``), which :meth:`digest` then reports without
+        reading the object: true until the endpoint refuses one."""
+        return _NO_FULL_OBJECT_CRC32C not in vars(self.fs)
+
+    def no_full_object_crc32c(self, why: str) -> None:
+        """Remember that the endpoint refuses full-object CRC32C uploads (logged once).
+
+        Uploads go on as before (a CRC32C per part; the manifest keeps the object's),
+        but such objects are read back wherever they are checked (backups, copies).
+        """
+        first = object()
+        if vars(self.fs).setdefault(_NO_FULL_OBJECT_CRC32C, first) is first:
+            logger.warning(
+                "%s does not keep full-object CRC32C checksums of multipart uploads (%s); "
+                "uploading without, so copies and backups of large objects are checked by "
+                "reading them back",
+                self.location.url,
+                why,
+            )
 
     def bucket_key(self, key: str) -> tuple[str, str]:
         """The bucket and the object key S3 requests name for ``key``."""
@@ -83,6 +112,8 @@ class S3Store(ObjectStore):
         except FileExistsError:
             raise
         except Exception as exc:
+            if not overwrite and precondition_failed(exc):  # a 412 that names no condition
+                raise FileExistsError(self.location.url_of(key)) from exc
             raise translate(exc, url=self.location.url_of(key), action="committing") from exc
         finally:
             self.fs.invalidate_cache(self.path(key))

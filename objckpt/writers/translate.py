@@ -23,7 +23,7 @@ from objckpt.errors import (
     StoreUnreachableError,
 )
 
-__all__ = ["causes", "describe", "service_error", "translate"]
+__all__ = ["causes", "describe", "precondition_failed", "service_error", "translate"]
 
 _QUERY = re.compile(r"\?[^\s'\"]*")
 _CREDENTIAL_ERRORS = ("NoCredentialsError", "PartialCredentialsError", "DefaultCredentialsError")
@@ -100,6 +100,20 @@ def service_error(exc: BaseException) -> tuple[str | None, int | None]:
         if leading:
             return None, int(leading.group(1))
     return None, None
+
+
+def precondition_failed(exc: BaseException) -> bool:
+    """Whether the store answered 412 PreconditionFailed (anywhere in ``exc``'s causes).
+
+    On a create-only PUT that always means "the key exists". s3fs says so
+    (``FileExistsError``) only when the answer names the ``If-None-Match``
+    condition; some S3-compatible stores leave the condition out, and their 412
+    became a plain ``OSError`` that skipped the commit's read-back."""
+    for seen in causes(exc):
+        code, status = service_error(seen)
+        if code == "PreconditionFailed" or status == 412:
+            return True
+    return False
 
 
 def _status_code(exc: BaseException) -> str | None:
