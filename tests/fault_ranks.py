@@ -59,8 +59,14 @@ LOAD_CELLS = [
     ("refused-value", 1),
     ("payload-get-fails", 3),
 ]
-#: Cells whose fault must not fail the operation (the save committed).
-SUCCEEDS = {"on-commit-raises"}
+MANAGER_CELLS = [
+    ("ctor-bad-backup", 1),
+    ("ctor-start-fails", 2),
+    ("load-falls-back", 3),
+]
+#: Cells whose fault must not fail the operation (the save committed; the load
+#: fell back to the backup on every rank).
+SUCCEEDS = {"on-commit-raises", "load-falls-back"}
 DEADLINE = 20.0
 BARRIER = 15.0
 
@@ -327,5 +333,62 @@ def saves_out_of_step(rank: int, world: int, init_file: str, root: str, out: str
                 ckpt._sequence += 1
             _record(out, "skewed", rank, lambda: ckpt.save(_state(rank), f"{root}/two").result())
             _record(out, "next", rank, lambda: ckpt.save(_state(rank), f"{root}/three").result(120))
+    finally:
+        dist.destroy_process_group()
+
+
+def manager_column(
+    rank: int, world: int, init_file: str, root: str, options: dict[str, Any], out: str
+) -> None:
+    """CheckpointManager: a constructor that fails on one rank (an option only that
+    rank got wrong, a failure starting its save path), and a load whose primary
+    fails on one rank (every rank falls back to the backup together)."""
+    from objckpt.ops import manager as manager_module
+
+    _init(rank, world, init_file)
+    opts = objckpt.AsyncOptions(workers=1, barrier_timeout=BARRIER)
+    upload = objckpt.UploadOptions(deadline=DEADLINE)
+    kw: dict[str, Any] = {"storage_options": options, "async_options": opts, "upload": upload}
+
+    def save_and_load(url: str, step: int) -> None:
+        with objckpt.CheckpointManager(url, **kw) as mgr:
+            mgr.save(step, _state(rank)).result(timeout=120)
+            got = {k: torch.zeros_like(v) for k, v in _state(rank).items()}
+            assert mgr.load(got, step) == step
+            assert all(torch.equal(got[k], v) for k, v in _state(rank).items())
+
+    try:
+        backups = ["nope9://bucket/x"] if rank == 1 else []
+        _record(
+            out,
+            "ctor-bad-backup",
+            rank,
+            lambda: objckpt.CheckpointManager(f"{root}/ctor-bad-backup", backups=backups, **kw),
+        )
+        _record(out, "ctor-bad-backup.after", rank, lambda: save_and_load(f"{root}/c1", 1))
+        failing = _raiser(RuntimeError("starting the save path (injected)"))
+        fault = _patched(manager_module, "SaveFlow", failing)
+        with fault if rank == 2 else contextlib.nullcontext():
+            _record(
+                out,
+                "ctor-start-fails",
+                rank,
+                lambda: objckpt.CheckpointManager(f"{root}/ctor-start-fails", **kw),
+            )
+        _record(out, "ctor-start-fails.after", rank, lambda: save_and_load(f"{root}/c2", 1))
+        # Step 1 committed on the primary and copied to the backup; the proxy then
+        # fails rank 3's payload GETs on the primary for good.
+        url = f"{root}/load-falls-back"
+        with objckpt.CheckpointManager(url, backups=[f"{root}/backup"], **kw) as mgr:
+            mgr.save(1, _state(rank)).result(timeout=120)
+            mgr.wait_until_finished()
+            got = {k: torch.zeros_like(v) for k, v in _state(rank).items()}
+
+            def load() -> None:
+                assert mgr.load(got, 1) == 1
+                assert all(torch.equal(got[k], v) for k, v in _state(rank).items())
+
+            _record(out, "load-falls-back", rank, load)
+            _record(out, "load-falls-back.after", rank, lambda: save_and_load(f"{root}/c3", 2))
     finally:
         dist.destroy_process_group()

@@ -95,12 +95,15 @@ def test_async_save_function_and_on_commit(target: StoreTarget) -> None:
 def test_errors_before_upload_are_raised_by_save(target: StoreTarget) -> None:
     with AsyncCheckpointer(storage_options=target.storage_options) as ckpt:
         ckpt.save({"w": torch.ones(3)}, target.url("c")).result(timeout=120)
-        with pytest.raises(BaseException) as info:
-            ckpt.save({"w": torch.ones(3)}, target.url("c"))
+        with pytest.raises(BaseException) as info:  # known committed: refused at once
+            ckpt.save({"w": torch.ones(3)}, target.url("c"), exists=True)
         assert isinstance(carried(info.value), CheckpointExistsError)
         with pytest.raises(ConfigurationError, match="memory:// is private"):
             ckpt.save({"w": torch.ones(3)}, "memory://b/c")
         ckpt.check_for_errors()  # nothing failed in the background
+        # Not known: asked in the background (test_stall_network.py); the handle fails.
+        with pytest.raises(CheckpointExistsError, match="already holds a committed"):
+            ckpt.save({"w": torch.ones(3)}, target.url("c")).result(timeout=120)
 
 
 def test_options_are_validated() -> None:

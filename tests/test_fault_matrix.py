@@ -50,6 +50,11 @@ def _proxy_rules(proxy: FaultProxy, root: str) -> None:
             key_contains=f"{prefix}/commit-fails/manifest.json", operation="PutObject", status=500
         ),
         Rule(key_contains=f"{prefix}/payload-get-fails/__3_", operation="GetObject", status=500),
+        Rule(
+            key_contains=f"{prefix}/load-falls-back/step-0000000001/__3_",
+            operation="GetObject",
+            status=500,
+        ),
     ):
         proxy.add(rule)
 
@@ -125,6 +130,7 @@ def _check(found: dict[str, list[dict[str, Any]]], cells: list[tuple[str, int]])
         pytest.param((fault_ranks.async_column, fault_ranks.ASYNC_CELLS), id="async-save"),
         pytest.param((fault_ranks.sync_column, fault_ranks.SYNC_CELLS), id="sync-save"),
         pytest.param((fault_ranks.load_column, fault_ranks.LOAD_CELLS), id="load"),
+        pytest.param((fault_ranks.manager_column, fault_ranks.MANAGER_CELLS), id="manager"),
     ],
 )
 def test_a_fault_on_one_rank_is_every_ranks_outcome(

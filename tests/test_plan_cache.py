@@ -114,7 +114,7 @@ def test_a_refused_save_keeps_the_cache(target: StoreTarget) -> None:
     with AsyncCheckpointer() as ckpt:
         _roundtrip(ckpt, _state(1), target.url("a"), target)
         with pytest.raises(FileExistsError, match="already holds a committed checkpoint"):
-            ckpt.save(_state(2), target.url("a"))
+            ckpt.save(_state(2), target.url("a"), exists=True)  # refused before agreeing
         _roundtrip(ckpt, _state(3), target.url("b"), target)
         assert ckpt.plan_cache_stats == PlanCacheStats(hits=1, misses=1)
 

@@ -37,7 +37,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from objckpt.errors import ObjckptError
+from objckpt.errors import ObjckptError, PeerRankError
+from objckpt.writers.translate import describe
 
 __all__ = [
     "Route",
@@ -47,6 +48,7 @@ __all__ = [
     "broadcast_bytes",
     "broadcast_from_rank0",
     "broadcast_object",
+    "fail_together",
     "is_distributed",
     "route",
 ]
@@ -200,3 +202,35 @@ def any_rank(flag: bool, process_group: Any | None = None) -> bool:
     if not is_distributed():
         return flag
     return bool(all_reduce_max([1 if flag else 0], process_group)[0])
+
+
+def fail_together(error: BaseException | None, what: str, group: Any | None = None) -> None:
+    """End a step each rank took on its own with one outcome for the group: when
+    any rank's ``error`` is set, every rank raises (the lowest failing rank's cause
+    named on the others), so no rank goes on into a collective the failed ones will
+    never reach. Without a process group, ``error`` is raised as it is.
+
+    A collective (one all-reduce, and one broadcast only on failure): every rank of
+    the group must call it at the same point.
+
+    Raises:
+        BaseException: this rank's own ``error``.
+        PeerRankError: another rank failed ``what`` (its rank and error named).
+    """
+    if not is_distributed():
+        if error is not None:
+            raise error
+        return
+    rank = dist.get_rank(group)
+    world = dist.get_world_size(group)
+    # The lowest failing rank, as the largest (world - rank): a stable choice of whose
+    # cause the others name.
+    top = all_reduce_max([world - rank if error is not None else 0], group)[0]
+    if top == 0:
+        return
+    failed = world - top
+    mine = describe(error) if error is not None and rank == failed else None
+    cause = broadcast_object(mine, failed, group)
+    if error is not None:
+        raise error
+    raise PeerRankError(f"{what} failed on rank {failed}: {cause}", rank=failed)

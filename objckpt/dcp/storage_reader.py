@@ -218,6 +218,7 @@ class ObjectStoreReader(StorageReader):
             broadcast=self._broadcast,
             process_group=self._group,
             allow_stock=self._allow_stock,
+            max_bytes=self.options.max_metadata_bytes,
         )
         if opened.source is not None:
             self.manifest_source = opened.source

@@ -7,7 +7,7 @@ DCP calls, in order (rank 0 is the coordinator)::
     prepare_local_plan(plan)        coordinator: preflight the store, refuse a committed URL
     prepare_global_plan(plans)      coordinator: pick the attempt id, name each rank
     write_data(plan, planner)       every rank: serialize + upload its payload objects
-    finish(metadata, results)       coordinator: .metadata, then the manifest (commit)
+    finish(metadata, results)       coordinator: the manifest (commit), then .metadata
 
 Errors raised here reach the caller wrapped in torch's ``CheckpointException``,
 which carries the objckpt error per rank.
@@ -122,6 +122,7 @@ class ObjectStoreWriter(StorageWriter):
         # for a checkpointer's writers.
         self._needs_preflight: bool | None = None
         self._agreed_attempt: str | None = None  # set by attach(): all ranks agreed on it
+        self._check_existing = True  # attach(check_existing=False): the owner asks, or knows
         self._rank = 0
         self._is_coordinator = True
         self._attempt: str | None = None
@@ -141,6 +142,7 @@ class ObjectStoreWriter(StorageWriter):
         preflight: bool | None = None,
         attempt: str | None = None,
         requests: RequestCounter | None = None,
+        check_existing: bool | None = None,
     ) -> None:
         """Bind this writer to what a long-lived owner (an async checkpointer) holds.
 
@@ -158,6 +160,9 @@ class ObjectStoreWriter(StorageWriter):
                 uses it instead of drawing a new one, and ``storage_meta`` names it.
             requests: The counter of the save this writer serves, kept for its
                 whole life (by default each save gets a new one).
+            check_existing: Whether ``prepare_local_plan`` asks "already
+                committed?" (False: the owner knows, or asks off the training
+                thread with :meth:`refuse_existing`; None leaves it as it is).
         """
         if fs is not None:
             self._fs, self._fs_pid = fs, os.getpid()
@@ -167,6 +172,8 @@ class ObjectStoreWriter(StorageWriter):
             self._agreed_attempt = self._attempt = self.save_id = attempt
         if requests is not None:
             self._counter, self._counter_attached = requests, True
+        if check_existing is not None:
+            self._check_existing = check_existing
 
     @property
     def rank(self) -> int:
@@ -234,9 +241,23 @@ class ObjectStoreWriter(StorageWriter):
             store.preflight(self.preflight_timeout)
         # Only the coordinator asks "already committed?": one LIST per save instead of
         # one per rank, and DCP raises its refusal on every rank.
-        if not self.overwrite and self._is_coordinator:
+        if not self.overwrite and self._is_coordinator and self._check_existing:
             self._refuse_existing(store)
         return plan
+
+    def refuse_existing(self) -> None:
+        """Raise when the URL already holds a checkpoint (nothing with ``overwrite``):
+        one LIST, and a GET of a manifest found. An async save runs it on another
+        thread, beside the copy, and holds its uploads until it answers.
+
+        Raises:
+            CheckpointExistsError: A committed (or stock DCP) checkpoint is there.
+            StoreError: The listing failed.
+        """
+        if self.overwrite:
+            return
+        with counting(self._counter), bounded_by(self._deadline):
+            self._refuse_existing(self.store)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         attempt = self._agreed_attempt or self.save_id

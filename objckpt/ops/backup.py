@@ -66,6 +66,17 @@ class BackupTarget:
     retention: RetentionPolicy | None = None
     replica_timeout: float = 900.0
 
+    @classmethod
+    def beside(
+        cls, backup: str | BackupTarget, primary: Location, options: Mapping[str, Any]
+    ) -> BackupTarget:
+        """``backup`` as a target of ``primary``: a plain URL on the primary's protocol
+        reuses the primary's storage ``options``; another protocol gets none."""
+        if isinstance(backup, BackupTarget):
+            return backup
+        same = Location.parse(backup).protocol == primary.protocol
+        return cls(backup, dict(options) if same else {})
+
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigurationError(

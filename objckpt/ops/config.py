@@ -109,6 +109,17 @@ class Config:
     retry: RetryPolicy = dataclasses.field(default_factory=RetryPolicy)
     local: LocalTier | None = None
 
+    def manager_options(self) -> dict[str, Any]:
+        """The ``CheckpointManager`` keywords this file sets (all but the root)."""
+        return {
+            "storage_options": self.storage_options,
+            "retention": self.retention,
+            "async_options": self.async_options,
+            "backups": self.backups,
+            "retry": self.retry,
+            "local": self.local,
+        }
+
 
 def _table(value: Any, where: str, source: str) -> dict[str, Any]:
     if not isinstance(value, dict):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 
-from objckpt.errors import BackupError, CheckpointNotFoundError
+from objckpt.errors import BackupError, CheckpointNotFoundError, SaveDeadlineError
 from objckpt.format.manifest import Manifest
 from objckpt.format.steps import StepInfo, step_name
 from objckpt.ops.backup import BackupStatus, Replicator, committed_steps
@@ -102,7 +102,7 @@ class DurableSteps:
         self._catalog.remove(step)
         logger.info("deleted step %d under %s", step, root.url)
 
-    def discard_after(self, step: int) -> list[int]:
+    def discard_after(self, step: int, timeout: float | None = None) -> list[int]:
         """Coordinator: delete every step above ``step`` committed on the root, and on
         each backup target objckpt copies to (``mode="copy"``, whose retention ranks
         steps by number too), newest first; returns the root's steps deleted, ascending.
@@ -114,12 +114,18 @@ class DurableSteps:
         Raises:
             StoreError: A listing or a deletion failed; what is left above ``step``
                 stays committed, and calling again finishes the job.
+            SaveDeadlineError: Backups still copying after ``timeout`` seconds.
         """
         if self._replicator is not None:
             try:
-                self._replicator.wait()
+                self._replicator.wait(timeout)
             except BackupError as exc:  # kept for wait_for_backups; the copies ended
                 logger.info("backups before discarding the steps above %d: %s", step, exc)
+            except TimeoutError as exc:
+                raise SaveDeadlineError(
+                    f"backups of {self._catalog.root.url} still copying after {timeout:g} s; "
+                    "nothing was discarded (call discard_after again)"
+                ) from exc
         doomed = sorted(s.step for s in committed_steps(self._catalog.root) if s.step > step)
         for s in reversed(doomed):  # newest first: what is left is always a prefix
             try:

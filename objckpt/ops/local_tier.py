@@ -140,12 +140,18 @@ class LocalTierControl:
         self._last_bypass = why
         return None
 
-    def track(self, step: int, handle: SaveHandle, promote: bool | None) -> None:
-        """Follow a save started to the local tier: pick it for promotion (every
-        ``promote_every``-th, unless ``promote`` decides) and act when it ends."""
+    def pick(self, promote: bool | None) -> bool:
+        """Count a save to the local tier and say whether it is promoted (every
+        ``promote_every``-th, unless ``promote`` decides). Called for every save the
+        ranks agreed to send here, before it starts, whether or not it then fails on
+        this rank: a count that differed between ranks would pick different steps
+        for promotion on each, and no promotion would agree again."""
         self._saves += 1
-        if promote is None:
-            promote = self._saves % self.tier.promote_every == 0
+        return promote if promote is not None else self._saves % self.tier.promote_every == 0
+
+    def track(self, step: int, handle: SaveHandle, promote: bool) -> None:
+        """Follow a save started to the local tier (picked for promotion or not, by
+        :meth:`pick`) and act when it ends."""
         promotion: concurrent.futures.Future[None] | None = None
         if promote:
             promotion = concurrent.futures.Future()

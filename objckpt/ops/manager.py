@@ -2,13 +2,12 @@
 
 The glue every training loop writes around DCP, done once and carefully:
 
-* step N lives at ``<root>/step-<N, 10 digits>/``; a step exists only once its
-  manifest is committed, so ``latest_step()`` never names a half-written step;
-* saves are async (:class:`~objckpt.AsyncCheckpointer`), one staging area and
-  one set of upload workers reused for the whole run;
-* retention runs on the coordinator right after a step commits, over committed
-  steps only, and always keeps the newest: a step still uploading is invisible to
-  it, and the last good step is never deleted before a newer one is committed.
+* step N lives at ``<root>/step-<N, 10 digits>/`` and exists once its manifest is
+  committed, so ``latest_step()`` never names a half-written step;
+* saves are async (:class:`~objckpt.AsyncCheckpointer`), reusing one staging area
+  and one set of upload workers for the whole run;
+* retention runs on the coordinator after a step commits, over committed steps
+  only, and never deletes the last good step before a newer one is committed.
 
 Every rank of a process group builds its own manager with the same arguments
 and calls ``save`` together; only the coordinator (rank 0) deletes and makes
@@ -35,6 +34,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from objckpt.dcp.collective import fail_together
 from objckpt.errors import ConfigurationError
 from objckpt.ops.backup import BackupStatus, BackupTarget
 from objckpt.ops.catalog import StepCatalog
@@ -97,27 +97,37 @@ class CheckpointManager:
         retry: RetryPolicy | None = None,
         local: LocalTier | None = None,
     ) -> None:
-        if local is not None and not isinstance(local, LocalTier):
-            raise ConfigurationError(
-                f"option local={local!r} is invalid: expected objckpt.LocalTier(path, ...)"
-            )
-        rules = (keep_last, keep_every, keep_newer_than)
-        if retention is not None and any(r is not None for r in rules):
-            raise ConfigurationError(
-                "pass either retention=RetentionPolicy(...) or keep_* options, not both"
-            )
-        self.retention = retention or RetentionPolicy(
-            keep_last=keep_last, keep_every=keep_every, keep_newer_than=keep_newer_than
-        )
-        self.retry = retry or RetryPolicy()
-        self.root = Location.parse(root_url, storage_options, self.retry)
-        self.storage_options = dict(storage_options or {})
         self.process_group = process_group
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(process_group) if distributed else 0
         self.world = dist.get_world_size(process_group) if distributed else 1
+        # What each rank checks on its own ends in one outcome for all (fail_together):
+        # a rank that raised here would leave the others in the first collective.
+        failure: BaseException | None = None
+        try:
+            if local is not None and not isinstance(local, LocalTier):
+                raise ConfigurationError(
+                    f"option local={local!r} is invalid: expected objckpt.LocalTier(path, ...)"
+                )
+            if retention is not None and any(
+                r is not None for r in (keep_last, keep_every, keep_newer_than)
+            ):
+                raise ConfigurationError(
+                    "pass either retention=RetentionPolicy(...) or keep_* options, not both"
+                )
+            self.retention = retention or RetentionPolicy(
+                keep_last=keep_last, keep_every=keep_every, keep_newer_than=keep_newer_than
+            )
+            self.retry = retry or RetryPolicy()
+            self.root = Location.parse(root_url, storage_options, self.retry)
+            self.backups = tuple(
+                BackupTarget.beside(b, self.root, storage_options or {}) for b in backups
+            )
+        except Exception as exc:
+            failure = exc
+        fail_together(failure, f"opening the CheckpointManager of {root_url}", process_group)
+        self.storage_options = dict(storage_options or {})
         self.local = local
-        self.backups = tuple(self._target(b) for b in backups)
         self._loaded: int | None = None  # the step the last load returned (every rank alike)
         self._catalog = StepCatalog(
             self.root,
@@ -131,48 +141,42 @@ class CheckpointManager:
         self.reload()
         if local is not None:
             sweep(local, self._catalog.durable_steps(), process_group)  # every rank agrees
-        self._durable.start()
         # With a step to resume from, the job loads first: the upload workers (an
         # interpreter importing torch each) start once the load is done, not while
         # it runs on the same cores; without one they start now, well before the
         # first save.
-        self._saves = SaveFlow(
-            self._catalog,
-            self._durable,
-            local=local,
-            storage_options=self.storage_options,
-            upload=upload,
-            async_options=async_options,
-            retry=self.retry,
-            start_workers=self.latest_step() is None,
-            rank=self.rank,
-            world=self.world,
-            process_group=process_group,
-            distributed=distributed,
-        )
+        try:
+            self._durable.start()
+            self._saves = SaveFlow(
+                self._catalog,
+                self._durable,
+                local=local,
+                storage_options=self.storage_options,
+                upload=upload,
+                async_options=async_options,
+                retry=self.retry,
+                start_workers=self.latest_step() is None,
+                rank=self.rank,
+                world=self.world,
+                process_group=process_group,
+                distributed=distributed,
+            )
+        except Exception as exc:
+            failure = exc
+        try:
+            fail_together(failure, f"starting the CheckpointManager of {root_url}", process_group)
+        except BaseException:
+            if failure is None:  # another rank failed: stop what started here
+                self._saves.close()
+            self._durable.close()
+            raise
         self._checkpointer = self._saves.checkpointer  # staging and the upload workers
-
-    def _target(self, backup: str | BackupTarget) -> BackupTarget:
-        """A URL on the primary's protocol reuses the primary's storage options."""
-        if isinstance(backup, BackupTarget):
-            return backup
-        same = Location.parse(backup).protocol == self.root.protocol
-        return BackupTarget(backup, self.storage_options if same else {})
 
     @classmethod
     def from_config(cls, path: str, **overrides: Any) -> CheckpointManager:
         """A manager built from a TOML config file (see :mod:`objckpt.ops.config`)."""
         config = load_config(path)
-        kwargs: dict[str, Any] = {
-            "storage_options": config.storage_options,
-            "retention": config.retention,
-            "async_options": config.async_options,
-            "backups": config.backups,
-            "retry": config.retry,
-            "local": config.local,
-        }
-        kwargs.update(overrides)
-        return cls(config.root, **kwargs)
+        return cls(config.root, **{**config.manager_options(), **overrides})
 
     # -- steps ------------------------------------------------------------------------------
     def reload(self) -> None:
@@ -236,9 +240,12 @@ class CheckpointManager:
             ConfigurationError, StateDictError, StoreError: before any upload.
         """
         self._catalog.check_order(step, loaded=self._loaded)
-        handle = self._saves.save(step, state_dict, user_metadata, promote)
-        self._catalog.started(step)  # every rank alike: its save started
-        return handle
+        try:
+            return self._saves.save(step, state_dict, user_metadata, promote)
+        finally:
+            # Every rank alike, even when a failure after the agreement raised here
+            # on this rank only: the ranks' order checks must stay the same.
+            self._catalog.started(step)
 
     def maybe_finalize(self) -> list[int]:
         """Steps that committed since the last call (cheap; never blocks)."""
@@ -251,15 +258,9 @@ class CheckpointManager:
         self._checkpointer.wait_staged()
 
     def wait_until_finished(self, backup_timeout: float | None = None) -> None:
-        """Wait for every save in flight, then for the promotions of local steps, then
-        for the backups of every committed step; raise the first error not yet
-        reported.
-
-        A job that ends with this call and exits has its promoted steps on the root
-        and every step on every backup target (each copy is bounded by the retry
-        policy's attempts and timeouts). A local save that failed because the local
-        disk filled up is not raised (it was logged, and later saves bypass the
-        local tier).
+        """Wait for saves in flight, then promotions, then backups of every committed
+        step; raise the first error not yet reported. A local save the local disk
+        refused (full, read-only) is logged, not raised: later saves bypass the tier.
 
         Args:
             backup_timeout: Seconds to wait for backups (None: until they end).

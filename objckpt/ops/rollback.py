@@ -24,17 +24,24 @@ import logging
 import os
 from typing import Any
 
-from objckpt.errors import StoreError
+from objckpt.dcp.collective import fail_together
+from objckpt.errors import SaveDeadlineError, StoreError
 from objckpt.format.steps import step_name
 from objckpt.ops.catalog import StepCatalog, on_rank0
 from objckpt.ops.durable import DurableSteps
 from objckpt.ops.local_disk import delete_local_step, list_tier
 from objckpt.ops.saving import SaveFlow
 from objckpt.ops.tiers import LocalTier
+from objckpt.pipeline.lifetime import run_bounded
 
 __all__ = ["discard_after"]
 
 logger = logging.getLogger(__name__)
+
+#: Seconds a discard waits for the saves, promotions and backups in flight before
+#: it refuses (on every rank): a promotion has no deadline of its own, and a rank
+#: waiting for ever would leave the others in the discard's first collective.
+SETTLE_TIMEOUT = 900.0
 
 
 def discard_after(
@@ -57,10 +64,19 @@ def discard_after(
             again finishes the job).
     """
     step_name(step)  # validates the step
-    saves.settle()
+    failure: BaseException | None = None
+    try:
+        if not run_bounded(saves.settle, SETTLE_TIMEOUT, "saves before discard_after"):
+            failure = SaveDeadlineError(
+                f"saves or promotions to {catalog.root.url} still running after "
+                f"{SETTLE_TIMEOUT:g} s; nothing was discarded (call discard_after again)"
+            )
+    except Exception as exc:
+        failure = exc
+    fail_together(failure, f"discarding the steps above {step}", process_group)
     catalog.reload()
     doomed = catalog.above(step)
-    on_rank0(lambda: durable.discard_after(step), process_group)
+    on_rank0(lambda: durable.discard_after(step, timeout=SETTLE_TIMEOUT), process_group)
     if local is not None:
         _discard_local(local, step)
     catalog.forget_after(step)

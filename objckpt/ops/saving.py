@@ -66,6 +66,7 @@ class SaveFlow:
         self._catalog = catalog
         self._durable = durable
         self._group = process_group
+        self._rank = rank
         self.checkpointer = AsyncCheckpointer(
             storage_options=storage_options,
             upload=upload,
@@ -98,6 +99,8 @@ class SaveFlow:
         """Start saving ``step`` (see :meth:`objckpt.CheckpointManager.save`)."""
         local_url = self.local.target(step, state_dict) if self.local is not None else None
         url = local_url or self._catalog.step_url(step)
+        if self.local is not None and local_url is not None:
+            promote = self.local.pick(promote)  # every rank counts, whatever follows
         self.checkpointer.start_workers()  # no load came first
         try:
             handle = self.checkpointer.save(
@@ -106,6 +109,7 @@ class SaveFlow:
                 process_group=self._group,
                 user_metadata=user_metadata,
                 checkpoint_id=self._catalog.step_url(step),
+                exists=self._committed(step, local=local_url is not None),
             )
         except BaseException as exc:
             inner = unwrap(exc)
@@ -115,8 +119,19 @@ class SaveFlow:
         if self.local is None or local_url is None:
             handle._before_done(lambda exc: self._durable.saved(step, exc))
         else:
-            self.local.track(step, handle, promote)
+            self.local.track(step, handle, bool(promote))
         return handle
+
+    def _committed(self, step: int, *, local: bool) -> bool:
+        """Whether ``step`` is committed where this save goes, from the step catalog
+        (listed at start, kept up to date): no request in ``save()``. Rank 0 decides,
+        as it decides every multi-rank question (its True refuses the save on every
+        rank); a writer the catalog does not know about loses at the commit instead,
+        to the create-only manifest."""
+        if self._rank != 0:
+            return False
+        steps = self._catalog.local_steps() if local else self._catalog.durable_steps()
+        return step in steps
 
     def _on_durable(self, step: int, manifest: Manifest) -> None:
         """Coordinator: the root's manifest of a promoted step is committed."""

@@ -147,24 +147,26 @@ class AsyncCheckpointer:
         user_metadata: Mapping[str, Any] | None = None,
         checkpoint_id: str | None = None,
         no_dist: bool = False,
+        exists: bool | None = None,
     ) -> SaveHandle:
         """Stage ``state_dict`` and start saving it to ``url``; returns once staged.
 
-        ``checkpoint_id`` is what DCP's ``StorageMeta.checkpoint_id`` records (default
-        ``url``; the manager records a local tier's step under its root URL, where
-        the same bytes end up).
-
         Must be called on every rank of ``process_group`` (DCP plans collectively),
         unless ``no_dist``. Safe to call from several threads: saves are staged and
-        planned one at a time (their collectives must not interleave), then upload
-        concurrently up to ``AsyncOptions.max_in_flight``.
+        planned one at a time, then upload concurrently up to ``max_in_flight``.
 
         Args:
+            checkpoint_id: What DCP's ``StorageMeta.checkpoint_id`` records (``url``).
             no_dist: Save what this process holds as a process group of one (DCP's
-                ``no_dist``): no collective and no c10d key, even inside a process
-                group, so one rank may call it alone (Lightning saves on global rank
-                0 only). The checkpoint has world size 1; the other ranks' saves do
-                not count it in their sequence.
+                ``no_dist``, world size 1): no collective and no c10d key, so one rank
+                may call it alone (Lightning saves on global rank 0 only); the other
+                ranks' saves do not count it in their sequence.
+            exists: Whether ``url`` holds a committed checkpoint, if the caller knows
+                (a manager's step list; None on every rank or on none). None: rank 0
+                asks the store beside the copy, and the uploads wait for its answer (a
+                committed ``url`` fails every rank's handle, nothing uploaded). False:
+                no request; the create-only manifest still refuses a conflict. True:
+                refused now (on every rank, through the save's agreement).
 
         Raises:
             ConfigurationError, StateDictError, CheckpointExistsError, StoreError:
@@ -177,7 +179,7 @@ class AsyncCheckpointer:
                 "but process_group was given too; pass one or the other"
             )
         request = SaveRequest(
-            state_dict, url, process_group, overwrite, user_metadata, checkpoint_id, no_dist
+            state_dict, url, process_group, overwrite, user_metadata, checkpoint_id, no_dist, exists
         )
         with self._save_lock:
             # Every collective save() call counts, refused or not: the ranks' numbers stay

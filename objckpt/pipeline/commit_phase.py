@@ -3,7 +3,9 @@
 Runs on a reused background thread per save (never the training thread), so no
 call of the training loop is needed for a save to finish::
 
-    every rank:  queue deferred uploads -> wait for them -> free the staging set
+    every rank:  queue deferred uploads -> rank 0's "already committed?" answer
+                 (a bare save's: its uploads wait for it) -> wait for the uploads
+                 -> free the staging set
                  post results (c10d store, keyed by the save's attempt)
     rank 0:      gather every rank's results (timeout) -> .metadata -> manifest
                  publish the outcome
@@ -34,6 +36,7 @@ from objckpt.dcp.serialize import written_object
 from objckpt.errors import ObjckptError, UploadError
 from objckpt.format.commit import commit_checkpoint, requests_result, written_objects
 from objckpt.format.manifest import Manifest
+from objckpt.format.settle import SETTLE_SECONDS
 from objckpt.pipeline.deferred import DeferredWriter
 from objckpt.pipeline.finalize import RankExchange
 from objckpt.pipeline.handle import SaveHandle
@@ -46,6 +49,7 @@ from objckpt.writers.translate import describe
 __all__ = ["WEDGED_AFTER", "Committer", "exchange_for"]
 
 logger = logging.getLogger(__name__)
+
 
 def exchange_for(
     writer: DeferredWriter, process_group: Any, world: int, timeout: float
@@ -93,12 +97,16 @@ class Committer:
         The uploads end by the deadline plus :data:`WEDGED_AFTER`; then rank 0 gathers
         (``barrier_timeout``), while the other ranks wait up to twice that plus 30 s
         for rank 0's outcome (see ``RankExchange.outcome``). An on-commit hook that
-        never returns is the one thing that can keep the thread past it.
+        never returns is the one thing that can keep the thread past it. The commit
+        itself may settle an ambiguous manifest PUT and write ``.metadata`` after
+        it, each with up to :data:`~objckpt.format.settle.SETTLE_SECONDS` of its own
+        once the deadline is nearly spent, plus a margin for killing wedged workers.
         """
         if writer.deadline is None:
             return None
         exchange = 2 * self._timeout + 30 if distributed else 0.0
-        return writer.deadline.at + WEDGED_AFTER + exchange
+        commit = 2 * SETTLE_SECONDS + 10.0
+        return writer.deadline.at + WEDGED_AFTER + exchange + commit
 
     def finalize(
         self,
@@ -132,6 +140,10 @@ class Committer:
         distributed: bool,
     ) -> Manifest | None:
         queueing_error = writer.queue_deferred()
+        refusal = writer.pass_gate()  # rank 0's "already committed?" (target_check)
+        if refusal is not None:  # nothing was uploaded; no rank gathers
+            self._release(staged)
+            raise refusal
         results, error = _collect(writer, self._workers)
         error = queueing_error or error
         self._release(staged)
@@ -230,11 +242,12 @@ def _collect(
         try:
             record = p.future.result()
         except BrokenProcessPool as exc:
-            error = error or UploadError(
-                f"an upload worker died while saving {writer.writer.location.url} "
-                "(killed or out of memory); the save was not committed"
-            )
-            error.__cause__ = exc
+            if error is None:
+                error = UploadError(
+                    f"an upload worker died while saving {writer.writer.location.url} "
+                    "(killed or out of memory); the save was not committed"
+                )
+                error.__cause__ = exc
             continue
         except BaseException as exc:
             if error is not None:  # the first error is the save's; the rest go to the log

@@ -34,6 +34,7 @@ from objckpt.dcp.storage_writer import ObjectStoreWriter
 from objckpt.errors import ConfigurationError, StateDictError, UploadError
 from objckpt.format.layout import payload_key
 from objckpt.pipeline.stage import Staged, Wave
+from objckpt.pipeline.target_check import CheckGate
 from objckpt.pipeline.upload_task import FramedRef, SegmentRef, upload_object
 from objckpt.pipeline.workers import WEDGED_AFTER, WorkerPool
 from objckpt.writers.deadline import Deadline
@@ -81,6 +82,10 @@ class DeferredWriter(StorageWriter):
         #: save of this structure may queue its uploads after ``save()`` returns).
         self.all_staged = True
         self._deferred: Callable[[], None] | None = None
+        #: Rank 0's answer to "already committed?", which this save's uploads wait
+        #: for (:meth:`hold_uploads`; None: they need not).
+        self.gate: CheckGate | None = None
+        self._held: list[tuple[ObjectPlan, tuple[Any, ...]]] | None = None
 
     # -- DCP protocol: delegated to the plain writer ------------------------------------
     def reset(self, checkpoint_id: Any = None) -> None:
@@ -93,7 +98,7 @@ class DeferredWriter(StorageWriter):
         return self.writer.storage_meta()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan  # preflight and the existence check ran before planning
+        return plan  # the target was checked before planning (save_phases, target_check)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         if self.writer.attempt is None:
@@ -202,6 +207,10 @@ class DeferredWriter(StorageWriter):
             lambda i: payload_key(rank_plan.rank, i, rank_plan.attempt, upload.prefix_entropy),
         )
         this_wave: list[concurrent.futures.Future[PayloadRecord]] = []
+        if wave is not None and objects:
+            refusal = self.pass_gate()  # a wave's uploads cannot be held: ask first
+            if refusal is not None:
+                raise refusal
         for obj in objects:
             values: list[tuple[int, torch.Tensor | bytes]] = []
             for item in obj.items:
@@ -220,11 +229,37 @@ class DeferredWriter(StorageWriter):
                 entries = self._into_wave(wave, values, this_wave, staged.cuda)
             else:
                 entries = [(pos, self._entry(v, staged.ref_of, strict)) for pos, v in values]
-            future = self._pool.submit(
-                upload_object, location, per_worker, obj.key, entries, self.deadline
-            )
-            self.pending.append(Pending(obj, future))
-            this_wave.append(future)
+            task = (location, per_worker, obj.key, entries, self.deadline)
+            if self._held is not None:  # until rank 0 answers "already committed?"
+                self._held.append((obj, task))
+            else:
+                this_wave.append(self._submit(obj, task))
+
+    def _submit(
+        self, obj: ObjectPlan, task: tuple[Any, ...]
+    ) -> concurrent.futures.Future[PayloadRecord]:
+        future = self._pool.submit(upload_object, *task)
+        self.pending.append(Pending(obj, future))
+        return future
+
+    def hold_uploads(self, gate: CheckGate) -> None:
+        """Keep the uploads queued from now on from the workers until
+        :meth:`pass_gate`: rank 0 has not answered "already committed?" yet
+        (:mod:`objckpt.pipeline.target_check`). Staged in waves, whose memory is
+        reused once a wave is uploaded, the first upload waits for the answer instead."""
+        self.gate = gate
+        self._held = [] if self._staged.wave is None else None
+
+    def pass_gate(self) -> BaseException | None:
+        """Rank 0's refusal, or None (also without a gate); the held uploads go to
+        the workers, or are dropped on a refusal (nothing of the save is uploaded)."""
+        if self.gate is None:
+            return None
+        refusal = self.gate.answer(self.deadline)
+        held, self._held = self._held or [], None
+        for obj, task in [] if refusal is not None else held:
+            self._submit(obj, task)
+        return refusal
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         self.metadata = metadata  # committed later, by the background thread

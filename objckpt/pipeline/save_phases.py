@@ -6,10 +6,13 @@ this module is the sequence one save walks through them, so it reads top to
 bottom in :func:`run_save`::
 
     open the target    -> an ObjectStoreWriter on a reused filesystem client
-    check the target   -> preflight and "already committed?", beside the copy
+    check the target   -> the preflight, before the first copy to a bucket only;
+                          a bare save's "already committed?" starts on rank 0's
+                          checker thread (target_check)
     stage              -> copy the state dict into staging memory
     agree              -> one all-reduce: cache hit, attempt id, any rank's refusal
-    plan or replay     -> DCP's planning collectives, or the cached plan
+    plan or replay     -> DCP's planning collectives, or the cached plan; its uploads
+                          are held until rank 0 answers "already committed?"
     queue              -> hand the commit to a background thread (commit_phase)
 
 The agreement is the one collective every rank makes for every save, whatever
@@ -22,7 +25,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextvars
 import dataclasses
-import threading
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -32,12 +34,12 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
-from objckpt._torch import save_state_dict_fn
+from objckpt._torch import group_store, save_state_dict_fn
 from objckpt.dcp.collective import broadcast_object
 from objckpt.dcp.planner import ReplicaSlicingPlanner
 from objckpt.dcp.serialize import Framer
 from objckpt.dcp.storage_writer import ObjectStoreWriter
-from objckpt.errors import ConfigurationError, PeerRankError
+from objckpt.errors import CheckpointExistsError, ConfigurationError, PeerRankError
 from objckpt.options import AsyncOptions, UploadOptions
 from objckpt.pipeline.commit_phase import exchange_for
 from objckpt.pipeline.deferred import DeferredWriter
@@ -50,8 +52,8 @@ from objckpt.pipeline.plan_cache import (
     group_ranks,
 )
 from objckpt.pipeline.stage import Staged, Stager
+from objckpt.pipeline.target_check import CheckGate, TargetCache
 from objckpt.pipeline.workers import WorkerPool
-from objckpt.writers.accounting import RequestCounter
 from objckpt.writers.retry import RetryPolicy
 from objckpt.writers.translate import describe
 
@@ -70,38 +72,17 @@ class SaveRequest:
     #: What DCP's ``StorageMeta.checkpoint_id`` records (default ``url``).
     checkpoint_id: str | None = None
     no_dist: bool = False  # this process alone: a group of one, no collective (DCP's)
+    #: Whether ``url`` holds a committed checkpoint, when the caller knows (a manager's
+    #: step catalog): True refuses the save, False asks the store nothing (the
+    #: create-only manifest still refuses a conflict at commit); None: rank 0 asks
+    #: beside the copy, and the save's uploads wait for its answer (so None on every
+    #: rank or on none; any rank's True refuses the save on all).
+    exists: bool | None = None
 
-
-class TargetCache:
-    """Filesystem clients by protocol and buckets already proven writable.
-
-    A save's stall should not pay for a new HTTP session or a preflight round trip,
-    so both outlive the save that created them.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._filesystems: dict[str, Any] = {}
-        self._checked: set[tuple[str, str]] = set()
-
-    def attach(self, target: ObjectStoreWriter) -> None:
-        """Give ``target`` this protocol's client, a request counter, and a preflight
-        only when its bucket has not been proven writable yet."""
-        loc = target.location
-        with self._lock:
-            fs = self._filesystems.get(loc.protocol)
-            if fs is None:
-                fs = self._filesystems[loc.protocol] = loc.open_fs(fresh=True)
-            target.attach(
-                fs=fs,
-                preflight=(loc.protocol, loc.bucket) not in self._checked,
-                requests=RequestCounter(),
-            )
-
-    def proven(self, target: ObjectStoreWriter) -> None:
-        """Record that a save to ``target``'s bucket got past its preflight."""
-        with self._lock:
-            self._checked.add((target.location.protocol, target.location.bucket))
+    @property
+    def asks(self) -> bool:
+        """Whether rank 0 asks the store "already committed?" (in the background)."""
+        return self.exists is None and not self.overwrite
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +98,7 @@ class SaveResources:
     framer: Framer
     targets: TargetCache
     plans: PlanMemory
-    #: One thread that checks targets while the caller's tensors are copied.
+    #: One thread that asks "already committed?" while the save goes on.
     checker: concurrent.futures.ThreadPoolExecutor
 
 
@@ -157,24 +138,24 @@ def run_save(
     rank = dist.get_rank(process_group) if distributed else 0
     target: ObjectStoreWriter | None = None
     staged: Staged | None = None
-    check: concurrent.futures.Future[SavePlan] | None = None
+    check: concurrent.futures.Future[None] | None = None
     if refusal is None:
         try:
             target, check = _open_and_check(res, request, rank)
-            # A bucket not yet proven writable is checked before the copy: credentials
-            # that cannot write fail before any copy.
-            if not (target.needs_preflight and check.exception() is not None):
-                staged = res.stager.stage(
-                    _plain_state_dict(request.state_dict),
-                    defer_copy=res.options.background_staging,
-                )
+            staged = res.stager.stage(
+                _plain_state_dict(request.state_dict),
+                defer_copy=res.options.background_staging,
+            )
         except Exception as exc:
             refusal = exc
-        if refusal is None and check is not None:
-            refusal = check.exception()
     writer = None
     if target is not None and staged is not None:
         writer = DeferredWriter(target, res.pool, staged, res.framer)
+        if request.asks:  # on every rank alike: the uploads wait for rank 0's answer
+            world = dist.get_world_size(process_group) if distributed else 1
+            store = group_store(process_group) if world > 1 else None
+            gate = CheckGate(check, store, target, world, res.options.barrier_timeout)
+            writer.hold_uploads(gate)
     try:
         _plan(res, request.url, staged, writer, refusal, process_group, distributed, sequence)
     except BaseException:
@@ -191,22 +172,29 @@ def run_save(
 
 def _open_and_check(
     res: SaveResources, request: SaveRequest, rank: int
-) -> tuple[ObjectStoreWriter, concurrent.futures.Future[SavePlan]]:
-    """The target writer, and its check (preflight, "already committed?") started.
+) -> tuple[ObjectStoreWriter, concurrent.futures.Future[None] | None]:
+    """The target writer, proven writable, and rank 0's "already committed?" started.
 
-    The check is a round trip to the store: it runs while the copy runs. Only
-    rank 0 asks whether the URL is committed; the agreement shares its refusal.
+    The preflight is the one round trip ``save()`` may wait for, on every rank,
+    once per bucket and process: credentials that cannot write fail before any copy.
+    "Already committed?" is known to a manager (``request.exists``); a bare save's
+    runs on rank 0's checker thread (:mod:`objckpt.pipeline.target_check`).
     """
     if request.url.startswith("memory://"):
         raise ConfigurationError(
             f"async save cannot write {request.url}: memory:// is private to one process and "
             "the uploads run in worker processes; use file://, s3:// or gs://"
         )
+    if request.exists and not request.overwrite:
+        raise CheckpointExistsError(
+            f"{request.url} already holds a committed checkpoint; pass overwrite=True to replace it"
+        )
     target = _open_target(res, request)
     target.set_up_storage_writer(rank == 0, rank=rank)
-    check = res.checker.submit(
-        contextvars.copy_context().run, target.prepare_local_plan, SavePlan([])
-    )
+    target.prepare_local_plan(SavePlan([]))  # the preflight, for a bucket new to us
+    check = None
+    if rank == 0 and request.asks:
+        check = res.checker.submit(contextvars.copy_context().run, target.refuse_existing)
     return target, check
 
 
@@ -271,6 +259,8 @@ def _plan(
     )
     assert staged is not None and writer is not None  # no rank refused
     writer.writer.attach(attempt=agreement.attempt)
+    if writer.gate is not None and rank == 0:
+        res.checker.submit(writer.gate.publish)  # once its check has the answer
     planner = _planner(res, world)
     if agreement.hit and cached is not None:
         res.plans.count_hit()
