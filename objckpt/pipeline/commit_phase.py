@@ -36,7 +36,6 @@ from objckpt.dcp.serialize import written_object
 from objckpt.errors import ObjckptError, UploadError
 from objckpt.format.commit import commit_checkpoint, requests_result, written_objects
 from objckpt.format.manifest import Manifest
-from objckpt.format.settle import SETTLE_SECONDS
 from objckpt.pipeline.deferred import DeferredWriter
 from objckpt.pipeline.finalize import RankExchange
 from objckpt.pipeline.handle import SaveHandle
@@ -97,16 +96,15 @@ class Committer:
         The uploads end by the deadline plus :data:`WEDGED_AFTER`; then rank 0 gathers
         (``barrier_timeout``), while the other ranks wait up to twice that plus 30 s
         for rank 0's outcome (see ``RankExchange.outcome``). An on-commit hook that
-        never returns is the one thing that can keep the thread past it. The commit
-        itself may settle an ambiguous manifest PUT and write ``.metadata`` after
-        it, each with up to :data:`~objckpt.format.settle.SETTLE_SECONDS` of its own
-        once the deadline is nearly spent, plus a margin for killing wedged workers.
+        never returns is the one thing that can keep the thread past it. (Not
+        counted: a manifest PUT whose outcome must be settled by reading it back once
+        the deadline is spent, which has :data:`~objckpt.format.settle.SETTLE_SECONDS`
+        of its own; ``close()`` then reports the save abandoned while it settles.)
         """
         if writer.deadline is None:
             return None
         exchange = 2 * self._timeout + 30 if distributed else 0.0
-        commit = 2 * SETTLE_SECONDS + 10.0
-        return writer.deadline.at + WEDGED_AFTER + exchange + commit
+        return writer.deadline.at + WEDGED_AFTER + exchange
 
     def finalize(
         self,
