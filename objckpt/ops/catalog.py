@@ -258,6 +258,8 @@ class StepCatalog:
         with self._lock:
             self._steps = {s: i for s, i in self._steps.items() if s <= step}
             self._local = {s: t for s, t in self._local.items() if s <= step}
+            # Not reported by maybe_finalize() any more: they are gone.
+            self._finished = [s for s in self._finished if s <= step]
             self._high = None
 
     def above(self, step: int) -> list[int]:

@@ -137,10 +137,15 @@ def commit_index(
             logger.info("%s was already written by this export (a retried PUT)", url)
             return
         _discard(store, shards)
+        who = (
+            f"another export (attempt {winner})"
+            if winner is not None
+            else "another writer (an index without an objckpt attempt)"
+        )
         raise CheckpointExistsError(
-            f"{url} was committed by another export (attempt {winner}) while this one "
-            f"(attempt {attempt}) ran; this export's {len(shards)} shard(s) were deleted "
-            "and the committed export is intact"
+            f"{url} was committed by {who} while this export (attempt {attempt}) ran; "
+            f"this export's {len(shards)} shard(s) were deleted and the committed index "
+            "is intact"
         ) from exc
     except Exception:
         try:  # the PUT may have landed with its answer lost
