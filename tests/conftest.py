@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import socket
+import threading
 
 # Before anything imports gcsfs: no gRPC bucket probes (each stalls ~60 s against
 # the plain-HTTP emulator), for this suite and the processes it starts.
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -80,3 +83,30 @@ def assert_state_equal(got: Any, want: Any) -> None:
             assert_state_equal(g, w)
     else:
         assert got == want
+
+
+@pytest.fixture
+def black_hole() -> Iterator[str]:
+    """An endpoint that accepts connections and never answers (a frozen store)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    accepted: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        sock.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                accepted.append(sock.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    stop.set()
+    thread.join()
+    for c in accepted:
+        c.close()
+    sock.close()

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import socket
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -80,33 +78,6 @@ def test_refused_endpoint_is_unreachable_in_bounded_time() -> None:
     err = carried(info.value)
     assert isinstance(err, StoreUnreachableError) and "s3://bucket/x" in str(err)
     assert "SECRET-VALUE-1" not in str(err)
-
-
-@pytest.fixture
-def black_hole() -> Iterator[str]:
-    """An endpoint that accepts connections and never answers."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(64)
-    accepted: list[socket.socket] = []
-    stop = threading.Event()
-
-    def accept() -> None:
-        sock.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                accepted.append(sock.accept()[0])
-            except OSError:
-                continue
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    stop.set()
-    thread.join()
-    for c in accepted:
-        c.close()
-    sock.close()
 
 
 @pytest.mark.timeout(60)

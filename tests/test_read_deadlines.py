@@ -11,7 +11,6 @@ time is the behaviour under test.
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -165,33 +164,6 @@ def test_an_async_save_commits_through_an_outage(
 
 
 # -- a socket that accepts and never answers ------------------------------------------
-
-
-@pytest.fixture
-def black_hole() -> Iterator[str]:
-    """An endpoint that accepts connections and never answers."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(64)
-    accepted: list[socket.socket] = []
-    stop = threading.Event()
-
-    def accept() -> None:
-        sock.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                accepted.append(sock.accept()[0])
-            except OSError:
-                continue
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    stop.set()
-    thread.join()
-    for c in accepted:
-        c.close()
-    sock.close()
 
 
 def _within_the_deadline(started: float) -> None:
