@@ -310,6 +310,8 @@ def collectives_without_cpu_backend(rank: int, world: int, init_file: str) -> No
         r = collective.route()
         assert r.side_group or r.device.type == "cuda", r
         assert collective.all_reduce_max([rank, -rank]) == [world - 1, 0]
+        got = collective.all_gather_object({"rank": rank, "steps": frozenset({rank})})
+        assert got == [{"rank": r, "steps": frozenset({r})} for r in range(world)], got
         assert collective.broadcast_object({"from": rank}, 1) == {"from": 1}
         buf = bytearray(b"abc" if rank == 0 else 3)
         collective.broadcast_bytes(buf, 0)

@@ -159,7 +159,3 @@ def test_a_local_tier_one_rank_cannot_list_sweeps_nothing_on_any_rank(
     _spawn("restart_with_rank1_unable_to_list", 2, tmp_path, url, options)
     assert _tier_files(local, 2) == before
     assert all(os.path.exists(s) for s in strays)
-
-
-def test_the_sweeps_all_gather_runs_without_a_cpu_backend(tmp_path) -> None:
-    _spawn("gather_without_cpu_backend", 2, tmp_path)

@@ -133,23 +133,3 @@ def restart_with_rank1_unable_to_list(
                 assert torch.equal(got["model"][k].full_tensor(), v + 3), (rank, k)
     finally:
         dist.destroy_process_group()
-
-
-def gather_without_cpu_backend(rank: int, world: int, init_file: str) -> None:
-    """``cuda:gloo`` refuses CPU tensors as NCCL does: the sweep's all-gather still works."""
-    from objckpt.dcp import collective
-
-    dist.init_process_group(
-        "cuda:gloo", init_method=f"file://{init_file}", rank=rank, world_size=world
-    )
-    try:
-        try:
-            dist.all_reduce(torch.ones(1))
-        except RuntimeError as exc:
-            assert "cpu" in str(exc).lower(), exc
-        else:
-            raise AssertionError("cuda:gloo took a CPU tensor: the test proves nothing")
-        got = collective.all_gather_object({"rank": rank, "steps": frozenset({rank})})
-        assert got == [{"rank": r, "steps": frozenset({r})} for r in range(world)], got
-    finally:
-        dist.destroy_process_group()
