@@ -1,0 +1,101 @@
+"""References to bytes another step of the same root stores.
+
+A step saved with reuse (:mod:`objckpt.ops` ``CheckpointManager(reuse_unchanged=True)``)
+does not upload an item whose bytes equal an item an earlier committed step of the
+same root stores; its index points at the stored bytes instead. Such a key is
+written relative to the referencing step's own directory, one level up into a
+sibling step directory::
+
+    ../step-0000000001/__0_0.<attempt>.distcp
+    ../step-0000000001/3f/__0_0.<attempt>.distcp      (with prefix entropy)
+
+That is the whole grammar: exactly one ``..``, then a step directory name, then a
+key that stays inside that directory. It is what stock DCP readers get in
+``.metadata`` too (a relative path that a local filesystem resolves). A referenced
+object is listed in the referencing manifest's ``objects`` with its size and CRC32C
+like any other, so everything that walks a manifest (load, ``verify``, backups,
+promotion, gc's live set) sees the step whole.
+
+Keys are kept as the manifest writes them; :func:`root_key` turns either kind into
+a key relative to the run's root, which is what the live set of a root and the
+objects of a listing are compared in.
+"""
+
+from __future__ import annotations
+
+import re
+
+from objckpt.errors import ManifestError
+
+__all__ = [
+    "REFERENCE_PREFIX",
+    "is_reference",
+    "reference_key",
+    "referenced_step",
+    "root_key",
+    "split_reference",
+]
+
+#: Every reference key starts with this.
+REFERENCE_PREFIX = "../"
+_STEP_DIR = re.compile(r"^step-\d{10,}$")
+
+
+def is_reference(key: str) -> bool:
+    """Whether a manifest or index key names another step's object."""
+    return key.startswith(REFERENCE_PREFIX)
+
+
+def split_reference(key: str, where: str = "reference") -> tuple[str, str]:
+    """``(step directory name, key inside it)`` of a reference key.
+
+    Raises:
+        ManifestError: ``key`` is not exactly ``../step-<digits>/<key>`` with a key
+            that stays inside that step directory (``where`` names the object that
+            held it).
+    """
+    parts = key.split("/")
+    if (
+        len(parts) < 3
+        or parts[0] != ".."
+        or not _STEP_DIR.match(parts[1])
+        or any(p in ("", ".", "..") for p in parts[2:])
+        or "\\" in key
+        or "\x00" in key
+        or "://" in key
+    ):
+        raise ManifestError(
+            f"{where}: reference {key!r} is not ../step-<N>/<object> inside the run's root"
+        )
+    return parts[1], "/".join(parts[2:])
+
+
+def referenced_step(key: str) -> str | None:
+    """The step directory a reference key points into, or None for a key of the
+    step's own."""
+    if not is_reference(key):
+        return None
+    return split_reference(key)[0]
+
+
+def reference_key(step_dir: str, key: str) -> str:
+    """The key, as a step of the same root writes it, of ``key`` stored by step
+    directory ``step_dir``: a reference stays as it is (references are relative to
+    the root's step directories, so they mean the same from every step), an own key
+    becomes ``../<step_dir>/<key>``."""
+    if is_reference(key):
+        split_reference(key)
+        return key
+    result = f"{REFERENCE_PREFIX}{step_dir}/{key}"
+    split_reference(result)
+    return result
+
+
+def root_key(step_dir: str, key: str) -> str:
+    """``key`` of step directory ``step_dir``'s manifest as a key relative to the
+    run's root (``step-0000000002/__0_0.<a>.distcp``, or the referenced step's
+    directory for a reference)."""
+    if is_reference(key):
+        target, inner = split_reference(key)
+        return f"{target}/{inner}"
+    return f"{step_dir}/{key}"
