@@ -16,16 +16,30 @@ method allows it), and reports the median of ``--repeats`` runs:
 * ``objckpt_async``: one ``AsyncCheckpointer`` reused; stall = ``save()`` returning,
   commit = ``result()``;
 * ``dcp_async``: ``dcp.async_save`` (thread executor) with ``FsspecWriter``;
+* ``copy_limit``: a plain copy of the state into preallocated memory
+  (``bench_async.copy_limit``), the floor for the default async stall;
 * ``objckpt_async_bg`` / ``dcp_async_bg``: the same with the copy in the background
   (``AsyncOptions(background_staging=True)`` / DCP's ``DefaultStager`` with
   ``use_async_staging``): stall = the call returning, ``staged_s`` = the copy done.
 
+**Cold and warm side by side** for the sync save of objckpt and s3torchconnector: the
+warm rows above reuse a writer or client in this process after an untimed run; the
+cold rows (``--cold-runs``, default 5, median) run each save in a FRESH process
+(``bench/cold_save.py``: the library's import, its writer and client, and the save;
+torch's import and the state's load are outside the span), alternating the methods.
+``objckpt_save_new_writer`` is a new ``ObjectStoreWriter`` per save in this (warm)
+process: what a job that builds a writer per save pays. ``--fresh-clients`` builds a
+new client for every writer and reader, as objckpt did before its per-process client
+cache (#27 item 4), for before/after figures in one tree.
+
 Client CPU is user+sys of this process (all its threads) plus, for objckpt's async
-saves, its upload workers (read from /proc), never the server's. Peak tree RSS and
+saves, its upload workers (read from /proc), never the server's; for a cold run,
+user+sys of that process and its children. Peak tree RSS and
 PSS are sampled every 20 ms over this process and its children, the server excluded
 (RSS counts a shared staging segment once per process mapping it; PSS splits it).
 
-Usage: ``python bench/bench_throughput.py [--size-mib 256] [--repeats 3]``
+Usage: ``python bench/bench_throughput.py [--size-mib 256] [--repeats 3] [--cold-runs 5]
+[--only cold,sync,s3tc,boto3,fsspec,async,dcp_async] [--fresh-clients]``
 Results go to ``bench/results/throughput-<date>-<size>mib.json`` and a table to stdout.
 """
 
@@ -36,7 +50,6 @@ import io
 import logging
 import os
 import statistics
-import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -44,7 +57,10 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from bench_async import copy_limit
 from bench_sync import nbytes, transformer_state, zeros_like
+from cold import cold_rows, no_client_cache, run_cold
+from proc_stats import TreeRss, measure
 from record import write_record
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
@@ -53,125 +69,40 @@ from objckpt.testing.servers import MotoServer, offline_env, start_moto_server
 
 log = logging.getLogger("bench")
 MiB = 1024 * 1024
-_TICK = os.sysconf("SC_CLK_TCK")
+GROUPS = ("cold", "sync", "s3tc", "boto3", "fsspec", "async", "dcp_async")
 
 
-def _proc_cpu(pid: int) -> float:
-    """user+sys seconds of one process (0 once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / _TICK
-    except OSError:
-        return 0.0
-
-
-def _kib_field(path: str, field: str) -> int:
-    """Bytes of a ``Field:  N kB`` line of a /proc file (0 once the process is gone)."""
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith(field):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def _rss(pid: int) -> int:
-    return _kib_field(f"/proc/{pid}/status", "VmRSS:")
-
-
-def _pss(pid: int) -> int:
-    """Proportional set size: shared pages (the staging segment) split between the
-    processes that map them, so a tree's sum counts them once."""
-    return _kib_field(f"/proc/{pid}/smaps_rollup", "Pss:")
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                out += [int(c) for c in f.read().split()]
-    except OSError:
-        pass
-    return out
-
-
-class TreeRss:
-    """Peak RSS of this process and its descendants (``exclude`` left out)."""
-
-    def __init__(self, exclude: int) -> None:
-        self.exclude = exclude
-        self.peak = 0
-        self.peak_pss = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _tree(self) -> list[int]:
-        pids, todo = [], [os.getpid()]
-        while todo:
-            pid = todo.pop()
-            if pid == self.exclude:
-                continue
-            pids.append(pid)
-            todo += _children(pid)
-        return pids
-
-    def pss_now(self) -> int:
-        return sum(_pss(p) for p in self._tree())
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.02):
-            tree = self._tree()
-            self.peak = max(self.peak, sum(_rss(p) for p in tree))
-            self.peak_pss = max(self.peak_pss, sum(_pss(p) for p in tree))
-
-    def __enter__(self) -> TreeRss:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-def measure(
-    fn: Callable[[], Any],
-    setup: Callable[[], Any],
+def run(
+    size_mib: int,
     repeats: int,
-    extra_pids: Callable[[], list[int]],
-) -> dict[str, float]:
-    """Median wall and CPU seconds of ``fn`` after one untimed warm-up run."""
-    setup()
-    fn()
-    walls, cpus = [], []
-    for _ in range(repeats):
-        setup()
-        pids = extra_pids()
-        c0 = time.process_time() + sum(_proc_cpu(p) for p in pids)
-        t0 = time.perf_counter()
-        fn()
-        walls.append(time.perf_counter() - t0)
-        cpus.append(time.process_time() + sum(_proc_cpu(p) for p in pids) - c0)
-    return {"wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus)}
-
-
-def run(size_mib: int, repeats: int, s3tc_threads: int) -> dict[str, Any]:
+    s3tc_threads: int,
+    cold_runs: int = 5,
+    only: tuple[str, ...] = GROUPS,
+    fresh_clients: bool = False,
+) -> dict[str, Any]:
     os.environ.update(offline_env())
     torch.set_num_threads(1)
+    if fresh_clients:
+        no_client_cache()
     server = start_moto_server()
     state = transformer_state(size_mib)
     gib = nbytes(state) / 2**30
     try:
-        return _run_all(server, state, gib, repeats, s3tc_threads)
+        out = _run_all(server, state, gib, repeats, s3tc_threads, only)
+        if "cold" in only:
+            out["cold"] = run_cold(server, state, cold_runs, s3tc_threads)
+        return out
     finally:
         server.stop()
 
 
 def _run_all(
-    server: MotoServer, state: dict[str, torch.Tensor], gib: float, repeats: int, threads: int
+    server: MotoServer,
+    state: dict[str, torch.Tensor],
+    gib: float,
+    repeats: int,
+    threads: int,
+    only: tuple[str, ...] = GROUPS,
 ) -> dict[str, Any]:
     client = server.boto3_client()
     opts = server.storage_options()
@@ -194,193 +125,214 @@ def _run_all(
         load_fn(got)
         assert all(torch.equal(got[k], v) for k, v in state.items()), "wrong data loaded"
 
-    # -- boto3 ------------------------------------------------------------------------------
-    from boto3.s3.transfer import TransferConfig
+    fs_kwargs = {
+        "endpoint_url": opts["endpoint_url"],
+        "key": opts["key"],
+        "secret": opts["secret"],
+    }
 
-    blob = [b"".join(t.numpy().tobytes() for t in state.values())]
+    if "boto3" in only:
+        # -- boto3 ------------------------------------------------------------------------------
+        from boto3.s3.transfer import TransferConfig
 
-    def boto3_upload() -> None:
-        client.upload_fileobj(io.BytesIO(blob[0]), "bench", "blob", Config=TransferConfig())
+        blob = [b"".join(t.numpy().tobytes() for t in state.values())]
 
-    out["boto3_save"] = measure(boto3_upload, fresh, repeats, none)
-    blob.clear()
+        def boto3_upload() -> None:
+            client.upload_fileobj(io.BytesIO(blob[0]), "bench", "blob", Config=TransferConfig())
 
-    # -- objckpt sync -------------------------------------------------------------------------
-    writer = objckpt.ObjectStoreWriter(url("warm"), storage_options=opts)
+        out["boto3_save"] = measure(boto3_upload, fresh, repeats, none)
+        blob.clear()
 
-    def objckpt_save() -> None:
-        dcp.save(state, storage_writer=writer, checkpoint_id=url("o"))
+    if "sync" in only:
+        # -- objckpt sync -------------------------------------------------------------------------
+        writer = objckpt.ObjectStoreWriter(url("warm"), storage_options=opts)
 
-    out["objckpt_save"] = measure(objckpt_save, fresh, repeats, none)
+        def objckpt_save() -> None:
+            dcp.save(state, storage_writer=writer, checkpoint_id=url("o"))
 
-    reader = objckpt.ObjectStoreReader(url("o"), storage_options=opts)
+        out["objckpt_save"] = measure(objckpt_save, fresh, repeats, none)
 
-    def objckpt_load(target: dict[str, torch.Tensor] | None = None) -> None:
-        got = zeros_like(state) if target is None else target
-        dcp.load(got, storage_reader=reader, checkpoint_id=url("o"))
+        reader = objckpt.ObjectStoreReader(url("o"), storage_options=opts)
 
-    out["objckpt_load"] = measure(objckpt_load, lambda: None, repeats, none)
-    check(objckpt_load)
+        def objckpt_load(target: dict[str, torch.Tensor] | None = None) -> None:
+            got = zeros_like(state) if target is None else target
+            dcp.load(got, storage_reader=reader, checkpoint_id=url("o"))
 
-    # A diagnostic, not a setting to copy: moto answers every ranged GET by copying the
-    # whole object first, so on moto a load costs (GETs per object x object size). With
-    # ranges as large as objects each object is one GET; on S3, where a ranged GET
-    # costs its range, the default 16 MiB ranges give a small state more parallel GETs.
-    whole = objckpt.ObjectStoreReader(
-        url("o"),
-        storage_options=opts,
-        read=objckpt.ReadOptions(range_size=objckpt.UploadOptions().object_size),
-    )
+        out["objckpt_load"] = measure(objckpt_load, lambda: None, repeats, none)
+        check(objckpt_load)
 
-    def objckpt_load_whole(target: dict[str, torch.Tensor] | None = None) -> None:
-        got = zeros_like(state) if target is None else target
-        dcp.load(got, storage_reader=whole, checkpoint_id=url("o"))
+        # A diagnostic, not a setting to copy: moto answers every ranged GET by copying the
+        # whole object first, so on moto a load costs (GETs per object x object size). With
+        # ranges as large as objects each object is one GET; on S3, where a ranged GET
+        # costs its range, the default 16 MiB ranges give a small state more parallel GETs.
+        whole = objckpt.ObjectStoreReader(
+            url("o"),
+            storage_options=opts,
+            read=objckpt.ReadOptions(range_size=objckpt.UploadOptions().object_size),
+        )
 
-    out["objckpt_load_whole_objects"] = measure(objckpt_load_whole, lambda: None, repeats, none)
-    check(objckpt_load_whole)
+        def objckpt_load_whole(target: dict[str, torch.Tensor] | None = None) -> None:
+            got = zeros_like(state) if target is None else target
+            dcp.load(got, storage_reader=whole, checkpoint_id=url("o"))
 
-    # -- s3torchconnector -------------------------------------------------------------------
-    try:
-        from s3torchconnector import S3ClientConfig
-        from s3torchconnector._s3client import S3Client
-        from s3torchconnector.dcp import S3StorageReader, S3StorageWriter
-        from s3torchconnector.dcp.s3_file_system import S3FileSystem
-    except ImportError:
-        log.warning("s3torchconnector is not installed (pip install '.[bench]'): skipped")
-    else:
-        config = S3ClientConfig(force_path_style=True)
-        s3 = S3Client("us-east-1", endpoint=opts["endpoint_url"], s3client_config=config)
+        out["objckpt_load_whole_objects"] = measure(objckpt_load_whole, lambda: None, repeats, none)
+        check(objckpt_load_whole)
 
-        def s3tc_writer(path: str) -> Any:
-            w = S3StorageWriter("us-east-1", path, s3client_config=config, thread_count=threads)
-            w.fs = S3FileSystem("us-east-1", s3_client=s3)
-            w.path = w.fs.init_path(path)
-            return w
+        # After the loads: each run's server reset drops the checkpoint they read.
+        def objckpt_save_new_writer() -> None:
+            new = objckpt.ObjectStoreWriter(url("n"), storage_options=opts)
+            dcp.save(state, storage_writer=new)
 
-        def s3tc_save() -> None:
-            dcp.save(state, storage_writer=s3tc_writer(url("s")))
+        out["objckpt_save_new_writer"] = measure(objckpt_save_new_writer, fresh, repeats, none)
 
-        def s3tc_load(target: dict[str, torch.Tensor] | None = None) -> None:
-            reader = S3StorageReader("us-east-1", url("s"), s3client_config=config)
-            reader.fs = S3FileSystem("us-east-1", s3_client=s3)
-            reader.path = reader.fs.init_path(url("s"))
-            dcp.load(zeros_like(state) if target is None else target, storage_reader=reader)
+    if "s3tc" in only:
+        # -- s3torchconnector -------------------------------------------------------------------
+        try:
+            from s3torchconnector import S3ClientConfig
+            from s3torchconnector._s3client import S3Client
+            from s3torchconnector.dcp import S3StorageReader, S3StorageWriter
+            from s3torchconnector.dcp.s3_file_system import S3FileSystem
+        except ImportError:
+            log.warning("s3torchconnector is not installed (pip install '.[bench]'): skipped")
+        else:
+            config = S3ClientConfig(force_path_style=True)
+            s3 = S3Client("us-east-1", endpoint=opts["endpoint_url"], s3client_config=config)
 
-        out["s3tc_save"] = measure(s3tc_save, fresh, repeats, none)
-        out["s3tc_load"] = measure(s3tc_load, lambda: None, repeats, none)
-        out["s3tc_thread_count"] = threads
-        check(s3tc_load)
+            def s3tc_writer(path: str) -> Any:
+                w = S3StorageWriter("us-east-1", path, s3client_config=config, thread_count=threads)
+                w.fs = S3FileSystem("us-east-1", s3_client=s3)
+                w.path = w.fs.init_path(path)
+                return w
 
-    # -- fsspec ---------------------------------------------------------------------------
-    fs_kwargs = {"endpoint_url": opts["endpoint_url"], "key": opts["key"], "secret": opts["secret"]}
+            def s3tc_save() -> None:
+                dcp.save(state, storage_writer=s3tc_writer(url("s")))
 
-    def fsspec_save() -> None:
-        dcp.save(state, storage_writer=FsspecWriter(url("f"), sync_files=False, **fs_kwargs))
+            def s3tc_load(target: dict[str, torch.Tensor] | None = None) -> None:
+                reader = S3StorageReader("us-east-1", url("s"), s3client_config=config)
+                reader.fs = S3FileSystem("us-east-1", s3_client=s3)
+                reader.path = reader.fs.init_path(url("s"))
+                dcp.load(zeros_like(state) if target is None else target, storage_reader=reader)
 
-    def fsspec_load() -> None:
-        dcp.load(zeros_like(state), storage_reader=FsspecReader(url("f"), **fs_kwargs))
+            out["s3tc_save"] = measure(s3tc_save, fresh, repeats, none)
+            out["s3tc_load"] = measure(s3tc_load, lambda: None, repeats, none)
+            out["s3tc_thread_count"] = threads
+            check(s3tc_load)
 
-    out["fsspec_save"] = measure(fsspec_save, fresh, repeats, none)
-    out["fsspec_load"] = measure(fsspec_load, lambda: None, repeats, none)
+    if "fsspec" in only:
+        # -- fsspec ---------------------------------------------------------------------------
 
-    # -- async ------------------------------------------------------------------------------
-    # Memory over a baseline taken before the checkpointer exists (this process, holding
-    # the state dict): the workers, the staging copy and the parts in flight all count.
-    base = TreeRss(exclude=server.process.pid).pss_now()
-    with objckpt.AsyncCheckpointer(storage_options=opts) as ckpt:
-        stalls: list[float] = []
+        def fsspec_save() -> None:
+            dcp.save(state, storage_writer=FsspecWriter(url("f"), sync_files=False, **fs_kwargs))
 
-        def objckpt_async() -> None:
+        def fsspec_load() -> None:
+            dcp.load(zeros_like(state), storage_reader=FsspecReader(url("f"), **fs_kwargs))
+
+        out["fsspec_save"] = measure(fsspec_save, fresh, repeats, none)
+        out["fsspec_load"] = measure(fsspec_load, lambda: None, repeats, none)
+
+    if "async" in only:
+        # -- async ------------------------------------------------------------------------------
+        # Memory over a baseline taken before the checkpointer exists (this process, holding
+        # the state dict): the workers, the staging copy and the parts in flight all count.
+        base = TreeRss(exclude=server.process.pid).pss_now()
+        with objckpt.AsyncCheckpointer(storage_options=opts) as ckpt:
+            stalls: list[float] = []
+
+            def objckpt_async() -> None:
+                t0 = time.perf_counter()
+                handle = ckpt.save(state, url("a"))
+                stalls.append(time.perf_counter() - t0)
+                handle.result(timeout=600)
+
+            out["objckpt_async"] = measure(objckpt_async, fresh, repeats, lambda: ckpt.worker_pids)
+            out["objckpt_async"]["stall_s"] = statistics.median(stalls[1 : repeats + 1])
+            out["copy_limit_s"] = statistics.median(copy_limit(state, max(repeats, 5)))
+            # Memory in a run of its own: reading /proc while timing would add CPU.
+            fresh()
+            with TreeRss(exclude=server.process.pid) as rss:
+                objckpt_async()
+            out["objckpt_async"]["peak_tree_rss"] = rss.peak
+            out["objckpt_async"]["peak_tree_pss"] = rss.peak_pss
+            out["objckpt_async"]["pss_over_baseline"] = rss.peak_pss - base
+
+        # Background staging: save() returns before the copy; a training loop would run
+        # forward/backward and call wait_staged() before optimizer.step(). staged_s is
+        # the time from save() to wait_staged() returning with nothing overlapped.
+        bg = objckpt.AsyncOptions(background_staging=True)
+        with objckpt.AsyncCheckpointer(storage_options=opts, async_options=bg) as ckpt:
+            bg_stalls: list[float] = []
+            bg_staged: list[float] = []
+
+            def objckpt_async_bg() -> None:
+                t0 = time.perf_counter()
+                handle = ckpt.save(state, url("b"))
+                bg_stalls.append(time.perf_counter() - t0)
+                handle.wait_staged()
+                bg_staged.append(time.perf_counter() - t0)
+                handle.result(timeout=600)
+
+            out["objckpt_async_bg"] = measure(
+                objckpt_async_bg, fresh, repeats, lambda: ckpt.worker_pids
+            )
+            out["objckpt_async_bg"]["stall_s"] = statistics.median(bg_stalls[1 : repeats + 1])
+            out["objckpt_async_bg"]["staged_s"] = statistics.median(bg_staged[1 : repeats + 1])
+
+    if "dcp_async" in only:
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        dcp_stalls: list[float] = []
+
+        def dcp_async() -> None:
             t0 = time.perf_counter()
-            handle = ckpt.save(state, url("a"))
-            stalls.append(time.perf_counter() - t0)
-            handle.result(timeout=600)
+            fut = dcp.async_save(
+                state,
+                storage_writer=FsspecWriter(url("d"), sync_files=False, **fs_kwargs),
+                async_checkpointer_type=AsyncCheckpointerType.THREAD,
+            )
+            dcp_stalls.append(time.perf_counter() - t0)
+            fut.result()
 
-        out["objckpt_async"] = measure(objckpt_async, fresh, repeats, lambda: ckpt.worker_pids)
-        out["objckpt_async"]["stall_s"] = statistics.median(stalls[1 : repeats + 1])
-        # Memory in a run of its own: reading /proc while timing would add CPU.
+        base = TreeRss(exclude=server.process.pid).pss_now()
+        out["dcp_async"] = measure(dcp_async, fresh, repeats, none)
+        out["dcp_async"]["stall_s"] = statistics.median(dcp_stalls[1 : repeats + 1])
         fresh()
         with TreeRss(exclude=server.process.pid) as rss:
-            objckpt_async()
-        out["objckpt_async"]["peak_tree_rss"] = rss.peak
-        out["objckpt_async"]["peak_tree_pss"] = rss.peak_pss
-        out["objckpt_async"]["pss_over_baseline"] = rss.peak_pss - base
+            dcp_async()
+        out["dcp_async"]["peak_tree_rss"] = rss.peak
+        out["dcp_async"]["peak_tree_pss"] = rss.peak_pss
+        out["dcp_async"]["pss_over_baseline"] = rss.peak_pss - base
 
-    # Background staging: save() returns before the copy; a training loop would run
-    # forward/backward and call wait_staged() before optimizer.step(). staged_s is
-    # the time from save() to wait_staged() returning with nothing overlapped.
-    bg = objckpt.AsyncOptions(background_staging=True)
-    with objckpt.AsyncCheckpointer(storage_options=opts, async_options=bg) as ckpt:
-        bg_stalls: list[float] = []
-        bg_staged: list[float] = []
+        # dcp.async_save's own background staging (DefaultStager, use_async_staging): the
+        # like-for-like peer of objckpt's background_staging. Pinned memory and
+        # non-blocking copies need CUDA.
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        def objckpt_async_bg() -> None:
+        cuda = torch.cuda.is_available()
+        stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=cuda, use_non_blocking_copy=cuda, use_async_staging=True
+            )
+        )
+        dbg_stalls: list[float] = []
+        dbg_staged: list[float] = []
+
+        def dcp_async_bg() -> None:
             t0 = time.perf_counter()
-            handle = ckpt.save(state, url("b"))
-            bg_stalls.append(time.perf_counter() - t0)
-            handle.wait_staged()
-            bg_staged.append(time.perf_counter() - t0)
-            handle.result(timeout=600)
+            response = dcp.async_save(
+                state,
+                storage_writer=FsspecWriter(url("e"), sync_files=False, **fs_kwargs),
+                async_checkpointer_type=AsyncCheckpointerType.THREAD,
+                async_stager=stager,
+            )
+            dbg_stalls.append(time.perf_counter() - t0)
+            response.staging_completion.result()
+            dbg_staged.append(time.perf_counter() - t0)
+            response.upload_completion.result()
 
-        out["objckpt_async_bg"] = measure(
-            objckpt_async_bg, fresh, repeats, lambda: ckpt.worker_pids
-        )
-        out["objckpt_async_bg"]["stall_s"] = statistics.median(bg_stalls[1 : repeats + 1])
-        out["objckpt_async_bg"]["staged_s"] = statistics.median(bg_staged[1 : repeats + 1])
-
-    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-
-    dcp_stalls: list[float] = []
-
-    def dcp_async() -> None:
-        t0 = time.perf_counter()
-        fut = dcp.async_save(
-            state,
-            storage_writer=FsspecWriter(url("d"), sync_files=False, **fs_kwargs),
-            async_checkpointer_type=AsyncCheckpointerType.THREAD,
-        )
-        dcp_stalls.append(time.perf_counter() - t0)
-        fut.result()
-
-    base = TreeRss(exclude=server.process.pid).pss_now()
-    out["dcp_async"] = measure(dcp_async, fresh, repeats, none)
-    out["dcp_async"]["stall_s"] = statistics.median(dcp_stalls[1 : repeats + 1])
-    fresh()
-    with TreeRss(exclude=server.process.pid) as rss:
-        dcp_async()
-    out["dcp_async"]["peak_tree_rss"] = rss.peak
-    out["dcp_async"]["peak_tree_pss"] = rss.peak_pss
-    out["dcp_async"]["pss_over_baseline"] = rss.peak_pss - base
-
-    # dcp.async_save's own background staging (DefaultStager, use_async_staging): the
-    # like-for-like peer of objckpt's background_staging. Pinned memory and
-    # non-blocking copies need CUDA.
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-    cuda = torch.cuda.is_available()
-    stager = DefaultStager(
-        StagingOptions(use_pinned_memory=cuda, use_non_blocking_copy=cuda, use_async_staging=True)
-    )
-    dbg_stalls: list[float] = []
-    dbg_staged: list[float] = []
-
-    def dcp_async_bg() -> None:
-        t0 = time.perf_counter()
-        response = dcp.async_save(
-            state,
-            storage_writer=FsspecWriter(url("e"), sync_files=False, **fs_kwargs),
-            async_checkpointer_type=AsyncCheckpointerType.THREAD,
-            async_stager=stager,
-        )
-        dbg_stalls.append(time.perf_counter() - t0)
-        response.staging_completion.result()
-        dbg_staged.append(time.perf_counter() - t0)
-        response.upload_completion.result()
-
-    out["dcp_async_bg"] = measure(dcp_async_bg, fresh, repeats, none)
-    out["dcp_async_bg"]["stall_s"] = statistics.median(dbg_stalls[1 : repeats + 1])
-    out["dcp_async_bg"]["staged_s"] = statistics.median(dbg_staged[1 : repeats + 1])
-    stager.close()
+        out["dcp_async_bg"] = measure(dcp_async_bg, fresh, repeats, none)
+        out["dcp_async_bg"]["stall_s"] = statistics.median(dbg_stalls[1 : repeats + 1])
+        out["dcp_async_bg"]["staged_s"] = statistics.median(dbg_staged[1 : repeats + 1])
+        stager.close()
     return out
 
 
@@ -389,6 +341,7 @@ def table(res: dict[str, Any]) -> str:
     rows = [
         ("AWS s3torchconnector (CRT)", "s3tc_save", "s3tc_load"),
         ("objckpt", "objckpt_save", "objckpt_load"),
+        ("objckpt, a new writer per save (warm process)", "objckpt_save_new_writer", None),
         ("objckpt, one GET per object (moto diagnostic)", None, "objckpt_load_whole_objects"),
         ("boto3 managed upload", "boto3_save", None),
         ("torch FsspecWriter/Reader", "fsspec_save", "fsspec_load"),
@@ -415,6 +368,13 @@ def table(res: dict[str, Any]) -> str:
         else:
             cells += ["", ""]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += cold_rows(res)
+    if "copy_limit_s" in res and "objckpt_async" in res:
+        stall, copy = res["objckpt_async"]["stall_s"], res["copy_limit_s"]
+        lines.append(
+            f"default async stall {stall:.3f} s vs a plain copy into preallocated memory "
+            f"{copy:.3f} s: {stall / copy:.2f}x"
+        )
     for key in ("objckpt_async_bg", "dcp_async_bg"):
         if key in res:
             lines.append(f"{key}: staged {res[key]['staged_s']:.3f} s after the call")
@@ -433,12 +393,24 @@ def main() -> None:
     parser.add_argument("--size-mib", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--s3tc-threads", type=int, default=8)
+    parser.add_argument("--cold-runs", type=int, default=5)
+    parser.add_argument("--only", default=",".join(GROUPS), help="comma-separated groups")
+    parser.add_argument("--fresh-clients", action="store_true")
+    parser.add_argument("--tag", default="", help="suffix of the results file name")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     warnings.filterwarnings("ignore")
-    res = run(args.size_mib, args.repeats, args.s3tc_threads)
-    path = write_record(args.out, "throughput", args.size_mib, {"repeats": args.repeats, **res})
+    only = tuple(g for g in args.only.split(",") if g)
+    unknown = sorted(set(only) - set(GROUPS))
+    if unknown:
+        parser.error(f"--only: unknown group(s) {', '.join(unknown)}; known: {', '.join(GROUPS)}")
+    res = run(
+        args.size_mib, args.repeats, args.s3tc_threads, args.cold_runs, only, args.fresh_clients
+    )
+    fields = {"repeats": args.repeats, "only": list(only), "fresh_clients": args.fresh_clients}
+    name = "throughput" + (f"-{args.tag}" if args.tag else "")
+    path = write_record(args.out, name, args.size_mib, {**fields, **res})
     print(table(res))
     print(f"\nrecorded in {path}")
 

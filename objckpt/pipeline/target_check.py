@@ -45,6 +45,7 @@ from objckpt.dcp.storage_writer import ObjectStoreWriter
 from objckpt.errors import BarrierTimeoutError, PeerRankError
 from objckpt.pipeline.workers import WEDGED_AFTER
 from objckpt.writers.accounting import RequestCounter
+from objckpt.writers.clients import shared_filesystem
 from objckpt.writers.deadline import Deadline
 from objckpt.writers.translate import describe
 
@@ -73,7 +74,7 @@ class TargetCache:
         with self._lock:
             fs = self._filesystems.get(loc.protocol)
             if fs is None:
-                fs = self._filesystems[loc.protocol] = loc.open_fs(fresh=True)
+                fs = self._filesystems[loc.protocol] = shared_filesystem(loc)
             target.attach(
                 fs=fs,
                 preflight=(loc.protocol, loc.bucket) not in self._checked,

@@ -37,6 +37,7 @@ import crc32c
 from objckpt.testing.rules import Rule, RuleState, Seen
 from objckpt.testing.s3_operations import s3_operation
 from objckpt.testing.servers import s3_test_options
+from objckpt.writers.clients import PROCESS_CLIENTS
 
 __all__ = ["FaultProxy", "Rule", "Seen", "s3_operation"]
 
@@ -214,6 +215,9 @@ class FaultProxy:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)
+        # A later proxy may be given this port: clients kept for it must not send
+        # requests down connections this one's handler threads still hold.
+        PROCESS_CLIENTS.clear()
 
     def __enter__(self) -> FaultProxy:
         return self

@@ -3,33 +3,49 @@
 ``base`` is the protocol (:class:`ObjectStore`); ``s3`` (its uploads in ``s3_upload``
 and ``s3_body``), ``generic`` (GCS, memory, any fsspec store; GCS composite uploads
 in ``gcs_compose``) and ``local`` implement it. Beside them live what every store
-request needs: ``location`` (URL parsing and filesystem clients), ``retry`` and
-``throttle`` (retry policy, AIMD concurrency), ``translate`` (backend errors to
-objckpt's) and ``checksum`` (CRC32C). Nothing here knows about DCP or manifests.
+request needs: ``location`` (URL parsing and filesystem clients), ``clients`` (one
+client per process and store settings), ``retry`` and ``throttle`` (retry policy,
+AIMD concurrency), ``translate`` (backend errors to objckpt's) and ``checksum``
+(CRC32C). Nothing here knows about DCP or manifests.
+
+A family's module is imported when a location of its protocol is first opened: a
+process that saves to S3 never imports the GCS or local families, and s3fs itself is
+imported only when an ``s3://`` client is built.
 """
 
 from __future__ import annotations
 
-from fsspec import AbstractFileSystem
+import importlib
+from typing import TYPE_CHECKING
 
 from objckpt.options import UploadOptions
 from objckpt.writers.base import ObjectStore, ObjectUpload, OpenUpload
-from objckpt.writers.generic import GcsStore, GenericStore, MemoryStore
-from objckpt.writers.local import LocalStore
+from objckpt.writers.clients import shared_filesystem
 from objckpt.writers.location import Location
-from objckpt.writers.s3 import S3Store
+
+if TYPE_CHECKING:
+    from fsspec import AbstractFileSystem
 
 __all__ = ["ObjectStore", "ObjectUpload", "OpenUpload", "open_store"]
 
-_FAMILIES: dict[str, type[ObjectStore]] = {
-    "s3": S3Store,
-    "s3a": S3Store,
-    "gs": GcsStore,
-    "gcs": GcsStore,
-    "file": LocalStore,
-    "local": LocalStore,
-    "memory": MemoryStore,
+#: Store family by protocol: (module, class); any other protocol is generic fsspec.
+_FAMILIES: dict[str, tuple[str, str]] = {
+    "s3": ("objckpt.writers.s3", "S3Store"),
+    "s3a": ("objckpt.writers.s3", "S3Store"),
+    "gs": ("objckpt.writers.generic", "GcsStore"),
+    "gcs": ("objckpt.writers.generic", "GcsStore"),
+    "file": ("objckpt.writers.local", "LocalStore"),
+    "local": ("objckpt.writers.local", "LocalStore"),
+    "memory": ("objckpt.writers.generic", "MemoryStore"),
 }
+_GENERIC = ("objckpt.writers.generic", "GenericStore")
+
+
+def store_family(protocol: str) -> type[ObjectStore]:
+    """The :class:`ObjectStore` class for ``protocol`` (generic fsspec otherwise)."""
+    module, name = _FAMILIES.get(protocol, _GENERIC)
+    family: type[ObjectStore] = getattr(importlib.import_module(module), name)
+    return family
 
 
 def open_store(
@@ -38,8 +54,11 @@ def open_store(
     """The store family for ``location``'s protocol (generic fsspec otherwise).
 
     Args:
-        fs: An existing filesystem for the same protocol and options to reuse
-            (its clients and connections); a fresh one is opened when None.
+        fs: A filesystem for the same protocol and options to use (its clients and
+            connections); by default this process's shared client for the
+            location's settings (:mod:`objckpt.writers.clients`).
     """
-    family = _FAMILIES.get(location.protocol, GenericStore)
-    return family(location, options or UploadOptions(), fs)
+    family = store_family(location.protocol)
+    return family(
+        location, options or UploadOptions(), fs if fs is not None else shared_filesystem(location)
+    )
