@@ -19,10 +19,9 @@ every tensor, decoded and planned two ways in the same run: objckpt's reader and
 what a rank paid before it (every chunk built, then DCP's ``DefaultLoadPlanner``).
 Both plans are checked equal. The local shards are given through DCP's checkpoint
 protocol (``__create_chunk_list__``, what DTensor implements), so no process group
-is needed.
-
-Usage: ``python bench/bench_scale.py [--worlds 8,64,256,1024] [--repeats 3] [--plan-from 1024]``
-Results go to ``bench/results/scale-<date>.json`` and a Markdown table to stdout.
+is needed. Rank 0's commit, before and after #27 item 2: :mod:`scale_commit`.
+Usage: ``python bench/bench_scale.py [--worlds 8,64,256,1024] [--repeats 3] [--plan-from 1024]
+[--commit-worlds 1024,2048,4096,8192]``; results in ``bench/results/scale-<date>.json``.
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import scale_commit
 import torch
 from record import write_record
 from torch.distributed.checkpoint import DefaultLoadPlanner
@@ -371,22 +371,23 @@ def main() -> None:
     parser.add_argument(
         "--plan-from", type=int, default=1024, help="smallest W that also measures planning"
     )
+    scale_commit.add_arguments(parser)
     parser.add_argument("--name", default="scale", help="result file name prefix")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     rows = []
-    for world in (int(w) for w in args.worlds.split(",")):
+    for world in (int(w) for w in args.worlds.split(",") if w):
         log.info("W=%d ...", world)
         rows.append(measure(world, args.repeats, world <= args.dcp_up_to, world >= args.plan_from))
         log.info("%s", json.dumps(rows[-1]))
+    commits = scale_commit.run(args.commit_worlds, args.commit_before_up_to, simulate)
     real = real_save()
-    path = write_record(
-        args.out, args.name, 0, {"repeats": args.repeats, "rows": rows, "real_w1": real}
-    )
-    print(table(rows))
-    if any("plan" in r for r in rows):
-        print("\n" + plan_table(rows))
+    fields = {"repeats": args.repeats, "rows": rows, "real_w1": real, "commit": commits}
+    path = write_record(args.out, args.name, 0, fields)
+    print(table(rows) if rows else "")
+    print("\n" + plan_table(rows) if any("plan" in r for r in rows) else "")
+    print("\n" + scale_commit.commit_table(commits) if commits else "")
     ours = real["manifest"] + real["index"]
     print(
         f"\nreal W=1 save of {real['tensors']} tensors: manifest + index {ours / 1e3:.0f} kB, "

@@ -19,12 +19,15 @@ What may grow with W is decided here, once:
 * rank 0, the coordinator, on a save: it writes the manifest and ``.metadata`` (both
   list every rank's objects: at most linear in W), lists the step's objects once before
   the commit (``require_present``: one request, at most linear bytes), and the index
-  objects are one per rank, each written once (by whichever rank writes it); the rest of
-  its requests and bytes are flat;
+  objects are one per rank, each written once (by whichever rank writes it: each rank
+  its own since #27 item 2) and, on an async save, read back once by rank 0's commit
+  helper to build ``.metadata`` off the training process; the rest of its requests and
+  bytes are flat;
 * rank 0 on a load: it GETs the manifest (at most linear) and broadcasts it; the rest
   is flat;
 * c10d, per save: at most a few small records per rank (each rank posts its own
-  results), none of them growing with W, and no key left behind.
+  report: its index object's and payload objects' keys, sizes and CRC32Cs, and its
+  request counts), none of them growing with W, and no key left behind.
 
 Two things grow where they should not; they are ``xfail(strict=True)`` with the
 reason, not fixed here: a plain ``ObjectStoreReader`` without ``broadcast=True`` GETs the
@@ -342,11 +345,26 @@ def test_the_coordinator_grows_only_by_what_names_every_rank(
     )
     for what in ("manifest", "metadata"):
         assert zero16.sent_to(what) <= 4 * zero4.sent_to(what) + SLACK, f"{what} more than linear"
-    got4 = zero4.got("GetObject") - small.manifest_bytes_got(path, 0)
-    got16 = zero16.got("GetObject") - large.manifest_bytes_got(path, 0)
-    _bytes_within(got16, got4, got4, "rank 0's GET bytes but the manifest")
+    # An async save's commit helper (rank 0) reads every rank's index object once, to
+    # build .metadata off the training process: linear, like the .metadata it builds.
+    for run in (small, large):
+        read = run.traffic[path][0].paths("GetObject", "index") if path in SAVES else []
+        if path == "manager_save":
+            assert len(read) == len(set(read)) == run.world, read
+        else:
+            assert read == [], read
+    got4 = zero4.got("GetObject") - small.manifest_bytes_got(path, 0) - _index_got(small, path)
+    got16 = zero16.got("GetObject") - large.manifest_bytes_got(path, 0) - _index_got(large, path)
+    _bytes_within(got16, got4, got4, "rank 0's GET bytes but the manifest and index read-back")
     m4, m16 = small.manifest_bytes_got(path, 0), large.manifest_bytes_got(path, 0)
     assert m16 <= 4 * m4 + SLACK, f"rank 0 fetched {m16} B of manifest at W=16, {m4} B at W=4"
+
+
+def _index_got(run: Run, path: str) -> int:
+    """Bytes of the index objects rank 0 GETs on a save (its commit helper's read-back)."""
+    if path not in SAVES:
+        return 0
+    return sum(run.sizes[p] for p in run.traffic[path][0].paths("GetObject", "index"))
 
 
 def _index_sizes(run: Run, path: str) -> list[int]:

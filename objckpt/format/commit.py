@@ -40,6 +40,8 @@ from objckpt.format.dcp_json import StoredItem
 from objckpt.format.index import IndexShard, encode_metadata
 from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY
 from objckpt.format.manifest import Manifest, ObjectEntry, read_manifest
+from objckpt.format.ref_check import require_referenced
+from objckpt.format.refs import is_reference
 from objckpt.format.settle import after_commit, put_manifest, require_present
 from objckpt.writers.accounting import RequestCounter, RequestStats, counting, current_counter
 from objckpt.writers.base import ObjectStore
@@ -48,8 +50,12 @@ from objckpt.writers.checksum import Crc32c
 __all__ = [
     "REQUESTS_FQN",
     "commit_checkpoint",
+    "commit_manifest",
+    "delete_superseded_after",
+    "previous_objects",
     "read_manifest",
     "requests_result",
+    "save_storage_meta",
     "written_objects",
 ]
 
@@ -101,6 +107,17 @@ def _put_index(store: ObjectStore, shards: list[IndexShard]) -> list[ObjectEntry
         return [f.result() for f in futures]
 
 
+def save_storage_meta(
+    metadata: Metadata, url: str, checkpoint_id: str | os.PathLike[str] | None, attempt: str
+) -> StorageMeta:
+    """The ``StorageMeta`` a save records: the checkpoint id as the caller gave it (the
+    store URL when None) and the attempt id as the save id."""
+    meta = metadata.storage_meta or StorageMeta()
+    return dataclasses.replace(
+        meta, checkpoint_id=url if checkpoint_id is None else checkpoint_id, save_id=attempt
+    )
+
+
 def commit_checkpoint(
     store: ObjectStore,
     metadata: Metadata,
@@ -144,17 +161,15 @@ def commit_checkpoint(
             )
         by_rank.append(mine)
 
-    url = store.location.url
-    meta = metadata.storage_meta or StorageMeta()
-    storage_meta = dataclasses.replace(
-        meta, checkpoint_id=url if checkpoint_id is None else checkpoint_id, save_id=attempt
-    )
+    storage_meta = save_storage_meta(metadata, store.location.url, checkpoint_id, attempt)
     stock = dataclasses.replace(
         metadata,
         version=_DCP_VERSION,
         storage_meta=storage_meta,
         storage_data={
-            index: storage_info(item.relative_path, item.offset, item.length)
+            index: storage_info(
+                item.relative_path, item.offset, item.length, item.transform_descriptors
+            )
             for index, item in items.items()
         },
     )
@@ -169,39 +184,86 @@ def commit_checkpoint(
     with counting(commit_counter):
         for entry in _put_index(store, shards):
             objects[entry.key] = entry
-        # .metadata is written after the commit: everything else must be there now.
-        require_present(store, (o for o in objects.values() if o.key != METADATA_KEY))
+    superseded = previous_objects(store) if overwrite else set()
+    manifest = commit_manifest(
+        store,
+        attempt=attempt,
+        world_size=world_size,
+        objects=objects.values(),
+        metadata=doc,
+        user=user,
+        requests=ranks_requests + commit_counter.snapshot() if counted else None,
+        overwrite=overwrite,
+    )
+    written = after_commit(store, f"writing {METADATA_KEY}", lambda: store.put(METADATA_KEY, blob))
+    delete_superseded_after(store, written, superseded - {o.key for o in manifest.objects})
+    return manifest
+
+
+def commit_manifest(
+    store: ObjectStore,
+    *,
+    attempt: str,
+    world_size: int,
+    objects: Iterable[ObjectEntry],
+    metadata: Mapping[str, Any],
+    user: Mapping[str, Any] | None,
+    requests: RequestStats | None,
+    overwrite: bool,
+) -> Manifest:
+    """Check that every object but ``.metadata`` is there (one listing), then write the
+    manifest create-only (settled by read-back): the commit. ``.metadata``, which
+    ``objects`` lists, is for the caller to write after it.
+
+    Raises:
+        CheckpointExistsError: Another attempt committed this URL first.
+        UploadError: An object the manifest would name is gone (nothing committed).
+    """
+    entries = sorted(objects, key=lambda o: o.key)
+    counter = RequestCounter(parent=current_counter())
+    with counting(counter):
+        # .metadata is written after the commit: everything else must be there now,
+        # the objects it reuses from other steps too (one listing per step, #28).
+        own = [o for o in entries if o.key != METADATA_KEY and not is_reference(o.key)]
+        require_present(store, own)
+        require_referenced(store, (o for o in entries if is_reference(o.key)))
     manifest = Manifest(
         attempt=attempt,
         created=Manifest.now(),
         world_size=world_size,
         objckpt_version=__version__,
         torch_version=torch.__version__,
-        objects=tuple(sorted(objects.values(), key=lambda o: o.key)),
-        metadata=doc,
+        objects=tuple(entries),
+        metadata=metadata,
         user=dict(user or {}),
-        requests=ranks_requests + commit_counter.snapshot() if counted else None,
+        requests=None if requests is None else requests + counter.snapshot(),
     )
-    superseded = _previous_objects(store) if overwrite else set()
     put_manifest(store, manifest.to_json_bytes(), overwrite=overwrite)
+    url = store.location.url
     logger.info(
         "committed %s (%d objects, %d bytes)", url, len(manifest.objects), manifest.total_bytes
     )
-    if after_commit(store, f"writing {METADATA_KEY}", lambda: store.put(METADATA_KEY, blob)):
-        # Only now: until .metadata is replaced, stock readers load the replaced
-        # checkpoint, whose objects must stay until then.
-        _delete_superseded(store, superseded - {o.key for o in manifest.objects} - {MANIFEST_KEY})
-    elif superseded:
-        logger.warning(
-            "the objects only the checkpoint %s replaced named are kept (its %s still "
-            "points at them); `objckpt gc` removes them",
-            url,
-            METADATA_KEY,
-        )
     return manifest
 
 
-def _previous_objects(store: ObjectStore) -> set[str]:
+def delete_superseded_after(store: ObjectStore, written: bool, keys: set[str]) -> None:
+    """After ``.metadata`` was replaced (``written``): delete ``keys``, what only the
+    replaced manifest named. Until it is replaced, stock readers load the replaced
+    checkpoint, whose objects must stay: then they are kept, and that is logged."""
+    # Another step's objects (references) are never this step's to delete.
+    keys = {k for k in keys - {MANIFEST_KEY} if not is_reference(k)}
+    if written:
+        _delete_superseded(store, keys)
+    elif keys:
+        logger.warning(
+            "the objects only the checkpoint %s replaced named are kept (its %s still "
+            "points at them); `objckpt gc` removes them",
+            store.location.url,
+            METADATA_KEY,
+        )
+
+
+def previous_objects(store: ObjectStore) -> set[str]:
     """What the manifest an overwrite replaces names (empty when there is none)."""
     try:
         return {o.key for o in read_manifest(store).objects}

@@ -5,10 +5,11 @@ call of the training loop is needed for a save to finish::
 
     every rank:  queue deferred uploads -> rank 0's "already committed?" answer
                  (a bare save's: its uploads wait for it) -> wait for the uploads
-                 -> free the staging set
-                 post results (c10d store, keyed by the save's attempt)
-    rank 0:      gather every rank's results (timeout) -> .metadata -> manifest
-                 publish the outcome
+                 -> free the staging set -> PUT its own index object
+                 post a small report (c10d store, keyed by the save's attempt)
+    rank 0:      gather the reports (timeout) -> its commit helper process builds
+                 .metadata from the index objects -> manifest -> the helper writes
+                 .metadata (pipeline/coordinator.py) -> publish the outcome
     others:      wait for rank 0's outcome (timeout)
 
 The save's future gets the committed manifest (rank 0), None (other ranks) or
@@ -36,6 +37,8 @@ from objckpt.dcp.serialize import written_object
 from objckpt.errors import ObjckptError, UploadError
 from objckpt.format.commit import commit_checkpoint, requests_result, written_objects
 from objckpt.format.manifest import Manifest
+from objckpt.format.rank_commit import write_rank_index
+from objckpt.pipeline.coordinator import CommitHelper
 from objckpt.pipeline.deferred import DeferredWriter
 from objckpt.pipeline.finalize import RankExchange
 from objckpt.pipeline.handle import SaveHandle
@@ -88,6 +91,12 @@ class Committer:
         self._on_commit = on_commit
         self._on_error = on_error
         self._workers = workers
+        #: Rank 0's commit from the ranks' reports, and its helper process.
+        self._helper = CommitHelper()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop rank 0's commit helper process (if it was started)."""
+        self._helper.close(timeout)
 
     def ends_by(self, writer: DeferredWriter, distributed: bool) -> float | None:
         """The ``time.monotonic()`` by which :meth:`finalize` has settled ``writer``'s
@@ -137,6 +146,8 @@ class Committer:
         process_group: Any | None,
         distributed: bool,
     ) -> Manifest | None:
+        if distributed and writer.writer.rank == 0:
+            self._helper.start()  # its start overlaps the uploads
         queueing_error = writer.queue_deferred()
         refusal = writer.pass_gate()  # rank 0's "already committed?" (target_check)
         if refusal is not None:  # nothing was uploaded; no rank gathers
@@ -155,7 +166,19 @@ class Committer:
             self._after_commit(writer, manifest)
             return manifest
         exchange = exchange_for(writer, process_group, world, self._timeout)
-        exchange.post(error is None, results if error is None else describe(error))
+        report = None
+        if error is None:
+            try:  # this rank's own index object, before it reports
+                report = write_rank_index(
+                    writer.writer.store,
+                    results,
+                    rank_plan.rank,
+                    rank_plan.attempt,
+                    lambda: writer.writer.requests,
+                )
+            except BaseException as exc:
+                error = exc
+        exchange.post(error is None, report if error is None else describe(error))
         if rank_plan.rank == 0:
             return self._coordinate(writer, exchange, world)
         if error is not None:
@@ -167,8 +190,8 @@ class Committer:
 
     def _coordinate(self, writer: DeferredWriter, exchange: RankExchange, world: int) -> Manifest:
         try:
-            all_results = exchange.gather()
-            manifest = self._commit(writer, all_results, world)
+            reports = exchange.gather()
+            manifest = self._helper.commit(writer, reports, world)
         except BaseException as exc:
             exchange.publish_outcome(describe(exc))
             raise

@@ -3,10 +3,10 @@
 A commit needs every rank's upload results on the coordinator, and every rank
 needs to learn the outcome. DCP does this with collectives, which would force
 the training loop to call into the checkpointer on every rank at the same
-moment. Instead each rank's background thread posts its results under a key
-unique to the save attempt in the process group's c10d store; the coordinator's
-thread waits for all of them with a timeout (a dead rank becomes an error naming
-it, never a hang), commits, and posts the outcome for the others to read.
+moment. Instead each rank's background thread posts a small report under a key unique
+to the save attempt in the process group's c10d store; the coordinator's thread
+waits for all of them with a timeout (a dead rank becomes an error naming it,
+never a hang), commits, and posts the outcome for the others to read.
 """
 
 from __future__ import annotations
@@ -43,12 +43,17 @@ def _wait(store: Any, keys: list[str], timeout: float, what: str, label: str | N
 
 
 class RankExchange:
-    """One save attempt's results and outcome, exchanged through the store.
+    """One save attempt's reports and outcome, exchanged through the store.
 
-    Keys live under ``objckpt/<attempt>/`` and are deleted once read: the
-    coordinator deletes each rank's results after gathering them, and the last
-    rank to read the outcome deletes it, so a long job's store does not grow by a
-    few keys per rank and save.
+    Keys live under ``objckpt/<attempt>/``. A rank's report is small (each rank
+    wrote its own index object first: :mod:`objckpt.format.rank_commit`), so its
+    bytes do not grow with the world size; the coordinator reads all W in one
+    ``multi_get`` after one ``wait`` (two round trips, not one per rank). Keys are
+    deleted once read, each by one rank, so a long job's store does not grow by a
+    few keys per rank and save: a rank that reported success deletes its own key
+    once it has the outcome (rank 0 once it gathered), the coordinator the keys of
+    ranks that reported a failure (they return without waiting for the outcome),
+    and the last rank to read the outcome deletes it.
     """
 
     def __init__(
@@ -60,12 +65,14 @@ class RankExchange:
         self.world = world
         self.timeout = timeout
         self.url = url
+        self._posted_ok = False
 
     def _key(self, rank: int) -> str:
         return f"{self._prefix}/rank{rank}"
 
     def post(self, ok: bool, payload: Any) -> None:
         """Report this rank's results (ok) or its error message (not ok)."""
+        self._posted_ok = ok
         self._store.set(self._key(self.rank), pickle.dumps((ok, payload)))
 
     def gather(self) -> list[Any]:
@@ -73,15 +80,27 @@ class RankExchange:
         keys = [self._key(r) for r in range(self.world)]
         try:
             _wait(self._store, keys, self.timeout, f"saving {self.url}")
-            reports = [pickle.loads(self._store.get(k)) for k in keys]  # objckpt's own ranks
-        finally:
-            _delete(self._store, [k for k in keys if self._store.check([k])])
+            raw = self._store.multi_get(keys)
+        except BaseException:
+            # A rank missing: the failed ranks that did report wait for nobody.
+            present = [k for k in keys if self._store.check([k])]
+            _delete(
+                self._store,
+                [k for k in present if k == self._key(self.rank) or not _ok(self._store, k)],
+            )
+            raise
+        reports = [pickle.loads(v) for v in raw]  # objckpt's own ranks
         out, failures = [], []
         for r, (ok, payload) in enumerate(reports):
             if ok:
                 out.append(payload)
             else:
                 failures.append(f"rank {r}: {payload}")
+        # Failed ranks do not wait for the outcome: their keys are the coordinator's.
+        _delete(
+            self._store,
+            [self._key(r) for r, (ok, _) in enumerate(reports) if not ok or r == self.rank],
+        )
         if failures:
             raise UploadError(f"saving {self.url} failed on " + "; ".join(failures))
         return out
@@ -92,12 +111,30 @@ class RankExchange:
     def outcome(self) -> str | None:
         """Non-coordinator: None if the coordinator committed, else its error message."""
         key = f"{self._prefix}/outcome"
-        # Rank 0 itself waits up to `timeout` for the slowest rank, then commits.
-        _wait(self._store, [key], 2 * self.timeout + 30, f"commit of {self.url}", label="rank0")
+        try:
+            # Rank 0 itself waits up to `timeout` for the slowest rank, then commits.
+            _wait(self._store, [key], 2 * self.timeout + 30, f"commit of {self.url}", "rank0")
+        except BaseException:
+            self._tidy_own()
+            raise
         result: str | None = pickle.loads(self._store.get(key))
+        self._tidy_own()
         if self._store.add(f"{key}/read", 1) == self.world - 1:  # the last reader tidies up
             _delete(self._store, [key, f"{key}/read"])
         return result
+
+    def _tidy_own(self) -> None:
+        """Delete this rank's own report once the coordinator is done with it (or gone)."""
+        if self._posted_ok:
+            _delete(self._store, [self._key(self.rank)])
+
+
+def _ok(store: Any, key: str) -> bool:
+    """Whether the report under ``key`` says its rank succeeded (False if unreadable)."""
+    try:
+        return bool(pickle.loads(store.get(key))[0])
+    except Exception:
+        return False
 
 
 def _delete(store: Any, keys: list[str]) -> None:

@@ -1,0 +1,285 @@
+"""Rank 0's commit at W ranks, simulated: training-process CPU, c10d bytes, helper time.
+
+Part of ``bench_scale.py`` (``--commit-worlds``). The W ranks' uploads are simulated
+as ``bench_scale.simulate`` builds them (400 row-sharded weights and two optimizer
+moments each, 64 MiB payload objects); what is measured is real code on a real c10d
+``HashStore`` and a ``file://`` store in a temporary directory (no payload bytes:
+``require_present`` is skipped for local stores, so no listing is counted):
+
+(:func:`hint` gives each simulated item the chunk position DCP's global planner
+writes into its index, which a rank's own index needs.)
+
+* ``before``: the coordinator path as it was: every rank posts its pickled write
+  results; rank 0 waits, gets, checks and deletes each rank's key, unpickles W
+  results, then ``commit_checkpoint`` (encode and PUT W index objects, pickle
+  ``.metadata``, the manifest), all in the training process.
+* ``after``: every rank encodes and PUTs its own index and posts a
+  :class:`~objckpt.format.rank_commit.RankReport`; rank 0 gathers them
+  (``RankExchange.gather``: one wait, one ``multi_get``) and commits with
+  :class:`~objckpt.pipeline.coordinator.CommitHelper`, whose helper process reads the
+  W index objects and builds ``.metadata``. Measured twice: the first save of a plan
+  (the layout is built) and a later one (the layout is reused).
+
+Rank 0's figure is ``time.process_time()`` of the whole bench process over the
+commit (every thread: the exchange, the manifest, pickling the helper's task and
+reply), the helper's the CPU ``/proc`` reports for its process. c10d bytes per rank
+are key + value of what the rank posts (the outcome it reads is one small key more).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import logging
+import os
+import pickle
+import shutil
+import tempfile
+import time
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.storage import WriteResult
+
+from objckpt.format.commit import commit_checkpoint, requests_result, written_objects
+from objckpt.format.dcp_json import StoredItem
+from objckpt.format.manifest import ObjectEntry
+from objckpt.format.rank_commit import RankReport
+from objckpt.format.rank_index import encode_rank_index
+from objckpt.options import UploadOptions
+from objckpt.pipeline.coordinator import CommitHelper
+from objckpt.pipeline.finalize import RankExchange
+from objckpt.writers import open_store
+from objckpt.writers.accounting import RequestStats
+from objckpt.writers.checksum import Crc32c
+from objckpt.writers.location import Location
+
+log = logging.getLogger("bench")
+ATTEMPT = "6b0000000000beef"
+
+
+def hint(items: list[dict[MetadataIndex, StoredItem]]) -> None:
+    """Give each simulated item, in place, the chunk position DCP's global planner
+    writes into its index (rank r holds chunk r of every tensor here), which a rank's
+    own index needs, and its payload object's size."""
+    for rank, rank_items in enumerate(items):
+        ends: dict[str, int] = {}
+        for it in rank_items.values():
+            ends[it.relative_path] = max(ends.get(it.relative_path, 0), it.offset + it.length)
+        items[rank] = {
+            MetadataIndex(i.fqn, i.offset, None if i.offset is None else rank): dataclasses.replace(
+                it, object_size=ends[it.relative_path], object_crc32c="0123abcd"
+            )
+            for i, it in rank_items.items()
+        }
+
+
+def _cpu_of(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _results(items: dict[MetadataIndex, StoredItem]) -> list[WriteResult]:
+    out = [WriteResult(index=i, size_in_bytes=s.length, storage_data=s) for i, s in items.items()]
+    out.append(requests_result(RequestStats()))
+    return out
+
+
+def measure_before(meta: Any, items: list[dict[MetadataIndex, StoredItem]]) -> dict[str, Any]:
+    """The coordinator path as it was (see module doc)."""
+    world = len(items)
+    store = dist.HashStore()
+    posted = []
+    for r in range(world):
+        value = pickle.dumps((True, _results(items[r])))
+        key = f"objckpt/{ATTEMPT}/rank{r}"
+        posted.append(len(key) + len(value))
+        store.set(key, value)
+    with tempfile.TemporaryDirectory() as tmp:
+        target = open_store(Location.parse(f"file://{tmp}/before"), UploadOptions())
+        gc.collect()
+        t0, w0 = time.process_time(), time.perf_counter()
+        keys = [f"objckpt/{ATTEMPT}/rank{r}" for r in range(world)]
+        store.wait(keys)
+        results = [pickle.loads(store.get(k))[1] for k in keys]
+        for k in keys:
+            store.check([k])
+            store.delete_key(k)
+        manifest = commit_checkpoint(
+            target, meta, results, attempt=ATTEMPT, world_size=world, overwrite=False
+        )
+        cpu, wall = time.process_time() - t0, time.perf_counter() - w0
+        del results
+        assert len(manifest.objects) > world
+    return {
+        "rank0_cpu_s": cpu,
+        "rank0_wall_s": wall,
+        "c10d_bytes_per_rank_max": max(posted),
+        "c10d_bytes_per_rank_mean": sum(posted) / world,
+    }
+
+
+def measure_after(
+    meta: Any, items: list[dict[MetadataIndex, StoredItem]], keep: bool = True
+) -> dict[str, Any]:
+    """Every rank's own index, rank 0's gather and commit with its helper (without
+    ``keep``, ``items`` is emptied once the ranks' index objects are written: memory)."""
+    world = len(items)
+    row: dict[str, Any] = {"saves": []}
+    tmp = tempfile.mkdtemp()
+    helper = CommitHelper()
+    try:
+        helper.start()
+        helper._submit(_noop).result()  # up, torch imported: its start is not a save's
+        first = f"{tmp}/step0"
+        os.makedirs(first)
+        reports = []
+        encode_s = 0.0
+        for r in range(world):
+            t0 = time.process_time()
+            shard = encode_rank_index(items[r], r, ATTEMPT)
+            crc = Crc32c()
+            crc.update(shard.data)
+            spent = time.process_time() - t0
+            if r == world - 1:
+                encode_s = spent  # one rank other than the coordinator
+            with open(f"{first}/{shard.key}", "wb") as f:
+                f.write(shard.data)
+            entry = ObjectEntry(shard.key, len(shard.data), crc.hexdigest())
+            reports.append(RankReport(entry, written_objects(_results(items[r])), RequestStats()))
+        if not keep:
+            items.clear()
+            gc.collect()
+        row["rank_index_encode_s"] = encode_s
+        row["index_bytes_per_rank"] = reports[-1].index.size if reports[-1].index else 0
+        shutil.copytree(first, f"{tmp}/step1")  # the same index objects, before any commit
+        for n, label in enumerate(("first save of the plan", "later save")):
+            url_dir = f"{tmp}/step{n}"
+            row["saves"].append(_one_save(helper, meta, reports, url_dir, label))
+        posted = row["saves"][0].pop("bytes")["posted"]
+        row["saves"][1].pop("bytes")
+        row["c10d_bytes_per_rank_max"] = max(posted)
+        row["c10d_bytes_per_rank_mean"] = sum(posted) / world
+    finally:
+        helper.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return row
+
+
+def _noop() -> None:
+    return None
+
+
+def _one_save(
+    helper: CommitHelper, meta: Any, reports: list[RankReport], url_dir: str, label: str
+) -> dict[str, Any]:
+    world = len(reports)
+    store = dist.HashStore()
+    posted = []
+    for r in range(world):
+        ex = RankExchange(store, ATTEMPT, r, world, 60.0, url_dir)
+        value = pickle.dumps((True, reports[r]))
+        posted.append(len(f"objckpt/{ATTEMPT}/rank{r}") + len(value))
+        if r:  # rank 0 posts its own inside the measured commit
+            ex.post(True, reports[r])
+    target = open_store(Location.parse(f"file://{url_dir}"), UploadOptions())
+    writer = types.SimpleNamespace(
+        metadata=meta,
+        rank_plan=types.SimpleNamespace(attempt=ATTEMPT, rank=0),
+        deadline=None,
+        writer=types.SimpleNamespace(
+            store=target,
+            checkpoint_id=None,
+            upload=UploadOptions(),
+            overwrite=False,
+            user_metadata={},
+            close=lambda: None,
+        ),
+    )
+    pid = helper._pool.pids()[0] if helper._pool is not None else 0
+    gc.collect()
+    h0 = _cpu_of(pid)
+    t0, w0 = time.process_time(), time.perf_counter()
+    exchange = RankExchange(store, ATTEMPT, 0, world, 60.0, url_dir)
+    exchange.post(True, reports[0])
+    gathered = exchange.gather()
+    manifest = helper.commit(writer, gathered, world)  # type: ignore[arg-type]
+    exchange.publish_outcome(None)
+    cpu, wall = time.process_time() - t0, time.perf_counter() - w0
+    helper_cpu = _cpu_of(pid) - h0
+    assert len(manifest.objects) > world and os.path.exists(f"{url_dir}/.metadata")
+    return {
+        "label": label,
+        "rank0_cpu_s": cpu,
+        "rank0_wall_s": wall,
+        "helper_cpu_s": helper_cpu,
+        "metadata_bytes": os.path.getsize(f"{url_dir}/.metadata"),
+        "manifest_bytes": os.path.getsize(f"{url_dir}/manifest.json"),
+        "bytes": {"posted": posted},
+    }
+
+
+def measure_commit(
+    world: int, meta: Any, items: list[dict[MetadataIndex, StoredItem]], before: bool
+) -> dict[str, Any]:
+    """Rank 0's commit at ``world`` ranks (``bench_scale.simulate``'s save), after #27
+    item 2 and, with ``before``, the old way."""
+    after = measure_after(meta, items, keep=before)
+    row: dict[str, Any] = {"world": world, "after": after}
+    gc.collect()
+    if before:
+        row["before"] = measure_before(meta, items)
+    return row
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--commit-worlds", default="", help="world sizes of rank 0's commit measurement"
+    )
+    parser.add_argument(
+        "--commit-before-up-to", type=int, default=8192, help="largest W measured the old way"
+    )
+
+
+def run(worlds: str, before_up_to: int, simulate: Callable[[int], Any]) -> list[dict[str, Any]]:
+    """``measure_commit`` at each of the comma-separated ``worlds``, logged as it goes."""
+    rows = []
+    for world in (int(w) for w in worlds.split(",") if w):
+        log.info("commit at W=%d ...", world)
+        meta, items = simulate(world)
+        hint(items)
+        rows.append(measure_commit(world, meta, items, world <= before_up_to))
+        del meta, items
+        log.info("%s", json.dumps(rows[-1]))
+    return rows
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.2f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
+
+
+def commit_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| W | rank 0 process CPU per save, before | after: first save of a plan | after: "
+        "later save | commit helper CPU (later save) | c10d B per rank, before | after |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        a, b = r["after"], r.get("before")
+        first, later = a["saves"]
+        before = f"{b['rank0_cpu_s']:.2f} s" if b else "-"
+        lines.append(
+            f"| {r['world']} | {before} "
+            f"| {first['rank0_cpu_s'] * 1e3:.0f} ms | {later['rank0_cpu_s'] * 1e3:.0f} ms "
+            f"| {later['helper_cpu_s']:.2f} s "
+            f"| {_mb(b['c10d_bytes_per_rank_max']) if b else '-'} "
+            f"| {a['c10d_bytes_per_rank_max']} B |"
+        )
+    return "\n".join(lines)
