@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from objckpt.dcp.load_planner import LoadPlanner
     from objckpt.dcp.storage_reader import ObjectStoreReader
     from objckpt.dcp.storage_writer import ObjectStoreWriter
+    from objckpt.dcp.transforms import ByteGrouping
     from objckpt.format.manifest import Manifest
     from objckpt.ops.backup import BackupStatus, BackupTarget
     from objckpt.ops.config import Config, load_config
@@ -42,6 +43,7 @@ _HOMES = {
     "AsyncRequest": "objckpt.pipeline.queue",
     "BackupStatus": "objckpt.ops.backup",
     "BackupTarget": "objckpt.ops.backup",
+    "ByteGrouping": "objckpt.dcp.transforms",
     "CheckpointManager": "objckpt.ops.manager",
     "Config": "objckpt.ops.config",
     "LoadPlanner": "objckpt.dcp.load_planner",
@@ -67,6 +69,7 @@ __all__ = [
     "AsyncRequest",
     "BackupStatus",
     "BackupTarget",
+    "ByteGrouping",
     "CheckpointManager",
     "Config",
     "LoadPlanner",

@@ -26,10 +26,19 @@ __all__ = [
 ]
 
 
-def storage_info(relative_path: str, offset: int, length: int) -> Any:
-    """DCP's ``_StorageInfo`` (what stock readers expect in ``Metadata.storage_data``)."""
+def storage_info(
+    relative_path: str,
+    offset: int,
+    length: int,
+    transform_descriptors: Sequence[str] | None = None,
+) -> Any:
+    """DCP's ``_StorageInfo`` (what stock readers expect in ``Metadata.storage_data``),
+    with the item's stream-transform descriptors when it has any (as DCP's writers
+    leave the field out otherwise)."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
+    if transform_descriptors:
+        return _StorageInfo(relative_path, offset, length, list(transform_descriptors))
     return _StorageInfo(relative_path, offset, length)
 
 

@@ -14,6 +14,7 @@ def test_public_names_are_exactly_the_contract() -> None:
         "AsyncRequest",
         "BackupStatus",
         "BackupTarget",
+        "ByteGrouping",
         "CheckpointManager",
         "Config",
         "RetentionPolicy",

@@ -3,7 +3,9 @@
 ``ls`` answers "what is there and how far behind is everything else": each step's
 state, size and time under the root, with a config naming backups how far each
 backup trails, and with ``--local`` which steps this node's local tier holds.
-``info`` summarises one committed checkpoint from its manifest, without loading it.
+``info`` summarises one committed checkpoint from its manifest, without loading it,
+including how many of its bytes it stores itself and how many it reuses from earlier
+steps (references, :mod:`objckpt.format.refs`).
 """
 
 from __future__ import annotations
@@ -180,9 +182,12 @@ def info_command(ctx: CommandContext, ckpt: str, tensors: bool) -> None:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from objckpt.format.index import dcp_metadata
+    from objckpt.format.refs import referenced_step
 
     loc = ctx.location(ckpt, "CKPT")
     m = committed_manifest(loc)
+    reused = sum(o.size for o in m.objects if referenced_step(o.key) is not None)
+    reused_from = sorted({s for o in m.objects if (s := referenced_step(o.key)) is not None})
     metadata = dcp_metadata(m, url=loc.url)
     entries: list[dict[str, Any]] = []
     for fqn, md in sorted(metadata.state_dict_metadata.items()):
@@ -200,6 +205,9 @@ def info_command(ctx: CommandContext, ckpt: str, tensors: bool) -> None:
         "torch_version": m.torch_version,
         "objects": len(m.objects),
         "bytes": m.total_bytes,
+        "stored_bytes": m.total_bytes - reused,
+        "reused_bytes": reused,
+        "reused_from": reused_from,
         "user": dict(m.user),
         "requests": None if m.requests is None else m.requests.to_json(),
         "entries": entries if tensors else len(entries),
@@ -210,6 +218,11 @@ def info_command(ctx: CommandContext, ckpt: str, tensors: bool) -> None:
         click.echo(f"  committed  {m.created} (attempt {m.attempt})")
         click.echo(f"  world size {m.world_size}")
         click.echo(f"  objects    {len(m.objects)} ({m.total_bytes:,} bytes)")
+        if reused:
+            click.echo(
+                f"  stored     {m.total_bytes - reused:,} bytes here, {reused:,} reused from "
+                f"{', '.join(reused_from)}"
+            )
         click.echo(f"  written by objckpt {m.objckpt_version}, torch {m.torch_version}")
         if m.requests is not None:
             click.echo(f"  save cost  {m.requests.summary()}")

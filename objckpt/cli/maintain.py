@@ -3,6 +3,11 @@
 ``gc`` removes what no committed manifest names (a dry run unless ``--apply``),
 ``rm`` deletes one checkpoint manifest first, ``cp`` copies a committed checkpoint
 with CRC32C checks and its manifest last, so a reader never sees half of one.
+
+Steps may reference each other's bytes (reuse, :mod:`objckpt.format.refs`): ``gc``
+and ``rm`` decide over the root's live set (:mod:`objckpt.ops.live_set`), so what a
+committed step references is never removed, and ``cp`` copies a referencing step
+whole into a step directory (:func:`objckpt.ops.verify.copy_checkpoint`).
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ __all__ = ["cp_command", "gc_command", "rm_command"]
 )
 @store_command
 def gc_command(ctx: CommandContext, root: str | None, apply: bool, grace: float | None) -> None:
-    """Remove what no committed manifest names under ROOT, and stale multipart uploads."""
+    """Remove what no committed manifest names under ROOT (references included) and
+    no young uncommitted index references, and stale multipart uploads."""
     from objckpt.ops.gc import DEFAULT_GRACE, collect_garbage
 
     loc = ctx.location(root, "ROOT")
@@ -58,7 +64,8 @@ def gc_command(ctx: CommandContext, root: str | None, apply: bool, grace: float 
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @store_command
 def rm_command(ctx: CommandContext, ckpt: str, yes: bool) -> None:
-    """Delete the checkpoint CKPT (its manifest first, so it vanishes at once)."""
+    """Delete the checkpoint CKPT (its manifest first, so it vanishes at once); objects
+    of it that later steps reference stay."""
     from objckpt.ops.gc import delete_step
 
     loc = ctx.location(ckpt, "CKPT")
@@ -77,7 +84,11 @@ def rm_command(ctx: CommandContext, ckpt: str, yes: bool) -> None:
 @click.option("--overwrite", is_flag=True, help="Replace a committed checkpoint at DST.")
 @store_command
 def cp_command(ctx: CommandContext, src: str, dst: str, overwrite: bool) -> None:
-    """Copy the committed checkpoint SRC to DST, checking CRC32C, manifest last."""
+    """Copy the committed checkpoint SRC to DST, checking CRC32C, manifest last.
+
+    A step that reuses earlier steps' bytes is copied whole into a step directory
+    (DST = <root>/step-N): the objects it references go beside it.
+    """
     from objckpt.ops.verify import copy_checkpoint
 
     src_loc = ctx.location(src, "SRC")

@@ -27,7 +27,9 @@ __all__ = ["verify_command"]
 def verify_command(ctx: CommandContext, ckpt: str) -> None:
     """Check every object of CKPT against the manifest's size and CRC32C.
 
-    Exits 1 and names each object that fails; never loads anything into torch.
+    Objects CKPT reuses from an earlier step are checked where they are stored.
+    Exits 1 and names each object that fails (both steps for a reused one); never
+    loads anything into torch.
     """
     from objckpt.ops.verify import verify_checkpoint
 
@@ -45,6 +47,7 @@ def verify_command(ctx: CommandContext, ckpt: str) -> None:
         "failures": [
             {
                 "key": f.key,
+                "url": f.stored_at or loc.url_of(f.key),
                 "problem": f.problem,
                 "size": f.size,
                 "actual_size": f.actual_size,
@@ -57,7 +60,7 @@ def verify_command(ctx: CommandContext, ckpt: str) -> None:
 
     def human() -> None:
         for f in report.failures:
-            click.echo(f"FAIL {loc.url_of(f.key)}: {f.problem}")
+            click.echo(f"FAIL {f.stored_at or loc.url_of(f.key)}: {f.problem}")
         verdict = "ok" if report.ok else f"{len(report.failures)} of {len(report.objects)} failed"
         click.echo(f"{loc.url}: {len(report.objects)} objects checked, {verdict}")
 

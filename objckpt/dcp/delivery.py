@@ -17,6 +17,7 @@ import concurrent.futures
 import contextvars
 import io
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -25,14 +26,20 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 from objckpt._torch import narrow
 from objckpt.dcp.read_plan import Range
 from objckpt.dcp.serialize import Framer, unframe
-from objckpt.errors import ChecksumMismatchError, StateDictError
+from objckpt.errors import ChecksumMismatchError, SizeMismatchError, StateDictError
+from objckpt.format.bounds import FRAME_SLACK, MAX_INT, tensor_bytes
 from objckpt.format.chunk_runs import chunk_of
+from objckpt.format.compress import undo_transforms
 from objckpt.format.dcp_json import StoredItem
 from objckpt.options import ReadOptions
 from objckpt.writers.checksum import Crc32c
 from objckpt.writers.location import Location
 
 __all__ = ["Delivery", "fetch_and_deliver"]
+
+#: The most a transformed non-tensor value may decode to (its dtype and shape bound
+#: nothing; a stock checkpoint does not even record its size before the transforms).
+MAX_UNDECLARED = 1024**3
 
 
 def fetch_and_deliver(
@@ -64,8 +71,10 @@ class Delivery:
         options: Whether to verify, and whether to trust pickles.
     """
 
-    def __init__(self, options: ReadOptions) -> None:
+    def __init__(self, options: ReadOptions, registry: Any | None = None) -> None:
         self.options = options
+        #: DCP's ``ExtensionRegistry`` for stream transforms objckpt does not know.
+        self.registry = registry
         #: Tensor frames, to read framed tensors without torch.load.
         self._framer = Framer()
 
@@ -103,6 +112,8 @@ class Delivery:
                         f"(bytes {item.offset}-{item.offset + item.length}) is {crc.hexdigest()}, "
                         f"the manifest says {item.crc32c}; the object is corrupt"
                     )
+            if item.transform_descriptors:
+                data = self._decoded(data, req, item, metadata, location)
             if req.type == LoadItemType.BYTE_IO:
                 value = self._plain_value(data, req.storage_index.fqn, item, location)
                 planner.load_bytes(req, value)
@@ -120,6 +131,45 @@ class Delivery:
                 )
             target.copy_(tensor)
             planner.commit_tensor(req, target)
+
+    def _decoded(
+        self,
+        data: memoryview,
+        req: ReadItem,
+        item: StoredItem,
+        metadata: Metadata,
+        location: Location,
+    ) -> memoryview:
+        """The item's bytes before its stream transforms (decompressed), no longer
+        than its recorded length before them, or, where none is recorded (a stock
+        checkpoint), than its chunk's dtype and shape allow."""
+        what = f"{location.url_of(item.relative_path)} item {req.storage_index.fqn!r}"
+        declared, exact = item.raw_length, True
+        if declared is not None and req.type == LoadItemType.BYTE_IO and declared > MAX_UNDECLARED:
+            # A tensor's recorded size was checked against its shape; a value's
+            # bounds nothing, so a bomb could claim any size.
+            raise SizeMismatchError(
+                f"{what} declares {declared} bytes before its transforms, more than the "
+                f"{MAX_UNDECLARED} objckpt decodes for a non-tensor value; refused"
+            )
+        if declared is None:
+            exact = False
+            md = metadata.state_dict_metadata.get(req.storage_index.fqn)
+            declared = MAX_UNDECLARED
+            if isinstance(md, TensorStorageMetadata):
+                chunk = chunk_of(md, req.storage_index)
+                if chunk is not None:
+                    need = tensor_bytes(md.properties.dtype, tuple(chunk.sizes), MAX_INT)
+                    declared = need + FRAME_SLACK
+        out = undo_transforms(
+            data,
+            item.transform_descriptors or (),
+            declared,
+            exact=exact,
+            what=what,
+            registry=self.registry,
+        )
+        return memoryview(out)
 
     def _plain_value(
         self, data: memoryview, fqn: str, item: StoredItem, location: Location

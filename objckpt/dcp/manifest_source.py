@@ -164,11 +164,12 @@ def check_items(
     *,
     where: str,
 ) -> None:
-    """Refuse items placed outside what the checkpoint lists, or stored transformed.
+    """Refuse items placed outside what the checkpoint lists.
 
     Each item must lie in an object ``objects`` lists, inside its recorded size, and
     a tensor chunk must be as long as its dtype and shape need (give or take the
-    ``torch.save`` container), all before any of it is requested.
+    ``torch.save`` container; for an item stored transformed, e.g. compressed, its
+    recorded length before the transforms), all before any of it is requested.
 
     Args:
         items: The items, by DCP index.
@@ -186,11 +187,6 @@ def check_items(
                 f"{where} places an item in {item.relative_path!r}, "
                 "which is not an object of the checkpoint"
             )
-        if item.transform_descriptors:
-            raise ManifestError(
-                f"{where} uses stream transforms {item.transform_descriptors}, "
-                "which objckpt does not support"
-            )
         check_item(
             index,
             item.offset,
@@ -198,6 +194,8 @@ def check_items(
             entry.size,
             metadata,
             where=where,
+            transformed=bool(item.transform_descriptors),
+            raw_length=item.raw_length,
             key=item.relative_path,
         )
 

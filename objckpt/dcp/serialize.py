@@ -19,7 +19,6 @@ import math
 import threading
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
-from typing import IO, cast
 
 import torch
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
@@ -29,8 +28,8 @@ from objckpt._torch import save_tensor, tensor_frame
 from objckpt.dcp.plan import ObjectPlan
 from objckpt.errors import StateDictError
 from objckpt.format.dcp_json import StoredItem
-from objckpt.format.payload import PayloadRecord, PayloadWriter, close_payload
-from objckpt.writers.base import ObjectUpload
+from objckpt.format.payload import PayloadRecord, close_payload
+from objckpt.format.reused import BaseItem
 from objckpt.writers.checksum import BytesLike
 
 __all__ = [
@@ -41,9 +40,10 @@ __all__ = [
     "resolve_bytes_items",
     "resolve_entries",
     "serialized_tensor",
+    "stored_chunks",
     "tensor_bytes",
     "unframe",
-    "write_payload",
+    "with_transforms",
     "written_object",
 ]
 
@@ -54,6 +54,7 @@ class _Placed:
     offset: int
     length: int
     crc32c: str
+    xxh3: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,9 +66,13 @@ class WrittenObject:
     crc32c: str
     placed: tuple[_Placed, ...]
     done: concurrent.futures.Future[None]
+    #: Items not written because the base step stores the same bytes.
+    reused: tuple[tuple[WriteItem, BaseItem], ...] = ()
+    #: (item, descriptors, length before them) of items stored transformed.
+    transforms: tuple[tuple[WriteItem, tuple[str, ...], int], ...] = ()
 
     def write_results(self) -> list[WriteResult]:
-        return [
+        results = [
             WriteResult(
                 index=p.item.index,
                 size_in_bytes=p.length,
@@ -78,10 +83,28 @@ class WrittenObject:
                     crc32c=p.crc32c,
                     object_size=self.size,
                     object_crc32c=self.crc32c,
+                    xxh3=p.xxh3,
                 ),
             )
             for p in self.placed
         ]
+        results.extend(
+            WriteResult(
+                index=item.index,
+                size_in_bytes=base.length,
+                storage_data=StoredItem(
+                    relative_path=base.key,
+                    offset=base.offset,
+                    length=base.length,
+                    crc32c=base.crc32c,
+                    object_size=base.object_size,
+                    object_crc32c=base.object_crc32c,
+                    xxh3=base.xxh3,
+                ),
+            )
+            for item, base in self.reused
+        )
+        return with_transforms(results, self.transforms)
 
 
 def _cpu_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -218,41 +241,20 @@ def serialized_tensor(tensor: torch.Tensor, framer: Framer) -> bytes:
     return frame[0] + bytes(tensor_bytes(t)) + frame[1]
 
 
-def write_payload(
-    upload: ObjectUpload,
-    entries: Iterable[tuple[int, torch.Tensor | BytesLike]],
-    framer: Framer | None = None,
-) -> PayloadRecord:
-    """Serialize ``entries`` (id, tensor or raw bytes) into ``upload``, in order.
-
-    Tensors are stored as ``torch.save`` files (DCP's own payload format, so stock
-    readers load them): a framed tensor as three writes (frame head, its bytes,
-    frame tail), any other through ``torch.save`` itself. Bytes go as they are.
-    The caller closes or aborts ``upload``.
-    """
-    framer = framer or Framer()
-    out = PayloadWriter(upload)
-    for ident, data in entries:
-        if not isinstance(data, torch.Tensor):
-            out.write_item(ident, (data,))
-            continue
-        t = _cpu_tensor(data)
-        frame = framer.frame(t)
-        if frame is not None:
-            # Sent from the tensor's memory, no copy into part buffers: the caller
-            # holds the state dict unchanged until the save returns (as with DCP's
-            # own writers), and the view keeps ``t`` alive until the upload is done.
-            out.write_item(ident, (frame[0], tensor_bytes(t), frame[1]), kept=True)
-            continue
-        out.begin_item(ident)
-        try:
-            save_tensor(t, cast(IO[bytes], out))
-        except Exception as exc:
-            if out.error is not None:
-                raise out.error from exc
-            raise
-        out.end_item()
-    return out.record()
+def stored_chunks(
+    data: torch.Tensor | BytesLike, framer: Framer
+) -> tuple[tuple[BytesLike, ...], bool]:
+    """An entry's stored bytes as chunks, and whether they are the caller's memory
+    kept unchanged until the upload ends (a framed tensor) rather than a copy."""
+    if not isinstance(data, torch.Tensor):
+        return (data,), False
+    t = _cpu_tensor(data)
+    frame = framer.frame(t)
+    if frame is not None:
+        return (frame[0], tensor_bytes(t), frame[1]), True
+    buf = io.BytesIO()
+    save_tensor(t, buf)
+    return (buf.getbuffer(),), False
 
 
 def refuse_unwritable(items: list[WriteItem], planner: SavePlanner) -> None:
@@ -318,8 +320,31 @@ def written_object(
     record: PayloadRecord,
     done: concurrent.futures.Future[None],
 ) -> WrittenObject:
-    """Pair a payload record with the write items it placed."""
+    """Pair a payload record with the write items it placed (and those it reused)."""
     placed = tuple(
-        _Placed(items[ident], off, length, crc) for ident, off, length, crc in record.places
+        _Placed(items[ident], off, length, crc, digest)
+        for ident, off, length, crc, digest in record.places
     )
-    return WrittenObject(obj.key, record.size, record.crc32c, placed, done)
+    reused = tuple((items[ident], base) for ident, base in record.reused)
+    transforms = tuple((items[ident], desc, raw) for ident, desc, raw in record.transforms)
+    return WrittenObject(obj.key, record.size, record.crc32c, placed, done, reused, transforms)
+
+
+def with_transforms(
+    results: list[WriteResult], transforms: Iterable[tuple[WriteItem, tuple[str, ...], int]]
+) -> list[WriteResult]:
+    """``results`` with the stream transforms each item's stored bytes went through
+    (the same for a reused item: equal stored bytes under equal options)."""
+    applied = {item.index: (desc, raw) for item, desc, raw in transforms}
+    if not applied:
+        return results
+    out = []
+    for r in results:
+        desc_raw = applied.get(r.index)
+        if desc_raw is not None and isinstance(r.storage_data, StoredItem):
+            data = dataclasses.replace(
+                r.storage_data, transform_descriptors=desc_raw[0], raw_length=desc_raw[1]
+            )
+            r = dataclasses.replace(r, storage_data=data)
+        out.append(r)
+    return out

@@ -76,6 +76,9 @@ class Sent:
     key: str
     length: int
     crc32c: str | None
+    #: Its stream transforms and length before them (a compressed item).
+    transforms: tuple[str, ...] | None = None
+    raw_length: int | None = None
 
 
 Fetch = Callable[[list[MetadataIndex]], list[tuple[Sent, bytes]]]

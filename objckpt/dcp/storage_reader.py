@@ -50,6 +50,7 @@ from objckpt.format.index import Locator
 from objckpt.format.manifest import Manifest
 from objckpt.options import ReadOptions
 from objckpt.writers.accounting import RequestCounter, RequestStats, counting
+from objckpt.writers.clients import shared_filesystem
 from objckpt.writers.location import Location
 from objckpt.writers.retry import RetryPolicy
 
@@ -106,6 +107,10 @@ class ObjectStoreReader(StorageReader):
             the same names: read first, object by object, checked, with ``url``
             for whatever it lacks or holds damaged. Its manifest, when present
             and readable, is used without asking the store.
+        _extension_registry: DCP's ``ExtensionRegistry`` (experimental in DCP, as
+            in torch's ``FileSystemReader``) for items stored through stream
+            transforms objckpt does not know itself; objckpt's compression
+            (zstd, byte grouping) is undone without one.
 
     Raises:
         CheckpointNotCommittedError: Payload exists but no manifest commits it.
@@ -126,6 +131,7 @@ class ObjectStoreReader(StorageReader):
         process_group: Any | None = None,
         allow_stock: bool = True,
         local: str | os.PathLike[str] | None = None,
+        _extension_registry: Any | None = None,
     ) -> None:
         super().__init__()
         self.location = Location.parse(url, storage_options, retry)
@@ -152,7 +158,7 @@ class ObjectStoreReader(StorageReader):
         #: Metadata bytes this reader fetched from the store (manifest, index objects).
         self.metadata_bytes_fetched = 0
         self._counter = RequestCounter()
-        self._delivery = Delivery(self.options)
+        self._delivery = Delivery(self.options, _extension_registry)
         #: The open's error, kept for dcp.load's first step in a process group.
         self._deferred: Exception | None = None
         with counting(self._counter):
@@ -165,7 +171,7 @@ class ObjectStoreReader(StorageReader):
     @property
     def fs(self) -> AbstractFileSystem:
         if self._fs is None or self._fs_pid != os.getpid():
-            self._fs = self.location.open_fs(fresh=True)
+            self._fs = shared_filesystem(self.location)
             self._fs_pid = os.getpid()
         return self._fs
 
@@ -351,7 +357,16 @@ class ObjectStoreReader(StorageReader):
         out: list[tuple[Sent, bytes]] = []
         for batch in batches(ranges, self.options.max_in_flight_bytes):
             out += [
-                (Sent(rng.key, rng.end - rng.start, it.crc32c), data)
+                (
+                    Sent(
+                        rng.key,
+                        rng.end - rng.start,
+                        it.crc32c,
+                        it.transform_descriptors,
+                        it.raw_length,
+                    ),
+                    data,
+                )
                 for rng, data, it in zip(
                     batch, self._fetch(batch), items[len(out) : len(out) + len(batch)], strict=True
                 )
@@ -362,5 +377,12 @@ class ObjectStoreReader(StorageReader):
         self, reads: list[ReadItem], sent: Sent, data: memoryview, planner: LoadPlanner
     ) -> None:
         """Receiver (and owner): copy a shared item into this rank's targets."""
-        item = StoredItem(sent.key, 0, sent.length, sent.crc32c)
+        item = StoredItem(
+            sent.key,
+            0,
+            sent.length,
+            sent.crc32c,
+            transform_descriptors=sent.transforms,
+            raw_length=sent.raw_length,
+        )
         self._deliver(Range(sent.key, 0, sent.length, [(r, item) for r in reads]), data, planner)

@@ -18,27 +18,28 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
 from fsspec import AbstractFileSystem
+from torch.distributed.checkpoint._extension import StreamTransformExtension
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from objckpt.dcp.plan import RankPlan, assign_objects
+from objckpt.dcp.reuse_base import BaseReader, BaseTable, base_location
 from objckpt.dcp.serialize import (
     Framer,
-    WrittenObject,
-    close_payload,
     refuse_unwritable,
     resolve_bytes_items,
     resolve_entries,
-    write_payload,
-    written_object,
+    with_transforms,
 )
+from objckpt.dcp.sync_write import write_objects
+from objckpt.dcp.transforms import ItemTransforms
 from objckpt.errors import CheckpointExistsError, ConfigurationError, ManifestError
 from objckpt.format.commit import commit_checkpoint, read_manifest, requests_result
 from objckpt.format.layout import (
@@ -80,6 +81,12 @@ class ObjectStoreWriter(StorageWriter):
             nothing is committed). An async checkpointer proves it on every rank,
             once, before its first copy.
         user_metadata: JSON-serializable values stored in the manifest's ``user``.
+        reuse_from: URL of a committed step beside ``url`` (``<root>/step-<N>``): items
+            whose stored bytes equal its items (same fqn and chunk, length, xxh3-128)
+            are referenced, not uploaded (docs/guides/reuse.md). None: none are.
+        _extensions: DCP stream transforms applied to each item, as torch's
+            ``FileSystemWriter(_extensions=...)`` applies them (experimental in
+            DCP); ``upload.compression`` is objckpt's own, in the same format.
 
     Raises:
         ConfigurationError: Bad URL, protocol or option (at construction).
@@ -95,6 +102,8 @@ class ObjectStoreWriter(StorageWriter):
         preflight_timeout: float = 30.0,
         user_metadata: Mapping[str, Any] | None = None,
         retry: RetryPolicy | None = None,
+        reuse_from: str | None = None,
+        _extensions: Sequence[StreamTransformExtension] | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(overwrite, bool):
@@ -106,10 +115,14 @@ class ObjectStoreWriter(StorageWriter):
                 f"option preflight_timeout={preflight_timeout!r} must be a positive number"
             )
         self.location = Location.parse(url, storage_options, retry)
+        base_location(self.location, reuse_from)  # a misnamed base fails here
+        self.reuse_from = reuse_from
+        self._base: BaseReader | None = None
         #: The checkpoint id as the caller gave it (DCP's ``StorageMeta.checkpoint_id``).
         self.checkpoint_id: str | os.PathLike[str] = url
         self.overwrite = overwrite
         self.upload = upload or UploadOptions()
+        self.transforms = ItemTransforms(self.upload.compression, _extensions)
         self.preflight_timeout = float(preflight_timeout)
         self.user_metadata = dict(user_metadata or {})
         #: Tensor frames by dtype and shape, kept across the saves of a reused writer.
@@ -214,6 +227,7 @@ class ObjectStoreWriter(StorageWriter):
                 self._store.location = new
         self._attempt = self._agreed_attempt
         self.save_id = self._agreed_attempt or new_attempt_id()
+        self._base = None  # read anew for this save's location
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._is_coordinator = is_coordinator
@@ -292,31 +306,27 @@ class ObjectStoreWriter(StorageWriter):
             self.upload.object_size,
             lambda i: payload_key(rank_plan.rank, i, rank_plan.attempt, self.upload.prefix_entropy),
         )
-        written: list[WrittenObject] = []
-        try:
-            for obj in objects:
-                upload = store.begin(obj.key, obj.size_hint)
-                try:
-                    record = write_payload(
-                        upload, resolve_entries(obj, planner, resolved, position), self.framer
-                    )
-                    record, done = close_payload(upload, record)
-                    written.append(written_object(obj, items, record, done))
-                except BaseException:
-                    upload.abort()
-                    raise
-            results: list[WriteResult] = []
-            for w in written:
-                w.done.result()
-                results.extend(w.write_results())
-        except BaseException:
-            for w in written:  # let in-flight uploads settle (they abort themselves on failure)
-                w.done.exception()
-            raise
-        logger.debug(
-            "rank %d wrote %d objects to %s", rank_plan.rank, len(written), self.location.url
+        entries_of, applied = self.transforms.wrap(
+            lambda obj: resolve_entries(obj, planner, resolved, position), self.framer
         )
+        results, created = write_objects(
+            store, objects, items, entries_of, self.framer, self.base_table(items)
+        )
+        results = with_transforms(results, applied(items))
+        logger.debug("rank %d wrote %d objects to %s", rank_plan.rank, created, self.location.url)
         return results
+
+    def base_reader(self) -> BaseReader | None:
+        """What this save reads of ``reuse_from`` (None: no reuse), read once."""
+        base = base_location(self.location, self.reuse_from)
+        if self._base is None and base is not None:
+            self._base = BaseReader(self.store.fs, base, target_url=self.location.url)
+        return self._base
+
+    def base_table(self, items: list[WriteItem]) -> BaseTable | None:
+        """The items of ``reuse_from`` this rank may reference (None: no reuse)."""
+        reader = self.base_reader()
+        return None if reader is None else reader.table([i.index for i in items])
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         if self._attempt is None:

@@ -15,7 +15,8 @@ allocated or requested:
   bytes before :func:`json.loads` builds anything (it has no depth option, and a
   deeply nested document is otherwise a ``RecursionError`` naming nothing).
 * **Keys.** Relative, inside the checkpoint: no ``..``, no absolute path, no
-  backslash, URL scheme, NUL or empty segment; a name where a name is expected.
+  backslash, URL scheme, NUL or empty segment (but a sibling step's object,
+  :mod:`objckpt.format.refs`); a name where a name is expected.
 * **Counts and extents.** Every count, offset and length is bounded by what the
   rest of the metadata allows: a tensor's chunk count by its element count, a
   chunk by its tensor, a tensor's bytes by the payload the checkpoint holds, a run
@@ -44,6 +45,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from objckpt.errors import ManifestError
+from objckpt.format.refs import is_reference, split_reference
 from objckpt.options import ReadOptions
 
 __all__ = [
@@ -168,15 +170,19 @@ def _no_constant(what: str, url: str) -> Any:
 
 
 def check_key(key: object, where: str) -> str:
-    """An object key relative to the checkpoint URL, which must stay inside it.
+    """An object key relative to the checkpoint URL, which must stay inside it, or a
+    reference to a sibling step's object (``../step-<N>/<key>``, :mod:`~objckpt.format.refs`).
 
     Raises:
         ManifestError: Not a non-empty string, or it could name anything outside the
             checkpoint (``..``, ``.`` or empty segments, an absolute path, a
-            backslash, a URL scheme, a NUL).
+            backslash, a URL scheme, a NUL) other than a well-formed reference.
     """
     if not isinstance(key, str) or not key:
         raise ManifestError(f"{where}: object key must be a non-empty string, got {key!r}")
+    if is_reference(key):
+        split_reference(key, f"{where}: object key {key!r} escapes the checkpoint directory")
+        return key
     parts = key.split("/")
     if (
         key.startswith("/")
@@ -341,10 +347,12 @@ def check_item(
     *,
     where: str,
     key: str,
+    transformed: bool = False,
+    raw_length: int | None = None,
 ) -> None:
     """One stored item against what the rest of the metadata allows: inside its
     object, and (a tensor chunk) as long as its dtype and shape need, give or take
-    the ``torch.save`` container.
+    the ``torch.save`` container (``transformed``: its ``raw_length``, if recorded).
 
     Args:
         index: The item.
@@ -372,6 +380,10 @@ def check_item(
     if chunk is None:
         return  # not a chunk of the tensor: the planner never asks for it
     need = tensor_bytes(md.properties.dtype, tuple(chunk.sizes), MAX_INT)
+    if transformed:  # compressed: judged by its length before (its decoding is bounded)
+        if raw_length is None:
+            return
+        size = check_int(raw_length, f"{where}: raw_length of {index.fqn!r}")
     if not need <= size <= need + FRAME_SLACK:
         takes = need if need <= MAX_INT else f"more than {MAX_INT}"
         raise ManifestError(

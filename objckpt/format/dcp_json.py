@@ -61,6 +61,12 @@ class StoredItem:
             (stock DCP checkpoints).
         object_size: Size of the whole payload object.
         object_crc32c: CRC32C of the whole payload object.
+        xxh3: xxh3-128 of the item's stored bytes (32 hex digits), what reuse
+            compares (with the length) to decide an item is unchanged; None when
+            unknown (stock DCP checkpoints, indexes written before #28).
+        raw_length: With ``transform_descriptors`` (stream transforms such as
+            compression, :mod:`objckpt.format.compress`, the first undone first):
+            the item's length before them, the most decoding may produce.
     """
 
     relative_path: str
@@ -70,6 +76,8 @@ class StoredItem:
     object_size: int = 0
     object_crc32c: str = ""
     transform_descriptors: tuple[str, ...] | None = None
+    xxh3: str | None = None
+    raw_length: int | None = None
 
 
 def dtype_name(dtype: torch.dtype) -> str:

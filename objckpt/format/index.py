@@ -20,10 +20,21 @@ Index document::
     {"format": "objckpt.index", "version": 1, "attempt": "<id>", "rank": R,
      "fqns": [...], "keys": [...],              # tables the columns point into
      "fqn": col, "chunk": col, "key": col, "offset": col, "length": col,
-     "crc32c": "<8 hex per item>"}
+     "crc32c": "<8 hex per item>",
+     "xxh3": "<32 hex per item>",              # optional (since #28)
+     "transforms": [[descriptor, ...], ...],    # optional: stored transformed
+     "transform": col, "raw_length": col}
 
 ``chunk`` is the item's position in its tensor's chunk list (-1 for a non-tensor
 value), which is also the index hint DCP's load planner puts in ``MetadataIndex``.
+``xxh3`` is the xxh3-128 of each item's stored bytes (32 dashes: unknown), written
+on every save so the next save can tell an unchanged item by content; ``keys`` may
+name another step's object (``../step-N/<key>``, :mod:`objckpt.format.refs`) where
+an item was reused. ``transform`` points into ``transforms``, the distinct chains
+of DCP stream-transform descriptors (compression, :mod:`objckpt.format.compress`;
+-1: stored as is), and ``raw_length`` is each item's length before them (its
+stored length when untransformed): the most its decoding may produce. Both are
+absent when no item is transformed, so such an index is what it was before.
 
 This module writes the format; reading it, bounded as untrusted input, is
 :mod:`objckpt.format.index_read` (its names are importable from here too).
@@ -53,6 +64,7 @@ from objckpt.format.dcp_json import (
 )
 from objckpt.format.index_read import (
     INDEX_FORMAT,
+    NO_XXH3,
     Locator,
     dcp_metadata,
     decode_index,
@@ -127,13 +139,24 @@ def encode_metadata(
         index_keys.append(key)
     for fqn, ranks in writer.items():
         state[fqn]["writer"] = ranks[0] if "chunks" not in state[fqn] else columns.pack(ranks)
-    return {
+    out: dict[str, Any] = {
         "version": metadata.version,
         "state_dict": state,
         "index": index_keys,
         "planner_data": _encode_paths(metadata.planner_data),
         "storage_meta": encode_storage_meta(metadata.storage_meta),
-    }, shards
+    }
+    # Items stored transformed (compressed) are longer before their transforms than
+    # the objects holding them: a reader's budget for what tensors may claim counts these.
+    raw = sum(
+        item.raw_length or 0
+        for items in items_by_rank
+        for item in items.values()
+        if item.transform_descriptors
+    )
+    if raw:
+        out["raw_bytes"] = raw
+    return out, shards
 
 
 def _whole(md: TensorStorageMetadata) -> bool:
@@ -167,9 +190,18 @@ def _index_doc(
     fqns: dict[str, int] = {}
     keys: dict[str, int] = {}
     fqn_col, chunk_col, key_col, off_col, len_col, crcs = [], [], [], [], [], []
+    hashes: list[str] = []
+    chains: dict[tuple[str, ...], int] = {}
+    transform_col: list[int] = []
+    raw_col: list[int] = []
     for index, item in items.items():
         if item.transform_descriptors:
-            raise ManifestError(f"stream transforms are not supported ({index.fqn!r})")
+            chain = tuple(item.transform_descriptors)
+            transform_col.append(chains.setdefault(chain, len(chains)))
+            raw_col.append(item.raw_length if item.raw_length is not None else item.length)
+        else:
+            transform_col.append(-1)
+            raw_col.append(item.length)
         if index.offset is None:
             chunk = -1
             state[index.fqn]["writer"] = rank
@@ -188,7 +220,8 @@ def _index_doc(
         off_col.append(item.offset)
         len_col.append(item.length)
         crcs.append(item.crc32c or "--------")
-    return {
+        hashes.append(item.xxh3 or NO_XXH3)
+    doc: dict[str, Any] = {
         "format": INDEX_FORMAT,
         "version": 1,
         "attempt": attempt,
@@ -201,4 +234,10 @@ def _index_doc(
         "offset": columns.pack(off_col),
         "length": columns.pack(len_col),
         "crc32c": "".join(crcs),
+        "xxh3": "".join(hashes),
     }
+    if chains:  # only a save with stream transforms (compression) has these columns
+        doc["transforms"] = [list(c) for c in chains]
+        doc["transform"] = columns.pack(transform_col)
+        doc["raw_length"] = columns.pack(raw_col)
+    return doc

@@ -31,6 +31,7 @@ from objckpt.format.bounds import (
     MAX_INT,
     check_count,
     check_dims,
+    check_int,
     check_key,
     check_name,
     column_extent,
@@ -46,10 +47,16 @@ from objckpt.format.dcp_json import (
 )
 from objckpt.format.manifest import Manifest, ObjectEntry
 
-__all__ = ["INDEX_FORMAT", "Locator", "dcp_metadata", "decode_index", "decode_metadata"]
+__all__ = ["INDEX_FORMAT", "NO_XXH3", "Locator", "dcp_metadata", "decode_index", "decode_metadata"]
 
 INDEX_FORMAT = "objckpt.index"
 _HEX = frozenset("0123456789abcdef")
+#: Bounds of a stream-transform chain in an index (DCP writes one descriptor per
+#: extension; objckpt's compression two).
+_MAX_TRANSFORMS = 8
+_MAX_DESCRIPTOR = 200
+#: An item's xxh3 in the index when it is not known.
+NO_XXH3 = "-" * 32
 
 
 def _decode_paths(raw: Any, keys: Sequence[str]) -> Any:
@@ -140,7 +147,10 @@ class _Budget:
             if key not in objects:
                 raise ManifestError(f"names index object {key!r}, which its object list does not")
         placed = sum(objects[k].size // 8 for k in keys)
-        return cls(sum(o.size for o in objects.values()), placed)
+        # Compressed items: what they decode to, which each item's decoding is
+        # bounded by (its index's raw_length, checked against its chunk's shape).
+        raw = check_int(doc.get("raw_bytes", 0), "raw_bytes")
+        return cls(sum(o.size for o in objects.values()) + raw, placed)
 
     def take_chunks(self, n: int, fqn: str) -> None:
         if n > self.chunks:
@@ -280,6 +290,11 @@ def _decode_index(
     if not isinstance(crcs, str) or len(crcs) % 8 or not set(crcs) <= _HEX | {"-"}:
         raise ValueError("crc32c must be 8 hex digits per item")
     n = len(crcs) // 8
+    hashes = doc.get("xxh3")  # absent: written before #28 (never reused from)
+    if hashes is not None and (
+        not isinstance(hashes, str) or len(hashes) != 32 * n or not set(hashes) <= _HEX | {"-"}
+    ):
+        raise ValueError(f"xxh3 must be 32 hex digits for each of the {n} items")
     # Every column fits the tables it points into before it is expanded (a negative
     # position would silently count from the end).
     for name, low_bound, high_bound in (
@@ -294,6 +309,7 @@ def _decode_index(
             raise ManifestError(
                 f"column {name!r} reaches {low}..{high}, outside [{low_bound}, {high_bound})"
             )
+    chains, transform_col, raw_col = _transform_columns(doc, n)
     fqn_col = columns.unpack(doc["fqn"], n, "fqn")
     chunk_col = columns.unpack(doc["chunk"], n, "chunk")
     key_col = columns.unpack(doc["key"], n, "key")
@@ -317,10 +333,50 @@ def _decode_index(
                 raise ValueError(f"{fqn!r} has {len(md.chunks)} chunks, not a chunk {chunk}")
             index = MetadataIndex(fqn, md.chunks[chunk].offsets, chunk)
         crc = crcs[8 * i : 8 * i + 8]
+        digest = None if hashes is None else hashes[32 * i : 32 * i + 32]
         items[index] = StoredItem(
             relative_path=checked_keys[key_col[i]],
             offset=off_col[i],
             length=len_col[i],
             crc32c=None if crc == "--------" else crc,
+            xxh3=None if digest is None or digest == NO_XXH3 else digest,
+            transform_descriptors=chains[transform_col[i]] if transform_col[i] >= 0 else None,
+            raw_length=raw_col[i] if transform_col[i] >= 0 else None,
         )
     return items
+
+
+def _transform_columns(
+    doc: Mapping[str, Any], n: int
+) -> tuple[list[tuple[str, ...]], Sequence[int], Sequence[int]]:
+    """The optional stream-transform table and columns (absent: nothing transformed),
+    bounded before they are expanded: at most one chain per item, each of a few
+    short descriptors, positions inside the table."""
+    if "transforms" not in doc:
+        return [], [-1] * n, [0] * n
+    table = doc["transforms"]
+    if not isinstance(table, list) or len(table) > max(n, 1):
+        raise ValueError(f"transforms must be a list of at most {max(n, 1)} chains")
+    chains: list[tuple[str, ...]] = []
+    for chain in table:
+        if (
+            not isinstance(chain, list)
+            or not 1 <= len(chain) <= _MAX_TRANSFORMS
+            or not all(isinstance(d, str) and 0 < len(d) <= _MAX_DESCRIPTOR for d in chain)
+        ):
+            raise ValueError(
+                f"a transform chain must be 1-{_MAX_TRANSFORMS} descriptors of at most "
+                f"{_MAX_DESCRIPTOR} characters"
+            )
+        chains.append(tuple(chain))
+    for name, low_bound, high_bound in (("transform", -1, len(chains)), ("raw_length", 0, MAX_INT)):
+        low, high = column_extent(doc[name], n, name)
+        if n and (low < low_bound or high >= high_bound):
+            raise ManifestError(
+                f"column {name!r} reaches {low}..{high}, outside [{low_bound}, {high_bound})"
+            )
+    return (
+        chains,
+        columns.unpack(doc["transform"], n, "transform"),
+        columns.unpack(doc["raw_length"], n, "raw_length"),
+    )

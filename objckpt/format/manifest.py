@@ -21,17 +21,30 @@ from typing import TYPE_CHECKING, Any
 from objckpt.errors import ManifestError
 from objckpt.format.bounds import check_key, load_json
 from objckpt.format.layout import MANIFEST_KEY
+from objckpt.format.refs import is_reference
 from objckpt.writers.accounting import RequestStats
 
 if TYPE_CHECKING:
     from objckpt.writers.base import ObjectStore
 
-__all__ = ["FORMAT", "VERSION", "Manifest", "ObjectEntry", "check_key", "read_manifest"]
+__all__ = [
+    "FORMAT",
+    "REFERENCES_VERSION",
+    "VERSION",
+    "Manifest",
+    "ObjectEntry",
+    "check_key",
+    "read_manifest",
+]
 
 FORMAT = "objckpt.manifest"
 #: Written since format 2 (compact metadata + per-rank index objects,
 #: :mod:`objckpt.format.index`); format 1 (every item a record here) still loads.
 VERSION = 2
+#: Written for a manifest that names another step's objects (``../step-N/<key>``,
+#: reuse of unchanged items, #28): an objckpt that predates references refuses it
+#: ("upgrade") instead of looking for those objects inside the step.
+REFERENCES_VERSION = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +78,21 @@ class Manifest:
 
     @property
     def total_bytes(self) -> int:
+        """Bytes of every object the step needs, referenced ones included."""
         return sum(o.size for o in self.objects)
+
+    @property
+    def reused_bytes(self) -> int:
+        """Bytes of the objects this step references in other steps (not stored by it)."""
+        return sum(o.size for o in self.objects if is_reference(o.key))
+
+    @property
+    def written_version(self) -> int:
+        """The format version this manifest is written with: 3 when it references
+        another step's objects, its own version otherwise."""
+        if any(is_reference(o.key) for o in self.objects):
+            return max(self.version, REFERENCES_VERSION)
+        return self.version
 
     def object(self, key: str) -> ObjectEntry | None:
         for o in self.objects:
@@ -80,7 +107,7 @@ class Manifest:
     def to_json_bytes(self) -> bytes:
         doc: dict[str, Any] = {
             "format": FORMAT,
-            "version": self.version,
+            "version": self.written_version,
             "attempt": self.attempt,
             "created": self.created,
             "world_size": self.world_size,
@@ -91,6 +118,9 @@ class Manifest:
             "metadata": self.metadata,
             "user": dict(self.user),
         }
+        reused = self.reused_bytes
+        if reused:
+            doc["reused_bytes"] = reused
         if self.requests is not None:
             doc["requests"] = self.requests.to_json()
         return json.dumps(doc, separators=(",", ":"), sort_keys=False).encode()
@@ -110,10 +140,10 @@ class Manifest:
         version = doc.get("version")
         if not isinstance(version, int) or isinstance(version, bool) or version < 1:
             raise ManifestError(f"manifest {url} has no valid format version")
-        if version > VERSION:
+        if version > REFERENCES_VERSION:
             raise ManifestError(
                 f"manifest {url} has format version {version}, newer than this objckpt "
-                f"understands ({VERSION}); upgrade objckpt to load it"
+                f"understands ({REFERENCES_VERSION}); upgrade objckpt to load it"
             )
 
         def field(name: str, kind: type | tuple[type, ...]) -> Any:
@@ -136,7 +166,13 @@ class Manifest:
                 or any(c not in "0123456789abcdef" for c in crc)
             ):
                 raise ManifestError(f"{where}: crc32c must be 8 lowercase hex digits")
-            objects.append(ObjectEntry(check_key(raw.get("key"), where), size, crc))
+            key = check_key(raw.get("key"), where)
+            if is_reference(key) and version < REFERENCES_VERSION:
+                raise ManifestError(
+                    f"{where}: reference {key!r} in a format-{version} manifest (references "
+                    f"need format {REFERENCES_VERSION})"
+                )
+            objects.append(ObjectEntry(key, size, crc))
         manifest = cls(
             attempt=field("attempt", str),
             created=field("created", str),
@@ -152,6 +188,12 @@ class Manifest:
         total = doc.get("total_bytes")
         if total != manifest.total_bytes:
             raise ManifestError(f"manifest {url}: total_bytes {total!r} != sum of object sizes")
+        reused = doc.get("reused_bytes", 0)
+        if reused != manifest.reused_bytes:
+            raise ManifestError(
+                f"manifest {url}: reused_bytes {reused!r} != the {manifest.reused_bytes} bytes "
+                "of the objects it references in other steps"
+            )
         return manifest
 
 

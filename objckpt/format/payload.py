@@ -2,8 +2,10 @@
 
 What an item's bytes are (a ``torch.save`` file, a pickled value) is decided by
 the caller; this module only lays items into one upload and records where each
-landed with its CRC32C, hashing every byte once. It imports no torch, so the
-upload worker processes that write staged tensors never load it.
+landed with its CRC32C and xxh3-128 (what the next save compares to reuse an
+unchanged item, :mod:`objckpt.format.reused`), hashing every byte once per hash.
+It imports no torch, so the upload worker processes that write staged tensors
+never load it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import concurrent.futures
 import dataclasses
 
 from objckpt.errors import StateDictError
+from objckpt.format.reused import BaseItem, new_hasher
 from objckpt.writers.accounting import RequestStats
 from objckpt.writers.base import ObjectUpload
 from objckpt.writers.checksum import BytesLike, Crc32c
@@ -25,9 +28,15 @@ class PayloadRecord:
 
     size: int
     crc32c: str
-    places: tuple[tuple[int, int, int, str], ...]  # (item id, offset, length, crc32c)
+    #: (item id, offset, length, crc32c, xxh3) of each item written.
+    places: tuple[tuple[int, int, int, str, str], ...]
     #: Store requests the upload made (set by the upload worker that made them).
     requests: RequestStats = dataclasses.field(default_factory=RequestStats)
+    #: (item id, the base item it equals) of each item not written: reused.
+    reused: tuple[tuple[int, BaseItem], ...] = ()
+    #: (item id, stream-transform descriptors, length before them) of each item
+    #: stored transformed (compressed: :mod:`objckpt.format.compress`).
+    transforms: tuple[tuple[int, tuple[str, ...], int], ...] = ()
 
 
 class PayloadWriter:
@@ -44,29 +53,44 @@ class PayloadWriter:
         self._object_crc = Crc32c()
         self._item_crc = Crc32c()
         self._item: tuple[int, int] | None = None  # (id, start)
-        self._places: list[tuple[int, int, int, str]] = []
+        self._item_hash = new_hasher()
+        self._item_digest: str | None = None  # known before the item was written
+        self._places: list[tuple[int, int, int, str, str]] = []
         # An upload that checksums its parts knows the object's CRC32C already.
         self._own_crc = not upload.tracks_crc32c
         #: The store's error, kept because torch.save replaces it with its own
         #: ("unexpected pos ...") that names neither the object nor the cause.
         self.error: BaseException | None = None
 
-    def begin_item(self, ident: int) -> None:
+    def begin_item(self, ident: int, xxh3: str | None = None) -> None:
+        """Start an item; ``xxh3``: its hash when the caller computed it already."""
         self._item = (ident, self.pos)
         self._item_crc = Crc32c()
+        self._item_digest = xxh3
+        if xxh3 is None:
+            self._item_hash.reset()
 
     def end_item(self) -> None:
         if self._item is None:
             raise StateDictError("internal: end_item without begin_item")
         ident, start = self._item
-        self._places.append((ident, start, self.pos - start, self._item_crc.hexdigest()))
+        digest = self._item_digest or self._item_hash.hexdigest()
+        self._places.append((ident, start, self.pos - start, self._item_crc.hexdigest(), digest))
         self._item = None
 
-    def write_item(self, ident: int, chunks: tuple[BytesLike, ...], *, kept: bool = False) -> None:
+    def write_item(
+        self,
+        ident: int,
+        chunks: tuple[BytesLike, ...],
+        *,
+        kept: bool = False,
+        xxh3: str | None = None,
+    ) -> None:
         """One item made of ``chunks`` (e.g. a tensor's frame head, data and tail).
         ``kept``: the caller keeps them valid until the upload ends
-        (:meth:`~objckpt.writers.base.ObjectUpload.write_kept`), so they need no copy."""
-        self.begin_item(ident)
+        (:meth:`~objckpt.writers.base.ObjectUpload.write_kept`), so they need no copy.
+        ``xxh3``: the item's hash, when the caller computed it (a reuse check)."""
+        self.begin_item(ident, xxh3)
         for chunk in chunks:
             self.write(chunk, kept=kept)
         self.end_item()
@@ -79,6 +103,8 @@ class PayloadWriter:
             return 0
         if self._own_crc:
             self._object_crc.update(view)
+        if self._item_digest is None:
+            self._item_hash.update(view)
         try:
             crc = self.upload.write_kept(view) if kept else self.upload.write(view)
         except BaseException as exc:

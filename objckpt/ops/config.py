@@ -8,6 +8,7 @@ error. Every table and key is checked, and a mistake names the file and key.
 Schema (every table optional except ``root``)::
 
     root = "s3://bucket/run-1"              # required: the manager's root URL
+    reuse_unchanged = true                  # reference unchanged items of the last step
 
     [storage]                               # how to reach the root
     options = { endpoint_url = "https://s3.eu-west-1.amazonaws.com" }  # plain fsspec options
@@ -91,7 +92,17 @@ _SECRET_NAMES = frozenset(
         "access_key_id",
     }
 )
-_TOP = {"root", "storage", "retention", "async", "gc", "backups", "retry", "local"}
+_TOP = {
+    "root",
+    "reuse_unchanged",
+    "storage",
+    "retention",
+    "async",
+    "gc",
+    "backups",
+    "retry",
+    "local",
+}
 _STORAGE = {"options", "env", "profile"}
 
 
@@ -108,6 +119,7 @@ class Config:
     backups: tuple[BackupTarget, ...]
     retry: RetryPolicy = dataclasses.field(default_factory=RetryPolicy)
     local: LocalTier | None = None
+    reuse_unchanged: bool = True
 
     def manager_options(self) -> dict[str, Any]:
         """The ``CheckpointManager`` keywords this file sets (all but the root)."""
@@ -118,6 +130,7 @@ class Config:
             "backups": self.backups,
             "retry": self.retry,
             "local": self.local,
+            "reuse_unchanged": self.reuse_unchanged,
         }
 
 
@@ -235,6 +248,9 @@ def parse_config(
         except ConfigurationError as exc:
             raise ConfigurationError(f"{source}: {where}: {exc}") from None
     retry = _typed(RetryPolicy, _table(data.get("retry", {}), "retry", source), "retry", source)
+    reuse = data.get("reuse_unchanged", True)
+    if not isinstance(reuse, bool):
+        raise ConfigurationError(f"{source}: reuse_unchanged must be true or false, got {reuse!r}")
     local = None
     if "local" in data:
         table = _table(data["local"], "local", source)
@@ -251,6 +267,7 @@ def parse_config(
         async_options=async_options,
         gc_grace=float(grace),
         backups=tuple(backups),
+        reuse_unchanged=reuse,
     )
 
 

@@ -10,8 +10,11 @@ agrees without a collective.
 
 from __future__ import annotations
 
+import collections
 import logging
+import threading
 import time
+from collections.abc import Callable
 
 from objckpt.errors import BackupError, CheckpointNotFoundError, SaveDeadlineError
 from objckpt.format.manifest import Manifest
@@ -19,6 +22,8 @@ from objckpt.format.steps import StepInfo, step_name
 from objckpt.ops.backup import BackupStatus, Replicator, committed_steps
 from objckpt.ops.catalog import StepCatalog
 from objckpt.ops.gc import delete_step
+from objckpt.ops.live_set import ManifestCache
+from objckpt.ops.retire import retire_steps
 
 __all__ = ["DurableSteps"]
 
@@ -39,6 +44,10 @@ class DurableSteps:
     def __init__(self, catalog: StepCatalog, *, rank: int) -> None:
         self._catalog = catalog
         self._rank = rank
+        self._manifests: ManifestCache = {}
+        self._bases: collections.Counter[int] = collections.Counter()
+        self._lock = threading.Lock()  # guards _bases (never held across a request)
+        self._retiring = threading.Lock()  # one retention pass at a time
         self._replicator: Replicator | None = None
         if catalog.backups and rank == 0:
             self._replicator = Replicator(
@@ -80,27 +89,66 @@ class DurableSteps:
     def _after_backup(self, step: int) -> None:
         self.apply_retention()
 
+    def hold_base(self, step: int) -> Callable[[], None]:
+        """A save of this manager uses ``step`` as its base (it references its objects):
+        retention spares ``step`` until the returned function is called (once, when
+        that save ended, committed or not), which applies retention again.
+        """
+        with self._lock:
+            self._bases[step] += 1
+        released = threading.Event()
+
+        def release() -> None:
+            if released.is_set():
+                return
+            released.set()
+            with self._lock:
+                self._bases[step] -= 1
+                if self._bases[step] <= 0:
+                    del self._bases[step]
+            if self._rank == 0:
+                self.apply_retention()
+
+        return release
+
+    def bases_in_use(self) -> frozenset[int]:
+        """Steps saves of this manager use as their base now (spared by retention)."""
+        with self._lock:
+            return frozenset(self._bases)
+
     def apply_retention(self) -> None:
-        """Coordinator: delete what the policy drops, sparing steps still being backed up."""
-        spared = self._replicator.pending() if self._replicator is not None else frozenset()
-        for old in self._catalog.to_delete():
-            if old in spared:
-                continue
+        """Coordinator: delete what the policy drops, sparing steps still being backed
+        up and the bases of saves in flight."""
+        with self._retiring:
+            spared = self._replicator.pending() if self._replicator is not None else frozenset()
+            # A base held after this point is one the save found as the newest step,
+            # which no policy drops; were it dropped anyway, the save's commit finds
+            # its referenced objects gone and fails: nothing dangling commits.
+            spared = spared | self.bases_in_use()
+            doomed = [s for s in self._catalog.to_delete() if s not in spared]
+            if not doomed:
+                return
             try:
-                self.delete(old)
+                self._retire(doomed)
             except Exception as exc:  # the save committed; a failed deletion is retried later
-                logger.warning("retention could not delete step %d: %s", old, exc)
+                logger.warning("retention could not delete steps %s: %s", doomed, exc)
 
     def delete(self, step: int) -> None:
-        """Delete one step from the root (manifest first).
+        """Delete one step from the root (manifest first; objects other committed steps
+        reference stay).
 
         Raises:
             CheckpointNotFoundError: Nothing is stored for ``step``.
         """
+        with self._retiring:
+            self._retire([step], require=True)
+
+    def _retire(self, steps: list[int], *, require: bool = False) -> None:
         root = self._catalog.root
-        delete_step(root.child(step_name(step)))
-        self._catalog.remove(step)
-        logger.info("deleted step %d under %s", step, root.url)
+        retire_steps(root, steps, cache=self._manifests, require=require)
+        for step in steps:
+            self._catalog.remove(step)
+        logger.info("deleted steps %s under %s", steps, root.url)
 
     def discard_after(self, step: int, timeout: float | None = None) -> list[int]:
         """Coordinator: delete every step above ``step`` committed on the root, and on

@@ -9,6 +9,17 @@ payloads of failed saves, of a zombie writer whose attempt lost, the
 ``.metadata`` of a step that never committed. Anything younger than the grace
 period is spared, because a save in flight looks exactly like that until it
 commits; so are multipart uploads opened less than the grace period ago.
+With reuse, a step's manifest may name objects another step directory stores
+(:mod:`objckpt.format.refs`): what is garbage is then decided over the whole root,
+from its live set (:mod:`objckpt.ops.live_set`): every object any committed manifest
+names, wherever it is stored, and every object an uncommitted index object younger
+than the grace references (a reusing save of another process, in flight). A step
+directory left without a manifest but holding objects later steps reference is no
+step (no listing of steps names it), and those objects are not garbage. While some
+committed manifest cannot be read, nothing it could reference is collected (the
+live set is partial): only open uploads and the objects of unreadable steps stay
+as they are otherwise.
+
 Objects outside step directories are never touched (the root may hold things
 that are not objckpt's), with one exception: when the root is itself a checkpoint
 (a URL saved to directly, not through a manager), objects only objckpt writes
@@ -18,33 +29,23 @@ are garbage too: a failed save's, or an overwritten attempt's.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Callable
 
 from objckpt.errors import CheckpointNotFoundError, ConfigurationError, ManifestError
 from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY, is_entropy_dir, is_objckpt_object
 from objckpt.format.manifest import read_manifest
-from objckpt.format.steps import ObjectInfo, StepInfo, inventory, parse_step, step_name, steps_of
-from objckpt.options import UploadOptions
+from objckpt.format.steps import ObjectInfo, inventory, parse_step, step_name
+from objckpt.ops.live_set import DEFAULT_GRACE, live_set
+from objckpt.ops.retire import delete_keys, parent_root, prune_dir, retire_steps
 from objckpt.writers import ObjectStore, OpenUpload, open_store
 from objckpt.writers.location import Location
-from objckpt.writers.translate import translate
 
 __all__ = ["DEFAULT_GRACE", "GcReport", "collect_garbage", "delete_step"]
 
 logger = logging.getLogger(__name__)
-
-#: Seconds an unreferenced object or open upload is spared (a save may be in flight):
-#: an hour, and never less than the default save deadline, so that with the defaults
-#: gc cannot collect a save that is still allowed to run. A promotion has no deadline
-#: of its own; a grace shorter than a save or promotion makes that save fail at its
-#: commit (the commit lists its objects first, :mod:`objckpt.format.settle`), never
-#: commit a manifest that names deleted objects.
-DEFAULT_GRACE = max(3600.0, UploadOptions().deadline or 0.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,26 +70,6 @@ class GcReport:
     spared: tuple[str, ...]
     spared_uploads: tuple[str, ...]
     unreadable_steps: tuple[int, ...]
-
-
-def _referenced(store: ObjectStore, steps: list[StepInfo]) -> tuple[set[str], list[int]]:
-    """Keys (relative to the root) named by committed manifests; steps we cannot read."""
-    keep: set[str] = set()
-    unreadable: list[int] = []
-    for s in steps:
-        if not s.committed:
-            continue
-        name = step_name(s.step)
-        step_store = open_store(store.location.child(name), store.options, store.fs)
-        try:
-            manifest = read_manifest(step_store)
-        except (ManifestError, FileNotFoundError) as exc:
-            logger.warning("gc leaves %s alone: its manifest is unreadable (%s)", s.url, exc)
-            unreadable.append(s.step)
-            continue
-        keep.update(f"{name}/{k}" for k in (MANIFEST_KEY, METADATA_KEY))
-        keep.update(f"{name}/{o.key}" for o in manifest.objects)
-    return keep, unreadable
 
 
 def _own_checkpoint(store: ObjectStore, objects: list[ObjectInfo]) -> frozenset[str] | None:
@@ -139,22 +120,22 @@ def collect_garbage(
     store = open_store(root)
     try:
         objects = inventory(store.fs, root)
-        steps = steps_of(objects, root)
-        keep, unreadable = _referenced(store, steps)
+        live = live_set(store, objects, grace=grace, now=now)
+        unreadable = list(live.unreadable)
         skip_dirs = {step_name(s) + "/" for s in unreadable}
         own = _own_checkpoint(store, objects)  # None: unreadable, its objects left alone
         garbage: list[ObjectInfo] = []
         spared: list[str] = []
         for obj in objects:
             head, sep, _ = obj.key.partition("/")
-            if obj.key in keep:
-                continue  # named by a committed manifest
+            if obj.key in live:
+                continue  # named by a committed manifest, or by a save in flight
             in_step = bool(sep) and parse_step(head) is not None
             if not in_step and not (own is not None and _in_own_checkpoint(obj.key, own)):
                 continue  # not objckpt's to judge: outside step directories
             if any(obj.key.startswith(d) for d in skip_dirs):
                 continue
-            if obj.modified is None or now - obj.modified < grace:
+            if obj.modified is None or now - obj.modified < grace or (in_step and live.partial):
                 spared.append(obj.key)
             else:
                 garbage.append(obj)
@@ -164,7 +145,7 @@ def collect_garbage(
             stale = u.last_activity is not None and now - u.last_activity >= grace
             (uploads if stale else young_uploads).append(u)
         if not dry_run:
-            _delete(store, [o.key for o in garbage], progress)
+            delete_keys(store, [o.key for o in garbage], progress)
             for u in uploads:
                 store.abort_upload(u)
             gone = {o.key for o in garbage}
@@ -173,7 +154,7 @@ def collect_garbage(
             }
             for name in left:  # step directories emptied by this run
                 if parse_step(name) is not None:
-                    _prune(store, root.child(name))
+                    prune_dir(store, root.child(name))
         report = GcReport(
             root=root.url,
             dry_run=dry_run,
@@ -199,46 +180,23 @@ def collect_garbage(
     return report
 
 
-def _delete(
-    store: ObjectStore, keys: list[str], progress: Callable[[int], None] | None = None
-) -> None:
-    """Delete keys (relative to the store's location), in batches."""
-    batch = 500
-    for i in range(0, len(keys), batch):
-        chunk = keys[i : i + batch]
-        try:
-            store.fs.rm([store.path(k) for k in chunk])
-        except FileNotFoundError:
-            for k in chunk:  # some were gone already: delete the rest one by one
-                with contextlib.suppress(FileNotFoundError):
-                    store.fs.rm(store.path(k))
-        except Exception as exc:
-            raise translate(exc, url=store.location.url_of(chunk[0]), action="deleting") from exc
-        if progress is not None:
-            progress(len(chunk))
-    store.fs.invalidate_cache(store.location.path)
-
-
-def _prune(store: ObjectStore, location: Location) -> None:
-    """Remove an emptied directory on a local filesystem (object stores have none)."""
-    if location.is_local:
-        with contextlib.suppress(OSError):
-            for name in os.listdir(location.path):  # emptied prefix-entropy directories
-                if is_entropy_dir(name):
-                    with contextlib.suppress(OSError):
-                        os.rmdir(os.path.join(location.path, name))
-            store.fs.rmdir(location.path)
-
-
 def delete_step(location: Location, store: ObjectStore | None = None) -> int:
     """Delete the checkpoint at ``location``: manifest first, then everything else.
 
     Returns the number of objects removed. Open multipart uploads under it are
-    aborted too.
+    aborted too. A step directory of a root (``<root>/step-<N>``) is retired over
+    the root's live set (:func:`objckpt.ops.retire.retire_steps`): its objects that
+    other committed steps reference stay.
 
     Raises:
         CheckpointNotFoundError: Nothing is stored at ``location``.
     """
+    parent = parent_root(location)
+    if parent is not None:
+        root, step = parent
+        report = retire_steps(root, [step], require=True)
+        logger.info("deleted %s (%d objects)", location.url, len(report.deleted))
+        return len(report.deleted)
     own = store is None
     store = store or open_store(location)
     try:
@@ -264,11 +222,11 @@ def delete_step(location: Location, store: ObjectStore | None = None) -> int:
                 f"(no {MANIFEST_KEY}; holds {strangers[0]}); nothing was deleted"
             )
         if MANIFEST_KEY in names:  # uncommit in one request before anything else goes
-            _delete(store, [MANIFEST_KEY])
-        _delete(store, [n for n in names if n != MANIFEST_KEY])
+            delete_keys(store, [MANIFEST_KEY])
+        delete_keys(store, [n for n in names if n != MANIFEST_KEY])
         for u in uploads:
             store.abort_upload(u)
-        _prune(store, location)
+        prune_dir(store, location)
         logger.info("deleted %s (%d objects)", location.url, len(names))
         return len(names)
     finally:

@@ -39,6 +39,7 @@ from typing import Any
 from objckpt.dcp.collective import all_gather_object, is_distributed
 from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY, is_entropy_dir, is_objckpt_object
 from objckpt.format.steps import parse_step, step_name
+from objckpt.ops.local_refs import local_references
 from objckpt.ops.tiers import LocalTier
 
 __all__ = ["TierListing", "delete_local_step", "list_tier", "step_dir_refusal", "sweep"]
@@ -141,12 +142,17 @@ def _ours(name: str, beside_ours: bool) -> bool:
     return name == METADATA_KEY and beside_ours
 
 
-def _unlink_ours(directory: str, names: list[str], beside_ours: bool) -> list[str]:
-    """Unlink the names of ``directory`` that are objckpt's (manifest first); the
-    others' names are returned. A link is unlinked itself, never its target."""
+def _unlink_ours(
+    directory: str, names: list[str], beside_ours: bool, keep: Collection[str] = ()
+) -> list[str]:
+    """Unlink the names of ``directory`` that are objckpt's (manifest first) and not
+    in ``keep``; the others' names are returned. A link is unlinked itself, never
+    its target."""
     names = sorted(names, key=lambda n: n != MANIFEST_KEY)
     left = []
     for name in names:
+        if name in keep:
+            continue
         if not _ours(name, beside_ours):
             left.append(name)
             continue
@@ -155,13 +161,15 @@ def _unlink_ours(directory: str, names: list[str], beside_ours: bool) -> list[st
     return left
 
 
-def delete_local_step(path: str) -> bool:
+def delete_local_step(path: str, keep: Collection[str] = ()) -> bool:
     """Delete the local step directory ``path``: objckpt's own files, manifest first.
 
     Never follows a link (a linked step directory is left as it is); files objckpt
     does not write, and directories other than prefix-entropy ones, stay, and so
-    does the directory then. Errors are logged, not raised (a local deletion never
-    fails a save).
+    does the directory then. ``keep`` names files (relative to ``path``) that kept
+    steps reference (:mod:`objckpt.ops.local_refs`): they stay, and so does the
+    directory, which is no step any more (its manifest is gone). Errors are logged,
+    not raised (a local deletion never fails a save).
 
     Returns:
         Whether the directory is gone.
@@ -175,19 +183,23 @@ def delete_local_step(path: str) -> bool:
             found = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
         files = [n for n, d in found if not d]
         beside = any(n == MANIFEST_KEY or is_objckpt_object(n) for n in files)
-        left = _unlink_ours(path, files, beside)
+        left = _unlink_ours(path, files, beside, keep)
         for name in (n for n, d in found if d):
             sub = os.path.join(path, name)
             if not is_entropy_dir(name):
                 left.append(name + "/")
                 continue
+            inside = {k.split("/", 1)[1] for k in keep if k.startswith(name + "/")}
             with os.scandir(sub) as entries:
-                inner = _unlink_ours(sub, [e.name for e in entries], True)
+                inner = _unlink_ours(sub, [e.name for e in entries], True, inside)
             if inner:
                 left.extend(f"{name}/{n}" for n in inner)
-            else:
+            elif not inside:
                 with contextlib.suppress(FileNotFoundError):
                     os.rmdir(sub)
+        if keep:
+            logger.info("local step %s keeps %d file(s) later steps reference", path, len(keep))
+            return False
         if left:
             logger.warning(
                 "local step %s holds %d file(s) objckpt did not write (%s); they stay, "
@@ -239,9 +251,13 @@ def sweep(tier: LocalTier, durable: Collection[int], process_group: Any | None) 
             )
         return
     known = set(durable).union(*(v.committed for v in views))
+    referenced = local_references(root, [s for s in mine.present if s in known])
     for step in mine.present:
         if step in known:
             continue
         path = os.path.join(root, step_name(step))
-        logger.info("deleting %s: a local save that never committed (a crash left it)", path)
-        delete_local_step(path)
+        prefix = step_name(step) + "/"
+        keep = {k[len(prefix) :] for k in referenced if k.startswith(prefix)}
+        if not keep:
+            logger.info("deleting %s: a local save that never committed (a crash left it)", path)
+        delete_local_step(path, keep)

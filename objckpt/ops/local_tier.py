@@ -33,7 +33,8 @@ from objckpt.format.layout import index_key, index_rank
 from objckpt.format.manifest import Manifest
 from objckpt.format.steps import step_name
 from objckpt.ops.catalog import StepCatalog
-from objckpt.ops.local_disk import delete_local_step, step_dir_refusal
+from objckpt.ops.local_disk import delete_local_step, list_tier, step_dir_refusal
+from objckpt.ops.local_refs import local_references
 from objckpt.ops.promote import Promoter
 from objckpt.ops.tiers import (
     LocalTier,
@@ -276,7 +277,16 @@ class LocalTierControl:
         steps and every step whose promotion is still running."""
         with self._lock:
             spare = set(self._to_promote)
-        for s, durable in self._catalog.prune_local(self.tier.keep_last, spare):
+        doomed = self._catalog.prune_local(self.tier.keep_last, spare)
+        if not doomed:
+            return
+        gone = {s for s, _ in doomed}
+        listing = list_tier(self.tier.location.path)
+        # What the kept steps (and saves in flight) of this node reference stays.
+        referenced = local_references(
+            self.tier.location.path, [s for s in listing.present if s not in gone]
+        )
+        for s, durable in doomed:
             if not durable:
                 logger.info(
                     "local retention deletes step %d, which was never durable "
@@ -284,13 +294,16 @@ class LocalTierControl:
                     s,
                     self.tier.keep_last,
                 )
-            self._delete(s)
+            self._delete(s, referenced)
 
-    def _delete(self, step: int) -> None:
+    def _delete(self, step: int, referenced: frozenset[str]) -> None:
         """Delete this rank's directory of ``step``: objckpt's own files, the manifest
-        first (a half-deleted step is never taken for committed), never through a link."""
+        first (a half-deleted step is never taken for committed), never through a link;
+        the files ``referenced`` (root-relative keys) by kept steps stay."""
         where = self.tier.location.child(step_name(step))
-        if delete_local_step(where.path):
+        prefix = step_name(step) + "/"
+        keep = {k[len(prefix) :] for k in referenced if k.startswith(prefix)}
+        if delete_local_step(where.path, keep):
             logger.info("deleted local step %d at %s", step, where.url)
 
     # -- errors, status, lifetime -----------------------------------------------------------

@@ -75,6 +75,7 @@ class CheckpointManager:
         local: A :class:`~objckpt.LocalTier`: saves commit on this node's disk first
             and every ``promote_every``-th is promoted to ``root_url``. Each rank
             passes its own node's directory.
+        reuse_unchanged: Reference unchanged items of the latest step (guides/reuse.md).
 
     Raises:
         ConfigurationError: Bad URL or option.
@@ -96,6 +97,7 @@ class CheckpointManager:
         backups: Sequence[str | BackupTarget] = (),
         retry: RetryPolicy | None = None,
         local: LocalTier | None = None,
+        reuse_unchanged: bool = True,
     ) -> None:
         self.process_group = process_group
         distributed = dist.is_available() and dist.is_initialized()
@@ -160,6 +162,7 @@ class CheckpointManager:
                 world=self.world,
                 process_group=process_group,
                 distributed=distributed,
+                reuse_unchanged=reuse_unchanged,
             )
         except Exception as exc:
             failure = exc

@@ -17,6 +17,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from objckpt.errors import ConfigurationError
 from objckpt.format.manifest import Manifest
 from objckpt.format.steps import parse_step
 from objckpt.ops.catalog import StepCatalog
@@ -45,6 +46,9 @@ class SaveFlow:
         start_workers: Start the upload workers now (False: at the first save or
             ``start_workers()``).
         rank, world, process_group, distributed: Who saves together.
+        reuse_unchanged: Each save to the root references the items whose bytes
+            equal the latest committed step's (its base), which retention spares
+            until the save ends (``DurableSteps.hold_base``).
     """
 
     def __init__(
@@ -62,8 +66,14 @@ class SaveFlow:
         world: int,
         process_group: Any | None,
         distributed: bool,
+        reuse_unchanged: bool = True,
     ) -> None:
+        if not isinstance(reuse_unchanged, bool):
+            raise ConfigurationError(
+                f"option reuse_unchanged={reuse_unchanged!r} is invalid: expected True or False"
+            )
         self._catalog = catalog
+        self._reuse = reuse_unchanged
         self._durable = durable
         self._group = process_group
         self._rank = rank
@@ -102,6 +112,8 @@ class SaveFlow:
         if self.local is not None and local_url is not None:
             promote = self.local.pick(promote)  # every rank counts, whatever follows
         self.checkpointer.start_workers()  # no load came first
+        base = self._base(step) if local_url is None else None
+        release = self._durable.hold_base(base) if base is not None else None
         try:
             handle = self.checkpointer.save(
                 state_dict,
@@ -110,17 +122,32 @@ class SaveFlow:
                 user_metadata=user_metadata,
                 checkpoint_id=self._catalog.step_url(step),
                 exists=self._committed(step, local=local_url is not None),
+                reuse_from=None if base is None else self._catalog.step_url(base),
             )
         except BaseException as exc:
+            if release is not None:
+                release()
             inner = unwrap(exc)
             if inner is exc:
                 raise
             raise inner from exc
+        if release is not None:
+            handle._before_done(lambda exc: release())
         if self.local is None or local_url is None:
             handle._before_done(lambda exc: self._durable.saved(step, exc))
         else:
             self.local.track(step, handle, bool(promote))
         return handle
+
+    def _base(self, step: int) -> int | None:
+        """The step a save of ``step`` to the root reuses from: the newest step
+        committed on the root below it (None: reuse is off, or there is none).
+        Saves to the local tier upload everything (their base would be on another
+        node's disk for some ranks)."""
+        if not self._reuse:
+            return None
+        latest = self._catalog.latest(durable=True)
+        return latest if latest is not None and latest < step else None
 
     def _committed(self, step: int, *, local: bool) -> bool:
         """Whether ``step`` is committed where this save goes, from the step catalog

@@ -18,24 +18,32 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable
 
 from objckpt.errors import (
     CheckpointExistsError,
     CheckpointNotCommittedError,
     CheckpointNotFoundError,
-    ChecksumMismatchError,
+    ConfigurationError,
     ManifestError,
-    SizeMismatchError,
 )
 from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY, list_names
 from objckpt.format.manifest import Manifest, ObjectEntry, read_manifest
+from objckpt.format.ref_check import require_referenced
+from objckpt.format.refs import is_reference, referenced_step
 from objckpt.format.settle import after_commit, put_manifest, require_present
+from objckpt.format.steps import parse_step
+from objckpt.ops.object_check import (
+    ObjectCheck,
+    Progress,
+    check_object,
+    copy_object,
+    digest_check,
+    holds_reference,
+)
+from objckpt.ops.referenced import Siblings
 from objckpt.options import UploadOptions
 from objckpt.writers import ObjectStore, open_store
-from objckpt.writers.checksum import Crc32c
 from objckpt.writers.location import Location
-from objckpt.writers.translate import translate
 
 __all__ = [
     "CopyReport",
@@ -50,21 +58,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-_CHUNK = 8 * 1024 * 1024
-Progress = Callable[[int], None]
-
-
-@dataclasses.dataclass(frozen=True)
-class ObjectCheck:
-    """One object's check. ``problem`` is None when size and CRC32C match."""
-
-    key: str
-    size: int
-    crc32c: str
-    actual_size: int | None
-    actual_crc32c: str | None
-    problem: str | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,42 +94,6 @@ def open_manifest(store: ObjectStore) -> Manifest:
         raise CheckpointNotFoundError(f"no checkpoint at {url}") from None
 
 
-def _stream(
-    store: ObjectStore, key: str, sink: Callable[[bytes], object], progress: Progress | None
-) -> tuple[int, str]:
-    """Read one object in chunks; returns (size, crc32c)."""
-    crc = Crc32c()
-    size = 0
-    try:
-        with store.fs.open(store.path(key), "rb", block_size=_CHUNK) as f:
-            while chunk := f.read(_CHUNK):
-                crc.update(chunk)
-                size += len(chunk)
-                sink(chunk)
-                if progress is not None:
-                    progress(len(chunk))
-    except FileNotFoundError:
-        raise
-    except Exception as exc:
-        raise translate(exc, url=store.location.url_of(key), action="reading") from exc
-    return size, crc.hexdigest()
-
-
-def _check(store: ObjectStore, entry: ObjectEntry, progress: Progress | None) -> ObjectCheck:
-    def problem(msg: str, size: int | None = None, crc: str | None = None) -> ObjectCheck:
-        return ObjectCheck(entry.key, entry.size, entry.crc32c, size, crc, msg)
-
-    try:
-        size, crc = _stream(store, entry.key, lambda _: None, progress)
-    except FileNotFoundError:
-        return problem("missing")
-    if size != entry.size:
-        return problem(f"size {size} != {entry.size} in the manifest", size, crc)
-    if crc != entry.crc32c:
-        return problem(f"CRC32C {crc} != {entry.crc32c} in the manifest", size, crc)
-    return ObjectCheck(entry.key, entry.size, entry.crc32c, size, crc, None)
-
-
 def verify_checkpoint(
     location: Location,
     *,
@@ -145,6 +102,9 @@ def verify_checkpoint(
     parallel: int = 4,
 ) -> VerifyReport:
     """Read every object of a committed checkpoint and check it against the manifest.
+
+    Objects the step references in sibling step directories (reuse) are read where
+    they are stored and checked like its own; a problem with one names both steps.
 
     Args:
         manifest: The checkpoint's manifest when the caller has read it already.
@@ -156,74 +116,22 @@ def verify_checkpoint(
         are reported in the returned report, every one of them.
     """
     store = open_store(location)
+    siblings = Siblings(store)
     try:
         manifest = manifest or open_manifest(store)
+        for e in manifest.objects:
+            siblings.resolve(e.key)  # open each sibling once, before the threads
         with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
-            checks = list(pool.map(lambda e: _check(store, e, progress), manifest.objects))
+            checks = list(
+                pool.map(lambda e: check_object(store, e, progress, siblings), manifest.objects)
+            )
     finally:
+        siblings.close()
         store.close()
     for c in checks:
         if c.problem:
-            logger.error("%s: %s", location.url_of(c.key), c.problem)
+            logger.error("%s: %s", c.stored_at or location.url_of(c.key), c.problem)
     return VerifyReport(location.url, manifest, tuple(checks))
-
-
-def _digest_check(
-    dst: ObjectStore, entry: ObjectEntry, progress: Progress | None, *, source: str
-) -> ObjectCheck:
-    """Check ``dst``'s copy of ``entry``: the store's own full-object CRC32C when
-    it keeps one (no payload read), else read the object back."""
-    try:
-        size, crc = dst.digest(entry.key)
-    except FileNotFoundError:
-        return ObjectCheck(entry.key, entry.size, entry.crc32c, None, None, "missing")
-    if crc is None:
-        return _check(dst, entry, progress)
-    if progress is not None:
-        progress(entry.size)
-    problem = None
-    if size != entry.size:
-        problem = f"size {size} != {entry.size} in the manifest of {source}"
-    elif crc != entry.crc32c:
-        problem = f"CRC32C {crc} != {entry.crc32c} in the manifest of {source}"
-    return ObjectCheck(entry.key, entry.size, entry.crc32c, size, crc, problem)
-
-
-def copy_object(
-    src: ObjectStore, dst: ObjectStore, entry: ObjectEntry, progress: Progress | None
-) -> bool:
-    """Copy one object, checked against the manifest; True when copied server-side."""
-    if dst.copy_from(src, entry.key, entry.size):
-        check = _digest_check(dst, entry, progress, source=src.location.url)
-        if check.problem is not None:
-            with contextlib.suppress(Exception):  # never committed; gc removes it otherwise
-                dst.delete(entry.key)
-            cls = SizeMismatchError if check.problem.startswith("size") else ChecksumMismatchError
-            raise cls(f"server-side copy of {src.location.url_of(entry.key)}: {check.problem}")
-        return True
-    if entry.key == METADATA_KEY:  # small; written after the commit (replaced on an overwrite)
-        chunks: list[bytes] = []
-        size, crc = _stream(src, entry.key, chunks.append, progress)
-        _check_copy(src, entry, size, crc)
-        dst.put(entry.key, b"".join(chunks))
-        return False
-    upload = dst.begin(entry.key, entry.size)
-    try:
-        size, crc = _stream(src, entry.key, upload.write, progress)
-        _check_copy(src, entry, size, crc)
-        upload.close().result()
-    except BaseException:
-        upload.abort()
-        raise
-    return False
-
-
-def _check_copy(src: ObjectStore, entry: ObjectEntry, size: int, crc: str) -> None:
-    where = src.location.url_of(entry.key)
-    if size != entry.size:
-        raise SizeMismatchError(f"{where} is {size} bytes, the manifest says {entry.size}")
-    if crc != entry.crc32c:
-        raise ChecksumMismatchError(f"{where} has CRC32C {crc}, the manifest says {entry.crc32c}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,7 +174,7 @@ def check_replica(
         with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
             return tuple(
                 pool.map(
-                    lambda e: _digest_check(store, e, None, source="the primary"), manifest.objects
+                    lambda e: digest_check(store, e, None, source="the primary"), manifest.objects
                 )
             )
     finally:
@@ -293,7 +201,15 @@ def copy_checkpoint(
     A destination already holding the same attempt is left as it is. ``upload``
     sizes the parts of streamed and server-side multipart copies.
 
+    A source that reuses objects of earlier steps (references, :mod:`objckpt.format.refs`)
+    is copied whole into a step directory ``<root>/step-<N>``: the objects it
+    references go to the same step directories of that root (unless already there),
+    so the copy loads, verifies and is backed up on its own. Anywhere else the
+    references would point at directories that are no steps, and the copy is refused.
+
     Raises:
+        ConfigurationError: ``src`` references other steps and ``dst`` is not a step
+            directory (the message names the steps).
         CheckpointNotFoundError, CheckpointNotCommittedError: at ``src``.
         CheckpointExistsError: ``dst`` holds a different committed checkpoint
             (and ``overwrite`` is False).
@@ -303,6 +219,7 @@ def copy_checkpoint(
     dst_store = open_store(dst, upload or UploadOptions())
     try:
         manifest = manifest or open_manifest(src_store)
+        _require_step_dir(src, dst, manifest)
         if dst_store.exists(MANIFEST_KEY):
             with contextlib.suppress(ManifestError, FileNotFoundError):
                 if read_manifest(dst_store).attempt == manifest.attempt:
@@ -327,6 +244,20 @@ def copy_checkpoint(
     return CopyReport(src.url, dst.url, manifest, True, server_side, streamed)
 
 
+def _require_step_dir(src: Location, dst: Location, manifest: Manifest) -> None:
+    """Refuse to copy a step with references anywhere but into a step directory."""
+    steps = sorted({s for o in manifest.objects if (s := referenced_step(o.key)) is not None})
+    if not steps or parse_step(dst.url.rsplit("/", 1)[-1]) is not None:
+        return
+    raise ConfigurationError(
+        f"{src.url} reuses objects stored by {', '.join(steps)} of its root, and "
+        f"{dst.url} is not a step directory (<root>/step-<N>): copy it into one, e.g. "
+        f"{dst.url}/{src.url.rsplit('/', 1)[-1]}; the objects it references are then "
+        "copied into that root's step directories of the same names, and the copy is "
+        "whole on its own; nothing was copied"
+    )
+
+
 def commit_copy(
     src: ObjectStore,
     dst: ObjectStore,
@@ -344,16 +275,37 @@ def commit_copy(
     ``.metadata`` has a fixed name, so writing it before the commit would change a
     committed destination's even when this copy then fails or loses.
 
+    Objects the step references in sibling step directories (``../step-<N>/<key>``)
+    go to the same root-relative key beside ``dst`` unless that key already holds
+    them (same size and CRC32C: the usual case, an earlier step copied them), so the
+    manifest and index objects are copied unchanged and the target step is whole on
+    its own; they are checked like the step's own (one listing per referenced step
+    directory) right before the manifest PUT.
+
     Raises:
         CheckpointExistsError: Another manifest won at ``dst``.
         UploadError: An object is missing at ``dst`` before the commit.
+        IntegrityError: A referenced object at ``dst``'s root has other bytes than
+            the manifest records (never overwritten; nothing committed).
     """
-    rest = [e for e in manifest.objects if e.key != METADATA_KEY]
-    todo = rest if objects is None else [e for e in objects if e.key != METADATA_KEY]
+    rest = [e for e in manifest.objects if e.key != METADATA_KEY and not is_reference(e.key)]
+    refs = [e for e in manifest.objects if is_reference(e.key)]
+    picked = manifest.objects if objects is None else objects
+    todo = [e for e in picked if e.key != METADATA_KEY and not is_reference(e.key)]
     with concurrent.futures.ThreadPoolExecutor(max(1, parallel)) as pool:
-        futures = [pool.submit(copy_object, src, dst, e, progress) for e in todo]
+        held = list(pool.map(lambda e: holds_reference(dst, e), refs))
+        lacking = [e for e, there in zip(refs, held, strict=True) if not there]
+        futures = [pool.submit(copy_object, src, dst, e, progress) for e in todo + lacking]
         server_side = sum(bool(f.result()) for f in futures)
+    if lacking:
+        logger.info(
+            "copied %d referenced objects beside %s (%d were there)",
+            len(lacking),
+            dst.location.url,
+            len(refs) - len(lacking),
+        )
     require_present(dst, rest)
+    require_referenced(dst, refs)
     put_manifest(dst, manifest.to_json_bytes(), overwrite=overwrite)
     metadata = manifest.object(METADATA_KEY)
     if metadata is not None:

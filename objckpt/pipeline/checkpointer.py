@@ -148,6 +148,7 @@ class AsyncCheckpointer:
         checkpoint_id: str | None = None,
         no_dist: bool = False,
         exists: bool | None = None,
+        reuse_from: str | None = None,
     ) -> SaveHandle:
         """Stage ``state_dict`` and start saving it to ``url``; returns once staged.
 
@@ -167,6 +168,8 @@ class AsyncCheckpointer:
                 committed ``url`` fails every rank's handle, nothing uploaded). False:
                 no request; the create-only manifest still refuses a conflict. True:
                 refused now (on every rank, through the save's agreement).
+            reuse_from: A committed step beside ``url`` whose unchanged items this
+                save references instead of uploading (``ObjectStoreWriter``'s).
 
         Raises:
             ConfigurationError, StateDictError, CheckpointExistsError, StoreError:
@@ -179,7 +182,15 @@ class AsyncCheckpointer:
                 "but process_group was given too; pass one or the other"
             )
         request = SaveRequest(
-            state_dict, url, process_group, overwrite, user_metadata, checkpoint_id, no_dist, exists
+            state_dict,
+            url,
+            process_group,
+            overwrite,
+            user_metadata,
+            checkpoint_id,
+            no_dist,
+            exists,
+            reuse_from,
         )
         with self._save_lock:
             # Every collective save() call counts, refused or not: the ranks' numbers stay
@@ -328,6 +339,7 @@ class AsyncCheckpointer:
             self._checker.shutdown(wait=not stuck)
             self._finalizers.close()
             self._pool.close(timeout=0.0 if stuck else _CLOSE_WAIT)
+            self._committer.close(timeout=0.0 if stuck else _CLOSE_WAIT)
             self._stager.close()
 
     def _at_exit(self) -> None:

@@ -206,6 +206,7 @@ class DeferredWriter(StorageWriter):
             object_size,
             lambda i: payload_key(rank_plan.rank, i, rank_plan.attempt, upload.prefix_entropy),
         )
+        base = self.writer.base_table(items) if objects else None
         this_wave: list[concurrent.futures.Future[PayloadRecord]] = []
         if wave is not None and objects:
             refusal = self.pass_gate()  # a wave's uploads cannot be held: ask first
@@ -229,7 +230,8 @@ class DeferredWriter(StorageWriter):
                 entries = self._into_wave(wave, values, this_wave, staged.cuda)
             else:
                 entries = [(pos, self._entry(v, staged.ref_of, strict)) for pos, v in values]
-            task = (location, per_worker, obj.key, entries, self.deadline)
+            reuse = base.for_items((position[id(i)], i) for i in obj.items) if base else None
+            task = (location, per_worker, obj.key, entries, self.deadline, reuse or None)
             if self._held is not None:  # until rank 0 answers "already committed?"
                 self._held.append((obj, task))
             else:

@@ -78,6 +78,8 @@ class SaveRequest:
     #: beside the copy, and the save's uploads wait for its answer (so None on every
     #: rank or on none; any rank's True refuses the save on all).
     exists: bool | None = None
+    #: A committed sibling step whose unchanged items are referenced, not uploaded.
+    reuse_from: str | None = None
 
     @property
     def asks(self) -> bool:
@@ -195,6 +197,9 @@ def _open_and_check(
     check = None
     if rank == 0 and request.asks:
         check = res.checker.submit(contextvars.copy_context().run, target.refuse_existing)
+    base = target.base_reader()  # its lookup needs the plan; its reads can start now
+    if base is not None:
+        res.checker.submit(contextvars.copy_context().run, base.prefetch, rank)
     return target, check
 
 
@@ -206,6 +211,7 @@ def _open_target(res: SaveResources, request: SaveRequest) -> ObjectStoreWriter:
         upload=res.upload,
         user_metadata=request.user_metadata,
         retry=res.retry,
+        reuse_from=request.reuse_from,
     )
     if request.checkpoint_id is not None:
         target.checkpoint_id = request.checkpoint_id

@@ -20,10 +20,13 @@ import dataclasses
 import mmap
 import os
 import threading
+from collections.abc import Mapping
 
 from fsspec import AbstractFileSystem
 
+from objckpt.format.compress import parse_compression
 from objckpt.format.payload import PayloadRecord, PayloadWriter, close_payload
+from objckpt.format.reused import BaseItem, item_digest
 from objckpt.options import UploadOptions
 from objckpt.pipeline import lifeline
 from objckpt.writers import ObjectStore, open_store
@@ -155,7 +158,10 @@ def worker_store(location: Location, options: UploadOptions) -> ObjectStore:
         if store is not None:
             _WORKER_STORES.move_to_end(key)
             return store
-        store = open_store(location, options, fs=_WORKER_FS.get(fs_key))
+        fs = _WORKER_FS.get(fs_key)
+        if fs is None:  # its own, not the process-wide client: keyed by fs_key
+            fs = location.open_fs(fresh=True)
+        store = open_store(location, options, fs=fs)
         _WORKER_FS.setdefault(fs_key, store.fs)
         _WORKER_STORES[key] = store
         while len(_WORKER_STORES) > _KEPT_STORES:
@@ -163,17 +169,38 @@ def worker_store(location: Location, options: UploadOptions) -> ObjectStore:
         return store
 
 
-def _write_entries(out: PayloadWriter, entries: list[Entry]) -> None:
+def _chunks(value: FramedRef | bytes) -> tuple[tuple[bytes | memoryview, ...], bool]:
+    """An entry's stored bytes as chunks, and whether they stay valid (``kept``)."""
+    if isinstance(value, FramedRef):
+        ref = value.data
+        # The segment is not released before every upload of the save has ended,
+        # so the store may send these bytes from the mapping without a copy.
+        data = memoryview(_segment(ref.path))[ref.offset : ref.offset + ref.nbytes]
+        return (value.head, data, value.tail), True
+    return (value,), False
+
+
+_ToWrite = tuple[int, tuple[bytes | memoryview, ...], bool, "str | None"]
+
+
+def _split_reused(
+    entries: list[Entry], reuse: Mapping[int, BaseItem]
+) -> tuple[list[_ToWrite], list[tuple[int, BaseItem]]]:
+    """The entries to write (id, chunks, kept, xxh3 when hashed already) and the
+    ones equal to their base item (hashed here, before any request)."""
+    to_write: list[_ToWrite] = []
+    reused: list[tuple[int, BaseItem]] = []
     for ident, value in entries:
-        if isinstance(value, FramedRef):
-            ref = value.data
-            end = ref.offset + ref.nbytes
-            # The segment is not released before every upload of the save has ended,
-            # so the store may send these bytes from the mapping without a copy.
-            data = memoryview(_segment(ref.path))[ref.offset : end]
-            out.write_item(ident, (value.head, data, value.tail), kept=True)
-        else:
-            out.write_item(ident, (value,))
+        chunks, kept = _chunks(value)
+        base = reuse.get(ident)
+        digest = None
+        if base is not None:
+            length, digest = item_digest(chunks)
+            if base.matches(length, digest):
+                reused.append((ident, base))
+                continue
+        to_write.append((ident, chunks, kept, digest))
+    return to_write, reused
 
 
 def upload_object(
@@ -182,23 +209,52 @@ def upload_object(
     key: str,
     entries: list[Entry],
     deadline: Deadline | None = None,
+    reuse: Mapping[int, BaseItem] | None = None,
 ) -> PayloadRecord:
     """Worker side: write ``entries`` into the object ``key`` and upload it; every
-    request is bounded by the save's ``deadline``."""
+    request is bounded by the save's ``deadline``.
+
+    ``reuse`` maps an entry's id to the base step's item of the same identity: an
+    entry whose stored bytes equal it (length and xxh3-128) is not written, and is
+    returned in the record's ``reused``. When every entry is reused, the object is
+    never created (no request at all).
+    """
     _forget_freed_segments()
+    entries, transforms = _compressed(entries, options)
+    to_write, reused = _split_reused(entries, reuse or {})
+    if not to_write:
+        return PayloadRecord(0, "", (), reused=tuple(reused), transforms=transforms)
     store = worker_store(location, options)
-    size_hint = sum(
-        len(v.head) + v.data.nbytes + len(v.tail) if isinstance(v, FramedRef) else len(v)
-        for _, v in entries
-    )
+    size_hint = sum(sum(memoryview(c).nbytes for c in chunks) for _, chunks, _, _ in to_write)
     with counting(RequestCounter()) as counter, bounded_by(deadline):
         upload = store.begin(key, size_hint)
         try:
             out = PayloadWriter(upload)
-            _write_entries(out, entries)
+            for ident, chunks, kept, digest in to_write:
+                out.write_item(ident, chunks, kept=kept, xxh3=digest)
             record, done = close_payload(upload, out.record())
             done.result()
         except BaseException:
             upload.abort()
             raise
-    return dataclasses.replace(record, requests=counter.snapshot())
+    return dataclasses.replace(
+        record, requests=counter.snapshot(), reused=tuple(reused), transforms=transforms
+    )
+
+
+def _compressed(
+    entries: list[Entry], options: UploadOptions
+) -> tuple[list[Entry], tuple[tuple[int, tuple[str, ...], int], ...]]:
+    """With ``options.compression``: each entry as its compressed stored bytes, and
+    what was applied to each (:mod:`objckpt.format.compress`); else as it is."""
+    codec = parse_compression(options.compression)
+    if codec is None:
+        return entries, ()
+    out: list[Entry] = []
+    applied = []
+    for ident, value in entries:
+        dtype = value.data.dtype if isinstance(value, FramedRef) else None
+        stored, descriptors, raw = codec.apply(_chunks(value)[0], dtype)
+        out.append((ident, stored))
+        applied.append((ident, descriptors, raw))
+    return out, tuple(applied)

@@ -137,12 +137,17 @@ class Location:
         return dataclasses.replace(self, url=f"{self.url}/{name}", path=f"{self.path}/{name}")
 
     def key_path(self, key: str) -> str:
-        """fsspec path of an object named by a key relative to this location."""
-        return f"{self.path}/{key}"
+        """fsspec path of an object named by a key relative to this location.
+
+        A key that starts with one ``../`` (a reference to a sibling step's object,
+        validated by :func:`objckpt.format.refs.split_reference` wherever keys are
+        read) is resolved here: object stores do not resolve ``..`` in a path.
+        """
+        return f"{_parent_of(self.path, key)}/{_inner(key)}"
 
     def url_of(self, key: str) -> str:
         """Full URL of an object, for messages."""
-        return f"{self.url}/{key}"
+        return f"{_parent_of(self.url, key)}/{_inner(key)}"
 
     def open_fs(self, *, fresh: bool = False) -> AbstractFileSystem:
         """Build the fsspec filesystem for this location.
@@ -183,3 +188,18 @@ class Location:
                 f"(option names given: {names}): {type(exc).__name__}"
             ) from exc
         return fs
+
+
+def _is_sibling_key(key: str) -> bool:
+    return key.startswith("../") and ".." not in key[3:].split("/")
+
+
+def _parent_of(path: str, key: str) -> str:
+    """``path``, or its parent when ``key`` points into a sibling directory."""
+    if _is_sibling_key(key):
+        return path.rstrip("/").rsplit("/", 1)[0]
+    return path
+
+
+def _inner(key: str) -> str:
+    return key[3:] if _is_sibling_key(key) else key

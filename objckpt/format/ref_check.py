@@ -1,0 +1,73 @@
+"""The commit's check that every object a step references in other steps is there.
+
+A step that reuses unchanged items names objects stored by an earlier step
+(``../step-N/<key>``, :mod:`objckpt.format.refs`). Between the save's lookup of
+its base and its commit, that step may be deleted (retention, ``rm``, ``gc`` in
+another process). The commit therefore lists each referenced step directory once
+(never a HEAD per object), immediately before the create-only manifest PUT, as it
+lists its own directory (:func:`objckpt.format.settle.require_present`): a
+referenced object that is gone, or has another size, fails the save with nothing
+committed. What deletes steps spares the objects a committed manifest names; the
+remaining window (deleted after this listing, before the PUT lands) is the
+deleter's to close: gc and retention delete a step's manifest first, then only
+objects no remaining committed manifest names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from objckpt.errors import UploadError
+from objckpt.format.manifest import ObjectEntry
+from objckpt.format.refs import split_reference
+from objckpt.format.steps import inventory
+from objckpt.writers.base import ObjectStore
+from objckpt.writers.location import Location
+
+__all__ = ["require_referenced", "sibling"]
+
+_NAMED = 8
+
+
+def sibling(location: Location, step_dir: str) -> Location:
+    """The location of step directory ``step_dir`` beside ``location``'s."""
+    url = location.url.rstrip("/").rsplit("/", 1)[0]
+    path = location.path.rstrip("/").rsplit("/", 1)[0]
+    return dataclasses.replace(location, url=f"{url}/{step_dir}", path=f"{path}/{step_dir}")
+
+
+def require_referenced(store: ObjectStore, entries: Iterable[ObjectEntry]) -> None:
+    """Check, with one listing per referenced step directory, that every reference
+    in ``entries`` names an object that is there with its recorded size.
+
+    Raises:
+        UploadError: A referenced object is gone or has another size; the message
+            names the referenced step and the objects. Nothing was committed.
+        StoreError: A listing failed.
+    """
+    by_step: dict[str, dict[str, int]] = {}
+    for entry in entries:
+        step_dir, inner = split_reference(entry.key, f"manifest of {store.location.url}")
+        by_step.setdefault(step_dir, {})[inner] = entry.size
+    for step_dir, want in sorted(by_step.items()):
+        where = sibling(store.location, step_dir)
+        found = {o.key: o.size for o in inventory(store.fs, where)}
+        missing = sorted(k for k in want if k not in found)
+        wrong = sorted(k for k in want if k in found and found[k] != want[k])
+        if not missing and not wrong:
+            continue
+        parts = []
+        if missing:
+            named = ", ".join(missing[:_NAMED]) + (", …" if len(missing) > _NAMED else "")
+            parts.append(
+                f"{len(missing)} of the {len(want)} objects it uses there are gone ({named})"
+            )
+        if wrong:
+            named = ", ".join(f"{k} is {found[k]} bytes, not {want[k]}" for k in wrong[:_NAMED])
+            parts.append(f"{len(wrong)} have another size ({named})")
+        raise UploadError(
+            f"refusing to commit {store.location.url}: it reuses bytes stored by "
+            f"{where.url}, and {'; '.join(parts)} (the step was deleted since this save "
+            "looked it up as its base); nothing was committed"
+        )

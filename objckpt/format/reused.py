@@ -1,0 +1,69 @@
+"""An item a committed base step stores, and the test that a new item equals it.
+
+A save with reuse (``CheckpointManager(reuse_unchanged=True)``, or an explicit
+``reuse_from``) looks up, for each item it is about to write, the item of the
+same identity (fqn and chunk offsets) that the base step stores. The writer (an
+upload worker, or the synchronous writer) hashes the new item's stored bytes and
+skips the upload when the base item has the same length and the same xxh3-128:
+128 bits make a collision across every item of every step as good as impossible,
+where CRC32C's 32 bits would not (a silent wrong restore), so CRC32C is never the
+test. A base item without a hash (written before #28) is never matched.
+
+This module is torch-free: upload workers import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+import xxhash
+
+from objckpt.writers.checksum import BytesLike
+
+__all__ = ["BaseItem", "item_digest", "new_hasher"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BaseItem:
+    """Where a base step's item is, as the new step's index will name it.
+
+    Attributes:
+        key: The reference key (``../step-<N>/<key>``, :func:`objckpt.format.refs.reference_key`).
+        offset: Byte offset of the item inside the referenced object.
+        length: Its stored length.
+        crc32c: Its CRC32C (8 hex digits), copied from the base index.
+        xxh3: Its xxh3-128 (32 hex digits).
+        object_size: Size of the referenced object (the base manifest's entry).
+        object_crc32c: CRC32C of the referenced object (the base manifest's entry).
+    """
+
+    key: str
+    offset: int
+    length: int
+    crc32c: str | None
+    xxh3: str
+    object_size: int
+    object_crc32c: str
+
+    def matches(self, length: int, digest: str) -> bool:
+        """Whether an item of ``length`` stored bytes hashing to ``digest`` is this one."""
+        return self.length == length and self.xxh3 == digest
+
+
+def new_hasher() -> xxhash.xxh3_128:
+    """The streaming hash of one item's stored bytes."""
+    return xxhash.xxh3_128()
+
+
+def item_digest(chunks: Iterable[BytesLike]) -> tuple[int, str]:
+    """``(length, xxh3-128 hex)`` of an item stored as ``chunks`` back to back."""
+    hasher = xxhash.xxh3_128()
+    length = 0
+    for chunk in chunks:
+        view = memoryview(chunk)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        hasher.update(view)
+        length += view.nbytes
+    return length, hasher.hexdigest()

@@ -1,0 +1,228 @@
+"""Deleting steps of a root whose steps may reference each other's bytes.
+
+A step is deleted in two moves, as it always was: its ``manifest.json`` first (from
+that moment the step is gone for every reader), then its ``.metadata``, then its
+objects. With reuse (:mod:`objckpt.format.refs`) a later step's manifest may name
+objects this step's directory stores, so the third move deletes only what the
+root's live set (:mod:`objckpt.ops.live_set`) does not hold: objects still
+referenced stay where they are, in a directory that is no step any more (it has no
+manifest, so no listing of steps names it), until the last step referencing them
+goes. That last deletion also removes what it referenced and nothing else needs
+(the objects left behind in such manifest-less directories), so a run with
+``keep_last`` does not accumulate them between ``gc`` runs.
+
+Every decision comes from one listing of the root taken before the first deletion
+and the manifests it shows (cached by the caller where it deletes often). A save of
+another process that references the bytes concerned and has not committed is
+protected by its index objects for the grace period; one that commits anyway after
+its bytes went fails at its commit (the commit lists every referenced object right
+before its create-only manifest PUT), never commits a dangling reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable
+
+from objckpt.errors import CheckpointNotFoundError, ConfigurationError
+from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY, is_entropy_dir, is_objckpt_object
+from objckpt.format.steps import ObjectInfo, inventory, parse_step, step_name
+from objckpt.ops.live_set import DEFAULT_GRACE, ManifestCache, live_set, step_dir_of
+from objckpt.writers import ObjectStore, open_store
+from objckpt.writers.location import Location
+from objckpt.writers.translate import translate
+
+__all__ = ["RetireReport", "delete_keys", "parent_root", "prune_dir", "retire_steps"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class RetireReport:
+    """What :func:`retire_steps` did.
+
+    Attributes:
+        root: The root's URL.
+        steps: The steps uncommitted (their manifests deleted), ascending.
+        deleted: Root-relative keys deleted (manifests included).
+        kept: Root-relative keys of the retired steps' directories kept because a
+            committed step or a save in flight still references them.
+    """
+
+    root: str
+    steps: tuple[int, ...]
+    deleted: tuple[str, ...]
+    kept: tuple[str, ...]
+
+
+def parent_root(location: Location) -> tuple[Location, int] | None:
+    """``(root, step)`` when ``location`` is a step directory ``<root>/step-<N>``."""
+    head, sep, name = location.url.rpartition("/")
+    step = parse_step(name)
+    if not sep or step is None or "/" not in location.path:
+        return None
+    path = location.path.rpartition("/")[0]
+    return dataclasses.replace(location, url=head, path=path), step
+
+
+def retire_steps(
+    root: Location,
+    steps: Iterable[int],
+    *,
+    grace: float = DEFAULT_GRACE,
+    cache: ManifestCache | None = None,
+    now: float | None = None,
+    store: ObjectStore | None = None,
+    require: bool = False,
+) -> RetireReport:
+    """Delete ``steps`` under ``root``: manifests first, then what nothing else needs.
+
+    Args:
+        grace: Seconds an uncommitted index object protects what it references.
+        cache: Manifest keys read before (:data:`objckpt.ops.live_set.ManifestCache`).
+        require: Raise when a step has nothing stored, or holds objects that are not
+            objckpt's and no manifest (``rm`` of one step).
+
+    Raises:
+        CheckpointNotFoundError: ``require`` and nothing is stored for a step.
+        ConfigurationError: ``require`` and a step directory does not look like an
+            objckpt checkpoint (nothing deleted).
+        StoreError: Listing, reading a manifest or deleting failed; what is left is
+            either still committed or garbage for ``gc``.
+    """
+    now = time.time() if now is None else now
+    cache = {} if cache is None else cache  # the two passes below read each manifest once
+    doomed = sorted(set(steps))
+    own = store is None
+    store = store or open_store(root)
+    try:
+        objects = inventory(store.fs, root)
+        by_dir: dict[str, list[ObjectInfo]] = {}
+        for o in objects:
+            d = step_dir_of(o.key)
+            if d is not None:
+                by_dir.setdefault(d, []).append(o)
+        dirs = [step_name(s) for s in doomed]
+        if require:
+            _require(root, dirs, by_dir)
+        # What the doomed manifests referenced elsewhere (to sweep if nothing else needs it).
+        before = live_set(store, objects, grace=grace, now=now, cache=cache)
+        referenced = {k for k, by in before.referrers.items() if set(by) & set(dirs)}
+        deleted: list[str] = []
+        for d in dirs:  # uncommit each step in one request, before anything else goes
+            for name in (MANIFEST_KEY, METADATA_KEY):
+                key = f"{d}/{name}"
+                if any(o.key == key for o in by_dir.get(d, ())):
+                    delete_keys(store, [key])
+                    deleted.append(key)
+        live = live_set(store, objects, grace=grace, now=now, exclude=dirs, cache=cache)
+        gone = set(deleted)
+        candidates = [o.key for d in dirs for o in by_dir.get(d, ()) if o.key not in gone]
+        present = {o.key for o in objects}
+        committed = {d for d, objs in by_dir.items() if any(_is_manifest(o, d) for o in objs)}
+        candidates += sorted(
+            k
+            for k in referenced
+            if k in present and (step_dir_of(k) not in committed or step_dir_of(k) in dirs)
+        )
+        if live.partial:
+            kept = candidates
+            logger.warning(
+                "retiring steps %s of %s deleted their manifests only: the live set is "
+                "partial (unreadable manifests of steps %s or index objects %s)",
+                doomed,
+                root.url,
+                list(live.unreadable),
+                list(live.unreadable_indexes),
+            )
+        else:
+            kept = [k for k in candidates if k in live]
+            doomed_keys = [k for k in candidates if k not in live]
+            delete_keys(store, doomed_keys)
+            deleted += doomed_keys
+        _abort_uploads(store, dirs)
+        for d in {*dirs, *(step_dir_of(k) for k in deleted)}:
+            if d is not None:
+                prune_dir(store, root.child(d))
+    finally:
+        if own:
+            store.close()
+    kept = sorted(set(kept))
+    if kept:
+        logger.info(
+            "retired steps %s of %s; kept %d of their objects that later steps reference",
+            doomed,
+            root.url,
+            len(kept),
+        )
+    return RetireReport(root.url, tuple(doomed), tuple(deleted), tuple(kept))
+
+
+def _is_manifest(o: ObjectInfo, step_dir: str) -> bool:
+    return o.key == f"{step_dir}/{MANIFEST_KEY}"
+
+
+def delete_keys(
+    store: ObjectStore, keys: list[str], progress: Callable[[int], None] | None = None
+) -> None:
+    """Delete keys (relative to the store's location), in batches."""
+    batch = 500
+    for i in range(0, len(keys), batch):
+        chunk = keys[i : i + batch]
+        try:
+            store.fs.rm([store.path(k) for k in chunk])
+        except FileNotFoundError:
+            for k in chunk:  # some were gone already: delete the rest one by one
+                with contextlib.suppress(FileNotFoundError):
+                    store.fs.rm(store.path(k))
+        except Exception as exc:
+            raise translate(exc, url=store.location.url_of(chunk[0]), action="deleting") from exc
+        if progress is not None:
+            progress(len(chunk))
+    store.fs.invalidate_cache(store.location.path)
+
+
+def prune_dir(store: ObjectStore, location: Location) -> None:
+    """Remove an emptied directory on a local filesystem (object stores have none)."""
+    if location.is_local:
+        with contextlib.suppress(OSError):
+            for name in os.listdir(location.path):  # emptied prefix-entropy directories
+                if is_entropy_dir(name):
+                    with contextlib.suppress(OSError):
+                        os.rmdir(os.path.join(location.path, name))
+            store.fs.rmdir(location.path)
+
+
+def _require(root: Location, dirs: list[str], by_dir: dict[str, list[ObjectInfo]]) -> None:
+    for d in dirs:
+        names = [o.key.split("/", 1)[1] for o in by_dir.get(d, ())]
+        url = root.child(d).url
+        if not names:
+            raise CheckpointNotFoundError(f"no checkpoint at {url}")
+        nested = [n for n in names if "/" in n and not is_entropy_dir(n.split("/")[0])]
+        nested += [n for n in names if n.count("/") > 1]
+        if nested:
+            raise ConfigurationError(
+                f"{url} is not one checkpoint: it holds {root.child(d).url_of(nested[0])}; "
+                "deleting removes a single checkpoint, never a tree"
+            )
+        strangers = [
+            n for n in names if n not in (MANIFEST_KEY, METADATA_KEY) and not is_objckpt_object(n)
+        ]
+        if strangers and MANIFEST_KEY not in names:
+            raise ConfigurationError(
+                f"{url} does not look like an objckpt checkpoint (no {MANIFEST_KEY}; holds "
+                f"{strangers[0]}); nothing was deleted"
+            )
+
+
+def _abort_uploads(store: ObjectStore, dirs: list[str]) -> None:
+    """Abort the open multipart uploads under the retired step directories."""
+    prefixes = tuple(d + "/" for d in dirs)
+    for u in store.open_uploads():
+        if u.key.startswith(prefixes):
+            store.abort_upload(u)

@@ -1,0 +1,122 @@
+"""Lifecycle of steps that real reusing saves wrote (#28): a LoRA-shaped run whose
+frozen base is stored once, kept whole by retention and gc, and the race between a
+reusing save and a deletion of its base by another process, through the proxy."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner, Result
+
+from objckpt import CheckpointManager, Location
+from objckpt.cli import main
+from objckpt.errors import UploadError
+from objckpt.format.layout import MANIFEST_KEY
+from objckpt.format.steps import step_name
+from objckpt.ops.gc import collect_garbage
+from objckpt.ops.retire import retire_steps
+from objckpt.testing import FaultProxy, MotoServer, Rule
+from objckpt.testing.plugin import StoreTarget
+from objckpt.testing.servers import TEST_KEY, TEST_SECRET
+
+
+@pytest.fixture
+def cli(moto_server: MotoServer, monkeypatch: pytest.MonkeyPatch):
+    for k, v in {
+        "AWS_ENDPOINT_URL": moto_server.endpoint_url,
+        "AWS_ACCESS_KEY_ID": TEST_KEY,
+        "AWS_SECRET_ACCESS_KEY": TEST_SECRET,
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(k, v)
+
+    def run(*args: str) -> Result:
+        return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+    return run
+
+
+def _lora(step: int) -> dict:
+    """A frozen base (the same every step) and a small adapter that trains."""
+    g = torch.Generator().manual_seed(0)
+    return {
+        "base": torch.randn(256, 1024, generator=g),  # 1 MiB, frozen
+        "adapter": torch.full((16, 64), float(step)),
+        "step": step,
+    }
+
+
+def _blank() -> dict:
+    return {"base": torch.zeros(256, 1024), "adapter": torch.zeros(16, 64), "step": 0}
+
+
+@pytest.mark.timeout(300)
+def test_keep_last_one_and_gc_at_zero_grace_keep_the_newest_step_whole(
+    s3_bucket: StoreTarget, moto_server: MotoServer, cli
+) -> None:
+    root = s3_bucket.url("lora")
+    opts = s3_bucket.storage_options
+    with CheckpointManager(root, storage_options=opts, keep_last=1) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, _lora(step)).result(timeout=120)
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [3]
+    assert cli("gc", root, "--apply", "--grace", "0").exit_code == 0
+    verified = cli("verify", f"{root}/{step_name(3)}")
+    assert verified.exit_code == 0, verified.output
+    info = json.loads(cli("info", f"{root}/{step_name(3)}", "--json").output)
+    assert info["reused_from"] == [step_name(1)]  # the base, stored by step 1 only
+    assert info["reused_bytes"] > 1024 * 1024 > info["stored_bytes"]
+    got = _blank()
+    with CheckpointManager(root, storage_options=opts) as mgr:
+        assert mgr.load(got) == 3
+    want = _lora(3)
+    assert torch.equal(got["base"], want["base"]) and torch.equal(got["adapter"], want["adapter"])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("then_gc", [False, True], ids=["rm", "rm-and-gc-at-zero-grace"])
+def test_a_reusing_save_whose_base_was_deleted_meanwhile_never_commits(
+    s3_bucket: StoreTarget, s3_proxy: FaultProxy, moto_server: MotoServer, then_gc: bool
+) -> None:
+    """Another process deletes step 1 (and collects garbage at zero grace) while step
+    2, which reuses step 1's frozen base, waits before its commit (its index PUT held
+    by the proxy): step 2 fails, and nothing of it is committed. Deleted alone, the
+    base is what the commit finds gone and names (gc at zero grace also takes step
+    2's own young payload, which the commit's listing of its own directory finds
+    first)."""
+    root = s3_bucket.url("race")
+    via = s3_proxy.storage_options()
+    with CheckpointManager(root, storage_options=via) as mgr:
+        mgr.save(1, _lora(1)).result(timeout=120)
+        s3_proxy.add(
+            Rule(
+                "PutObject",
+                key_contains=f"{step_name(2)}/__index_",
+                action="hold",
+                stall=120,
+            )
+        )
+        handle = mgr.save(2, _lora(2))
+        try:
+            s3_proxy.wait_for("PutObject", faulted=True, timeout=60)
+            other = Location.parse(root, s3_bucket.storage_options)  # not through the proxy
+            retired = retire_steps(other, [1])
+            if then_gc:
+                collect_garbage(other, grace=0, dry_run=False)
+        finally:
+            s3_proxy.release()
+        with pytest.raises(UploadError, match=None if then_gc else f"{step_name(1)}.*gone"):
+            handle.result(timeout=120)
+        with pytest.raises(UploadError):
+            mgr.check_for_errors()
+    # Nothing protected the base: the save's index objects were not written yet.
+    assert any(k.startswith(f"{step_name(1)}/__0_") for k in retired.deleted), retired
+    bucket, prefix = Location.parse(root).path.split("/", 1)
+    client = moto_server.boto3_client()
+    keys = [
+        o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])
+    ]
+    assert f"{prefix}/{step_name(2)}/{MANIFEST_KEY}" not in keys
