@@ -30,6 +30,7 @@ from simulated_room import simulated_room
 import objckpt
 from objckpt.pipeline.deferred import DeferredWriter
 from objckpt.pipeline.save_phases import TargetCache
+from objckpt.writers.clients import ClientCache
 from objckpt.writers.location import Location
 
 #: (cell, faulty rank) per column, in the order the job walks them.
@@ -144,7 +145,13 @@ def _fault(cell: str, mine: bool, ckpt: Any = None) -> contextlib.AbstractContex
         down = objckpt.errors.StoreUnreachableError("cannot open the filesystem (injected)")
         if ckpt is not None:
             return _patched(TargetCache, "attach", _raiser(down))
-        return _patched(Location, "open_fs", _raiser(down))
+        # Every filesystem this rank opens from now on fails: a new client
+        # (Location.open_fs) and this process's shared one (ClientCache), which
+        # may already hold a client from an earlier operation.
+        stack = contextlib.ExitStack()
+        stack.enter_context(_patched(Location, "open_fs", _raiser(down)))
+        stack.enter_context(_patched(ClientCache, "filesystem", _raiser(down)))
+        return stack
     if cell.startswith("replay-fails"):
         return _patched(DeferredWriter, "replay", _raiser(RuntimeError("replay (injected)")))
     if cell == "planning-fails":

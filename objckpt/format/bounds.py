@@ -360,8 +360,7 @@ def check_item(
         length: Its length.
         object_size: Its object's recorded size.
         metadata: The checkpoint's DCP metadata (the chunk's dtype and shape).
-        where: The object that placed it, for messages.
-        key: Its object's key, for messages.
+        where: The object that placed it, for messages (``key``: its object's).
 
     Raises:
         ManifestError: Naming ``where``, the item and the numbers.

@@ -4,8 +4,8 @@ The glue every training loop writes around DCP, done once and carefully:
 
 * step N lives at ``<root>/step-<N, 10 digits>/`` and exists once its manifest is
   committed, so ``latest_step()`` never names a half-written step;
-* saves are async (:class:`~objckpt.AsyncCheckpointer`), reusing one staging area
-  and one set of upload workers for the whole run;
+* saves are async (:class:`~objckpt.AsyncCheckpointer`: one staging area and one
+  set of upload workers for the run) and reference unchanged bytes of the last step;
 * retention runs on the coordinator after a step commits, over committed steps
   only, and never deletes the last good step before a newer one is committed.
 
@@ -19,11 +19,9 @@ every K-th is promoted to the root in the background (:mod:`objckpt.ops.tiers`,
 :mod:`objckpt.ops.promote`); ``load`` then reads each object from this node's
 copy when it holds it intact, from the root (then the backups) otherwise.
 
-The manager is a facade over its parts, each owning its state: the step catalog
-(:mod:`objckpt.ops.catalog`), the save path (:mod:`objckpt.ops.saving`, with the
-local tier's bookkeeping in :mod:`objckpt.ops.local_tier`), what follows a durable
-commit (:mod:`objckpt.ops.durable`: backups, retention) and the load fallback
-(:mod:`objckpt.ops.restore`). It holds each public method's contract.
+A facade holding each public method's contract over parts that own their state:
+:mod:`~objckpt.ops.catalog`, :mod:`~objckpt.ops.saving` (with
+:mod:`~objckpt.ops.local_tier`), :mod:`~objckpt.ops.durable`, :mod:`~objckpt.ops.restore`.
 """
 
 from __future__ import annotations
@@ -378,10 +376,9 @@ class CheckpointManager:
         """Wait for saves in flight and their backups, then stop the workers (errors
         stay for check_for_errors and wait_for_backups).
 
-        Returns in bounded time when saves have a deadline (``UploadOptions``): saves
-        in flight get their own bound (see :meth:`AsyncCheckpointer.close`), the
-        promotions and backups after them one more deadline and 30 s. What still
-        runs then is logged and abandoned; nothing uncommitted becomes visible.
+        Bounded when saves have a deadline (``UploadOptions``): saves in flight by
+        :meth:`AsyncCheckpointer.close`, promotions and backups one more deadline and
+        30 s. What still runs then is logged and abandoned, never made visible.
         """
         deadline = self._checkpointer.upload.deadline
         settles_by = self._checkpointer.settles_by()

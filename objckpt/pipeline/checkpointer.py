@@ -47,7 +47,7 @@ from objckpt.pipeline.stage import Stager
 from objckpt.pipeline.workers import WorkerPool
 from objckpt.writers.retry import RetryPolicy
 
-__all__ = ["AsyncCheckpointer", "async_save"]
+__all__ = ["AsyncCheckpointer"]
 
 logger = logging.getLogger(__name__)
 
@@ -372,41 +372,3 @@ class AsyncCheckpointer:
     def worker_pids(self) -> list[int]:
         """PIDs of the upload workers (for diagnostics and fault tests)."""
         return self._pool.pids()
-
-
-def async_save(
-    state_dict: dict[str, Any],
-    url: str,
-    *,
-    storage_options: Mapping[str, Any] | None = None,
-    process_group: Any | None = None,
-    checkpointer: AsyncCheckpointer | None = None,
-    overwrite: bool = False,
-    no_dist: bool = False,
-    **kwargs: Any,
-) -> SaveHandle:
-    """Save asynchronously; returns a handle as soon as ``state_dict`` is staged.
-
-    Pass a long-lived ``checkpointer`` to reuse staging memory and worker
-    processes across saves (the fast path). Without one, a checkpointer is built
-    for this save and closed when it finishes.
-
-    Args:
-        no_dist: This process alone, without a collective (see
-            :meth:`AsyncCheckpointer.save`).
-        kwargs: ``upload``, ``async_options`` and ``on_commit`` for the one-off checkpointer.
-    """
-    if checkpointer is not None:
-        return checkpointer.save(
-            state_dict, url, process_group=process_group, overwrite=overwrite, no_dist=no_dist
-        )
-    ckpt = AsyncCheckpointer(storage_options=storage_options, **kwargs)
-    try:
-        handle = ckpt.save(
-            state_dict, url, process_group=process_group, overwrite=overwrite, no_dist=no_dist
-        )
-    except BaseException:
-        ckpt.close()
-        raise
-    handle.add_done_callback(lambda _: threading.Thread(target=ckpt.close, daemon=True).start())
-    return handle
