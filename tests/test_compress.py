@@ -93,6 +93,7 @@ def test_off_by_default_stores_what_dcp_stores(tmp_path: Path) -> None:
     path = _file_save(tmp_path, "plain", state)
     doc = _index_doc(path)
     assert not {"transforms", "transform", "raw_length"} & set(doc)
+    assert json.loads(Path(path, "manifest.json").read_bytes())["version"] == 2
     reader = FileSystemReader(path)
     md = reader.read_metadata()
     framer = Framer()
@@ -119,6 +120,9 @@ def test_sync_round_trip_on_s3_is_bit_exact(s3_bucket: StoreTarget, compression:
     raw = sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor))
     payload = sum(o.size for o in manifest.objects if o.key.endswith(".distcp"))
     assert payload < 0.9 * raw  # stored compressed (bf16 weights and fp32 moments shrink)
+    # Readers before format 3 cannot decode transformed items: they must refuse the
+    # manifest by its version rather than misread it.
+    assert json.loads(manifest.to_json_bytes())["version"] == 3
     got = _blank(state)
     dcp.load(got, storage_reader=ObjectStoreReader(url, storage_options=opts))
     _assert_equal(got, state)

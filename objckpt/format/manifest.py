@@ -89,8 +89,11 @@ class Manifest:
     @property
     def written_version(self) -> int:
         """The format version this manifest is written with: 3 when it references
-        another step's objects, its own version otherwise."""
-        if any(is_reference(o.key) for o in self.objects):
+        another step's objects or holds compressed items (``raw_bytes``: readers
+        before version 3 would misread either, and refuse a newer version by name),
+        its own version otherwise."""
+        compressed = "raw_bytes" in self.metadata
+        if compressed or any(is_reference(o.key) for o in self.objects):
             return max(self.version, REFERENCES_VERSION)
         return self.version
 
