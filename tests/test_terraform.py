@@ -371,8 +371,10 @@ def _lifecycle(proxy: FaultProxy, moto: MotoServer, tmp_path: Path) -> None:
         got = {"big": torch.zeros_like(state["big"]), "s": torch.zeros(3)}
         mgr.load(got)
     src = Location.parse("s3://iam-primary/run", opts).child(step_name(2))
-    dst = Location.parse("s3://iam-backup/parts", opts)
-    copy_checkpoint(src, dst, upload=parts)  # 12 MiB object: UploadPartCopy
+    dst = Location.parse("s3://iam-backup/parts", opts).child(step_name(2))
+    # Step 2 reuses step 1's bytes: the copy goes into a step directory, with step
+    # 1's 12 MiB object copied beside it (UploadPartCopy).
+    copy_checkpoint(src, dst, upload=parts)
     assert verify_checkpoint(dst).ok
     # A killed save's open multipart upload, then gc aborting it.
     root = Location.parse("s3://iam-primary/run", opts)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch.distributed.checkpoint.planner import WriteItem
@@ -61,6 +61,14 @@ def split_reused(
     return to_write, reused
 
 
+def _streamed(
+    entries: Iterable[tuple[int, torch.Tensor | BytesLike]], framer: Framer
+) -> Iterator[StoredEntry]:
+    for ident, data in entries:
+        chunks, kept = stored_chunks(data, framer)
+        yield ident, chunks, kept, None
+
+
 def write_stored(upload: ObjectUpload, entries: Iterable[StoredEntry]) -> PayloadRecord:
     """Write entries prepared by :func:`split_reused` into ``upload``, in order (the
     caller closes or aborts it). Framed tensors are sent from their memory, which the
@@ -86,8 +94,13 @@ def write_objects(
     try:
         for obj in objects:
             reuse = base.for_items((position[id(i)], i) for i in obj.items) if base else {}
-            to_write, reused = split_reused(entries_of(obj), framer, reuse)
-            if not to_write:  # every item reused: the object is never created
+            to_write: Iterable[StoredEntry]
+            reused: list[tuple[int, BaseItem]]
+            if reuse:  # hashed first: an object whose items are all reused is never begun
+                to_write, reused = split_reused(entries_of(obj), framer, reuse)
+            else:  # streamed: each item resolved as it is written, none held ahead
+                to_write, reused = _streamed(entries_of(obj), framer), []
+            if reuse and not to_write:  # every item reused: the object is never created
                 done: concurrent.futures.Future[None] = concurrent.futures.Future()
                 done.set_result(None)
                 record = PayloadRecord(0, "", (), reused=tuple(reused))
