@@ -120,6 +120,27 @@ def test_settings_that_differ_or_cannot_be_compared_never_share() -> None:
     assert cache.built == 4
 
 
+def test_store_environment_that_differs_gets_its_own_client(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The SDKs read ``AWS_*`` (and the like) when a client is built: another value
+    there is another client; a variable no store reads changes nothing."""
+    cache = ClientCache()
+    loc = Location.parse("memory://clients/env", {"x": 1})
+    monkeypatch.delenv("AWS_OBJCKPT_TEST_MARKER", raising=False)
+    first = cache.filesystem(loc)
+    monkeypatch.setenv("OBJCKPT_TEST_UNRELATED", "1")
+    assert cache.filesystem(loc) is first and cache.built == 1
+    monkeypatch.setenv("AWS_OBJCKPT_TEST_MARKER", "a")
+    second = cache.filesystem(loc)
+    assert second is not first and cache.built == 2
+    monkeypatch.setenv("AWS_OBJCKPT_TEST_MARKER", "b")
+    third = cache.filesystem(loc)
+    assert third is not first and third is not second and cache.built == 3
+    monkeypatch.setenv("AWS_OBJCKPT_TEST_MARKER", "a")
+    assert cache.filesystem(loc) is second and cache.built == 3
+
+
 def test_the_cache_keeps_only_the_newest_settings() -> None:
     cache = ClientCache(limit=2)
     a, b, c = (Location.parse("memory://clients/k", {"n": n}) for n in range(3))

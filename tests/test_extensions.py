@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from helpers import carried
+from reuse_helpers import stored_items
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._extension import (
     ExtensionRegistry,
@@ -23,9 +24,10 @@ from torch.distributed.checkpoint._extension import (
 )
 from torch.distributed.checkpoint.api import CheckpointException
 
-from objckpt import ObjectStoreReader, ObjectStoreWriter, UploadOptions
+from objckpt import Location, ObjectStoreReader, ObjectStoreWriter, UploadOptions
 from objckpt.errors import ConfigurationError, ManifestError
 from objckpt.testing.plugin import StoreTarget
+from objckpt.writers import open_store
 
 
 class Rot13(StreamTransformExtension):
@@ -109,10 +111,33 @@ def test_extensions_round_trip_through_objckpt_on_s3(
     url, opts = s3_bucket.url(make.__name__), s3_bucket.storage_options
     writer = ObjectStoreWriter(url, storage_options=opts, _extensions=[make()])
     dcp.save(_state(), storage_writer=writer)
+    _assert_stored_transformed(url, s3_bucket, make)
     got = _blank()
     reader = ObjectStoreReader(url, storage_options=opts, _extension_registry=_registry())
     dcp.load(got, storage_reader=reader)
     _check(got)
+
+
+#: What a stored item begins with once transformed: torch.save's zip header shifted by
+#: Rot13, or a zstd frame's magic number. Untransformed, it would begin b"PK\x03\x04".
+_STORED_HEAD = {
+    "Rot13": bytes((b + 13) % 256 for b in b"PK\x03\x04"),
+    "ZStandard": b"\x28\xb5\x2f\xfd",
+}
+
+
+def _assert_stored_transformed(
+    url: str, target: StoreTarget, make: type[StreamTransformExtension]
+) -> None:
+    """Every tensor item is stored transformed (a writer that ignored ``_extensions``
+    would round-trip too): its descriptors recorded, its stored bytes transformed."""
+    store = open_store(Location.parse(url, target.storage_options))
+    tensors = {i: item for i, item in stored_items(url, target).items() if i.fqn in ("w", "b")}
+    assert len(tensors) == 2, tensors
+    for index, item in tensors.items():
+        assert item.transform_descriptors == (make().get_descriptor(),), (index, item)
+        head = store.read(item.relative_path)[item.offset : item.offset + 4]
+        assert head == _STORED_HEAD[make.__name__], (index.fqn, head)
 
 
 def test_an_unknown_descriptor_is_refused_naming_it(s3_bucket: StoreTarget) -> None:

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import pickle
-import signal
 from pathlib import Path
 
 import fsspec
@@ -36,7 +34,7 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from objckpt._torch import storage_info
-from objckpt.errors import ManifestError, UploadError
+from objckpt.errors import ManifestError
 from objckpt.format.commit import save_storage_meta
 from objckpt.format.dcp_json import StoredItem
 from objckpt.format.index import encode_metadata
@@ -45,7 +43,6 @@ from objckpt.format.rank_commit import Layout
 from objckpt.format.rank_index import encode_rank_index, with_writers, writer_columns
 from objckpt.options import UploadOptions
 from objckpt.pipeline import stock_task
-from objckpt.pipeline.coordinator import CommitHelper, _bounded
 from objckpt.testing import FaultProxy
 from objckpt.testing.plugin import StoreTarget
 from objckpt.testing.rules import Rule
@@ -173,7 +170,9 @@ def test_the_helper_rebuilds_the_coordinator_s_manifest_and_metadata(tmp_path: P
     )
     assert doc == before_doc and doc["raw_bytes"] == 300
     assert list(doc["state_dict"]["w"]) == list(before_doc["state_dict"]["w"])  # key order
-    assert stock_task.publish_stock(Location.parse(url), UploadOptions(), ATTEMPT, frozenset())
+    assert (
+        stock_task.publish_stock(Location.parse(url), UploadOptions(), ATTEMPT, frozenset()) is None
+    )
     blob = (tmp_path / "ckpt" / ".metadata").read_bytes()
     crc = Crc32c()
     crc.update(blob)
@@ -195,50 +194,58 @@ def test_a_chunk_no_rank_s_index_places_is_refused() -> None:
         writer_columns(layout.placeholder, found)
 
 
+def _save_each(tmp_path: Path, world: int, urls: list[str], options: dict, **kw: int) -> list:
+    args = ("save_each", world, str(tmp_path / "init"), urls, options, str(tmp_path / "out"))
+    mp.spawn(rank_commit_ranks.rank_main, args=(*args, *kw.values()), nprocs=world, join=True)
+    return [json.loads((tmp_path / f"out.rank{r}.json").read_text()) for r in range(world)]
+
+
 def test_one_rank_s_refused_index_fails_the_save_on_every_rank(
     s3_bucket: StoreTarget, s3_proxy: FaultProxy, tmp_path: Path
 ) -> None:
     """Rank 2's index PUT is refused (every retry): it reports the failure through the
     same exchange, so the save fails on all four ranks and nothing is committed; the
-    next save, with no fault, commits on every rank."""
+    next save, with no fault, commits on every rank. The failed save leaves no c10d
+    key behind (rank 2 never reads the outcome: the others delete it)."""
     world = 4
-    bad, good = s3_bucket.url("bad"), s3_bucket.url("good")
+    first, bad, good = s3_bucket.url("first"), s3_bucket.url("bad"), s3_bucket.url("good")
     prefix = bad.split("://", 1)[1].split("/", 1)[1]
     s3_proxy.add(Rule(key_contains=f"{prefix}/__index_2.", operation="PutObject", status=500))
-    args = (
-        "save_twice",
-        world,
-        str(tmp_path / "init"),
-        [bad, good],
-        s3_proxy.storage_options(),
-        str(tmp_path / "outcome"),
-    )
-    mp.spawn(rank_commit_ranks.rank_main, args=args, nprocs=world, join=True)
-    outcomes = [json.loads((tmp_path / f"outcome.rank{r}.json").read_text()) for r in range(world)]
-    for rank, (first, second) in enumerate(outcomes):
-        assert first != "committed", f"rank {rank} saw the save with a refused index commit"
-        assert second == "committed", f"rank {rank}: {second}"
-    assert "__index_2." in outcomes[2][0], outcomes[2][0]  # its own error names the object
-    assert "rank 2" in outcomes[0][0], outcomes[0][0]  # the coordinator names the rank
+    records = _save_each(tmp_path, world, [first, bad, good], s3_proxy.storage_options())
+    for rank, record in enumerate(records):
+        before, failed, after = record["outcomes"]
+        assert before == "committed" and after == "committed", (rank, record)
+        assert failed != "committed", f"rank {rank} saw the save with a refused index commit"
+    assert "__index_2." in records[2]["outcomes"][1], records[2]
+    assert "rank 2" in records[0]["outcomes"][1], records[0]  # the coordinator names the rank
+    keys = records[0]["keys"]
+    assert keys[1] == keys[0] and keys[2] == keys[0], f"c10d keys after each save: {keys}"
     fs = fsspec.filesystem("s3", skip_instance_cache=True, **s3_bucket.storage_options)
     stored = {p.rsplit("/", 1)[-1] for p in fs.find(bad.split("://", 1)[1])}
     assert "manifest.json" not in stored and ".metadata" not in stored, stored
     assert s3_proxy.count("PutObject", faulted=True) >= 1
 
 
-def test_a_commit_helper_that_dies_fails_the_save_with_an_objckpt_error() -> None:
-    """The helper is a real process; killed (as the OOM killer does) while it holds a
-    task, the save gets :class:`UploadError` naming what it was doing, not the pool's
-    own exception; the next task gets a fresh helper."""
-    helper = CommitHelper()
-    try:
-        helper.start()
-        pid = helper._submit(os.getpid).result(timeout=120)
-        doomed = helper._submit(os.kill, pid, signal.SIGKILL)
-        with pytest.raises(
-            UploadError, match=r"preparing s3://b/x: the commit helper process died"
-        ):
-            _bounded(doomed, None, helper, "preparing s3://b/x")
-        assert helper._submit(os.getpid).result(timeout=120) != pid
-    finally:
-        helper.close()
+def test_a_commit_helper_that_cannot_start_fails_the_save_on_every_rank(
+    s3_bucket: StoreTarget, tmp_path: Path
+) -> None:
+    """Rank 0 cannot start its commit helper process (no interpreter at
+    ``sys.executable``): the save fails on both ranks with the reason, through the
+    exchange (not after the other rank's wait for an outcome that never comes), and
+    the next save, which can start it, commits."""
+    urls = [s3_bucket.url("bad"), s3_bucket.url("good")]
+    records = _save_each(tmp_path, 2, urls, s3_bucket.storage_options, no_helper_for=0)
+    for rank, record in enumerate(records):
+        failed, after = record["outcomes"]
+        assert "commit helper process could not be started" in failed, (rank, failed)
+        assert after == "committed", (rank, after)
+    assert records[0]["helpers"] == [0, 1], records[0]
+
+
+def test_one_rank_commits_in_thread_without_a_helper(
+    s3_bucket: StoreTarget, tmp_path: Path
+) -> None:
+    """A distributed save of one rank has nobody's index to gather: no helper process
+    is started for it."""
+    records = _save_each(tmp_path, 1, [s3_bucket.url("one")], s3_bucket.storage_options)
+    assert records[0]["outcomes"] == ["committed"] and records[0]["helpers"] == [0], records

@@ -16,7 +16,15 @@ from objckpt.format.manifest import REFERENCES_VERSION, VERSION, Manifest, Objec
 from objckpt.format.reused import BaseItem, item_digest
 
 REF = "../step-0000000001/__0_0.6b0000000000beef.distcp"
-ESCAPES = ["../../x", "../notastep/x", "../step-0000000001/../x", "../step-1/x", "..//x"]
+ESCAPES = [
+    "../../x",
+    "../notastep/x",
+    "../step-0000000001/../x",
+    "../step-1/x",
+    "..//x",
+    "../step-0000000001\n/x",  # `$` matched before a trailing newline
+    "../step-\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0661/x",  # not ASCII
+]
 
 
 def _manifest(*keys: str) -> Manifest:
@@ -75,6 +83,14 @@ def test_crafted_references_that_escape_are_refused_in_an_index(key: str) -> Non
         json.dumps(bad).encode(), rank=0, attempt=ATTEMPT, metadata=decoded, url="i"
     )
     assert {item.relative_path for item in found.values()} == {REF}
+
+
+def test_a_step_directory_name_is_ascii_digits_and_nothing_after() -> None:
+    from objckpt.format.steps import parse_step
+
+    assert parse_step("step-0000000001") == 1
+    assert parse_step("step-0000000001\n") is None
+    assert parse_step("step-\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0661") is None
 
 
 def test_the_index_carries_each_items_xxh3_and_refuses_a_damaged_column() -> None:

@@ -141,8 +141,10 @@ def exit_code(exc: BaseException) -> int:
 def _torch_error(exc: BaseException) -> bool:
     """Whether ``exc`` is torch's ``CheckpointException`` (a ``BaseException``).
 
-    Checked without importing torch: a command that never imported it (``ls``,
-    ``gc``, ``rm``: 1-2 s of CPU saved on every run) cannot have met one.
+    Looked up in ``sys.modules`` rather than imported: an exception of that class
+    exists only once its module was loaded, so a command that never loaded it cannot
+    have met one. (It saves no import: ``ls``, ``gc`` and the other store commands
+    reach torch through :mod:`objckpt.format`, which needs DCP's metadata classes.)
     """
     api = sys.modules.get("torch.distributed.checkpoint.api")
     return api is not None and isinstance(exc, api.CheckpointException)

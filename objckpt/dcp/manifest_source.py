@@ -52,6 +52,7 @@ from objckpt.format.layout import (
     is_objckpt_object,
 )
 from objckpt.format.manifest import Manifest, ObjectEntry
+from objckpt.format.refs import require_step_directory
 from objckpt.writers.location import Location
 from objckpt.writers.retry import retry_call
 from objckpt.writers.translate import translate
@@ -138,6 +139,7 @@ def open_checkpoint(
     manifest_url = location.url_of(MANIFEST_KEY)
     manifest = Manifest.from_json_bytes(data, url=manifest_url, max_bytes=max_bytes)
     objects = {o.key: o for o in manifest.objects}
+    require_step_directory(url, objects, f"manifest {manifest_url}")
     if manifest.version >= 2:
         metadata, locator = decode_metadata(manifest.metadata, url=manifest_url, objects=objects)
         for key in locator.index_keys:

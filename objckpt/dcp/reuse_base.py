@@ -27,16 +27,22 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem
 
 from objckpt.dcp.manifest_source import read_bounded
-from objckpt.errors import ChecksumMismatchError, ConfigurationError, ManifestError
+from objckpt.errors import (
+    ChecksumMismatchError,
+    ConfigurationError,
+    ManifestError,
+    SaveDeadlineError,
+)
 from objckpt.format.dcp_json import StoredItem
 from objckpt.format.index import Locator, decode_index, decode_metadata
 from objckpt.format.layout import MANIFEST_KEY
 from objckpt.format.manifest import Manifest
 from objckpt.format.ref_check import sibling
-from objckpt.format.refs import reference_key, split_reference
+from objckpt.format.refs import is_step_directory, reference_key, split_reference
 from objckpt.format.reused import BaseItem
 from objckpt.options import ReadOptions
 from objckpt.writers.checksum import crc32c_of
+from objckpt.writers.deadline import Deadline, bounded_by
 from objckpt.writers.location import Location
 from objckpt.writers.translate import describe
 
@@ -56,11 +62,19 @@ def base_location(target: Location, reuse_from: str | None) -> Location | None:
     """The base step's location, checked to be a sibling step of ``target``.
 
     Raises:
-        ConfigurationError: ``reuse_from`` is not a step directory beside ``target``
-            (references only ever point into a sibling ``step-<N>`` directory).
+        ConfigurationError: ``target`` is not itself a step directory, or
+            ``reuse_from`` is not a step directory beside it (references only ever
+            point between the ``step-<N>`` directories of one root: only those are
+            kept whole by the root's live set, and readers honour them nowhere else).
     """
     if reuse_from is None:
         return None
+    if not is_step_directory(target.url):
+        raise ConfigurationError(
+            f"option reuse_from={reuse_from!r} needs the checkpoint {target.url} to be a "
+            "step directory (<root>/step-<10 digits>) of the same root as the base: "
+            "nothing else keeps referenced bytes alive"
+        )
     base = Location.parse(reuse_from, target.storage_options, target.retry)
     name = base.path.rstrip("/").rsplit("/", 1)[-1]
     try:
@@ -119,11 +133,23 @@ class BaseReader:
         self._opened: tuple[Manifest, Metadata, Locator] | None = None
         self._shards: dict[int, dict[MetadataIndex, StoredItem]] = {}
         self._failed: BaseException | None = None
+        self._deadline: Deadline | None = None
+        self._known: dict[Identity, BaseItem] | None = None
+
+    def remember(self, items: Mapping[Identity, BaseItem]) -> None:
+        """Take this rank's items of the base from memory (what it wrote in that
+        save, :mod:`objckpt.pipeline.reuse_memory`): :meth:`table` reads nothing."""
+        self._known = dict(items)
+
+    def bound(self, deadline: Deadline | None) -> None:
+        """Bound every read of the base, and :meth:`table`'s wait for a read in
+        flight, by ``deadline`` (the save's): past it, no reuse."""
+        self._deadline = deadline
 
     def prefetch(self, rank: int) -> None:
         """Read the manifest and the index object rank ``rank`` wrote (its own when
         the world size is unchanged), keeping any failure for :meth:`table`."""
-        with self._lock:
+        with self._lock, bounded_by(self._deadline):
             try:
                 _, _, locator = self._open()
                 if rank < len(locator.index_keys):
@@ -132,23 +158,51 @@ class BaseReader:
                 self._failed = self._failed or exc
 
     def table(self, wanted: Sequence[MetadataIndex]) -> BaseTable | None:
-        """The base's items of the identities in ``wanted`` (None: no reuse)."""
+        """The base's items of the identities in ``wanted`` (None: no reuse).
+
+        Called inside DCP's collective (an async save's ``write_data``): it waits
+        for a read in flight at most until the save's deadline (:meth:`bound`), then
+        gives up the reuse rather than stall every rank.
+        """
         if not wanted:
             return None
-        with self._lock:
-            try:
-                if self._failed is not None:
-                    raise self._failed
+        if self._known is not None:
+            known = self._known
+            found = {i: known[i] for i in map(identity, wanted) if i in known}
+            logger.debug(
+                "base %s from memory: %d of %d items", self._base.url, len(found), len(wanted)
+            )
+            return BaseTable(self._base.url, found)
+        deadline = self._deadline
+        wait = -1.0 if deadline is None else max(0.0, deadline.remaining())
+        if not self._lock.acquire(timeout=wait):
+            self._give_up(None)
+            return None
+        try:
+            if self._failed is not None:
+                raise self._failed
+            with bounded_by(deadline):
                 return self._table(wanted)
-            except Exception as exc:  # a base that cannot be used costs the reuse only
-                self._failed = exc
-                logger.warning(
-                    "saving %s without reuse: its base %s cannot be used (%s)",
-                    self._target_url,
-                    self._base.url,
-                    describe(exc),
-                )
-                return None
+        except Exception as exc:  # a base that cannot be used costs the reuse only
+            self._failed = exc
+            self._give_up(exc)
+            return None
+        finally:
+            self._lock.release()
+
+    def _give_up(self, exc: BaseException | None) -> None:
+        """Log once why this save reuses nothing (``exc`` None or a deadline: slow)."""
+        deadline = self._deadline
+        if deadline is not None and (exc is None or isinstance(exc, SaveDeadlineError)):
+            why = f"reading it took longer than {deadline.seconds:g} s ({deadline.who})"
+        else:
+            why = describe(exc) if exc is not None else "reading it did not end"
+        logger.warning(
+            "saving %s without reuse: its base %s cannot be used (%s)",
+            self._target_url,
+            self._base.url,
+            why,
+        )
 
     def _open(self) -> tuple[Manifest, Metadata, Locator]:
         if self._opened is None:

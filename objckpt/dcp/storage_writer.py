@@ -344,6 +344,7 @@ class ObjectStoreWriter(StorageWriter):
             overwrite=self.overwrite,
             user=self.user_metadata,
             checkpoint_id=self.checkpoint_id,
+            base=self.reuse_from,
         )
 
     @classmethod

@@ -43,6 +43,7 @@ from objckpt.format.manifest import Manifest, ObjectEntry, read_manifest
 from objckpt.format.ref_check import require_referenced
 from objckpt.format.refs import is_reference
 from objckpt.format.settle import after_commit, put_manifest, require_present
+from objckpt.format.superseded import referenced_by_siblings
 from objckpt.writers.accounting import RequestCounter, RequestStats, counting, current_counter
 from objckpt.writers.base import ObjectStore
 from objckpt.writers.checksum import Crc32c
@@ -128,6 +129,7 @@ def commit_checkpoint(
     overwrite: bool,
     user: Mapping[str, Any] | None = None,
     checkpoint_id: str | os.PathLike[str] | None = None,
+    base: str | None = None,
 ) -> Manifest:
     """Write the index objects, then the manifest, then ``.metadata``; returns the
     manifest. With ``overwrite``, the replaced checkpoint stays whole (every byte its
@@ -136,6 +138,7 @@ def commit_checkpoint(
     Args:
         checkpoint_id: What DCP's ``StorageMeta.checkpoint_id`` records (the id as
             the caller gave it; the store URL when None).
+        base: The URL of the step this save reused items of (``reuse_from``), or None.
 
     Raises:
         CheckpointExistsError: Another attempt committed this URL first.
@@ -194,6 +197,7 @@ def commit_checkpoint(
         user=user,
         requests=ranks_requests + commit_counter.snapshot() if counted else None,
         overwrite=overwrite,
+        base=base,
     )
     written = after_commit(store, f"writing {METADATA_KEY}", lambda: store.put(METADATA_KEY, blob))
     delete_superseded_after(store, written, superseded - {o.key for o in manifest.objects})
@@ -210,10 +214,13 @@ def commit_manifest(
     user: Mapping[str, Any] | None,
     requests: RequestStats | None,
     overwrite: bool,
+    base: str | None = None,
 ) -> Manifest:
     """Check that every object but ``.metadata`` is there (one listing), then write the
     manifest create-only (settled by read-back): the commit. ``.metadata``, which
-    ``objects`` lists, is for the caller to write after it.
+    ``objects`` lists, is for the caller to write after it. A step that references
+    objects of other steps also needs its ``base`` step (the URL of the step it
+    reused items of) still committed (:func:`objckpt.format.ref_check.require_referenced`).
 
     Raises:
         CheckpointExistsError: Another attempt committed this URL first.
@@ -226,7 +233,8 @@ def commit_manifest(
         # the objects it reuses from other steps too (one listing per step, #28).
         own = [o for o in entries if o.key != METADATA_KEY and not is_reference(o.key)]
         require_present(store, own)
-        require_referenced(store, (o for o in entries if is_reference(o.key)))
+        base_dir = None if base is None else base.rstrip("/").rsplit("/", 1)[-1]
+        require_referenced(store, (o for o in entries if is_reference(o.key)), base=base_dir)
     manifest = Manifest(
         attempt=attempt,
         created=Manifest.now(),
@@ -248,12 +256,15 @@ def commit_manifest(
 
 def delete_superseded_after(store: ObjectStore, written: bool, keys: set[str]) -> None:
     """After ``.metadata`` was replaced (``written``): delete ``keys``, what only the
-    replaced manifest named. Until it is replaced, stock readers load the replaced
-    checkpoint, whose objects must stay: then they are kept, and that is logged."""
-    # Another step's objects (references) are never this step's to delete.
+    replaced manifest named, but for those another step of the same root references
+    (:func:`objckpt.format.superseded.referenced_by_siblings`). Until it is replaced,
+    stock readers load the replaced checkpoint, whose objects must stay: then they
+    are kept, and that is logged."""
+    # Another step's objects (references) are never this step's to delete; nor are
+    # its own objects that later steps of its root reference (#28).
     keys = {k for k in keys - {MANIFEST_KEY} if not is_reference(k)}
     if written:
-        _delete_superseded(store, keys)
+        _delete_superseded(store, keys - referenced_by_siblings(store, keys))
     elif keys:
         logger.warning(
             "the objects only the checkpoint %s replaced named are kept (its %s still "

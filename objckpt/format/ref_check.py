@@ -19,6 +19,7 @@ import dataclasses
 from collections.abc import Iterable
 
 from objckpt.errors import UploadError
+from objckpt.format.layout import MANIFEST_KEY
 from objckpt.format.manifest import ObjectEntry
 from objckpt.format.refs import split_reference
 from objckpt.format.steps import inventory
@@ -37,22 +38,42 @@ def sibling(location: Location, step_dir: str) -> Location:
     return dataclasses.replace(location, url=f"{url}/{step_dir}", path=f"{path}/{step_dir}")
 
 
-def require_referenced(store: ObjectStore, entries: Iterable[ObjectEntry]) -> None:
+def require_referenced(
+    store: ObjectStore, entries: Iterable[ObjectEntry], *, base: str | None = None
+) -> None:
     """Check, with one listing per referenced step directory, that every reference
-    in ``entries`` names an object that is there with its recorded size.
+    in ``entries`` names an object that is there with its recorded size, and that
+    the base step (``base``, the step directory the save looked its items up in) is
+    still committed: its manifest is in a listing made now.
+
+    Why the base's manifest: a deleter removes a step's manifest first, then the
+    objects no remaining committed manifest (and no young uncommitted index object)
+    names. This check runs after the save's index objects are written, so either
+    the deleter's choice of objects sees them (and spares what they reference) or
+    this listing sees the base's manifest gone (and the save fails); the objects
+    alone may still be there when the deleter has chosen them already.
 
     Raises:
-        UploadError: A referenced object is gone or has another size; the message
-            names the referenced step and the objects. Nothing was committed.
+        UploadError: A referenced object is gone or has another size, or the base
+            step's manifest is gone; the message names the step and the objects.
+            Nothing was committed.
         StoreError: A listing failed.
     """
     by_step: dict[str, dict[str, int]] = {}
     for entry in entries:
         step_dir, inner = split_reference(entry.key, f"manifest of {store.location.url}")
         by_step.setdefault(step_dir, {})[inner] = entry.size
+    if by_step and base is not None:
+        by_step.setdefault(base, {})
     for step_dir, want in sorted(by_step.items()):
         where = sibling(store.location, step_dir)
         found = {o.key: o.size for o in inventory(store.fs, where)}
+        if step_dir == base and MANIFEST_KEY not in found:
+            raise UploadError(
+                f"refusing to commit {store.location.url}: it reuses bytes through its base "
+                f"step {where.url}, whose {MANIFEST_KEY} is gone (the step is being deleted "
+                "since this save looked it up); nothing was committed"
+            )
         missing = sorted(k for k in want if k not in found)
         wrong = sorted(k for k in want if k in found and found[k] != want[k])
         if not missing and not wrong:

@@ -24,21 +24,25 @@ objects of a listing are compared in.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 from objckpt.errors import ManifestError
 
 __all__ = [
     "REFERENCE_PREFIX",
     "is_reference",
+    "is_step_directory",
     "reference_key",
     "referenced_step",
+    "require_step_directory",
     "root_key",
     "split_reference",
 ]
 
 #: Every reference key starts with this.
 REFERENCE_PREFIX = "../"
-_STEP_DIR = re.compile(r"^step-\d{10,}$")
+#: ASCII digits only, the whole name (``re.fullmatch``: no trailing newline).
+_STEP_DIR = re.compile(r"step-[0-9]{10,}")
 
 
 def is_reference(key: str) -> bool:
@@ -58,7 +62,7 @@ def split_reference(key: str, where: str = "reference") -> tuple[str, str]:
     if (
         len(parts) < 3
         or parts[0] != ".."
-        or not _STEP_DIR.match(parts[1])
+        or not _STEP_DIR.fullmatch(parts[1])
         or any(p in ("", ".", "..") for p in parts[2:])
         or "\\" in key
         or "\x00" in key
@@ -99,3 +103,33 @@ def root_key(step_dir: str, key: str) -> str:
         target, inner = split_reference(key)
         return f"{target}/{inner}"
     return f"{step_dir}/{key}"
+
+
+def is_step_directory(url: str) -> bool:
+    """Whether the last segment of ``url`` (a checkpoint's own directory) is a step
+    directory name ``step-<10 or more ASCII digits>``."""
+    return _STEP_DIR.fullmatch(url.rstrip("/").rsplit("/", 1)[-1]) is not None
+
+
+def require_step_directory(url: str, keys: Iterable[str], where: str) -> None:
+    """Refuse references in a checkpoint that is not a step directory of a root.
+
+    A reference means "beside me, in the sibling step directory": only a step
+    directory has such siblings, and only a root's steps are kept whole by its live
+    set. In a checkpoint saved anywhere else (``s3://b/x/ckpt``), ``../step-N/...``
+    would read (or copy) objects of whatever lies beside it: a crafted manifest
+    must not be able to do that.
+
+    Raises:
+        ManifestError: ``url`` is not ``.../step-<N>`` and a key is a reference
+            (``where`` names the object that holds it).
+    """
+    if is_step_directory(url):
+        return
+    for key in keys:
+        if is_reference(key):
+            raise ManifestError(
+                f"{where}: reference {key!r} in the checkpoint {url}, which is not a step "
+                "directory (<root>/step-<N>): references are honoured only between the "
+                "steps of one root"
+            )

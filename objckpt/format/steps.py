@@ -31,7 +31,8 @@ __all__ = ["ObjectInfo", "StepInfo", "inventory", "parse_step", "step_name", "st
 logger = logging.getLogger(__name__)
 
 STEP_DIGITS = 10
-_STEP = re.compile(rf"^step-(\d{{{STEP_DIGITS},}})$")
+# ASCII digits, the whole name: fullmatch (``$`` would let a trailing newline in).
+_STEP = re.compile(rf"step-([0-9]{{{STEP_DIGITS},}})")
 
 
 def step_name(step: int) -> str:
@@ -47,7 +48,7 @@ def step_name(step: int) -> str:
 
 def parse_step(name: str) -> int | None:
     """The step number of a directory name, or None if it is not a step directory."""
-    m = _STEP.match(name.rstrip("/").rsplit("/", 1)[-1])
+    m = _STEP.fullmatch(name.rstrip("/").rsplit("/", 1)[-1])
     return int(m.group(1)) if m else None
 
 

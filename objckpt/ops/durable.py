@@ -47,6 +47,7 @@ class DurableSteps:
         self._manifests: ManifestCache = {}
         self._bases: collections.Counter[int] = collections.Counter()
         self._lock = threading.Lock()  # guards _bases (never held across a request)
+        self._released = threading.Condition(self._lock)  # a base's last save ended
         self._retiring = threading.Lock()  # one retention pass at a time
         self._replicator: Replicator | None = None
         if catalog.backups and rank == 0:
@@ -106,6 +107,7 @@ class DurableSteps:
                 self._bases[step] -= 1
                 if self._bases[step] <= 0:
                     del self._bases[step]
+                    self._released.notify_all()
             if self._rank == 0:
                 self.apply_retention()
 
@@ -135,11 +137,17 @@ class DurableSteps:
 
     def delete(self, step: int) -> None:
         """Delete one step from the root (manifest first; objects other committed steps
-        reference stay).
+        reference stay). When saves of this manager in flight use ``step`` as their
+        base, it waits until they ended (each within its deadline): deleted
+        meanwhile, their commit would find their referenced objects gone and fail.
 
         Raises:
             CheckpointNotFoundError: Nothing is stored for ``step``.
         """
+        with self._lock:
+            if step in self._bases:
+                logger.info("deleting step %d once the saves using it as their base end", step)
+            self._released.wait_for(lambda: step not in self._bases)
         with self._retiring:
             self._retire([step], require=True)
 

@@ -20,6 +20,10 @@ committed manifest cannot be read, nothing it could reference is collected (the
 live set is partial): only open uploads and the objects of unreadable steps stay
 as they are otherwise.
 
+Run on one step directory of a root (``gc <root>/step-<N>``), gc also keeps every
+object there that the root's live set holds: a retired step's directory keeps the
+objects later steps reference, with no manifest of its own.
+
 Objects outside step directories are never touched (the root may hold things
 that are not objckpt's), with one exception: when the root is itself a checkpoint
 (a URL saved to directly, not through a manager), objects only objckpt writes
@@ -88,6 +92,31 @@ def _own_checkpoint(store: ObjectStore, objects: list[ObjectInfo]) -> frozenset[
     return frozenset({MANIFEST_KEY, METADATA_KEY, *(o.key for o in manifest.objects)})
 
 
+def _parent_live(store: ObjectStore, *, grace: float, now: float) -> frozenset[str] | None:
+    """When gc runs on one step directory of a root (``gc <root>/step-<N>``): the keys
+    in it that the root's live set holds (later steps reference them, or a save in
+    flight does; a retired step's directory keeps such objects on purpose). None
+    when that live set is partial (nothing there is touched). Empty otherwise."""
+    parent = parent_root(store.location)
+    if parent is None:
+        return frozenset()
+    root, step = parent
+    name = step_name(step) + "/"
+    root_store = open_store(root, store.options, store.fs)
+    try:
+        live = live_set(root_store, inventory(store.fs, root), grace=grace, now=now)
+    finally:
+        root_store.close()
+    if live.partial:
+        logger.warning(
+            "gc leaves %s alone: the live set of its root %s is partial",
+            store.location.url,
+            root.url,
+        )
+        return None
+    return frozenset(k[len(name) :] for k in (*live.named, *live.pending) if k.startswith(name))
+
+
 def _in_own_checkpoint(key: str, named: frozenset[str]) -> bool:
     """An object at the root's top (or in an entropy sub-prefix) that only objckpt
     writes and the root's own manifest does not name: a failed or superseded save's."""
@@ -124,12 +153,15 @@ def collect_garbage(
         unreadable = list(live.unreadable)
         skip_dirs = {step_name(s) + "/" for s in unreadable}
         own = _own_checkpoint(store, objects)  # None: unreadable, its objects left alone
+        kept_for_root = _parent_live(store, grace=grace, now=now)
         garbage: list[ObjectInfo] = []
         spared: list[str] = []
         for obj in objects:
             head, sep, _ = obj.key.partition("/")
             if obj.key in live:
                 continue  # named by a committed manifest, or by a save in flight
+            if kept_for_root is None or obj.key in kept_for_root:
+                continue  # a step directory's objects other steps of its root need
             in_step = bool(sep) and parse_step(head) is not None
             if not in_step and not (own is not None and _in_own_checkpoint(obj.key, own)):
                 continue  # not objckpt's to judge: outside step directories

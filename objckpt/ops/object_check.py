@@ -117,14 +117,27 @@ def digest_check(
 
 
 def copy_object(
-    src: ObjectStore, dst: ObjectStore, entry: ObjectEntry, progress: Progress | None
+    src: ObjectStore,
+    dst: ObjectStore,
+    entry: ObjectEntry,
+    progress: Progress | None,
+    *,
+    fresh: bool = False,
 ) -> bool:
-    """Copy one object, checked against the manifest; True when copied server-side."""
+    """Copy one object, checked against the manifest; True when copied server-side.
+
+    Args:
+        fresh: The caller checked that ``dst`` did not hold the key before: a
+            server-side copy that fails its check is deleted again. Otherwise it is
+            left for ``gc`` (an object that was there may be one a committed step
+            references).
+    """
     if dst.copy_from(src, entry.key, entry.size):
         check = digest_check(dst, entry, progress, source=src.location.url)
         if check.problem is not None:
-            with contextlib.suppress(Exception):  # never committed; gc removes it otherwise
-                dst.delete(entry.key)
+            if fresh:  # never committed; gc removes it otherwise
+                with contextlib.suppress(Exception):
+                    dst.delete(entry.key)
             cls = SizeMismatchError if check.problem.startswith("size") else ChecksumMismatchError
             raise cls(f"server-side copy of {src.location.url_of(entry.key)}: {check.problem}")
         return True
@@ -154,8 +167,9 @@ def _check_copy(src: ObjectStore, entry: ObjectEntry, size: int, crc: str) -> No
 
 
 def holds_reference(dst: ObjectStore, entry: ObjectEntry) -> bool:
-    """Whether ``dst`` holds the referenced object ``entry`` already (its full-object
-    CRC32C where the store keeps one, else the bytes read back).
+    """Whether ``dst`` holds the object ``entry`` (the step's own, or one it
+    references) already: its full-object CRC32C where the store keeps one, else the
+    bytes read back.
 
     Raises:
         SizeMismatchError, ChecksumMismatchError: Something else is stored there (it
@@ -169,7 +183,7 @@ def holds_reference(dst: ObjectStore, entry: ObjectEntry) -> bool:
         return False
     cls = SizeMismatchError if check.problem.startswith("size") else ChecksumMismatchError
     raise cls(
-        f"{dst.location.url_of(entry.key)}, which {dst.location.url} references, already "
-        f"holds other bytes: {check.problem}; it is never overwritten (delete it, or "
-        "copy to another root)"
+        f"{dst.location.url_of(entry.key)}, which the copy to {dst.location.url} would "
+        f"write, already holds other bytes: {check.problem}; it is never overwritten "
+        "(a committed step may reference it: delete it, or copy to another root)"
     )

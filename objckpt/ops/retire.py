@@ -11,12 +11,17 @@ goes. That last deletion also removes what it referenced and nothing else needs
 (the objects left behind in such manifest-less directories), so a run with
 ``keep_last`` does not accumulate them between ``gc`` runs.
 
-Every decision comes from one listing of the root taken before the first deletion
-and the manifests it shows (cached by the caller where it deletes often). A save of
-another process that references the bytes concerned and has not committed is
-protected by its index objects for the grace period; one that commits anyway after
-its bytes went fails at its commit (the commit lists every referenced object right
-before its create-only manifest PUT), never commits a dangling reference.
+What the doomed steps referenced comes from a listing taken before the first
+deletion; what stays comes from a second listing taken after their manifests are
+deleted, and the manifests it shows (cached by the caller where it deletes often):
+a step that committed in between, referencing the doomed step's bytes, keeps them.
+Objects outside the retired directories (what the doomed steps referenced in
+directories left without a manifest) are deleted only once older than the grace
+period, as gc would. A save of another process that references the bytes
+concerned and has not committed is protected by its index objects for the grace
+period; one that commits anyway after its bytes went fails at its commit (the
+commit lists every referenced object right before its create-only manifest PUT),
+never commits a dangling reference.
 """
 
 from __future__ import annotations
@@ -119,15 +124,25 @@ def retire_steps(
                 if any(o.key == key for o in by_dir.get(d, ())):
                     delete_keys(store, [key])
                     deleted.append(key)
-        live = live_set(store, objects, grace=grace, now=now, exclude=dirs, cache=cache)
+        # A fresh listing, taken now that the doomed manifests are gone: a step that
+        # committed since the first one (referencing what is about to go) is in it.
+        fresh = inventory(store.fs, root)
+        live = live_set(store, fresh, grace=grace, now=now, exclude=dirs, cache=cache)
         gone = set(deleted)
         candidates = [o.key for d in dirs for o in by_dir.get(d, ()) if o.key not in gone]
-        present = {o.key for o in objects}
-        committed = {d for d, objs in by_dir.items() if any(_is_manifest(o, d) for o in objs)}
+        present = {o.key: o for o in fresh}
+        committed = {
+            d for o in fresh if (d := step_dir_of(o.key)) is not None and _is_manifest(o, d)
+        }
+        # Outside the retired directories only what is older than the grace: a
+        # damaged or crafted manifest must not get a save in flight's payload deleted.
         candidates += sorted(
             k
             for k in referenced
-            if k in present and (step_dir_of(k) not in committed or step_dir_of(k) in dirs)
+            if k in present
+            and step_dir_of(k) not in committed
+            and step_dir_of(k) not in dirs
+            and _older(present[k], grace, now)
         )
         if live.partial:
             kept = candidates
@@ -160,6 +175,11 @@ def retire_steps(
             len(kept),
         )
     return RetireReport(root.url, tuple(doomed), tuple(deleted), tuple(kept))
+
+
+def _older(o: ObjectInfo, grace: float, now: float) -> bool:
+    """Whether ``o`` is older than ``grace`` (an object of unknown age never is)."""
+    return o.modified is not None and now - o.modified >= grace
 
 
 def _is_manifest(o: ObjectInfo, step_dir: str) -> bool:

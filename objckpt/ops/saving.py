@@ -26,6 +26,7 @@ from objckpt.ops.local_tier import LocalTierControl
 from objckpt.ops.tiers import LocalTier
 from objckpt.ops.torch_errors import unwrap
 from objckpt.options import AsyncOptions, UploadOptions
+from objckpt.pipeline import reuse_memory
 from objckpt.pipeline.checkpointer import AsyncCheckpointer
 from objckpt.pipeline.handle import SaveHandle
 from objckpt.writers.retry import RetryPolicy
@@ -47,8 +48,9 @@ class SaveFlow:
             ``start_workers()``).
         rank, world, process_group, distributed: Who saves together.
         reuse_unchanged: Each save to the root references the items whose bytes
-            equal the latest committed step's (its base), which retention spares
-            until the save ends (``DurableSteps.hold_base``).
+            equal the latest committed step's (its base, rank 0's choice on every
+            rank), which retention and ``delete`` spare until the save ends
+            (``DurableSteps.hold_base``).
     """
 
     def __init__(
@@ -133,6 +135,10 @@ class SaveFlow:
             raise inner from exc
         if release is not None:
             handle._before_done(lambda exc: release())
+        if local_url is None and self._reuse:  # committed: the next save's base
+            handle._before_done(
+                lambda exc: reuse_memory.forget(url) if exc else reuse_memory.committed(url)
+            )
         if self.local is None or local_url is None:
             handle._before_done(lambda exc: self._durable.saved(step, exc))
         else:
@@ -143,8 +149,13 @@ class SaveFlow:
         """The step a save of ``step`` to the root reuses from: the newest step
         committed on the root below it (None: reuse is off, or there is none).
         Saves to the local tier upload everything (their base would be on another
-        node's disk for some ranks)."""
-        if not self._reuse:
+        node's disk for some ranks).
+
+        Rank 0 decides, as for :meth:`_committed`: its choice travels in the save's
+        agreement and every rank references that step, the one rank 0's retention
+        spares (the other ranks' catalogs learn of commits later, and of deletions
+        never)."""
+        if not self._reuse or self._rank != 0:
             return None
         latest = self._catalog.latest(durable=True)
         return latest if latest is not None and latest < step else None

@@ -29,7 +29,7 @@ from objckpt.errors import (
 from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY, list_names
 from objckpt.format.manifest import Manifest, ObjectEntry, read_manifest
 from objckpt.format.ref_check import require_referenced
-from objckpt.format.refs import is_reference, referenced_step
+from objckpt.format.refs import is_reference, referenced_step, require_step_directory
 from objckpt.format.settle import after_commit, put_manifest, require_present
 from objckpt.format.steps import parse_step
 from objckpt.ops.object_check import (
@@ -81,10 +81,11 @@ def open_manifest(store: ObjectStore) -> Manifest:
     Raises:
         CheckpointNotFoundError: Nothing is there.
         CheckpointNotCommittedError: Objects but no manifest (a failed or running save).
-        ManifestError: The manifest is invalid.
+        ManifestError: The manifest is invalid, or references other steps' objects
+            while ``store`` is not a step directory (:mod:`objckpt.format.refs`).
     """
     try:
-        return read_manifest(store)
+        manifest = read_manifest(store)
     except FileNotFoundError:
         url = store.location.url
         if list_names(store.fs, store.location.path):
@@ -92,6 +93,9 @@ def open_manifest(store: ObjectStore) -> Manifest:
                 f"{url} has no {MANIFEST_KEY}: the save that wrote it never committed"
             ) from None
         raise CheckpointNotFoundError(f"no checkpoint at {url}") from None
+    url = store.location.url
+    require_step_directory(url, (o.key for o in manifest.objects), f"manifest of {url}")
+    return manifest
 
 
 def verify_checkpoint(
@@ -275,6 +279,11 @@ def commit_copy(
     ``.metadata`` has a fixed name, so writing it before the commit would change a
     committed destination's even when this copy then fails or loses.
 
+    An object already at ``dst`` with the same size and CRC32C is not copied again (a
+    copy resumed after a failure), one with other bytes is refused, and no object
+    that was there before is ever overwritten or deleted: with reuse, a committed
+    step of ``dst``'s root may reference it.
+
     Objects the step references in sibling step directories (``../step-<N>/<key>``)
     go to the same root-relative key beside ``dst`` unless that key already holds
     them (same size and CRC32C: the usual case, an earlier step copied them), so the
@@ -285,24 +294,27 @@ def commit_copy(
     Raises:
         CheckpointExistsError: Another manifest won at ``dst``.
         UploadError: An object is missing at ``dst`` before the commit.
-        IntegrityError: A referenced object at ``dst``'s root has other bytes than
-            the manifest records (never overwritten; nothing committed).
+        IntegrityError: An object at ``dst`` (or a referenced one at ``dst``'s root)
+            has other bytes than the manifest records (never overwritten; nothing
+            committed).
     """
     rest = [e for e in manifest.objects if e.key != METADATA_KEY and not is_reference(e.key)]
     refs = [e for e in manifest.objects if is_reference(e.key)]
     picked = manifest.objects if objects is None else objects
     todo = [e for e in picked if e.key != METADATA_KEY and not is_reference(e.key)]
     with concurrent.futures.ThreadPoolExecutor(max(1, parallel)) as pool:
-        held = list(pool.map(lambda e: holds_reference(dst, e), refs))
-        lacking = [e for e, there in zip(refs, held, strict=True) if not there]
-        futures = [pool.submit(copy_object, src, dst, e, progress) for e in todo + lacking]
+        # Whatever is there already is never overwritten (nor deleted after a failed
+        # check): a committed step of the destination's root may reference it.
+        held = list(pool.map(lambda e: holds_reference(dst, e), todo + refs))
+        lacking = [e for e, there in zip(todo + refs, held, strict=True) if not there]
+        futures = [pool.submit(copy_object, src, dst, e, progress, fresh=True) for e in lacking]
         server_side = sum(bool(f.result()) for f in futures)
-    if lacking:
+    if len(lacking) < len(todo) + len(refs):
         logger.info(
-            "copied %d referenced objects beside %s (%d were there)",
+            "copied %d objects to %s (%d were there already, checked)",
             len(lacking),
             dst.location.url,
-            len(refs) - len(lacking),
+            len(todo) + len(refs) - len(lacking),
         )
     require_present(dst, rest)
     require_referenced(dst, refs)

@@ -12,6 +12,10 @@ call of the training loop is needed for a save to finish::
                  .metadata (pipeline/coordinator.py) -> publish the outcome
     others:      wait for rank 0's outcome (timeout)
 
+That split needs a store every process reaches alike (:func:`splits_commit`); on a
+``file://`` path (perhaps node-local) or ``memory://``, and with one rank, each rank
+posts its write results instead and rank 0 commits them in-thread.
+
 The save's future gets the committed manifest (rank 0), None (other ranks) or
 the error; a rank's own upload error wins over the coordinator's summary of it.
 
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
@@ -46,9 +51,10 @@ from objckpt.pipeline.stage import Staged
 from objckpt.pipeline.workers import WEDGED_AFTER, WorkerPool
 from objckpt.writers.accounting import counting
 from objckpt.writers.deadline import bounded_by
+from objckpt.writers.location import Location
 from objckpt.writers.translate import describe
 
-__all__ = ["WEDGED_AFTER", "Committer", "exchange_for"]
+__all__ = ["WEDGED_AFTER", "Committer", "exchange_for", "splits_commit"]
 
 logger = logging.getLogger(__name__)
 
@@ -146,8 +152,12 @@ class Committer:
         process_group: Any | None,
         distributed: bool,
     ) -> Manifest | None:
-        if distributed and writer.writer.rank == 0:
-            self._helper.start()  # its start overlaps the uploads
+        split = distributed and splits_commit(writer.writer.location, world)
+        if split and writer.writer.rank == 0:
+            try:  # its start overlaps the uploads
+                self._helper.start()
+            except Exception as exc:  # the commit tries again, inside the exchange
+                logger.warning("the commit helper did not start early: %s", describe(exc))
         queueing_error = writer.queue_deferred()
         refusal = writer.pass_gate()  # rank 0's "already committed?" (target_check)
         if refusal is not None:  # nothing was uploaded; no rank gathers
@@ -166,8 +176,8 @@ class Committer:
             self._after_commit(writer, manifest)
             return manifest
         exchange = exchange_for(writer, process_group, world, self._timeout)
-        report = None
-        if error is None:
+        report: Any = results
+        if error is None and split:
             try:  # this rank's own index object, before it reports
                 report = write_rank_index(
                     writer.writer.store,
@@ -180,7 +190,7 @@ class Committer:
                 error = exc
         exchange.post(error is None, report if error is None else describe(error))
         if rank_plan.rank == 0:
-            return self._coordinate(writer, exchange, world)
+            return self._coordinate(writer, exchange, world, split)
         if error is not None:
             raise error
         outcome = exchange.outcome()
@@ -188,10 +198,19 @@ class Committer:
             raise UploadError(outcome)
         return None
 
-    def _coordinate(self, writer: DeferredWriter, exchange: RankExchange, world: int) -> Manifest:
+    def _coordinate(
+        self, writer: DeferredWriter, exchange: RankExchange, world: int, split: bool
+    ) -> Manifest:
+        # The other ranks wait 2 * barrier_timeout + 30 s from their reports, which
+        # came at most barrier_timeout before this one (see RankExchange.outcome):
+        # the outcome is published before then.
+        commit_by = time.monotonic() + self._timeout + 30
         try:
             reports = exchange.gather()
-            manifest = self._helper.commit(writer, reports, world)
+            if split:
+                manifest = self._helper.commit(writer, reports, world, commit_by)
+            else:
+                manifest = self._commit(writer, reports, world)
         except BaseException as exc:
             exchange.publish_outcome(describe(exc))
             raise
@@ -214,6 +233,7 @@ class Committer:
             overwrite=target.overwrite,
             user=target.user_metadata,
             checkpoint_id=target.checkpoint_id,
+            base=target.reuse_from,
         )
         target.close()
         return manifest
@@ -228,6 +248,15 @@ class Committer:
             self._on_commit(url, manifest)
         except Exception:
             logger.exception("the on-commit hook failed after %s committed", url)
+
+
+def splits_commit(location: Location, world: int) -> bool:
+    """Whether a distributed save's commit is split by rank (each rank writes its own
+    index, rank 0's helper process reads them all back): only with more than one
+    rank and a store every process reaches alike. A ``file://`` path may be
+    node-local (a LocalTier: each node's own directory) and ``memory://`` is private
+    to its process, so there rank 0 commits in-thread from the posted write results."""
+    return world > 1 and not location.is_local and location.protocol != "memory"
 
 
 def _collect(

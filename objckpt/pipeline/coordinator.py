@@ -13,9 +13,21 @@ records, then (on its commit thread):
    it did (or failed: logged, the checkpoint stays committed, as in-thread).
 
 The commit order is the in-thread one's (format/commit.py); only where the work
-runs changed. Each wait on the helper is bounded: by the save's deadline plus
-:data:`~objckpt.pipeline.workers.WEDGED_AFTER` (then the helper is stopped and
-the save fails, nothing committed), and for step 3 by the settle bound.
+runs changed. Each wait on the helper is bounded, and a helper that does not answer
+in time is stopped (the next commit starts a fresh one). Step 1 ends by the earlier
+of two bounds: ``commit_by``, the time by which rank 0 must publish the outcome
+before the other ranks stop waiting for it, less :data:`MANIFEST_RESERVE` for the
+manifest; and the save's deadline plus :data:`~objckpt.pipeline.workers.WEDGED_AFTER`
+(the helper's reads end by then) plus :data:`CPU_ALLOWANCE` for its decoding and
+pickling. Then the save fails, nothing committed. Step 3 gets the settle bound
+(:data:`~objckpt.format.settle.SETTLE_SECONDS`, less when ``commit_by`` is nearer)
+inside the helper and that plus ``WEDGED_AFTER`` here; past it the helper is
+stopped, so nothing it does lands after the save's handle completed.
+
+Stopping the helper stops every commit it holds: with ``max_in_flight > 1`` another
+save's step 1 fails (that save fails on every rank, nothing committed) and a
+``.metadata`` another save prepared but had not yet written is lost (that save stays
+committed, without ``.metadata``, logged).
 """
 
 from __future__ import annotations
@@ -23,6 +35,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
@@ -35,46 +48,92 @@ from objckpt.format.manifest import Manifest
 from objckpt.format.rank_commit import Layout, RankReport
 from objckpt.format.rank_index import with_writers
 from objckpt.format.settle import SETTLE_SECONDS
+from objckpt.options import UploadOptions
 from objckpt.pipeline import stock_task
 from objckpt.pipeline.deferred import DeferredWriter
 from objckpt.pipeline.workers import WEDGED_AFTER, WorkerPool
 from objckpt.writers.accounting import RequestStats
 from objckpt.writers.deadline import Deadline
+from objckpt.writers.location import Location
 
-__all__ = ["CommitHelper"]
+__all__ = ["CPU_ALLOWANCE", "MANIFEST_RESERVE", "CommitHelper"]
 
 logger = logging.getLogger(__name__)
 
+#: Seconds the helper's decoding and pickling may take past the save's deadline
+#: (its reads end by the deadline; its CPU work is not a request).
+CPU_ALLOWANCE = 60.0
+#: Seconds of ``commit_by`` kept for the manifest's listing and PUT after step 1.
+MANIFEST_RESERVE = 10.0
+
 
 class CommitHelper:
-    """Rank 0's commit from reports, with its helper process (started on first use,
-    kept for the checkpointer's life: :meth:`close`)."""
+    """Rank 0's commit from reports, with its helper process (started on rank 0's
+    first commit from reports, restarted after it died or was stopped, until
+    :meth:`close`)."""
 
     def __init__(self) -> None:
         self._pool: WorkerPool | None = None
         self._lock = threading.Lock()
+        self._closed = False
         self._layout: tuple[Metadata, Layout] | None = None
 
     def start(self) -> None:
         """Start the helper process in the background (rank 0, before its first
-        commit: its interpreter and torch import overlap the uploads)."""
-        with self._lock:
-            if self._pool is None:
-                self._pool = WorkerPool(1, name="commit")
-                self._pool.submit(stock_task.discard_stock, "")  # imports torch there now
-            pool = self._pool
-        pool.start()
+        commit: its interpreter and torch import overlap the uploads).
+
+        Raises:
+            UploadError: The helper is closed, or its process could not be started.
+        """
+        self._run(None)
 
     def _submit(self, fn: Any, *args: Any) -> concurrent.futures.Future[Any]:
-        self.start()
-        assert self._pool is not None
-        return self._pool.submit(fn, *args)
+        """Run ``fn(*args)`` in the helper, started if need be (UploadError as :meth:`start`)."""
+        future = self._run(fn, *args)
+        assert future is not None
+        return future
+
+    def _run(self, fn: Any, *args: Any) -> concurrent.futures.Future[Any] | None:
+        """Run ``fn(*args)`` in the helper (None: only start it). Under the lock, so
+        that :meth:`close` cannot miss a process started here."""
+        with self._lock:
+            if self._closed:
+                raise UploadError("the commit helper is closed (the checkpointer was closed)")
+            fresh = self._pool is None
+            if fresh:
+                self._pool = WorkerPool(1, name="commit")
+            pool = self._pool
+            assert pool is not None
+            try:
+                if fn is not None:
+                    return pool.submit(fn, *args)
+                if fresh:  # imports torch there now
+                    pool.submit(stock_task.discard_stock, "")
+                else:  # a fresh process if the last one died or was stopped
+                    pool.start()
+                return None
+            except OSError as exc:
+                raise UploadError(
+                    f"the commit helper process could not be started ({exc}); nothing was committed"
+                ) from exc
+
+    def pids(self) -> list[int]:
+        """The live helper process (for tests and diagnostics)."""
+        pool = self._pool
+        return [] if pool is None else pool.pids()
 
     def close(self, timeout: float | None = None) -> None:
+        """Stop the helper; later commits from reports are refused."""
         with self._lock:
+            self._closed = True
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.close(timeout)
+
+    def _terminate(self, future: concurrent.futures.Future[Any], reason: str) -> bool:
+        """Stop the helper if it still holds ``future``; whether it did."""
+        pool = self._pool
+        return pool is not None and bool(pool.terminate([future], reason))
 
     def layout(self, metadata: Metadata) -> Layout:
         """The plan's layout: kept while saves reuse the same global metadata."""
@@ -85,8 +144,19 @@ class CommitHelper:
         self._layout = (metadata, layout)
         return layout
 
-    def commit(self, writer: DeferredWriter, reports: Sequence[RankReport], world: int) -> Manifest:
-        """Commit the save ``reports`` describe (see the module doc)."""
+    def commit(
+        self,
+        writer: DeferredWriter,
+        reports: Sequence[RankReport],
+        world: int,
+        commit_by: float | None = None,
+    ) -> Manifest:
+        """Commit the save ``reports`` describe (see the module doc).
+
+        Args:
+            commit_by: The ``time.monotonic()`` by which the outcome must be
+                published (the other ranks stop waiting then); None: no bound.
+        """
         if writer.metadata is None or writer.rank_plan is None:
             raise ObjckptError("internal: commit without DCP metadata on the coordinator")
         target = writer.writer
@@ -104,7 +174,9 @@ class CommitHelper:
             writer.metadata.planner_data,
             storage_meta,
         )
-        prepared: stock_task.StockPrepared = _bounded(
+        what = f"preparing {store.location.url}'s .metadata from {len(indexes)} index objects"
+        until, limit = prepare_bound(writer.deadline, commit_by)
+        prepared: stock_task.StockPrepared = self.bounded(
             self._submit(
                 stock_task.prepare_stock,
                 store.location,
@@ -115,9 +187,10 @@ class CommitHelper:
                 indexes,
                 target.overwrite,
             ),
-            writer.deadline,
-            self,
-            f"preparing {store.location.url}'s .metadata from {len(indexes)} index objects",
+            until,
+            limit,
+            what,
+            attempt,
         )
         objects = {o.key: o for r in reports for o in r.objects}
         objects.update((e.key, e) for _, e in indexes)
@@ -138,53 +211,112 @@ class CommitHelper:
                 user=target.user_metadata,
                 requests=requests,
                 overwrite=target.overwrite,
+                base=target.reuse_from,
             )
         except BaseException:
-            self._submit(stock_task.discard_stock, attempt)
+            self._discard(attempt)
             raise
-        published = self._submit(
-            stock_task.publish_stock,
+        self.publish(
             store.location,
             target.upload,
             attempt,
             frozenset(o.key for o in manifest.objects),
+            commit_by,
         )
-        try:  # its own requests are bounded by the settle time
-            published.result(timeout=SETTLE_SECONDS + WEDGED_AFTER)
-        except Exception as exc:
-            logger.error(
-                "%s committed, but its commit helper did not write .metadata (%s); stock "
-                "DCP readers do not see this checkpoint yet, objckpt's readers load it",
-                store.location.url,
-                exc,
-            )
         target.close()
         return manifest
 
+    def publish(
+        self,
+        location: Location,
+        options: UploadOptions,
+        attempt: str,
+        named: frozenset[str],
+        commit_by: float | None = None,
+    ) -> bool:
+        """Step 3, after the commit: the helper writes ``.metadata`` and deletes what
+        an overwrite replaced, within the settle bound, and so that the outcome is
+        still published by ``commit_by`` (past it the helper is stopped). Whether
+        ``.metadata`` was written; when not, logged here (the save stays committed)."""
+        settle = SETTLE_SECONDS
+        if commit_by is not None:
+            settle = max(0.0, min(settle, commit_by - time.monotonic() - WEDGED_AFTER))
+        reason: str | None = "it was not asked to"
+        try:
+            future = self._submit(
+                stock_task.publish_stock, location, options, attempt, named, settle
+            )
+            try:
+                reason = future.result(timeout=settle + WEDGED_AFTER)
+            except concurrent.futures.TimeoutError:
+                self._terminate(future, f"writing {location.url}'s .metadata took too long")
+                reason = f"no answer within {settle + WEDGED_AFTER:g} s; the helper was stopped"
+        except Exception as exc:
+            reason = str(exc)
+        if reason is not None:
+            logger.error(
+                "%s committed, but its commit helper did not write .metadata (%s); stock DCP "
+                "readers do not see this checkpoint yet and `objckpt verify` reports it; "
+                "objckpt's readers load it",
+                location.url,
+                reason,
+            )
+        return reason is None
 
-def _bounded(
-    future: concurrent.futures.Future[Any],
-    deadline: Deadline | None,
-    helper: CommitHelper,
-    what: str,
-) -> Any:
-    """``future``'s result by the save's deadline plus WEDGED_AFTER; past it the
-    helper hangs: it is stopped (the next commit starts a fresh one) and the save
-    fails with the deadline's :class:`~objckpt.errors.SaveDeadlineError`; a helper
-    that died fails it with :class:`~objckpt.errors.UploadError`."""
-    timeout = None if deadline is None else max(0.0, deadline.remaining() + WEDGED_AFTER)
-    try:
-        return future.result(timeout=timeout)
-    except BrokenProcessPool as exc:  # killed, or out of memory: the next save starts one
-        raise UploadError(
-            f"{what}: the commit helper process died ({exc}); nothing was committed"
-        ) from exc
-    except concurrent.futures.TimeoutError:
-        pool = helper._pool
-        if pool is not None:
-            pool.terminate([future], "no answer past the save's deadline")
-        assert deadline is not None
-        raise deadline.error(
-            f"{what}: the commit helper process had no answer {WEDGED_AFTER:g} s past "
-            "the deadline (it was stopped); nothing was committed"
-        ) from None
+    def _discard(self, attempt: str) -> None:
+        """Forget ``attempt``'s prepared ``.metadata`` in the helper (best effort)."""
+        try:
+            self._submit(stock_task.discard_stock, attempt)
+        except Exception as exc:
+            logger.debug("could not discard the prepared .metadata of %s: %s", attempt, exc)
+
+    def bounded(
+        self,
+        future: concurrent.futures.Future[Any],
+        until: float | None,
+        deadline: Deadline | None,
+        what: str,
+        attempt: str = "",
+    ) -> Any:
+        """``future``'s result by ``until`` (a ``time.monotonic()``; None: no bound).
+        Past it the helper hangs: it is stopped (the next commit starts a fresh one)
+        and the save fails; a helper that died fails it with UploadError.
+
+        Args:
+            deadline: The save's deadline when ``until`` is its bound (None: it is not).
+
+        Raises:
+            SaveDeadlineError: No answer by ``until``, the deadline's bound.
+            UploadError: No answer by ``until`` (the exchange's bound), or the helper died.
+        """
+        timeout = None if until is None else max(0.0, until - time.monotonic())
+        try:
+            return future.result(timeout=timeout)
+        except BrokenProcessPool as exc:  # killed, or out of memory: the next save starts one
+            raise UploadError(
+                f"{what}: the commit helper process died ({exc}); nothing was committed"
+            ) from exc
+        except concurrent.futures.TimeoutError:
+            if not self._terminate(future, f"{what}: no answer within {timeout:g} s"):
+                self._discard(attempt)  # it answered just now: its pickle is not needed
+            message = (
+                f"{what}: the commit helper process had no answer within {timeout:g} s "
+                "(it was stopped); nothing was committed"
+            )
+            if deadline is not None:
+                raise deadline.error(message) from None
+            raise UploadError(message) from None
+
+
+def prepare_bound(
+    deadline: Deadline | None, commit_by: float | None
+) -> tuple[float | None, Deadline | None]:
+    """When step 1 must have answered (a ``time.monotonic()``; None: no bound): the
+    earlier of ``commit_by`` less :data:`MANIFEST_RESERVE` and the deadline plus
+    ``WEDGED_AFTER`` plus :data:`CPU_ALLOWANCE`; with ``deadline`` when it is that
+    bound (a miss is then the deadline's error), else None."""
+    by_exchange = None if commit_by is None else commit_by - MANIFEST_RESERVE
+    by_deadline = None if deadline is None else deadline.at + WEDGED_AFTER + CPU_ALLOWANCE
+    if by_deadline is not None and (by_exchange is None or by_deadline <= by_exchange):
+        return by_deadline, deadline
+    return by_exchange, None

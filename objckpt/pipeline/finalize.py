@@ -53,7 +53,9 @@ class RankExchange:
     few keys per rank and save: a rank that reported success deletes its own key
     once it has the outcome (rank 0 once it gathered), the coordinator the keys of
     ranks that reported a failure (they return without waiting for the outcome),
-    and the last rank to read the outcome deletes it.
+    and the last rank to read the outcome deletes it (the outcome says how many
+    will). Left behind only by a rank that never reads: one that died or stopped
+    waiting before rank 0 published (its report, and the outcome with its counter).
     """
 
     def __init__(
@@ -66,6 +68,8 @@ class RankExchange:
         self.timeout = timeout
         self.url = url
         self._posted_ok = False
+        #: Ranks other than this one that reported a failure (they never read the outcome).
+        self._failed: set[int] = set()
 
     def _key(self, rank: int) -> str:
         return f"{self._prefix}/rank{rank}"
@@ -83,10 +87,12 @@ class RankExchange:
             raw = self._store.multi_get(keys)
         except BaseException:
             # A rank missing: the failed ranks that did report wait for nobody.
-            present = [k for k in keys if self._store.check([k])]
+            present = [r for r in range(self.world) if self._store.check([self._key(r)])]
+            self._failed = {
+                r for r in present if r != self.rank and not _ok(self._store, self._key(r))
+            }
             _delete(
-                self._store,
-                [k for k in present if k == self._key(self.rank) or not _ok(self._store, k)],
+                self._store, [self._key(r) for r in present if r in self._failed or r == self.rank]
             )
             raise
         reports = [pickle.loads(v) for v in raw]  # objckpt's own ranks
@@ -97,6 +103,7 @@ class RankExchange:
             else:
                 failures.append(f"rank {r}: {payload}")
         # Failed ranks do not wait for the outcome: their keys are the coordinator's.
+        self._failed = {r for r, (ok, _) in enumerate(reports) if not ok and r != self.rank}
         _delete(
             self._store,
             [self._key(r) for r, (ok, _) in enumerate(reports) if not ok or r == self.rank],
@@ -106,7 +113,12 @@ class RankExchange:
         return out
 
     def publish_outcome(self, error: str | None) -> None:
-        self._store.set(f"{self._prefix}/outcome", pickle.dumps(error))
+        """Coordinator: publish the outcome (None: committed) with how many ranks will
+        read it: every other rank but those that reported a failure (they raised
+        without waiting). The last of them deletes it; with none, it is not written."""
+        readers = self.world - 1 - len(self._failed)
+        if readers > 0:
+            self._store.set(f"{self._prefix}/outcome", pickle.dumps((error, readers)))
 
     def outcome(self) -> str | None:
         """Non-coordinator: None if the coordinator committed, else its error message."""
@@ -117,9 +129,10 @@ class RankExchange:
         except BaseException:
             self._tidy_own()
             raise
-        result: str | None = pickle.loads(self._store.get(key))
+        result: str | None
+        result, readers = pickle.loads(self._store.get(key))
         self._tidy_own()
-        if self._store.add(f"{key}/read", 1) == self.world - 1:  # the last reader tidies up
+        if self._store.add(f"{key}/read", 1) == readers:  # the last reader tidies up
             _delete(self._store, [key, f"{key}/read"])
         return result
 

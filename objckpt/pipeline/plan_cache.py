@@ -68,6 +68,8 @@ class Agreement:
     hit: bool
     attempt: str
     refused_by: int | None  # the lowest rank that refused the save locally, if any
+    #: Rank 0's base step for reuse (None: no reuse), the same on every rank (#28).
+    base: int | None = None
 
 
 def cache_key(
@@ -99,6 +101,7 @@ def agree(
     process_group: Any | None,
     distributed: bool,
     sequence: int = 0,
+    base: int | None = None,
 ) -> Agreement:
     """One all-reduce (MAX) settles hit or miss, the attempt id and refusals on every rank.
 
@@ -106,18 +109,30 @@ def agree(
     of the group for every save, hit or miss. ``sequence`` numbers this
     checkpointer's saves: ranks that arrive with different numbers (one rank in
     save N+1 while another is still in save N) get :class:`SaveSequenceError` on
-    every rank instead of pairing two different saves.
+    every rank instead of pairing two different saves. ``base`` is this rank's
+    base step for reuse: rank 0's travels in the same all-reduce (every other rank
+    proposes none), so every rank references the one base rank 0 holds.
     """
     proposal = new_attempt_id() if rank == 0 else "0" * 16
     if not distributed:
-        return Agreement(local_hit, proposal, 0 if refused else None)
+        return Agreement(local_hit, proposal, 0 if refused else None, base)
     hi, lo = _attempt_to_ints(proposal)
     world = dist.get_world_size(process_group)
     # MAX over: miss flag, (world - refusing rank) so the lowest refusing rank wins,
     # rank 0's attempt id (every other rank proposes zero), and the save number with
-    # its negation (the maximum and the minimum: equal unless ranks are out of step).
-    miss, refusal, hi, lo, highest, neg_lowest = all_reduce_max(
-        [0 if local_hit else 1, world - rank if refused else 0, hi, lo, sequence, -sequence],
+    # its negation (the maximum and the minimum: equal unless ranks are out of step),
+    # and rank 0's base step plus one (0: none; every other rank proposes 0).
+    chosen = base + 1 if rank == 0 and base is not None else 0
+    miss, refusal, hi, lo, highest, neg_lowest, agreed_base = all_reduce_max(
+        [
+            0 if local_hit else 1,
+            world - rank if refused else 0,
+            hi,
+            lo,
+            sequence,
+            -sequence,
+            chosen,
+        ],
         process_group,
     )
     if highest != -neg_lowest:
@@ -131,6 +146,7 @@ def agree(
         hit=miss == 0,
         attempt=_ints_to_attempt(hi, lo),
         refused_by=world - refusal if refusal else None,
+        base=agreed_base - 1 if agreed_base else None,
     )
 
 

@@ -41,6 +41,7 @@ from objckpt.dcp.serialize import Framer
 from objckpt.dcp.storage_writer import ObjectStoreWriter
 from objckpt.errors import CheckpointExistsError, ConfigurationError, PeerRankError
 from objckpt.options import AsyncOptions, UploadOptions
+from objckpt.pipeline import reuse_memory
 from objckpt.pipeline.commit_phase import exchange_for
 from objckpt.pipeline.deferred import DeferredWriter
 from objckpt.pipeline.plan_cache import (
@@ -51,6 +52,7 @@ from objckpt.pipeline.plan_cache import (
     cache_key,
     group_ranks,
 )
+from objckpt.pipeline.reuse_phase import adopt_base, proposed_base
 from objckpt.pipeline.stage import Staged, Stager
 from objckpt.pipeline.target_check import CheckGate, TargetCache
 from objckpt.pipeline.workers import WorkerPool
@@ -168,6 +170,7 @@ def run_save(
         raise
     assert target is not None and staged is not None and writer is not None  # agreed: no refusal
     res.targets.proven(target)
+    reuse_memory.wrote(request.url, writer)  # the next save's base, once committed
     world = dist.get_world_size(process_group) if distributed else 1
     return Queued(writer, staged, world, process_group if distributed else None, distributed)
 
@@ -197,10 +200,7 @@ def _open_and_check(
     check = None
     if rank == 0 and request.asks:
         check = res.checker.submit(contextvars.copy_context().run, target.refuse_existing)
-    base = target.base_reader()  # its lookup needs the plan; its reads can start now
-    if base is not None:
-        res.checker.submit(contextvars.copy_context().run, base.prefetch, rank)
-    return target, check
+    return target, check  # its base, if any, is rank 0's: read after the agreement
 
 
 def _open_target(res: SaveResources, request: SaveRequest) -> ObjectStoreWriter:
@@ -260,11 +260,13 @@ def _plan(
                 staged.copy.run()
             except Exception as exc:
                 refusal = exc
+    base = proposed_base(writer.writer if writer is not None else None)
     agreement = agree_or_raise(
-        url, cached is not None, refusal, process_group, distributed, sequence
+        url, cached is not None, refusal, process_group, distributed, sequence, base
     )
     assert staged is not None and writer is not None  # no rank refused
     writer.writer.attach(attempt=agreement.attempt)
+    adopt_base(writer.writer, agreement.base, rank)  # rank 0's base, on every rank
     if writer.gate is not None and rank == 0:
         res.checker.submit(writer.gate.publish)  # once its check has the answer
     planner = _planner(res, world)
@@ -305,14 +307,15 @@ def agree_or_raise(
     process_group: Any,
     distributed: bool,
     sequence: int = 0,
+    base: int | None = None,
 ) -> Agreement:
     """The one collective of a save: every rank calls it exactly once, whether it
     refused before staging, after staging, or not at all. Raises on every rank
     when any rank refused: the refusing rank its own error, the others a
     :class:`PeerRankError` naming that rank and its error (one more broadcast, on
-    the failure path only)."""
+    the failure path only). Rank 0's ``base`` step (reuse) comes back to all."""
     rank = dist.get_rank(process_group) if distributed else 0
-    agreement = agree(hit, refusal is not None, rank, process_group, distributed, sequence)
+    agreement = agree(hit, refusal is not None, rank, process_group, distributed, sequence, base)
     refused_by = agreement.refused_by
     if refused_by is None:
         return agreement

@@ -3,8 +3,9 @@
 Every rank writes its own index object before it reports (format/rank_index.py),
 so rank 0's training process gathers only small records. What still needs every
 rank's items is done here, in a long-lived helper process of rank 0
-(:class:`~objckpt.pipeline.workers.WorkerPool` of one, started once per
-checkpointer; unlike the upload workers it imports torch, for DCP's classes):
+(:class:`~objckpt.pipeline.workers.WorkerPool` of one, started at rank 0's first
+commit from reports and again after it died or was stopped; unlike the upload
+workers it imports torch, for DCP's classes):
 
 1. :func:`prepare_stock` (before the manifest): fetch every index object, check each
    against the size and CRC32C its rank reported, decode it against the plan's
@@ -15,9 +16,9 @@ checkpointer; unlike the upload workers it imports torch, for DCP's classes):
    replaced (what to delete once ``.metadata`` is replaced).
 2. :func:`publish_stock` (after the manifest committed): PUT ``.metadata``, then
    delete the objects only the replaced checkpoint named, exactly as
-   ``format/commit.py`` does in-thread; a failure is logged there and the save
-   stays committed. :func:`discard_stock` forgets a prepared pickle whose manifest
-   was never written.
+   ``format/commit.py`` does in-thread, within the settle bound; a failure leaves
+   the save committed (the training process logs it). :func:`discard_stock`
+   forgets a prepared pickle whose manifest was never written.
 
 State kept here lives only in the helper process, by attempt id.
 """
@@ -50,13 +51,14 @@ from objckpt.format.index_read import decode_index, decode_metadata
 from objckpt.format.layout import METADATA_KEY
 from objckpt.format.manifest import ObjectEntry
 from objckpt.format.rank_index import writer_columns
-from objckpt.format.settle import after_commit
+from objckpt.format.settle import SETTLE_SECONDS
 from objckpt.options import UploadOptions
 from objckpt.pipeline.upload_task import worker_store
 from objckpt.writers.accounting import RequestCounter, RequestStats, counting
 from objckpt.writers.checksum import Crc32c
 from objckpt.writers.deadline import Deadline, bounded_by
 from objckpt.writers.location import Location
+from objckpt.writers.translate import describe
 
 __all__ = ["StockLayout", "StockPrepared", "discard_stock", "prepare_stock", "publish_stock"]
 
@@ -214,25 +216,33 @@ def _fetch(store: Any, indexes: list[tuple[int, ObjectEntry]]) -> list[bytes]:
 
 
 def publish_stock(
-    location: Location, options: UploadOptions, attempt: str, named: frozenset[str]
-) -> bool:
+    location: Location,
+    options: UploadOptions,
+    attempt: str,
+    named: frozenset[str],
+    settle: float | None = None,
+) -> str | None:
     """Helper side, after the commit: write the prepared ``.metadata``, then delete
     what only the replaced checkpoint named (not in ``named``, the new manifest's
-    keys). Returns False (logged) when ``.metadata`` could not be written."""
+    keys), all within ``settle`` seconds (None: the settle bound). Returns None once
+    ``.metadata`` is written, else why not (the training process logs it: this
+    process has no logging configured)."""
     with _LOCK:
         prepared = _PREPARED.pop(attempt, None)
-    store = worker_store(location, options)
     if prepared is None:
-        logger.error(
-            "%s committed, but its %s was not prepared in this helper (it was restarted)",
-            location.url,
-            METADATA_KEY,
-        )
-        return False
+        return f"the helper holds no {METADATA_KEY} for attempt {attempt} (it was restarted)"
+    store = worker_store(location, options)
     blob, superseded = prepared
-    written = after_commit(store, f"writing {METADATA_KEY}", lambda: store.put(METADATA_KEY, blob))
-    delete_superseded_after(store, written, superseded - named)
-    return written
+    seconds = SETTLE_SECONDS if settle is None else settle
+    bound = Deadline.start(seconds, f"writing {location.url}'s {METADATA_KEY}")
+    reason = None
+    with bounded_by(bound):  # not settle.after_commit: its bound would replace this one
+        try:
+            store.put(METADATA_KEY, blob)
+        except Exception as exc:
+            reason = f"writing it failed within {seconds:g} s: {describe(exc)}"
+        delete_superseded_after(store, reason is None, superseded - named)
+    return reason
 
 
 def discard_stock(attempt: str) -> None:

@@ -1,0 +1,100 @@
+"""What an overwrite of a step directory must keep of the checkpoint it replaced.
+
+Overwriting a URL deletes, after the new manifest commits, the objects only the
+replaced manifest named (:func:`objckpt.format.commit.delete_superseded_after`). With
+reuse (:mod:`objckpt.format.refs`), when the URL is a step directory of a root,
+later steps of that root may name those very objects as ``../step-<N>/<key>``:
+"only the replaced manifest named them" is then a question about the whole root,
+not about one manifest. This module answers it from one listing of the root and the
+sibling steps' manifests (an overwrite is rare; gc's live set,
+:mod:`objckpt.ops.live_set`, is the same question asked for a whole root).
+
+What is safe when the answer is unknown: keep. A sibling manifest that cannot be
+read, a listing that fails, or a sibling directory holding index objects but no
+manifest (a save of another process may be in flight and about to reference them)
+keeps every superseded object; they are then ordinary garbage for ``gc``, which
+decides over the live set with its grace period.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Set
+
+from objckpt.errors import ManifestError, StoreError
+from objckpt.format.layout import MANIFEST_KEY, index_rank
+from objckpt.format.manifest import read_manifest
+from objckpt.format.refs import is_reference, is_step_directory, split_reference
+from objckpt.format.steps import inventory, parse_step
+from objckpt.writers import ObjectStore, open_store
+
+__all__ = ["referenced_by_siblings"]
+
+logger = logging.getLogger(__name__)
+
+
+def referenced_by_siblings(store: ObjectStore, keys: Set[str]) -> set[str]:
+    """Those of ``keys`` (objects of the step directory ``store`` is at) that another
+    step of the same root references, or may be about to; all of them when that
+    cannot be told. Empty when ``store`` is not a step directory of a root (then no
+    other checkpoint may reference its objects)."""
+    if not keys or not is_step_directory(store.location.url):
+        return set()
+    url = store.location.url.rstrip("/")
+    me = url.rsplit("/", 1)[-1]
+    path = store.location.path.rstrip("/")
+    if "/" not in path:
+        return set()
+    root = dataclasses.replace(
+        store.location, url=url.rsplit("/", 1)[0], path=path.rsplit("/", 1)[0]
+    )
+    try:
+        objects = inventory(store.fs, root)
+    except StoreError as exc:
+        logger.warning(
+            "keeping the objects %s replaced: listing %s failed (%s)", url, root.url, exc
+        )
+        return set(keys)
+    manifests: list[str] = []
+    indexed: set[str] = set()
+    for o in objects:
+        head, sep, name = o.key.partition("/")
+        if not sep or head == me or parse_step(head) is None:
+            continue
+        if name == MANIFEST_KEY:
+            manifests.append(head)
+        elif index_rank(o.key) is not None:
+            indexed.add(head)
+    in_flight = sorted(indexed - set(manifests))
+    if in_flight:
+        logger.warning(
+            "keeping the objects %s replaced: %s of %s hold index objects and no "
+            "manifest (a save may be in flight and reference them); `objckpt gc` "
+            "removes them once nothing does",
+            url,
+            ", ".join(in_flight),
+            root.url,
+        )
+        return set(keys)
+    kept: set[str] = set()
+    for step_dir in manifests:
+        sibling = open_store(root.child(step_dir), store.options, store.fs)
+        try:
+            entries = read_manifest(sibling).objects
+        except (ManifestError, FileNotFoundError, StoreError) as exc:
+            logger.warning(
+                "keeping the objects %s replaced: the manifest of %s is unreadable (%s)",
+                url,
+                sibling.location.url,
+                exc,
+            )
+            return set(keys)
+        finally:
+            sibling.close()
+        for entry in entries:
+            if is_reference(entry.key):
+                target, inner = split_reference(entry.key, f"manifest of {sibling.location.url}")
+                if target == me and inner in keys:
+                    kept.add(inner)
+    return kept

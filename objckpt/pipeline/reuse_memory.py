@@ -1,0 +1,123 @@
+"""What this rank wrote in its last committed save: the base of the next, read from memory.
+
+A run that reuses unchanged items takes the step it just committed as the base of
+its next save, almost always. Every rank already knows what it wrote in that save
+(each item's object, offset, stored length, CRC32C and xxh3-128: its write
+results), so it needs nothing of the store to look its items up: no manifest GET
+and no ``decode_metadata`` per rank per save, which at 1,024 ranks and a manifest of
+tens of MB would be the cost of every save. The store is read only when the
+agreed base is not the step this process remembers (after a restart, or when the
+save that wrote it did not commit here).
+
+A save is remembered when it is queued (:func:`wrote`) and becomes usable only once
+its handle reports it committed (:func:`committed`, by the manager's save flow), so
+a failed or refused save is never anyone's base. The commit still lists every
+referenced object and the base's manifest (:mod:`objckpt.format.ref_check`): a
+memory that no longer matches the store fails a save, never commits a dangling
+reference.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import threading
+from typing import Any
+
+from objckpt.dcp.reuse_base import Identity, identity
+from objckpt.dcp.serialize import written_object
+from objckpt.format.dcp_json import StoredItem
+from objckpt.format.refs import reference_key, split_reference
+from objckpt.format.reused import BaseItem
+from objckpt.pipeline.deferred import DeferredWriter, Pending
+
+__all__ = ["committed", "forget", "recall", "wrote"]
+
+logger = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+#: The saves queued last, not known committed yet: target URL -> (its uploads, its
+#: write items). A few at most (saves overlap by one or two); never the writer
+#: itself, which would keep its staged memory referenced.
+_queued: collections.OrderedDict[str, tuple[list[Pending], list[Any]]] = collections.OrderedDict()
+_QUEUED_MAX = 4
+#: The last save known committed: (its URL, its items as a later step references them).
+_remembered: tuple[str, dict[Identity, BaseItem]] | None = None
+
+
+def _url(url: str) -> str:
+    return url.rstrip("/")
+
+
+def wrote(url: str, writer: DeferredWriter) -> None:
+    """A save to ``url`` was queued with ``writer`` (every rank, each its own)."""
+    with _lock:
+        _queued[_url(url)] = (writer.pending, writer.items)  # the lists it goes on filling
+        _queued.move_to_end(_url(url))
+        while len(_queued) > _QUEUED_MAX:
+            _queued.popitem(last=False)
+
+
+def forget(url: str) -> None:
+    """The save to ``url`` ended without committing (or is no base): drop it."""
+    global _remembered
+    with _lock:
+        _queued.pop(_url(url), None)
+        if _remembered is not None and _remembered[0] == _url(url):
+            _remembered = None
+
+
+def committed(url: str) -> None:
+    """The save queued for ``url`` committed (its handle said so on this rank): its
+    items become what :func:`recall` returns for ``url``."""
+    global _remembered
+    with _lock:
+        queued = _queued.pop(_url(url), None)
+    if queued is None:
+        return
+    try:
+        items = _items_of(url, *queued)
+    except Exception as exc:  # the memory is an optimisation: the store still works
+        logger.debug("not remembering the items of %s: %s", url, exc)
+        items = None
+    with _lock:
+        _remembered = None if items is None else (_url(url), items)
+
+
+def recall(url: str) -> dict[Identity, BaseItem] | None:
+    """This rank's items of the committed step ``url``, when it is the save this
+    process remembers (None: read the store)."""
+    with _lock:
+        if _remembered is None or _remembered[0] != _url(url):
+            return None
+        return _remembered[1]
+
+
+def _items_of(
+    url: str, pending: list[Pending], write_items: list[Any]
+) -> dict[Identity, BaseItem] | None:
+    step_dir = _url(url).rsplit("/", 1)[-1]
+    try:
+        split_reference(f"../{step_dir}/x")
+    except Exception:
+        return None  # not a step directory: never anyone's base
+    done: concurrent.futures.Future[None] = concurrent.futures.Future()
+    done.set_result(None)
+    items: dict[Identity, BaseItem] = {}
+    for upload in pending:
+        record = upload.future.result(timeout=0)  # committed: every upload ended
+        for result in written_object(upload.obj, write_items, record, done).write_results():
+            stored = result.storage_data
+            if not isinstance(stored, StoredItem) or stored.xxh3 is None:
+                continue
+            items[identity(result.index)] = BaseItem(
+                key=reference_key(step_dir, stored.relative_path),
+                offset=stored.offset,
+                length=stored.length,
+                crc32c=stored.crc32c,
+                xxh3=stored.xxh3,
+                object_size=stored.object_size,
+                object_crc32c=stored.object_crc32c,
+            )
+    return items
