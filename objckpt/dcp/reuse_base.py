@@ -275,6 +275,7 @@ class BaseReader:
                     xxh3=stored.xxh3,
                     object_size=obj.size,
                     object_crc32c=obj.crc32c,
+                    descriptors=stored.transform_descriptors,
                 )
         logger.debug("base %s: %d of %d items hashed", base.url, len(items), len(want))
         return BaseTable(base.url, items)

@@ -54,7 +54,10 @@ def split_reused(
         digest = None
         if base is not None:
             length, digest = item_digest(chunks)
-            if base.matches(length, digest):
+            # This writer sees an item's transforms only once its bytes are consumed;
+            # the index then records this save's own chain for the reused item
+            # (with_transforms), which decodes the equal stored bytes alike.
+            if base.matches(length, digest, base.descriptors):
                 reused.append((ident, base))
                 continue
         to_write.append((ident, chunks, kept, digest))

@@ -36,6 +36,9 @@ class BaseItem:
         xxh3: Its xxh3-128 (32 hex digits).
         object_size: Size of the referenced object (the base manifest's entry).
         object_crc32c: CRC32C of the referenced object (the base manifest's entry).
+        descriptors: The stream transforms its stored bytes went through (compression,
+            DCP extensions), as its index records them; None: none. Never read from
+            an index that lacks them: absent means untransformed.
     """
 
     key: str
@@ -45,10 +48,17 @@ class BaseItem:
     xxh3: str
     object_size: int
     object_crc32c: str
+    descriptors: tuple[str, ...] | None = None
 
-    def matches(self, length: int, digest: str) -> bool:
-        """Whether an item of ``length`` stored bytes hashing to ``digest`` is this one."""
-        return self.length == length and self.xxh3 == digest
+    def matches(self, length: int, digest: str, descriptors: tuple[str, ...] | None = None) -> bool:
+        """Whether an item of ``length`` stored bytes hashing to ``digest``, stored
+        through the transforms ``descriptors``, is this one (the same bytes under
+        another chain of transforms would decode to other values)."""
+        return (
+            self.length == length
+            and self.xxh3 == digest
+            and tuple(self.descriptors or ()) == tuple(descriptors or ())
+        )
 
 
 def new_hasher() -> xxhash.xxh3_128:

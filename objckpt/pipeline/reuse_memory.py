@@ -119,5 +119,6 @@ def _items_of(
                 xxh3=stored.xxh3,
                 object_size=stored.object_size,
                 object_crc32c=stored.object_crc32c,
+                descriptors=stored.transform_descriptors,
             )
     return items

@@ -184,10 +184,13 @@ _ToWrite = tuple[int, tuple[bytes | memoryview, ...], bool, "str | None"]
 
 
 def _split_reused(
-    entries: list[Entry], reuse: Mapping[int, BaseItem]
+    entries: list[Entry],
+    reuse: Mapping[int, BaseItem],
+    descriptors: Mapping[int, tuple[str, ...]],
 ) -> tuple[list[_ToWrite], list[tuple[int, BaseItem]]]:
     """The entries to write (id, chunks, kept, xxh3 when hashed already) and the
-    ones equal to their base item (hashed here, before any request)."""
+    ones equal to their base item (hashed here, before any request; stored through
+    the same transforms, ``descriptors`` by entry id)."""
     to_write: list[_ToWrite] = []
     reused: list[tuple[int, BaseItem]] = []
     for ident, value in entries:
@@ -196,7 +199,7 @@ def _split_reused(
         digest = None
         if base is not None:
             length, digest = item_digest(chunks)
-            if base.matches(length, digest):
+            if base.matches(length, digest, descriptors.get(ident)):
                 reused.append((ident, base))
                 continue
         to_write.append((ident, chunks, kept, digest))
@@ -221,7 +224,8 @@ def upload_object(
     """
     _forget_freed_segments()
     entries, transforms = _compressed(entries, options)
-    to_write, reused = _split_reused(entries, reuse or {})
+    chains = {ident: chain for ident, chain, _ in transforms}
+    to_write, reused = _split_reused(entries, reuse or {}, chains)
     if not to_write:
         return PayloadRecord(0, "", (), reused=tuple(reused), transforms=transforms)
     store = worker_store(location, options)
