@@ -325,8 +325,7 @@ class ObjectStoreWriter(StorageWriter):
 
     def base_table(self, items: list[WriteItem]) -> BaseTable | None:
         """The items of ``reuse_from`` this rank may reference (None: no reuse)."""
-        reader = self.base_reader()
-        return None if reader is None else reader.table([i.index for i in items])
+        return None if (r := self.base_reader()) is None else r.table([i.index for i in items])
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         if self._attempt is None:
