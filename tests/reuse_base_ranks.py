@@ -14,7 +14,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 import objckpt
 
-__all__ = ["rank_main", "saves_after_rank_0_deleted_the_newest"]
+__all__ = ["one_rank_cannot_read_its_base", "rank_main", "saves_after_rank_0_deleted_the_newest"]
 
 
 def rank_main(rank: int, body: str, *args: Any) -> None:
@@ -60,6 +60,40 @@ def saves_after_rank_0_deleted_the_newest(
             got["frozen"] = distribute_tensor(torch.zeros(64, 256), mesh, [Shard(0)])
             assert mgr.load(got, step=3) == 3
             want = _state(mesh, 3)
+            assert torch.equal(got["frozen"].full_tensor(), want["frozen"].full_tensor())
+            assert torch.equal(got["adapter"].full_tensor(), want["adapter"].full_tensor())
+    finally:
+        dist.destroy_process_group()
+
+
+def one_rank_cannot_read_its_base(
+    rank: int, world: int, init_file: str, url: str, options: dict[str, Any]
+) -> None:
+    """Step 1, then step 2 with rank 1 unable to take up the agreed base (its memory
+    of step 1 raises, as a base that cannot be opened or a thread that cannot start
+    would): the failure comes after the save's agreement, so it must cost rank 1 its
+    reuse only. Every rank commits step 2 and loads it bit-exact."""
+    from objckpt.pipeline import reuse_memory
+
+    mesh = _init(rank, world, init_file)
+    try:
+        opts = objckpt.AsyncOptions(workers=1, barrier_timeout=60)
+        with objckpt.CheckpointManager(url, storage_options=options, async_options=opts) as mgr:
+            mgr.save(1, _state(mesh, 1)).result(timeout=120)
+            mgr.wait_until_finished()
+            if rank == 1:
+
+                def broken(url: str) -> Any:
+                    raise RuntimeError("cannot read the base (injected)")
+
+                reuse_memory.recall = broken  # type: ignore[assignment]
+            mgr.save(2, _state(mesh, 2)).result(timeout=120)
+            mgr.wait_until_finished()
+            assert mgr.all_steps() == [1, 2], mgr.all_steps()
+            got = _state(mesh, 0)
+            got["frozen"] = distribute_tensor(torch.zeros(64, 256), mesh, [Shard(0)])
+            assert mgr.load(got, step=2) == 2
+            want = _state(mesh, 2)
             assert torch.equal(got["frozen"].full_tensor(), want["frozen"].full_tensor())
             assert torch.equal(got["adapter"].full_tensor(), want["adapter"].full_tensor())
     finally:

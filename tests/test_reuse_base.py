@@ -65,6 +65,22 @@ def test_every_rank_reuses_from_rank_0s_base_when_their_catalogs_differ(
 
 
 @pytest.mark.timeout(300)
+def test_one_rank_that_cannot_take_up_the_base_costs_only_its_reuse(
+    s3_bucket: StoreTarget, tmp_path: Path
+) -> None:
+    """Rank 1 fails to take up rank 0's base after the save's agreement: step 2
+    commits on both ranks (rank 1 uploads its shard, rank 0 references step 1)."""
+    root = s3_bucket.url("adopt")
+    body = reuse_base_ranks.one_rank_cannot_read_its_base
+    args = (body.__name__, 2, str(tmp_path / "init"), root, s3_bucket.storage_options)
+    mp.spawn(reuse_base_ranks.rank_main, args=args, nprocs=2, join=True)
+    items = stored_items(f"{root}/{step_name(2)}", s3_bucket)
+    frozen = {i.offset[0]: item for i, item in items.items() if i.fqn == "frozen" and i.offset}
+    assert is_reference(frozen[0].relative_path), frozen[0].relative_path
+    assert not is_reference(frozen[32].relative_path), frozen[32].relative_path
+
+
+@pytest.mark.timeout(300)
 def test_delete_waits_for_the_save_that_uses_the_step_as_its_base(
     s3_bucket: StoreTarget, s3_proxy: FaultProxy
 ) -> None:

@@ -81,9 +81,8 @@ class ObjectStoreWriter(StorageWriter):
             nothing is committed). An async checkpointer proves it on every rank,
             once, before its first copy.
         user_metadata: JSON-serializable values stored in the manifest's ``user``.
-        reuse_from: URL of a committed step beside ``url`` (``<root>/step-<N>``): items
-            whose stored bytes equal its items (same fqn and chunk, length, xxh3-128)
-            are referenced, not uploaded (docs/guides/reuse.md). None: none are.
+        reuse_from: A committed step beside ``url`` (``<root>/step-<N>``) whose equal
+            items (fqn, chunk, length, xxh3-128) are referenced, not uploaded again.
         _extensions: DCP stream transforms applied to each item, as torch's
             ``FileSystemWriter(_extensions=...)`` applies them (experimental in
             DCP); ``upload.compression`` is objckpt's own, in the same format.
@@ -318,8 +317,9 @@ class ObjectStoreWriter(StorageWriter):
 
     def base_reader(self) -> BaseReader | None:
         """What this save reads of ``reuse_from`` (None: no reuse), read once."""
-        base = base_location(self.location, self.reuse_from)
-        if self._base is None and base is not None:
+        if (base := base_location(self.location, self.reuse_from)) is None:
+            return None  # none, or given up (reuse_from reset): no earlier reader is used
+        if self._base is None:
             self._base = BaseReader(self.store.fs, base, target_url=self.location.url)
         return self._base
 

@@ -29,6 +29,10 @@ __all__ = ["DurableSteps"]
 
 logger = logging.getLogger(__name__)
 
+#: How long ``delete`` waits for saves that use the step as their base (as long as
+#: ``discard_after`` waits for saves): a save without a deadline may never end.
+DELETE_WAIT = 900.0
+
 
 class DurableSteps:
     """The steps committed on the root, kept: backed up and pruned (coordinator).
@@ -147,7 +151,11 @@ class DurableSteps:
         with self._lock:
             if step in self._bases:
                 logger.info("deleting step %d once the saves using it as their base end", step)
-            self._released.wait_for(lambda: step not in self._bases)
+            if not self._released.wait_for(lambda: step not in self._bases, DELETE_WAIT):
+                raise SaveDeadlineError(
+                    f"saves using step {step} as their base still run after {DELETE_WAIT:.0f} s; "
+                    "nothing was deleted"
+                )
         with self._retiring:
             self._retire([step], require=True)
 

@@ -89,7 +89,7 @@ class RankExchange:
             # A rank missing: the failed ranks that did report wait for nobody.
             present = [r for r in range(self.world) if self._store.check([self._key(r)])]
             self._failed = {
-                r for r in present if r != self.rank and not _ok(self._store, self._key(r))
+                r for r in present if r != self.rank and _failed(self._store, self._key(r))
             }
             _delete(
                 self._store, [self._key(r) for r in present if r in self._failed or r == self.rank]
@@ -142,10 +142,12 @@ class RankExchange:
             _delete(self._store, [self._key(self.rank)])
 
 
-def _ok(store: Any, key: str) -> bool:
-    """Whether the report under ``key`` says its rank succeeded (False if unreadable)."""
+def _failed(store: Any, key: str) -> bool:
+    """Whether the report under ``key`` says its rank failed. One that cannot be read
+    counts as a success: that rank may still read the outcome, and a reader counted
+    too many only leaves a key behind, where one counted too few waits in vain."""
     try:
-        return bool(pickle.loads(store.get(key))[0])
+        return not pickle.loads(store.get(key))[0]
     except Exception:
         return False
 

@@ -51,7 +51,19 @@ def adopt_base(target: ObjectStoreWriter, base: int | None, rank: int) -> None:
 
     A rank whose own ``reuse_from`` named another step (its catalog lagged or led
     rank 0's) takes rank 0's: its step directory beside the save's.
+
+    Runs after the agreement, where no rank may leave alone: anything that fails
+    here (a thread that cannot start, a base that cannot be opened) costs only this
+    rank's reuse, with a warning, never the save.
     """
+    try:
+        _adopt(target, base, rank)
+    except Exception as exc:
+        target.reuse_from = None
+        logger.warning("rank %d reuses nothing in this save (base step %s: %s)", rank, base, exc)
+
+
+def _adopt(target: ObjectStoreWriter, base: int | None, rank: int) -> None:
     if base is None:
         target.reuse_from = None
         return
