@@ -42,6 +42,7 @@ import objckpt
 from objckpt.format.reused import item_digest
 from objckpt.format.steps import inventory
 from objckpt.testing import FaultProxy
+from objckpt.testing import lora as testing_lora
 from objckpt.testing.servers import offline_env, start_moto_server
 
 log = logging.getLogger("bench")
@@ -54,29 +55,10 @@ def lora_state(base_mib: int, layers: int = 8, rank: int = 8) -> dict[str, Any]:
     """A frozen base of ``base_mib`` MiB fp32 in ``layers`` square layers, adapters
     of ``rank`` on each, and Adam's moments for the adapters."""
     width = int((base_mib * MiB // 4 // layers) ** 0.5)
-    g = torch.Generator().manual_seed(0)
-    model: dict[str, torch.Tensor] = {}
-    moments: dict[str, torch.Tensor] = {}
-    for n in range(layers):
-        model[f"layers.{n}.weight"] = torch.randn(width, width, generator=g)
-        for name, shape in (
-            (f"layers.{n}.lora_a", (rank, width)),
-            (f"layers.{n}.lora_b", (width, rank)),
-        ):
-            model[name] = torch.zeros(shape)
-            moments[f"{name}.exp_avg"] = torch.zeros(shape)
-            moments[f"{name}.exp_avg_sq"] = torch.zeros(shape)
-    return {"model": model, "optim": {"state": moments, "step": 0}}
+    return testing_lora.lora_state(layers, width, rank)
 
 
-def lora_step(state: dict[str, Any], step: int) -> None:
-    g = torch.Generator().manual_seed(step)
-    for name, value in state["model"].items():
-        if "lora" in name:
-            value.add_(torch.randn(value.shape, generator=g) * 0.01)
-    for value in state["optim"]["state"].values():
-        value.add_(torch.rand(value.shape, generator=g))
-    state["optim"]["step"] = step
+lora_step = testing_lora.lora_step
 
 
 def full_step(state: dict[str, torch.Tensor], step: int) -> None:

@@ -110,3 +110,20 @@ def black_hole() -> Iterator[str]:
     for c in accepted:
         c.close()
     sock.close()
+
+
+@pytest.fixture
+def cli(moto_server: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Run the ``objckpt`` CLI in-process against the test's moto server."""
+    from click.testing import CliRunner, Result
+    from helpers import cli_env
+
+    from objckpt.cli import main
+
+    for k, v in cli_env(moto_server).items():
+        monkeypatch.setenv(k, v)
+
+    def run(*args: str) -> Result:
+        return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+    return run

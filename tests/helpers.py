@@ -56,3 +56,15 @@ def fs_of(target: StoreTarget) -> fsspec.AbstractFileSystem:
 
 def path_of(target: StoreTarget, url: str) -> str:
     return objckpt.Location.parse(url).path
+
+
+def cli_env(moto_server: Any) -> dict[str, str]:
+    """The environment that points the ``objckpt`` CLI at the test's moto server."""
+    from objckpt.testing.servers import TEST_KEY, TEST_SECRET
+
+    return {
+        "AWS_ENDPOINT_URL": moto_server.endpoint_url,
+        "AWS_ACCESS_KEY_ID": TEST_KEY,
+        "AWS_SECRET_ACCESS_KEY": TEST_SECRET,
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }

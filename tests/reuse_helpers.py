@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from objckpt import Location
 from objckpt.format.dcp_json import StoredItem
 from objckpt.format.index import decode_index, decode_metadata
 from objckpt.format.manifest import read_manifest
+from objckpt.testing import lora as testing_lora
 from objckpt.testing.plugin import StoreTarget
 from objckpt.writers import open_store
 
@@ -24,30 +24,12 @@ LAYERS, WIDTH, RANK = 8, 1024, 8
 
 
 def lora_state(layers: int = LAYERS, width: int = WIDTH, rank: int = RANK) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(0)
-    model: dict[str, torch.Tensor] = {}
-    moments: dict[str, torch.Tensor] = {}
-    for n in range(layers):
-        model[f"layers.{n}.weight"] = torch.randn(width, width, generator=g)
-        for name, shape in (
-            (f"layers.{n}.lora_a", (rank, width)),
-            (f"layers.{n}.lora_b", (width, rank)),
-        ):
-            model[name] = torch.zeros(shape)
-            moments[f"{name}.exp_avg"] = torch.zeros(shape)
-            moments[f"{name}.exp_avg_sq"] = torch.zeros(shape)
-    return {"model": model, "optim": {"state": moments, "step": 0}}
+    """The tests' LoRA-shaped state (a 32 MiB frozen base by default)."""
+    return testing_lora.lora_state(layers, width, rank)
 
 
-def train_step(state: dict[str, Any], step: int) -> None:
-    """One step of training: the adapters and their optimizer state change, the base not."""
-    g = torch.Generator().manual_seed(step)
-    for name, value in state["model"].items():
-        if "lora" in name:
-            value.add_(torch.randn(value.shape, generator=g) * 0.01)
-    for value in state["optim"]["state"].values():
-        value.add_(torch.rand(value.shape, generator=g))
-    state["optim"]["step"] = step
+#: One step of training: the adapters and their optimizer state change, the base not.
+train_step = testing_lora.lora_step
 
 
 def stored_items(url: str, target: StoreTarget) -> dict[MetadataIndex, StoredItem]:

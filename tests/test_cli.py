@@ -10,8 +10,8 @@ import sys
 
 import pytest
 import torch
-from click.testing import CliRunner, Result
-from helpers import load
+from click.testing import CliRunner
+from helpers import cli_env, load
 
 from objckpt import CheckpointManager, Location
 from objckpt.cli import main
@@ -19,27 +19,6 @@ from objckpt.format.steps import step_name
 from objckpt.testing import MotoServer
 from objckpt.testing.plugin import StoreTarget
 from objckpt.testing.servers import TEST_KEY, TEST_SECRET
-
-
-def _env(moto_server: MotoServer) -> dict[str, str]:
-    """Endpoint and credentials the standard way: AWS_* environment variables."""
-    return {
-        "AWS_ENDPOINT_URL": moto_server.endpoint_url,
-        "AWS_ACCESS_KEY_ID": TEST_KEY,
-        "AWS_SECRET_ACCESS_KEY": TEST_SECRET,
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }
-
-
-@pytest.fixture
-def cli(moto_server: MotoServer, monkeypatch: pytest.MonkeyPatch):
-    for k, v in _env(moto_server).items():
-        monkeypatch.setenv(k, v)
-
-    def run(*args: str) -> Result:
-        return CliRunner().invoke(main, list(args), catch_exceptions=False)
-
-    return run
 
 
 def _state(step: int) -> dict:
@@ -199,7 +178,7 @@ def test_storage_option_flag_and_usage_errors(moto_server: MotoServer, run_root:
 
 def test_installed_entry_point(moto_server: MotoServer, run_root: str) -> None:
     exe = shutil.which("objckpt") or os.path.join(os.path.dirname(sys.executable), "objckpt")
-    env = {**os.environ, **_env(moto_server)}
+    env = {**os.environ, **cli_env(moto_server)}
     done = subprocess.run(
         [exe, "verify", f"{run_root}/{step_name(1)}", "--json"],
         capture_output=True,

@@ -13,11 +13,9 @@ import time
 
 import pytest
 import torch
-from click.testing import CliRunner, Result
 from reuse_craft import craft_reference_step
 
 from objckpt import CheckpointManager, Location
-from objckpt.cli import main
 from objckpt.format.layout import MANIFEST_KEY
 from objckpt.format.steps import step_name
 from objckpt.ops.backup import BackupTarget, Replicator
@@ -26,23 +24,6 @@ from objckpt.ops.retention import RetentionPolicy
 from objckpt.ops.retire import retire_steps
 from objckpt.testing import MotoServer
 from objckpt.testing.plugin import StoreTarget
-from objckpt.testing.servers import TEST_KEY, TEST_SECRET
-
-
-@pytest.fixture
-def cli(moto_server: MotoServer, monkeypatch: pytest.MonkeyPatch):
-    for k, v in {
-        "AWS_ENDPOINT_URL": moto_server.endpoint_url,
-        "AWS_ACCESS_KEY_ID": TEST_KEY,
-        "AWS_SECRET_ACCESS_KEY": TEST_SECRET,
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }.items():
-        monkeypatch.setenv(k, v)
-
-    def run(*args: str) -> Result:
-        return CliRunner().invoke(main, list(args), catch_exceptions=False)
-
-    return run
 
 
 def _state() -> dict:

@@ -8,10 +8,8 @@ import json
 
 import pytest
 import torch
-from click.testing import CliRunner, Result
 
 from objckpt import CheckpointManager, Location
-from objckpt.cli import main
 from objckpt.errors import UploadError
 from objckpt.format.layout import MANIFEST_KEY
 from objckpt.format.steps import step_name
@@ -19,23 +17,6 @@ from objckpt.ops.gc import collect_garbage
 from objckpt.ops.retire import retire_steps
 from objckpt.testing import FaultProxy, MotoServer, Rule
 from objckpt.testing.plugin import StoreTarget
-from objckpt.testing.servers import TEST_KEY, TEST_SECRET
-
-
-@pytest.fixture
-def cli(moto_server: MotoServer, monkeypatch: pytest.MonkeyPatch):
-    for k, v in {
-        "AWS_ENDPOINT_URL": moto_server.endpoint_url,
-        "AWS_ACCESS_KEY_ID": TEST_KEY,
-        "AWS_SECRET_ACCESS_KEY": TEST_SECRET,
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }.items():
-        monkeypatch.setenv(k, v)
-
-    def run(*args: str) -> Result:
-        return CliRunner().invoke(main, list(args), catch_exceptions=False)
-
-    return run
 
 
 def _lora(step: int) -> dict:
