@@ -199,6 +199,7 @@ class ObjckptCheckpointIO(CheckpointIO):
             read=read,
             retry=self.retry,
             allow_stock=False,
+            broadcast=False,  # read here alone, whatever the process group
         )
         try:
             state = load_everything(reader)

@@ -7,7 +7,7 @@ recording :class:`~objckpt.testing.FaultProxy` of its own per path, so each requ
 attributed to one rank and one path on the wire (no guessing from key names). The paths:
 an async save through ``CheckpointManager`` (the default path), a sync ``dcp.save`` with
 ``ObjectStoreWriter``, a load through ``CheckpointManager.load``, and a plain
-``dcp.load`` with ``ObjectStoreReader`` (default, and ``broadcast=True``). The c10d
+``dcp.load`` with ``ObjectStoreReader`` (default ``broadcast``, and ``broadcast=True``). The c10d
 store's writes per path are read from the job's ``FileStore`` (see tests/scale_ranks.py).
 The figures are logged at INFO as a Markdown table (``--log-cli-level=INFO``); the one
 in docs/guides/at-scale.md comes from there.
@@ -29,11 +29,11 @@ What may grow with W is decided here, once:
   report: its index object's and payload objects' keys, sizes and CRC32Cs, and its
   request counts), none of them growing with W, and no key left behind.
 
-Two things grow where they should not; they are ``xfail(strict=True)`` with the
-reason, not fixed here: a plain ``ObjectStoreReader`` without ``broadcast=True`` GETs the
-whole manifest on every rank, and the manager's step catalog lists every object under
-the root on rank 0 (``format/steps.py`` ``inventory``: one recursive listing) to find
-which steps are committed.
+Two things that once grew are held flat here: a plain ``ObjectStoreReader`` (default
+``broadcast``) in a process group reads the manifest on rank 0 only, at ``dcp.load``'s
+first step, and the manager's step catalog finds committed steps from one listing of
+the root's step directories and a HEAD per step manifest (``format/steps.py``
+``committed_steps``), never a listing of every rank's objects.
 """
 
 from __future__ import annotations
@@ -282,13 +282,11 @@ def test_every_rank_but_the_coordinator_costs_the_same(runs: dict[int, Run], pat
         f"bytes sent on {path}",
         exact=False,
     )
-    # Only a plain reader GETs the manifest on every rank, once: its bytes are
-    # test_a_plain_reader_gets_the_manifest_on_every_rank's.
-    reads = 1 if path == "dcp_load" else 0
+    # Rank 0 reads the manifest for everyone, on every path.
     for run in (small, large):
         for r in range(1, run.world):
             got = len(run.traffic[path][r].paths("GetObject", "manifest"))
-            assert got == reads, f"rank {r} of {run.world} GETs the manifest {got} times on {path}"
+            assert got == 0, f"rank {r} of {run.world} GETs the manifest {got} times on {path}"
     _flat(
         [
             t.got(*_SHORT) - small.manifest_bytes_got(path, r)
@@ -303,13 +301,7 @@ def test_every_rank_but_the_coordinator_costs_the_same(runs: dict[int, Run], pat
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="ObjectStoreReader without broadcast=True GETs the whole manifest (O(W) bytes) "
-    "on every rank: W^2 bytes per job; broadcast=True and CheckpointManager.load are flat",
-)
-def test_a_plain_reader_gets_the_manifest_on_every_rank(runs: dict[int, Run]) -> None:
+def test_a_plain_reader_reads_the_manifest_once_per_job(runs: dict[int, Run]) -> None:
     _flat(
         [t.got("GetObject") for t in runs[4].others("dcp_load")],
         [t.got("GetObject") for t in runs[16].others("dcp_load")],
@@ -382,13 +374,6 @@ def test_the_coordinator_lists_the_step_it_commits_once(runs: dict[int, Run], pa
     assert got16 <= 4 * got4 + SLACK, f"rank 0 LIST bytes on {path}: {got16} at 16, {got4} at 4"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="the step catalog (format/steps.py inventory) finds committed steps with one "
-    "recursive listing of every object under the root, on rank 0, in the constructor and "
-    "again in load: O(W x steps) bytes, one more request per 1,000 objects",
-)
 def test_the_manager_finds_its_steps_without_listing_every_rank_s_objects(
     runs: dict[int, Run],
 ) -> None:

@@ -94,11 +94,19 @@ class ObjectStoreReader(StorageReader):
             CRC32C; on by default). Giving both with different values is an error.
         read: Range sizing, read-ahead and verification.
         broadcast: Read the manifest once, on rank 0 of ``process_group``, and
-            send its bytes to the other ranks, instead of every rank fetching it.
-            Every rank of the group must then build its reader together (it is a
-            collective). Each rank still fetches only the index objects of the
-            ranks whose items it loads. It also lets ``dcp.load`` fetch each
-            replicated item once and broadcast it (``ReadOptions.share_replicated``).
+            send its bytes to the other ranks, instead of every rank fetching it
+            (the manifest grows with the world size, so W ranks each fetching it
+            is W^2 bytes per job). Each rank still fetches only the index objects
+            of the ranks whose items it loads, and ``dcp.load`` fetches each
+            replicated item once and broadcasts it (``ReadOptions.share_replicated``).
+            ``True``: every rank of the group builds its reader together (the
+            constructor is the collective). ``None`` (the default): the same
+            inside a process group, but the collective is the reader's first
+            ``read_metadata()``, which ``dcp.load`` calls on every rank first
+            thing; outside one, the manifest is read when the reader is built.
+            ``False``: every rank reads the manifest itself, as it must where
+            one rank loads alone in a job (``dcp.load(..., no_dist=True)``, or
+            ``read_metadata()`` called on some ranks only).
         process_group: The group for ``broadcast`` (default: the default group).
         allow_stock: Load a stock DCP checkpoint (``.metadata``, no manifest) when
             that is what ``url`` holds. False: only committed objckpt checkpoints
@@ -127,7 +135,7 @@ class ObjectStoreReader(StorageReader):
         verify: bool | None = None,
         read: ReadOptions | None = None,
         retry: RetryPolicy | None = None,
-        broadcast: bool = False,
+        broadcast: bool | None = None,
         process_group: Any | None = None,
         allow_stock: bool = True,
         local: str | os.PathLike[str] | None = None,
@@ -149,7 +157,11 @@ class ObjectStoreReader(StorageReader):
         self._metadata: Metadata
         self._locator: Locator | None = None  # format 2: items load per index object
         self._index: ItemIndex
-        self._broadcast = broadcast
+        # None: broadcast in a process group, at the first read_metadata() of each load.
+        self._broadcast = is_distributed() if broadcast is None else broadcast
+        self._at_read_metadata = broadcast is None and self._broadcast
+        #: The manifest is still to be read, by the next read_metadata() (see above).
+        self._pending = False
         self._group = process_group
         self._allow_stock = allow_stock
         #: This load's id, drawn anew for each load (as FileSystemReader's ``load_id``).
@@ -161,8 +173,7 @@ class ObjectStoreReader(StorageReader):
         self._delivery = Delivery(self.options, _extension_registry)
         #: The open's error, kept for dcp.load's first step in a process group.
         self._deferred: Exception | None = None
-        with counting(self._counter):
-            self._open_or_defer()
+        self._open_now_or_at_read_metadata()
         # No load has used what _open read yet: a reset(checkpoint_id) naming the same
         # URL (how dcp.load starts) need not read the manifest again (at W ranks that
         # second read is W GETs, or a second broadcast).
@@ -265,13 +276,32 @@ class ObjectStoreReader(StorageReader):
             self.load_id = uuid.uuid4().hex
             self.manifest, self._locator = None, None
             self._counter = RequestCounter()
-            with counting(self._counter):
-                self._open_or_defer()
+            self._open_now_or_at_read_metadata()
+
+    def _open_now_or_at_read_metadata(self) -> None:
+        """Open the checkpoint now, or (default broadcast in a process group) mark it
+        to be opened by the next ``read_metadata()``, the first call of ``dcp.load``
+        that every rank makes: a collective there pairs rank for rank."""
+        self._deferred = None
+        if self._at_read_metadata:
+            self._pending = True
+            self._metadata = Metadata(state_dict_metadata={})
+            return
+        with counting(self._counter):
+            self._open_or_defer()
 
     def read_metadata(self) -> Metadata:
         """The checkpoint's DCP metadata; its ``storage_meta.load_id`` is this load's
         ``load_id`` (as torch's own readers fill it). After a failed open in a
-        process group it describes nothing, and ``set_up_storage_reader`` raises."""
+        process group it describes nothing, and ``set_up_storage_reader`` raises.
+
+        With the default ``broadcast`` in a process group, the first call of a load
+        reads the manifest on rank 0 and broadcasts it: a collective, which
+        ``dcp.load`` makes on every rank."""
+        if self._pending:
+            self._pending = False
+            with counting(self._counter):
+                self._open_or_defer()
         meta = self._metadata.storage_meta or StorageMeta()
         meta = dataclasses.replace(meta, load_id=self.load_id)
         return dataclasses.replace(self._metadata, storage_meta=meta)

@@ -5,13 +5,23 @@ lexical listing sorts by step. A step exists for users only once committed
 (its ``manifest.json`` is present); everything else under a step directory is
 either part of a committed step or garbage from a failed or in-flight save.
 
-Everything here works from one recursive listing of the root (paginated by the
-store), not one request per step: ``ls``, retention and gc all need the same
-picture, and a HEAD per step is slow on a root with hundreds of steps.
+Two ways to look, for two kinds of caller:
+
+- :func:`inventory`: one recursive listing of every object under the root
+  (paginated by the store). ``ls``, gc and the deletion of a step need every
+  object's name, size and age, and it costs what the root holds: O(ranks x steps)
+  entries, one more request per 1,000 objects.
+- :func:`committed_steps`: which steps are committed, and when, from one listing
+  of the root's top level (one entry per step directory) and one HEAD of each
+  step's manifest. A training job asks this in the manager's constructor and
+  in every load, on rank 0 for everyone, so its cost must not grow with the
+  world size: a job of 4,096 ranks writes ~8,000 objects per step, and a
+  recursive listing of them would be the manager's one O(W) request.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import datetime
 import logging
@@ -26,11 +36,22 @@ from objckpt.format.layout import MANIFEST_KEY
 from objckpt.writers.location import Location
 from objckpt.writers.translate import translate
 
-__all__ = ["ObjectInfo", "StepInfo", "inventory", "parse_step", "step_name", "steps_of"]
+__all__ = [
+    "ObjectInfo",
+    "StepInfo",
+    "committed_steps",
+    "inventory",
+    "parse_step",
+    "step_name",
+    "steps_of",
+]
 
 logger = logging.getLogger(__name__)
 
 STEP_DIGITS = 10
+#: Manifest HEADs in flight at once in :func:`committed_steps` (a root that keeps
+#: hundreds of steps is answered in a few round trips, not hundreds).
+HEAD_CONCURRENCY = 16
 # ASCII digits, the whole name: fullmatch (``$`` would let a trailing newline in).
 _STEP = re.compile(rf"step-([0-9]{{{STEP_DIGITS},}})")
 
@@ -70,7 +91,12 @@ class ObjectInfo:
 
 @dataclasses.dataclass(frozen=True)
 class StepInfo:
-    """What a step directory holds."""
+    """What a step directory holds.
+
+    ``objects`` and ``bytes`` count the step directory's objects where it was found
+    by :func:`inventory`; :func:`committed_steps` reads only the manifest and
+    counts that one object (its size).
+    """
 
     step: int
     url: str
@@ -172,3 +198,59 @@ def steps_of(objects: Iterable[ObjectInfo], root: Location) -> list[StepInfo]:
             )
         )
     return out
+
+
+def committed_steps(fs: AbstractFileSystem, root: Location) -> list[StepInfo]:
+    """The committed steps under ``root``, ascending, without listing their objects.
+
+    One listing of the root's top level finds the step directories; one HEAD per
+    step directory (:data:`HEAD_CONCURRENCY` at a time) finds its manifest. A step
+    is committed iff its manifest exists, so nothing else is looked at; the
+    manifest's time is the commit time. Requests: one LIST page per 1,000 step
+    directories plus one HEAD per step, whatever the number of ranks that wrote them.
+
+    Raises:
+        BucketNotFoundError: The root's bucket does not exist (object stores only).
+        StoreError: The listing or a HEAD failed (translated, naming the URL).
+    """
+    fs.invalidate_cache(root.path)
+    try:
+        listed = fs.ls(root.path, detail=True)
+    except FileNotFoundError:
+        listed = []
+    except Exception as exc:
+        raise translate(exc, url=root.url, action="listing", missing_is_bucket=True) from exc
+    if not listed:
+        _require_bucket(fs, root)
+        return []
+    steps = sorted(
+        {
+            step
+            for info in listed
+            if info.get("type") == "directory"
+            and (step := parse_step(str(info.get("name", "")))) is not None
+        }
+    )
+    if not steps:
+        return []
+    workers = min(HEAD_CONCURRENCY, len(steps))
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="objckpt-steps") as pool:
+        found = list(pool.map(lambda s: _manifest_of(fs, root, s), steps))
+    return [info for info in found if info is not None]
+
+
+def _manifest_of(fs: AbstractFileSystem, root: Location, step: int) -> StepInfo | None:
+    """Step ``step``'s StepInfo if its manifest exists (one HEAD), else None."""
+    where = root.child(step_name(step))
+    path = where.path.rstrip("/") + "/" + MANIFEST_KEY
+    fs.invalidate_cache(path)
+    try:
+        info = fs.info(path)
+    except FileNotFoundError:
+        return None
+    except Exception as exc:
+        raise translate(exc, url=where.url_of(MANIFEST_KEY), action="checking") from exc
+    if info.get("type") == "directory":
+        return None
+    size = int(info.get("size") or 0)
+    return StepInfo(step, where.url, True, 1, size, _mtime(info))

@@ -31,7 +31,8 @@ from typing import Any
 
 from objckpt.errors import BackupError, ConfigurationError
 from objckpt.format.manifest import Manifest
-from objckpt.format.steps import StepInfo, inventory, step_name, steps_of
+from objckpt.format.steps import StepInfo, step_name
+from objckpt.format.steps import committed_steps as list_committed
 from objckpt.ops.gc import delete_step
 from objckpt.ops.replica import VerifiedObjects, await_replica
 from objckpt.ops.retention import RetentionPolicy
@@ -125,14 +126,16 @@ def lag_of(primary: Iterable[StepInfo], backed_up: Iterable[int], now: float) ->
 
 
 def committed_steps(root: Location) -> list[StepInfo]:
-    """Committed steps under a root (one listing).
+    """Committed steps under a root: one listing of its step directories and a
+    HEAD of each one's manifest (:func:`objckpt.format.steps.committed_steps`),
+    never a listing of every rank's objects.
 
     Raises:
         StoreError: The root cannot be listed.
     """
     store = open_store(root)
     try:
-        return [s for s in steps_of(inventory(store.fs, root), root) if s.committed]
+        return list_committed(store.fs, root)
     finally:
         store.close()
 

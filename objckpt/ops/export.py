@@ -200,6 +200,7 @@ def export_safetensors(
         read=ReadOptions(),
         retry=retry,
         allow_stock=False,
+        broadcast=False,  # read here alone, whatever the process group
     )
     entries = _select(reader, keys, target)
     shards = _shards(entries, limit)
