@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -91,6 +92,10 @@ class IndexShard:
     data: bytes
 
 
+_OFFSETS = operator.attrgetter("offsets")
+_SIZES = operator.attrgetter("sizes")
+
+
 def encode_metadata(
     metadata: Metadata,
     items_by_rank: Sequence[Mapping[MetadataIndex, StoredItem]],
@@ -98,11 +103,18 @@ def encode_metadata(
 ) -> tuple[dict[str, Any], list[IndexShard]]:
     """The manifest's ``metadata`` (format 2) and the index objects it names."""
     state: dict[str, Any] = {}
+    # Where each chunk stands in its tensor's list, for the index objects' columns: O(chunks),
+    # so built only when there are items to place (a layout alone needs none of it).
     positions: dict[str, dict[tuple[int, ...], int]] = {}
+    if any(items_by_rank):
+        positions = {
+            fqn: {tuple(c.offsets): n for n, c in enumerate(md.chunks)}
+            for fqn, md in metadata.state_dict_metadata.items()
+            if isinstance(md, TensorStorageMetadata)
+        }
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
             ndim = len(md.size)
-            positions[fqn] = {tuple(c.offsets): n for n, c in enumerate(md.chunks)}
             entry: dict[str, Any] = {
                 "dtype": dtype_name(md.properties.dtype),
                 "size": list(md.size),
@@ -111,12 +123,12 @@ def encode_metadata(
                 entry["requires_grad"] = True
             if not _whole(md):  # a tensor saved in one piece needs no chunk columns
                 entry["chunks"] = len(md.chunks)
-                entry["offsets"] = [
-                    columns.pack([c.offsets[d] for c in md.chunks]) for d in range(ndim)
-                ]
-                entry["sizes"] = [
-                    columns.pack([c.sizes[d] for c in md.chunks]) for d in range(ndim)
-                ]
+                # One column per dimension, transposed by zip (C loops, not a Python
+                # loop per chunk and dimension).
+                offsets = list(zip(*map(_OFFSETS, md.chunks))) or [()] * ndim
+                sizes = list(zip(*map(_SIZES, md.chunks))) or [()] * ndim
+                entry["offsets"] = [columns.pack(offsets[d]) for d in range(ndim)]
+                entry["sizes"] = [columns.pack(sizes[d]) for d in range(ndim)]
             state[fqn] = entry
         elif isinstance(md, BytesStorageMetadata):
             state[fqn] = {"type": "bytes"}
