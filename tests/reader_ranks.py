@@ -54,7 +54,9 @@ def _loaded(reader: objckpt.ObjectStoreReader, target: dict[str, torch.Tensor]) 
     }
 
 
-def loads(rank: int, world: int, init_file: str, root: str, options: dict[str, Any], out: str) -> None:
+def loads(
+    rank: int, world: int, init_file: str, root: str, options: dict[str, Any], out: str
+) -> None:
     os.environ.update(offline_env())
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")

@@ -129,7 +129,9 @@ def measure(rank: int, world: int, init_file: str, url: str, options: dict[str, 
             else:
                 state = _state(mesh, world, blank=True)
                 reader = objckpt.ObjectStoreReader(
-                    f"{url}/dcp", storage_options=opts, broadcast=True if path.endswith("broadcast") else None
+                    f"{url}/dcp",
+                    storage_options=opts,
+                    broadcast=True if path.endswith("broadcast") else None,
                 )
                 dcp.load(state, storage_reader=reader)
                 _check(state, world, rank, path)

@@ -57,7 +57,6 @@ def test_regular_columns_fold_into_a_few_numbers_irregular_ones_stay_lists() -> 
     assert columns.pack(noise) == noise
 
 
-
 def _greedy_runs(values: list[int]) -> object:
     """The encoding by definition, one element at a time: at each position the run
     starts with the step to the next value and takes every value that continues it."""
@@ -98,6 +97,7 @@ def test_pack_equals_the_element_by_element_encoding() -> None:
         values = values[:n] if rng.random() < 0.7 else [rng.randint(-3, 3) for _ in range(n)]
         assert columns.pack(values) == _greedy_runs(values), values
         assert columns.unpack(columns.pack(values), n, "c") == values
+
 
 @pytest.mark.parametrize(
     ("doc", "length", "needle"),

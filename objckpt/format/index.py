@@ -125,8 +125,8 @@ def encode_metadata(
                 entry["chunks"] = len(md.chunks)
                 # One column per dimension, transposed by zip (C loops, not a Python
                 # loop per chunk and dimension).
-                offsets = list(zip(*map(_OFFSETS, md.chunks))) or [()] * ndim
-                sizes = list(zip(*map(_SIZES, md.chunks))) or [()] * ndim
+                offsets = list(zip(*map(_OFFSETS, md.chunks), strict=True)) or [()] * ndim
+                sizes = list(zip(*map(_SIZES, md.chunks), strict=True)) or [()] * ndim
                 entry["offsets"] = [columns.pack(offsets[d]) for d in range(ndim)]
                 entry["sizes"] = [columns.pack(sizes[d]) for d in range(ndim)]
             state[fqn] = entry
