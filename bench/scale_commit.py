@@ -86,6 +86,15 @@ def _cpu_of(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _peak_rss_of(pid: int) -> int:
+    """Peak resident bytes of process ``pid`` so far (Linux /proc ``VmHWM``)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def _results(items: dict[MetadataIndex, StoredItem]) -> list[WriteResult]:
     out = [WriteResult(index=i, size_in_bytes=s.length, storage_data=s) for i, s in items.items()]
     out.append(requests_result(RequestStats()))
@@ -199,6 +208,7 @@ def _one_save(
             checkpoint_id=None,
             upload=UploadOptions(),
             overwrite=False,
+            reuse_from=None,
             user_metadata={},
             close=lambda: None,
         ),
@@ -220,6 +230,7 @@ def _one_save(
         "rank0_cpu_s": cpu,
         "rank0_wall_s": wall,
         "helper_cpu_s": helper_cpu,
+        "helper_peak_rss_bytes": _peak_rss_of(pid) if pid else 0,
         "metadata_bytes": os.path.getsize(f"{url_dir}/.metadata"),
         "manifest_bytes": os.path.getsize(f"{url_dir}/manifest.json"),
         "bytes": {"posted": posted},
@@ -268,8 +279,9 @@ def _mb(n: float) -> str:
 def commit_table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| W | rank 0 process CPU per save, before | after: first save of a plan | after: "
-        "later save | commit helper CPU (later save) | c10d B per rank, before | after |",
-        "|---|---|---|---|---|---|---|",
+        "later save | commit helper CPU (later save) | helper peak RSS | c10d B per rank, "
+        "before | after |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         a, b = r["after"], r.get("before")
@@ -279,6 +291,7 @@ def commit_table(rows: list[dict[str, Any]]) -> str:
             f"| {r['world']} | {before} "
             f"| {first['rank0_cpu_s'] * 1e3:.0f} ms | {later['rank0_cpu_s'] * 1e3:.0f} ms "
             f"| {later['helper_cpu_s']:.2f} s "
+            f"| {later.get('helper_peak_rss_bytes', 0) / 2**30:.2f} GiB "
             f"| {_mb(b['c10d_bytes_per_rank_max']) if b else '-'} "
             f"| {a['c10d_bytes_per_rank_max']} B |"
         )

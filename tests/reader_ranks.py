@@ -112,6 +112,19 @@ def loads(
     else:
         store.wait(["alone-done"], WAIT)
     dist.barrier()
+
+    # 6. A load on a subgroup (rank 1 alone in it) with the reader on that subgroup: the
+    #    broadcast runs on the ranks that load, and rank 1, the subgroup's rank 0, reads.
+    sub = dist.new_group([1])  # every rank creates it, as torch requires
+    if rank == 1:
+        target = _blank()
+        reader = objckpt.ObjectStoreReader(url, storage_options=options, process_group=sub)
+        dcp.load(target, storage_reader=reader, process_group=sub)
+        record["subgroup"] = _loaded(reader, target)
+        store.set("subgroup-done", "1")
+    else:
+        store.wait(["subgroup-done"], WAIT)
+    dist.barrier()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(record, f)
     dist.destroy_process_group()

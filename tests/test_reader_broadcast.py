@@ -46,3 +46,5 @@ def test_default_broadcast_in_a_process_group(s3_bucket: StoreTarget, tmp_path: 
         assert "bare" in rec["bare"]
     # Alone, inside the group, with broadcast=False: loaded, nothing waited.
     assert r0["alone"]["equal"] and r0["alone"]["source"] == manifest_url
+    # A load on a subgroup, the reader given that subgroup: its rank 0 (global rank 1) reads.
+    assert r1["subgroup"]["equal"] and r1["subgroup"]["source"] == manifest_url

@@ -108,6 +108,8 @@ class ObjectStoreReader(StorageReader):
             one rank loads alone in a job (``dcp.load(..., no_dist=True)``, or
             ``read_metadata()`` called on some ranks only).
         process_group: The group for ``broadcast`` (default: the default group).
+            A ``dcp.load(..., process_group=g)`` on a subgroup passes the same
+            ``g`` here: the broadcast must run on the ranks that load.
         allow_stock: Load a stock DCP checkpoint (``.metadata``, no manifest) when
             that is what ``url`` holds. False: only committed objckpt checkpoints
             (the manager's rule: a step exists only once committed).
