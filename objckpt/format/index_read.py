@@ -275,6 +275,22 @@ def decode_index(
         raise ManifestError(f"index {url} is malformed ({type(exc).__name__}: {exc})") from exc
 
 
+def _chunk_index(fqn: str, offsets: Any, chunk: int) -> MetadataIndex:
+    """``MetadataIndex(fqn, offsets, chunk)`` holding the chunk's own ``torch.Size``
+    (DCP's constructor copies it: one more object per item, and in a pickled
+    ``.metadata`` a copy written out where a reference to the chunk's would do)."""
+    if type(offsets) is not torch.Size or not _INDEX_HAS_DICT:
+        return MetadataIndex(fqn, offsets, chunk)
+    index = _new_index(MetadataIndex)
+    # Frozen: its fields are set past __setattr__, as DCP's own __init__ sets them.
+    index.__dict__.update(fqn=fqn, offset=offsets, index=chunk)
+    return index
+
+
+_new_index = object.__new__
+_INDEX_HAS_DICT = hasattr(MetadataIndex(""), "__dict__")  # a torch with slots: the constructor
+
+
 def _decode_index(
     doc: Any, rank: int, attempt: str, metadata: Metadata
 ) -> dict[MetadataIndex, StoredItem]:
@@ -331,7 +347,7 @@ def _decode_index(
                 raise ValueError(f"{fqn!r} is not a tensor in the manifest")
             if chunk >= len(md.chunks):
                 raise ValueError(f"{fqn!r} has {len(md.chunks)} chunks, not a chunk {chunk}")
-            index = MetadataIndex(fqn, md.chunks[chunk].offsets, chunk)
+            index = _chunk_index(fqn, md.chunks[chunk].offsets, chunk)
         crc = crcs[8 * i : 8 * i + 8]
         digest = None if hashes is None else hashes[32 * i : 32 * i + 32]
         items[index] = StoredItem(
