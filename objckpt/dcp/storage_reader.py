@@ -59,19 +59,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["ObjectStoreReader"]
 
 
-def _read_options(read: ReadOptions | None, verify: bool | None) -> ReadOptions:
-    """``read`` with the ``verify=`` shorthand applied: one switch per setting, so
-    the two may not disagree (a silent winner would verify, or not, by surprise)."""
-    if verify is None:
-        return read or ReadOptions()
-    if read is not None and read.verify != verify:
-        raise ConfigurationError(
-            f"option verify={verify!r} contradicts read=ReadOptions(verify={read.verify!r}); "
-            "set it in one place"
-        )
-    return dataclasses.replace(read or ReadOptions(), verify=verify)
-
-
 class ObjectStoreReader(StorageReader):
     """Load a committed checkpoint (or a stock DCP one) from any fsspec URL.
 
@@ -93,23 +80,17 @@ class ObjectStoreReader(StorageReader):
         verify: Shorthand for ``read=ReadOptions(verify=...)`` (check each item's
             CRC32C; on by default). Giving both with different values is an error.
         read: Range sizing, read-ahead and verification.
-        broadcast: Read the manifest once, on rank 0 of ``process_group``, and
-            send its bytes to the other ranks, instead of every rank fetching it
-            (the manifest grows with the world size, so W ranks each fetching it
-            is W^2 bytes per job). Each rank still fetches only the index objects
-            of the ranks whose items it loads, and ``dcp.load`` fetches each
-            replicated item once and broadcasts it (``ReadOptions.share_replicated``).
-            ``True``: every rank of the group builds its reader together (the
-            constructor is the collective). ``None`` (the default): the same
-            inside a process group, but the collective is the reader's first
-            ``read_metadata()``, which ``dcp.load`` calls on every rank first
-            thing; outside one, the manifest is read when the reader is built.
-            ``False``: every rank reads the manifest itself, as it must where
-            one rank loads alone in a job (``dcp.load(..., no_dist=True)``, or
-            ``read_metadata()`` called on some ranks only).
-        process_group: The group for ``broadcast`` (default: the default group).
-            A ``dcp.load(..., process_group=g)`` on a subgroup passes the same
-            ``g`` here: the broadcast must run on the ranks that load.
+        broadcast: Read the manifest once, on rank 0 of ``process_group``, and send
+            its bytes to the other ranks (it grows with W: W ranks each reading it
+            is W^2 bytes per job); ``dcp.load`` then also fetches each replicated
+            item once (``ReadOptions.share_replicated``). ``None`` (default): so in a
+            process group, as a collective in the reader's first ``read_metadata()``
+            of each load (``dcp.load`` calls it on every rank); outside one, read
+            when built. ``True``: the constructor is the collective. ``False``:
+            every rank reads it, as where one rank loads alone in a job
+            (``dcp.load(..., no_dist=True)``, ``read_metadata()`` on some ranks).
+        process_group: The group for ``broadcast`` (default: the default group);
+            a ``dcp.load`` on a subgroup passes that subgroup here too.
         allow_stock: Load a stock DCP checkpoint (``.metadata``, no manifest) when
             that is what ``url`` holds. False: only committed objckpt checkpoints
             (the manager's rule: a step exists only once committed).
@@ -152,7 +133,7 @@ class ObjectStoreReader(StorageReader):
         self._local_fs: AbstractFileSystem | None = None
         #: Where the manifest came from.
         self.manifest_source: str | None = None
-        self.options = _read_options(read, verify)
+        self.options = ReadOptions.with_verify(read, verify)
         self._fs: AbstractFileSystem | None = None
         self._fs_pid = -1
         self.manifest: Manifest | None = None
@@ -281,9 +262,8 @@ class ObjectStoreReader(StorageReader):
             self._open_now_or_at_read_metadata()
 
     def _open_now_or_at_read_metadata(self) -> None:
-        """Open the checkpoint now, or (default broadcast in a process group) mark it
-        to be opened by the next ``read_metadata()``, the first call of ``dcp.load``
-        that every rank makes: a collective there pairs rank for rank."""
+        """Open now, or (``broadcast=None`` in a process group) in the next
+        ``read_metadata()``: ``dcp.load``'s first call on every rank."""
         self._deferred = None
         if self._at_read_metadata:
             self._pending = True
