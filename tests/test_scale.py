@@ -57,8 +57,10 @@ def test_replicated_state_is_uploaded_once_and_fetched_once(
     _run(dist_scale.load_replicated, 4, tmp_path, url, opts)
     got = s3_proxy.received_bytes("GetObject")
     assert size <= got < 1.05 * size, f"fetched {got / MiB:.1f} MiB for {size / MiB} MiB"
-    # Rank 0 alone lists: once when the managers start, once when load picks the step.
+    # Rank 0 alone lists: once when the managers start, once when load picks the step;
+    # each time one LIST of the step directories and one HEAD of the step's manifest.
     assert s3_proxy.count("ListObjectsV2") == 2
+    assert s3_proxy.count("HeadObject") == 2
     manifests = [p for p in s3_proxy.paths("GetObject") if p.endswith("/manifest.json")]
     assert len(manifests) == 1  # read once and broadcast
     # One process, no group: the slices assemble into the full tensors.

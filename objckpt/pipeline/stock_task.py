@@ -10,7 +10,7 @@ workers it imports torch, for DCP's classes):
 1. :func:`prepare_stock` (before the manifest): fetch every index object, check each
    against the size and CRC32C its rank reported, decode it against the plan's
    layout, and from the items build which rank wrote each chunk (the manifest's
-   ``writer`` columns) and DCP's ``.metadata`` pickle for stock readers (~195 MB at
+   ``writer`` columns) and DCP's ``.metadata`` pickle for stock readers (~129 MB at
    1,024 ranks). The pickle stays here; its size and CRC32C go back for the
    manifest's object list. With ``overwrite``, it also reads the manifest being
    replaced (what to delete once ``.metadata`` is replaced).
