@@ -86,8 +86,7 @@ def loads(
     dcp.load(target, storage_reader=reader)
     record["each"] = _loaded(reader, target)
 
-    # 4. Not committed (payload, no manifest): the same error on every rank, from
-    #    rank 0's one read.
+    # 4. Not committed (payload, no manifest): the same error on every rank.
     bare = f"{root}/bare"
     dcp.save(state(rank), storage_writer=objckpt.ObjectStoreWriter(bare, storage_options=options))
     dist.barrier()
@@ -113,7 +112,25 @@ def loads(
         store.wait(["alone-done"], WAIT)
     dist.barrier()
 
-    # 6. A load on a subgroup (rank 1 alone in it) with the reader on that subgroup: the
+    # 6. Each rank loads a checkpoint of its own (no_dist) with the default reader at the
+    #    same time: the broadcast pairs the ranks, and a rank whose URL is not rank 0's
+    #    reads its own manifest instead of taking rank 0's.
+    own = f"{root}/own-{rank}"
+    mine = {f"w{rank}": state(rank)[f"w{rank}"] * (rank + 2)}
+    dcp.save(
+        mine, storage_writer=objckpt.ObjectStoreWriter(own, storage_options=options), no_dist=True
+    )
+    dist.barrier()
+    target = {k: torch.zeros_like(v) for k, v in mine.items()}
+    reader = objckpt.ObjectStoreReader(own, storage_options=options)
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    record["own"] = {
+        "source": reader.manifest_source,
+        "equal": all(torch.equal(target[k], v) for k, v in mine.items()),
+    }
+    dist.barrier()
+
+    # 7. A load on a subgroup (rank 1 alone in it) with the reader on that subgroup: the
     #    broadcast runs on the ranks that load, and rank 1, the subgroup's rank 0, reads.
     sub = dist.new_group([1])  # every rank creates it, as torch requires
     if rank == 1:

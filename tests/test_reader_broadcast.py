@@ -4,8 +4,9 @@ not one per rank: the manifest grows with W, so W GETs of it are W^2 bytes per j
 
 Real gloo processes against moto. Which ranks GET the manifest on the wire at 4 and 16
 ranks is tests/test_scale_ranks.py's; here: where each rank's manifest came from,
-a second load on the same reader, the opt-out, a not-committed checkpoint failing
-every rank alike, and a rank loading alone with ``broadcast=False``.
+a second load on the same reader (read again), the opt-out, a not-committed checkpoint
+failing every rank alike, a rank loading alone with ``broadcast=False``, every rank
+loading a checkpoint of its own at once, and a load on a subgroup.
 """
 
 from __future__ import annotations
@@ -46,5 +47,10 @@ def test_default_broadcast_in_a_process_group(s3_bucket: StoreTarget, tmp_path: 
         assert "bare" in rec["bare"]
     # Alone, inside the group, with broadcast=False: loaded, nothing waited.
     assert r0["alone"]["equal"] and r0["alone"]["source"] == manifest_url
+    # Each rank its own checkpoint at once: each loaded its own bytes, read by itself
+    # (rank 1's URL is not rank 0's, so it did not take rank 0's manifest).
+    for r, rec in ((0, r0), (1, r1)):
+        assert rec["own"]["equal"], rec
+        assert rec["own"]["source"] == f"{root}/own-{r}/manifest.json", rec
     # A load on a subgroup, the reader given that subgroup: its rank 0 (global rank 1) reads.
     assert r1["subgroup"]["equal"] and r1["subgroup"]["source"] == manifest_url

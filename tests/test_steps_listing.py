@@ -13,11 +13,12 @@ from typing import Any
 
 import pytest
 
-from objckpt.errors import BucketNotFoundError
+from objckpt.errors import BucketNotFoundError, StoreError
 from objckpt.format.layout import MANIFEST_KEY
 from objckpt.format.steps import committed_steps, inventory, step_name, steps_of
 from objckpt.testing import FaultProxy
 from objckpt.testing.plugin import StoreTarget
+from objckpt.testing.rules import Rule
 from objckpt.writers.location import Location
 
 COMMITTED = (3, 7, 12)
@@ -87,6 +88,31 @@ def test_local_and_memory_roots(scheme: str, tmp_path: Any) -> None:
     # The same answer as the recursive inventory's.
     listed = [s.step for s in steps_of(inventory(fs, root), root) if s.committed]
     assert listed == list(COMMITTED)
+
+
+def test_a_failed_head_fails_the_listing_naming_the_manifest(
+    s3_proxy: FaultProxy, s3_bucket: StoreTarget
+) -> None:
+    """A manifest that cannot be checked is never taken for "not committed" (retention
+    would then count one step fewer, and a load pick an older one)."""
+    root = Location.parse(s3_bucket.root, s3_proxy.storage_options())
+    fs = root.open_fs()
+    _fill(fs, root, 1)
+    s3_proxy.add(Rule("HeadObject", action="status", status=403))
+    with pytest.raises(StoreError, match=MANIFEST_KEY):
+        committed_steps(fs, root)
+    assert s3_proxy.count("HeadObject", faulted=True) >= 1
+
+
+def test_only_objckpt_s_own_step_names_count(tmp_path: Any) -> None:
+    """``step-00000000005`` (a step number with an extra leading zero, made by hand) is
+    not step 5's directory: the manager would read and delete ``step-0000000005``."""
+    root = Location.parse(f"file://{tmp_path}/root")
+    fs = root.open_fs()
+    _fill(fs, root, 1)
+    fs.makedirs(f"{tmp_path}/root/step-00000000005", exist_ok=True)
+    fs.pipe_file(f"{tmp_path}/root/step-00000000005/{MANIFEST_KEY}", b"{}")
+    assert [s.step for s in committed_steps(fs, root)] == list(COMMITTED)
 
 
 def test_an_empty_or_missing_root_has_no_steps(tmp_path: Any) -> None:

@@ -194,6 +194,40 @@ def broadcast_from_rank0(fn: Callable[[], T], process_group: Any | None = None) 
     return result
 
 
+def from_rank0_if_same(
+    key: str, fn: Callable[[], T], process_group: Any | None = None
+) -> tuple[bool, T | None]:
+    """``fn()`` run on rank 0 of ``process_group``, for the ranks whose ``key`` is rank 0's.
+
+    A collective: every rank of the group must call it at the same point. Ranks may
+    name different keys (each loading a checkpoint of its own, say): a rank whose
+    ``key`` differs from rank 0's gets ``(False, None)`` and does the work itself.
+
+    Returns:
+        ``(True, rank 0's result)``, or ``(False, None)`` where rank 0's key differs.
+
+    Raises:
+        Exception: ``fn``'s error, on rank 0 and every rank with the same key.
+    """
+    rank = dist.get_rank(process_group)
+    error: BaseException | None = None
+    payload: Any = None
+    if rank == 0:
+        try:
+            payload = (key, True, fn())
+        except Exception as exc:
+            error = exc
+            payload = (key, False, _portable(exc))
+    src_key, ok, value = broadcast_object(payload, 0, process_group)
+    if error is not None:
+        raise error
+    if src_key != key:
+        return False, None
+    if not ok:
+        raise value
+    return True, value
+
+
 def any_rank(flag: bool, process_group: Any | None = None) -> bool:
     """Whether ``flag`` is true on any rank of the group (one all-reduce of one int).
 

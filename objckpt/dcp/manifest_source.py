@@ -32,7 +32,7 @@ from typing import Any
 from fsspec import AbstractFileSystem
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-from objckpt.dcp.collective import broadcast_from_rank0, is_distributed
+from objckpt.dcp.collective import from_rank0_if_same, is_distributed
 from objckpt.dcp.local_copy import LocalCopy
 from objckpt.dcp.stock_metadata import load_stock_metadata
 from objckpt.errors import CheckpointNotCommittedError, CheckpointNotFoundError, ManifestError
@@ -111,7 +111,8 @@ def open_checkpoint(
         fs: The store's filesystem (called only when the store is asked).
         local: A local copy whose manifest, when readable, is used instead.
         broadcast: Read on rank 0 of ``process_group`` and send the bytes to the
-            other ranks (a collective: every rank must call it together).
+            other ranks (a collective: every rank must call it together); a rank
+            opening another URL than rank 0 reads its own.
         process_group: The group for ``broadcast`` (default: the default group).
         allow_stock: Open a stock DCP checkpoint when that is what is there.
         max_bytes: ``ReadOptions.max_metadata_bytes``: the largest manifest, index
@@ -126,11 +127,20 @@ def open_checkpoint(
         StoreError: The store failed.
     """
     read = _Read()
+    same = False
+    data = None
     if broadcast and is_distributed():
-        data = broadcast_from_rank0(
-            lambda: _read_manifest(location, fs, local, read, max_bytes), process_group
+        logger.debug(
+            "manifest of %s: read on rank 0 of the group for every rank (a collective; "
+            "broadcast=False reads it on this rank alone)",
+            location.url,
         )
-    else:
+        same, data = from_rank0_if_same(
+            location.url,
+            lambda: _read_manifest(location, fs, local, read, max_bytes),
+            process_group,
+        )
+    if not same:  # no group, or rank 0 opened another checkpoint: read this one here
         data = _read_manifest(location, fs, local, read, max_bytes)
     if data is None:
         metadata, items = _open_stock(location, fs, allow_stock, max_bytes)

@@ -43,8 +43,14 @@ from objckpt.dcp.fetch import fetch_ranges
 from objckpt.dcp.local_copy import LocalCopy
 from objckpt.dcp.manifest_source import open_checkpoint
 from objckpt.dcp.read_plan import ItemIndex, Range, batches, plan_ranges
-from objckpt.dcp.shared_reads import Sent, SharedReads, assign_owners, exchange_shared
-from objckpt.errors import ConfigurationError
+from objckpt.dcp.shared_reads import (
+    Sent,
+    SharedReads,
+    assign_owners,
+    exchange_shared,
+    fetch_whole,
+)
+from objckpt.errors import ConfigurationError, ObjckptError
 from objckpt.format.dcp_json import StoredItem
 from objckpt.format.index import Locator
 from objckpt.format.manifest import Manifest
@@ -143,6 +149,9 @@ class ObjectStoreReader(StorageReader):
         # None: broadcast in a process group, at the first read_metadata() of each load.
         self._broadcast = is_distributed() if broadcast is None else broadcast
         self._at_read_metadata = broadcast is None and self._broadcast
+        # Replicated items fetched once per job only where asked for (as before the
+        # default changed): the owners' table travels in every rank's plan.
+        self._share = broadcast is True
         #: The manifest is still to be read, by the next read_metadata() (see above).
         self._pending = False
         self._group = process_group
@@ -178,7 +187,14 @@ class ObjectStoreReader(StorageReader):
 
     @property
     def is_stock(self) -> bool:
-        """True when loading a stock DCP checkpoint (no manifest, nothing verified)."""
+        """True when loading a stock DCP checkpoint (no manifest, nothing verified).
+
+        Raises:
+            ObjckptError: Not known yet: the manifest is read at ``dcp.load``'s
+                first step (the default ``broadcast`` in a process group).
+        """
+        if self._pending:
+            raise ObjckptError(f"{self.location.url} is opened by dcp.load's first step")
         return self.manifest is None
 
     @property
@@ -243,7 +259,7 @@ class ObjectStoreReader(StorageReader):
             location = Location.parse(
                 checkpoint_id, self.location.storage_options, self.location.retry
             )
-            if self._unused and location.url == self.location.url:
+            if self._unused and location.url == self.location.url and not self._at_read_metadata:
                 self._unused = False
                 self.load_id = uuid.uuid4().hex  # still a new load
                 return
@@ -265,6 +281,7 @@ class ObjectStoreReader(StorageReader):
         """Open now, or (``broadcast=None`` in a process group) in the next
         ``read_metadata()``: ``dcp.load``'s first call on every rank."""
         self._deferred = None
+        self.manifest_source = None
         if self._at_read_metadata:
             self._pending = True
             self._metadata = Metadata(state_dict_metadata={})
@@ -304,7 +321,7 @@ class ObjectStoreReader(StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        if self._broadcast and self.options.share_replicated and is_distributed():
+        if self._share and self.options.share_replicated and is_distributed():
             locator, metadata = self._locator, self._metadata
             if locator is None:
                 return assign_owners(plans)
@@ -363,27 +380,7 @@ class ObjectStoreReader(StorageReader):
         """Owner: the whole stored items this rank shares with the others."""
         self._locate(indices)
         items = [self._index.item_at(idx) for idx in indices]
-        ranges = [
-            Range(it.relative_path, it.offset, it.offset + it.length, [], [it]) for it in items
-        ]
-        out: list[tuple[Sent, bytes]] = []
-        for batch in batches(ranges, self.options.max_in_flight_bytes):
-            out += [
-                (
-                    Sent(
-                        rng.key,
-                        rng.end - rng.start,
-                        it.crc32c,
-                        it.transform_descriptors,
-                        it.raw_length,
-                    ),
-                    data,
-                )
-                for rng, data, it in zip(
-                    batch, self._fetch(batch), items[len(out) : len(out) + len(batch)], strict=True
-                )
-            ]
-        return out
+        return fetch_whole(items, self._fetch, self.options.max_in_flight_bytes)
 
     def _deliver_shared(
         self, reads: list[ReadItem], sent: Sent, data: memoryview, planner: LoadPlanner

@@ -22,6 +22,7 @@ Two ways to look, for two kinds of caller:
 from __future__ import annotations
 
 import concurrent.futures
+import contextvars
 import dataclasses
 import datetime
 import logging
@@ -223,19 +224,27 @@ def committed_steps(fs: AbstractFileSystem, root: Location) -> list[StepInfo]:
     if not listed:
         _require_bucket(fs, root)
         return []
+    # Only directories named as objckpt names them: a step number written with more
+    # digits (made by hand) is another directory, which the manager never uses.
     steps = sorted(
         {
             step
             for info in listed
             if info.get("type") == "directory"
-            and (step := parse_step(str(info.get("name", "")))) is not None
+            and (step := parse_step(name := str(info.get("name", "")))) is not None
+            and name.rstrip("/").rsplit("/", 1)[-1] == step_name(step)
         }
     )
     if not steps:
         return []
     workers = min(HEAD_CONCURRENCY, len(steps))
     with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="objckpt-steps") as pool:
-        found = list(pool.map(lambda s: _manifest_of(fs, root, s), steps))
+        # Each HEAD in a copy of this context: counted and bounded like the caller.
+        futures = [
+            pool.submit(contextvars.copy_context().run, _manifest_of, fs, root, step)
+            for step in steps
+        ]
+        found = [f.result() for f in futures]
     return [info for info in found if info is not None]
 
 
