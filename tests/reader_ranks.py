@@ -10,15 +10,15 @@ import datetime
 import json
 import os
 import sys
-import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from dist_helpers import _init as init_ranks
 
 import objckpt
-from objckpt.testing import offline_env
 
 #: Far beyond any step here: reaching it means a rank waited for one that never came.
 WAIT = datetime.timedelta(seconds=90)
@@ -45,7 +45,11 @@ def _blank() -> dict[str, torch.Tensor]:
     return {k: torch.zeros_like(v) for k, v in everything().items()}
 
 
-def _loaded(reader: objckpt.ObjectStoreReader, target: dict[str, torch.Tensor]) -> dict[str, Any]:
+def _load(reader: objckpt.ObjectStoreReader, **load: Any) -> dict[str, Any]:
+    """``dcp.load`` of everything through ``reader``: where its manifest came from on
+    this rank, the metadata bytes it fetched, and whether the bytes are right."""
+    target = _blank()
+    dcp.load(target, storage_reader=reader, **load)
     want = everything()
     return {
         "source": reader.manifest_source,
@@ -54,37 +58,39 @@ def _loaded(reader: objckpt.ObjectStoreReader, target: dict[str, torch.Tensor]) 
     }
 
 
+def _while_the_other_waits(
+    rank: int, who: int, key: str, store: Any, body: Callable[[], None]
+) -> None:
+    """``body`` on rank ``who`` alone while the other rank waits on the c10d store for
+    ``key`` (no collective: a ``body`` that made one would wait for a rank that never
+    joins, and the group's timeout would fail it); then both meet at a barrier."""
+    if rank == who:
+        body()
+        store.set(key, "1")
+    else:
+        store.wait([key], WAIT)
+    dist.barrier()
+
+
 def loads(
     rank: int, world: int, init_file: str, root: str, options: dict[str, Any], out: str
 ) -> None:
-    os.environ.update(offline_env())
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore")
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=WAIT
-    )
+    init_ranks(rank, world, init_file)
     store = dist.distributed_c10d._get_default_store()
     record: dict[str, Any] = {}
     url = f"{root}/ckpt"
     dcp.save(state(rank), storage_writer=objckpt.ObjectStoreWriter(url, storage_options=options))
 
     # 1. The default: rank 0 reads the manifest at dcp.load's first step, rank 1 receives it.
-    target = _blank()
     reader = objckpt.ObjectStoreReader(url, storage_options=options)
     record["built_before_load"] = reader.manifest is not None
-    dcp.load(target, storage_reader=reader)
-    record["default"] = _loaded(reader, target)
+    record["default"] = _load(reader)
 
     # 2. The same reader, a second load of the same URL: read (and broadcast) again.
-    target = _blank()
-    dcp.load(target, storage_reader=reader, checkpoint_id=url)
-    record["again"] = _loaded(reader, target)
+    record["again"] = _load(reader, checkpoint_id=url)
 
     # 3. broadcast=False: every rank reads the manifest itself.
-    target = _blank()
-    reader = objckpt.ObjectStoreReader(url, storage_options=options, broadcast=False)
-    dcp.load(target, storage_reader=reader)
-    record["each"] = _loaded(reader, target)
+    record["each"] = _load(objckpt.ObjectStoreReader(url, storage_options=options, broadcast=False))
 
     # 4. Not committed (payload, no manifest): the same error on every rank.
     bare = f"{root}/bare"
@@ -102,15 +108,11 @@ def loads(
 
     # 5. One rank loads alone (no_dist) while the other waits on the store: with
     #    broadcast=False nothing waits for the other rank.
-    if rank == 0:
-        target = _blank()
+    def alone() -> None:
         reader = objckpt.ObjectStoreReader(url, storage_options=options, broadcast=False)
-        dcp.load(target, storage_reader=reader, no_dist=True)
-        record["alone"] = _loaded(reader, target)
-        store.set("alone-done", "1")
-    else:
-        store.wait(["alone-done"], WAIT)
-    dist.barrier()
+        record["alone"] = _load(reader, no_dist=True)
+
+    _while_the_other_waits(rank, 0, "alone-done", store, alone)
 
     # 6. Each rank loads a checkpoint of its own (no_dist) with the default reader at the
     #    same time: the broadcast pairs the ranks, and a rank whose URL is not rank 0's
@@ -133,15 +135,12 @@ def loads(
     # 7. A load on a subgroup (rank 1 alone in it) with the reader on that subgroup: the
     #    broadcast runs on the ranks that load, and rank 1, the subgroup's rank 0, reads.
     sub = dist.new_group([1])  # every rank creates it, as torch requires
-    if rank == 1:
-        target = _blank()
+
+    def on_subgroup() -> None:
         reader = objckpt.ObjectStoreReader(url, storage_options=options, process_group=sub)
-        dcp.load(target, storage_reader=reader, process_group=sub)
-        record["subgroup"] = _loaded(reader, target)
-        store.set("subgroup-done", "1")
-    else:
-        store.wait(["subgroup-done"], WAIT)
-    dist.barrier()
+        record["subgroup"] = _load(reader, process_group=sub)
+
+    _while_the_other_waits(rank, 1, "subgroup-done", store, on_subgroup)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(record, f)
     dist.destroy_process_group()
