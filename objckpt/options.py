@@ -131,10 +131,9 @@ class ReadOptions:
         trust_pickles: Let non-tensor values be unpickled with full pickle (custom
             classes). Off: they are read with ``torch.load(weights_only=True)``,
             which admits plain values only, so a crafted checkpoint cannot run code.
-        share_replicated: When the reader coordinates a process group (its
-            ``broadcast``, on by default in a process group, as in
-            ``CheckpointManager.load``), fetch each item several ranks read once, on
-            one of them, and broadcast it to the others.
+        share_replicated: When the reader coordinates a process group
+            (``broadcast=True``, as ``CheckpointManager.load`` does), fetch each item
+            several ranks read once, on one of them, and broadcast it to the others.
         max_metadata_bytes: Largest manifest, index object or stock ``.metadata``
             the reader accepts, judged before it is fetched (from the size the
             manifest or the listing records, or by reading at most this many bytes

@@ -32,7 +32,7 @@ import dataclasses
 import pickle
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,7 @@ __all__ = [
     "broadcast_from_rank0",
     "broadcast_object",
     "fail_together",
+    "from_rank0_if_same",
     "is_distributed",
     "route",
 ]
@@ -176,22 +177,8 @@ def broadcast_from_rank0(fn: Callable[[], T], process_group: Any | None = None) 
     Raises:
         Exception: ``fn``'s error, on every rank (rank 0 raises the original).
     """
-    rank = dist.get_rank(process_group)
-    error: BaseException | None = None
-    payload: Any = None
-    if rank == 0:
-        try:
-            payload = (True, fn())
-        except Exception as exc:
-            error = exc
-            payload = (False, _portable(exc))
-    ok, value = broadcast_object(payload, 0, process_group)
-    if error is not None:
-        raise error
-    if not ok:
-        raise value
-    result: T = value
-    return result
+    _, value = from_rank0_if_same("", fn, process_group)  # one key: every rank takes it
+    return cast(T, value)
 
 
 def from_rank0_if_same(

@@ -88,8 +88,8 @@ class ObjectStoreReader(StorageReader):
         read: Range sizing, read-ahead and verification.
         broadcast: Read the manifest once, on rank 0 of ``process_group``, and send
             its bytes to the other ranks (it grows with W: W ranks each reading it
-            is W^2 bytes per job); ``dcp.load`` then also fetches each replicated
-            item once (``ReadOptions.share_replicated``). ``None`` (default): so in a
+            is W^2 bytes per job). With ``True`` only, ``dcp.load`` also fetches each
+            replicated item once (``ReadOptions.share_replicated``). ``None`` (default): so in a
             process group, as a collective in the reader's first ``read_metadata()``
             of each load (``dcp.load`` calls it on every rank); outside one, read
             when built. ``True``: the constructor is the collective. ``False``:

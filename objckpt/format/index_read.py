@@ -275,6 +275,10 @@ def decode_index(
         raise ManifestError(f"index {url} is malformed ({type(exc).__name__}: {exc})") from exc
 
 
+_new_index = object.__new__
+_INDEX_HAS_DICT = hasattr(MetadataIndex(""), "__dict__")  # a torch with slots: the constructor
+
+
 def _chunk_index(fqn: str, offsets: Any, chunk: int) -> MetadataIndex:
     """``MetadataIndex(fqn, offsets, chunk)`` holding the chunk's own ``torch.Size``
     (DCP's constructor copies it: one more object per item, and in a pickled
@@ -285,10 +289,6 @@ def _chunk_index(fqn: str, offsets: Any, chunk: int) -> MetadataIndex:
     # Frozen: its fields are set past __setattr__, as DCP's own __init__ sets them.
     index.__dict__.update(fqn=fqn, offset=offsets, index=chunk)
     return index
-
-
-_new_index = object.__new__
-_INDEX_HAS_DICT = hasattr(MetadataIndex(""), "__dict__")  # a torch with slots: the constructor
 
 
 def _decode_index(
