@@ -82,11 +82,58 @@ def test_a_large_copy_runs_on_several_threads_in_even_shares(
 
 
 def test_shares_keep_staging_order_and_split_by_bytes() -> None:
-    pieces = [(torch.empty(0), torch.empty(0), n) for n in (5, 1, 1, 1, 8, 2, 2, 4)]
+    pieces = [(torch.empty(0), torch.empty(0), n, True) for n in (5, 1, 1, 1, 8, 2, 2, 4)]
     shares = host_copy._shares(pieces, 3)
     assert [p for share in shares for p in share] == pieces
     assert [sum(p[2] for p in s) for s in shares] == [8, 8, 8]
     assert host_copy._shares(pieces[:1], 4) == [pieces[:1]]  # never an empty share
+
+
+class _Marked(torch.Tensor):
+    """A tensor subclass: its layout is torch's business, never copied as raw bytes."""
+
+
+def _layouts() -> list[tuple[str, torch.Tensor, torch.Tensor, bool]]:
+    """(what, source, view, copied as raw bytes) for each kind of pair the copy meets."""
+    g = torch.Generator().manual_seed(1)
+    z = torch.randn(300, dtype=torch.complex64, generator=g)
+    x = torch.randn(400, 300, generator=g)
+    return [
+        ("contiguous fp32", x, torch.empty(400, 300), True),
+        ("flat view of a 2-d source", x, torch.empty(120_000), True),
+        ("bf16", x.to(torch.bfloat16), torch.empty(400, 300, dtype=torch.bfloat16), True),
+        ("empty", torch.empty(0), torch.empty(0), True),
+        ("0-dim", torch.tensor(2.5), torch.empty(()), True),
+        ("conjugated view", z.conj(), torch.empty(300, dtype=torch.complex64), False),
+        ("negated view", torch._neg_view(x), torch.empty(400, 300), False),
+        ("transposed", x.t(), torch.empty(300, 400), False),
+        ("subclass", x.as_subclass(_Marked), torch.empty(400, 300), False),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_layouts())), ids=[c[0] for c in _layouts()])
+def test_raw_byte_copies_only_where_the_bytes_are_the_values(
+    case: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """memmove for a plain dense pair; ``copy_`` for any layout whose bytes are not
+    the values (a conjugated or negated view holds the unconjugated bytes)."""
+    what, src, view, raw = _layouts()[case]
+    moved: list[int] = []
+
+    def counting(dst: int, source: int, count: int) -> int:
+        moved.append(count)
+        return host_copy.ctypes.memmove(dst, source, count)
+
+    monkeypatch.setattr(host_copy, "_memmove", counting)
+    assert host_copy._raw(src.detach(), view) is raw, what
+    HostCopier(1).copy([src], [view], cuda=False)
+    expected = src.resolve_conj().resolve_neg().as_subclass(torch.Tensor)
+    assert torch.equal(view.reshape(expected.shape), expected)
+    assert sum(moved) == (src.numel() * src.element_size() if raw else 0)
+    again = torch.zeros_like(view)  # the staging waves' one-tensor copy decides alike
+    host_copy.copy_tensor(src, again)
+    assert torch.equal(again.reshape(expected.shape), expected)
+    assert sum(moved) == (2 * src.numel() * src.element_size() if raw else 0)
 
 
 def test_a_small_copy_stays_on_the_calling_thread(four_cpus: None) -> None:

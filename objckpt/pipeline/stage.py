@@ -39,7 +39,7 @@ import torch
 
 from objckpt.errors import StagingSpaceError, StateDictError
 from objckpt.pipeline.background_copy import Copy, tensor_versions
-from objckpt.pipeline.host_copy import HostCopier
+from objckpt.pipeline.host_copy import HostCopier, copy_tensor
 from objckpt.pipeline.lifeline import sweep_stale_segments
 from objckpt.pipeline.segment import Buffers, Segment, aligned, default_staging_dir, no_room
 from objckpt.pipeline.state_walk import rebuild, scan
@@ -80,8 +80,11 @@ class Wave:
             )
         shape = tuple(tensor.shape)
         view = self._segment.view(self.used, nbytes, tensor.dtype, shape)
-        with torch.no_grad():
-            view.copy_(tensor.detach(), non_blocking=tensor.device.type == "cuda")
+        if tensor.device.type == "cuda":
+            with torch.no_grad():
+                view.copy_(tensor.detach(), non_blocking=True)
+        else:
+            copy_tensor(tensor, view)
         ref = SegmentRef(
             self._segment.path, self.used, nbytes, str(tensor.dtype).removeprefix("torch."), shape
         )
