@@ -82,7 +82,7 @@ def test_a_large_copy_runs_on_several_threads_in_even_shares(
 
 
 def test_shares_keep_staging_order_and_split_by_bytes() -> None:
-    pieces = [(torch.empty(0), torch.empty(0), n, True) for n in (5, 1, 1, 1, 8, 2, 2, 4)]
+    pieces = [(torch.empty(0), torch.empty(0), n, 0, 0) for n in (5, 1, 1, 1, 8, 2, 2, 4)]
     shares = host_copy._shares(pieces, 3)
     assert [p for share in shares for p in share] == pieces
     assert [sum(p[2] for p in s) for s in shares] == [8, 8, 8]
@@ -108,6 +108,8 @@ def _layouts() -> list[tuple[str, torch.Tensor, torch.Tensor, bool]]:
         ("negated view", torch._neg_view(x), torch.empty(400, 300), False),
         ("transposed", x.t(), torch.empty(300, 400), False),
         ("subclass", x.as_subclass(_Marked), torch.empty(400, 300), False),
+        ("parameter", torch.nn.Parameter(x.clone()), torch.empty(400, 300), True),
+        ("another dtype", x, torch.empty(400, 300, dtype=torch.float64), False),
     ]
 
 
@@ -127,7 +129,7 @@ def test_raw_byte_copies_only_where_the_bytes_are_the_values(
     monkeypatch.setattr(host_copy, "_memmove", counting)
     assert host_copy._raw(src.detach(), view) is raw, what
     HostCopier(1).copy([src], [view], cuda=False)
-    expected = src.resolve_conj().resolve_neg().as_subclass(torch.Tensor)
+    expected = src.detach().resolve_conj().resolve_neg().as_subclass(torch.Tensor).to(view.dtype)
     assert torch.equal(view.reshape(expected.shape), expected)
     assert sum(moved) == (src.numel() * src.element_size() if raw else 0)
     again = torch.zeros_like(view)  # the staging waves' one-tensor copy decides alike

@@ -41,11 +41,13 @@ logger = logging.getLogger(__name__)
 #: Below this many bytes a copy runs on the calling thread alone: handing work to
 #: another thread costs tens of microseconds, a MiB copies in about as long.
 _PARALLEL_FROM = 4 * 2**20
-#: Large tensors are cut into pieces of at most this many bytes, so the threads'
-#: shares come out even whatever the tensor sizes.
+#: Large tensors copied as bytes are cut into pieces of at most this many bytes, so
+#: the threads' shares come out even whatever the tensor sizes.
 _PIECE = 4 * 2**20
 
-_Piece = tuple[torch.Tensor, torch.Tensor, int, bool]  # source, destination, bytes, raw
+#: (source, destination, bytes, source address, destination address): copied by
+#: ``memmove`` between the addresses, or (addresses 0) by ``copy_`` whole.
+_Piece = tuple[torch.Tensor, torch.Tensor, int, int, int]
 
 _memmove = ctypes.memmove
 
@@ -58,17 +60,22 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+#: The tensor types whose bytes may be copied raw (a subclass may store its data
+#: elsewhere or mean something else by it).
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _raw(src: torch.Tensor, dst: torch.Tensor) -> bool:
     """Whether ``dst`` receives exactly ``src``'s bytes in order (see the module doc)."""
     return (
-        type(src) is torch.Tensor
+        type(src) in _PLAIN
         and type(dst) is torch.Tensor
         and src.is_cpu
         and dst.is_cpu
         and src.dtype == dst.dtype
         and src.numel() == dst.numel()
         and not src.is_quantized
-        and not src.is_conj()
+        and not (src.dtype.is_complex and src.is_conj())
         and not src.is_neg()
         and src.is_contiguous()
         and dst.is_contiguous()
@@ -78,30 +85,26 @@ def _raw(src: torch.Tensor, dst: torch.Tensor) -> bool:
 def copy_tensor(src: torch.Tensor, dst: torch.Tensor) -> None:
     """Copy one host tensor into its view on the calling thread (raw bytes where
     :func:`_raw` allows, else ``copy_``)."""
-    src = src.detach()
     if not _raw(src, dst):
         with torch.no_grad():
-            dst.copy_(src)
+            dst.copy_(src.detach())
     elif nbytes := dst.numel() * dst.element_size():
         _memmove(dst.data_ptr(), src.data_ptr(), nbytes)
 
 
 def _pieces(sources: list[torch.Tensor], views: list[torch.Tensor]) -> list[_Piece]:
-    """(source, destination, bytes, raw) pieces covering every pair, in staging order."""
+    """Pieces covering every pair, in staging order: a raw pair as byte ranges of at
+    most ``_PIECE`` (addresses, so no tensor view is made per piece), any other pair
+    whole, for ``copy_``."""
     out: list[_Piece] = []
     for src, dst in zip(sources, views, strict=True):
-        src = src.detach()
         nbytes = dst.numel() * dst.element_size()
-        raw = _raw(src, dst)
-        if nbytes <= _PIECE or not src.is_contiguous():
-            out.append((src, dst, nbytes, raw))
-            continue
-        flat_src, flat_dst = src.view(-1), dst.view(-1)
-        size = dst.element_size()
-        step = max(1, _PIECE // size)
-        for start in range(0, flat_dst.numel(), step):
-            end = min(start + step, flat_dst.numel())
-            out.append((flat_src[start:end], flat_dst[start:end], (end - start) * size, raw))
+        if not _raw(src, dst):
+            out.append((src, dst, nbytes, 0, 0))
+        elif nbytes:
+            at, to = src.data_ptr(), dst.data_ptr()
+            for start in range(0, nbytes, _PIECE):
+                out.append((src, dst, min(_PIECE, nbytes - start), at + start, to + start))
     return out
 
 
@@ -121,11 +124,11 @@ def _shares(pieces: list[_Piece], count: int) -> list[list[_Piece]]:
 
 def _copy_share(share: list[_Piece]) -> None:
     with torch.no_grad():
-        for src, dst, nbytes, raw in share:
-            if not raw:
-                dst.copy_(src)
-            elif nbytes:
-                _memmove(dst.data_ptr(), src.data_ptr(), nbytes)
+        for src, dst, nbytes, at, to in share:
+            if at:
+                _memmove(to, at, nbytes)
+            else:
+                dst.copy_(src.detach())
 
 
 class HostCopier:

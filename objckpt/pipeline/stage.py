@@ -227,7 +227,7 @@ class Stager:
             StagingSpaceError: Not even one wave fits in the staging directory.
         """
         structure, tensors, paths = scan(state_dict)
-        cuda = any(t.device.type == "cuda" for t in tensors)
+        cuda = any(t.is_cuda for t in tensors)
         sizes = [aligned(t.numel() * t.element_size()) for t in tensors]
         if self._budget is not None and sum(sizes) > self._budget:
             if (floor := max(sizes)) > self._budget:

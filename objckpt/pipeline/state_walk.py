@@ -20,7 +20,13 @@ from objckpt.errors import StateDictError
 __all__ = ["rebuild", "scan"]
 
 
+#: Types that are never DTensors (the common case, decided without attribute lookups).
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _dtensor_local(value: torch.Tensor) -> torch.Tensor | None:
+    if type(value) in _PLAIN:
+        return None
     to_local = getattr(value, "to_local", None)
     return to_local() if callable(to_local) and hasattr(value, "device_mesh") else None
 
@@ -59,8 +65,8 @@ def scan(state: Any) -> tuple[tuple[Hashable, ...], list[torch.Tensor], list[str
                 path,
                 type(value).__name__,
                 tuple(t.shape),
-                str(t.dtype),
-                t.device.type,
+                t.dtype,
+                t.device,
             )
             if local is not None:  # where the shard sits in the global tensor
                 dt = cast(Any, value)
