@@ -381,7 +381,9 @@ def main() -> None:
         log.info("W=%d ...", world)
         rows.append(measure(world, args.repeats, world <= args.dcp_up_to, world >= args.plan_from))
         log.info("%s", json.dumps(rows[-1]))
-    commits = scale_commit.run(args.commit_worlds, args.commit_before_up_to, simulate)
+    commits = scale_commit.run(
+        args.commit_worlds, args.commit_before_up_to, simulate, args.commit_dcp_plan_up_to
+    )
     real = real_save()
     fields = {"repeats": args.repeats, "rows": rows, "real_w1": real, "commit": commits}
     path = write_record(args.out, args.name, 0, fields)

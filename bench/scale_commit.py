@@ -18,7 +18,9 @@ writes into its index, which a rank's own index needs.)
   (``RankExchange.gather``: one wait, one ``multi_get``) and commits with
   :class:`~objckpt.pipeline.coordinator.CommitHelper`, whose helper process reads the
   W index objects and builds ``.metadata``. Measured twice: the first save of a plan
-  (the layout is built) and a later one (the layout is reused).
+  and a later one. A new plan's layout (O(chunks)) is built by rank 0 while the
+  uploads run, before the commit (``layout_cpu_s``, on the save's background thread);
+  both commits find it kept.
 
 Rank 0's figure is ``time.process_time()`` of the whole bench process over the
 commit (every thread: the exchange, the manifest, pickling the helper's task and
@@ -169,6 +171,13 @@ def measure_after(
         row["rank_index_encode_s"] = encode_s
         row["index_bytes_per_rank"] = reports[-1].index.size if reports[-1].index else 0
         shutil.copytree(first, f"{tmp}/step1")  # the same index objects, before any commit
+        # Rank 0 builds a new plan's layout on the save's background thread while the
+        # uploads run (commit_phase); timed apart from the commit, which finds it kept.
+        gc.collect()
+        t0, w0 = time.process_time(), time.perf_counter()
+        helper.prepare_layout(meta)
+        row["layout_cpu_s"] = time.process_time() - t0
+        row["layout_wall_s"] = time.perf_counter() - w0
         for n, label in enumerate(("first save of the plan", "later save")):
             url_dir = f"{tmp}/step{n}"
             row["saves"].append(_one_save(helper, meta, reports, url_dir, label))
@@ -237,13 +246,56 @@ def _one_save(
     }
 
 
+def dcp_global_plan(meta: Any) -> float:
+    """CPU seconds of DCP's own ``DefaultSavePlanner.create_global_plan`` over the W
+    local plans that give ``meta`` (what rank 0 runs in every first save of a plan,
+    before any upload): the scale the new plan's layout is to be read against."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.planner import (
+        SavePlan,
+        TensorWriteData,
+        WriteItem,
+        WriteItemType,
+    )
+
+    tensors = {k: md for k, md in meta.state_dict_metadata.items() if hasattr(md, "chunks")}
+    world = len(next(iter(tensors.values())).chunks)
+    plans = []
+    for rank in range(world):
+        items = [
+            WriteItem(
+                index=MetadataIndex(fqn, md.chunks[rank].offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(md.chunks[rank].offsets, md.chunks[rank].sizes),
+                    properties=md.properties,
+                    size=md.size,
+                ),
+            )
+            for fqn, md in tensors.items()
+        ]
+        plans.append(SavePlan(items, planner_data={fqn: (fqn,) for fqn in tensors}))
+    gc.collect()
+    t0 = time.process_time()
+    DefaultSavePlanner().create_global_plan(plans)
+    return time.process_time() - t0
+
+
 def measure_commit(
-    world: int, meta: Any, items: list[dict[MetadataIndex, StoredItem]], before: bool
+    world: int,
+    meta: Any,
+    items: list[dict[MetadataIndex, StoredItem]],
+    before: bool,
+    dcp_plan: bool = False,
 ) -> dict[str, Any]:
     """Rank 0's commit at ``world`` ranks (``bench_scale.simulate``'s save), after #27
-    item 2 and, with ``before``, the old way."""
+    item 2 and, with ``before``, the old way; with ``dcp_plan``, DCP's own global
+    planning of the same save for scale."""
     after = measure_after(meta, items, keep=before)
     row: dict[str, Any] = {"world": world, "after": after}
+    if dcp_plan:
+        row["dcp_global_plan_cpu_s"] = dcp_global_plan(meta)
     gc.collect()
     if before:
         row["before"] = measure_before(meta, items)
@@ -257,16 +309,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--commit-before-up-to", type=int, default=8192, help="largest W measured the old way"
     )
+    parser.add_argument(
+        "--commit-dcp-plan-up-to",
+        type=int,
+        default=1024,
+        help="largest W whose DCP create_global_plan is measured too",
+    )
 
 
-def run(worlds: str, before_up_to: int, simulate: Callable[[int], Any]) -> list[dict[str, Any]]:
+def run(
+    worlds: str, before_up_to: int, simulate: Callable[[int], Any], dcp_plan_up_to: int = 0
+) -> list[dict[str, Any]]:
     """``measure_commit`` at each of the comma-separated ``worlds``, logged as it goes."""
     rows = []
     for world in (int(w) for w in worlds.split(",") if w):
         log.info("commit at W=%d ...", world)
         meta, items = simulate(world)
         hint(items)
-        rows.append(measure_commit(world, meta, items, world <= before_up_to))
+        rows.append(
+            measure_commit(world, meta, items, world <= before_up_to, world <= dcp_plan_up_to)
+        )
         del meta, items
         log.info("%s", json.dumps(rows[-1]))
     return rows
@@ -279,20 +341,22 @@ def _mb(n: float) -> str:
 def commit_table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| W | rank 0 process CPU per save, before | after: first save of a plan | after: "
-        "later save | commit helper CPU (later save) | helper peak RSS | c10d B per rank, "
-        "before | after |",
-        "|---|---|---|---|---|---|---|---|",
+        "later save | new plan's layout, during the uploads | commit helper CPU (later save) "
+        "| helper peak RSS | c10d B per rank, before | after | DCP's create_global_plan |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         a, b = r["after"], r.get("before")
         first, later = a["saves"]
         before = f"{b['rank0_cpu_s']:.2f} s" if b else "-"
+        dcp = f"{r['dcp_global_plan_cpu_s']:.2f} s" if "dcp_global_plan_cpu_s" in r else "-"
         lines.append(
             f"| {r['world']} | {before} "
             f"| {first['rank0_cpu_s'] * 1e3:.0f} ms | {later['rank0_cpu_s'] * 1e3:.0f} ms "
+            f"| {a.get('layout_cpu_s', 0) * 1e3:.0f} ms "
             f"| {later['helper_cpu_s']:.2f} s "
             f"| {later.get('helper_peak_rss_bytes', 0) / 2**30:.2f} GiB "
             f"| {_mb(b['c10d_bytes_per_rank_max']) if b else '-'} "
-            f"| {a['c10d_bytes_per_rank_max']} B |"
+            f"| {a['c10d_bytes_per_rank_max']} B | {dcp} |"
         )
     return "\n".join(lines)

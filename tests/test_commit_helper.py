@@ -14,7 +14,7 @@ from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import pytest
-from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from objckpt.errors import UploadError
 from objckpt.format.manifest import ObjectEntry
@@ -123,3 +123,66 @@ def test_a_metadata_the_helper_did_not_write_is_logged_by_the_training_process(
     assert f"{location.url} committed, but its commit helper did not write .metadata" in (
         caplog.text
     )
+
+
+def test_the_layout_built_while_the_uploads_run_is_the_one_the_commit_uses(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rank 0 builds a new plan's layout before it waits for the uploads; the commit
+    then finds it kept (no second O(chunks) build inside the exchange), and a new
+    plan's metadata gets a layout of its own."""
+    from objckpt.pipeline import coordinator
+
+    helper = CommitHelper()  # no process: layouts are built in the training process
+    built: list[object] = []
+    real = coordinator.Layout.of
+
+    def counting(metadata: Metadata) -> coordinator.Layout:
+        built.append(metadata)
+        return real(metadata)
+
+    monkeypatch.setattr(coordinator.Layout, "of", counting)
+    first, second = _metadata(4), _metadata(4)
+    helper.prepare_layout(first)
+    assert built == [first]
+    assert helper.layout(first) is helper.layout(first)
+    assert built == [first]  # kept: the commit does not build it again
+    helper.layout(second)
+    assert built == [first, second]  # another plan: built again, never reused across
+
+
+def test_a_layout_that_fails_early_is_left_to_the_commit(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A failure while building the layout early only logs: the commit builds it
+    again inside the exchange, where the error reaches every rank."""
+    from objckpt.pipeline import coordinator
+
+    def broken(metadata: Metadata) -> coordinator.Layout:
+        raise ValueError("bad plan")
+
+    monkeypatch.setattr(coordinator.Layout, "of", broken)
+    helper = CommitHelper()
+    with caplog.at_level(logging.WARNING, logger="objckpt.pipeline.coordinator"):
+        helper.prepare_layout(_metadata(2))
+    assert "building the plan's layout before the commit failed: bad plan" in caplog.text
+    with pytest.raises(ValueError, match="bad plan"):
+        helper.layout(_metadata(2))
+
+
+def _metadata(world: int) -> Metadata:
+    """DCP metadata of one row-sharded tensor over ``world`` ranks."""
+    import torch
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    chunks = [
+        ChunkStorageMetadata(torch.Size([r * 4, 0]), torch.Size([4, 8])) for r in range(world)
+    ]
+    md = TensorStorageMetadata(
+        TensorProperties(dtype=torch.float32), torch.Size([4 * world, 8]), chunks
+    )
+    return Metadata({"w": md}, planner_data={"w": ("w",)})

@@ -4,7 +4,8 @@ Runs on a reused background thread per save (never the training thread), so no
 call of the training loop is needed for a save to finish::
 
     every rank:  queue deferred uploads -> rank 0's "already committed?" answer
-                 (a bare save's: its uploads wait for it) -> wait for the uploads
+                 (a bare save's: its uploads wait for it) -> (rank 0, a new plan:
+                 build its layout) -> wait for the uploads
                  -> free the staging set -> PUT its own index object
                  post a small report (c10d store, keyed by the save's attempt)
     rank 0:      gather the reports (timeout) -> its commit helper process builds
@@ -163,6 +164,8 @@ class Committer:
         if refusal is not None:  # nothing was uploaded; no rank gathers
             self._release(staged)
             raise refusal
+        if split and writer.writer.rank == 0 and writer.metadata is not None:
+            self._helper.prepare_layout(writer.metadata)  # while the uploads run
         results, error = _collect(writer, self._workers)
         error = queueing_error or error
         self._release(staged)
