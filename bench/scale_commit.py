@@ -177,6 +177,7 @@ def measure_after(
         t0, w0 = time.process_time(), time.perf_counter()
         helper.prepare_layout(meta)
         row["layout_cpu_s"] = time.process_time() - t0
+        assert helper._layout is not None and helper._layout[0] is meta, "no layout was built"
         row["layout_wall_s"] = time.perf_counter() - w0
         for n, label in enumerate(("first save of the plan", "later save")):
             url_dir = f"{tmp}/step{n}"

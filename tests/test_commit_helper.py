@@ -125,30 +125,57 @@ def test_a_metadata_the_helper_did_not_write_is_logged_by_the_training_process(
     )
 
 
-def test_the_layout_built_while_the_uploads_run_is_the_one_the_commit_uses(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Rank 0 builds a new plan's layout before it waits for the uploads; the commit
-    then finds it kept (no second O(chunks) build inside the exchange), and a new
-    plan's metadata gets a layout of its own."""
-    from objckpt.pipeline import coordinator
+class _Stop(Exception):
+    """Ends ``_finish`` where a test has seen what it needs."""
 
-    helper = CommitHelper()  # no process: layouts are built in the training process
-    built: list[object] = []
+
+@pytest.mark.parametrize(
+    ("rank", "split", "built"),
+    [(0, True, True), (1, True, False), (0, False, False)],
+    ids=["rank 0, split commit", "another rank", "in-thread commit"],
+)
+def test_rank_0_builds_a_new_plan_s_layout_before_it_waits_for_the_uploads(
+    monkeypatch: pytest.MonkeyPatch, rank: int, split: bool, built: bool
+) -> None:
+    """Only rank 0 of a split commit builds the layout, after "already committed?"
+    let the uploads go and before it waits for them; the commit then finds it kept."""
+    from types import SimpleNamespace
+
+    from objckpt.pipeline import commit_phase, coordinator
+
+    layouts: list[object] = []
     real = coordinator.Layout.of
 
     def counting(metadata: Metadata) -> coordinator.Layout:
-        built.append(metadata)
+        layouts.append(metadata)
         return real(metadata)
 
+    steps: list[str] = []
+
+    def collect(writer: object, workers: object) -> None:
+        steps.append(f"collect with {len(layouts)} layout(s)")
+        raise _Stop
+
     monkeypatch.setattr(coordinator.Layout, "of", counting)
-    first, second = _metadata(4), _metadata(4)
-    helper.prepare_layout(first)
-    assert built == [first]
-    assert helper.layout(first) is helper.layout(first)
-    assert built == [first]  # kept: the commit does not build it again
-    helper.layout(second)
-    assert built == [first, second]  # another plan: built again, never reused across
+    monkeypatch.setattr(commit_phase, "splits_commit", lambda location, world: split)
+    monkeypatch.setattr(commit_phase, "_collect", collect)
+    committer = commit_phase.Committer(lambda staged: None, 30.0, None, lambda exc: None)
+    monkeypatch.setattr(committer._helper, "start", lambda: None)  # no process needed
+    metadata = _metadata(4)
+    writer = SimpleNamespace(
+        writer=SimpleNamespace(location=Location.parse("s3://b/x"), rank=rank),
+        metadata=metadata,
+        queue_deferred=lambda: steps.append("queue") and None,
+        pass_gate=lambda: steps.append("gate") and None,
+    )
+    with pytest.raises(_Stop):
+        committer._finish(writer, None, None, 4, None, True)  # type: ignore[arg-type]
+    assert steps == ["queue", "gate", f"collect with {int(built)} layout(s)"]
+    if built:
+        assert committer._helper.layout(metadata) is committer._helper.layout(metadata)
+        assert layouts == [metadata]  # kept: the commit does not build it again
+        committer._helper.layout(_metadata(4))
+        assert len(layouts) == 2  # another plan's metadata gets its own
 
 
 def test_a_layout_that_fails_early_is_left_to_the_commit(

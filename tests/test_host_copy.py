@@ -82,7 +82,7 @@ def test_a_large_copy_runs_on_several_threads_in_even_shares(
 
 
 def test_shares_keep_staging_order_and_split_by_bytes() -> None:
-    pieces = [(torch.empty(0), torch.empty(0), n, 0, 0) for n in (5, 1, 1, 1, 8, 2, 2, 4)]
+    pieces = [(torch.empty(0), torch.empty(0), n, False, 0, 0) for n in (5, 1, 1, 1, 8, 2, 2, 4)]
     shares = host_copy._shares(pieces, 3)
     assert [p for share in shares for p in share] == pieces
     assert [sum(p[2] for p in s) for s in shares] == [8, 8, 8]
@@ -110,6 +110,10 @@ def _layouts() -> list[tuple[str, torch.Tensor, torch.Tensor, bool]]:
         ("subclass", x.as_subclass(_Marked), torch.empty(400, 300), False),
         ("parameter", torch.nn.Parameter(x.clone()), torch.empty(400, 300), True),
         ("another dtype", x, torch.empty(400, 300, dtype=torch.float64), False),
+        ("storage offset", x[7:19], torch.empty(12, 300), True),
+        ("size-1 dim, odd stride", x[:, 5:6].t(), torch.empty(1, 400), False),
+        ("row of size-1 dims", x[3:4, :].t().t(), torch.empty(1, 300), True),
+        ("zero tensor (no memory)", torch._efficientzerotensor(300), torch.empty(300), False),
     ]
 
 

@@ -18,7 +18,9 @@ default two intra-op threads: 1,000 tensors of 128 KiB took 40 ms with ``copy_``
 loop and 9.5 ms with one intra-op thread; the benchmark's whole 256 MiB state took
 44 ms (median) through ``copy_`` on two threads and 14 ms through ``memmove``.
 Anything else (another dtype, a non-contiguous, conjugated or negated view, a
-quantized tensor or a subclass) goes through ``copy_``, which knows its layout.
+quantized tensor, a subclass, a tensor with no memory behind it) goes through
+``copy_``, which knows its layout. Raw copies bypass torch's dispatcher, so an active
+``TorchDispatchMode`` does not see them (the staging copy is not model code).
 
 CUDA sources are not split: their device-to-host copies are queued non-blocking
 on one stream and waited for once, which already overlaps them.
@@ -45,9 +47,11 @@ _PARALLEL_FROM = 4 * 2**20
 #: the threads' shares come out even whatever the tensor sizes.
 _PIECE = 4 * 2**20
 
-#: (source, destination, bytes, source address, destination address): copied by
-#: ``memmove`` between the addresses, or (addresses 0) by ``copy_`` whole.
-_Piece = tuple[torch.Tensor, torch.Tensor, int, int, int]
+#: (source, destination, bytes, raw, source address, destination address): copied by
+#: ``memmove`` between the addresses where raw, else by ``copy_`` whole. The source is
+#: a detached alias: it holds the source's memory while another thread copies from its
+#: address, even if the caller rebinds the tensor's ``.data`` meanwhile.
+_Piece = tuple[torch.Tensor, torch.Tensor, int, bool, int, int]
 
 _memmove = ctypes.memmove
 
@@ -79,6 +83,9 @@ def _raw(src: torch.Tensor, dst: torch.Tensor) -> bool:
         and not src.is_neg()
         and src.is_contiguous()
         and dst.is_contiguous()
+        # A functional or zero tensor is "CPU" and dense with no memory behind it.
+        and (src.data_ptr() != 0 or src.numel() == 0)
+        and (dst.data_ptr() != 0 or dst.numel() == 0)
     )
 
 
@@ -98,13 +105,15 @@ def _pieces(sources: list[torch.Tensor], views: list[torch.Tensor]) -> list[_Pie
     whole, for ``copy_``."""
     out: list[_Piece] = []
     for src, dst in zip(sources, views, strict=True):
+        src = src.detach()
         nbytes = dst.numel() * dst.element_size()
         if not _raw(src, dst):
-            out.append((src, dst, nbytes, 0, 0))
+            out.append((src, dst, nbytes, False, 0, 0))
         elif nbytes:
             at, to = src.data_ptr(), dst.data_ptr()
             for start in range(0, nbytes, _PIECE):
-                out.append((src, dst, min(_PIECE, nbytes - start), at + start, to + start))
+                piece = min(_PIECE, nbytes - start)
+                out.append((src, dst, piece, True, at + start, to + start))
     return out
 
 
@@ -124,11 +133,11 @@ def _shares(pieces: list[_Piece], count: int) -> list[list[_Piece]]:
 
 def _copy_share(share: list[_Piece]) -> None:
     with torch.no_grad():
-        for src, dst, nbytes, at, to in share:
-            if at:
+        for src, dst, nbytes, raw, at, to in share:
+            if raw:
                 _memmove(to, at, nbytes)
             else:
-                dst.copy_(src.detach())
+                dst.copy_(src)
 
 
 class HostCopier:
