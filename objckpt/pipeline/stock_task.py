@@ -27,21 +27,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import copyreg
 import dataclasses
 import gc
-import io
 import logging
-import pickle
 import threading
 from collections.abc import Iterable, Iterator
 from typing import Any, cast
 
-import torch
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
     StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
@@ -56,6 +50,7 @@ from objckpt.format.manifest import ObjectEntry
 from objckpt.format.rank_index import writer_columns
 from objckpt.format.settle import SETTLE_SECONDS
 from objckpt.options import UploadOptions
+from objckpt.pipeline.metadata_stream import MetadataStream
 from objckpt.pipeline.upload_task import worker_store
 from objckpt.writers.accounting import RequestCounter, RequestStats, counting
 from objckpt.writers.checksum import Crc32c
@@ -166,39 +161,32 @@ def _prepare(
             )
         sd_md[fqn] = md
     metadata = dataclasses.replace(metadata, state_dict_metadata=sd_md)
-    storage_data: dict[Any, Any] = {}
+    # .metadata is written as the ranks are decoded, a batch of items at a time: only
+    # the chunks and one rank's items are alive at once (metadata_stream's doc).
+    stream = MetadataStream()
+    stream.begin(sd_md, layout.planner_data)
     raw = 0
 
     def decoded() -> Iterator[tuple[int, Iterable[Any]]]:
         """Each rank's items, one rank at a time (never all of them at once: 10 million
-        at 8,192 ranks), into ``storage_data`` on the way."""
+        at 8,192 ranks), into ``.metadata`` on the way."""
         nonlocal raw
         for n, (rank, entry) in enumerate(indexes):
             items = decode_index(
                 blobs[n], rank=rank, attempt=attempt, metadata=metadata, url=entry.key
             )
             blobs[n] = b""
-            for index, item in items.items():
-                storage_data[index] = storage_info(
-                    item.relative_path, item.offset, item.length, item.transform_descriptors
-                )
-                # Transformed (compressed) items' lengths before their transforms, as
-                # encode_metadata sums them into the manifest (a reader's budget).
-                if item.transform_descriptors:
-                    raw += item.raw_length or 0
+            stream.add(
+                (i, storage_info(it.relative_path, it.offset, it.length, it.transform_descriptors))
+                for i, it in items.items()
+            )
+            # Transformed (compressed) items' lengths before their transforms, as
+            # encode_metadata sums them into the manifest (a reader's budget).
+            raw += sum(it.raw_length or 0 for it in items.values() if it.transform_descriptors)
             yield rank, items.keys()
 
     writers = writer_columns(layout.doc, decoded())
-    stock = Metadata(
-        state_dict_metadata=sd_md,
-        planner_data=layout.planner_data,
-        storage_data=storage_data,
-        storage_meta=layout.storage_meta,
-        version=metadata.version,
-    )
-    blob = _dumps(stock)
-    del stock, sd_md
-    storage_data.clear()  # the items, now in the pickle
+    blob = stream.end(layout.storage_meta, metadata.version)
     crc = Crc32c()
     crc.update(blob)
     with _LOCK:
@@ -206,35 +194,6 @@ def _prepare(
     return StockPrepared(
         writers, ObjectEntry(METADATA_KEY, len(blob), crc.hexdigest()), counter.snapshot(), raw
     )
-
-
-def _reduce_storage_info(info: Any) -> tuple[Any, tuple[Any, ...]]:
-    """``_StorageInfo`` rebuilt by its constructor (what its ``__getstate__`` keeps:
-    the transform descriptors only when there are any)."""
-    if info.transform_descriptors is None:
-        return type(info), (info.relative_path, info.offset, info.length)
-    return type(info), (info.relative_path, info.offset, info.length, info.transform_descriptors)
-
-
-class _Pickler(pickle.Pickler):
-    """``pickle.dumps``'s bytes, sooner and smaller: ``torch.Size``, DCP's
-    ``ChunkStorageMetadata``, ``MetadataIndex`` and ``_StorageInfo`` (a few per item)
-    reduced by their constructors through table entries, instead of their Python
-    ``__reduce__``/``__getstate__`` or a state dict each. Each rebuilds the same
-    object when unpickled, by the same class: stock readers' plain ``pickle.load``
-    reads it as before, and faster."""
-
-    dispatch_table = copyreg.dispatch_table.copy()
-    dispatch_table[torch.Size] = lambda size: (torch.Size, (tuple(size),))
-    dispatch_table[type(storage_info("", 0, 0))] = _reduce_storage_info
-    dispatch_table[ChunkStorageMetadata] = lambda c: (ChunkStorageMetadata, (c.offsets, c.sizes))
-    dispatch_table[MetadataIndex] = lambda i: (MetadataIndex, (i.fqn, i.offset, i.index))
-
-
-def _dumps(value: Any) -> bytes:
-    out = io.BytesIO()
-    _Pickler(out, protocol=pickle.DEFAULT_PROTOCOL).dump(value)
-    return out.getvalue()
 
 
 def _fetch(store: Any, indexes: list[tuple[int, ObjectEntry]]) -> list[bytes]:
