@@ -24,8 +24,8 @@ protocol 3: its memo entries carry their numbers (BINPUT n), so a batch reuses t
 numbers of the batch before and overwrites them in the reader's memo. Protocol 4's
 MEMOIZE numbers entries by count, so after a reset its GETs would name the wrong
 objects. Batches of :data:`BATCH` entries keep the numbers below 256, one byte each.
-The cost is size: an item's key no longer shares its chunk's offsets (one
-``torch.Size`` more per item).
+The cost is size: an item's key no longer shares its chunk's offsets, and names
+are written again in each batch.
 """
 
 from __future__ import annotations
@@ -50,10 +50,10 @@ from objckpt._torch import storage_info
 __all__ = ["BATCH", "MetadataStream"]
 
 PROTOCOL = 3
-#: Entries per batch: a ``storage_data`` entry memoizes ~8 objects (the key, its
-#: offsets and their tuples, the storage info, its tuple, new strings), so 28 keep
-#: the memo below 256 after the few shared entries.
-BATCH = 28
+#: Entries per batch: a ``storage_data`` entry memoizes about 6 objects (the key, its
+#: constructor's arguments and offsets, the storage info and its arguments, its name
+#: where new), so 36 keep the memo below 256 after the few shared entries.
+BATCH = 36
 _STORAGE_INFO = type(storage_info("", 0, 0))
 
 # The opcodes written directly (pickle's own names; see pickletools).
@@ -81,7 +81,11 @@ class _Pickler(pickle.Pickler):
     dispatch_table[torch.Size] = lambda size: (torch.Size, (tuple(size),))
     dispatch_table[_STORAGE_INFO] = _reduce_storage_info
     dispatch_table[ChunkStorageMetadata] = lambda c: (ChunkStorageMetadata, (c.offsets, c.sizes))
-    dispatch_table[MetadataIndex] = lambda i: (MetadataIndex, (i.fqn, i.offset, i.index))
+    # MetadataIndex's constructor makes its offsets a torch.Size: a plain tuple will do.
+    dispatch_table[MetadataIndex] = lambda i: (
+        MetadataIndex,
+        (i.fqn, None if i.offset is None else tuple(i.offset), i.index),
+    )
 
 
 class MetadataStream:
