@@ -10,8 +10,8 @@ workers it imports torch, for DCP's classes):
 1. :func:`prepare_stock` (before the manifest): fetch every index object, check each
    against the size and CRC32C its rank reported, decode it against the plan's
    layout, and from the items build which rank wrote each chunk (the manifest's
-   ``writer`` columns) and DCP's ``.metadata`` pickle for stock readers (~129 MB at
-   1,024 ranks). The pickle stays here; its size and CRC32C go back for the
+   ``writer`` columns) and DCP's ``.metadata`` pickle for stock readers (~153 MB at
+   1,024 ranks), written as the index objects are decoded (pipeline/metadata_stream.py). The pickle stays here; its size and CRC32C go back for the
    manifest's object list. With ``overwrite``, it also reads the manifest being
    replaced (what to delete once ``.metadata`` is replaced).
 2. :func:`publish_stock` (after the manifest committed): PUT ``.metadata``, then
