@@ -11,8 +11,9 @@ workers it imports torch, for DCP's classes):
    against the size and CRC32C its rank reported, decode it against the plan's
    layout, and from the items build which rank wrote each chunk (the manifest's
    ``writer`` columns) and DCP's ``.metadata`` pickle for stock readers (~153 MB at
-   1,024 ranks), written as the index objects are decoded (pipeline/metadata_stream.py). The pickle stays here; its size and CRC32C go back for the
-   manifest's object list. With ``overwrite``, it also reads the manifest being
+   1,024 ranks), written as the index objects are decoded
+   (pipeline/metadata_stream.py). The pickle stays here; its size and CRC32C go
+   back for the manifest's object list. With ``overwrite``, it also reads the manifest being
    replaced (what to delete once ``.metadata`` is replaced).
 2. :func:`publish_stock` (after the manifest committed): PUT ``.metadata``, then
    delete the objects only the replaced checkpoint named, exactly as
