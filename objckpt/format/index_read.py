@@ -281,8 +281,8 @@ _INDEX_HAS_DICT = hasattr(MetadataIndex(""), "__dict__")  # a torch with slots: 
 
 def _chunk_index(fqn: str, offsets: Any, chunk: int) -> MetadataIndex:
     """``MetadataIndex(fqn, offsets, chunk)`` holding the chunk's own ``torch.Size``
-    (DCP's constructor copies it: one more object per item, and in a pickled
-    ``.metadata`` a copy written out where a reference to the chunk's would do)."""
+    (DCP's constructor copies it: one more object per item, where a reader or rank 0's
+    commit helper holds millions of items)."""
     if type(offsets) is not torch.Size or not _INDEX_HAS_DICT:
         return MetadataIndex(fqn, offsets, chunk)
     index = _new_index(MetadataIndex)

@@ -151,7 +151,8 @@ def _prepare(
     metadata, _ = decode_metadata(layout.doc, url=location.url)
     # Every chunk built once, as plain lists: the index objects are decoded against them
     # (a lazy run-length list would build a chunk per item looked up, and .metadata would
-    # build them all again), and each item's key shares its chunk's offsets.
+    # build them all again), and each item's key holds its chunk's offsets (in memory:
+    # the stream writes them again per batch).
     sd_md: dict[str, Any] = {}
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
