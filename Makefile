@@ -8,12 +8,30 @@ STAMP := $(VENV)/.installed
 IAC_VENV ?= .venv-iac
 IAC_STAMP := $(IAC_VENV)/.installed
 
-.PHONY: demo test lint iac docs docs-check bench clean
+.PHONY: demo test test-torch lint iac docs docs-check bench clean azurite rgw
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --constraint constraints.txt --editable '.[all,test,docs]'
 	touch $(STAMP)
+
+# Azurite (Azure's Blob emulator, Node.js; node and npm must be on PATH) for the Azure
+# tests, installed under the venv, where objckpt.testing finds it. Keep the version in
+# step with AZURITE_VERSION in objckpt/testing/azurite.py.
+AZURITE_VERSION := 3.37.0
+AZURITE_STAMP := $(VENV)/azurite/.installed-$(AZURITE_VERSION)
+
+$(AZURITE_STAMP): | $(STAMP)
+	npm install --loglevel=error --no-audit --no-fund --prefix $(VENV)/azurite azurite@$(AZURITE_VERSION)
+	touch $(AZURITE_STAMP)
+
+azurite: $(AZURITE_STAMP)
+
+# Ceph RGW (a real S3 server beside moto) for the RGW tests: apt-get installs its
+# Debian packages only when a binary is missing (root only; else it says what to run).
+# The tests start the cluster themselves (objckpt/testing/rgw.py).
+rgw: $(STAMP)
+	$(PY) -m objckpt.testing.rgw install
 
 $(IAC_STAMP): constraints-iac.txt
 	test -x $(IAC_VENV)/bin/python || python3 -m venv $(IAC_VENV)
@@ -42,8 +60,26 @@ docs-check: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
 
-test: lint iac docs-check
-	$(PY) -m pytest
+test: lint iac docs-check azurite rgw
+	OBJCKPT_REQUIRE_AZURITE=1 OBJCKPT_REQUIRE_RGW=1 $(PY) -m pytest
+
+# The compatibility job, on another torch release: `make test-torch TORCH=2.9.1`. CI
+# runs it on pyproject.toml's floor and on the newest release, beside the full suite
+# on the pinned one. scripts/torch_venv.sh builds one venv per release, outside the
+# clone ($OBJCKPT_TORCH_VENVS, default ~/.cache/objckpt/torch-venvs), and reuses it.
+# The subset: round trip, interop with stock DCP readers and writers, resharding,
+# async, manager, planners, metadata, extensions, reuse, Lightning.
+TORCH_TESTS := tests/test_roundtrip.py tests/test_interop.py tests/test_distributed.py \
+	tests/test_async.py tests/test_manager.py tests/test_load_planner.py \
+	tests/test_metadata_stream.py tests/test_extensions.py tests/test_reuse.py \
+	tests/test_lightning.py tests/test_plan_cache.py tests/test_rank_commit.py \
+	tests/test_private_torch.py
+
+test-torch:
+	@test -n "$(TORCH)" || { echo "usage: make test-torch TORCH=2.9.1" >&2; exit 2; }
+	venv=$$(scripts/torch_venv.sh $(TORCH)) && \
+	$$venv/bin/python -c 'import torch; print("torch", torch.__version__)' && \
+	$$venv/bin/python -m pytest -p no:cacheprovider $(TORCH_TESTS)
 
 bench: $(STAMP)
 	$(PY) -m pip install --quiet --constraint constraints.txt --editable '.[all,test,docs,bench]'

@@ -2,28 +2,75 @@
 
 torch's checkpoint internals change between releases. Keeping each private name
 behind one small function here means a torch upgrade breaks (at worst) this module,
-and each function says what it falls back to when the private name is gone.
-Tested on the torch the project pins (``constraints.txt``); ``pyproject.toml``'s
-floor is the oldest release the suite has been run on.
+and each function says what it falls back to when the private name is gone: the
+public equivalent where one exists, DCP's own (slower) path where objckpt only
+speeds DCP up, and a refusal naming the releases that have it where a feature
+cannot work without it (never a silent change of what is saved or loaded).
+Every private name here exists on torch 2.9 through 2.15: CI runs the full suite on
+the pinned release (``constraints.txt``) and a subset on the floor in
+``pyproject.toml`` and on the newest release (``make test-torch TORCH=...``).
+``tests/test_private_torch.py`` keeps every other module to public names.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 from collections.abc import Callable, Sequence
 from typing import IO, Any, cast
 
 import torch
 
+from objckpt.errors import ConfigurationError
+
 __all__ = [
+    "STREAM_TRANSFORMS",
+    "TESTED_RELEASES",
+    "LoadPlanHelpers",
+    "StreamTransformExtension",
     "group_store",
+    "has_cpu_backend",
+    "load_everything",
+    "load_plan_helpers",
     "local_offsets",
     "narrow",
+    "require_stream_transforms",
     "save_state_dict_fn",
     "save_tensor",
     "storage_info",
     "tensor_frame",
+    "version_counters",
 ]
+
+#: The releases every private name below has been run on (``make test-torch``), for
+#: the refusals of features that cannot work without one.
+TESTED_RELEASES = "torch 2.9 through 2.15"
+
+try:  # DCP's stream transforms: experimental in DCP, hence the private module.
+    from torch.distributed.checkpoint._extension import StreamTransformExtension
+
+    STREAM_TRANSFORMS = True
+except ImportError:  # pragma: no cover - a torch without them
+
+    class StreamTransformExtension:  # type: ignore[no-redef]
+        """Stand-in base so objckpt's own transforms still import; ``_extensions``
+        refuses (see :func:`require_stream_transforms`)."""
+
+    STREAM_TRANSFORMS = False
+
+
+def require_stream_transforms(what: str) -> None:
+    """Refuse ``what`` (a DCP stream-transform feature) on a torch without them.
+
+    Raises:
+        ConfigurationError: This torch has no ``torch.distributed.checkpoint._extension``.
+    """
+    if not STREAM_TRANSFORMS:  # pragma: no cover - a torch without them
+        raise ConfigurationError(
+            f"{what} needs DCP's stream transforms "
+            f"(torch.distributed.checkpoint._extension), which torch {torch.__version__} "
+            f"does not have; {TESTED_RELEASES} do"
+        )
 
 
 def storage_info(
@@ -38,6 +85,13 @@ def storage_info(
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     if transform_descriptors:
+        fields = {f.name for f in dataclasses.fields(_StorageInfo)}
+        if "transform_descriptors" not in fields:  # pragma: no cover - older torch
+            raise ConfigurationError(
+                f"an item stored with stream transforms {list(transform_descriptors)} "
+                f"needs DCP's _StorageInfo.transform_descriptors, which torch "
+                f"{torch.__version__} does not have; {TESTED_RELEASES} do"
+            )
         return _StorageInfo(relative_path, offset, length, list(transform_descriptors))
     return _StorageInfo(relative_path, offset, length)
 
@@ -72,6 +126,29 @@ def save_state_dict_fn() -> Callable[..., Any]:
         return dcp.save
     result: Callable[..., Any] = inner
     return result
+
+
+def has_cpu_backend(group: Any | None = None) -> bool:
+    """Whether ``group`` (the default group when None) runs collectives on CPU tensors.
+
+    A group answers for itself (``ProcessGroup._get_backend``); without that, its
+    backend string does (``cpu:gloo,cuda:nccl``, or a name whose devices
+    ``Backend.backend_capability`` lists).
+    """
+    import torch.distributed as dist
+
+    pg = group if group is not None else dist.group.WORLD
+    get_backend = getattr(pg, "_get_backend", None)
+    if get_backend is not None:
+        try:
+            get_backend(torch.device("cpu"))
+        except RuntimeError:
+            return False
+        return True
+    name = str(dist.get_backend(pg))  # pragma: no cover - other torch versions
+    if ":" in name:  # pragma: no cover
+        return any(part.split(":")[0] == "cpu" for part in name.split(","))
+    return "cpu" in dist.Backend.backend_capability.get(name, [])  # pragma: no cover
 
 
 def group_store(process_group: Any | None = None) -> Any:
@@ -195,3 +272,66 @@ def load_everything(storage_reader: Any) -> dict[str, Any]:
         no_dist=True,
     )
     return state
+
+
+def version_counters(tensors: Sequence[torch.Tensor]) -> list[int] | None:
+    """Each tensor's version counter (``Tensor._version``, bumped by every in-place
+    op); None when one has none (inference tensors) or this torch hides them, and
+    the caller then copies at once instead of trusting a promise it cannot check."""
+    try:
+        return [t._version for t in tensors]
+    except (AttributeError, RuntimeError):
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadPlanHelpers:
+    """DCP's private pieces of ``create_default_local_load_plan``, so a planner can
+    plan as DCP does while choosing which stored chunks to look at."""
+
+    #: ``_create_read_items(fqn, md, obj)``: DCP's reads of one entry.
+    create_read_items: Callable[..., list[Any]]
+    #: ``_create_chunk_list(obj)``: the local chunks of a tensor, DTensor or ShardedTensor.
+    create_chunk_list: Callable[[Any], list[Any]]
+    #: ``_create_read_item_for_tensor(...)``: one tensor read.
+    create_read_item_for_tensor: Callable[..., Any]
+    #: ``_shards_get_overlap_region_wrt_saved_tensor(saved_shard=, current_shard=)``.
+    overlap_region: Callable[..., list[tuple[int, int, int, int]]]
+    #: The state dict flattened as torch 2.3 did (DefaultLoadPlanner's way to load a
+    #: checkpoint saved before torch 2.4).
+    flatten_as_torch_2_3: Callable[[dict[str, Any]], tuple[dict[str, Any], Any]]
+
+
+def load_plan_helpers() -> LoadPlanHelpers | None:
+    """DCP's load-planning helpers; None when one is gone, and the caller then plans
+    with ``DefaultLoadPlanner``'s own code (the same plans, found more slowly)."""
+    try:
+        from torch.distributed.checkpoint import _version
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+        from torch.distributed.checkpoint.planner_helpers import (
+            _create_chunk_list,
+            _create_read_item_for_tensor,
+            _create_read_items,
+        )
+        from torch.distributed.checkpoint.resharding import (
+            _shards_get_overlap_region_wrt_saved_tensor,
+        )
+    except ImportError:  # pragma: no cover - other torch versions
+        return None
+    if not hasattr(_version, "_derived_version"):  # pragma: no cover
+        return None
+
+    def flatten_as_torch_2_3(state_dict: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+        _version._derived_version = "2_3"
+        try:
+            return flatten_state_dict(state_dict)
+        finally:
+            _version._derived_version = None
+
+    return LoadPlanHelpers(
+        create_read_items=_create_read_items,
+        create_chunk_list=_create_chunk_list,
+        create_read_item_for_tensor=_create_read_item_for_tensor,
+        overlap_region=_shards_get_overlap_region_wrt_saved_tensor,
+        flatten_as_torch_2_3=flatten_as_torch_2_3,
+    )

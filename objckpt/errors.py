@@ -20,10 +20,12 @@ exception text at ERROR level, so an error message is as public as a log line.
     ├── StoreError (OSError)                  the store refused or failed a request
     │   ├── StoreUnreachableError (ConnectionError)
     │   │   └── RequestDeadlineError          no answer within RetryPolicy.request_deadline
+    │   ├── StoreRefusedError                 the same error answered until retries ran out
     │   ├── AccessDeniedError (PermissionError)
     │   │   └── MissingCredentialsError
     │   ├── BucketNotFoundError (FileNotFoundError)
     │   └── UploadError                       an object could not be written (upload aborted)
+    │       └── SaveDeadlineError             not done within UploadOptions.deadline
     ├── CheckpointNotFoundError (FileNotFoundError)
     │   └── CheckpointNotCommittedError       payload present, no manifest
     ├── CheckpointExistsError (FileExistsError)
@@ -70,6 +72,7 @@ __all__ = [
     "StateDictMismatchError",
     "StepOrderError",
     "StoreError",
+    "StoreRefusedError",
     "StoreUnreachableError",
     "UploadError",
 ]
@@ -132,6 +135,14 @@ class RequestDeadlineError(StoreUnreachableError):
     ``RetryPolicy.request_deadline`` (reads, listings and deletes, which no save's
     deadline bounds): a silent endpoint fails in that time instead of after every
     attempt's own timeout in turn."""
+
+
+class StoreRefusedError(StoreError):
+    """The store answered a request with an error worth retrying (500, 503 SlowDown)
+    on every attempt until the retries ran out (``RetryPolicy.attempts``,
+    ``give_up_after`` or ``request_deadline``). The message says what it answered,
+    how many times and for how long: a refusal that persists is not an outage to
+    wait out until the save's deadline."""
 
 
 class AccessDeniedError(StoreError, PermissionError):

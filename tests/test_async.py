@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -218,6 +221,67 @@ def test_saves_one_after_another_reuse_their_commit_thread(tmp_path) -> None:
     got = {"w": torch.zeros(1024)}
     load(got, target.url("s4"), target)
     assert float(got["w"][0]) == 4.0
+
+
+_CLOSE_SCRIPT = """
+import gc, json, os, sys, threading
+import torch
+from objckpt import AsyncCheckpointer, AsyncOptions
+
+def held():
+    fds = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            fds[name] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # the listing's own descriptor, already closed
+            pass
+    return {"fds": fds, "threads": sorted(t.name for t in threading.enumerate())}
+
+options, url = json.loads(sys.argv[1]), sys.argv[2]
+gc.disable()  # what only a reference cycle still holds counts as left behind
+before = held()
+with AsyncCheckpointer(storage_options=options, async_options=AsyncOptions(workers=1)) as c:
+    c.save({"w": torch.ones(4096), "b": torch.arange(8)}, url).result(120)
+print(json.dumps({"before": before, "after": held(), "threads": threading.active_count()}))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("store", ["file", "s3", "gs"])
+def test_close_leaves_the_descriptors_and_threads_it_found(
+    store: str, request: pytest.FixtureRequest, tmp_path
+) -> None:
+    """A fresh process (so no other test's threads come and go): after a save and
+    close(), exactly the descriptors and threads there were before the checkpointer
+    was built. No warm-up: objckpt's imports open nothing that lasts; what did (the
+    process-wide fsspec loop thread, its epoll descriptor and self-pipe, its DNS
+    thread, a kept-alive connection, the staging file held by a reference cycle) is
+    closed or gone now. S3 goes through the proxy, which keeps connections alive as
+    a real store does (moto's server closes each one itself)."""
+    if store == "file":
+        url, options = f"file://{tmp_path}/root/closed", {}
+    elif store == "s3":
+        url = request.getfixturevalue("s3_bucket").url("closed")
+        options = request.getfixturevalue("s3_proxy").storage_options()
+    else:
+        target = request.getfixturevalue("gcs_bucket")
+        url, options = target.url("closed"), target.storage_options
+    script = tmp_path / "close.py"
+    script.write_text(_CLOSE_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script), json.dumps(options), url],
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    before, after = seen["before"], seen["after"]
+    assert after["threads"] == before["threads"], after["threads"]
+    assert seen["threads"] == len(before["threads"])
+    left = {fd: to for fd, to in after["fds"].items() if before["fds"].get(fd) != to}
+    assert after["fds"] == before["fds"], f"left open: {left}"
 
 
 def test_torch_async_save_with_objckpt_writer(target: StoreTarget) -> None:

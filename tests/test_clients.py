@@ -23,13 +23,13 @@ from aiobotocore.session import AioSession
 from helpers import load, save
 
 from objckpt import Location, RetryPolicy, UploadOptions
-from objckpt.errors import AccessDeniedError
+from objckpt.errors import AccessDeniedError, ConfigurationError
 from objckpt.format.steps import inventory
 from objckpt.ops.verify import verify_checkpoint
 from objckpt.testing import FaultProxy, MotoServer
 from objckpt.testing.plugin import StoreTarget
 from objckpt.writers import open_store
-from objckpt.writers.clients import PROCESS_CLIENTS, ClientCache, shared_filesystem
+from objckpt.writers.clients import PROCESS_CLIENTS, ClientCache, OwnedClients, shared_filesystem
 
 MiB = 1024 * 1024
 READ_ONLY = ["s3:GetObject", "s3:ListBucket", "s3:HeadBucket"]
@@ -250,3 +250,20 @@ def test_a_shared_client_reads_what_is_stored_now_not_what_it_listed(
     )
     report = verify_checkpoint(step)
     assert report.ok, [(f.key, f.problem) for f in report.failures]
+
+
+def test_owned_clients_run_on_their_own_loop_and_close_with_it(s3_bucket: StoreTarget) -> None:
+    """An owner's clients send from its loop, not fsspec's process-wide one; close()
+    ends that loop's thread and closes the loop, and a closed owner builds no more."""
+    owned = OwnedClients("t-owned")
+    loc = Location.parse(s3_bucket.url("owned"), s3_bucket.storage_options)
+    fs = owned.filesystem(loc)
+    fs.pipe_file(loc.key_path("x"), b"payload")
+    assert fs.cat_file(loc.key_path("x")) == b"payload"
+    assert fs.loop is not shared_filesystem(loc).loop
+    assert [t.name for t in threading.enumerate()].count("t-owned-io") == 1
+    owned.close()
+    assert fs.loop.is_closed()
+    assert "t-owned-io" not in [t.name for t in threading.enumerate()]
+    with pytest.raises(ConfigurationError, match="closed"):
+        owned.filesystem(loc)

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from objckpt import AsyncOptions, LocalTier, RetentionPolicy, RetryPolicy, load_config
+from objckpt import (
+    AsyncOptions,
+    CheckpointManager,
+    LocalTier,
+    RetentionPolicy,
+    RetryPolicy,
+    load_config,
+)
 from objckpt.errors import ConfigurationError
 from objckpt.ops.config import parse_config
 
@@ -128,3 +135,71 @@ def test_mistakes_name_the_file_and_key(text: str, message: str) -> None:
 def test_missing_file_is_named(tmp_path) -> None:
     with pytest.raises(ConfigurationError, match=r"cannot read config file .*nope\.toml"):
         load_config(tmp_path / "nope.toml")
+
+
+#: Values no message may contain: each test below checks the error names the key only.
+_SECRET_VALUE = "wJalrXUtnFEMI-config-secret-value"
+_KEY_VALUE = "AKIACONFIGNESTED0001"
+
+
+@pytest.mark.parametrize(
+    ("options", "path"),
+    [
+        (
+            f'{{ client_kwargs = {{ aws_secret_access_key = "{_SECRET_VALUE}", '
+            f'aws_access_key_id = "{_KEY_VALUE}" }} }}',
+            "storage.options.client_kwargs.aws_secret_access_key",
+        ),
+        (
+            f'{{ client_kwargs = {{ region_name = "x", aws_access_key_id = "{_KEY_VALUE}" }} }}',
+            "storage.options.client_kwargs.aws_access_key_id",
+        ),
+        (
+            "{ config_kwargs = { proxies_config = { "
+            f'proxy_password = "{_SECRET_VALUE}" }} }} }}',
+            "storage.options.config_kwargs.proxies_config.proxy_password",
+        ),
+        (
+            "{ session_kwargs = { headers = [{ x = 1 }, "
+            f'{{ api_key = "{_SECRET_VALUE}" }}] }} }}',
+            r"storage.options.session_kwargs.headers[1].api_key",
+        ),
+        (f'{{ AWS_SESSION_TOKEN = "{_SECRET_VALUE}" }}', "storage.options.AWS_SESSION_TOKEN"),
+    ],
+    ids=["secret-in-client-kwargs", "key-id-in-client-kwargs", "deeper", "in-array", "case"],
+)
+def test_a_nested_credential_is_refused_naming_its_path_not_its_value(
+    options: str, path: str
+) -> None:
+    """A credential one table down is as much inline as one at the top: s3fs hands
+    ``client_kwargs`` to botocore, which signs with ``aws_secret_access_key``."""
+    text = f'root = "s3://b/r"\n[storage]\noptions = {options}\n'
+    with pytest.raises(ConfigurationError) as info:
+        parse_config(text, source="run.toml", environ={})
+    message = str(info.value)
+    assert message.startswith(f"run.toml: {path} looks like a credential"), message
+    assert _SECRET_VALUE not in message and _KEY_VALUE not in message
+
+
+def test_a_nested_credential_in_a_backup_is_refused_by_from_config(tmp_path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text(
+        'root = "file:///tmp/run"\n[[backups]]\nurl = "s3://c/r"\n'
+        "storage = { options = { client_kwargs = { "
+        f'aws_secret_access_key = "{_SECRET_VALUE}" }} }} }}\n'
+    )
+    with pytest.raises(ConfigurationError) as info:
+        CheckpointManager.from_config(path)
+    message = str(info.value)
+    assert "backups[0].storage.options.client_kwargs.aws_secret_access_key" in message
+    assert _SECRET_VALUE not in message
+
+
+def test_nested_options_without_credentials_still_pass() -> None:
+    cfg = parse_config(
+        'root = "s3://b/r"\n[storage]\n'
+        'options = { client_kwargs = { region_name = "eu-west-1" }, '
+        "config_kwargs = { retries = { max_attempts = 2 } } }\n",
+        environ={},
+    )
+    assert cfg.storage_options["client_kwargs"] == {"region_name": "eu-west-1"}

@@ -86,6 +86,17 @@ def test_close_ends_the_threads_after_the_calls_queued_before_it() -> None:
         pool.submit(ran.set)
 
 
+def test_close_with_a_timeout_returns_once_the_threads_have_ended() -> None:
+    """What a checkpointer's close() relies on to leave no thread behind."""
+    pool = DaemonThreads("t-join")
+    ran = threading.Event()
+    pool.submit(ran.set)
+    pool.submit(ran.wait, 30)
+    pool.close(timeout=30)
+    assert ran.is_set()
+    assert not [t for t in threading.enumerate() if t.name.startswith("t-join-")]
+
+
 def test_a_call_still_running_does_not_hold_the_interpreter_at_exit() -> None:
     """A script that ends without closing its checkpointer must exit (its save stays
     uncommitted), not wait for an upload: the threads are daemons."""

@@ -47,6 +47,23 @@ def test_reshard_save_on_4_load_on_2_and_1(s3_bucket: StoreTarget, tmp_path) -> 
     assert state["step"] == 7
 
 
+def test_sharded_tensor_with_two_local_shards_per_rank_round_trips(
+    s3_bucket: StoreTarget, tmp_path
+) -> None:
+    """torch's own ShardedTensor layout with several chunks per rank (as in its
+    test_file_system_checkpoint_cpu.py) saves and loads as stock DCP does: back into
+    the same layout and into another one on 2 ranks, and assembled in one process."""
+    url = s3_bucket.url("sharded-tensor")
+    _run(dist_helpers.save_sharded_tensor, 2, tmp_path, url, s3_bucket.storage_options)
+    _run(dist_helpers.load_sharded_tensor, 2, tmp_path, url, s3_bucket.storage_options)
+    expected = dist_helpers.full_state()
+    state = {"model": {k: torch.zeros_like(v) for k, v in expected.items()}, "step": 0}
+    load(state, url, s3_bucket)
+    for k, v in expected.items():
+        assert torch.equal(state["model"][k], v), k
+    assert state["step"] == 7
+
+
 def test_a_sync_save_proves_write_access_on_the_coordinator_only(
     s3_proxy: FaultProxy, s3_bucket: StoreTarget, tmp_path
 ) -> None:

@@ -13,9 +13,14 @@ import time
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from helpers import carried as carried_error
+from helpers import quiet
 from reuse_craft import craft_reference_step
+from torch.distributed.checkpoint.api import CheckpointException
 
-from objckpt import CheckpointManager, Location
+from objckpt import CheckpointManager, Location, ObjectStoreReader
+from objckpt.errors import SizeMismatchError
 from objckpt.format.layout import MANIFEST_KEY
 from objckpt.format.steps import step_name
 from objckpt.ops.backup import BackupTarget, Replicator
@@ -107,6 +112,40 @@ def test_verify_names_both_steps_when_referenced_bytes_are_gone_or_corrupt(
     assert f"FAIL s3://{bucket}/{payload}: missing" in line
     assert f"stored by {root}/{step_name(1)}" in line
     assert f"referenced by {root}/{step_name(2)}" in line
+
+
+@pytest.mark.timeout(240)
+def test_a_load_names_both_steps_when_referenced_bytes_are_gone(
+    s3_bucket: StoreTarget, moto_server: MotoServer
+) -> None:
+    """Step 3 references step 1's payload, deleted by hand: ``mgr.load`` and
+    ``dcp.load`` fail naming the missing object, the step that stores it and the step
+    being loaded, as ``verify`` does (unfixed: the object alone)."""
+    root = _chain(s3_bucket, "load-gone")
+    opts = s3_bucket.storage_options
+    bucket, prefix = _path(root).split("/", 1)
+    (payload,) = [k for k in _keys(moto_server, bucket, f"{prefix}/{step_name(1)}/") if "__0_" in k]
+    moto_server.boto3_client().delete_object(Bucket=bucket, Key=payload)
+    both = (
+        f"s3://{bucket}/{payload}",
+        f"stored by {root}/{step_name(1)}",
+        f"referenced by {root}/{step_name(3)}",
+    )
+    state = {
+        k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in _state().items()
+    }
+    with (
+        CheckpointManager(root, storage_options=opts) as mgr,
+        pytest.raises(SizeMismatchError) as info,
+    ):
+        mgr.load(state, step=3)
+    assert all(part in str(info.value) for part in both), info.value
+    reader = ObjectStoreReader(f"{root}/{step_name(3)}", storage_options=opts)
+    with quiet(), pytest.raises(CheckpointException) as raised:
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    carried = carried_error(raised.value)
+    assert isinstance(carried, SizeMismatchError), carried
+    assert all(part in str(carried) for part in both), carried
 
 
 @pytest.mark.timeout(240)

@@ -1,22 +1,28 @@
 """Lifecycle of steps that real reusing saves wrote (#28): a LoRA-shaped run whose
-frozen base is stored once, kept whole by retention and gc, and the race between a
-reusing save and a deletion of its base by another process, through the proxy."""
+frozen base is stored once, kept whole by retention and gc, the race between a
+reusing save and a deletion of its base by another process, through the proxy, and
+a base whose referenced bytes were damaged by hand before the save (#35)."""
 
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
+from reuse_helpers import stored_items
 
 from objckpt import CheckpointManager, Location
 from objckpt.errors import UploadError
 from objckpt.format.layout import MANIFEST_KEY
+from objckpt.format.manifest import read_manifest
+from objckpt.format.refs import is_reference
 from objckpt.format.steps import step_name
 from objckpt.ops.gc import collect_garbage
 from objckpt.ops.retire import retire_steps
 from objckpt.testing import FaultProxy, MotoServer, Rule
 from objckpt.testing.plugin import StoreTarget
+from objckpt.writers import open_store
 
 
 def _lora(step: int) -> dict:
@@ -106,3 +112,82 @@ def test_a_reusing_save_whose_base_was_deleted_meanwhile_never_commits(
         o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])
     ]
     assert f"{prefix}/{step_name(2)}/{MANIFEST_KEY}" not in keys
+
+
+def _damage_payload(target: StoreTarget, step_url: str, how: str) -> str:
+    """Damage the one payload object of the committed step ``step_url`` by hand:
+    ``deleted``, or ``replaced`` by as many other bytes; its URL."""
+    loc = Location.parse(step_url, target.storage_options)
+    store = open_store(loc)
+    try:
+        (key,) = [o.key for o in read_manifest(store).objects if o.key.endswith(".distcp")]
+    finally:
+        store.close()
+    fs, path = loc.open_fs(fresh=True), loc.key_path(key)
+    if how == "deleted":
+        fs.rm_file(path)
+    else:
+        body = bytearray(fs.cat_file(path))
+        body[len(body) // 2] ^= 0xFF
+        fs.pipe_file(path, bytes(body))
+    return loc.url_of(key)
+
+
+def _base_of(target: StoreTarget, step_url: str) -> str:
+    """Where step ``step_url`` stores its frozen ``base``: a reference, or its own key."""
+    (item,) = [i for index, i in stored_items(step_url, target).items() if index.fqn == "base"]
+    return item.relative_path
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("store", "how", "fresh"),
+    [("s3", "deleted", True), ("s3", "deleted", False), ("gcs", "replaced", True)],
+    ids=["deleted-fresh-managers", "deleted-one-manager", "replaced-gcs-crc32c"],
+)
+def test_a_damaged_base_costs_its_items_their_reuse_not_every_later_save(
+    request: pytest.FixtureRequest,
+    caplog: pytest.LogCaptureFixture,
+    store: str,
+    how: str,
+    fresh: bool,
+) -> None:
+    """Step 2 references step 1's frozen base; then step 1's payload is deleted by
+    hand (or, on GCS, which keeps a CRC32C of every object, replaced by as many other
+    bytes). Steps 3, 4 and 5 (each by a fresh manager, or all by the one that saved
+    steps 1 and 2 and remembers what it wrote) all commit: step 3 uploads the base
+    again, with exactly one warning naming its base (step 2) and the damaged object,
+    and later steps reference step 3's copy. Unfixed, step 3 referenced the gone
+    bytes again and its commit failed ("the step was deleted since this save looked
+    it up"), and so did every later save."""
+    target: StoreTarget = request.getfixturevalue(f"{store}_bucket")
+    root = target.url("damaged")
+    opts = target.storage_options
+    with CheckpointManager(root, storage_options=opts) as mgr:
+        for step in (1, 2):
+            mgr.save(step, _lora(step)).result(timeout=120)
+        assert _base_of(target, f"{root}/{step_name(2)}").startswith(f"../{step_name(1)}/")
+        culprit = _damage_payload(target, f"{root}/{step_name(1)}", how)
+        with caplog.at_level(logging.WARNING, logger="objckpt.dcp.reuse_base"):
+            for step in (3, 4, 5):
+                if fresh:
+                    with CheckpointManager(root, storage_options=opts) as other:
+                        other.save(step, _lora(step)).result(timeout=120)
+                else:
+                    mgr.save(step, _lora(step)).result(timeout=120)
+    warned = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "objckpt.dcp.reuse_base" and r.levelno >= logging.WARNING
+    ]
+    assert len(warned) == 1, warned
+    assert f"{root}/{step_name(2)} " in warned[0] and culprit in warned[0], warned
+    assert not is_reference(_base_of(target, f"{root}/{step_name(3)}"))  # uploaded again
+    for step in (4, 5):
+        assert _base_of(target, f"{root}/{step_name(step)}").startswith(f"../{step_name(3)}/")
+    got = _blank()
+    with CheckpointManager(root, storage_options=opts) as mgr:
+        assert mgr.all_steps() == [1, 2, 3, 4, 5]
+        assert mgr.load(got) == 5
+    want = _lora(5)
+    assert torch.equal(got["base"], want["base"]) and torch.equal(got["adapter"], want["adapter"])

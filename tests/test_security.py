@@ -7,6 +7,8 @@ import json
 import logging
 import os
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -78,6 +80,85 @@ def test_no_secret_or_signature_in_logs_errors_or_manifests(
     for needle in (SECRET, SECRET.replace("/", "%2F"), "X-Amz-Signature", "Signature="):
         assert needle not in seen, f"{needle!r} leaked"
     assert KEY_ID not in manifest.decode()
+
+
+#: Distinctive credentials for the ``-vv`` runs: any trace of them in stderr is a leak.
+VV_KEY_ID = "AKIAOBJCKPTVVLEAK042"
+VV_SECRET = "objckpt-vv-secret-Value-0042"
+VV_TOKEN = "FwoGZXIvYXdzEObjckptVvSessionToken0042"
+
+
+def _cli_stderr(args: list[str], env: dict[str, str]) -> str:
+    """stderr of the real ``objckpt`` command in a child process: the handler and
+    filter it installs are the ones a user gets (in-process, pytest's own logging
+    handlers would stand in for them)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "objckpt.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stderr
+
+
+@pytest.mark.parametrize("given", ["environment", "storage-option"])
+def test_vv_never_prints_signatures_key_ids_or_tokens(
+    moto_server: MotoServer, s3_bucket: StoreTarget, given: str
+) -> None:
+    """``-vv`` shows botocore's requests, whose ``Authorization`` header carries
+    ``Credential=<access key id>/...`` and ``Signature=<hex>``, and whose signing
+    records carry the session token: all of it must be cut before stderr, whether
+    the credentials come from the environment or from ``--storage-option``."""
+    save(_state(), s3_bucket.url("a"), s3_bucket)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env |= {
+        "AWS_EC2_METADATA_DISABLED": "true",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": moto_server.endpoint_url,
+    }
+    flags: list[str] = []
+    if given == "environment":
+        env |= {
+            "AWS_ACCESS_KEY_ID": VV_KEY_ID,
+            "AWS_SECRET_ACCESS_KEY": VV_SECRET,
+            "AWS_SESSION_TOKEN": VV_TOKEN,
+        }
+    else:
+        for k, v in {"key": VV_KEY_ID, "secret": VV_SECRET, "token": VV_TOKEN}.items():
+            flags += ["--storage-option", f"{k}={v}"]
+    seen = "\n".join(
+        _cli_stderr(["-vv", *args, *flags], env)
+        for args in (["ls", s3_bucket.root], ["info", s3_bucket.url("a")])
+    )
+    # The requests really were logged, headers and all (else this proves nothing).
+    assert "DEBUG botocore.endpoint: Sending http request" in seen
+    for needle in (VV_KEY_ID, VV_SECRET, VV_TOKEN, "Signature=", "Credential=AKIA"):
+        assert needle not in seen, f"{needle!r} leaked"
+    assert "'Authorization': b'<redacted>'" in seen
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "GET https://b.s3.amazonaws.com/k?X-Amz-Algorithm=AWS4-HMAC-SHA256"
+        f"&X-Amz-Credential={VV_KEY_ID}%2F20261128%2Fus-east-1%2Fs3%2Faws4_request"
+        "&X-Amz-Signature=0123abcd&X-Amz-Security-Token=IQoJb3JpZ2luX2VjE",
+        "headers: {'authorization': 'Bearer ya29.a0AfH6SMBsecret', 'x-goog-api-key': 'AIzaSy0'}",
+        "Authorization: AWS4-HMAC-SHA256 Credential=AKIA0000/20261128/us-east-1/s3/aws4_request",
+    ],
+    ids=["presigned-url", "bearer", "header-line"],
+)
+def test_the_cli_log_filter_cuts_other_credential_forms(line: str) -> None:
+    from objckpt.cli.app import RedactingFilter
+
+    record = logging.LogRecord("x", logging.DEBUG, __file__, 1, "%s", (line,), None)
+    assert RedactingFilter().filter(record)
+    out = record.getMessage()
+    for needle in (VV_KEY_ID, "0123abcd", "IQoJb3JpZ2luX2VjE", "ya29", "AIzaSy0", "AKIA0000"):
+        assert needle not in out, out
+    assert "<redacted>" in out
 
 
 def test_reader_fetches_only_what_the_manifest_names(

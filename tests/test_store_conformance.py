@@ -73,3 +73,33 @@ class TestFakeGcsServer(StoreConformance):
         return Location.parse(
             fake_gcs_bucket.url(uuid.uuid4().hex[:8]), fake_gcs_bucket.storage_options
         )
+
+
+class TestAzurite(StoreConformance):
+    """Azure Blob through adlfs against Azurite (Microsoft's emulator): the commit is a
+    Put Blob with ``If-None-Match: *`` (409 ``BlobAlreadyExists``), large objects are
+    staged blocks committed with one block list. Not ``keeps_crc32c``: Azure keeps an
+    MD5 for single-request blobs and no CRC32C; no open uploads to list (uncommitted
+    blocks expire on their own)."""
+
+    atomic_create = True
+
+    @pytest.fixture
+    def store_location(self, az_container: StoreTarget) -> Location:
+        return Location.parse(az_container.url(uuid.uuid4().hex[:8]), az_container.storage_options)
+
+
+class TestRgw(StoreConformance):
+    """S3 on Ceph RGW (``objckpt.testing.rgw``), an implementation that is not a mock.
+
+    Not ``keeps_crc32c``: RGW 16.2 stores no ``x-amz-checksum-*`` (and ignores
+    ``ChecksumType=FULL_OBJECT``), so ``digest`` reports no CRC32C and objckpt reads
+    objects back where it checks them.
+    """
+
+    atomic_create = True
+    lists_open_uploads = True
+
+    @pytest.fixture
+    def store_location(self, rgw_bucket: StoreTarget) -> Location:
+        return Location.parse(rgw_bucket.url(uuid.uuid4().hex[:8]), rgw_bucket.storage_options)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 import textwrap
@@ -217,6 +218,14 @@ def _size_text(text: bytes) -> Callable[[_Ckpt], str]:
     return craft
 
 
+def _size_as_runs(ck: _Ckpt) -> str:
+    """The tensor's size written as a column of runs, as its chunk columns may be:
+    the manifest's own checks pass, its DCP metadata does not decode."""
+    ck.manifest["metadata"]["state_dict"]["w"]["size"] = {"runs": [N, 0, 1]}
+    ck.put_manifest()
+    return ck.location.url_of(MANIFEST_KEY)
+
+
 def _index_offset_2_70(ck: _Ckpt) -> str:
     ck.edit_index(lambda doc: doc.update(offset=[2**70] * (len(doc["crc32c"]) // 8)))
     return ck.location.url_of(ck.index_key)
@@ -230,6 +239,7 @@ CRAFTED = [
     _deep_index,
     _size_text(b"1e400"),
     _size_text(str(2**70).encode()),
+    _size_as_runs,
     _index_offset_2_70,
 ]
 
@@ -258,6 +268,39 @@ def test_a_crafted_checkpoint_is_refused_naming_the_object_after_a_few_requests(
     assert len(s3_proxy.seen) <= 3, [(s.operation, s.path) for s in s3_proxy.seen]
     assert not [p for p in s3_proxy.paths("GetObject") if p.endswith(".distcp")]
     assert _outside(s3_proxy, f"/{BUCKET}/t/run/ck/") == []
+
+
+@pytest.mark.parametrize(
+    ("craft", "bound"),
+    [
+        (
+            _index_claims_a_tib,
+            r"'\w+' lies at bytes \d+-\d+ of '__0_0\.\w+\.distcp', which holds \d+",
+        ),
+        (_size_as_runs, r"'w': size must be a list"),
+    ],
+    ids=["index-lengths-2-40", "size-as-runs"],
+)
+def test_verify_and_info_refuse_what_a_load_refuses(
+    s3_bucket: StoreTarget, cli: Any, craft: Callable[[_Ckpt], str], bound: str
+) -> None:
+    """Crafted with every recorded size and CRC32C recomputed, so each object matches
+    its manifest entry: ``verify`` still fails (exit 1) naming the object and the bound
+    a load refuses it by, and ``info`` refuses it too (exit 4). Unfixed: "3 objects
+    checked, ok" and a summary."""
+    ck = _saved(s3_bucket, "run/ck")
+    culprit = craft(ck)
+    verified = cli("verify", ck.url)
+    assert verified.exit_code == 1, verified.output
+    line = next(ln for ln in verified.stdout.splitlines() if ln.startswith("FAIL"))
+    assert line.startswith(f"FAIL {culprit}: a load refuses it: "), line
+    assert re.search(bound, line), line
+    assert verified.stdout.rstrip().endswith("3 objects checked, 1 refused by a load's checks")
+    doc = json.loads(cli("verify", ck.url, "--json").stdout)
+    assert not doc["ok"] and [f["url"] for f in doc["failures"]] == [culprit], doc
+    info = cli("info", ck.url)
+    assert info.exit_code == 4, info.output
+    assert culprit in info.output and re.search(bound, info.output), info.output
 
 
 def test_an_item_of_a_tib_on_file_is_refused(tmp_path: Path) -> None:

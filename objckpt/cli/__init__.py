@@ -9,8 +9,10 @@ config file (``--config`` or ``OBJCKPT_CONFIG``) and from repeatable
 on stdout for scripts; logs and progress go to stderr.
 
 Exit codes: 0 success; 1 a check failed (``verify`` found a bad object); 2 usage
-error; 3 no such checkpoint, or not committed; 4 any other objckpt error
-(store unreachable, access denied, invalid manifest or config).
+error (also a URL that does not parse, a malformed ``--storage-option`` or one the
+backend does not take); 3 no such checkpoint, not committed, or no such bucket; 4
+any other objckpt error (store unreachable or silent past ``--deadline``, access
+denied, invalid manifest or config).
 """
 
 from objckpt.cli.app import main

@@ -6,22 +6,38 @@ resolves its URLs through one :class:`CommandContext` (config file first, then
 with ``--json``, lines for people otherwise) and turns objckpt errors into the
 documented exit codes. Keeping this in one place is what keeps the commands' flags,
 messages and exit codes alike.
+
+A person at a terminal is the CLI's user, so what a person would call a mistake in
+the command line is a usage error (exit 2) here, before any request: a URL that does
+not parse, a ``--storage-option`` that is not ``KEY=VALUE`` or whose JSON is broken,
+an option name the backend does not take. Each request gets :data:`REQUEST_DEADLINE`
+(``--deadline``), not the library's five minutes, and a command that has shown
+nothing for :data:`WAIT_NOTICE_AFTER` seconds says on a terminal what it waits for.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import functools
+import inspect
 import json
 import logging
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import click
 
-from objckpt.errors import BucketNotFoundError, CheckpointNotFoundError, ObjckptError
+from objckpt.errors import (
+    BucketNotFoundError,
+    CheckpointNotCommittedError,
+    CheckpointNotFoundError,
+    ConfigurationError,
+    ObjckptError,
+)
 from objckpt.writers.location import Location
 from objckpt.writers.retry import RetryPolicy
 from objckpt.writers.translate import describe
@@ -30,25 +46,48 @@ __all__ = [
     "EXIT_CHECK_FAILED",
     "EXIT_ERROR",
     "EXIT_NOT_FOUND",
+    "EXIT_USAGE",
+    "REQUEST_DEADLINE",
+    "WAIT_NOTICE_AFTER",
     "CommandContext",
+    "WaitNotice",
+    "backend_options",
+    "check_option_names",
     "committed_manifest",
     "errors_to_exit_codes",
     "exit_code",
     "one_line",
     "parse_options",
-    "progress_bar",
+    "parse_url",
     "store_command",
 ]
 
 logger = logging.getLogger(__name__)
 
 EXIT_CHECK_FAILED = 1
+#: click's own code for a usage error; a bad URL or storage option gets it too.
+EXIT_USAGE = 2
 EXIT_NOT_FOUND = 3
 EXIT_ERROR = 4
+
+#: Seconds one store request may take with its retries in a CLI command unless
+#: ``--deadline`` says otherwise: a person waits about a minute for an answer, not
+#: the library's five (``RetryPolicy.request_deadline``, sized for a training job).
+REQUEST_DEADLINE = 60.0
+#: Seconds a command may show nothing before, on a terminal, a line says what it
+#: waits for.
+WAIT_NOTICE_AFTER = 3.0
+
+_OPTION = "--storage-option"
 
 
 def parse_options(pairs: tuple[str, ...]) -> dict[str, Any]:
     """Repeated ``KEY=VALUE`` pairs as a dict, each value JSON if it parses.
+
+    A value that starts like a JSON object, array or string must be valid JSON (a
+    half-typed ``client_kwargs={bad`` is a mistake, not a string), and an option
+    named ``*_kwargs`` must be a JSON object: backends pass those on as keywords.
+    The messages name the option, never its value (it may be a secret).
 
     Args:
         pairs: The ``--storage-option`` values as given.
@@ -57,20 +96,160 @@ def parse_options(pairs: tuple[str, ...]) -> dict[str, Any]:
         The options by key; a value that is not JSON stays a string.
 
     Raises:
-        click.BadParameter: A pair has no ``=`` or no key.
+        click.BadParameter: A pair has no ``=`` or no key, broken JSON, or a
+            ``*_kwargs`` value that is not an object.
     """
     out: dict[str, Any] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise click.BadParameter(
-                f"expected KEY=VALUE, got {pair!r}", param_hint="--storage-option"
-            )
+            shown = f"{key}=..." if sep else repr(pair)
+            raise click.BadParameter(f"expected KEY=VALUE, got {shown}", param_hint=_OPTION)
         try:
             out[key] = json.loads(value)
-        except json.JSONDecodeError:
+        except json.JSONDecodeError as exc:
+            if value.lstrip()[:1] in ("{", "[", '"'):
+                raise click.BadParameter(
+                    f"the value of {key} is not valid JSON ({exc.msg} at column {exc.colno})",
+                    param_hint=_OPTION,
+                ) from None
             out[key] = value
+        if key.endswith("_kwargs") and not isinstance(out[key], dict):
+            raise click.BadParameter(
+                f"{key} must be a JSON object, e.g. {key}='{{...}}'",
+                param_hint=_OPTION,
+            )
     return out
+
+
+# fsspec's own constructor options, which every filesystem accepts.
+_FSSPEC_OPTIONS = frozenset(
+    {"use_listings_cache", "listings_expiry_time", "max_paths", "skip_instance_cache"}
+)
+
+
+def _declared(cls: type) -> set[str]:
+    """Keyword options the constructors along ``cls``'s MRO name, up to fsspec's base."""
+    from fsspec.spec import AbstractFileSystem
+
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if klass in (AbstractFileSystem, object) or "__init__" not in vars(klass):
+            continue
+        params = inspect.signature(vars(klass)["__init__"]).parameters.values()
+        names |= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break
+    return names - {"self"}
+
+
+def backend_options(protocol: str) -> frozenset[str] | None:
+    """The storage option names the backend of ``protocol`` takes, or None where
+    that cannot be told.
+
+    Told for S3 (s3fs hands the keywords its constructor does not name to
+    aiobotocore's session, which rejects unknown ones only at the first request,
+    as a bare ``TypeError``), GCS, Azure and memory (whose leftovers fsspec and
+    adlfs drop silently, so a typo'd name is ignored): from their constructors' signatures, so
+    no backend parameter is declared twice. Other backends may pass leftovers on
+    to their HTTP client, so any name may be meant.
+    """
+    if protocol not in ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory"):
+        return None
+    import fsspec
+
+    try:
+        cls = fsspec.get_filesystem_class(protocol)
+    except ImportError:
+        return None  # opening the store says which extra to install
+    names = _declared(cls) | _FSSPEC_OPTIONS
+    if protocol in ("s3", "s3a"):
+        from aiobotocore.session import AioSession
+
+        names |= _declared(AioSession)
+    return frozenset(names)
+
+
+def parse_url(url: str, what: str) -> Location:
+    """``url`` parsed, or a usage error naming the argument ``what`` (exit 2).
+
+    Raises:
+        click.BadParameter: Empty, no bucket, a scheme fsspec does not know.
+    """
+    try:
+        return Location.parse(url)
+    except ConfigurationError as exc:
+        raise click.BadParameter(str(exc), param_hint=what) from None
+
+
+def check_option_names(loc: Location, options: dict[str, Any]) -> None:
+    """Refuse a ``--storage-option`` name the backend of ``loc`` does not take.
+
+    Raises:
+        click.BadParameter: Naming the first unknown option (and what it may have
+            meant), before any request.
+    """
+    known = backend_options(loc.protocol)
+    if known is None:
+        return
+    for name in sorted(set(options) - known):
+        near = difflib.get_close_matches(name, sorted(known), n=3)
+        hint = f"; did you mean {' or '.join(near)}?" if near else ""
+        raise click.BadParameter(
+            f"{name} is not an option of the {loc.protocol}:// backend{hint}",
+            param_hint=_OPTION,
+        )
+
+
+class WaitNotice:
+    """One line on stderr, on a terminal only, when a command has shown nothing for
+    ``after`` seconds: what it is waiting for and how long it will wait.
+
+    A silent endpoint otherwise leaves a person looking at an empty terminal for the
+    whole deadline. The line is not for scripts (stderr not a terminal), and it is
+    not printed once the command shows something of its own (a result, a progress
+    bar, a prompt): it would land in the middle of it.
+    """
+
+    def __init__(self, after: float, deadline: float, enabled: bool) -> None:
+        self._after = after
+        self._deadline = deadline
+        self._enabled = enabled
+        self._lock = threading.Lock()
+        self._what: str | None = None
+        self._timer: threading.Timer | None = None
+
+    def waiting_for(self, url: str) -> None:
+        """Name the store URL the command is about to ask (the newest one is shown)."""
+        with self._lock:
+            self._what = url
+
+    def start(self) -> None:
+        if not self._enabled:
+            return
+        with self._lock:
+            self._timer = threading.Timer(self._after, self._say)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def stop(self) -> None:
+        """No line from now on (the command shows its own output, or ended)."""
+        with self._lock:
+            timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
+
+    def _say(self) -> None:
+        with self._lock:
+            if self._timer is None or self._what is None:
+                return
+            self._timer = None
+            what = self._what
+        click.echo(
+            f"waiting for {what} ... (each request gives up after {self._deadline:g} s, "
+            "--deadline)",
+            err=True,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,8 +259,16 @@ class CommandContext:
     config_path: str | None
     options: dict[str, Any]
     as_json: bool
-    #: ``--deadline``: overrides the config's ``[retry] request_deadline``.
+    #: ``--deadline``: each request's deadline with its retries (default :data:`REQUEST_DEADLINE`).
     request_deadline: float | None = None
+    #: Says on a terminal what a silent command waits for; off by default.
+    notice: WaitNotice = dataclasses.field(
+        default_factory=lambda: WaitNotice(WAIT_NOTICE_AFTER, REQUEST_DEADLINE, False),
+        repr=False,
+        compare=False,
+    )
+    #: The store locations the command resolved, in order (for the missing-bucket check).
+    resolved: list[Location] = dataclasses.field(default_factory=list, repr=False, compare=False)
 
     @functools.cached_property
     def config(self) -> Any:
@@ -93,20 +280,28 @@ class CommandContext:
     @functools.cached_property
     def retry(self) -> RetryPolicy:
         """How the command's requests are retried: the config's ``[retry]`` table,
-        then ``--deadline`` (each request with its retries, so a silent endpoint
-        fails the command in that time)."""
+        with each request (and its retries) bounded by ``--deadline``, by default
+        :data:`REQUEST_DEADLINE`, so a silent endpoint fails the command in that
+        time. The config's own ``request_deadline`` is the job's, not the CLI's."""
         policy = self.config.retry if self.config else RetryPolicy()
-        if self.request_deadline is not None:
-            policy = dataclasses.replace(policy, request_deadline=self.request_deadline)
-        return policy
+        deadline = REQUEST_DEADLINE if self.request_deadline is None else self.request_deadline
+        return dataclasses.replace(policy, request_deadline=deadline)
 
-    def storage_options(self, url: str) -> dict[str, Any]:
-        """Options for ``url``: the config's, then --storage-option; none for local paths."""
+    def storage_options(self, url: str, what: str = "URL") -> dict[str, Any]:
+        """Options for ``url``: the config's, then --storage-option; none for local paths.
 
-        if Location.parse(url).is_local:
+        Raises:
+            click.BadParameter: ``url`` does not parse (``what`` names the argument),
+                or a ``--storage-option`` name is not an option of its backend.
+        """
+        loc = parse_url(url, what)
+        if loc.is_local:
             return {}
+        check_option_names(loc, self.options)
         merged = dict(self.config.storage_options) if self.config else {}
         merged.update(self.options)
+        self.resolved.append(dataclasses.replace(loc, storage_options=merged, retry=self.retry))
+        self.notice.waiting_for(loc.url)
         return merged
 
     def location(self, url: str | None, what: str) -> Any:
@@ -114,20 +309,48 @@ class CommandContext:
 
         Raises:
             click.UsageError: No ``url`` and no config naming a root (``what`` names
-                the missing argument).
+                the missing argument), or ``url`` does not parse.
         """
         if url is None:
             if self.config is None:
                 raise click.UsageError(f"give {what} or a config file (--config) naming the root")
             url = self.config.root
-        return Location.parse(url, self.storage_options(url), self.retry)
+        return Location.parse(url, self.storage_options(url, what), self.retry)
 
     def emit(self, doc: Any, human: Callable[[], None]) -> None:
         """Print ``doc`` as JSON with ``--json``, else call ``human`` to print lines."""
+        self.notice.stop()
         if self.as_json:
             click.echo(json.dumps(doc, indent=2, default=str))
         else:
             human()
+
+    def progress_bar(self, total: int, label: str) -> Any:
+        """A progress bar on stderr (drawn only on a terminal, never with --json)."""
+        self.notice.stop()
+        if self.as_json:
+            return contextlib.nullcontext(None)
+        return click.progressbar(length=total, label=label, file=sys.stderr, show_pos=False)
+
+    def confirm(self, question: str) -> None:
+        """Ask on stderr; abort the command on no."""
+        self.notice.stop()
+        click.confirm(question, abort=True, err=True)
+
+    def missing_bucket(self) -> BucketNotFoundError | None:
+        """The error naming the first bucket of the command's stores that does not
+        exist, or None. Asked only once the command found nothing where it looked:
+        "no checkpoint at s3://typo/x" hides that the bucket itself is the mistake."""
+        from objckpt.format.steps import require_bucket
+
+        for loc in self.resolved:
+            try:
+                require_bucket(loc.open_fs(), loc)
+            except BucketNotFoundError as exc:
+                return exc
+            except Exception:  # the original error says more than this one would
+                logger.debug("could not check the bucket of %s", loc.url, exc_info=True)
+        return None
 
 
 def exit_code(exc: BaseException) -> int:
@@ -170,9 +393,12 @@ def one_line(exc: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def errors_to_exit_codes() -> Iterator[None]:
+def errors_to_exit_codes(ctx: CommandContext | None = None) -> Iterator[None]:
     """Every error a command meets becomes one line on stderr and a documented exit
-    code, never a traceback (``-vv`` logs the traceback at debug level)."""
+    code, never a traceback (``-vv`` logs the traceback at debug level).
+
+    With the command's ``ctx``, a checkpoint that is not there is first checked
+    against its bucket: a missing bucket is named (exit 3 either way)."""
     try:
         yield
     except (click.ClickException, click.exceptions.Exit, click.Abort):
@@ -181,12 +407,23 @@ def errors_to_exit_codes() -> Iterator[None]:
         if not isinstance(exc, Exception) and not _torch_error(exc):
             raise  # KeyboardInterrupt, SystemExit: not a command's error
         logger.debug("the command failed", exc_info=True)
-        click.echo(f"error: {one_line(exc)}", err=True)
-        sys.exit(exit_code(_unwrap(exc)))
+        shown: BaseException = exc
+        inner = _unwrap(exc)
+        if (
+            ctx is not None
+            and isinstance(inner, CheckpointNotFoundError)
+            and not isinstance(inner, CheckpointNotCommittedError)
+        ):
+            shown = ctx.missing_bucket() or exc
+        click.echo(f"error: {one_line(shown)}", err=True)
+        sys.exit(exit_code(_unwrap(shown)))
 
 
 def store_command(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Common options of every store command: --storage-option, --deadline and --json."""
+    """Common options of every store command: --storage-option, --deadline and --json.
+
+    The command runs with a :class:`WaitNotice` (on when stderr is a terminal) and
+    its errors become exit codes (:func:`errors_to_exit_codes`)."""
 
     @click.option(
         "--storage-option",
@@ -201,8 +438,8 @@ def store_command(fn: Callable[..., Any]) -> Callable[..., Any]:
         type=click.FloatRange(min=0, min_open=True),
         default=None,
         metavar="SECONDS",
-        help="Seconds each store request may take with its retries "
-        "(RetryPolicy.request_deadline; default 300, or the config's [retry]).",
+        help="Seconds each store request may take with its retries before the "
+        f"command fails (default {REQUEST_DEADLINE:g}).",
     )
     @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
     @click.pass_obj
@@ -214,20 +451,43 @@ def store_command(fn: Callable[..., Any]) -> Callable[..., Any]:
         as_json: bool,
         **kw: Any,
     ) -> Any:
-        ctx = CommandContext(
-            obj.get("config"), parse_options(storage_option), as_json, request_deadline
-        )
-        with errors_to_exit_codes():
-            return fn(ctx, **kw)
+        options = parse_options(storage_option)
+        if obj.get("redact") is not None:
+            obj["redact"].add(_credential_values(options))
+        deadline = REQUEST_DEADLINE if request_deadline is None else request_deadline
+        notice = WaitNotice(WAIT_NOTICE_AFTER, deadline, _is_terminal(sys.stderr))
+        ctx = CommandContext(obj.get("config"), options, as_json, request_deadline, notice)
+        notice.start()
+        try:
+            with errors_to_exit_codes(ctx):
+                return fn(ctx, **kw)
+        finally:
+            notice.stop()
 
     return wrapper
 
 
-def progress_bar(total: int, label: str, quiet: bool) -> Any:
-    """A progress bar on stderr (drawn only on a terminal, never with --json)."""
-    if quiet:
-        return contextlib.nullcontext(None)
-    return click.progressbar(length=total, label=label, file=sys.stderr, show_pos=False)
+def _credential_values(options: Any) -> Iterator[str]:
+    """The string values of credential-like keys in ``options``, at any depth (for
+    the log filter to hide wherever they appear)."""
+    from objckpt.ops.config import looks_like_credential
+
+    if isinstance(options, dict):
+        for name, value in options.items():
+            if looks_like_credential(str(name)) and isinstance(value, str):
+                yield value
+            else:
+                yield from _credential_values(value)
+    elif isinstance(options, list):
+        for value in options:
+            yield from _credential_values(value)
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
 
 
 def committed_manifest(loc: Any) -> Any:

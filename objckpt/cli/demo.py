@@ -1,8 +1,9 @@
 """The CLI's ``demo``: train, checkpoint, restart and verify, end to end.
 
 Unlike the store commands it takes no config; its errors get the store commands'
-exit codes (3 for a missing bucket, 4 for any other failure), and 5 means the
-restored weights did not match the saved ones.
+exit codes (2 for a bad ``--url`` or ``--storage-option``, 3 for a missing bucket,
+4 for any other failure), and 5 means the restored weights did not match the saved
+ones.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import sys
 
 import click
 
-from objckpt.cli.common import errors_to_exit_codes, parse_options
+from objckpt.cli.common import check_option_names, errors_to_exit_codes, parse_options, parse_url
 
 __all__ = ["EXIT_MISMATCH", "demo"]
 
@@ -47,13 +48,16 @@ def demo(
 
     if every < 1 or steps < every:
         raise click.BadParameter("need --steps >= --every >= 1", param_hint="--every")
+    options = parse_options(storage_option)
+    if url is not None:
+        check_option_names(parse_url(url, "--url"), options)
     with errors_to_exit_codes():
         result = run_demo(
             steps=steps,
             every=every,
             width=width,
             url=url,
-            storage_options=parse_options(storage_option) or None,
+            storage_options=options or None,
         )
     if as_json:
         click.echo(

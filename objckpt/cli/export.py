@@ -7,7 +7,7 @@ side's storage options on, so source and destination may live on different store
 
 from __future__ import annotations
 
-import sys
+import contextlib
 from typing import Any
 
 import click
@@ -44,32 +44,28 @@ def export_command(
     """Export the committed checkpoint STEP_URL to DEST_URL (index written last)."""
     from objckpt.ops.export import export_safetensors
 
-    bar: Any = None
+    source = ctx.storage_options(step_url, "STEP_URL")
+    dest = ctx.storage_options(dest_url, "DEST_URL")
+    with contextlib.ExitStack() as stack:
+        bar: list[Any] = []  # the drawn bar (None with --json), once the total is known
 
-    def progress(n: int, total: int) -> None:
-        nonlocal bar
-        if ctx.as_json:
-            return
-        if bar is None:
-            bar = click.progressbar(length=total, label="exporting", file=sys.stderr)
-            bar.__enter__()
-        bar.update(n)
+        def progress(n: int, total: int) -> None:
+            if not bar:
+                bar.append(stack.enter_context(ctx.progress_bar(total, "exporting")))
+            if bar[0] is not None:
+                bar[0].update(n)
 
-    try:
         report = export_safetensors(
             step_url,
             dest_url,
-            storage_options=ctx.storage_options(step_url),
-            dest_storage_options=ctx.storage_options(dest_url),
+            storage_options=source,
+            dest_storage_options=dest,
             dtype=dtype,
             keys=list(keys) or None,
             shard_size=shard_size,
             retry=ctx.retry,
             progress=progress,
         )
-    finally:
-        if bar is not None:
-            bar.__exit__(None, None, None)
     ctx.emit(
         {
             "dest": report.dest,
@@ -97,8 +93,8 @@ def import_command(ctx: CommandContext, src_url: str, step_url: str, keys: tuple
     count = import_safetensors(
         src_url,
         step_url,
-        storage_options=ctx.storage_options(src_url),
-        dest_storage_options=ctx.storage_options(step_url),
+        storage_options=ctx.storage_options(src_url, "SRC_URL"),
+        dest_storage_options=ctx.storage_options(step_url, "STEP_URL"),
         keys=list(keys) or None,
         retry=ctx.retry,
     )

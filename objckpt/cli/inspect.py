@@ -5,7 +5,10 @@ state, size and time under the root, with a config naming backups how far each
 backup trails, and with ``--local`` which steps this node's local tier holds.
 ``info`` summarises one committed checkpoint from its manifest, without loading it,
 including how many of its bytes it stores itself and how many it reuses from earlier
-steps (references, :mod:`objckpt.format.refs`).
+steps (references, :mod:`objckpt.format.refs`). It decodes the manifest's metadata
+and every index object as a load does (:func:`objckpt.ops.verify.require_loadable`),
+and refuses, naming the object and the bound, a checkpoint a load would refuse: a
+summary of one that cannot load would be read as a promise that it can.
 """
 
 from __future__ import annotations
@@ -178,17 +181,23 @@ def _backup_lag(ctx: CommandContext, loc: Location, steps: list[StepInfo]) -> li
 @click.option("--tensors/--no-tensors", default=True, help="List every tensor (default on).")
 @store_command
 def info_command(ctx: CommandContext, ckpt: str, tensors: bool) -> None:
-    """Summarise the committed checkpoint CKPT (manifest and tensors)."""
+    """Summarise the committed checkpoint CKPT (manifest and tensors); refuse one
+    a load would refuse (its metadata and index objects are decoded as a load does)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from objckpt.format.index import dcp_metadata
     from objckpt.format.refs import referenced_step
+    from objckpt.ops.verify import require_loadable
+    from objckpt.writers import open_store
 
     loc = ctx.location(ckpt, "CKPT")
     m = committed_manifest(loc)
     reused = sum(o.size for o in m.objects if referenced_step(o.key) is not None)
     reused_from = sorted({s for o in m.objects if (s := referenced_step(o.key)) is not None})
-    metadata = dcp_metadata(m, url=loc.url)
+    store = open_store(loc)
+    try:
+        metadata = require_loadable(store, m)
+    finally:
+        store.close()
     entries: list[dict[str, Any]] = []
     for fqn, md in sorted(metadata.state_dict_metadata.items()):
         if isinstance(md, TensorStorageMetadata):

@@ -16,7 +16,7 @@ import dataclasses
 
 import click
 
-from objckpt.cli.common import CommandContext, committed_manifest, progress_bar, store_command
+from objckpt.cli.common import CommandContext, committed_manifest, store_command
 
 __all__ = ["cp_command", "gc_command", "rm_command"]
 
@@ -70,7 +70,7 @@ def rm_command(ctx: CommandContext, ckpt: str, yes: bool) -> None:
 
     loc = ctx.location(ckpt, "CKPT")
     if not yes and not ctx.as_json:
-        click.confirm(f"delete {loc.url}?", abort=True, err=True)
+        ctx.confirm(f"delete {loc.url}?")
     removed = delete_step(loc)
     ctx.emit(
         {"url": loc.url, "deleted_objects": removed},
@@ -94,7 +94,7 @@ def cp_command(ctx: CommandContext, src: str, dst: str, overwrite: bool) -> None
     src_loc = ctx.location(src, "SRC")
     dst_loc = ctx.location(dst, "DST")
     source = committed_manifest(src_loc)
-    with progress_bar(source.total_bytes, "copying", ctx.as_json) as bar:
+    with ctx.progress_bar(source.total_bytes, "copying") as bar:
         report = copy_checkpoint(
             src_loc,
             dst_loc,

@@ -1,7 +1,8 @@
 """The CLI's ``verify``: check a checkpoint's objects against its manifest.
 
 Its own module because it is the one check whose failure is an answer, not an
-error: a bad object exits 1 (``EXIT_CHECK_FAILED``) after naming each failure.
+error: a bad object, or metadata a load refuses, exits 1 (``EXIT_CHECK_FAILED``)
+after naming each failure.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from objckpt.cli.common import (
     EXIT_CHECK_FAILED,
     CommandContext,
     committed_manifest,
-    progress_bar,
     store_command,
 )
 
@@ -25,17 +25,19 @@ __all__ = ["verify_command"]
 @click.argument("ckpt")
 @store_command
 def verify_command(ctx: CommandContext, ckpt: str) -> None:
-    """Check every object of CKPT against the manifest's size and CRC32C.
+    """Check every object of CKPT against the manifest's size and CRC32C, and
+    decode the manifest's metadata and every index object with the bounds a load
+    applies.
 
     Objects CKPT reuses from an earlier step are checked where they are stored.
-    Exits 1 and names each object that fails (both steps for a reused one); never
-    loads anything into torch.
+    Exits 1 and names each object that fails (both steps for a reused one) or that a
+    load would refuse (and the bound it breaks); never loads anything into torch.
     """
     from objckpt.ops.verify import verify_checkpoint
 
     loc = ctx.location(ckpt, "CKPT")
     manifest = committed_manifest(loc)
-    with progress_bar(manifest.total_bytes, "verifying", ctx.as_json) as bar:
+    with ctx.progress_bar(manifest.total_bytes, "verifying") as bar:
         report = verify_checkpoint(
             loc, manifest=manifest, progress=bar.update if bar is not None else None
         )
@@ -61,7 +63,11 @@ def verify_command(ctx: CommandContext, ckpt: str) -> None:
     def human() -> None:
         for f in report.failures:
             click.echo(f"FAIL {f.stored_at or loc.url_of(f.key)}: {f.problem}")
-        verdict = "ok" if report.ok else f"{len(report.failures)} of {len(report.objects)} failed"
+        bad = len(report.failures) - len(report.refused)
+        verdicts = [f"{bad} of {len(report.objects)} failed"] if bad else []
+        if report.refused:
+            verdicts.append(f"{len(report.refused)} refused by a load's checks")
+        verdict = ", ".join(verdicts) or "ok"
         click.echo(f"{loc.url}: {len(report.objects)} objects checked, {verdict}")
 
     ctx.emit(doc, human)

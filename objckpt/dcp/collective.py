@@ -37,6 +37,7 @@ from typing import Any, TypeVar, cast
 import torch
 import torch.distributed as dist
 
+from objckpt._torch import has_cpu_backend
 from objckpt.errors import ObjckptError, PeerRankError
 from objckpt.writers.translate import describe
 
@@ -74,18 +75,9 @@ class Route:
     side_group: bool = False
 
 
-def _has_cpu_backend(group: Any | None) -> bool:
-    pg = group if group is not None else dist.distributed_c10d._get_default_group()
-    try:
-        pg._get_backend(torch.device("cpu"))
-    except RuntimeError:
-        return False
-    return True
-
-
 def route(group: Any | None = None) -> Route:
     """Where ``group``'s collectives run (the default group when None)."""
-    if _has_cpu_backend(group):
+    if has_cpu_backend(group):
         return Route(group, torch.device("cpu"))
     if torch.cuda.is_available():
         return Route(group, torch.device("cuda", torch.cuda.current_device()))
@@ -98,7 +90,9 @@ def _side_group(group: Any | None) -> Any:
     Every rank of ``group`` reaches its first objckpt collective at the same point,
     so every rank builds the side group at the same point too.
     """
-    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    pg = group if group is not None else dist.group.WORLD
+    if pg is None:
+        raise ObjckptError("objckpt's collectives need torch.distributed's default group")
     name = pg.group_name
     with _SIDE_LOCK:
         side = _SIDE_GROUPS.get(name)

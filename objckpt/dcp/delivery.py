@@ -31,6 +31,7 @@ from objckpt.format.bounds import FRAME_SLACK, MAX_INT, tensor_bytes
 from objckpt.format.chunk_runs import chunk_of
 from objckpt.format.compress import undo_transforms
 from objckpt.format.dcp_json import StoredItem
+from objckpt.format.ref_check import stored_where
 from objckpt.options import ReadOptions
 from objckpt.writers.checksum import Crc32c
 from objckpt.writers.location import Location
@@ -107,7 +108,8 @@ class Delivery:
                 crc.update(data)
                 if crc.hexdigest() != item.crc32c:
                     raise ChecksumMismatchError(
-                        f"{location.url_of(item.relative_path)}: "
+                        f"{location.url_of(item.relative_path)}"
+                        f"{stored_where(location, item.relative_path)}: "
                         f"CRC32C of {req.storage_index.fqn!r} "
                         f"(bytes {item.offset}-{item.offset + item.length}) is {crc.hexdigest()}, "
                         f"the manifest says {item.crc32c}; the object is corrupt"

@@ -1,11 +1,14 @@
 """The bytes of planned ranges: from the local copy where it holds them intact, else the store.
 
-Store reads go through fsspec's ``cat_ranges``, all ranges of a batch at once, and
+Store reads go through fsspec's ``cat_ranges``, all ranges of a batch at once
+(:func:`~objckpt.writers.reads.read_ranges`: a range past an object's end reads
+as empty, whatever the store answers), and
 a range larger than ``ReadOptions.range_size`` is split into pieces fetched in
 parallel. A response cut off mid-body is retried as its own request by the store's
 retry layer (a store without one gets its batch retried whole). A piece missing
 or shorter than the manifest says is a :class:`SizeMismatchError` naming the
-object: the manifest lists it, so the store lost it.
+object (and, for bytes the step reuses from an earlier step, both steps): the
+manifest lists it, so the store lost it.
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ from fsspec import AbstractFileSystem
 from objckpt.dcp.local_copy import LocalCopy
 from objckpt.dcp.read_plan import Range
 from objckpt.errors import SizeMismatchError
+from objckpt.format.ref_check import stored_where
 from objckpt.options import ReadOptions
 from objckpt.writers.location import Location
+from objckpt.writers.reads import read_ranges
 from objckpt.writers.retry import retry_call
 from objckpt.writers.translate import translate
 
@@ -90,7 +95,7 @@ def _fetch_once(
     owner: list[int],
 ) -> list[bytes]:
     try:
-        pieces = fs().cat_ranges(paths, starts, ends, on_error="return")
+        pieces = read_ranges(fs(), paths, starts, ends)
     except Exception as exc:
         raise translate(exc, url=location.url, action="reading") from exc
     out: list[list[bytes]] = [[] for _ in batch]
@@ -98,12 +103,16 @@ def _fetch_once(
         if isinstance(piece, BaseException):
             url = location.url_of(batch[n].key)
             if isinstance(piece, FileNotFoundError):
-                raise SizeMismatchError(f"{url} is missing, but the manifest lists it") from piece
+                raise SizeMismatchError(
+                    f"{url} is missing{stored_where(location, batch[n].key)}, but the "
+                    f"manifest of {location.url} lists it"
+                ) from piece
             raise translate(piece, url=url, action="reading") from piece
         if len(piece) != end - start:
             raise SizeMismatchError(
-                f"{location.url_of(batch[n].key)} is shorter than the manifest says "
-                f"(bytes {start}-{end} requested, {len(piece)} returned)"
+                f"{location.url_of(batch[n].key)}{stored_where(location, batch[n].key)} is "
+                f"shorter than the manifest says (bytes {start}-{end} requested, "
+                f"{len(piece)} returned)"
             )
         out[n].append(piece)
     return [p[0] if len(p) == 1 else b"".join(p) for p in out]

@@ -12,26 +12,21 @@ Everything else is DCP's own: flattening, the missing-key and size checks, the
 read items (built by DCP's own helpers from the same chunks), the global plan, and
 ``resolve_tensor``/``load_bytes``. A tensor whose chunks are a plain list (a stock
 DCP checkpoint, format 1) is planned by DCP's own code, so the plans are the ones
-``DefaultLoadPlanner`` makes, in another order.
+``DefaultLoadPlanner`` makes, in another order. DCP's helpers are private
+(:func:`objckpt._torch.load_plan_helpers`); on a torch without them this planner
+plans with ``DefaultLoadPlanner``'s own code.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from torch.distributed.checkpoint import _version
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
-from torch.distributed.checkpoint.planner_helpers import (
-    _create_chunk_list,
-    _create_read_item_for_tensor,
-    _create_read_items,
-)
-from torch.distributed.checkpoint.resharding import _shards_get_overlap_region_wrt_saved_tensor
 from torch.distributed.tensor import DTensor
 
+from objckpt._torch import LoadPlanHelpers, load_plan_helpers
 from objckpt.format.chunk_runs import ChunkRuns
 
 __all__ = ["LoadPlanner"]
@@ -56,22 +51,27 @@ class LoadPlanner(DefaultLoadPlanner):
         done on the runs."""
         if self.metadata is None:
             raise AssertionError("set_up_planner was not called with metadata")
+        helpers = load_plan_helpers()
+        if helpers is None:  # pragma: no cover - a torch without DCP's helpers
+            return super().create_local_plan()
         if self.flatten_state_dict:
             # As DefaultLoadPlanner (torch 2.13): keys missing from the state dict may
             # be a checkpoint saved before torch 2.4, flattened the old way.
             missing = set(self.metadata.state_dict_metadata) - set(self.state_dict)
             if missing:
-                _version._derived_version = "2_3"
-                try:
-                    old_state_dict, old_mappings = flatten_state_dict(self.original_state_dict)
-                finally:
-                    _version._derived_version = None
+                old_state_dict, old_mappings = helpers.flatten_as_torch_2_3(
+                    self.original_state_dict
+                )
                 if set(old_state_dict) & missing:
                     self.state_dict, self.mappings = old_state_dict, old_mappings
-        return local_load_plan(self.state_dict, self.metadata, strict=not self.allow_partial_load)
+        return local_load_plan(
+            self.state_dict, self.metadata, helpers, strict=not self.allow_partial_load
+        )
 
 
-def local_load_plan(state_dict: dict[str, Any], metadata: Metadata, *, strict: bool) -> LoadPlan:
+def local_load_plan(
+    state_dict: dict[str, Any], metadata: Metadata, helpers: LoadPlanHelpers, *, strict: bool
+) -> LoadPlan:
     """DCP's ``create_default_local_load_plan``, same checks and messages, with the
     reads of a tensor stored as runs found by :func:`read_items_from_runs`."""
     requests: list[ReadItem] = []
@@ -92,18 +92,20 @@ def local_load_plan(state_dict: dict[str, Any], metadata: Metadata, *, strict: b
         if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
             continue  # this rank is not in the tensor's mesh
         if isinstance(md, TensorStorageMetadata) and isinstance(md.chunks, ChunkRuns):
-            requests += read_items_from_runs(fqn, md.chunks, obj)
+            requests += read_items_from_runs(fqn, md.chunks, obj, helpers)
         else:
-            requests += _create_read_items(fqn, md, obj)
+            requests += helpers.create_read_items(fqn, md, obj)
     return LoadPlan(requests)
 
 
-def read_items_from_runs(fqn: str, chunks: ChunkRuns, obj: Any) -> list[ReadItem]:
+def read_items_from_runs(
+    fqn: str, chunks: ChunkRuns, obj: Any, helpers: LoadPlanHelpers
+) -> list[ReadItem]:
     """The reads filling ``obj``'s local chunks from the stored ``chunks`` they
     overlap: the items DCP's ``create_read_items_for_chunk_list`` makes, building
     only the stored chunks that overlap."""
     try:
-        local_chunks = _create_chunk_list(obj)
+        local_chunks = helpers.create_chunk_list(obj)
     except ValueError as ex:
         raise ValueError(
             f"Invalid checkpoint metadata for {fqn}, "
@@ -113,11 +115,9 @@ def read_items_from_runs(fqn: str, chunks: ChunkRuns, obj: Any) -> list[ReadItem
     for local_idx, local in enumerate(local_chunks):
         for storage_idx in chunks.overlapping(local.offsets, local.sizes):
             stored = chunks[storage_idx]
-            narrows = _shards_get_overlap_region_wrt_saved_tensor(
-                saved_shard=stored, current_shard=local
-            )
+            narrows = helpers.overlap_region(saved_shard=stored, current_shard=local)
             items.append(
-                _create_read_item_for_tensor(
+                helpers.create_read_item_for_tensor(
                     dest_index=MetadataIndex(fqn, local.offsets, local_idx),
                     dest_offsets=[n[2] for n in narrows],
                     storage_index=MetadataIndex(fqn, stored.offsets, storage_idx),

@@ -24,7 +24,6 @@ object sizes from the listing it makes anyway.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -54,10 +53,11 @@ from objckpt.format.layout import (
 from objckpt.format.manifest import Manifest, ObjectEntry
 from objckpt.format.refs import require_step_directory
 from objckpt.writers.location import Location
+from objckpt.writers.reads import read_bounded
 from objckpt.writers.retry import retry_call
 from objckpt.writers.translate import translate
 
-__all__ = ["Opened", "check_items", "open_checkpoint", "read_bounded"]
+__all__ = ["Opened", "check_items", "open_checkpoint", "opened_from"]
 
 logger = logging.getLogger(__name__)
 
@@ -145,9 +145,28 @@ def open_checkpoint(
     if data is None:
         metadata, items = _open_stock(location, fs, allow_stock, max_bytes)
         return Opened(None, metadata, {}, items, source=read.source, fetched=read.fetched)
-    url = location.url
     manifest_url = location.url_of(MANIFEST_KEY)
     manifest = Manifest.from_json_bytes(data, url=manifest_url, max_bytes=max_bytes)
+    opened = opened_from(manifest, location, max_bytes=max_bytes)
+    return dataclasses.replace(opened, source=read.source, fetched=read.fetched)
+
+
+def opened_from(
+    manifest: Manifest, location: Location, *, max_bytes: int = DEFAULT_MAX_METADATA_BYTES
+) -> Opened:
+    """Check a parsed manifest as a load does before it requests anything it names:
+    references only in a step directory, the DCP metadata decoded within what the
+    manifest's objects allow, each index object's recorded size within
+    ``max_bytes`` and not empty (format 1: every item inside its object).
+
+    ``open_checkpoint`` calls it for every load; ``objckpt verify`` and ``info``
+    call it too, so that what a load refuses never verifies.
+
+    Raises:
+        ManifestError: Naming the manifest and the bound.
+    """
+    url = location.url
+    manifest_url = location.url_of(MANIFEST_KEY)
     objects = {o.key: o for o in manifest.objects}
     require_step_directory(url, objects, f"manifest {manifest_url}")
     if manifest.version >= 2:
@@ -161,12 +180,12 @@ def open_checkpoint(
             check_size(entry.size, max_bytes, what="index object", url=location.url_of(key))
             if entry.size == 0:
                 raise ManifestError(f"manifest of {url} records index object {key!r} as empty")
-        return Opened(manifest, metadata, objects, {}, locator, read.source, read.fetched)
+        return Opened(manifest, metadata, objects, {}, locator)
     metadata, items = metadata_from_json(manifest.metadata, url=manifest_url)
     where = f"manifest {manifest_url}"
     check_metadata(metadata, where=where, payload_bytes=manifest.total_bytes, items=len(items))
     check_items(items, objects, metadata, where=where)
-    return Opened(manifest, metadata, objects, items, None, read.source, read.fetched)
+    return Opened(manifest, metadata, objects, items)
 
 
 def check_items(
@@ -210,34 +229,6 @@ def check_items(
             raw_length=item.raw_length,
             key=item.relative_path,
         )
-
-
-def read_bounded(fs: AbstractFileSystem, path: str, limit: int) -> bytes:
-    """At most ``limit + 1`` bytes of an object, in one ranged GET: a longer answer
-    means the object is over ``limit``, found without reading it whole (and without
-    a HEAD, whose bodiless 403 would hide which credential was refused).
-
-    Raises:
-        FileNotFoundError: No such object.
-        Exception: The store's own error.
-    """
-    try:
-        return bytes(fs.cat_file(path, start=0, end=limit + 1))
-    except Exception as exc:
-        if _unsatisfiable(exc):
-            return b""  # a range of an empty object: S3 and GCS answer 416
-        raise
-
-
-def _unsatisfiable(exc: BaseException) -> bool:
-    """Whether ``exc`` is a store's 416 (a range of an empty object)."""
-    if getattr(exc, "code", None) == 416:  # gcsfs
-        return True
-    return (
-        isinstance(exc, OSError)
-        and exc.errno == errno.EINVAL  # s3fs's InvalidRange
-        and "range" in str(exc).lower()
-    )
 
 
 def _read_manifest(

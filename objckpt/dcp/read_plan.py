@@ -35,6 +35,7 @@ from objckpt.format.index_read import decode_index
 from objckpt.options import ReadOptions
 from objckpt.writers.checksum import Crc32c
 from objckpt.writers.location import Location
+from objckpt.writers.reads import read_ranges
 from objckpt.writers.retry import retry_call
 from objckpt.writers.translate import translate
 
@@ -107,8 +108,8 @@ class ItemIndex:
             ChecksumMismatchError: An index object's CRC32C differs from the manifest's.
             StoreError: The store failed.
         """
-        locator, manifest = self._opened.locator, self._opened.manifest
-        if locator is None or manifest is None:
+        locator = self._opened.locator
+        if locator is None or self._opened.manifest is None:
             return 0
         metadata = self._opened.metadata
         wanted: set[int] = set()
@@ -116,9 +117,34 @@ class ItemIndex:
             shard = locator.shard_of(index, metadata)
             if shard is not None and shard not in self._loaded_shards:
                 wanted.add(shard)
-        if not wanted:
-            return 0
-        keys = {shard: locator.index_keys[shard] for shard in sorted(wanted)}
+        found, fetched = self._read_shards(sorted(wanted))
+        for shard, items in found.items():
+            self._items.update(items)
+            self._loaded_shards.add(shard)
+        return fetched
+
+    def check_shard(self, shard: int) -> int:
+        """Fetch index object ``shard`` and check it as :meth:`locate` does (whole
+        against the manifest's size and CRC32C, every column bounded, every item
+        inside its object and as long as its chunk needs), keeping none of it:
+        ``objckpt verify`` and ``info`` refuse what a load would. Returns the bytes
+        fetched.
+
+        Raises:
+            ManifestError, SizeMismatchError, ChecksumMismatchError, StoreError:
+                As :meth:`locate`.
+        """
+        return self._read_shards([shard])[1]
+
+    def _read_shards(
+        self, shards: list[int]
+    ) -> tuple[dict[int, dict[MetadataIndex, StoredItem]], int]:
+        """The checked items of each index object in ``shards``, and the bytes fetched."""
+        locator, manifest = self._opened.locator, self._opened.manifest
+        if locator is None or manifest is None or not shards:
+            return {}, 0
+        metadata = self._opened.metadata
+        keys = {shard: locator.index_keys[shard] for shard in shards}
         found = self._local_index(keys)
         remote = {shard: k for shard, k in keys.items() if k is not None and shard not in found}
         paths = {shard: self._location.key_path(k) for shard, k in remote.items()}
@@ -130,7 +156,7 @@ class ItemIndex:
             try:
                 got = retry_call(
                     lambda: _raise_first(
-                        self._fs().cat_ranges(list(paths.values()), [0] * len(ends), ends)
+                        read_ranges(self._fs(), list(paths.values()), [0] * len(ends), ends)
                     ),
                     self._location.retry,
                     f"reading {len(paths)} index objects of {self._location.url}",
@@ -140,6 +166,7 @@ class ItemIndex:
                 raise translate(exc, url=self._location.url, action="reading the index of") from exc
             blobs = dict(zip(paths.values(), got, strict=True))
         fetched = 0
+        out: dict[int, dict[MetadataIndex, StoredItem]] = {}
         for shard, key in keys.items():
             if key is None:
                 continue
@@ -159,9 +186,8 @@ class ItemIndex:
             check_items(
                 items, self._opened.objects, metadata, where=f"index {self._location.url_of(key)}"
             )
-            self._items.update(items)
-            self._loaded_shards.add(shard)
-        return fetched
+            out[shard] = items
+        return out, fetched
 
     def _local_index(self, keys: Mapping[int, str | None]) -> dict[int, bytes]:
         """The index objects the local copy holds intact, by shard."""

@@ -14,19 +14,31 @@ existed, damaged, refused by the bounds) means no reuse for this save, logged on
 as a warning, never a failed save. Each rank decides for its own items, so ranks
 may differ without harm: whatever a rank references, the commit checks is there
 (:mod:`objckpt.format.ref_check`).
+
+A base whose manifest is whole may still name bytes that are gone: a step it
+references was damaged by hand (an object deleted, or replaced with other bytes).
+Referencing them again would fail every later save at the commit, each time, until
+someone deleted the base. So before an item is referenced, the object holding it is
+asked for (one HEAD per object the rank would reference, concurrently, beside the
+copy): an object that is missing, has another size, or, where the store keeps a
+full-object CRC32C (GCS, S3 objects written with one), another CRC32C than the
+base's manifest records, costs the reuse of the items in it only: they are
+uploaded again, with one warning naming the base and the object. Bytes replaced
+with others of the same size on a store that keeps no CRC32C are found by
+``objckpt verify``, not here (that would read the whole base every save).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextvars
 import logging
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 
-from fsspec import AbstractFileSystem
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem
 
-from objckpt.dcp.manifest_source import read_bounded
 from objckpt.errors import (
     ChecksumMismatchError,
     ConfigurationError,
@@ -41,9 +53,11 @@ from objckpt.format.ref_check import sibling
 from objckpt.format.refs import is_step_directory, reference_key, split_reference
 from objckpt.format.reused import BaseItem
 from objckpt.options import ReadOptions
+from objckpt.writers.base import ObjectStore
 from objckpt.writers.checksum import crc32c_of
 from objckpt.writers.deadline import Deadline, bounded_by
 from objckpt.writers.location import Location
+from objckpt.writers.reads import read_bounded
 from objckpt.writers.translate import describe
 
 __all__ = ["BaseReader", "BaseTable", "base_location", "identity"]
@@ -51,6 +65,11 @@ __all__ = ["BaseReader", "BaseTable", "base_location", "identity"]
 logger = logging.getLogger(__name__)
 
 Identity = tuple[str, tuple[int, ...] | None]
+
+#: HEADs in flight at once when a rank checks the objects it would reference.
+CHECK_CONCURRENCY = 16
+#: Objects named in the warning about a damaged base (the rest are counted).
+_NAMED = 4
 
 
 def identity(index: MetadataIndex) -> Identity:
@@ -113,19 +132,20 @@ class BaseTable:
 
 class BaseReader:
     """What this rank reads of one base step, each object once: the manifest and the
-    index objects it needs. :meth:`prefetch` reads the manifest and this rank's own
-    index object ahead (an async save runs it on another thread beside the copy, so
-    the lookup at queueing time, which may be inside ``save()``, finds them read);
-    :meth:`table` reads whatever else it needs.
+    index objects it needs, and a HEAD of each object it would reference.
+    :meth:`prefetch` does that ahead for this rank's own items (an async save runs
+    it on another thread beside the copy, so the lookup at queueing time, which may
+    be inside ``save()``, finds them read); :meth:`table` does whatever else it needs.
 
     A base that cannot be used (see the module docstring) gives no table, with one
-    warning naming the save, never an error.
+    warning naming the save, never an error; a damaged object of the base costs the
+    items in it, with one warning naming the base and the object.
     """
 
     def __init__(
-        self, fs: AbstractFileSystem, base: Location, *, target_url: str, limit: int | None = None
+        self, store: ObjectStore, base: Location, *, target_url: str, limit: int | None = None
     ) -> None:
-        self._fs = fs
+        self._store = store  # the saving step's: references resolve beside it
         self._base = base
         self._target_url = target_url
         self._limit = limit or ReadOptions().max_metadata_bytes
@@ -135,10 +155,14 @@ class BaseReader:
         self._failed: BaseException | None = None
         self._deadline: Deadline | None = None
         self._known: dict[Identity, BaseItem] | None = None
+        #: Reference key -> what is wrong with the object there (None: it is whole).
+        self._objects: dict[str, str | None] = {}
+        self._warned: set[str] = set()
 
     def remember(self, items: Mapping[Identity, BaseItem]) -> None:
         """Take this rank's items of the base from memory (what it wrote in that
-        save, :mod:`objckpt.pipeline.reuse_memory`): :meth:`table` reads nothing."""
+        save, :mod:`objckpt.pipeline.reuse_memory`): :meth:`table` reads neither the
+        manifest nor an index object, only HEADs the objects it would reference."""
         self._known = dict(items)
 
     def bound(self, deadline: Deadline | None) -> None:
@@ -148,17 +172,22 @@ class BaseReader:
 
     def prefetch(self, rank: int) -> None:
         """Read the manifest and the index object rank ``rank`` wrote (its own when
-        the world size is unchanged), keeping any failure for :meth:`table`."""
+        the world size is unchanged), or take the remembered items, and check the
+        objects holding them; any failure is kept for :meth:`table`."""
         with self._lock, bounded_by(self._deadline):
             try:
+                if self._known is not None:
+                    self._check_objects(self._known.values())
+                    return
                 _, _, locator = self._open()
                 if rank < len(locator.index_keys):
-                    self._shard(rank)
+                    self._check_objects(self._shard_items(rank, None).values())
             except Exception as exc:
                 self._failed = self._failed or exc
 
     def table(self, wanted: Sequence[MetadataIndex]) -> BaseTable | None:
-        """The base's items of the identities in ``wanted`` (None: no reuse).
+        """The base's items of the identities in ``wanted`` whose objects are whole
+        (None: no reuse).
 
         Called inside DCP's collective (an async save's ``write_data``): it waits
         for a read in flight at most until the save's deadline (:meth:`bound`), then
@@ -166,13 +195,6 @@ class BaseReader:
         """
         if not wanted:
             return None
-        if self._known is not None:
-            known = self._known
-            found = {i: known[i] for i in map(identity, wanted) if i in known}
-            logger.debug(
-                "base %s from memory: %d of %d items", self._base.url, len(found), len(wanted)
-            )
-            return BaseTable(self._base.url, found)
         deadline = self._deadline
         wait = -1.0 if deadline is None else max(0.0, deadline.remaining())
         if not self._lock.acquire(timeout=wait):
@@ -182,7 +204,7 @@ class BaseReader:
             if self._failed is not None:
                 raise self._failed
             with bounded_by(deadline):
-                return self._table(wanted)
+                return BaseTable(self._base.url, self._usable(self._items(wanted)))
         except Exception as exc:  # a base that cannot be used costs the reuse only
             self._failed = exc
             self._give_up(exc)
@@ -204,11 +226,95 @@ class BaseReader:
             why,
         )
 
+    def _items(self, wanted: Sequence[MetadataIndex]) -> dict[Identity, BaseItem]:
+        """The base's items of ``wanted``, from memory or from its index objects."""
+        want = {identity(i) for i in wanted}
+        if self._known is not None:
+            known = self._known
+            found = {i: known[i] for i in want if i in known}
+            logger.debug(
+                "base %s from memory: %d of %d items", self._base.url, len(found), len(want)
+            )
+            return found
+        _, metadata, locator = self._open()
+        shards = set()
+        for index in wanted:
+            if index.fqn in metadata.state_dict_metadata:
+                shard = locator.shard_of(MetadataIndex(index.fqn, index.offset), metadata)
+                if shard is not None:
+                    shards.add(shard)
+        items: dict[Identity, BaseItem] = {}
+        for shard in sorted(shards):
+            items.update(self._shard_items(shard, want))
+        logger.debug("base %s: %d of %d items hashed", self._base.url, len(items), len(want))
+        return items
+
+    def _usable(self, items: Mapping[Identity, BaseItem]) -> dict[Identity, BaseItem]:
+        """``items`` but those whose object is damaged (missing, another size or
+        CRC32C than the base's manifest records): one warning names the base and
+        each such object the first time it costs this save items."""
+        damaged = self._check_objects(items.values())
+        if not damaged:
+            return dict(items)
+        kept = {i: item for i, item in items.items() if item.key not in damaged}
+        new = sorted(k for k in damaged if k not in self._warned)
+        if new:
+            self._warned.update(new)
+            at = self._store.location
+            named = "; ".join(f"{at.url_of(k)} {damaged[k]}" for k in new[:_NAMED])
+            if len(new) > _NAMED:
+                named += f"; and {len(new) - _NAMED} more"
+            logger.warning(
+                "saving %s: its base %s names damaged bytes, so %d items it would have "
+                "referenced there are uploaded again (%s)",
+                self._target_url,
+                self._base.url,
+                len(items) - len(kept),
+                named,
+            )
+        return kept
+
+    def _check_objects(self, items: Iterable[BaseItem]) -> dict[str, str]:
+        """Ask for every object holding one of ``items`` not asked for yet (a HEAD
+        each, :data:`CHECK_CONCURRENCY` at once); what is wrong with each damaged one.
+
+        Raises:
+            StoreError: A HEAD failed other than with "not found" (the base is
+                then not used at all).
+        """
+        by_key = {item.key: item for item in items}
+        todo = [by_key[k] for k in sorted(by_key) if k not in self._objects]
+        if todo:
+            workers = min(CHECK_CONCURRENCY, len(todo))
+            with concurrent.futures.ThreadPoolExecutor(
+                workers, thread_name_prefix="objckpt-base-check"
+            ) as pool:
+                # Each HEAD in a copy of this thread's context: the save's deadline.
+                futures = [
+                    pool.submit(contextvars.copy_context().run, self._damage, item) for item in todo
+                ]
+                found = [f.result() for f in futures]
+            for item, problem in zip(todo, found, strict=True):
+                self._objects[item.key] = problem
+        return {k: p for k in by_key if (p := self._objects[k]) is not None}
+
+    def _damage(self, item: BaseItem) -> str | None:
+        """What is wrong with the object holding ``item`` (None: nothing the store tells)."""
+        try:
+            size, crc = self._store.digest(item.key)
+        except FileNotFoundError:
+            return "is missing"
+        if size != item.object_size:
+            return f"is {size} bytes, not the {item.object_size} the base's manifest records"
+        if crc is not None and crc != item.object_crc32c:
+            return f"has CRC32C {crc}, not the {item.object_crc32c} the base's manifest records"
+        return None
+
     def _open(self) -> tuple[Manifest, Metadata, Locator]:
         if self._opened is None:
-            base, limit = self._base, self._limit
+            base, limit, fs = self._base, self._limit, self._store.fs
             url = base.url_of(MANIFEST_KEY)
-            data = read_bounded(self._fs, base.key_path(MANIFEST_KEY), limit)
+            data = read_bounded(fs, base.key_path(MANIFEST_KEY), limit)
             manifest = Manifest.from_json_bytes(data, url=url, max_bytes=limit)
             if manifest.version < 2:
                 raise ManifestError(f"{url} is format {manifest.version}: no item hashes")
@@ -230,7 +336,7 @@ class BaseReader:
             entry = manifest.object(key)
             if entry is None:  # decode_metadata refuses this; kept for the type checker
                 raise ManifestError(f"{base.url} names index {key!r} but not as an object")
-            blob = read_bounded(self._fs, base.key_path(key), min(entry.size, self._limit))
+            blob = read_bounded(self._store.fs, base.key_path(key), min(entry.size, self._limit))
             if len(blob) != entry.size or f"{crc32c_of(blob):08x}" != entry.crc32c:
                 raise ChecksumMismatchError(
                     f"index {base.url_of(key)} is {len(blob)} bytes with another CRC32C than "
@@ -242,40 +348,33 @@ class BaseReader:
         self._shards[shard] = found
         return found
 
-    def _table(self, wanted: Sequence[MetadataIndex]) -> BaseTable:
-        manifest, metadata, locator = self._open()
+    def _shard_items(self, shard: int, want: set[Identity] | None) -> dict[Identity, BaseItem]:
+        """The hashed items of index object ``shard`` (of ``want``; None: all) as
+        a later step references them."""
+        manifest, _, _ = self._open()
         base = self._base
         step_dir = base.path.rstrip("/").rsplit("/", 1)[-1]
         objects = {o.key: o for o in manifest.objects}
-        want = {identity(i) for i in wanted}
-        shards = set()
-        for index in wanted:
-            if index.fqn in metadata.state_dict_metadata:
-                shard = locator.shard_of(MetadataIndex(index.fqn, index.offset), metadata)
-                if shard is not None:
-                    shards.add(shard)
         items: dict[Identity, BaseItem] = {}
-        for shard in sorted(shards):
-            for index, stored in self._shard(shard).items():
-                ident = identity(index)
-                obj = objects.get(stored.relative_path)
-                if ident not in want or stored.xxh3 is None or obj is None:
-                    continue
-                if stored.offset + stored.length > obj.size:
-                    raise ManifestError(
-                        f"the index of {base.url} places {index.fqn!r} at "
-                        f"{stored.offset}+{stored.length}, past the {obj.size} bytes of "
-                        f"{stored.relative_path!r}"
-                    )
-                items[ident] = BaseItem(
-                    key=reference_key(step_dir, stored.relative_path),
-                    offset=stored.offset,
-                    length=stored.length,
-                    crc32c=stored.crc32c,
-                    xxh3=stored.xxh3,
-                    object_size=obj.size,
-                    object_crc32c=obj.crc32c,
-                    descriptors=stored.transform_descriptors,
+        for index, stored in self._shard(shard).items():
+            ident = identity(index)
+            obj = objects.get(stored.relative_path)
+            if (want is not None and ident not in want) or stored.xxh3 is None or obj is None:
+                continue
+            if stored.offset + stored.length > obj.size:
+                raise ManifestError(
+                    f"the index of {base.url} places {index.fqn!r} at "
+                    f"{stored.offset}+{stored.length}, past the {obj.size} bytes of "
+                    f"{stored.relative_path!r}"
                 )
-        logger.debug("base %s: %d of %d items hashed", base.url, len(items), len(want))
-        return BaseTable(base.url, items)
+            items[ident] = BaseItem(
+                key=reference_key(step_dir, stored.relative_path),
+                offset=stored.offset,
+                length=stored.length,
+                crc32c=stored.crc32c,
+                xxh3=stored.xxh3,
+                object_size=obj.size,
+                object_crc32c=obj.crc32c,
+                descriptors=stored.transform_descriptors,
+            )
+        return items

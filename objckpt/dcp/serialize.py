@@ -273,17 +273,35 @@ def refuse_unwritable(items: list[WriteItem], planner: SavePlanner) -> None:
     state = getattr(planner, "state_dict", None)
     if not isinstance(state, Mapping):
         return
+    checked: set[str] = set()  # a ShardedTensor's entry has one item per local shard
     for item in items:
-        if item.type == WriteItemType.BYTE_IO:
+        fqn = item.index.fqn
+        if item.type == WriteItemType.BYTE_IO or fqn in checked:
             continue
-        value = state.get(item.index.fqn)
+        checked.add(fqn)
+        value = state.get(fqn)
         if isinstance(value, torch.Tensor):
-            _refuse_unwritable_tensor(item.index.fqn, value)
+            for local in _local_tensors(value):
+                _refuse_unwritable_tensor(fqn, local)
+
+
+def _local_tensors(value: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors this rank writes for a state-dict entry.
+
+    A wrapper's own ``layout``/``is_meta`` are not the written data's: a DTensor's
+    describe its local shard only through ``to_local()``, and a ShardedTensor's
+    ``is_meta`` raises ``NotImplementedError`` when the rank holds more than one
+    local shard (which DCP saves, one item per shard), so each shard is asked.
+    """
+    local_shards = getattr(value, "local_shards", None)
+    if callable(local_shards):  # a ShardedTensor
+        return [shard.tensor for shard in local_shards()]
+    if type(value) is not torch.Tensor and hasattr(value, "to_local"):  # a DTensor
+        return [value.to_local()]
+    return [value]
 
 
 def _refuse_unwritable_tensor(fqn: str, data: torch.Tensor) -> None:
-    if type(data) is not torch.Tensor and hasattr(data, "to_local"):
-        data = data.to_local()  # a DTensor: its local shard is what is written
     if data.layout != torch.strided:
         raise StateDictError(
             f"state-dict entry {fqn!r} is a {data.layout} tensor, which objckpt cannot "
@@ -310,7 +328,8 @@ def resolve_entries(
             raise StateDictError(
                 f"entry {item.index.fqn!r} was planned as a tensor but is {type(data).__name__}"
             )
-        _refuse_unwritable_tensor(item.index.fqn, data)
+        for local in _local_tensors(data):
+            _refuse_unwritable_tensor(item.index.fqn, local)
         yield pos, data
 
 

@@ -23,12 +23,12 @@ from typing import Any
 
 import torch.distributed as dist
 from fsspec import AbstractFileSystem
-from torch.distributed.checkpoint._extension import StreamTransformExtension
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from objckpt._torch import StreamTransformExtension
 from objckpt.dcp.plan import RankPlan, assign_objects
 from objckpt.dcp.reuse_base import BaseReader, BaseTable, base_location
 from objckpt.dcp.serialize import (
@@ -320,7 +320,7 @@ class ObjectStoreWriter(StorageWriter):
         if (base := base_location(self.location, self.reuse_from)) is None:
             return None  # none, or given up (reuse_from reset): no earlier reader is used
         if self._base is None:
-            self._base = BaseReader(self.store.fs, base, target_url=self.location.url)
+            self._base = BaseReader(self.store, base, target_url=self.location.url)
         return self._base
 
     def base_table(self, items: list[WriteItem]) -> BaseTable | None:

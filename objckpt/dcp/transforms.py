@@ -23,9 +23,9 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import IO, Any, cast
 
 import torch
-from torch.distributed.checkpoint._extension import StreamTransformExtension
 from torch.distributed.checkpoint.planner import WriteItem
 
+from objckpt._torch import StreamTransformExtension, require_stream_transforms
 from objckpt.dcp.serialize import Framer, stored_chunks
 from objckpt.errors import ConfigurationError
 from objckpt.format.compress import (
@@ -149,6 +149,8 @@ class ItemTransforms:
     ) -> None:
         self.codec: Codec | None = parse_compression(compression)
         self.extensions = tuple(extensions or ())
+        if self.extensions:
+            require_stream_transforms("ObjectStoreWriter(_extensions=...)")
         for ex in self.extensions:
             if not isinstance(ex, StreamTransformExtension):
                 raise ConfigurationError(

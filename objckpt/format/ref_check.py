@@ -11,6 +11,14 @@ committed. What deletes steps spares the objects a committed manifest names; the
 remaining window (deleted after this listing, before the PUT lands) is the
 deleter's to close: gc and retention delete a step's manifest first, then only
 objects no remaining committed manifest names.
+
+Bytes that were already gone when the save looked up its base never fail it here:
+that lookup asks for each object it would reference and uploads the items of a
+missing or damaged one again instead (:mod:`objckpt.dcp.reuse_base`). What this
+check finds went after the lookup, and the message says so.
+
+:func:`stored_where` is how every message about a referenced object names both
+steps (the one loaded or verified, and the one storing the bytes).
 """
 
 from __future__ import annotations
@@ -21,12 +29,12 @@ from collections.abc import Iterable
 from objckpt.errors import UploadError
 from objckpt.format.layout import MANIFEST_KEY
 from objckpt.format.manifest import ObjectEntry
-from objckpt.format.refs import split_reference
+from objckpt.format.refs import referenced_step, split_reference
 from objckpt.format.steps import inventory
 from objckpt.writers.base import ObjectStore
 from objckpt.writers.location import Location
 
-__all__ = ["require_referenced", "sibling"]
+__all__ = ["require_referenced", "sibling", "stored_where"]
 
 _NAMED = 8
 
@@ -36,6 +44,18 @@ def sibling(location: Location, step_dir: str) -> Location:
     url = location.url.rstrip("/").rsplit("/", 1)[0]
     path = location.path.rstrip("/").rsplit("/", 1)[0]
     return dataclasses.replace(location, url=f"{url}/{step_dir}", path=f"{path}/{step_dir}")
+
+
+def stored_where(location: Location, key: str) -> str:
+    """For a message about object ``key`` of the checkpoint at ``location``: which
+    two steps are involved when it is a reference (" (stored by <step>, referenced
+    by <step>)"), else "". A reused object that is missing or damaged is found
+    loading or verifying the step that references it, and the step that stores it
+    is the one to look at (or restore)."""
+    step_dir = referenced_step(key)
+    if step_dir is None:
+        return ""
+    return f" (stored by {sibling(location, step_dir).url}, referenced by {location.url})"
 
 
 def require_referenced(
@@ -87,8 +107,15 @@ def require_referenced(
         if wrong:
             named = ", ".join(f"{k} is {found[k]} bytes, not {want[k]}" for k in wrong[:_NAMED])
             parts.append(f"{len(wrong)} have another size ({named})")
+        # The save's base lookup found each object it references whole (or did
+        # not reference it): what is gone now went after that lookup.
+        since = ""
+        if base is not None:
+            since = (
+                f", though this save's lookup of its base {base} found them whole: "
+                "deleted or replaced since, by another process or by hand"
+            )
         raise UploadError(
             f"refusing to commit {store.location.url}: it reuses bytes stored by "
-            f"{where.url}, and {'; '.join(parts)} (the step was deleted since this save "
-            "looked it up as its base); nothing was committed"
+            f"{where.url}, and {'; '.join(parts)}{since}; nothing was committed"
         )

@@ -43,6 +43,7 @@ __all__ = [
     "committed_steps",
     "inventory",
     "parse_step",
+    "require_bucket",
     "step_name",
     "steps_of",
 ]
@@ -149,7 +150,7 @@ def inventory(fs: AbstractFileSystem, root: Location) -> list[ObjectInfo]:
     except Exception as exc:
         raise translate(exc, url=root.url, action="listing", missing_is_bucket=True) from exc
     if not found:
-        _require_bucket(fs, root)
+        require_bucket(fs, root)
         return []
     prefix = root.path.rstrip("/") + "/"
     out = []
@@ -164,8 +165,13 @@ def inventory(fs: AbstractFileSystem, root: Location) -> list[ObjectInfo]:
     return sorted(out, key=lambda o: o.key)
 
 
-def _require_bucket(fs: AbstractFileSystem, root: Location) -> None:
-    """Raise when ``root``'s bucket does not exist (one request; object stores only)."""
+def require_bucket(fs: AbstractFileSystem, root: Location) -> None:
+    """Raise when ``root``'s bucket does not exist (one request; object stores only).
+
+    Raises:
+        BucketNotFoundError: Named for the bucket and ``root``.
+        StoreError: The check itself failed (translated, naming ``root``).
+    """
     if root.is_local:
         return
     try:
@@ -222,7 +228,7 @@ def committed_steps(fs: AbstractFileSystem, root: Location) -> list[StepInfo]:
     except Exception as exc:
         raise translate(exc, url=root.url, action="listing", missing_is_bucket=True) from exc
     if not listed:
-        _require_bucket(fs, root)
+        require_bucket(fs, root)
         return []
     # Only directories named as objckpt names them: a step number written with more
     # digits (made by hand) is another directory, which the manager never uses.

@@ -2,8 +2,10 @@
 
 One file names where a run's checkpoints live and how to reach them, without
 holding a secret: credentials are referenced by environment variable name (or
-an AWS profile), never written inline; a key that looks like a secret is an
-error. Every table and key is checked, and a mistake names the file and key.
+an AWS profile), never written inline; a key that looks like a secret, at any
+depth of the options (``client_kwargs.aws_secret_access_key``), is an error that
+names the key's path and never its value. Every table and key is checked, and a
+mistake names the file and key.
 
 Schema (every table optional except ``root``)::
 
@@ -73,24 +75,24 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
-__all__ = ["BackupTarget", "Config", "load_config", "parse_config"]
+__all__ = ["BackupTarget", "Config", "load_config", "looks_like_credential", "parse_config"]
 
-# Option names that carry credentials: they must come from the environment.
-_SECRET_NAMES = frozenset(
-    {
-        "key",
-        "secret",
-        "token",
-        "password",
-        "session_token",
-        "access_token",
-        "credentials",
-        "aws_access_key_id",
-        "aws_secret_access_key",
-        "aws_session_token",
-        "secret_access_key",
-        "access_key_id",
-    }
+# Option keys that carry credentials: they must come from the environment. A key is
+# credential-like when it is ``key`` (s3fs's access key id) or contains one of these
+# words, at any depth of ``options``: ``client_kwargs.aws_secret_access_key`` is a
+# secret as much as ``secret`` is (s3fs hands ``client_kwargs`` to botocore as is).
+_SECRET_NAMES = frozenset({"key"})
+_SECRET_WORDS = (
+    "secret",
+    "token",
+    "password",
+    "passwd",
+    "credential",
+    "access_key",
+    "account_key",
+    "private_key",
+    "api_key",
+    "connection_string",
 )
 _TOP = {
     "root",
@@ -148,16 +150,42 @@ def _no_unknown(table: Mapping[str, Any], known: set[str], where: str, source: s
         )
 
 
+def looks_like_credential(name: str) -> bool:
+    """Whether an option key names a credential (``secret``, ``aws_session_token``, ...)."""
+    lowered = name.lower()
+    return lowered in _SECRET_NAMES or any(word in lowered for word in _SECRET_WORDS)
+
+
+def _credential_key(value: Any, path: str) -> str | None:
+    """The dotted path of the first credential-like key in ``value`` (nested tables
+    and arrays included), or None. Only the path is returned: the value itself must
+    never reach a message."""
+    if isinstance(value, dict):
+        for name, inner in value.items():
+            where = f"{path}.{name}"
+            if looks_like_credential(str(name)):
+                return where
+            found = _credential_key(inner, where)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, inner in enumerate(value):
+            found = _credential_key(inner, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
 def _storage(value: Any, where: str, source: str, environ: Mapping[str, str]) -> dict[str, Any]:
     table = _table(value, where, source)
     _no_unknown(table, _STORAGE, f"{where}.", source)
     options = dict(_table(table.get("options", {}), f"{where}.options", source))
-    for name in options:
-        if name.lower() in _SECRET_NAMES:
-            raise ConfigurationError(
-                f"{source}: {where}.options.{name} looks like a credential; secrets never go "
-                f"in the config file: name an environment variable in {where}.env instead"
-            )
+    secret = _credential_key(options, f"{where}.options")
+    if secret is not None:
+        raise ConfigurationError(
+            f"{source}: {secret} looks like a credential; secrets never go in the config "
+            f"file: name an environment variable in {where}.env instead (or use a profile)"
+        )
     env = _table(table.get("env", {}), f"{where}.env", source)
     for name, var in env.items():
         if not isinstance(var, str) or not var:

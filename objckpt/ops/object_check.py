@@ -17,6 +17,7 @@ from collections.abc import Callable
 from objckpt.errors import ChecksumMismatchError, SizeMismatchError
 from objckpt.format.layout import METADATA_KEY
 from objckpt.format.manifest import ObjectEntry
+from objckpt.format.ref_check import stored_where
 from objckpt.ops.referenced import Siblings
 from objckpt.writers import ObjectStore
 from objckpt.writers.checksum import Crc32c
@@ -77,9 +78,7 @@ def check_object(
     is read where it is stored (``siblings``), and a problem with it names both steps."""
     where, key = siblings.resolve(entry.key) if siblings is not None else (store, entry.key)
     url = where.location.url_of(key)
-    both = ""
-    if where is not store:
-        both = f" (stored by {where.location.url}, referenced by {store.location.url})"
+    both = stored_where(store.location, entry.key)
 
     def problem(msg: str, size: int | None = None, crc: str | None = None) -> ObjectCheck:
         return ObjectCheck(entry.key, entry.size, entry.crc32c, size, crc, msg + both, url)

@@ -49,6 +49,7 @@ from objckpt.errors import (
 from objckpt.format.bounds import MAX_DIMS, load_json, tensor_bytes
 from objckpt.ops.safetensors_format import DTYPES, INDEX_NAME
 from objckpt.writers.location import Location
+from objckpt.writers.reads import read_range
 from objckpt.writers.translate import translate
 
 __all__ = ["MAX_HEADER_BYTES", "Shard", "Stored", "read_header", "read_source", "read_tensor"]
@@ -359,7 +360,7 @@ def _size(fs: Any, path: str, url: str) -> int:
 def _read(fs: Any, path: str, url: str, start: int, end: int) -> bytes:
     """Bytes ``[start, end)`` of the file, all of them or an error naming it."""
     try:
-        data = fs.cat_file(path, start=start, end=end)
+        data = read_range(fs, path, start, end)
     except ObjckptError:
         raise
     except Exception as exc:

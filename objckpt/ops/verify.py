@@ -1,8 +1,12 @@
 """Checking and copying committed checkpoints without loading them into torch.
 
 ``verify_checkpoint`` reads every object the manifest names and compares its
-size and CRC32C with the manifest: the check a job should be able to run on a
-checkpoint before trusting it (or before deleting the only other copy).
+size and CRC32C with the manifest, and decodes the manifest's metadata and every
+index object with the bounds a load applies (:func:`check_loadable`: the load's own
+functions, not a copy of them): the check a job should be able to run on a
+checkpoint before trusting it (or before deleting the only other copy). Sizes and
+CRC32Cs alone are not enough there: whoever can write the bucket can recompute them
+for a crafted index, which a load then refuses.
 
 ``copy_checkpoint`` streams each object from one store to another, checking
 the CRC32C on the way, then commits as a save does (:mod:`objckpt.format.settle`):
@@ -18,12 +22,18 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
+from collections.abc import Collection
 
+from torch.distributed.checkpoint.metadata import Metadata
+
+from objckpt.dcp.manifest_source import opened_from
+from objckpt.dcp.read_plan import ItemIndex
 from objckpt.errors import (
     CheckpointExistsError,
     CheckpointNotCommittedError,
     CheckpointNotFoundError,
     ConfigurationError,
+    IntegrityError,
     ManifestError,
 )
 from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY, list_names
@@ -48,12 +58,15 @@ from objckpt.writers.location import Location
 __all__ = [
     "CopyReport",
     "ObjectCheck",
+    "Refusal",
     "VerifyReport",
+    "check_loadable",
     "check_replica",
     "commit_copy",
     "copy_checkpoint",
     "copy_object",
     "open_manifest",
+    "require_loadable",
     "verify_checkpoint",
 ]
 
@@ -62,17 +75,92 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class VerifyReport:
+    """What :func:`verify_checkpoint` found.
+
+    Attributes:
+        objects: Each object's size and CRC32C check.
+        refused: What a load would refuse in the manifest's metadata or an index
+            object (:func:`check_loadable`), one check per object named.
+    """
+
     url: str
     manifest: Manifest
     objects: tuple[ObjectCheck, ...]
+    refused: tuple[ObjectCheck, ...] = ()
 
     @property
     def ok(self) -> bool:
-        return all(o.problem is None for o in self.objects)
+        return not self.refused and all(o.problem is None for o in self.objects)
 
     @property
     def failures(self) -> tuple[ObjectCheck, ...]:
-        return tuple(o for o in self.objects if o.problem is not None)
+        return tuple(o for o in self.objects if o.problem is not None) + self.refused
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """What a load refuses in one metadata object: its key, URL and the error."""
+
+    key: str
+    url: str
+    error: ManifestError | IntegrityError
+
+    def check(self, manifest: Manifest) -> ObjectCheck:
+        """As a failed :class:`ObjectCheck` (the manifest itself: size 0, no CRC32C,
+        being no object it lists)."""
+        entry = manifest.object(self.key)
+        size, crc = (entry.size, entry.crc32c) if entry is not None else (0, "")
+        # The error names the object already when it is this one: said once.
+        text = str(self.error)
+        for what in ("manifest", "index"):
+            text = text.removeprefix(f"{what} {self.url}: ")
+        return ObjectCheck(self.key, size, crc, None, None, f"a load refuses it: {text}", self.url)
+
+
+def check_loadable(
+    store: ObjectStore,
+    manifest: Manifest,
+    *,
+    skip: Collection[str] = (),
+    parallel: int = 4,
+) -> tuple[Metadata | None, tuple[Refusal, ...]]:
+    """Decode the manifest's metadata and every index object (but those in ``skip``)
+    with the functions and bounds a load uses (:func:`objckpt.dcp.manifest_source.opened_from`,
+    :meth:`objckpt.dcp.read_plan.ItemIndex.check_shard`): a checkpoint that cannot
+    load must never verify. Reads each index object (one GET each, ``parallel`` at
+    once).
+
+    Returns:
+        The checkpoint's DCP metadata (None when the manifest's is refused) and what
+        a load refuses, in index order.
+
+    Raises:
+        StoreError: An index object could not be read.
+    """
+    location = store.location
+    try:
+        opened = opened_from(manifest, location)
+    except ManifestError as exc:
+        return None, (Refusal(MANIFEST_KEY, location.url_of(MANIFEST_KEY), exc),)
+    if opened.locator is None:  # format 1: the manifest places every item
+        return opened.metadata, ()
+    index = ItemIndex(opened, location, lambda: store.fs)
+    todo = [
+        (shard, key)
+        for shard, key in enumerate(opened.locator.index_keys)
+        if key is not None and key not in skip
+    ]
+
+    def one(shard: int, key: str) -> Refusal | None:
+        try:
+            index.check_shard(shard)
+        except (ManifestError, IntegrityError) as exc:
+            return Refusal(key, location.url_of(key), exc)
+        return None
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, parallel)) as pool:
+        found = list(pool.map(lambda t: one(*t), todo))
+    return opened.metadata, tuple(r for r in found if r is not None)
 
 
 def open_manifest(store: ObjectStore) -> Manifest:
@@ -98,6 +186,21 @@ def open_manifest(store: ObjectStore) -> Manifest:
     return manifest
 
 
+def require_loadable(store: ObjectStore, manifest: Manifest, *, parallel: int = 16) -> Metadata:
+    """The checkpoint's DCP metadata, once its manifest and every index object pass
+    what a load checks (:func:`check_loadable`; ``objckpt info``).
+
+    Raises:
+        ManifestError, IntegrityError: The first thing a load would refuse, naming
+            the object and the bound.
+        StoreError: An index object could not be read.
+    """
+    metadata, refused = check_loadable(store, manifest, parallel=parallel)
+    if metadata is None or refused:  # no metadata comes with a refusal saying why
+        raise refused[0].error
+    return metadata
+
+
 def verify_checkpoint(
     location: Location,
     *,
@@ -109,6 +212,9 @@ def verify_checkpoint(
 
     Objects the step references in sibling step directories (reuse) are read where
     they are stored and checked like its own; a problem with one names both steps.
+    Then the manifest's metadata and each index object whose bytes check out are
+    decoded as a load decodes them (:func:`check_loadable`): what a load refuses is
+    reported too.
 
     Args:
         manifest: The checkpoint's manifest when the caller has read it already.
@@ -129,13 +235,16 @@ def verify_checkpoint(
             checks = list(
                 pool.map(lambda e: check_object(store, e, progress, siblings), manifest.objects)
             )
+        bad = {c.key for c in checks if c.problem}  # reported already, for their bytes
+        _, refusals = check_loadable(store, manifest, skip=bad, parallel=parallel)
     finally:
         siblings.close()
         store.close()
-    for c in checks:
+    refused = tuple(r.check(manifest) for r in refusals)
+    for c in checks + list(refused):
         if c.problem:
             logger.error("%s: %s", c.stored_at or location.url_of(c.key), c.problem)
-    return VerifyReport(location.url, manifest, tuple(checks))
+    return VerifyReport(location.url, manifest, tuple(checks), refused)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,7 @@ import threading
 
 import torch
 
+from objckpt._torch import version_counters
 from objckpt.errors import StateDictError
 from objckpt.pipeline.host_copy import HostCopier
 
@@ -72,11 +73,12 @@ class Copy:
                 raise self._error
 
     def _check(self) -> None:
-        changed = [
-            p
-            for p, t, v in zip(self._paths, self._sources, self._versions, strict=True)
-            if t._version != v
-        ]
+        now = version_counters(self._sources)
+        if now is None:  # read at save(), so readable now; refuse rather than guess
+            raise StateDictError(
+                "the tensors' version counters could not be read after the background copy"
+            )
+        changed = [p for p, v, w in zip(self._paths, self._versions, now, strict=True) if v != w]
         if changed:
             shown = ", ".join(repr(p.lstrip(".")) for p in changed[:5])
             more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
@@ -90,7 +92,4 @@ class Copy:
 
 def tensor_versions(tensors: list[torch.Tensor]) -> list[int] | None:
     """Each tensor's version counter; None when one has none (inference tensors)."""
-    try:
-        return [t._version for t in tensors]
-    except RuntimeError:
-        return None
+    return version_counters(tensors)

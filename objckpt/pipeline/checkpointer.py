@@ -313,7 +313,8 @@ class AsyncCheckpointer:
         raise exc
 
     def close(self) -> None:
-        """Wait for saves in flight, stop the workers and free staging memory.
+        """Wait for saves in flight, stop the workers and free staging memory; the
+        threads, sockets and files the checkpointer opened are all closed by then.
 
         Returns in bounded time when saves have a deadline (``UploadOptions``):
         each save in flight is waited for until its own bound (the deadline, plus
@@ -336,11 +337,14 @@ class AsyncCheckpointer:
                     len(stuck),
                     ", ".join(h.url for h in stuck),
                 )
+            wait = 0.0 if stuck else _CLOSE_WAIT
             self._checker.shutdown(wait=not stuck)
-            self._finalizers.close()
-            self._pool.close(timeout=0.0 if stuck else _CLOSE_WAIT)
-            self._committer.close(timeout=0.0 if stuck else _CLOSE_WAIT)
+            self._finalizers.close(timeout=wait)
+            self._pool.close(timeout=wait)
+            self._committer.close(timeout=wait)
             self._stager.close()
+            # Last, as the commits above use them; a stuck save's requests are cancelled.
+            self._resources.targets.close(timeout=_CLOSE_WAIT)
 
     def _at_exit(self) -> None:
         """At interpreter exit: name the saves in flight and wait for them up to

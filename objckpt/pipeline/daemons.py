@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +41,7 @@ class DaemonThreads:
         # Threads waiting for a call minus calls queued for them: never below 0.
         self._idle = 0
         self._threads = 0
+        self._started: list[threading.Thread] = []
         self._closed = False
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
@@ -51,9 +53,11 @@ class DaemonThreads:
                 self._idle -= 1
             else:
                 self._threads += 1
-                threading.Thread(
+                thread = threading.Thread(
                     target=self._run, name=f"{self._name}-{self._threads}", daemon=True
-                ).start()
+                )
+                thread.start()
+                self._started.append(thread)
         self._jobs.put((fn, args))
 
     def _run(self) -> None:
@@ -72,12 +76,16 @@ class DaemonThreads:
         with self._lock:
             return self._threads
 
-    def close(self) -> None:
-        """Let every thread end once the calls before it are done (does not wait)."""
+    def close(self, timeout: float = 0.0) -> None:
+        """Let every thread end once the calls before it are done, and wait up to
+        ``timeout`` seconds in all for them to end (0: do not wait)."""
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            count = self._threads
-        for _ in range(count):
-            self._jobs.put(None)
+            closing, self._closed = not self._closed, True
+            threads = list(self._started)
+        if closing:
+            for _ in threads:
+                self._jobs.put(None)
+        until = time.monotonic() + timeout
+        for thread in threads:
+            if thread is not threading.current_thread():  # closed from a call it runs
+                thread.join(max(0.0, until - time.monotonic()))

@@ -11,9 +11,15 @@ training process, so a script that ends without waiting (no ``result()``, no
 ``wait_until_finished()``, no ``with`` block) used to lose its last save with no
 word: nothing committed, nothing said (stock ``dcp.async_save`` loses it too).
 Each checkpointer registers an ``atexit`` hook that holds it weakly (so the hook
-never keeps it alive) and that ``close()`` removes. At exit the hook warns, in
-the log and as a ``RuntimeWarning`` (the log may not be set up), naming every save
-in flight and how to wait for it, then waits up to ``AsyncOptions.exit_timeout``.
+never keeps it alive) and that ``close()`` removes. At exit the hook warns, naming
+every save in flight and how to wait for it, then waits up to
+``AsyncOptions.exit_timeout``.
+
+The warning is a log record only, one line: where logging is not set up, Python's
+last-resort handler prints it to stderr as it is. (A ``warnings.warn`` beside it
+printed the message a second time, followed by the source line that called it,
+which read like a traceback fragment; and under ``-W error`` it would become an
+exception inside the exit hook.)
 
 Why wait by default: Python's own convention is to finish pending work at exit
 (non-daemon threads are joined, executors drain), and a script's last checkpoint
@@ -28,7 +34,6 @@ import functools
 import logging
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -104,21 +109,22 @@ def warn_and_wait(pending: Sequence[SaveHandle], wait: float) -> list[SaveHandle
         if wait
         else "they are dropped, not committed (AsyncOptions.exit_timeout=0)"
     )
-    _warn(
-        f"objckpt: the interpreter is exiting with {len(pending)} async save(s) in flight: "
-        f"{urls}; {then}; {HOW_TO_WAIT}"
+    logger.warning(
+        "objckpt: the interpreter is exiting with %d async save(s) in flight: %s; %s; %s",
+        len(pending),
+        urls,
+        then,
+        HOW_TO_WAIT,
     )
     if not wait:
         return list(pending)
     dropped = wait_bounded(pending, time.monotonic() + wait)
     if dropped:
-        _warn(
-            f"objckpt: dropped at exit, not committed: {', '.join(h.url for h in dropped)} "
-            f"(still in flight after AsyncOptions.exit_timeout={wait:g} s); {HOW_TO_WAIT}"
+        logger.warning(
+            "objckpt: dropped at exit, not committed: %s "
+            "(still in flight after AsyncOptions.exit_timeout=%g s); %s",
+            ", ".join(h.url for h in dropped),
+            wait,
+            HOW_TO_WAIT,
         )
     return dropped
-
-
-def _warn(message: str) -> None:
-    logger.warning("%s", message)
-    warnings.warn(message, RuntimeWarning, stacklevel=3)

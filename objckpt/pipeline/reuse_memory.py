@@ -3,11 +3,13 @@
 A run that reuses unchanged items takes the step it just committed as the base of
 its next save, almost always. Every rank already knows what it wrote in that save
 (each item's object, offset, stored length, CRC32C and xxh3-128: its write
-results), so it needs nothing of the store to look its items up: no manifest GET
+results), so it reads nothing of the store to look its items up: no manifest GET
 and no ``decode_metadata`` per rank per save, which at 1,024 ranks and a manifest of
-tens of MB would be the cost of every save. The store is read only when the
-agreed base is not the step this process remembers (after a restart, or when the
-save that wrote it did not commit here).
+tens of MB would be the cost of every save; it only HEADs the objects it would
+reference (:class:`~objckpt.dcp.reuse_base.BaseReader`: bytes deleted by hand since
+cost those items their reuse, not every later save). The store is read only when
+the agreed base is not the step this process remembers (after a restart, or when
+the save that wrote it did not commit here).
 
 A save is remembered when it is queued (:func:`wrote`) and becomes usable only once
 its handle reports it committed (:func:`committed`, by the manager's save flow), so

@@ -6,13 +6,14 @@ as rank 0's answer to "already committed?" does: every rank then references the
 one step rank 0 holds against retention (``DurableSteps.hold_base``), never a step
 that only its own catalog still lists.
 
-The base's reads (its manifest and this rank's index object) start right after the
-agreement, on a thread of their own (never the checker thread that answers the next
-save's "already committed?"), bounded by half the save's deadline: a store that stalls
-them costs the reuse of this save, never the save (the lookup inside DCP's
-collective waits for them only until then, :meth:`BaseReader.table`). They get half
-the save's deadline, so that a save that gives up its reuse has the other half to
-upload everything.
+The base's reads (its manifest and this rank's index object, none when this
+process remembers what it wrote there, then a HEAD of each object this rank would
+reference) start right after the agreement, on a thread of their own (never the
+checker thread that answers the next save's "already committed?"), bounded by half
+the save's deadline: a store that stalls them costs the reuse of this save, never
+the save (the lookup inside DCP's collective waits for them only until then,
+:meth:`BaseReader.table`). They get half the save's deadline, so that a save that
+gives up its reuse has the other half to upload everything.
 """
 
 from __future__ import annotations
@@ -77,9 +78,8 @@ def _adopt(target: ObjectStoreWriter, base: int | None, rank: int) -> None:
     if reader is None:
         return
     known = reuse_memory.recall(url)
-    if known is not None:  # the step this process committed last: nothing to read
+    if known is not None:  # the step this process committed last: only HEADs to make
         reader.remember(known)
-        return
     budget = target.upload.deadline
     deadline = Deadline.start(
         None if budget is None else budget * BASE_SHARE,

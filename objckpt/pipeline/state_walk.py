@@ -10,7 +10,7 @@ dict DCP plans and writes.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from typing import Any, cast
 
 import torch
@@ -46,74 +46,86 @@ def scan(state: Any) -> tuple[tuple[Hashable, ...], list[torch.Tensor], list[str
     layout: list[Hashable] = []
     tensors: list[torch.Tensor] = []
     paths: list[str] = []
-
-    def walk(value: Any, path: str) -> None:
-        if isinstance(value, torch.Tensor):
-            local = _dtensor_local(value)
-            if local is None and value.layout != torch.strided:
-                raise StateDictError(
-                    f"state-dict entry {path.lstrip('.')!r} is a {value.layout} tensor, "
-                    "which async save does not support; convert it (e.g. .to_dense())"
-                )
-            if value.is_meta:
-                raise StateDictError(
-                    f"state-dict entry {path.lstrip('.')!r} is a meta tensor (it has no data); "
-                    "materialize it before saving"
-                )
-            t = value if local is None else local
-            entry: tuple[Hashable, ...] = (
-                path,
-                type(value).__name__,
-                tuple(t.shape),
-                t.dtype,
-                t.device,
-            )
-            if local is not None:  # where the shard sits in the global tensor
-                dt = cast(Any, value)
-                entry += (tuple(value.shape), str(dt.placements), _mesh_id(dt.device_mesh))
-            layout.append(entry)
-            tensors.append(t)
-            paths.append(path)
-        elif isinstance(value, dict):
-            for k in value:
-                walk(value[k], f"{path}.{k}")
-        elif isinstance(value, (list, tuple)):
-            layout.append((path, type(value).__name__, len(value)))
-            for i, v in enumerate(value):
-                walk(v, f"{path}[{i}]")
-        else:
-            layout.append((path, type(value).__name__))
-
-    walk(state, "")
+    _scan(state, "", layout, tensors, paths)
     return tuple(layout), tensors, paths
+
+
+# The walks are module-level functions, not closures: a recursive closure is a
+# reference cycle (the function's cell holds the function), which would keep what it
+# closes over (the staged views) alive until a garbage collection.
+def _scan(
+    value: Any, path: str, layout: list[Hashable], tensors: list[torch.Tensor], paths: list[str]
+) -> None:
+    if isinstance(value, torch.Tensor):
+        if callable(getattr(value, "local_shards", None)):
+            # its wrapper answers no tensor query (is_meta, layout) once a rank
+            # holds two shards; refused here rather than failing inside torch
+            raise StateDictError(
+                f"state-dict entry {path.lstrip('.')!r} is a ShardedTensor, which async "
+                "save does not stage; save it with dcp.save and objckpt.ObjectStoreWriter, "
+                "or use a DTensor"
+            )
+        local = _dtensor_local(value)
+        if local is None and value.layout != torch.strided:
+            raise StateDictError(
+                f"state-dict entry {path.lstrip('.')!r} is a {value.layout} tensor, "
+                "which async save does not support; convert it (e.g. .to_dense())"
+            )
+        if value.is_meta:
+            raise StateDictError(
+                f"state-dict entry {path.lstrip('.')!r} is a meta tensor (it has no data); "
+                "materialize it before saving"
+            )
+        t = value if local is None else local
+        entry: tuple[Hashable, ...] = (
+            path,
+            type(value).__name__,
+            tuple(t.shape),
+            t.dtype,
+            t.device,
+        )
+        if local is not None:  # where the shard sits in the global tensor
+            dt = cast(Any, value)
+            entry += (tuple(value.shape), str(dt.placements), _mesh_id(dt.device_mesh))
+        layout.append(entry)
+        tensors.append(t)
+        paths.append(path)
+    elif isinstance(value, dict):
+        for k in value:
+            _scan(value[k], f"{path}.{k}", layout, tensors, paths)
+    elif isinstance(value, (list, tuple)):
+        layout.append((path, type(value).__name__, len(value)))
+        for i, v in enumerate(value):
+            _scan(v, f"{path}[{i}]", layout, tensors, paths)
+    else:
+        layout.append((path, type(value).__name__))
 
 
 def rebuild(state: Any, views: list[torch.Tensor]) -> Any:
     """``state`` with each tensor replaced by its staged view, in traversal order."""
-    it = iter(views)
+    return _rebuild(state, iter(views))
 
-    def walk(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            view = next(it)
-            if _dtensor_local(value) is None:
-                return view
-            from torch.distributed.tensor import DTensor
 
-            dt = cast(Any, value)
-            return DTensor.from_local(
-                view,
-                dt.device_mesh,
-                dt.placements,
-                run_check=False,
-                shape=value.shape,
-                stride=value.stride(),
-            )
-        if isinstance(value, dict):
-            return {k: walk(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [walk(v) for v in value]
-        if isinstance(value, tuple):
-            return tuple(walk(v) for v in value)
-        return value
+def _rebuild(value: Any, views: Iterator[torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        view = next(views)
+        if _dtensor_local(value) is None:
+            return view
+        from torch.distributed.tensor import DTensor
 
-    return walk(state)
+        dt = cast(Any, value)
+        return DTensor.from_local(
+            view,
+            dt.device_mesh,
+            dt.placements,
+            run_check=False,
+            shape=value.shape,
+            stride=value.stride(),
+        )
+    if isinstance(value, dict):
+        return {k: _rebuild(v, views) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rebuild(v, views) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_rebuild(v, views) for v in value)
+    return value

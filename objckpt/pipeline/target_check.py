@@ -45,7 +45,7 @@ from objckpt.dcp.storage_writer import ObjectStoreWriter
 from objckpt.errors import BarrierTimeoutError, PeerRankError
 from objckpt.pipeline.workers import WEDGED_AFTER
 from objckpt.writers.accounting import RequestCounter
-from objckpt.writers.clients import shared_filesystem
+from objckpt.writers.clients import OwnedClients
 from objckpt.writers.deadline import Deadline
 from objckpt.writers.translate import describe
 
@@ -58,11 +58,14 @@ class TargetCache:
     """Filesystem clients by protocol and buckets already proven writable.
 
     A save's stall should not pay for a new HTTP session or a preflight round trip,
-    so both outlive the save that created them.
+    so both outlive the save that created them. The clients are this cache's own
+    (not the process's shared ones), so that :meth:`close` can release them with
+    the loop thread they run on: a closed checkpointer leaves no thread or socket.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._clients = OwnedClients("objckpt-saves")
         self._filesystems: dict[str, Any] = {}
         self._checked: set[tuple[str, str]] = set()
 
@@ -74,7 +77,7 @@ class TargetCache:
         with self._lock:
             fs = self._filesystems.get(loc.protocol)
             if fs is None:
-                fs = self._filesystems[loc.protocol] = shared_filesystem(loc)
+                fs = self._filesystems[loc.protocol] = self._clients.filesystem(loc)
             target.attach(
                 fs=fs,
                 preflight=(loc.protocol, loc.bucket) not in self._checked,
@@ -86,6 +89,14 @@ class TargetCache:
         """Record that a save to ``target``'s bucket got past its preflight."""
         with self._lock:
             self._checked.add((target.location.protocol, target.location.bucket))
+
+    def close(self, timeout: float) -> None:
+        """Close the clients, their connections and their loop thread (no save may
+        use them any more; one still running fails), waiting up to ``timeout``
+        seconds for each step."""
+        with self._lock:
+            self._filesystems.clear()
+        self._clients.close(timeout)
 
 
 class CheckGate:

@@ -26,9 +26,17 @@ Attributes a subclass sets (the defaults are the weakest promise):
     part_size: the part size the suite's uploads use (multipart where the family has it).
 
 The last group holds crafted checkpoints: bucket contents are untrusted, and a
-reader's bounds rest on the store too (a ranged read stops where asked, an empty
-object reads as empty, a listing tells sizes), so each family shows that a
-crafted manifest, index object or stock ``.metadata`` is refused naming it.
+reader's bounds rest on the store too (a ranged read stops where asked, a range
+past an object's end reads as empty, a listing tells sizes), so each family shows
+that a crafted manifest, index object or stock ``.metadata`` is refused naming it,
+and that an object emptied after the commit is a size mismatch naming it. Real
+stores answer a range of an empty object 416 (AWS S3, Ceph RGW, MinIO, GCS,
+Azure), each client reporting it its own way; these cases hold on every family.
+
+One group states what objckpt must *not* need from a store, because a real S3 server
+lacks it (Ceph RGW 16.2): a conditional CompleteMultipartUpload (the commit is
+create-only at any size) and checksums kept or checked by the store (altered bytes
+fail the load on objckpt's own CRC32C).
 """
 
 from __future__ import annotations
@@ -46,16 +54,16 @@ import crc32c
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-from objckpt.dcp.manifest_source import read_bounded
+from objckpt._torch import storage_info
 from objckpt.dcp.storage_reader import ObjectStoreReader
 from objckpt.dcp.storage_writer import ObjectStoreWriter
-from objckpt.errors import ManifestError
+from objckpt.errors import ChecksumMismatchError, ManifestError, SizeMismatchError
 from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY, list_names
 from objckpt.options import UploadOptions
 from objckpt.writers import ObjectStore, open_store
 from objckpt.writers.location import Location
+from objckpt.writers.reads import read_bounded, read_ranges
 
 __all__ = ["StoreConformance"]
 
@@ -214,6 +222,60 @@ class StoreConformance:
         with pytest.raises(FileNotFoundError):
             read_bounded(store.fs, store.path("missing.json"), 1000)
 
+    def test_a_range_past_the_end_of_an_object_reads_as_empty(self, store: ObjectStore) -> None:
+        """What every size check of a reader rests on: a range reads what lies in it,
+        fewer bytes where the object ends inside it and none where it ends before it
+        (any range of an empty object), and an empty range reads as empty."""
+        store.put("empty.bin", b"")
+        store.put("five.bin", b"01234")
+        empty, five = store.path("empty.bin"), store.path("five.bin")
+        got = read_ranges(
+            store.fs,
+            [empty, five, five, five, five, empty],
+            [0, 0, 3, 5, 10, 0],
+            [1000, 5, 1000, 6, 20, 0],
+        )
+        assert got == [b"", b"01234", b"34", b"", b"", b""], got
+        missing = read_ranges(store.fs, [store.path("missing.bin")], [0], [10])
+        assert isinstance(missing[0], FileNotFoundError), missing
+
+    @pytest.mark.parametrize("emptied", ["payload", "index"])
+    def test_an_object_emptied_after_the_commit_is_a_size_mismatch_naming_it(
+        self, store_location: Location, emptied: str
+    ) -> None:
+        """A payload or index object replaced by an empty one (a truncating tool, a
+        damaged bucket) fails the load as the size mismatch it is, naming the
+        object: the reader's ranges past its end read as empty, whatever the store
+        answers them (416 on real stores), never as a store error."""
+        location = store_location.child("ck")
+        state = {"w": torch.arange(4096, dtype=torch.float32), "step": 3}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(
+                state,
+                storage_writer=ObjectStoreWriter(
+                    location.url, storage_options=location.storage_options
+                ),
+                no_dist=True,
+            )
+        ck = open_store(location, UploadOptions(part_size=self.part_size))
+        try:
+            manifest = json.loads(ck.read(MANIFEST_KEY))
+            keys = [o["key"] for o in manifest["objects"]]
+            marker = ".distcp" if emptied == "payload" else "__index_"
+            culprit = next(k for k in keys if marker in k)
+            ck.put(culprit, b"")
+        finally:
+            ck.close()
+        with pytest.raises(BaseException) as info:
+            reader = ObjectStoreReader(location.url, storage_options=location.storage_options)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load({"w": torch.zeros(4096), "step": 0}, storage_reader=reader)
+        err = _carried(info.value)
+        assert isinstance(err, SizeMismatchError), repr(err)
+        assert location.url_of(culprit) in str(err), str(err)
+
     @pytest.mark.parametrize("craft", ["index-claims-a-tib", "deep-manifest", "chunk-count"])
     def test_a_crafted_checkpoint_is_refused_naming_the_object(
         self, store: ObjectStore, store_location: Location, craft: str
@@ -252,7 +314,7 @@ class StoreConformance:
             dcp.save({"w": torch.ones(8)}, storage_writer=dcp.FileSystemWriter(str(stock)))
         metadata = pickle.loads((stock / METADATA_KEY).read_bytes())
         metadata.storage_data = {
-            index: _StorageInfo("../outside/" + info.relative_path, info.offset, info.length)
+            index: storage_info("../outside/" + info.relative_path, info.offset, info.length)
             for index, info in metadata.storage_data.items()
         }
         location = store_location.child("ck")
@@ -268,6 +330,52 @@ class StoreConformance:
         with pytest.raises(ManifestError, match="escapes the checkpoint") as info:
             ObjectStoreReader(location.url, storage_options=location.storage_options)
         assert location.url_of(METADATA_KEY) in str(info.value)
+
+    # -- what objckpt must not need from a store (Ceph RGW 16.2 lacks each) ----------------
+    def test_create_is_create_only_for_a_body_of_several_parts(self, store: ObjectStore) -> None:
+        """The commit never rests on a conditional CompleteMultipartUpload, which some
+        S3 servers ignore (Ceph RGW 16.2 overwrites): a create larger than a part
+        still refuses a second one and keeps the first bytes."""
+        first = os.urandom(2 * self.part_size + self.part_size // 2)
+        store.create("big.json", first)
+        with pytest.raises(FileExistsError):
+            store.create("big.json", os.urandom(len(first)))
+        assert store.read("big.json") == first
+
+    def test_bytes_altered_at_rest_fail_the_load_naming_the_object(
+        self, store: ObjectStore, store_location: Location
+    ) -> None:
+        """objckpt checks its own CRC32C of what it reads and never relies on the store
+        having checked one (Ceph RGW 16.2 keeps none and accepts a wrong one): a
+        payload rewritten with its size kept fails the load, naming the object."""
+        location = store_location.child("ck")
+        state = {"w": torch.arange(4096, dtype=torch.float32), "step": 3}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(
+                state,
+                storage_writer=ObjectStoreWriter(
+                    location.url, storage_options=location.storage_options
+                ),
+                no_dist=True,
+            )
+        ck = open_store(location, store.options)
+        try:
+            manifest = json.loads(ck.read(MANIFEST_KEY))
+            culprit = next(o["key"] for o in manifest["objects"] if ".distcp" in o["key"])
+            data = bytearray(ck.read(culprit))
+            data[len(data) // 2] ^= 0xFF
+            ck.put(culprit, bytes(data))
+        finally:
+            ck.close()
+        with pytest.raises(BaseException) as info:
+            reader = ObjectStoreReader(location.url, storage_options=location.storage_options)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load({"w": torch.zeros(4096), "step": 0}, storage_reader=reader)
+        err = _carried(info.value)
+        assert isinstance(err, ChecksumMismatchError), repr(err)
+        assert location.url_of(culprit) in str(err), str(err)
 
 
 def _craft(ck: ObjectStore, craft: str) -> str:

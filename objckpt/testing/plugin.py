@@ -14,6 +14,10 @@ Fixtures:
     fake_gcs_server: the session's :class:`~objckpt.testing.FakeGcsServer` (a
         second, independent GCS implementation that enforces preconditions itself).
     fake_gcs_bucket: a fresh bucket on it (a new name per test).
+    azurite: the session's :class:`~objckpt.testing.Azurite` (Azure Blob; skipped,
+        saying why, where Node.js or Azurite is not installed).
+    az_container: a fresh container on it (a new name per test, deleted after it),
+        as a :class:`StoreTarget` with an ``az://`` root.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ from typing import Any
 
 import pytest
 
+from objckpt.testing.azurite import Azurite, AzuriteUnavailable, start_azurite
 from objckpt.testing.proxy import FaultProxy
+from objckpt.testing.rgw import RgwServer, missing_binaries, server_from_env, start_rgw
 from objckpt.testing.servers import (
     FakeGcsServer,
     GcsEmulator,
@@ -145,4 +151,81 @@ def fake_gcs_bucket(fake_gcs_server: FakeGcsServer) -> StoreTarget:
     fake_gcs_server.create_bucket(name)
     return StoreTarget(
         root=f"gs://{name}/t", storage_options=fake_gcs_server.storage_options(), bucket=name
+    )
+
+
+def _azurite_required() -> bool:
+    """Whether a missing Azurite fails the run instead of skipping: in CI (``CI`` set)
+    or where ``OBJCKPT_REQUIRE_AZURITE=1`` (the Makefile's test target)."""
+    flags = (os.environ.get("CI", ""), os.environ.get("OBJCKPT_REQUIRE_AZURITE", ""))
+    return any(f.strip().lower() not in ("", "0", "false", "no") for f in flags)
+
+
+@pytest.fixture(scope="session")
+def azurite() -> Iterator[Azurite]:
+    try:
+        server = start_azurite()
+    except AzuriteUnavailable as exc:
+        if _azurite_required():
+            pytest.fail(
+                f"Azure Blob tests need Azurite: {exc} (required here: CI or "
+                "OBJCKPT_REQUIRE_AZURITE is set)"
+            )
+        pytest.skip(f"Azure Blob tests need Azurite: {exc}")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def az_container(azurite: Azurite) -> Iterator[StoreTarget]:
+    name = azurite.create_container()  # Azurite has no reset: a container per test
+    try:
+        yield StoreTarget(
+            root=f"az://{name}/t", storage_options=azurite.storage_options(), bucket=name
+        )
+    finally:
+        azurite.delete_container(name)
+
+
+def _rgw_required() -> bool:
+    """Whether a missing RGW fails the run instead of skipping: in CI (``CI`` set, as
+    CI services do) or where ``OBJCKPT_REQUIRE_RGW=1`` (the Makefile's test target)."""
+    flags = (os.environ.get("CI", ""), os.environ.get("OBJCKPT_REQUIRE_RGW", ""))
+    return any(f.strip().lower() not in ("", "0", "false", "no") for f in flags)
+
+
+@pytest.fixture(scope="session")
+def rgw_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RgwServer]:
+    given = server_from_env()
+    if given is not None:
+        yield given  # someone else's server: nothing to start or stop
+        return
+    missing = missing_binaries()
+    if missing:
+        reason = (
+            f"Ceph RGW is not installed (missing {', '.join(missing)}): run "
+            "`python -m objckpt.testing.rgw install` as root, or set OBJCKPT_RGW_ENDPOINT"
+        )
+        if _rgw_required():
+            pytest.fail(f"{reason} (required here: CI or OBJCKPT_REQUIRE_RGW is set)")
+        pytest.skip(reason)
+    directory = os.environ.get("OBJCKPT_RGW_DIR") or tmp_path_factory.mktemp("rgw")
+    with _environment(AWS_EC2_METADATA_DISABLED="true"):
+        server = start_rgw(directory)
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
+@pytest.fixture
+def rgw_bucket(rgw_server: RgwServer) -> StoreTarget:
+    # A bucket per test, left behind for inspection: the session's cluster goes with
+    # its temporary directory.
+    name = f"objckpt-test-{uuid.uuid4().hex[:12]}"
+    rgw_server.create_bucket(name)
+    return StoreTarget(
+        root=f"s3://{name}/t", storage_options=rgw_server.storage_options(), bucket=name
     )

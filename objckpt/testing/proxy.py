@@ -7,8 +7,10 @@ reset connection, a stall, a truncated response. Each :class:`Rule` picks
 requests by S3 operation, key substring, ordinal or probability.
 
 The proxy understands path-style S3 requests (what botocore sends to an IP
-endpoint) well enough to name their operation (:mod:`objckpt.testing.s3_operations`);
-it forwards bytes unchanged, so signatures stay valid. The rule and record values
+endpoint) well enough to name their operation (:mod:`objckpt.testing.s3_operations`),
+and Azurite's Azure Blob requests with ``operation_of=azure_operation``
+(:mod:`objckpt.testing.azure_operations`); it forwards bytes unchanged, so
+signatures stay valid. The rule and record values
 live in :mod:`objckpt.testing.rules`; this module is the server that applies them.
 
 Example::
@@ -30,6 +32,7 @@ import struct
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import crc32c
@@ -53,15 +56,28 @@ class FaultProxy:
     """A threaded HTTP proxy on a loopback port in front of ``upstream`` (a URL).
 
     Args:
-        upstream: The S3 server's endpoint URL (``http://127.0.0.1:PORT``).
+        upstream: The server's endpoint URL (``http://127.0.0.1:PORT``).
         seed: Seed for probabilistic rules (runs are reproducible).
+        operation_of: Names a request's operation from its method, path, query and
+            headers: :func:`s3_operation` (the default), or
+            :func:`~objckpt.testing.azure_operations.azure_operation` in front of
+            Azurite.
     """
 
-    def __init__(self, upstream: str, *, seed: int = 0) -> None:
+    def __init__(
+        self,
+        upstream: str,
+        *,
+        seed: int = 0,
+        operation_of: Callable[
+            [str, str, Mapping[str, Any], Mapping[str, str]], str
+        ] = s3_operation,
+    ) -> None:
         parts = urllib.parse.urlsplit(upstream)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"FaultProxy needs an http:// upstream, got {upstream!r}")
         self.upstream = (parts.hostname, parts.port or 80)
+        self.operation_of = operation_of
         self._seed = seed
         self._lock = threading.Lock()
         self._rules: list[RuleState] = []
@@ -251,7 +267,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         split = urllib.parse.urlsplit(self.path)
         query = urllib.parse.parse_qs(split.query, keep_blank_values=True)
         headers = {k: v for k, v in self.headers.items()}
-        operation = s3_operation(self.command, split.path, query, headers)
+        operation = self.proxy.operation_of(self.command, split.path, query, headers)
         self.proxy._open_change(operation, +1)
         self._unanswered: str | None = operation
         try:

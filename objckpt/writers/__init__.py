@@ -1,8 +1,9 @@
 """The store layer: how bytes get onto each store family, behind one protocol.
 
 ``base`` is the protocol (:class:`ObjectStore`); ``s3`` (its uploads in ``s3_upload``
-and ``s3_body``), ``generic`` (GCS, memory, any fsspec store; GCS composite uploads
-in ``gcs_compose``) and ``local`` implement it. Beside them live what every store
+and ``s3_body``), ``azure`` (Azure Blob through adlfs), ``generic`` (GCS, memory, any
+fsspec store; GCS composite uploads in ``gcs_compose``) and ``local`` implement it,
+and ``reads`` is how every family's bytes are read back. Beside them live what every store
 request needs: ``location`` (URL parsing and filesystem clients), ``clients`` (one
 client per process and store settings), ``retry`` and ``throttle`` (retry policy,
 AIMD concurrency), ``translate`` (backend errors to objckpt's) and ``checksum``
@@ -34,6 +35,9 @@ _FAMILIES: dict[str, tuple[str, str]] = {
     "s3a": ("objckpt.writers.s3", "S3Store"),
     "gs": ("objckpt.writers.generic", "GcsStore"),
     "gcs": ("objckpt.writers.generic", "GcsStore"),
+    "az": ("objckpt.writers.azure", "AzureStore"),
+    "abfs": ("objckpt.writers.azure", "AzureStore"),
+    "abfss": ("objckpt.writers.azure", "AzureStore"),
     "file": ("objckpt.writers.local", "LocalStore"),
     "local": ("objckpt.writers.local", "LocalStore"),
     "memory": ("objckpt.writers.generic", "MemoryStore"),

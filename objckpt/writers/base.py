@@ -1,8 +1,10 @@
 """The narrow seam between objckpt and a store family: how bytes get onto it.
 
-One :class:`ObjectStore` per store family (S3, GCS, local disk, memory, and a
-generic fsspec fallback). Reading needs no per-store code: fsspec's
-``cat_ranges`` already does concurrent ranged reads everywhere.
+One :class:`ObjectStore` per store family (S3, GCS, Azure Blob, local disk,
+memory, and a generic fsspec fallback). Reading needs no per-store code: fsspec's
+``cat_ranges`` already does concurrent ranged reads everywhere, and
+:mod:`objckpt.writers.reads` evens out how stores answer a range past an object's
+end (a 416 from S3, GCS and Azure) or an empty range.
 
 Call order during one save, per rank (rank 0 is the coordinator)::
 
@@ -26,8 +28,8 @@ from __future__ import annotations
 
 import abc
 import concurrent.futures
+import contextlib
 import dataclasses
-import inspect
 import logging
 import threading
 from collections.abc import Coroutine
@@ -40,7 +42,9 @@ import objckpt.writers.retry as retry
 from objckpt.errors import BucketNotFoundError
 from objckpt.options import UploadOptions
 from objckpt.writers.checksum import BytesLike
+from objckpt.writers.deadline import Deadline, bounded_by, current_deadline
 from objckpt.writers.location import Location
+from objckpt.writers.reads import read_whole
 from objckpt.writers.throttle import AimdLimit
 from objckpt.writers.translate import translate
 
@@ -50,7 +54,6 @@ __all__ = [
     "ObjectStore",
     "ObjectUpload",
     "OpenUpload",
-    "read_whole",
     "translated_future",
 ]
 
@@ -60,20 +63,9 @@ logger = logging.getLogger(__name__)
 #: Key of the empty multipart upload a preflight begins and aborts to prove write
 #: access; no object is ever created under it.
 PROBE_KEY = ".objckpt-write-probe"
-
-
-def read_whole(fs: AbstractFileSystem, path: str) -> bytes:
-    """A small object (manifest, ``.metadata``) in one GET.
-
-    s3fs's ``cat_file`` first HEADs the object to decide whether to split it into
-    parallel ranges. For a small object that is a wasted round trip, and a HEAD's
-    403 has no body, so a refused key and a wrong secret both read "Forbidden";
-    the GET's answer says which (``InvalidAccessKeyId``, ``SignatureDoesNotMatch``).
-    """
-    inner = getattr(fs, "_cat_file", None)  # async filesystems only
-    if inner is not None and "max_concurrency" in inspect.signature(inner).parameters:
-        return bytes(fs.cat_file(path, max_concurrency=1))
-    return bytes(fs.cat_file(path))
+#: Seconds the preflight's outer wait allows past its bound, so that the retry
+#: layer, which knows what the store answered, is the one that reports running out.
+PREFLIGHT_GRACE = 5.0
 
 
 class ObjectUpload(abc.ABC):
@@ -191,6 +183,17 @@ class ObjectStore(abc.ABC):
     def path(self, key: str) -> str:
         return self.location.key_path(key)
 
+    def preflight_bound(self, timeout: float) -> contextlib.AbstractContextManager[Any]:
+        """Bound the preflight's requests by ``timeout`` (within the save's deadline),
+        in the retry layer: a store that keeps answering 503 then fails with what it
+        answered, not with a bare "no answer" when the outer wait runs out
+        (``run_coro``'s own timeout is that bound plus :data:`PREFLIGHT_GRACE`)."""
+        return bounded_by(
+            Deadline.capped(
+                current_deadline(), timeout, f"checking {self.location.url}", "preflight_timeout"
+            )
+        )
+
     # -- the protocol ------------------------------------------------------------------
     def preflight(self, timeout: float) -> None:
         """Fail fast, in bounded time, if the location cannot be written.
@@ -204,7 +207,9 @@ class ObjectStore(abc.ABC):
         bucket = self.location.bucket
         try:
             if self.is_async:
-                exists = self.run_coro(self.fs._exists(bucket), timeout=timeout)
+                with self.preflight_bound(timeout):
+                    coro = self.fs._exists(bucket)
+                    exists = self.run_coro(coro, timeout=timeout + PREFLIGHT_GRACE)
             else:
                 exists = self.submit_call(self.fs.exists, bucket).result(timeout=timeout)
         except concurrent.futures.TimeoutError as exc:
@@ -360,13 +365,17 @@ class BufferedUpload(ObjectUpload):
 
     def close(self) -> concurrent.futures.Future[None]:
         self._closed = True
-        store, path, data = self._store, self._store.path(self.key), self._buf
+        # ``bytes``, never the bytearray: azure-storage-blob iterates a bytearray
+        # as ints ("can't concat int to bytes"), and no backend may see the buffer
+        # change under it. The buffer goes at once, so the copy is the one held.
+        data, self._buf = bytes(self._buf), bytearray()
+        store, path = self._store, self._store.path(self.key)
         store.acquire_slot()
         fut: concurrent.futures.Future[None]
         if store.is_async:
             fut = store.submit_coro(store.fs._pipe_file(path, data))
         else:
-            fut = store.submit_call(store.fs.pipe_file, path, bytes(data))
+            fut = store.submit_call(store.fs.pipe_file, path, data)
         fut.add_done_callback(store.release_slot)
         return translated_future(fut, store.location.url_of(self.key), "uploading")
 

@@ -13,9 +13,9 @@ objckpt opens ``fresh=True`` filesystems and keeps its own cache here.
 What may share a client: stores built from the same protocol, the same
 ``storage_options`` (credentials included), the same :class:`~objckpt.RetryPolicy`
 (it lives on the client) and the same store-related environment (``AWS_*``,
-``GOOGLE_*``, ... and proxy variables, which the SDKs read when the client is
-built). Anything that differs gets its own client, and so do options that cannot be
-compared (an unhashable value). Per-save state does not live on the client:
+``GOOGLE_*``, ``AZURE_*``, ... and proxy variables, which the SDKs read when the
+client is built). Anything that differs gets its own client, and so do options that
+cannot be compared (an unhashable value). Per-save state does not live on the client:
 deadlines and request counters are context variables
 (:mod:`~objckpt.writers.deadline`, :mod:`~objckpt.writers.accounting`), so each
 request on a shared client is still bounded and counted by the save that makes it.
@@ -27,13 +27,21 @@ for it, ``storage_options={"skip_instance_cache": True}`` (or
 :meth:`Location.open_fs(fresh=True) <objckpt.writers.location.Location.open_fs>`).
 Its keys hold credentials: they are never logged, formatted or returned.
 
-Listings: s3fs and gcsfs keep what they listed (each object's size and ETag) in the
-filesystem and answer later ``info`` calls from it, and a read then requires that
-ETag. Across a client's users and its process-long life that answer goes stale (seen:
+Listings: s3fs, gcsfs and adlfs keep what they listed (each object's size and ETag)
+in the filesystem and answer later ``info`` calls from it, and a read then requires
+that ETag. Across a client's users and its process-long life that answer goes stale (seen:
 a backup read ``.metadata`` with the ETag of an object since replaced, and failed
-with ``FileExpired``). Shared S3 and GCS clients are therefore built with
+with ``FileExpired``). Shared S3, GCS and Azure clients are therefore built with
 ``use_listings_cache=False`` unless the options say otherwise: objckpt drops the cache
 before every listing anyway, so only stale answers are lost.
+
+Owned clients: shared clients, and fsspec's IO loop they send requests from (a
+thread, its epoll descriptor and self-pipe), live as long as the process. An
+owner whose ``close()`` promises to give back everything it took (an
+:class:`~objckpt.AsyncCheckpointer`) builds its clients with :class:`OwnedClients`
+instead: on an event loop thread of its own, closed with their connections, the
+loop's DNS threads and the thread itself when the owner closes. That costs one
+client build per owner (once per training job), not per save.
 
 Fork: a client holds sockets and a session bound to an event loop thread that a
 forked child does not have. The cache is emptied in a forked child
@@ -44,27 +52,34 @@ Spawned interpreters, such as objckpt's upload workers, start with an empty cach
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
+import logging
 import os
 import threading
 from collections.abc import Hashable, Mapping
 from typing import Any
 
+import fsspec
 from fsspec import AbstractFileSystem
+from fsspec.asyn import AsyncFileSystem
 
+from objckpt.errors import ConfigurationError
 from objckpt.writers.location import Location
 
-__all__ = ["KEPT_CLIENTS", "PROCESS_CLIENTS", "ClientCache", "shared_filesystem"]
+__all__ = ["KEPT_CLIENTS", "PROCESS_CLIENTS", "ClientCache", "OwnedClients", "shared_filesystem"]
+
+logger = logging.getLogger(__name__)
 
 #: How many distinct store settings keep their client (the least recently used goes).
 KEPT_CLIENTS = 8
 
 #: Protocols whose filesystems keep listings (see "Listings" above).
-_LISTING_CACHES = frozenset({"s3", "s3a", "gs", "gcs"})
+_LISTING_CACHES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
 
 #: Environment variables the store SDKs read when a client is built (by prefix).
-_ENV_PREFIXES = ("AWS_", "BOTO_", "GOOGLE_", "GCE_", "GCS_", "GCSFS_", "CLOUDSDK_")
+_ENV_PREFIXES = ("AWS_", "BOTO_", "GOOGLE_", "GCE_", "GCS_", "GCSFS_", "CLOUDSDK_", "AZURE_")
 _ENV_NAMES = frozenset(
     {
         "STORAGE_EMULATOR_HOST",
@@ -111,13 +126,14 @@ def _settings(location: Location) -> Hashable | None:
     return (location.protocol, options, location.retry, env)
 
 
-def _built(location: Location) -> AbstractFileSystem:
-    """A new client for ``location``, fit to be shared (no listings kept by default)."""
+def _built(location: Location, loop: asyncio.AbstractEventLoop | None = None) -> AbstractFileSystem:
+    """A new client for ``location``, fit to be shared (no listings kept by default),
+    on ``loop`` (None: fsspec's)."""
     options = location.storage_options
     if location.protocol in _LISTING_CACHES and "use_listings_cache" not in options:
         options = {**options, "use_listings_cache": False}
         location = dataclasses.replace(location, storage_options=options)
-    return location.open_fs(fresh=True)
+    return location.open_fs(fresh=True, loop=loop)
 
 
 class ClientCache:
@@ -203,3 +219,90 @@ def shared_filesystem(location: Location) -> AbstractFileSystem:
     """This process's client for ``location``'s protocol, options, retry policy and
     environment (:data:`PROCESS_CLIENTS`)."""
     return PROCESS_CLIENTS.filesystem(location)
+
+
+class OwnedClients:
+    """Filesystem clients built for one owner, on an event loop of its own, all
+    released by :meth:`close` (see "Owned clients" in the module docstring).
+
+    Args:
+        name: Names the loop's thread (``<name>-io``).
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._lock = threading.Lock()
+        self._clients: list[AbstractFileSystem] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def filesystem(self, location: Location) -> AbstractFileSystem:
+        """A new client for ``location``, owned here (an async one runs on this
+        owner's loop, started with the first).
+
+        Raises:
+            ConfigurationError: The backend package is missing or rejects the
+                options, or these clients are closed.
+        """
+        with self._lock:
+            if self._closed:
+                raise ConfigurationError(f"{self._name}: its clients are closed")
+            if self._loop is None and _is_async(location.protocol):
+                self._loop = asyncio.new_event_loop()
+                self._thread = threading.Thread(
+                    target=self._loop.run_forever, name=f"{self._name}-io", daemon=True
+                )
+                self._thread.start()
+            fs = _built(location, self._loop)
+            self._clients.append(fs)
+            return fs
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Close the clients' connections, then end the loop, its executor threads
+        (DNS lookups) and its thread; waits up to ``timeout`` seconds for each step.
+        Requests still running (a save abandoned by its owner) are cancelled."""
+        with self._lock:
+            self._closed = True
+            clients, self._clients = self._clients, []
+            loop, thread = self._loop, self._thread
+            self._loop = self._thread = None
+        if loop is None or thread is None:
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(_shut_down(clients), loop).result(timeout)
+        except Exception:  # what is left goes with the loop, or when it is collected
+            logger.warning("%s: closing its clients failed", self._name, exc_info=True)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout)
+        if thread.is_alive():
+            logger.warning("%s: its loop thread did not end within %g s", self._name, timeout)
+        else:
+            loop.close()
+
+
+def _is_async(protocol: str) -> bool:
+    """Whether ``protocol``'s filesystem sends its requests from an event loop."""
+    try:
+        return issubclass(fsspec.get_filesystem_class(protocol), AsyncFileSystem)
+    except (ImportError, ValueError):  # open_fs says what is missing
+        return False
+
+
+async def _shut_down(clients: list[AbstractFileSystem]) -> None:
+    """On the owned loop: close each client's connections (objckpt's S3 and GCS
+    filesystems can; others close theirs when collected), cancel what still runs,
+    and end the loop's default executor."""
+    for fs in clients:
+        close = getattr(fs, "close_connections", None)
+        if close is not None:
+            try:
+                await close()
+            except Exception:  # one client's failure must not keep the others open
+                logger.debug("closing a client's connections failed", exc_info=True)
+    current = asyncio.current_task()
+    running = [t for t in asyncio.all_tasks() if t is not current]
+    for task in running:
+        task.cancel()
+    await asyncio.gather(*running, return_exceptions=True)
+    await asyncio.get_running_loop().shutdown_default_executor()

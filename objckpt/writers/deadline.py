@@ -27,7 +27,13 @@ import time
 from collections.abc import Iterator
 from typing import Literal
 
-from objckpt.errors import RequestDeadlineError, SaveDeadlineError, StoreError
+from objckpt.errors import (
+    RequestDeadlineError,
+    SaveDeadlineError,
+    StoreError,
+    StoreRefusedError,
+    StoreUnreachableError,
+)
 
 __all__ = ["Deadline", "bounded_by", "current_deadline"]
 
@@ -45,12 +51,15 @@ class Deadline:
         kind: ``"save"`` (``UploadOptions.deadline``: retries go on until it) or
             ``"request"`` (``RetryPolicy.request_deadline``: at most ``attempts``
             tries within it).
+        option: The setting that gave this bound, named in messages (a save's
+            preflight is bounded by ``preflight_timeout`` inside the save's deadline).
     """
 
     at: float
     seconds: float
     who: str
     kind: Literal["save", "request"] = "save"
+    option: str = "UploadOptions.deadline"
 
     @classmethod
     def start(cls, seconds: float | None, who: str) -> Deadline | None:
@@ -67,29 +76,61 @@ class Deadline:
             return None
         return cls(time.monotonic() + seconds, seconds, endpoint or "", "request")
 
+    @classmethod
+    def capped(cls, outer: Deadline | None, seconds: float, who: str, option: str) -> Deadline:
+        """A bound of ``seconds`` from now for one step of a save (its preflight),
+        never later than the save's own deadline ``outer``; retried like a save's."""
+        at = time.monotonic() + seconds
+        if outer is not None and outer.at <= at:
+            return outer
+        return cls(at, seconds, outer.who if outer is not None else who, "save", option)
+
     def remaining(self) -> float:
         return self.at - time.monotonic()
 
-    def error(self, what: str, attempts: int = 0, last: str = "") -> StoreError:
+    def error(
+        self, what: str, attempts: int = 0, last: str = "", answered: str | None = None
+    ) -> StoreError:
         """The error for ``what`` (e.g. ``"S3 get_object of s3://b/k"``) not done in time.
 
         Args:
             what: The request, naming its object.
             attempts: How many attempts were made (0: not counted).
             last: A description of the last attempt's failure, if one failed.
+            answered: What the store answered the last attempt (``"HTTP 503
+                SlowDown"``), None where it gave no answer: a message never says
+                "no answer" to a store that answered.
         """
         tried = f" after {attempts} attempt{'s' if attempts != 1 else ''}" if attempts else ""
         why = f" (last: {last})" if last else ""
         if self.kind == "request":
             where = f" at endpoint {self.who}" if self.who else ""
+            if answered is not None:
+                return StoreRefusedError(
+                    f"{what}{where} was answered {answered}{tried} within "
+                    f"{self.seconds:g} s{why} (RetryPolicy.request_deadline): the store "
+                    "keeps refusing the request"
+                )
             return RequestDeadlineError(
                 f"{what}{where} got no answer within {self.seconds:g} s{tried}{why} "
                 "(RetryPolicy.request_deadline): the store is unreachable or too slow; "
                 "raise request_deadline for a slow link"
             )
+        if self.option != "UploadOptions.deadline":
+            # One step's own bound (the preflight): the store's answer decides the kind.
+            if answered is not None:
+                return StoreRefusedError(
+                    f"{self.who}: {what} was answered {answered}{tried} within "
+                    f"{self.seconds:g} s ({self.option}){why}; the save was not committed"
+                )
+            return StoreUnreachableError(
+                f"{self.who}: {what} got no answer within {self.seconds:g} s{tried}{why} "
+                f"({self.option}); the save was not committed"
+            )
+        outcome = f"; the store answered {answered}" if answered is not None else ""
         return SaveDeadlineError(
             f"{self.who}: {what} was not done within the save's deadline of "
-            f"{self.seconds:g} s{tried}{why} (UploadOptions.deadline); "
+            f"{self.seconds:g} s{tried}{outcome}{why} (UploadOptions.deadline); "
             "the save was not committed"
         )
 

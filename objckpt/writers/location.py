@@ -12,6 +12,7 @@ so they are kept out of ``repr`` and never formatted into messages.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 from collections.abc import Mapping
@@ -20,6 +21,7 @@ from urllib.parse import urlsplit
 
 import fsspec
 from fsspec import AbstractFileSystem
+from fsspec.asyn import AsyncFileSystem
 
 from objckpt.errors import ConfigurationError
 from objckpt.writers.retry import RetryPolicy, s3_options
@@ -27,10 +29,19 @@ from objckpt.writers.retry import RetryPolicy, s3_options
 __all__ = ["Location"]
 
 # The optional dependency each well-known protocol needs, for a helpful ImportError.
-_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
+_EXTRAS = {
+    "s3": "s3",
+    "s3a": "s3",
+    "gs": "gcs",
+    "gcs": "gcs",
+    "az": "azure",
+    "abfs": "azure",
+    "abfss": "azure",
+}
 _LOCAL = ("file", "local")
 _S3 = ("s3", "s3a")
 _GCS = ("gs", "gcs")
+_AZURE = ("az", "abfs", "abfss")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,12 +160,18 @@ class Location:
         """Full URL of an object, for messages."""
         return f"{_parent_of(self.url, key)}/{_inner(key)}"
 
-    def open_fs(self, *, fresh: bool = False) -> AbstractFileSystem:
+    def open_fs(
+        self, *, fresh: bool = False, loop: asyncio.AbstractEventLoop | None = None
+    ) -> AbstractFileSystem:
         """Build the fsspec filesystem for this location.
 
         Args:
             fresh: Skip fsspec's instance cache. Required in a forked or spawned
                 worker, where a cached async filesystem from the parent is unusable.
+            loop: The event loop (running on a thread of its own) an async filesystem
+                sends its requests from, unless ``storage_options`` name one; None:
+                fsspec's process-wide IO loop. Its owner ends it
+                (:class:`~objckpt.writers.clients.OwnedClients`).
 
         Raises:
             ConfigurationError: The backend package is missing or rejects the options.
@@ -168,18 +185,36 @@ class Location:
             if self.protocol in _S3:
                 from objckpt.writers.s3client import RetryingS3FileSystem
 
-                fs = RetryingS3FileSystem(retry_policy=self.retry, **options)
+                cls: type[AbstractFileSystem] = RetryingS3FileSystem
+                ours = {"retry_policy": self.retry}
             elif self.protocol in _GCS:
                 from objckpt.writers.gcsclient import RetryingGCSFileSystem
 
-                fs = RetryingGCSFileSystem(retry_policy=self.retry, **options)
+                cls = RetryingGCSFileSystem
+                ours = {"retry_policy": self.retry}
+            elif self.protocol in _AZURE:
+                from objckpt.writers.azureclient import ClosableAzureBlobFileSystem
+
+                cls, ours = ClosableAzureBlobFileSystem, {}
             else:
-                fs = fsspec.filesystem(self.protocol, **options)
+                cls, ours = fsspec.get_filesystem_class(self.protocol), {}
+            if loop is not None and issubclass(cls, AsyncFileSystem):
+                options.setdefault("loop", loop)
+            fs = cls(**ours, **options)
         except ImportError as exc:
             extra = _EXTRAS.get(self.protocol)
             hint = f"pip install 'objckpt[{extra}]'" if extra else "install its fsspec backend"
             raise ConfigurationError(
                 f"{self.protocol}:// needs an optional dependency that is not installed ({hint})"
+            ) from exc
+        except ValueError as exc:
+            if self.protocol not in _AZURE:
+                raise
+            # adlfs: no connection string, account name or credential to connect with.
+            raise ConfigurationError(
+                f"{self.protocol}:// needs an account for {self.url}: set "
+                "AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT_NAME with a key, "
+                "SAS token or Azure AD credential (or the same in storage_options)"
             ) from exc
         except TypeError as exc:
             names = ", ".join(sorted(self.storage_options)) or "none"

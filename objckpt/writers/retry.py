@@ -31,16 +31,22 @@ import asyncio
 import dataclasses
 import logging
 import random
+import time
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sized
 from typing import Any, Protocol
 
 import tenacity
 
-from objckpt.errors import ConfigurationError
+from objckpt.errors import (
+    ConfigurationError,
+    StoreError,
+    StoreRefusedError,
+    StoreUnreachableError,
+)
 from objckpt.writers.accounting import current_counter
 from objckpt.writers.deadline import Deadline, current_deadline
-from objckpt.writers.transient import is_throttle, is_transient
+from objckpt.writers.transient import answer_of, is_throttle, is_transient
 from objckpt.writers.translate import describe
 
 __all__ = [
@@ -77,6 +83,17 @@ class RetryPolicy:
             :class:`~objckpt.errors.RequestDeadlineError`. Inside a save with a
             deadline, that deadline bounds each request instead, and transient
             failures are retried until it (``attempts`` does not apply there).
+        give_up_after: Seconds one request keeps being retried after its first
+            failure; a failure that repeats for longer is taken as persistent and
+            raised (:class:`~objckpt.errors.StoreRefusedError` naming what the
+            store answered, how often and for how long, or
+            :class:`~objckpt.errors.StoreUnreachableError` where it never answered),
+            instead of waiting out the save's deadline. 60 s rides out a restart,
+            a failover or a 503 storm (one request failing at 50% for a minute
+            is a 1-in-1,000 event even at full backoff) and lets a store that
+            answers 500 on every try fail the save within about 90 s. The
+            reference points: Google's Cloud Storage clients retry for 120 s in
+            all, AWS's SDKs make 3 attempts. None: retry until the save's deadline.
     """
 
     attempts: int = 6
@@ -84,6 +101,7 @@ class RetryPolicy:
     max_delay: float = 10.0
     timeout: float = 60.0
     request_deadline: float | None = 300.0
+    give_up_after: float | None = 60.0
 
     def __post_init__(self) -> None:
         if (
@@ -100,14 +118,15 @@ class RetryPolicy:
                 raise ConfigurationError(
                     f"option {name}={value!r} is invalid: expected seconds > 0"
                 )
-        deadline = self.request_deadline
-        if deadline is not None and (
-            isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or deadline <= 0
-        ):
-            raise ConfigurationError(
-                f"option request_deadline={deadline!r} is invalid: "
-                "expected seconds > 0, or None for no bound"
-            )
+        for name in ("request_deadline", "give_up_after"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0
+            ):
+                raise ConfigurationError(
+                    f"option {name}={value!r} is invalid: "
+                    "expected seconds > 0, or None for no bound"
+                )
         if self.max_delay < self.base_delay:
             raise ConfigurationError(
                 f"option max_delay={self.max_delay!r} is invalid: expected >= base_delay"
@@ -163,16 +182,20 @@ async def call_with_retries(
     """Run one store request under ``policy`` and the deadline that bounds it.
 
     Within a save that has a deadline (:mod:`objckpt.writers.deadline`), transient
-    failures are retried with capped backoff for as long as the next attempt can
-    start before it (``attempts`` does not apply): an outage of a few seconds
-    costs those seconds, not the save. Anywhere else (reads, listings, deletes, a
-    save without a deadline) at most ``policy.attempts`` tries are made, all within
-    ``policy.request_deadline``. Each attempt is cut at what is left of the
-    deadline, whatever ``policy.timeout`` says; a request that runs out of time
-    fails with :class:`~objckpt.errors.SaveDeadlineError` naming the save and the
-    object, or :class:`~objckpt.errors.RequestDeadlineError` naming the object and
-    the endpoint (``what()`` and ``endpoint()`` say which, for messages). Every
-    outcome is counted (the current
+    failures are retried with capped backoff for as long as the next attempt can start
+    before it (``attempts`` does not apply): an outage of a few seconds costs those
+    seconds, not the save. Anywhere else (reads, listings, deletes, a save without a
+    deadline) at most ``policy.attempts`` tries are made, all within
+    ``policy.request_deadline``. Everywhere, a failure that keeps repeating for
+    ``policy.give_up_after`` seconds is persistent: raised as
+    :class:`~objckpt.errors.StoreRefusedError` (the store answered) or
+    :class:`~objckpt.errors.StoreUnreachableError` (it did not), with the answer, the
+    attempts and the time in the message, as are exhausted ``attempts``. Each attempt is
+    cut at what is left of the deadline, whatever ``policy.timeout`` says; a request
+    that runs out of time fails with :class:`~objckpt.errors.SaveDeadlineError` naming
+    the save and the object, or :class:`~objckpt.errors.RequestDeadlineError` naming the
+    object and the endpoint (``what()`` and ``endpoint()`` say which, for messages).
+    Every outcome is counted (the current
     :class:`~objckpt.writers.accounting.RequestCounter`) and told to ``observers``.
     """
     deadline = current_deadline()
@@ -183,6 +206,8 @@ async def call_with_retries(
     body = kwargs.get("Body")
     sent = len(body) if isinstance(body, (bytes, bytearray, memoryview, Sized)) else 0
     attempt = 0
+    first_failure: float | None = None
+    last: BaseException | None = None
     while True:
         attempt += 1
         retry = attempt > 1
@@ -192,7 +217,12 @@ async def call_with_retries(
             else:
                 left = deadline.remaining()
                 if left <= 0:
-                    raise deadline.error(what(), attempt - 1)
+                    raise deadline.error(
+                        what(),
+                        attempt - 1,
+                        describe(last) if last is not None else "",
+                        answer_of(last) if last is not None else None,
+                    )
                 try:
                     out = await asyncio.wait_for(call(method, *args, **kwargs), left)
                 except asyncio.TimeoutError as exc:
@@ -200,18 +230,26 @@ async def call_with_retries(
                         raise  # the request's own timeout: transient, retried
                     raise deadline.error(what(), attempt, describe(exc)) from exc
         except Exception as exc:
+            now = time.monotonic()
+            first_failure = now if first_failure is None else first_failure
+            last = exc
             throttled = is_throttle(exc)
             if counter is not None:
                 counter.record(method, sent=sent, retry=retry, throttled=throttled)
             if throttled:
                 for o in list(observers):
                     o.throttled()
-            if not is_transient(exc) or (not until_deadline and attempt >= policy.attempts):
+            if not is_transient(exc):
                 raise
+            if not until_deadline and attempt >= policy.attempts:
+                raise _given_up(what(), exc, attempt, now - first_failure, "attempts") from exc
             wait = _backoff(policy, attempt)
+            window = policy.give_up_after
+            if window is not None and now + wait - first_failure > window:
+                raise _given_up(what(), exc, attempt, now - first_failure, "give_up_after") from exc
             if deadline is not None and deadline.remaining() <= wait:
                 # The next attempt could not start in time: fail now, naming why.
-                raise deadline.error(what(), attempt, describe(exc)) from exc
+                raise deadline.error(what(), attempt, describe(exc), answer_of(exc)) from exc
             _log_retry(what, exc, attempt, None if until_deadline else policy.attempts)
             await asyncio.sleep(wait)
             continue
@@ -273,6 +311,23 @@ class RetryingFileSystem:
         """The endpoint requests go to, for messages (no credentials, no query);
         None where unknown. Subclasses say where theirs is."""
         return None
+
+
+def _given_up(what: str, exc: BaseException, attempts: int, seconds: float, why: str) -> StoreError:
+    """The error for a request whose transient-looking failure persisted: what the
+    store answered (or that it never did), how many attempts, for how long, and
+    the :class:`RetryPolicy` field that ended it."""
+    answered = answer_of(exc)
+    tries = f"{attempts} attempt{'s' if attempts != 1 else ''}"
+    over = f"over {seconds:.1f} s (RetryPolicy.{why})"
+    if answered is None:
+        return StoreUnreachableError(
+            f"{what}: no answer on each of {tries} {over}: {describe(exc)}"
+        )
+    return StoreRefusedError(
+        f"{what}: the store answered {answered} on each of {tries} {over}; "
+        f"retrying did not cure it (last: {describe(exc)})"
+    )
 
 
 def _log_retry(what: Callable[[], str], exc: BaseException, attempt: int, of: int | None) -> None:

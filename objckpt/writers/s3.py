@@ -16,7 +16,13 @@ import logging
 from typing import Any
 
 from objckpt.errors import BucketNotFoundError
-from objckpt.writers.base import PROBE_KEY, ObjectStore, ObjectUpload, OpenUpload
+from objckpt.writers.base import (
+    PREFLIGHT_GRACE,
+    PROBE_KEY,
+    ObjectStore,
+    ObjectUpload,
+    OpenUpload,
+)
 from objckpt.writers.checksum import crc32c_of, crc_from_base64, to_base64
 from objckpt.writers.s3_upload import S3Upload
 from objckpt.writers.translate import precondition_failed, translate
@@ -96,7 +102,8 @@ class S3Store(ObjectStore):
                 )
 
         try:
-            self.run_coro(check(), timeout=timeout)
+            with self.preflight_bound(timeout):
+                self.run_coro(check(), timeout=timeout + PREFLIGHT_GRACE)
         except Exception as exc:
             raise translate(exc, url=url, action=doing[0]) from exc
 

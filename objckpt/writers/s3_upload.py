@@ -264,6 +264,13 @@ class S3Upload(ObjectUpload):
                 UploadId=self._upload_id,
             )
             logger.info("aborted multipart upload of %s", self._store.location.url_of(self.key))
+        except FileNotFoundError:
+            # NoSuchUpload: ended already (aborted by gc or a lifecycle rule, or
+            # completed), so no parts are left for `objckpt gc` to find.
+            logger.info(
+                "multipart upload of %s was already ended (NoSuchUpload); nothing to abort",
+                self._store.location.url_of(self.key),
+            )
         except Exception:
             logger.warning(
                 "could not abort multipart upload of %s; `objckpt gc` will",

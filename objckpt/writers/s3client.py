@@ -15,7 +15,9 @@ streaming body.
 
 ``_call_s3`` and ``retries`` are s3fs internals: ``tests/test_s3client.py`` pins
 them for the s3fs range objckpt supports (``s3fs>=2024.6``), so a release that
-changes them fails there, not in a user's save.
+changes them fails there, not in a user's save. So are ``_s3`` and ``_s3creator``,
+which :meth:`RetryingS3FileSystem.close_connections` closes
+(``tests/test_async.py`` counts the sockets left after a checkpointer's close).
 """
 
 from __future__ import annotations
@@ -87,6 +89,16 @@ class RetryingS3FileSystem(RetryingFileSystem, S3FileSystem):
         finally:
             body.close()
         return {**resp, "Body": _ReadBody(bytes(data))}
+
+    async def close_connections(self) -> None:
+        """Close this filesystem's client and its connections now, on its loop (s3fs
+        closes them only when the filesystem is garbage collected); a later request
+        would open a new client."""
+        creator = getattr(self, "_s3creator", None)
+        self._s3 = None
+        if creator is not None:
+            self._s3creator = None
+            await creator.__aexit__(None, None, None)
 
     def endpoint(self) -> str | None:
         """The S3 endpoint this filesystem's client talks to (scheme, host and port)."""

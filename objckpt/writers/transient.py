@@ -1,12 +1,15 @@
 """Which failed store requests are worth another try, and which say "slow down".
 
-Transient: HTTP 503/SlowDown and 500/InternalError, connection resets and
-refusals, timeouts, truncated responses. Permanent (raised at once): 403, 404
-(no bucket or key), 412 (the create-only commit lost), bad requests, and a
-deadline that ran out. Judged by type, service code and HTTP status only, never
-by message text: a ValueError naming step-0000005030 is not a 503. Kept apart
-from the retry loop (:mod:`objckpt.writers.retry`) because the rules are a table
-of backend names that grows with each backend, and the loop should not.
+Transient: HTTP 503/SlowDown and 429, 500/InternalError, 502, 504, 408
+RequestTimeout, connection resets and refusals, timeouts, truncated responses.
+Permanent (raised at once): 403, 404 (no bucket or key), 412 (the create-only commit
+lost), other 4xx answers, and a deadline that ran out. A transient failure that
+repeats past ``RetryPolicy.give_up_after`` is taken as persistent by the retry loop,
+which says what the store answered (:func:`answer_of`). Judged by type, service code
+and HTTP status only, never by message text: a ValueError naming step-0000005030 is
+not a 503. Kept apart from the retry loop (:mod:`objckpt.writers.retry`) because the
+rules are a table of backend names that grows with each backend, and the loop should
+not.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import socket
 from objckpt.errors import RequestDeadlineError, SaveDeadlineError
 from objckpt.writers.translate import causes, service_error
 
-__all__ = ["is_throttle", "is_transient"]
+__all__ = ["answer_of", "is_throttle", "is_transient"]
 
 _TRANSIENT_ERRNOS = {errno.EBUSY, errno.EREMOTEIO, errno.ETIMEDOUT, errno.ECONNRESET, errno.EAGAIN}
 _TRANSIENT_NAMES = {
@@ -49,7 +52,7 @@ _THROTTLE_CODES = frozenset(
 )
 _TRANSIENT_CODES = _THROTTLE_CODES | {"ServiceUnavailable", "InternalError", "RequestTimeout"}
 _THROTTLE_STATUS = frozenset({429, 503})
-_TRANSIENT_STATUS = _THROTTLE_STATUS | {500, 502, 504}
+_TRANSIENT_STATUS = _THROTTLE_STATUS | {408, 500, 502, 504}
 
 
 def _service_answer(exc: BaseException) -> tuple[str | None, int | None]:
@@ -61,6 +64,17 @@ def _service_answer(exc: BaseException) -> tuple[str | None, int | None]:
         if code is not None or status is not None:
             return code, status
     return None, None
+
+
+def answer_of(exc: BaseException) -> str | None:
+    """What the store answered, for messages (``"HTTP 500 InternalError"``), or None
+    where the request got no answer (refused or reset connection, timeout)."""
+    code, status = _service_answer(exc)
+    if code is None and status is None:
+        if any(isinstance(e, OSError) and e.errno == errno.EBUSY for e in causes(exc)):
+            return "SlowDown"  # s3fs's mapping of a 503 without its botocore cause
+        return None
+    return " ".join(p for p in (f"HTTP {status}" if status else None, code) if p)
 
 
 def is_throttle(exc: BaseException) -> bool:

@@ -2,8 +2,9 @@
 
 Backends disagree on how they say the same thing: botocore raises
 ``NoCredentialsError``, s3fs turns a 403 into ``PermissionError``, aiohttp raises
-``ClientConnectorError`` and gcsfs an ``HttpError``. Callers of objckpt see one
-class per meaning, with the original kept as ``__cause__``.
+``ClientConnectorError``, gcsfs an ``HttpError`` and azure-storage-blob (under
+adlfs) an ``HttpResponseError`` with ``status_code`` and ``error_code``. Callers of
+objckpt see one class per meaning, with the original kept as ``__cause__``.
 
 Backend messages can quote request URLs, and a presigned URL carries a signature,
 so query strings are cut from any text that is copied into our messages.
@@ -23,10 +24,22 @@ from objckpt.errors import (
     StoreUnreachableError,
 )
 
-__all__ = ["causes", "describe", "precondition_failed", "service_error", "translate"]
+__all__ = [
+    "causes",
+    "describe",
+    "precondition_failed",
+    "service_error",
+    "translate",
+    "unsatisfiable_range",
+]
 
 _QUERY = re.compile(r"\?[^\s'\"]*")
-_CREDENTIAL_ERRORS = ("NoCredentialsError", "PartialCredentialsError", "DefaultCredentialsError")
+_CREDENTIAL_ERRORS = (
+    "NoCredentialsError",
+    "PartialCredentialsError",
+    "DefaultCredentialsError",
+    "CredentialUnavailableError",  # azure-identity: no credential source found
+)
 _UNREACHABLE_ERRORS = (
     "EndpointConnectionError",
     "ConnectTimeoutError",
@@ -35,6 +48,8 @@ _UNREACHABLE_ERRORS = (
     "ServerDisconnectedError",
     "FSTimeoutError",
     "ConnectionClosedError",
+    "ServiceRequestError",  # azure-core: the request could not be sent
+    "ServiceResponseError",  # azure-core: no (complete) answer came back
 )
 
 # What a store's refusal code means for the person holding the credentials.
@@ -46,7 +61,23 @@ _CREDENTIAL_HINTS = {
     "InvalidToken": "the session token is not valid",
     "TokenRefreshRequired": "the session token must be refreshed",
     "401": "the store rejected the credentials (401)",
+    "AuthenticationFailed": "the store rejected the account key or SAS token "
+    "(Azure AuthenticationFailed: wrong key, expired SAS, or a clock far off)",
 }
+# Azure's codes for "these credentials may not do this" (its 403s).
+_ACCESS_CODES = frozenset(
+    {
+        "AccessDenied",
+        "AllAccessDisabled",
+        "403",
+        "AuthorizationFailure",
+        "AuthorizationPermissionMismatch",
+        "AuthorizationSourceIPMismatch",
+        "AuthorizationProtocolMismatch",
+        "InsufficientAccountPermissions",
+        "AccountIsDisabled",
+    }
+)
 
 
 def describe(exc: BaseException, limit: int = 300) -> str:
@@ -78,9 +109,18 @@ _LEADING_STATUS = re.compile(r"^(\d{3}) ")
 
 def service_error(exc: BaseException) -> tuple[str | None, int | None]:
     """The service's error code and HTTP status carried by this one exception:
-    botocore's ``response`` (``Error.Code``, ``HTTPStatusCode``), aiohttp's
-    ``status``, gcsfs's ``code`` on its ``HttpError``, and gcsfs's plain ``OSError``
-    for a 403, whose message begins ``Forbidden``."""
+    botocore's ``response`` (``Error.Code``, ``HTTPStatusCode``), azure-core's
+    ``HttpResponseError`` (``error_code``, ``status_code``), aiohttp's ``status``,
+    gcsfs's ``code`` on its ``HttpError``, and gcsfs's plain ``OSError`` for a 403,
+    whose message begins ``Forbidden``."""
+    if "HttpResponseError" in _names(exc):
+        code = getattr(exc, "error_code", None)
+        code = getattr(code, "value", code)  # azure-storage's StorageErrorCode enum
+        status = getattr(exc, "status_code", None)
+        return (
+            str(code) if code else None,
+            status if isinstance(status, int) and not isinstance(status, bool) else None,
+        )
     response = getattr(exc, "response", None)
     if isinstance(response, dict):
         code = response.get("Error", {}).get("Code")
@@ -112,6 +152,19 @@ def precondition_failed(exc: BaseException) -> bool:
     for seen in causes(exc):
         code, status = service_error(seen)
         if code == "PreconditionFailed" or status == 412:
+            return True
+    return False
+
+
+def unsatisfiable_range(exc: BaseException) -> bool:
+    """Whether the store answered 416 (anywhere in ``exc``'s causes): the range
+    asked for starts at or past the object's end (RFC 9110), e.g. any range of an
+    empty object. s3fs says so as ``OSError(EINVAL)`` whose text is whatever the
+    store put in its ``Message`` (Ceph RGW puts none), so the answer is judged by
+    its code and status, never by that text."""
+    for seen in causes(exc):
+        code, status = service_error(seen)
+        if code == "InvalidRange" or status == 416:
             return True
     return False
 
@@ -156,9 +209,12 @@ def translate(
         return AccessDeniedError(
             f"credentials rejected while {action} {url}: {_CREDENTIAL_HINTS[code]} ({detail})"
         )
-    if isinstance(exc, PermissionError) or code in ("AccessDenied", "AllAccessDisabled", "403"):
+    if isinstance(exc, PermissionError) or code in _ACCESS_CODES:
         return AccessDeniedError(f"access denied while {action} {url}: {detail}")
-    if isinstance(exc, FileNotFoundError) and missing_is_bucket:
+    if code == "NoSuchBucket":  # S3 says which: not a missing object, the bucket
+        bucket = url.partition("://")[2].split("/", 1)[0]
+        return BucketNotFoundError(f"bucket {bucket!r} of {url} does not exist ({detail})")
+    if code == "ContainerNotFound" or (isinstance(exc, FileNotFoundError) and missing_is_bucket):
         return BucketNotFoundError(f"bucket or root of {url} does not exist ({detail})")
     if names & set(_UNREACHABLE_ERRORS) or isinstance(
         exc, (ConnectionError, TimeoutError, asyncio.TimeoutError)

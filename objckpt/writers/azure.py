@@ -1,0 +1,237 @@
+"""Azure Blob Storage (``az://``, ``abfs://``, ``abfss://`` through adlfs): the store
+family behind :class:`AzureStore`.
+
+**The commit** is one Put Blob with ``If-None-Match: *`` (adlfs's
+``pipe_file(mode="create")``; azure-storage-blob sets the header when asked not to
+overwrite). The service enforces it atomically and answers a second create with 409
+``BlobAlreadyExists``; adlfs raises ``FileExistsError`` for it, which the commit
+settles by reading the manifest back as on S3 and GCS
+(:mod:`objckpt.format.settle`): a retried Put Blob that meets its own earlier write
+is ours, anyone else's is ``CheckpointExistsError``.
+
+**Large objects** go up as Azure's multipart: blocks staged concurrently (Put Block,
+each with its Content-MD5, which the service checks) and made the blob in one
+Put Block List, so a reader sees either no blob or the whole of it, never a
+part (:class:`BlockUpload`). Blocks go up under the store's request limit
+(``UploadOptions.max_in_flight``, AIMD like S3's parts), so the memory held is
+bounded by ``max_in_flight * part_size``. Smaller objects are one Put Blob of the
+buffered bytes; azure-storage-blob itself would split anything over its
+``max_single_put_size`` (64 MiB) into 4 MiB staged blocks and one block list,
+equally atomic.
+
+**Leftovers**: staged blocks that were never committed (a crash or an aborted
+upload) are invisible to listings and reads, cannot be deleted one by one, and
+Azure discards them on its own after seven days (or when a blob of that name is
+committed). There is nothing for ``objckpt gc`` to find or abort, so
+:meth:`AzureStore.open_uploads` is empty. A blob that was committed but never
+named by a manifest is ordinary garbage for ``gc``.
+
+**Checksums**: Azure keeps an MD5 for single-request blobs and none for
+block-list blobs, and no CRC32C: :meth:`AzureStore.digest` reports none, and
+objckpt checks its own CRC32C from the manifest (on verify, copies and backups).
+
+**Retries** are azure-core's own (its exponential retry policy per request):
+objckpt's :class:`~objckpt.RetryPolicy` does not reach inside the SDK, and a save's
+deadline bounds Azure requests only where objckpt waits for them.
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import logging
+import uuid
+from typing import Any
+
+from objckpt.errors import BucketNotFoundError
+from objckpt.writers.base import BufferedUpload, ObjectStore, ObjectUpload, translated_future
+from objckpt.writers.checksum import BytesLike, Crc32c, crc32c_of
+from objckpt.writers.translate import causes, precondition_failed, service_error, translate
+
+__all__ = ["AzureStore", "BlockUpload"]
+
+logger = logging.getLogger(__name__)
+
+#: What adlfs writes on every blob it creates (it tells blobs from its directory markers).
+_BLOB_METADATA = {"is_directory": "false"}
+
+
+def _already_exists(exc: BaseException) -> bool:
+    """Azure's answer to a create-only write of an existing blob: 409
+    ``BlobAlreadyExists`` (or a 412 where a store answers the condition so)."""
+    if precondition_failed(exc):
+        return True
+    for seen in causes(exc):
+        code, status = service_error(seen)
+        if code == "BlobAlreadyExists" or (status == 409 and code is None):
+            return True
+    return False
+
+
+class AzureStore(ObjectStore):
+    """Writes blobs to Azure Blob Storage (or Azurite) through adlfs."""
+
+    def container_blob(self, key: str) -> tuple[str, str]:
+        """The container and the blob name requests name for ``key``."""
+        container, blob, _ = self.fs.split_path(self.path(key))
+        return str(container), str(blob)
+
+    def preflight(self, timeout: float) -> None:
+        """One listing of at most one blob under the checkpoint's prefix: the container
+        exists, the credentials are valid and may list (a save needs that anyway).
+        Not adlfs's container check, which on a refused request warns and assumes the
+        container exists (a container SAS may not read container properties).
+
+        Raises:
+            BucketNotFoundError, AccessDeniedError, StoreUnreachableError: named for
+                the URL. Write access is not proven here: read-only credentials are
+                refused at the first write.
+        """
+        container, prefix = self.container_blob("")
+        url = self.location.url
+
+        async def first_page() -> None:
+            async with self.fs.service_client.get_container_client(container) as client:
+                pages = client.list_blobs(name_starts_with=prefix, results_per_page=1).by_page()
+                async for _ in pages:
+                    return
+
+        try:
+            self.run_coro(first_page(), timeout=timeout)
+        except Exception as exc:
+            code, status = next(
+                (found for found in map(service_error, causes(exc)) if found != (None, None)),
+                (None, None),
+            )
+            if code == "ContainerNotFound" or status == 404:
+                raise BucketNotFoundError(
+                    f"container {container!r} of {url} does not exist"
+                ) from exc
+            raise translate(exc, url=url, action="checking") from exc
+
+    def begin(self, key: str, size_hint: int) -> ObjectUpload:
+        """Objects up to two parts go up in one Put Blob; larger ones as staged
+        blocks committed with one block list (:class:`BlockUpload`)."""
+        part = self.options.part_size_for(size_hint)
+        if size_hint > 2 * part and self.is_async:
+            return BlockUpload(self, key, part)
+        return BufferedUpload(self, key, size_hint)
+
+    def create(self, key: str, data: bytes, *, overwrite: bool = False) -> None:
+        """One Put Blob, with ``If-None-Match: *`` unless ``overwrite``."""
+        try:
+            self.fs.pipe_file(self.path(key), data, mode="overwrite" if overwrite else "create")
+        except FileExistsError:
+            raise
+        except Exception as exc:
+            if not overwrite and _already_exists(exc):
+                raise FileExistsError(self.location.url_of(key)) from exc
+            raise translate(exc, url=self.location.url_of(key), action="committing") from exc
+        finally:
+            self.fs.invalidate_cache(self.path(key))
+
+    def digest(self, key: str) -> tuple[int, str | None]:
+        """The blob's size; Azure keeps no CRC32C (see the module docstring)."""
+        try:
+            self.fs.invalidate_cache(self.path(key))
+            info = self.fs.info(self.path(key))
+        except FileNotFoundError:
+            raise
+        except Exception as exc:
+            raise translate(exc, url=self.location.url_of(key), action="checking") from exc
+        return int(info.get("size") or 0), None
+
+
+class BlockUpload(ObjectUpload):
+    """One large blob: blocks staged concurrently, committed with one block list on close.
+
+    Block ids are this upload's own (a random prefix and the block's number, all of
+    one length as Azure requires), so two uploads of one name can never commit each
+    other's blocks.
+    """
+
+    tracks_crc32c = True
+
+    def __init__(self, store: AzureStore, key: str, part_size: int) -> None:
+        super().__init__(key)
+        self._store = store
+        self._part_size = part_size
+        self._prefix = uuid.uuid4().hex[:16]
+        self._buf = bytearray()
+        self._crc = Crc32c()
+        self._blocks: list[str] = []
+        self._futures: list[concurrent.futures.Future[None]] = []
+        self._committing = False
+
+    def write(self, data: BytesLike) -> int:
+        crc = crc32c_of(data)
+        self._crc.feed(data, crc)
+        view = memoryview(data).cast("B")
+        while len(view):
+            room = self._part_size - len(self._buf)
+            self._buf += view[:room]
+            view = view[room:]
+            if len(self._buf) == self._part_size:
+                self._stage()
+        return crc
+
+    def _stage(self) -> None:
+        data, self._buf = bytes(self._buf), bytearray()
+        block_id = base64.b64encode(f"{self._prefix}-{len(self._blocks):06d}".encode()).decode()
+        self._blocks.append(block_id)
+        store = self._store
+        store.acquire_slot()  # backpressure: at most max_in_flight blocks in memory
+        fut = store.submit_coro(self._put_block(block_id, data))
+        fut.add_done_callback(store.release_slot)
+        self._futures.append(
+            translated_future(fut, store.location.url_of(self.key), "uploading a block of")
+        )
+
+    async def _put_block(self, block_id: str, data: bytes) -> None:
+        container, blob = self._store.container_blob(self.key)
+        async with self._store.fs.service_client.get_blob_client(container, blob) as client:
+            # validate_content: the block's MD5 goes with it and the service checks it.
+            await client.stage_block(block_id, data, length=len(data), validate_content=True)
+
+    async def _commit(self) -> Any:
+        container, blob = self._store.container_blob(self.key)
+        async with self._store.fs.service_client.get_blob_client(container, blob) as client:
+            return await client.commit_block_list(list(self._blocks), metadata=_BLOB_METADATA)
+
+    def close(self) -> concurrent.futures.Future[None]:
+        if self._buf or not self._blocks:
+            self._stage()
+        self.crc32c = self._crc.hexdigest()
+        return self._store.submit_call(self._finish)
+
+    def _finish(self) -> None:
+        store = self._store
+        try:
+            for fut in self._futures:
+                fut.result()
+            self._committing = True
+            try:
+                store.submit_coro(self._commit()).result()
+            except Exception as exc:
+                url = store.location.url_of(self.key)
+                raise translate(exc, url=url, action="committing the blocks of") from exc
+        except BaseException:
+            self.abort()
+            raise
+        finally:
+            store.fs.invalidate_cache(store.path(self.key))
+
+    def abort(self) -> None:
+        """Wait out blocks still in flight; staged blocks expire on their own (the
+        module docstring). A block list whose answer was lost may have landed: the
+        blob is deleted then."""
+        self._buf = bytearray()
+        for fut in self._futures:
+            fut.exception()
+        if self._committing:
+            try:
+                self._store.fs.rm_file(self._store.path(self.key))
+            except FileNotFoundError:
+                pass
+            except Exception:  # best effort: an uncommitted object is garbage for gc anyway
+                logger.debug("could not remove aborted blob %s", self.key, exc_info=True)

@@ -1,0 +1,107 @@
+"""How bytes come off a store: whole objects, bounded reads and byte ranges.
+
+Every read objckpt makes of an object it did not just write goes through here
+(manifests, index objects, ``.metadata``, payload ranges, safetensors headers and
+tensors), so that one rule holds for every store family: a range reads as a slice
+of a local file does, ``data[start:end]``, empty where ``start`` is at or past the
+object's end.
+
+Why a module of its own: stores and their clients disagree about exactly those
+edges. A ranged GET that starts at or past an object's end is unsatisfiable (RFC
+9110): AWS S3, Ceph RGW, MinIO, GCS and Azure (Azurite too) answer 416
+``InvalidRange``, and every range of an empty object is such a range. The clients
+surface that differently: s3fs as ``OSError(EINVAL)`` carrying whatever text the
+store put in its ``Message`` (RGW puts none, so a test on the text failed there),
+gcsfs as an ``HttpError`` with code 416, adlfs as azure-core's
+``HttpResponseError`` with status 416. A zero-length range cannot be expressed at
+all: s3fs sends ``bytes=5-4``, which S3 ignores as malformed and answers with the
+whole object, and the Azure SDK raises ``ValueError`` on the answer. Here a 416 reads
+as empty (:func:`~objckpt.writers.translate.unsatisfiable_range`, judged by code
+and status) and an empty range is answered without a request; callers compare
+what they got with what the manifest recorded, so an object shorter than recorded
+(or emptied) is a ``SizeMismatchError`` naming it, never a store error.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+
+from fsspec import AbstractFileSystem
+
+from objckpt.writers.translate import unsatisfiable_range
+
+__all__ = ["read_bounded", "read_range", "read_ranges", "read_whole"]
+
+
+def read_whole(fs: AbstractFileSystem, path: str) -> bytes:
+    """A small object (manifest, ``.metadata``) in one GET.
+
+    s3fs's ``cat_file`` first HEADs the object to decide whether to split it into
+    parallel ranges. For a small object that is a wasted round trip, and a HEAD's
+    403 has no body, so a refused key and a wrong secret both read "Forbidden";
+    the GET's answer says which (``InvalidAccessKeyId``, ``SignatureDoesNotMatch``).
+    An unranged GET of an empty object is an empty 200 everywhere.
+    """
+    inner = getattr(fs, "_cat_file", None)  # async filesystems only
+    if inner is not None and "max_concurrency" in inspect.signature(inner).parameters:
+        return bytes(fs.cat_file(path, max_concurrency=1))
+    return bytes(fs.cat_file(path))
+
+
+def read_bounded(fs: AbstractFileSystem, path: str, limit: int) -> bytes:
+    """At most ``limit + 1`` bytes of an object, in one ranged GET: a longer answer
+    means the object is over ``limit``, found without reading it whole (and without
+    a HEAD, whose bodiless 403 would hide which credential was refused). An empty
+    object reads as empty.
+
+    Raises:
+        FileNotFoundError: No such object.
+        Exception: The store's own error.
+    """
+    return read_range(fs, path, 0, limit + 1)
+
+
+def read_range(fs: AbstractFileSystem, path: str, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of an object, fewer where it ends sooner (none where
+    it ends at or before ``start``); no request where the range is empty.
+
+    Raises:
+        FileNotFoundError: No such object (not checked for an empty range).
+        Exception: The store's own error.
+    """
+    if end <= start:
+        return b""
+    try:
+        return bytes(fs.cat_file(path, start=start, end=end))
+    except Exception as exc:
+        if unsatisfiable_range(exc):
+            return b""
+        raise
+
+
+def read_ranges(
+    fs: AbstractFileSystem, paths: Sequence[str], starts: Sequence[int], ends: Sequence[int]
+) -> list[bytes | BaseException]:
+    """:func:`read_range` of each ``(path, start, end)``, concurrently where the
+    filesystem can (fsspec's ``cat_ranges``); a failed range's exception takes its
+    place in the answer (``on_error="return"``), in order.
+    """
+    if not len(paths) == len(starts) == len(ends):
+        raise ValueError(f"{len(paths)} paths, {len(starts)} starts and {len(ends)} ends")
+    asked = [n for n in range(len(paths)) if ends[n] > starts[n]]
+    out: list[bytes | BaseException] = [b""] * len(paths)
+    if not asked:
+        return out
+    pieces = fs.cat_ranges(
+        [paths[n] for n in asked],
+        [starts[n] for n in asked],
+        [ends[n] for n in asked],
+        on_error="return",
+    )
+    for n, piece in zip(asked, pieces, strict=True):
+        if isinstance(piece, BaseException):
+            out[n] = b"" if unsatisfiable_range(piece) else piece
+        else:
+            out[n] = bytes(piece)
+    return out

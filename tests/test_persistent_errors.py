@@ -1,0 +1,154 @@
+"""Transient versus persistent store failures (issue #35, item 1).
+
+A save rides out an outage and a 503 storm, and fails in bounded time, saying what
+the store answered, when the store keeps refusing the same request: the save's
+deadline (600 s by default) is the outer bound, not the way a refusal ends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import pytest
+import torch
+from conftest import assert_state_equal, empty_like_state
+from helpers import carried, load, save
+
+from objckpt import CheckpointManager, RetryPolicy, UploadOptions
+from objckpt.errors import StoreRefusedError, StoreUnreachableError
+from objckpt.testing import FaultProxy, Rule
+from objckpt.testing.plugin import StoreTarget
+
+MiB = 1024 * 1024
+PARTS = UploadOptions(part_size=5 * MiB, object_size=64 * MiB)
+#: The default policy with a short window, so a test of the window costs seconds.
+SHORT = RetryPolicy(base_delay=0.05, max_delay=0.5, give_up_after=3.0)
+
+
+def _state(seed: int, mib: int = 12) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(mib * MiB // 4, generator=g), "b": torch.arange(64) * seed}
+
+
+@pytest.fixture
+def via(s3_proxy: FaultProxy, s3_bucket: StoreTarget) -> StoreTarget:
+    """The test bucket, reached through the s3_proxy."""
+    return StoreTarget(root=s3_bucket.root, storage_options=s3_proxy.storage_options())
+
+
+def test_the_default_policy_gives_up_on_a_repeated_refusal_within_90_s() -> None:
+    policy = RetryPolicy()
+    assert policy.give_up_after is not None and policy.give_up_after + policy.max_delay <= 90
+    assert UploadOptions().deadline is None or UploadOptions().deadline > 90  # the outer bound
+
+
+@pytest.mark.timeout(150)
+def test_a_part_answered_500_on_every_attempt_fails_the_save_within_90_s(
+    via: StoreTarget, s3_proxy: FaultProxy
+) -> None:
+    """The row as reported: sync dcp.save, default policy and deadline, a 64 MiB
+    object whose second part is answered 500 every time."""
+    s3_proxy.add(Rule("UploadPart", key_contains="partNumber=2", status=500))
+    started = time.monotonic()
+    with pytest.raises(BaseException) as info:  # torch's CheckpointException
+        save(_state(1, mib=64), via.url("bad-part"), via, upload=PARTS)
+    elapsed = time.monotonic() - started
+    err = carried(info.value)
+    assert isinstance(err, StoreRefusedError), repr(err)
+    assert elapsed < 90, f"failed after {elapsed:.0f} s"
+    message = str(err)
+    assert "HTTP 500 InternalError" in message and "give_up_after" in message, message
+    assert "partNumber" not in message and "s3://objckpt-test/t/bad-part/" in message, message
+    attempts = s3_proxy.count("UploadPart", faulted=True)
+    assert f"on each of {attempts} attempts" in message, (attempts, message)
+    assert attempts > RetryPolicy().attempts  # retried by the window, not by attempts
+
+
+def test_every_payload_write_answered_500_fails_the_save_in_the_window(
+    via: StoreTarget, s3_proxy: FaultProxy
+) -> None:
+    s3_proxy.add(Rule(key_contains=".distcp", status=500))
+    started = time.monotonic()
+    with pytest.raises(BaseException) as info:
+        save(_state(2, mib=2), via.url("bad-all"), via, retry=SHORT)
+    elapsed = time.monotonic() - started
+    err = carried(info.value)
+    assert isinstance(err, StoreRefusedError), repr(err)
+    assert elapsed < 30, f"failed after {elapsed:.0f} s with a 3 s window"
+    assert "HTTP 500 InternalError" in str(err) and ".distcp" in str(err), err
+    s3_proxy.clear()
+    with pytest.raises(FileNotFoundError):  # nothing committed
+        load(empty_like_state(_state(0, mib=2)), via.url("bad-all"), via)
+
+
+def test_a_store_that_answers_503_to_everything_is_said_to_have_answered(
+    via: StoreTarget, s3_proxy: FaultProxy
+) -> None:
+    """Every request answered 503: the error says so (the store answered), never
+    "no answer within" as if it were unreachable."""
+    s3_proxy.add(Rule(status=503))
+    with pytest.raises(BaseException) as info:
+        save(_state(3, mib=1), via.url("slowdown"), via, retry=SHORT, preflight_timeout=10)
+    err = carried(info.value)
+    message = str(err)
+    assert "no answer" not in message, message
+    assert "503 SlowDown" in message, message
+    assert not isinstance(err, StoreUnreachableError), repr(err)
+
+
+def test_a_refused_connection_that_persists_is_unreachable_not_refused(
+    via: StoreTarget, s3_proxy: FaultProxy
+) -> None:
+    s3_proxy.add(Rule(key_contains=".distcp", action="reset"))
+    with pytest.raises(BaseException) as info:
+        save(_state(4, mib=1), via.url("reset"), via, retry=SHORT)
+    err = carried(info.value)
+    assert isinstance(err, StoreUnreachableError), repr(err)
+    assert "no answer on each of" in str(err) and "give_up_after" in str(err), err
+
+
+def test_a_5_s_outage_is_ridden_out_and_the_save_commits(
+    via: StoreTarget, s3_proxy: FaultProxy
+) -> None:
+    """Every connection reset for 5 s, from the save's first payload request on."""
+    outage = s3_proxy.add(Rule(key_contains=".distcp", action="reset"))
+    ended = threading.Event()
+
+    def end_outage() -> None:
+        s3_proxy.wait_for(None, count=1, faulted=True)  # the save is in the outage
+        threading.Event().wait(5.0)  # the outage's length, not a synchronisation
+        s3_proxy.clear()
+        ended.set()
+
+    ender = threading.Thread(target=end_outage, daemon=True)
+    ender.start()
+    save(_state(5, mib=4), via.url("outage"), via, upload=PARTS)  # default policy
+    ender.join(timeout=60)
+    assert ended.is_set()
+    assert s3_proxy.count("UploadPart", faulted=True) == 0  # the rule was cleared
+    del outage
+    got = empty_like_state(_state(0, mib=4))
+    load(got, via.url("outage"), via)
+    assert_state_equal(got, _state(5, mib=4))
+
+
+@pytest.mark.parametrize("probability", [0.3, 0.5])
+def test_a_503_storm_is_ridden_out_and_the_save_commits(
+    via: StoreTarget, s3_proxy: FaultProxy, probability: float
+) -> None:
+    policy = dataclasses.replace(RetryPolicy(), max_delay=1.0)  # keep the test short
+    with CheckpointManager(
+        via.url("storm"), storage_options=via.storage_options, upload=PARTS, retry=policy
+    ) as mgr:
+        s3_proxy.add(Rule(probability=probability, status=503))
+        mgr.save(1, _state(6, mib=16)).result(timeout=120)
+        faulted = s3_proxy.count("UploadPart", faulted=True) + s3_proxy.count(
+            "PutObject", faulted=True
+        )
+        s3_proxy.clear()  # reads outside a save make `attempts` tries, not the window's
+        got = empty_like_state(_state(0, mib=16))
+        assert mgr.load(got, step=1) == 1
+    assert_state_equal(got, _state(6, mib=16))
+    assert faulted >= 1, "the storm should have hit the uploads"

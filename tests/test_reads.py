@@ -1,0 +1,81 @@
+"""Reads past an object's end, as S3-compatible stores answer them (issue #36).
+
+The conformance suite checks the rule on every family
+(``StoreConformance.test_a_range_past_the_end_of_an_object_reads_as_empty``); here,
+through the fault proxy in front of moto, the answers moto does not give: Ceph RGW's
+416 ``InvalidRange`` without a ``Message`` (s3fs then says ``[Errno 22] None``), and
+the request s3fs would send for an empty range.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_state_equal, empty_like_state
+from helpers import carried, load, save
+
+from objckpt import Location
+from objckpt.errors import ManifestError
+from objckpt.format.layout import MANIFEST_KEY
+from objckpt.testing import FaultProxy, Rule
+from objckpt.testing.plugin import StoreTarget
+from objckpt.writers import open_store
+from objckpt.writers.reads import read_bounded, read_range, read_ranges
+
+#: 416 InvalidRange with a message that does not say "range" (RGW sends none at all).
+TERSE_416 = Rule("GetObject", action="status", status=416, code="InvalidRange")
+
+
+@pytest.fixture
+def via(s3_proxy: FaultProxy, s3_bucket: StoreTarget) -> StoreTarget:
+    return StoreTarget(root=s3_bucket.root, storage_options=s3_proxy.storage_options())
+
+
+def test_a_416_is_judged_by_its_code_not_its_text(via: StoreTarget, s3_proxy: FaultProxy) -> None:
+    """A bounded read of an empty object answered as RGW answers it (416
+    ``InvalidRange``, no message that says "range") reads as empty."""
+    store = open_store(Location.parse(via.url("x"), via.storage_options))
+    try:
+        store.put("empty.json", b"")
+        s3_proxy.add(TERSE_416)
+        assert read_bounded(store.fs, store.path("empty.json"), 1000) == b""
+        assert read_ranges(store.fs, [store.path("empty.json")], [0], [10]) == [b""]
+    finally:
+        store.close()
+    assert s3_proxy.count("GetObject", faulted=True) == 2
+
+
+def test_a_manifest_read_answered_416_without_a_message_is_an_empty_manifest(
+    via: StoreTarget, s3_bucket: StoreTarget, s3_proxy: FaultProxy
+) -> None:
+    """A committed step whose manifest reads as RGW answers an empty object's range:
+    the load refuses it as a manifest (naming it), not as a store failure."""
+    url = via.url("ck")
+    save({"w": torch.arange(8.0)}, url, via)
+    s3_proxy.add(Rule("GetObject", key_contains=MANIFEST_KEY, status=416, code="InvalidRange"))
+    with pytest.raises(BaseException) as info:
+        load({"w": torch.zeros(8)}, url, via)
+    err = carried(info.value)
+    assert isinstance(err, ManifestError), repr(err)
+    assert f"{url}/{MANIFEST_KEY}" in str(err), str(err)
+    s3_proxy.clear()
+    got = empty_like_state({"w": torch.arange(8.0)})
+    load(got, url, s3_bucket)
+    assert_state_equal(got, {"w": torch.arange(8.0)})
+
+
+def test_an_empty_range_sends_no_request(via: StoreTarget, s3_proxy: FaultProxy) -> None:
+    """s3fs would send ``bytes=2-1`` for an empty range, which S3 ignores as
+    malformed and answers with the whole object."""
+    store = open_store(Location.parse(via.url("x"), via.storage_options))
+    try:
+        store.put("five.bin", b"01234")
+        s3_proxy.clear()
+        assert read_range(store.fs, store.path("five.bin"), 2, 2) == b""
+        assert read_ranges(store.fs, [store.path("five.bin")] * 2, [2, 0], [2, 5]) == [
+            b"",
+            b"01234",
+        ]
+    finally:
+        store.close()
+    assert s3_proxy.count("GetObject") == 1
