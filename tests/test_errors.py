@@ -214,3 +214,33 @@ def test_an_async_save_names_a_meta_tensor_before_upload(s3_bucket: StoreTarget)
     fs = fs_of(s3_bucket)
     path = path_of(s3_bucket, url)
     assert (fs.ls(path, detail=False) if fs.exists(path) else []) == []
+
+
+def test_the_tree_in_the_errors_docstring_lists_exactly_the_classes() -> None:
+    """The hierarchy drawn in objckpt.errors' docstring is the hierarchy: every
+    exported error class appears in it once, under its real parent."""
+    import re
+
+    import objckpt.errors as errors
+
+    drawn: dict[str, str | None] = {}
+    stack: list[tuple[int, str]] = []
+    for line in (errors.__doc__ or "").splitlines():
+        m = re.match(r"^\s*((?:[│ ]   )*)(?:[├└]── )?([A-Z]\w+Error)\b", line)
+        if not m or ("──" not in line and m.group(2) != "ObjckptError"):
+            continue
+        depth = len(m.group(1)) // 4 + (1 if "──" in line else 0)
+        while stack and stack[-1][0] >= depth:
+            stack.pop()
+        assert m.group(2) not in drawn, f"{m.group(2)} drawn twice"
+        drawn[m.group(2)] = stack[-1][1] if stack else None
+        stack.append((depth, m.group(2)))
+    classes = {
+        name: getattr(errors, name)
+        for name in errors.__all__
+        if isinstance(getattr(errors, name), type)
+    }
+    assert set(drawn) == set(classes), set(classes) ^ set(drawn)
+    for name, parent in drawn.items():
+        if parent is not None:
+            assert classes[parent] in classes[name].__bases__, (name, parent)
