@@ -38,18 +38,24 @@ user+sys of that process and its children. Peak tree RSS and
 PSS are sampled every 20 ms over this process and its children, the server excluded
 (RSS counts a shared staging segment once per process mapping it; PSS splits it).
 
+``--server rgw`` runs the same against Ceph RGW (Debian's radosgw, started in a temporary
+cluster by :mod:`objckpt.testing.rgw`), a real S3 implementation: no reset API, so each
+run gets a new bucket; ranged GETs cost what they read, unlike moto's.
+
 Usage: ``python bench/bench_throughput.py [--size-mib 256] [--repeats 3] [--cold-runs 5]
-[--only cold,sync,s3tc,boto3,fsspec,async,dcp_async] [--fresh-clients]``
+[--only cold,sync,s3tc,boto3,fsspec,async,dcp_async] [--fresh-clients] [--server rgw]``
 Results go to ``bench/results/throughput-<date>-<size>mib.json`` and a table to stdout.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import logging
 import os
 import statistics
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -59,13 +65,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from bench_async import copy_limit
 from bench_sync import nbytes, transformer_state, zeros_like
-from cold import cold_rows, no_client_cache, run_cold
+from cold import cold_rows, fresh_bucket, no_client_cache, run_cold
 from proc_stats import TreeRss, measure
 from record import write_record
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
 import objckpt
-from objckpt.testing.servers import MotoServer, offline_env, start_moto_server
+from objckpt.testing.servers import offline_env, start_moto_server
 
 log = logging.getLogger("bench")
 MiB = 1024 * 1024
@@ -79,25 +85,33 @@ def run(
     cold_runs: int = 5,
     only: tuple[str, ...] = GROUPS,
     fresh_clients: bool = False,
+    kind: str = "moto",
 ) -> dict[str, Any]:
     os.environ.update(offline_env())
     torch.set_num_threads(1)
     if fresh_clients:
         no_client_cache()
-    server = start_moto_server()
-    state = transformer_state(size_mib)
-    gib = nbytes(state) / 2**30
-    try:
+    with contextlib.ExitStack() as stack:
+        server: Any
+        if kind == "rgw":
+            # A real S3 implementation (Debian's radosgw), in a cluster of its own.
+            from objckpt.testing.rgw import start_rgw
+
+            server = start_rgw(stack.enter_context(tempfile.TemporaryDirectory()))
+        else:
+            server = start_moto_server()
+        stack.callback(server.stop)
+        state = transformer_state(size_mib)
+        gib = nbytes(state) / 2**30
         out = _run_all(server, state, gib, repeats, s3tc_threads, only)
+        out["server"] = kind
         if "cold" in only:
             out["cold"] = run_cold(server, state, cold_runs, s3tc_threads)
         return out
-    finally:
-        server.stop()
 
 
 def _run_all(
-    server: MotoServer,
+    server: Any,
     state: dict[str, torch.Tensor],
     gib: float,
     repeats: int,
@@ -112,13 +126,14 @@ def _run_all(
     counter = [0]
     out: dict[str, Any] = {"gib": gib}
 
+    bucket = ["bench"]
+
     def fresh() -> None:
-        server.reset()
-        client.create_bucket(Bucket="bench")
         counter[0] += 1
+        bucket[0] = fresh_bucket(server, client, counter[0])
 
     def url(name: str) -> str:
-        return f"s3://bench/{name}{counter[0]}"
+        return f"s3://{bucket[0]}/{name}{counter[0]}"
 
     def check(load_fn: Callable[[dict[str, torch.Tensor]], None]) -> None:
         got = zeros_like(state)
@@ -138,7 +153,7 @@ def _run_all(
         blob = [b"".join(t.numpy().tobytes() for t in state.values())]
 
         def boto3_upload() -> None:
-            client.upload_fileobj(io.BytesIO(blob[0]), "bench", "blob", Config=TransferConfig())
+            client.upload_fileobj(io.BytesIO(blob[0]), bucket[0], "blob", Config=TransferConfig())
 
         out["boto3_save"] = measure(boto3_upload, fresh, repeats, none)
         blob.clear()
@@ -396,6 +411,9 @@ def main() -> None:
     parser.add_argument("--cold-runs", type=int, default=5)
     parser.add_argument("--only", default=",".join(GROUPS), help="comma-separated groups")
     parser.add_argument("--fresh-clients", action="store_true")
+    parser.add_argument(
+        "--server", choices=("moto", "rgw"), default="moto", help="the S3 server to run against"
+    )
     parser.add_argument("--tag", default="", help="suffix of the results file name")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args()
@@ -406,10 +424,20 @@ def main() -> None:
     if unknown:
         parser.error(f"--only: unknown group(s) {', '.join(unknown)}; known: {', '.join(GROUPS)}")
     res = run(
-        args.size_mib, args.repeats, args.s3tc_threads, args.cold_runs, only, args.fresh_clients
+        args.size_mib,
+        args.repeats,
+        args.s3tc_threads,
+        args.cold_runs,
+        only,
+        args.fresh_clients,
+        args.server,
     )
     fields = {"repeats": args.repeats, "only": list(only), "fresh_clients": args.fresh_clients}
-    name = "throughput" + (f"-{args.tag}" if args.tag else "")
+    name = (
+        "throughput"
+        + ("-rgw" if args.server == "rgw" else "")
+        + (f"-{args.tag}" if args.tag else "")
+    )
     path = write_record(args.out, name, args.size_mib, {**fields, **res})
     print(table(res))
     print(f"\nrecorded in {path}")

@@ -22,7 +22,7 @@ import torch
 
 from objckpt.testing.servers import MotoServer
 
-__all__ = ["cold_rows", "no_client_cache", "run_cold"]
+__all__ = ["cold_rows", "fresh_bucket", "no_client_cache", "run_cold"]
 
 log = logging.getLogger("bench")
 
@@ -35,8 +35,20 @@ def no_client_cache() -> None:
     PROCESS_CLIENTS.filesystem = lambda location: location.open_fs(fresh=True)  # type: ignore[method-assign]
 
 
+def fresh_bucket(server: Any, client: Any, n: int) -> str:
+    """An empty bucket for the next measured run: moto is reset (its reset API), a real
+    server (Ceph RGW, ``--server rgw``) gets a new bucket, since it has no reset."""
+    if isinstance(server, MotoServer):
+        server.reset()
+        client.create_bucket(Bucket="bench")
+        return "bench"
+    name = f"bench-{n}"
+    client.create_bucket(Bucket=name)
+    return name
+
+
 def run_cold(
-    server: MotoServer, state: dict[str, torch.Tensor], runs: int, threads: int
+    server: Any, state: dict[str, torch.Tensor], runs: int, threads: int
 ) -> dict[str, Any]:
     """Each save in a fresh process (``cold_save.py``), the methods alternating;
     medians over ``runs`` and every run's figures."""
@@ -56,9 +68,8 @@ def run_cold(
         torch.save(state, path)
         for i in range(runs):
             for name, method in methods:
-                server.reset()
-                client.create_bucket(Bucket="bench")
-                url = f"s3://bench/cold-{method}-{i}"
+                bucket = fresh_bucket(server, client, 1000 + len(methods) * i + len(runs_by))
+                url = f"s3://{bucket}/cold-{method}-{i}"
                 done = subprocess.run(
                     [sys.executable, child, method, endpoint, url, path, str(threads)],
                     capture_output=True,
