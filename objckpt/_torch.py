@@ -15,7 +15,9 @@ the pinned release (``constraints.txt``) and a subset on the floor in
 from __future__ import annotations
 
 import dataclasses
+import gc
 import pickle
+import sys
 from collections.abc import Callable, Sequence
 from typing import IO, Any, cast
 
@@ -28,6 +30,7 @@ __all__ = [
     "TESTED_RELEASES",
     "LoadPlanHelpers",
     "StreamTransformExtension",
+    "collect_traversal_cycles",
     "group_store",
     "has_cpu_backend",
     "load_everything",
@@ -335,3 +338,32 @@ def load_plan_helpers() -> LoadPlanHelpers | None:
         overlap_region=_shards_get_overlap_region_wrt_saved_tensor,
         flatten_as_torch_2_3=flatten_as_torch_2_3,
     )
+
+
+def collect_traversal_cycles() -> bool:
+    """Collect now, on a torch whose state-dict traversal leaves a reference cycle;
+    whether it did.
+
+    DCP flattens every save's state dict with ``traverse_state_dict``, whose
+    recursive inner function refers to itself: until torch deleted it after use
+    (pytorch#170431; torch 2.9 has the cycle, 2.13 does not), each flattened dict of
+    staged views stays reachable from that cycle until Python's next collection, and
+    a closed checkpointer's staging segments stay mapped. One traversal of a
+    one-entry dict tells (does the cycle keep its visitor?); only then is the
+    collection paid.
+    """
+    try:
+        from torch.distributed.checkpoint._traverse import traverse_state_dict
+    except ImportError:  # pragma: no cover - other torch versions: cannot tell
+        gc.collect()
+        return True
+
+    def visit(path: Any, value: Any) -> None:
+        return None
+
+    before = sys.getrefcount(visit)
+    traverse_state_dict({"probe": 0}, visit)
+    if sys.getrefcount(visit) == before:
+        return False
+    gc.collect()
+    return True

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from objckpt._torch import collect_traversal_cycles
 from objckpt.errors import StagingSpaceError, StateDictError
 from objckpt.pipeline.background_copy import Copy, tensor_versions
 from objckpt.pipeline.host_copy import HostCopier, copy_tensor
@@ -392,3 +393,6 @@ class Stager:
             all_buffers, self._all, self._free, self._idle = self._all, [], {}, []
         for b in all_buffers:
             b.segment.close()
+        del all_buffers
+        # torch 2.9's DCP leaves its views of the last saves in a reference cycle.
+        collect_traversal_cycles()
