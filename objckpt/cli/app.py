@@ -44,12 +44,23 @@ _PATTERNS = (
     ),
     re.compile(r"(?P<head>\b(?:X-Amz-)?Credential=)[^/\s,'\"&%]+", re.IGNORECASE),
     re.compile(r"(?P<head>\b(?:X-Amz-)?Signature=)[0-9A-Za-z%+/=]+", re.IGNORECASE),
+    # Azure: a SAS token's signature and a connection string's account key.
+    re.compile(r"(?P<head>[?&]sig=)[0-9A-Za-z%+/=]+", re.IGNORECASE),
+    re.compile(r"(?P<head>\bAccountKey=)[^;\s'\"]+", re.IGNORECASE),
 )
 # botocore's signing internals: the canonical request (with the session token), the
 # string to sign and the signature itself. Nothing in them helps a person debug.
 _DROPPED = ("botocore.auth",)
 # Credentials from the standard environment, hidden wherever they appear.
-_ENV_SECRETS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+_ENV_SECRETS = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AZURE_STORAGE_KEY",
+    "AZURE_STORAGE_ACCOUNT_KEY",
+    "AZURE_STORAGE_CONNECTION_STRING",
+    "AZURE_STORAGE_SAS_TOKEN",
+)
 # Shorter values are hidden only by the patterns: a literal "abc" would cut words.
 _MIN_SECRET = 8
 

@@ -17,7 +17,7 @@ import logging
 import threading
 
 from objckpt.errors import AccessDeniedError
-from objckpt.writers.base import BufferedUpload, ObjectStore, ObjectUpload
+from objckpt.writers.base import PREFLIGHT_GRACE, BufferedUpload, ObjectStore, ObjectUpload
 from objckpt.writers.checksum import crc_from_base64
 from objckpt.writers.gcs_compose import CompositeUpload
 from objckpt.writers.translate import precondition_failed, translate
@@ -60,10 +60,13 @@ class GcsStore(GenericStore):
         bucket, url = self.location.bucket, self.location.url
         query = "&".join(f"permissions={p}" for p in GCS_SAVE_PERMISSIONS)
         try:
-            answer = self.run_coro(
-                self.fs._call("GET", f"b/{{}}/iam/testPermissions?{query}", bucket, json_out=True),
-                timeout=timeout,
-            )
+            with self.preflight_bound(timeout):
+                answer = self.run_coro(
+                    self.fs._call(
+                        "GET", f"b/{{}}/iam/testPermissions?{query}", bucket, json_out=True
+                    ),
+                    timeout=timeout + PREFLIGHT_GRACE,
+                )
         except FileNotFoundError:
             # The bucket exists (checked just above), so this server has no
             # testIamPermissions (an emulator such as fake-gcs-server): the first

@@ -88,12 +88,15 @@ class RetryPolicy:
             raised (:class:`~objckpt.errors.StoreRefusedError` naming what the
             store answered, how often and for how long, or
             :class:`~objckpt.errors.StoreUnreachableError` where it never answered),
-            instead of waiting out the save's deadline. 60 s rides out a restart,
-            a failover or a 503 storm (one request failing at 50% for a minute
-            is a 1-in-1,000 event even at full backoff) and lets a store that
-            answers 500 on every try fail the save within about 90 s. The
-            reference points: Google's Cloud Storage clients retry for 120 s in
-            all, AWS's SDKs make 3 attempts. None: retry until the save's deadline.
+            instead of waiting out the save's deadline. Throttling answers (503
+            SlowDown, 429) do not count: a store asking for fewer requests is
+            waited for (with concurrency backing off) until the save's deadline,
+            since at 1,024 ranks a minute-long storm would otherwise fail some
+            request almost surely. 60 s rides out a restart or a failover and
+            lets a store that answers 500 on every try fail the save within
+            about 90 s. The reference points: Google's Cloud Storage clients
+            retry for 120 s in all, AWS's SDKs make 3 attempts. None: retry
+            until the save's deadline.
     """
 
     attempts: int = 6
@@ -207,33 +210,40 @@ async def call_with_retries(
     sent = len(body) if isinstance(body, (bytes, bytearray, memoryview, Sized)) else 0
     attempt = 0
     first_failure: float | None = None
+    started = time.monotonic()
     last: BaseException | None = None
     while True:
         attempt += 1
         retry = attempt > 1
+        left = None if deadline is None else deadline.remaining()
+        if deadline is not None and left is not None and left <= 0:
+            raise deadline.error(
+                what(),
+                attempt - 1,
+                describe(last) if last is not None else "",
+                answer_of(last) if last is not None else None,
+            )
         try:
-            if deadline is None:
+            if left is None:
                 out = await call(method, *args, **kwargs)
             else:
-                left = deadline.remaining()
-                if left <= 0:
-                    raise deadline.error(
-                        what(),
-                        attempt - 1,
-                        describe(last) if last is not None else "",
-                        answer_of(last) if last is not None else None,
-                    )
-                try:
-                    out = await asyncio.wait_for(call(method, *args, **kwargs), left)
-                except asyncio.TimeoutError as exc:
-                    if deadline.remaining() > 0:
-                        raise  # the request's own timeout: transient, retried
-                    raise deadline.error(what(), attempt, describe(exc)) from exc
+                out = await asyncio.wait_for(call(method, *args, **kwargs), left)
         except Exception as exc:
+            if (
+                deadline is not None
+                and isinstance(exc, asyncio.TimeoutError)
+                and deadline.remaining() <= 0
+            ):
+                # Cut at the deadline, not the request's own timeout (which is retried).
+                answered = answer_of(last) if last is not None else None
+                raise deadline.error(what(), attempt, describe(exc), answered) from exc
             now = time.monotonic()
-            first_failure = now if first_failure is None else first_failure
-            last = exc
             throttled = is_throttle(exc)
+            if not throttled and first_failure is None:
+                # The window runs from the first failure that is not throttling: a
+                # store asking for fewer requests is waited for until the deadline.
+                first_failure = now
+            last = exc
             if counter is not None:
                 counter.record(method, sent=sent, retry=retry, throttled=throttled)
             if throttled:
@@ -242,10 +252,15 @@ async def call_with_retries(
             if not is_transient(exc):
                 raise
             if not until_deadline and attempt >= policy.attempts:
-                raise _given_up(what(), exc, attempt, now - first_failure, "attempts") from exc
+                since = now - (first_failure if first_failure is not None else started)
+                raise _given_up(what(), exc, attempt, since, "attempts") from exc
             wait = _backoff(policy, attempt)
             window = policy.give_up_after
-            if window is not None and now + wait - first_failure > window:
+            if (
+                window is not None
+                and first_failure is not None
+                and now + wait - first_failure > window
+            ):
                 raise _given_up(what(), exc, attempt, now - first_failure, "give_up_after") from exc
             if deadline is not None and deadline.remaining() <= wait:
                 # The next attempt could not start in time: fail now, naming why.

@@ -19,7 +19,7 @@ import errno
 import http.client
 import socket
 
-from objckpt.errors import RequestDeadlineError, SaveDeadlineError
+from objckpt.errors import RequestDeadlineError, SaveDeadlineError, StoreRefusedError
 from objckpt.writers.translate import causes, service_error
 
 __all__ = ["answer_of", "is_throttle", "is_transient"]
@@ -98,6 +98,7 @@ def is_transient(exc: BaseException) -> bool:
                 FileExistsError,
                 SaveDeadlineError,
                 RequestDeadlineError,
+                StoreRefusedError,
             ),
         )
         for e in chain
