@@ -7,6 +7,7 @@ test runs ``bench/titan_run.py``: the llama3 debug model, 2 ranks, gloo on CPU.
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -14,25 +15,37 @@ from pathlib import Path
 import fsspec
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
-pytest.importorskip("torchtitan", reason="torchtitan is not installed (see guides/torchtitan.md)")
-if not hasattr(torch.distributed, "set_timeout"):
-    pytest.skip(
-        f"torchtitan 0.3.0 calls torch.distributed.set_timeout, which torch {torch.__version__} "
-        "lacks (torch 2.15.0 has it)",
-        allow_module_level=True,
-    )
+import objckpt
+from objckpt.testing.plugin import StoreTarget
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-sys.path.insert(0, str(BENCH))
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
 
-import torch.distributed.checkpoint as dcp  # noqa: E402
-from titan_objckpt import ObjckptCheckpointManager  # noqa: E402
-
-import objckpt  # noqa: E402
-from objckpt.testing.plugin import StoreTarget  # noqa: E402
+needs_titan = pytest.mark.skipif(
+    importlib.util.find_spec("torchtitan") is None or not hasattr(torch.distributed, "set_timeout"),
+    reason="torchtitan 0.3.0 is not installed, or this torch lacks "
+    "torch.distributed.set_timeout, which it calls (2.15.0 has it; see guides/torchtitan.md)",
+)
 
 
+def test_guide_shows_the_tested_module() -> None:
+    """What the guide tells a user to write is the module these tests run."""
+    module = (BENCH / "titan_objckpt.py").read_text()
+    guide = (ROOT / "docs" / "guides" / "torchtitan.md").read_text()
+    assert module[module.index("import dataclasses") :] in guide
+
+
+def _manager_class() -> type:
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    from titan_objckpt import ObjckptCheckpointManager
+
+    return ObjckptCheckpointManager
+
+
+@needs_titan
 def test_find_load_step_takes_committed_steps_only(s3_bucket: StoreTarget) -> None:
     """A step whose manifest is missing (still uploading, or failed) is not resumed from,
     though it has DCP's ``.metadata``, which is what torchtitan's own test looks for."""
@@ -48,13 +61,15 @@ def test_find_load_step_takes_committed_steps_only(s3_bucket: StoreTarget) -> No
     fs.rm(f"{root}/step-10/manifest.json")
     assert fs.exists(f"{root}/step-10/.metadata")
 
-    manager = object.__new__(ObjckptCheckpointManager)  # only what _find_load_step reads
+    manager = object.__new__(_manager_class())  # only what _find_load_step reads
     manager.folder = folder
     manager.storage_options = s3_bucket.storage_options
     assert manager._find_load_step() == 1
     assert manager._find_load_step(s3_bucket.url("nothing-here")) == -1
 
 
+@needs_titan
+@pytest.mark.timeout(1200)  # three or two torchtitan jobs of ~25 s each on an idle machine
 @pytest.mark.parametrize("async_mode", ["disabled", "async"])
 def test_titan_saves_to_s3_and_resumes(tmp_path: Path, async_mode: str) -> None:
     """Run 1 trains 2 steps and commits step-1 and step-2 through objckpt; run 2 loads
@@ -64,7 +79,7 @@ def test_titan_saves_to_s3_and_resumes(tmp_path: Path, async_mode: str) -> None:
     cmd += ["--nproc", "2", "--steps1", "2", "--steps2", "4", "--async-mode", async_mode]
     if async_mode != "disabled":
         cmd.append("--no-reference")
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1100)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
     assert "OK: saved steps 1..2" in done.stdout
     assert "Loading the checkpoint from s3://titan/run/checkpoint/step-2." in done.stdout
