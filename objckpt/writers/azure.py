@@ -44,8 +44,13 @@ import uuid
 from typing import Any
 
 from objckpt.errors import BucketNotFoundError
-from objckpt.writers.base import BufferedUpload, ObjectStore, ObjectUpload, translated_future
-from objckpt.writers.checksum import BytesLike, Crc32c, crc32c_of
+from objckpt.writers.base import (
+    BufferedUpload,
+    ObjectStore,
+    ObjectUpload,
+    PartedUpload,
+    translated_future,
+)
 from objckpt.writers.translate import causes, precondition_failed, service_error, translate
 
 __all__ = ["AzureStore", "BlockUpload"]
@@ -119,30 +124,16 @@ class AzureStore(ObjectStore):
 
     def create(self, key: str, data: bytes, *, overwrite: bool = False) -> None:
         """One Put Blob, with ``If-None-Match: *`` unless ``overwrite``."""
-        try:
-            self.fs.pipe_file(self.path(key), data, mode="overwrite" if overwrite else "create")
-        except FileExistsError:
-            raise
-        except Exception as exc:
-            if not overwrite and _already_exists(exc):
-                raise FileExistsError(self.location.url_of(key)) from exc
-            raise translate(exc, url=self.location.url_of(key), action="committing") from exc
-        finally:
-            self.fs.invalidate_cache(self.path(key))
+        self.pipe_create(key, data, overwrite=overwrite, exists=_already_exists)
 
     def digest(self, key: str) -> tuple[int, str | None]:
-        """The blob's size; Azure keeps no CRC32C (see the module docstring)."""
-        try:
-            self.fs.invalidate_cache(self.path(key))
-            info = self.fs.info(self.path(key))
-        except FileNotFoundError:
-            raise
-        except Exception as exc:
-            raise translate(exc, url=self.location.url_of(key), action="checking") from exc
-        return int(info.get("size") or 0), None
+        """The blob's size, as listed afresh; Azure keeps no CRC32C (see the module
+        docstring)."""
+        self.fs.invalidate_cache(self.path(key))
+        return super().digest(key)
 
 
-class BlockUpload(ObjectUpload):
+class BlockUpload(PartedUpload):
     """One large blob: blocks staged concurrently, committed with one block list on close.
 
     Block ids are this upload's own (a random prefix and the block's number, all of
@@ -150,33 +141,16 @@ class BlockUpload(ObjectUpload):
     other's blocks.
     """
 
-    tracks_crc32c = True
-
     def __init__(self, store: AzureStore, key: str, part_size: int) -> None:
-        super().__init__(key)
+        super().__init__(key, part_size)
         self._store = store
-        self._part_size = part_size
         self._prefix = uuid.uuid4().hex[:16]
-        self._buf = bytearray()
-        self._crc = Crc32c()
         self._blocks: list[str] = []
         self._futures: list[concurrent.futures.Future[None]] = []
         self._committing = False
 
-    def write(self, data: BytesLike) -> int:
-        crc = crc32c_of(data)
-        self._crc.feed(data, crc)
-        view = memoryview(data).cast("B")
-        while len(view):
-            room = self._part_size - len(self._buf)
-            self._buf += view[:room]
-            view = view[room:]
-            if len(self._buf) == self._part_size:
-                self._stage()
-        return crc
-
-    def _stage(self) -> None:
-        data, self._buf = bytes(self._buf), bytearray()
+    def _flush_part(self) -> None:
+        data = self._take_part()
         block_id = base64.b64encode(f"{self._prefix}-{len(self._blocks):06d}".encode()).decode()
         self._blocks.append(block_id)
         store = self._store
@@ -200,7 +174,7 @@ class BlockUpload(ObjectUpload):
 
     def close(self) -> concurrent.futures.Future[None]:
         if self._buf or not self._blocks:
-            self._stage()
+            self._flush_part()
         self.crc32c = self._crc.hexdigest()
         return self._store.submit_call(self._finish)
 

@@ -32,7 +32,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from fsspec import AbstractFileSystem
@@ -41,12 +41,12 @@ from fsspec.asyn import AsyncFileSystem, FSTimeoutError, sync
 import objckpt.writers.retry as retry
 from objckpt.errors import BucketNotFoundError
 from objckpt.options import UploadOptions
-from objckpt.writers.checksum import BytesLike
+from objckpt.writers.checksum import BytesLike, Crc32c, crc32c_of
 from objckpt.writers.deadline import Deadline, bounded_by, current_deadline
 from objckpt.writers.location import Location
 from objckpt.writers.reads import read_whole
 from objckpt.writers.throttle import AimdLimit
-from objckpt.writers.translate import translate
+from objckpt.writers.translate import precondition_failed, translate
 
 __all__ = [
     "PROBE_KEY",
@@ -193,6 +193,36 @@ class ObjectStore(abc.ABC):
                 current_deadline(), timeout, f"checking {self.location.url}", "preflight_timeout"
             )
         )
+
+    def pipe_create(
+        self,
+        key: str,
+        data: bytes,
+        *,
+        overwrite: bool,
+        exists: Callable[[BaseException], bool] = precondition_failed,
+    ) -> None:
+        """One write through the filesystem's ``pipe_file(mode="create")`` (gcsfs sends
+        ``ifGenerationMatch=0``, adlfs ``If-None-Match: *``), or ``mode="overwrite"``.
+
+        Args:
+            exists: Whether a failure is the store saying the object exists (a 412
+                by default; Azure's 409 ``BlobAlreadyExists``), for answers the
+                filesystem did not already turn into ``FileExistsError``.
+
+        Raises:
+            FileExistsError: The object exists and ``overwrite`` is False.
+        """
+        try:
+            self.fs.pipe_file(self.path(key), data, mode="overwrite" if overwrite else "create")
+        except FileExistsError:
+            raise
+        except Exception as exc:
+            if not overwrite and exists(exc):
+                raise FileExistsError(self.location.url_of(key)) from exc
+            raise translate(exc, url=self.location.url_of(key), action="committing") from exc
+        finally:
+            self.fs.invalidate_cache(self.path(key))
 
     # -- the protocol ------------------------------------------------------------------
     def preflight(self, timeout: float) -> None:
@@ -345,6 +375,42 @@ class ObjectStore(abc.ABC):
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None
+
+
+class PartedUpload(ObjectUpload):
+    """An upload that cuts its bytes into parts of ``part_size`` and sends each part as
+    it fills (:meth:`_flush_part`), feeding the whole object's CRC32C on the way:
+    the write side shared by stores whose large objects are parts committed in one
+    request at the end (Azure's staged blocks, GCS's composed pieces)."""
+
+    tracks_crc32c = True
+
+    def __init__(self, key: str, part_size: int) -> None:
+        super().__init__(key)
+        self._part_size = part_size
+        self._buf = bytearray()
+        self._crc = Crc32c()
+
+    def write(self, data: BytesLike) -> int:
+        crc = crc32c_of(data)
+        self._crc.feed(data, crc)
+        view = memoryview(data).cast("B")
+        while len(view):
+            room = self._part_size - len(self._buf)
+            self._buf += view[:room]
+            view = view[room:]
+            if len(self._buf) == self._part_size:
+                self._flush_part()
+        return crc
+
+    def _take_part(self) -> bytes:
+        """The buffered bytes (a whole part, or the last one), the buffer emptied."""
+        data, self._buf = bytes(self._buf), bytearray()
+        return data
+
+    @abc.abstractmethod
+    def _flush_part(self) -> None:
+        """Send :meth:`_take_part`'s bytes as the next part."""
 
 
 class BufferedUpload(ObjectUpload):

@@ -25,8 +25,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from objckpt.errors import ChecksumMismatchError
-from objckpt.writers.base import ObjectUpload, translated_future
-from objckpt.writers.checksum import BytesLike, Crc32c, crc32c_of
+from objckpt.writers.base import PartedUpload, translated_future
 from objckpt.writers.translate import translate
 
 if TYPE_CHECKING:
@@ -63,17 +62,12 @@ def piece_owner(name: str) -> str | None:
     return match.group(1) if match else None
 
 
-class CompositeUpload(ObjectUpload):
+class CompositeUpload(PartedUpload):
     """One large GCS object, uploaded as concurrent pieces and composed on close."""
 
-    tracks_crc32c = True
-
     def __init__(self, store: GcsStore, key: str, part_size: int) -> None:
-        super().__init__(key)
+        super().__init__(key, part_size)
         self._store = store
-        self._part_size = part_size
-        self._buf = bytearray()
-        self._crc = Crc32c()
         self._pieces: list[str] = []
         self._sizes: list[int] = []
         self._futures: list[concurrent.futures.Future[None]] = []
@@ -81,20 +75,8 @@ class CompositeUpload(ObjectUpload):
         self._lock = threading.Lock()
         self._closed = False
 
-    def write(self, data: BytesLike) -> int:
-        crc = crc32c_of(data)
-        self._crc.feed(data, crc)
-        view = memoryview(data).cast("B")
-        while len(view):
-            room = self._part_size - len(self._buf)
-            self._buf += view[:room]
-            view = view[room:]
-            if len(self._buf) == self._part_size:
-                self._send_piece()
-        return crc
-
-    def _send_piece(self) -> None:
-        data, self._buf = bytes(self._buf), bytearray()
+    def _flush_part(self) -> None:
+        data = self._take_part()
         key = piece_key(self.key, 0, len(self._pieces))
         self._pieces.append(key)
         self._sizes.append(len(data))
@@ -109,7 +91,7 @@ class CompositeUpload(ObjectUpload):
     def close(self) -> concurrent.futures.Future[None]:
         self._closed = True
         if self._buf or not self._pieces:
-            self._send_piece()
+            self._flush_part()
         self.crc32c = self._crc.hexdigest()
         return self._store.submit_call(self._finish)
 

@@ -20,7 +20,7 @@ from objckpt.errors import AccessDeniedError
 from objckpt.writers.base import PREFLIGHT_GRACE, BufferedUpload, ObjectStore, ObjectUpload
 from objckpt.writers.checksum import crc_from_base64
 from objckpt.writers.gcs_compose import CompositeUpload
-from objckpt.writers.translate import precondition_failed, translate
+from objckpt.writers.translate import translate
 
 __all__ = ["GcsStore", "GenericStore", "MemoryStore"]
 
@@ -92,16 +92,8 @@ class GcsStore(GenericStore):
         return BufferedUpload(self, key, size_hint)
 
     def create(self, key: str, data: bytes, *, overwrite: bool = False) -> None:
-        try:
-            self.fs.pipe_file(self.path(key), data, mode="overwrite" if overwrite else "create")
-        except FileExistsError:
-            raise
-        except Exception as exc:
-            if not overwrite and precondition_failed(exc):  # 412 by another route than gcsfs's
-                raise FileExistsError(self.location.url_of(key)) from exc
-            raise translate(exc, url=self.location.url_of(key), action="committing") from exc
-        finally:
-            self.fs.invalidate_cache(self.path(key))
+        # A 412 may reach here by another route than gcsfs's FileExistsError.
+        self.pipe_create(key, data, overwrite=overwrite)
 
     server_side_copy = True
 
