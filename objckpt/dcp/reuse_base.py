@@ -50,7 +50,7 @@ from objckpt.format.index import Locator, decode_index, decode_metadata
 from objckpt.format.layout import MANIFEST_KEY
 from objckpt.format.manifest import Manifest
 from objckpt.format.ref_check import sibling
-from objckpt.format.refs import is_step_directory, reference_key, split_reference
+from objckpt.format.refs import is_step_directory, split_reference
 from objckpt.format.reused import BaseItem
 from objckpt.options import ReadOptions
 from objckpt.writers.base import ObjectStore
@@ -367,14 +367,5 @@ class BaseReader:
                     f"{stored.offset}+{stored.length}, past the {obj.size} bytes of "
                     f"{stored.relative_path!r}"
                 )
-            items[ident] = BaseItem(
-                key=reference_key(step_dir, stored.relative_path),
-                offset=stored.offset,
-                length=stored.length,
-                crc32c=stored.crc32c,
-                xxh3=stored.xxh3,
-                object_size=obj.size,
-                object_crc32c=obj.crc32c,
-                descriptors=stored.transform_descriptors,
-            )
+            items[ident] = BaseItem.stored_at(step_dir, stored, obj.size, obj.crc32c)
         return items

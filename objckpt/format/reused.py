@@ -16,10 +16,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import xxhash
 
+from objckpt.format.refs import reference_key
 from objckpt.writers.checksum import BytesLike
+
+if TYPE_CHECKING:  # torch-free at run time: upload workers import this module
+    from objckpt.format.dcp_json import StoredItem
 
 __all__ = ["BaseItem", "item_digest", "new_hasher"]
 
@@ -49,6 +54,26 @@ class BaseItem:
     object_size: int
     object_crc32c: str
     descriptors: tuple[str, ...] | None = None
+
+    @classmethod
+    def stored_at(
+        cls, step_dir: str, stored: StoredItem, object_size: int, object_crc32c: str
+    ) -> BaseItem:
+        """The item ``stored`` (its index record, ``xxh3`` set) of the object it lies
+        in, as a step after ``step_dir`` references it (whether the base was read
+        from the store or remembered from this process's own save)."""
+        if stored.xxh3 is None:
+            raise ValueError(f"{stored.relative_path}: an item without an xxh3 is never reused")
+        return cls(
+            key=reference_key(step_dir, stored.relative_path),
+            offset=stored.offset,
+            length=stored.length,
+            crc32c=stored.crc32c,
+            xxh3=stored.xxh3,
+            object_size=object_size,
+            object_crc32c=object_crc32c,
+            descriptors=stored.transform_descriptors,
+        )
 
     def matches(self, length: int, digest: str, descriptors: tuple[str, ...] | None = None) -> bool:
         """Whether an item of ``length`` stored bytes hashing to ``digest``, stored

@@ -30,7 +30,7 @@ from typing import Any
 from objckpt.dcp.reuse_base import Identity, identity
 from objckpt.dcp.serialize import written_object
 from objckpt.format.dcp_json import StoredItem
-from objckpt.format.refs import reference_key, split_reference
+from objckpt.format.refs import split_reference
 from objckpt.format.reused import BaseItem
 from objckpt.pipeline.deferred import DeferredWriter, Pending
 
@@ -113,14 +113,7 @@ def _items_of(
             stored = result.storage_data
             if not isinstance(stored, StoredItem) or stored.xxh3 is None:
                 continue
-            items[identity(result.index)] = BaseItem(
-                key=reference_key(step_dir, stored.relative_path),
-                offset=stored.offset,
-                length=stored.length,
-                crc32c=stored.crc32c,
-                xxh3=stored.xxh3,
-                object_size=stored.object_size,
-                object_crc32c=stored.object_crc32c,
-                descriptors=stored.transform_descriptors,
+            items[identity(result.index)] = BaseItem.stored_at(
+                step_dir, stored, stored.object_size, stored.object_crc32c
             )
     return items
