@@ -191,3 +191,29 @@ def test_a_damaged_base_costs_its_items_their_reuse_not_every_later_save(
         assert mgr.load(got) == 5
     want = _lora(5)
     assert torch.equal(got["base"], want["base"]) and torch.equal(got["adapter"], want["adapter"])
+
+
+def test_a_remembered_base_heads_only_the_older_steps_it_references(
+    s3_proxy: FaultProxy, s3_bucket: StoreTarget
+) -> None:
+    """One manager: step 2's base is step 1, which this process wrote and saw commit,
+    so no HEAD asks for step 1's own objects; step 3's base is step 2, whose frozen
+    items lie in step 1, so those objects are asked for (a hand deletion there costs
+    their reuse, not the save). At 1,024 ranks the first would be a burst of HEADs on
+    one prefix on every save, for nothing."""
+    target = StoreTarget(root=s3_bucket.root, storage_options=s3_proxy.storage_options())
+    root = target.url("heads")
+
+    def heads_of(step: int) -> list[str]:
+        return [p for p in s3_proxy.paths("HeadObject") if f"/{step_name(step)}/" in p]
+
+    with CheckpointManager(root, storage_options=target.storage_options) as mgr:
+        mgr.save(1, _lora(1)).result(timeout=120)
+        s3_proxy.clear()
+        mgr.save(2, _lora(2)).result(timeout=120)
+        assert _base_of(target, f"{root}/{step_name(2)}").startswith(f"../{step_name(1)}/")
+        assert heads_of(1) == [], heads_of(1)  # its own previous save's objects
+        s3_proxy.clear()
+        mgr.save(3, _lora(3)).result(timeout=120)
+        assert _base_of(target, f"{root}/{step_name(3)}").startswith(f"../{step_name(1)}/")
+        assert any(".distcp" in p for p in heads_of(1)), s3_proxy.paths("HeadObject")

@@ -162,8 +162,16 @@ class BaseReader:
     def remember(self, items: Mapping[Identity, BaseItem]) -> None:
         """Take this rank's items of the base from memory (what it wrote in that
         save, :mod:`objckpt.pipeline.reuse_memory`): :meth:`table` reads neither the
-        manifest nor an index object, only HEADs the objects it would reference."""
+        manifest nor an index object, only HEADs the objects it would reference in
+        older steps. Objects of the base step itself are not asked for: this process
+        wrote them and saw that step commit, and at 1,024 ranks a HEAD of each on
+        every save is a burst on one prefix for nothing (a hand deletion of those is
+        found by ``verify``, or by the next save that reads the base from the store)."""
         self._known = dict(items)
+        own = f"../{self._base.url.rstrip('/').rsplit('/', 1)[-1]}/"
+        for item in self._known.values():
+            if item.key.startswith(own):
+                self._objects.setdefault(item.key, None)
 
     def bound(self, deadline: Deadline | None) -> None:
         """Bound every read of the base, and :meth:`table`'s wait for a read in
