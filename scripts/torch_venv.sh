@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds (or reuses) a venv holding one torch release, for `make test-torch TORCH=X.Y.Z`,
-# and prints its path.
+# and prints its path. `scripts/torch_venv.sh titan` builds the one `make test-titan`
+# runs in: torchtitan, torch and the fsspec it needs from constraints-titan.txt.
 #
 # Why outside the clone: CI clones afresh every run, and a torch wheel from PyPI is a
 # CUDA build (5-7 GB with its CUDA libraries, 1-2 min to install), so the venvs live in
@@ -9,14 +10,29 @@
 #
 # Why PIP_CONFIG_FILE=/dev/null: the development machines' pip config caps torch at
 # the release on their disk; these venvs exist to run other releases, so pip reads
-# PyPI directly. Everything but torch comes from constraints.txt, as in .venv.
+# PyPI directly. Everything but torch comes from constraints.txt, as in .venv (for
+# titan: everything constraints-titan.txt does not pin itself).
 set -euo pipefail
-version=${1:?usage: scripts/torch_venv.sh TORCH_VERSION (e.g. 2.9.1)}
+version=${1:?usage: scripts/torch_venv.sh TORCH_VERSION (e.g. 2.9.1) | titan}
 cd "$(dirname "$0")/.."
-venv=${OBJCKPT_TORCH_VENVS:-$HOME/.cache/objckpt/torch-venvs}/torch-$version
+venvs=${OBJCKPT_TORCH_VENVS:-$HOME/.cache/objckpt/torch-venvs}
+if [ "$version" = titan ]; then
+    venv=$venvs/titan-$(sed -n 's/^torchtitan==//p' constraints-titan.txt)
+    packages=(torchtitan --editable '.[s3,test]')
+else
+    venv=$venvs/torch-$version
+    packages=("torch==$version" --editable '.[all,test]')
+fi
 mkdir -p "$venv"
 constraints=$venv/constraints.txt
-{ echo "torch==$version"; grep -v '^torch==' constraints.txt; } >"$constraints.new"
+if [ "$version" = titan ]; then
+    # constraints.txt less the packages constraints-titan.txt pins, then that file.
+    awk -F'==' 'NR == FNR { if (!/^#/) own[$1]; next } !($1 in own)' \
+        constraints-titan.txt constraints.txt >"$constraints.new"
+    cat constraints-titan.txt >>"$constraints.new"
+else
+    { echo "torch==$version"; grep -v '^torch==' constraints.txt; } >"$constraints.new"
+fi
 # The clone's path is part of what the venv was built from: objckpt is installed
 # editable, so a fresh clone elsewhere needs it installed again (no downloads then).
 want=$(cat "$constraints.new" pyproject.toml <(pwd) | sha256sum | cut -d' ' -f1)
@@ -24,7 +40,7 @@ if [ "$(cat "$venv/.installed" 2>/dev/null)" != "$want" ]; then
     mv "$constraints.new" "$constraints"
     test -x "$venv/bin/python" || python3 -m venv "$venv"
     PIP_CONFIG_FILE=/dev/null "$venv/bin/python" -m pip install --quiet \
-        --constraint "$constraints" "torch==$version" --editable '.[all,test]' >&2
+        --constraint "$constraints" "${packages[@]}" >&2
     echo "$want" >"$venv/.installed"
 else
     rm -f "$constraints.new"
