@@ -80,8 +80,9 @@ def test_a_bad_url_is_a_usage_error(s3_bucket: StoreTarget, args: list[str], nam
         ('client_kwargs="eu-west-1"', "client_kwargs must be a JSON object"),
         ('secret="unterminated', "the value of secret is not valid JSON"),
         ("=value", "expected KEY=VALUE"),
+        ("AKIAPASTEDWITHOUTKEY", "expected KEY=VALUE"),
     ],
-    ids=["broken-json", "kwargs-not-object", "broken-string", "no-key"],
+    ids=["broken-json", "kwargs-not-object", "broken-string", "no-key", "no-equals"],
 )
 def test_a_malformed_storage_option_is_a_usage_error(
     s3_bucket: StoreTarget, option: str, named: str
@@ -92,6 +93,7 @@ def test_a_malformed_storage_option_is_a_usage_error(
     assert out.exit_code == EXIT_USAGE, out.output
     assert named in out.stderr and "--storage-option" in out.stderr, out.stderr
     assert "AttributeError" not in out.output and "unterminated" not in out.output
+    assert "AKIAPASTED" not in out.output  # a value pasted alone may be a secret
 
 
 @pytest.mark.parametrize(

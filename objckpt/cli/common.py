@@ -103,7 +103,8 @@ def parse_options(pairs: tuple[str, ...]) -> dict[str, Any]:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            shown = f"{key}=..." if sep else repr(pair)
+            # Never the text itself: a value pasted without its key may be a secret.
+            shown = "a value without a key" if sep else f"{len(pair)} characters without '='"
             raise click.BadParameter(f"expected KEY=VALUE, got {shown}", param_hint=_OPTION)
         try:
             out[key] = json.loads(value)
