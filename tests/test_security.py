@@ -103,9 +103,9 @@ def _cli_stderr(args: list[str], env: dict[str, str]) -> str:
     return proc.stderr
 
 
-@pytest.mark.parametrize("given", ["environment", "storage-option"])
+@pytest.mark.parametrize("given", ["environment", "storage-option", "config-env"])
 def test_vv_never_prints_signatures_key_ids_or_tokens(
-    moto_server: MotoServer, s3_bucket: StoreTarget, given: str
+    moto_server: MotoServer, s3_bucket: StoreTarget, given: str, tmp_path: Path
 ) -> None:
     """``-vv`` shows botocore's requests, whose ``Authorization`` header carries
     ``Credential=<access key id>/...`` and ``Signature=<hex>``, and whose signing
@@ -125,11 +125,22 @@ def test_vv_never_prints_signatures_key_ids_or_tokens(
             "AWS_SECRET_ACCESS_KEY": VV_SECRET,
             "AWS_SESSION_TOKEN": VV_TOKEN,
         }
-    else:
+    elif given == "storage-option":
         for k, v in {"key": VV_KEY_ID, "secret": VV_SECRET, "token": VV_TOKEN}.items():
             flags += ["--storage-option", f"{k}={v}"]
+    else:  # a config file naming the variables its secrets come from (storage.env)
+        config = tmp_path / "run.toml"
+        config.write_text(
+            f'root = "{s3_bucket.root}"\n[storage]\n'
+            'env = { key = "OBJCKPT_VV_KEY", secret = "OBJCKPT_VV_SECRET", '
+            'token = "OBJCKPT_VV_TOKEN" }\n'
+        )
+        env |= {"OBJCKPT_VV_KEY": VV_KEY_ID, "OBJCKPT_VV_SECRET": VV_SECRET}
+        env |= {"OBJCKPT_VV_TOKEN": VV_TOKEN}
+        flags = ["--config", str(config)]
+    group, flags = (flags, []) if given == "config-env" else ([], flags)
     seen = "\n".join(
-        _cli_stderr(["-vv", *args, *flags], env)
+        _cli_stderr(["-vv", *group, *args, *flags], env)
         for args in (["ls", s3_bucket.root], ["info", s3_bucket.url("a")])
     )
     # The requests really were logged, headers and all (else this proves nothing).

@@ -270,13 +270,22 @@ class CommandContext:
     )
     #: The store locations the command resolved, in order (for the missing-bucket check).
     resolved: list[Location] = dataclasses.field(default_factory=list, repr=False, compare=False)
+    #: The log filter that hides credentials (``-v``), told the config's too.
+    redact: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     @functools.cached_property
     def config(self) -> Any:
-        """The loaded config file (read on first use), or None without ``--config``."""
+        """The loaded config file (read on first use), or None without ``--config``.
+        Credential values it takes from the environment (``storage.env``) are added to
+        the log filter, as ``--storage-option`` ones are."""
         from objckpt.ops.config import load_config
 
-        return load_config(self.config_path) if self.config_path else None
+        config = load_config(self.config_path) if self.config_path else None
+        if config is not None and self.redact is not None:
+            self.redact.add(_credential_values(dict(config.storage_options)))
+            for backup in config.backups:
+                self.redact.add(_credential_values(dict(backup.storage_options)))
+        return config
 
     @functools.cached_property
     def retry(self) -> RetryPolicy:
@@ -453,11 +462,14 @@ def store_command(fn: Callable[..., Any]) -> Callable[..., Any]:
         **kw: Any,
     ) -> Any:
         options = parse_options(storage_option)
-        if obj.get("redact") is not None:
-            obj["redact"].add(_credential_values(options))
+        redact = obj.get("redact")
+        if redact is not None:
+            redact.add(_credential_values(options))
         deadline = REQUEST_DEADLINE if request_deadline is None else request_deadline
         notice = WaitNotice(WAIT_NOTICE_AFTER, deadline, _is_terminal(sys.stderr))
-        ctx = CommandContext(obj.get("config"), options, as_json, request_deadline, notice)
+        ctx = CommandContext(
+            obj.get("config"), options, as_json, request_deadline, notice, redact=redact
+        )
         notice.start()
         try:
             with errors_to_exit_codes(ctx):
@@ -471,17 +483,9 @@ def store_command(fn: Callable[..., Any]) -> Callable[..., Any]:
 def _credential_values(options: Any) -> Iterator[str]:
     """The string values of credential-like keys in ``options``, at any depth (for
     the log filter to hide wherever they appear)."""
-    from objckpt.ops.config import looks_like_credential
+    from objckpt.ops.config import credentials_in
 
-    if isinstance(options, dict):
-        for name, value in options.items():
-            if looks_like_credential(str(name)) and isinstance(value, str):
-                yield value
-            else:
-                yield from _credential_values(value)
-    elif isinstance(options, list):
-        for value in options:
-            yield from _credential_values(value)
+    return (value for _, value in credentials_in(options) if isinstance(value, str))
 
 
 def _is_terminal(stream: Any) -> bool:

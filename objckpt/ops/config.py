@@ -58,7 +58,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from objckpt.errors import ConfigurationError
@@ -156,31 +156,27 @@ def looks_like_credential(name: str) -> bool:
     return lowered in _SECRET_NAMES or any(word in lowered for word in _SECRET_WORDS)
 
 
-def _credential_key(value: Any, path: str) -> str | None:
-    """The dotted path of the first credential-like key in ``value`` (nested tables
-    and arrays included), or None. Only the path is returned: the value itself must
-    never reach a message."""
+def credentials_in(value: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    """Each credential-like key in ``value`` (nested tables and arrays included), as
+    its dotted path and its value: the config refuses the first by its path (never
+    its value), and the CLI hides every such value from its log lines."""
     if isinstance(value, dict):
         for name, inner in value.items():
-            where = f"{path}.{name}"
+            where = f"{path}.{name}" if path else str(name)
             if looks_like_credential(str(name)):
-                return where
-            found = _credential_key(inner, where)
-            if found is not None:
-                return found
+                yield where, inner
+            else:
+                yield from credentials_in(inner, where)
     elif isinstance(value, list):
         for i, inner in enumerate(value):
-            found = _credential_key(inner, f"{path}[{i}]")
-            if found is not None:
-                return found
-    return None
+            yield from credentials_in(inner, f"{path}[{i}]")
 
 
 def _storage(value: Any, where: str, source: str, environ: Mapping[str, str]) -> dict[str, Any]:
     table = _table(value, where, source)
     _no_unknown(table, _STORAGE, f"{where}.", source)
     options = dict(_table(table.get("options", {}), f"{where}.options", source))
-    secret = _credential_key(options, f"{where}.options")
+    secret = next((path for path, _ in credentials_in(options, f"{where}.options")), None)
     if secret is not None:
         raise ConfigurationError(
             f"{source}: {secret} looks like a credential; secrets never go in the config "
