@@ -74,6 +74,19 @@ def _crc(data: bytes) -> str:
     return f"{crc32c.crc32c(data):08x}"
 
 
+def _save_alone(state: dict, location: Location) -> None:
+    """``dcp.save`` of ``state`` to ``location`` by objckpt's writer, in one process."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(
+            state,
+            storage_writer=ObjectStoreWriter(
+                location.url, storage_options=location.storage_options
+            ),
+            no_dist=True,
+        )
+
+
 class StoreConformance:
     """The properties objckpt needs from a store family; subclass to run them."""
 
@@ -249,15 +262,7 @@ class StoreConformance:
         answers them (416 on real stores), never as a store error."""
         location = store_location.child("ck")
         state = {"w": torch.arange(4096, dtype=torch.float32), "step": 3}
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save(
-                state,
-                storage_writer=ObjectStoreWriter(
-                    location.url, storage_options=location.storage_options
-                ),
-                no_dist=True,
-            )
+        _save_alone(state, location)
         ck = open_store(location, UploadOptions(part_size=self.part_size))
         try:
             manifest = json.loads(ck.read(MANIFEST_KEY))
@@ -282,15 +287,7 @@ class StoreConformance:
     ) -> None:
         location = store_location.child("ck")
         state = {"w": torch.arange(1024, dtype=torch.float32), "step": 1}
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save(
-                state,
-                storage_writer=ObjectStoreWriter(
-                    location.url, storage_options=location.storage_options
-                ),
-                no_dist=True,
-            )
+        _save_alone(state, location)
         ck = open_store(location, store.options)
         try:
             culprit = _craft(ck, craft)
@@ -350,15 +347,7 @@ class StoreConformance:
         payload rewritten with its size kept fails the load, naming the object."""
         location = store_location.child("ck")
         state = {"w": torch.arange(4096, dtype=torch.float32), "step": 3}
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save(
-                state,
-                storage_writer=ObjectStoreWriter(
-                    location.url, storage_options=location.storage_options
-                ),
-                no_dist=True,
-            )
+        _save_alone(state, location)
         ck = open_store(location, store.options)
         try:
             manifest = json.loads(ck.read(MANIFEST_KEY))
