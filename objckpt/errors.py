@@ -39,7 +39,8 @@ exception text at ERROR level, so an error message is as public as a log line.
     ├── RequestFailedError                    an async request failed on some rank
     ├── PeerRankError                         another rank failed this save or load
     ├── SaveSequenceError                     ranks called save() a different number of times
-    └── StepOrderError (ValueError)           a save below the newest step of the run (a rollback)
+    ├── StepOrderError (ValueError)           a save below the newest step of the run (a rollback)
+    └── InternalError (RuntimeError)          a bug in objckpt: a call out of its order
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ __all__ = [
     "ChecksumMismatchError",
     "ConfigurationError",
     "IntegrityError",
+    "InternalError",
     "ManifestError",
     "MissingCredentialsError",
     "ObjckptError",
@@ -247,3 +249,14 @@ class StepOrderError(ObjckptError, ValueError):
     anything is written: retention ranks steps by number and a restart resumes from
     the newest, so the lower step would be deleted or ignored. The message names both
     steps and ``CheckpointManager.discard_after``, the explicit way to roll back."""
+
+
+class InternalError(ObjckptError, RuntimeError):
+    """objckpt broke one of its own invariants (a step called out of its order, a
+    state one of its own objects cannot be in): a bug to report, never the caller's
+    input or the store's answer.
+
+    One type for every such check, so a caller (or a test) tells a bug apart from
+    every failure it can act on; a ``RuntimeError`` too, as an assertion that
+    survives ``python -O`` would be. The message starts with ``internal:``.
+    """

@@ -7,7 +7,15 @@ DCP calls, in order (rank 0 is the coordinator)::
     prepare_local_plan(plan)        coordinator: preflight the store, refuse a committed URL
     prepare_global_plan(plans)      coordinator: pick the attempt id, name each rank
     write_data(plan, planner)       every rank: serialize + upload its payload objects
-    finish(metadata, results)       coordinator: the manifest (commit), then .metadata
+    finish(metadata, results)       coordinator: index objects, the manifest (commit),
+                                    then .metadata
+
+Only the coordinator preflights a synchronous save (``needs_preflight``), on every
+save: every rank would multiply its requests by the world size, and a rank that
+cannot write fails its first upload, so nothing is committed. An async checkpointer
+attaches each save's writer (:meth:`ObjectStoreWriter.attach`) so that every rank
+preflights, once per bucket, before its first copy (``objckpt.writers.base`` says
+the same of the store's call order).
 
 Errors raised here reach the caller wrapped in torch's ``CheckpointException``,
 which carries the objckpt error per rank.

@@ -13,7 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 
-from objckpt.errors import StateDictError
+from objckpt.errors import InternalError
 from objckpt.format.reused import BaseItem, new_hasher
 from objckpt.writers.accounting import RequestStats
 from objckpt.writers.base import ObjectUpload
@@ -72,7 +72,7 @@ class PayloadWriter:
 
     def end_item(self) -> None:
         if self._item is None:
-            raise StateDictError("internal: end_item without begin_item")
+            raise InternalError("internal: end_item without begin_item")
         ident, start = self._item
         digest = self._item_digest or self._item_hash.hexdigest()
         self._places.append((ident, start, self.pos - start, self._item_crc.hexdigest(), digest))
@@ -135,6 +135,6 @@ def close_payload(
     done = upload.close()
     if upload.tracks_crc32c:
         if upload.crc32c is None:
-            raise StateDictError(f"internal: {upload.key} closed without its CRC32C")
+            raise InternalError(f"internal: {upload.key} closed without its CRC32C")
         record = dataclasses.replace(record, crc32c=upload.crc32c)
     return record, done

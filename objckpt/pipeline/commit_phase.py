@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from objckpt._torch import group_store
 from objckpt.dcp.serialize import written_object
-from objckpt.errors import ObjckptError, UploadError
+from objckpt.errors import InternalError, UploadError
 from objckpt.format.commit import commit_checkpoint, requests_result, written_objects
 from objckpt.format.manifest import Manifest
 from objckpt.format.rank_commit import write_rank_index
@@ -67,7 +67,7 @@ def exchange_for(
     only: a ``no_dist`` save, like one outside a group, commits without it)."""
     target = writer.writer
     if target.attempt is None:
-        raise ObjckptError("internal: rank exchange before the attempt was agreed")
+        raise InternalError("internal: rank exchange before the attempt was agreed")
     return RankExchange(
         group_store(process_group), target.attempt, target.rank, world, timeout, target.location.url
     )
@@ -225,7 +225,7 @@ class Committer:
         self, writer: DeferredWriter, results: list[list[WriteResult]], world: int
     ) -> Manifest:
         if writer.metadata is None or writer.rank_plan is None:
-            raise ObjckptError("internal: commit without DCP metadata on the coordinator")
+            raise InternalError("internal: commit without DCP metadata on the coordinator")
         target = writer.writer
         manifest = commit_checkpoint(
             target.store,

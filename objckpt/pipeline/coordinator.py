@@ -42,7 +42,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from objckpt.errors import ObjckptError, UploadError
+from objckpt.errors import InternalError, UploadError
 from objckpt.format.commit import commit_manifest, save_storage_meta
 from objckpt.format.manifest import Manifest
 from objckpt.format.rank_commit import Layout, RankReport
@@ -171,7 +171,7 @@ class CommitHelper:
                 published (the other ranks stop waiting then); None: no bound.
         """
         if writer.metadata is None or writer.rank_plan is None:
-            raise ObjckptError("internal: commit without DCP metadata on the coordinator")
+            raise InternalError("internal: commit without DCP metadata on the coordinator")
         target = writer.writer
         store = target.store
         attempt = writer.rank_plan.attempt

@@ -31,7 +31,7 @@ from torch.futures import Future
 from objckpt.dcp.plan import ObjectPlan, RankPlan, assign_objects, estimate_size
 from objckpt.dcp.serialize import Framer, PayloadRecord, resolve_bytes_items, serialized_tensor
 from objckpt.dcp.storage_writer import ObjectStoreWriter
-from objckpt.errors import ConfigurationError, StateDictError, UploadError
+from objckpt.errors import ConfigurationError, InternalError, StateDictError, UploadError
 from objckpt.format.layout import payload_key
 from objckpt.pipeline.stage import Staged, Wave
 from objckpt.pipeline.target_check import CheckGate
@@ -102,7 +102,7 @@ class DeferredWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         if self.writer.attempt is None:
-            raise ConfigurationError("internal: global plan before the attempt was agreed")
+            raise InternalError("internal: global plan before the attempt was agreed")
         return self.writer.prepare_global_plan(plans)
 
     @classmethod
@@ -283,7 +283,7 @@ class DeferredWriter(StorageWriter):
         :meth:`queue_deferred` (see :meth:`_queue_after`)."""
         attempt = self.writer.attempt
         if attempt is None:
-            raise ConfigurationError("internal: replay before the attempt was agreed")
+            raise InternalError("internal: replay before the attempt was agreed")
         rank_plan = RankPlan(rank=self.writer.rank, attempt=attempt)
         plan = dataclasses.replace(plan, storage_data=rank_plan)
         self._queue_after(plan, planner, later=later, set_up=set_up)
@@ -311,7 +311,7 @@ class DeferredWriter(StorageWriter):
             return value
         if not self._staged.owns(value):
             if strict:
-                raise StateDictError(
+                raise InternalError(
                     f"internal: a {tuple(value.shape)} tensor of {self.writer.location.url} "
                     "is not in staging memory while queueing after save() returned"
                 )

@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from objckpt._torch import storage_info
+from objckpt.errors import InternalError
 
 __all__ = ["BATCH", "MetadataStream"]
 
@@ -141,7 +142,7 @@ class MetadataStream:
 
     def _expect(self, call: str, stage: str, then: str) -> None:
         if self._stage != stage:
-            raise RuntimeError(f"internal: MetadataStream.{call} when it is {self._stage}")
+            raise InternalError(f"internal: MetadataStream.{call} when it is {self._stage}")
         self._stage = then
 
     def _body(self, value: Any) -> bytes:
@@ -162,13 +163,13 @@ class MetadataStream:
         last = len(self._pickler.memo.copy()) - 1
         put = _BINPUT + bytes((last,)) if last < 256 else _LONG_BINPUT + last.to_bytes(4, "little")
         if not body.endswith(put):
-            raise RuntimeError(f"internal: a pickled tuple ends {body[-6:]!r}, not with {put!r}")
+            raise InternalError(f"internal: a pickled tuple ends {body[-6:]!r}, not with {put!r}")
         body = body[: -len(put)]
         if len(flat) == 2 and body.endswith(_TUPLE2):
             body = _MARK + body[:-1]
         elif len(flat) > 3 and body.startswith(_MARK) and body.endswith(_TUPLE):
             body = body[:-1]
         else:
-            raise RuntimeError(f"internal: a pickled {len(flat)}-tuple ends {body[-6:]!r}")
+            raise InternalError(f"internal: a pickled {len(flat)}-tuple ends {body[-6:]!r}")
         self._out.write(body + _SETITEMS)
         self._pickler.memo = self._shared.copy()

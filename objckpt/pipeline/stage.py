@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from objckpt._torch import collect_traversal_cycles
-from objckpt.errors import StagingSpaceError, StateDictError
+from objckpt.errors import InternalError, StagingSpaceError
 from objckpt.pipeline.background_copy import Copy, tensor_versions
 from objckpt.pipeline.host_copy import HostCopier, copy_tensor
 from objckpt.pipeline.lifeline import sweep_stale_segments
@@ -75,7 +75,7 @@ class Wave:
         """Copy ``tensor`` in (non-blocking from CUDA; call ``sync`` before uploading)."""
         nbytes = tensor.numel() * tensor.element_size()
         if not self.fits(nbytes):
-            raise StateDictError(
+            raise InternalError(
                 f"internal: a {nbytes}-byte tensor does not fit the staging wave "
                 f"({self.capacity - self.used} of {self.capacity} bytes free)"
             )

@@ -9,13 +9,21 @@ end (a 416 from S3, GCS and Azure) or an empty range.
 Call order during one save, per rank (rank 0 is the coordinator)::
 
     store = open_store(location, upload_options)  # every rank
-    store.preflight(timeout)                      # every rank, before staging/planning
+    store.preflight(timeout)                      # see below: not every rank, not every save
     up = store.begin(key, size_hint)              # every rank, once per payload object
     up.write(...); ...; fut = up.close()          #   (or up.abort() on any failure)
     fut.result()                                  #   object visible once this returns
+    store.put(index_key, ...)                     # the index objects, before the commit
     store.create("manifest.json", ...)            # coordinator, after every rank's objects
     store.put(".metadata", ...)                   # coordinator, once the manifest is ours
     store.close()
+
+Who preflights: in a synchronous save (``dcp.save`` with ``ObjectStoreWriter``) the
+coordinator alone, on every save, before planning (every rank would multiply its
+requests by the world size; a rank that cannot write fails its first upload, and
+nothing is committed). An async checkpointer preflights on every rank, once per
+bucket for its lifetime, before its first copy: credentials that cannot write fail
+``save()`` before any staging.
 
 ``create`` is the only commit primitive and must be atomic and create-only on
 the store: it raises :class:`FileExistsError` if the key exists (a 412 answer,
