@@ -26,6 +26,7 @@ import torch
 from objckpt.errors import ConfigurationError
 
 __all__ = [
+    "METADATA_PICKLE_PRIVATES",
     "STREAM_TRANSFORMS",
     "TESTED_RELEASES",
     "LoadPlanHelpers",
@@ -60,6 +61,21 @@ except ImportError:  # pragma: no cover - a torch without them
         refuses (see :func:`require_stream_transforms`)."""
 
     STREAM_TRANSFORMS = False
+
+
+#: The private torch names a stock DCP ``.metadata`` pickle refers to, as
+#: ``(module, name)``: its items' ``_StorageInfo``, how memory formats and layouts
+#: pickle. The unpickler of stock metadata (``objckpt.dcp.stock_metadata``) resolves
+#: these beside DCP's public classes. Nothing to fall back to: a torch that renames
+#: one writes pickles naming the new name, which that unpickler refuses with a
+#: ``ManifestError`` naming the class (never resolving an unlisted one).
+METADATA_PICKLE_PRIVATES: frozenset[tuple[str, str]] = frozenset(
+    {
+        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),  # an Enum
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.serialization", "_get_layout"),  # a lookup of torch.layout values by name
+    }
+)
 
 
 def require_stream_transforms(what: str) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
+from objckpt._torch import METADATA_PICKLE_PRIVATES
 from objckpt.errors import ManifestError
 
 __all__ = ["load_stock_metadata"]
@@ -31,17 +32,14 @@ _ALLOWED: frozenset[tuple[str, str]] = frozenset(
         (_METADATA_MODULE, "TensorStorageMetadata"),
         (_METADATA_MODULE, "BytesStorageMetadata"),
         (_METADATA_MODULE, "ChunkStorageMetadata"),
-        (_METADATA_MODULE, "_MEM_FORMAT_ENCODING"),  # an Enum: how memory formats pickle
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
         ("torch", "Size"),
-        # How torch pickles a layout: a lookup of torch.layout values by name.
-        ("torch.serialization", "_get_layout"),
         ("collections", "OrderedDict"),
         # StorageMeta.checkpoint_id of FileSystemWriter saves: a path, built, never opened.
         ("pathlib", "PosixPath"),
         ("pathlib", "PurePosixPath"),
         ("builtins", "set"),
         ("builtins", "frozenset"),
+        *METADATA_PICKLE_PRIVATES,  # _StorageInfo, how memory formats and layouts pickle
     }
 )
 _TORCH_VALUES = (torch.dtype, torch.memory_format, torch.layout)
