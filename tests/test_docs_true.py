@@ -302,6 +302,27 @@ def test_every_objckpt_name_a_page_mentions_exists() -> None:
     assert not missing, sorted(missing)
 
 
+#: A file of this repository a page names: ``tests/test_x.py``, ``bench/…``, or a
+#: module by its path in the package (``pipeline/save_phases.py``).
+_PATH = re.compile(
+    r"(?<![\w/.-])((?:objckpt|tests|bench|scripts|deploy)/[\w./-]+\.(?:py|md|toml|sh|tf|txt)"
+    r"|(?:writers|format|dcp|pipeline|ops|cli|testing)/\w+\.py)\b"
+)
+
+
+def test_every_file_a_page_names_exists() -> None:
+    """Paths move (a module merged, a test into its layer's folder): a page that
+    names one must move with it."""
+    missing = {
+        f"{page.relative_to(ROOT)}: {path}"
+        for page in _pages()
+        if page.name != "changes.md"
+        for path in _PATH.findall(page.read_text(encoding="utf-8"))
+        if not (ROOT / path).exists() and not (PACKAGE / path).exists()
+    }
+    assert not missing, sorted(missing)
+
+
 def _subpackages() -> set[str]:
     return {f"objckpt.{p.replace('/', '.')}" for p in packages() if p}
 
