@@ -302,6 +302,26 @@ def test_every_objckpt_name_a_page_mentions_exists() -> None:
     assert not missing, sorted(missing)
 
 
+def test_the_api_reference_documents_every_public_name() -> None:
+    """The API pages (``::: name``) cover ``objckpt.__all__``, ``objckpt.options`` and
+    ``objckpt.lightning``: a name made public gets its page entry, as the layout page
+    promises."""
+    import objckpt.lightning
+    import objckpt.options
+
+    documented = {
+        target.rsplit(".", 1)[-1]
+        for page in sorted((DOCS / "api").glob("*.md"))
+        for target in re.findall(r"^::: ([\w.]+)", page.read_text(encoding="utf-8"), re.M)
+    }
+    public = (
+        {n for n in objckpt.__all__ if n not in {"__version__", "errors"}}
+        | set(objckpt.options.__all__)
+        | set(objckpt.lightning.__all__)
+    )
+    assert public <= documented, sorted(public - documented)
+
+
 #: A file of this repository a page names: ``tests/test_x.py``, ``bench/…``, or a
 #: module by its path in the package (``pipeline/save_phases.py``).
 _PATH = re.compile(
