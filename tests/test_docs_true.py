@@ -11,8 +11,9 @@ the filesystem and the code (never a list kept here, which would drift the same 
   --write``);
 * the commit order on ``docs/layout.md`` and ``docs/format.md`` is the order of the
   writes of a recorded save;
-* every dotted ``objckpt.…`` name a page mentions exists, and no guide imports from a
-  module inside the subpackages (internal: users import public names).
+* every dotted ``objckpt.…`` name and every repository file a page mentions exists,
+  the API reference documents every public name, and no guide points at a module
+  inside the subpackages (internal: users import public names).
 """
 
 from __future__ import annotations
@@ -284,8 +285,9 @@ def _resolves(dotted: str) -> bool:
 
 #: A dotted name of objckpt's on a page (not inside quotes: a format identifier).
 _NAME = re.compile(r"(?<![\"'\w])objckpt(?:\.[A-Za-z_]\w*)+")
-#: An import on a page.
-_IMPORT = re.compile(r"from (objckpt(?:\.\w+)+) import")
+#: A module or a name inside one on a page (``from objckpt.a.b import``,
+#: ``objckpt.a.b.C``), except a process's command line (``python -m objckpt.a._main``).
+_IMPORT = re.compile(r"(?<!-m )(?<![\"'\w])(objckpt(?:\.\w+)+)")
 
 #: Names pages mention that are not Python names: the config file.
 _NOT_NAMES = {"objckpt.toml"}
@@ -349,18 +351,25 @@ def _subpackages() -> set[str]:
 
 #: Public homes among the subpackages: ``objckpt.testing`` is public as a whole.
 _PUBLIC_SUBPACKAGES = {"objckpt.testing"}
-#: A guide's import from an internal module that has no public home yet (the public
+#: A guide's use of an internal module that has no public home yet (the public
 #: names are a contract, ``tests/test_exported_members.py``): each is a decision
 #: pending, not a precedent.
 _NO_PUBLIC_HOME_YET = {"objckpt.ops.export"}
 
 
-def test_no_guide_imports_from_an_internal_module() -> None:
+#: The pages a user follows, beside ``docs/guides/`` (the reference pages, the
+#: benchmarks and the layout page describe the internals on purpose).
+_USER_PAGES = {"README.md", "docs/index.md", "docs/getting-started.md"}
+
+
+def test_no_guide_points_at_an_internal_module() -> None:
+    """A guide names public names only: a module inside the subpackages may move (the
+    async-saves guide once sent users to ``objckpt.pipeline.finalize.StoreBarrier``)."""
     internal = _subpackages() - _PUBLIC_SUBPACKAGES
     offenders = {
         f"{page.relative_to(ROOT)}: {module}"
         for page in _pages()
-        if page.name != "changes.md" and page.parent.name != "api"
+        if page.parent.name == "guides" or page.relative_to(ROOT).as_posix() in _USER_PAGES
         for module in _IMPORT.findall(page.read_text(encoding="utf-8"))
         if any(module == p or module.startswith(p + ".") for p in internal)
         and module not in _NO_PUBLIC_HOME_YET
