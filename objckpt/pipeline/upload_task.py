@@ -24,9 +24,10 @@ from collections.abc import Mapping
 
 from fsspec import AbstractFileSystem
 
+from objckpt.dcp.upload import Applied, compressed, split_reused, stored_size, upload_payload
 from objckpt.format.compress import parse_compression
-from objckpt.format.payload import PayloadRecord, PayloadWriter, close_payload
-from objckpt.format.reused import BaseItem, item_digest
+from objckpt.format.payload import PayloadRecord
+from objckpt.format.reused import BaseItem
 from objckpt.options import UploadOptions
 from objckpt.pipeline import lifeline
 from objckpt.writers import ObjectStore, open_store
@@ -180,32 +181,6 @@ def _chunks(value: FramedRef | bytes) -> tuple[tuple[bytes | memoryview, ...], b
     return (value,), False
 
 
-_ToWrite = tuple[int, tuple[bytes | memoryview, ...], bool, "str | None"]
-
-
-def _split_reused(
-    entries: list[Entry],
-    reuse: Mapping[int, BaseItem],
-    descriptors: Mapping[int, tuple[str, ...]],
-) -> tuple[list[_ToWrite], list[tuple[int, BaseItem]]]:
-    """The entries to write (id, chunks, kept, xxh3 when hashed already) and the
-    ones equal to their base item (hashed here, before any request; stored through
-    the same transforms, ``descriptors`` by entry id)."""
-    to_write: list[_ToWrite] = []
-    reused: list[tuple[int, BaseItem]] = []
-    for ident, value in entries:
-        chunks, kept = _chunks(value)
-        base = reuse.get(ident)
-        digest = None
-        if base is not None:
-            length, digest = item_digest(chunks)
-            if base.matches(length, digest, descriptors.get(ident)):
-                reused.append((ident, base))
-                continue
-        to_write.append((ident, chunks, kept, digest))
-    return to_write, reused
-
-
 def upload_object(
     location: Location,
     options: UploadOptions,
@@ -225,25 +200,15 @@ def upload_object(
     _forget_freed_segments()
     entries, transforms = _compressed(entries, options)
     chains = {ident: chain for ident, chain, _ in transforms}
-    to_write, reused = _split_reused(entries, reuse or {}, chains)
+    stored = ((ident, *_chunks(value)) for ident, value in entries)
+    to_write, reused = split_reused(stored, reuse or {}, chains)
     if not to_write:
         return PayloadRecord(0, "", (), reused=tuple(reused), transforms=transforms)
     store = worker_store(location, options)
-    size_hint = sum(sum(memoryview(c).nbytes for c in chunks) for _, chunks, _, _ in to_write)
     with counting(RequestCounter()) as counter, bounded_by(deadline):
-        upload = store.begin(key, size_hint)
-        try:
-            out = PayloadWriter(upload)
-            for ident, chunks, kept, digest in to_write:
-                out.write_item(ident, chunks, kept=kept, xxh3=digest)
-            record, done = close_payload(upload, out.record())
-            done.result()
-        except BaseException:
-            upload.abort()
-            raise
-    return dataclasses.replace(
-        record, requests=counter.snapshot(), reused=tuple(reused), transforms=transforms
-    )
+        record, done = upload_payload(store, key, to_write, stored_size(to_write), reused)
+        done.result()
+    return dataclasses.replace(record, requests=counter.snapshot(), transforms=transforms)
 
 
 def _compressed(
@@ -254,11 +219,10 @@ def _compressed(
     codec = parse_compression(options.compression)
     if codec is None:
         return entries, ()
-    out: list[Entry] = []
-    applied = []
-    for ident, value in entries:
-        dtype = value.data.dtype if isinstance(value, FramedRef) else None
-        stored, descriptors, raw = codec.apply(_chunks(value)[0], dtype)
-        out.append((ident, stored))
-        applied.append((ident, descriptors, raw))
+    applied: list[Applied] = []
+    items = (
+        (ident, _chunks(value)[0], value.data.dtype if isinstance(value, FramedRef) else None)
+        for ident, value in entries
+    )
+    out: list[Entry] = list(compressed(codec, items, applied))
     return out, tuple(applied)
