@@ -48,7 +48,6 @@ from objckpt.dcp.shared_reads import (
     SharedReads,
     assign_owners,
     exchange_shared,
-    fetch_whole,
 )
 from objckpt.errors import ConfigurationError, ObjckptError
 from objckpt.format.dcp_json import StoredItem
@@ -380,7 +379,20 @@ class ObjectStoreReader(StorageReader):
         """Owner: the whole stored items this rank shares with the others."""
         self._locate(indices)
         items = [self._index.item_at(idx) for idx in indices]
-        return fetch_whole(items, self._fetch, self.options.max_in_flight_bytes)
+        # Each item whole (one range each, fetched in batches), with what the
+        # receivers need to check it.
+        ranges = [
+            Range(it.relative_path, it.offset, it.offset + it.length, [], [it]) for it in items
+        ]
+        out: list[tuple[Sent, bytes]] = []
+        for batch in batches(ranges, self.options.max_in_flight_bytes):
+            for rng, data in zip(batch, self._fetch(batch), strict=True):
+                it = rng.items[0]
+                sent = Sent(
+                    rng.key, rng.end - rng.start, it.crc32c, it.transform_descriptors, it.raw_length
+                )
+                out.append((sent, data))
+        return out
 
     def _deliver_shared(
         self, reads: list[ReadItem], sent: Sent, data: memoryview, planner: LoadPlanner
