@@ -54,8 +54,8 @@ from objckpt.format.dcp_json import StoredItem
 from objckpt.format.index import Locator
 from objckpt.format.manifest import Manifest
 from objckpt.options import ReadOptions
+from objckpt.writers import ObjectStore, open_store
 from objckpt.writers.accounting import RequestCounter, RequestStats, counting
-from objckpt.writers.clients import shared_filesystem
 from objckpt.writers.location import Location
 from objckpt.writers.retry import RetryPolicy
 
@@ -139,8 +139,10 @@ class ObjectStoreReader(StorageReader):
         #: Where the manifest came from.
         self.manifest_source: str | None = None
         self.options = ReadOptions.with_verify(read, verify)
-        self._fs: AbstractFileSystem | None = None
-        self._fs_pid = -1
+        # This process's store for the location (its client is the process's shared
+        # one, objckpt.writers.clients); a forked child builds its own.
+        self._store: ObjectStore | None = None
+        self._store_pid = -1
         self.manifest: Manifest | None = None
         self._metadata: Metadata
         self._locator: Locator | None = None  # format 2: items load per index object
@@ -171,11 +173,16 @@ class ObjectStoreReader(StorageReader):
         self._unused = True
 
     @property
+    def store(self) -> ObjectStore:
+        """Every read of this load goes through it (:mod:`objckpt.writers.base`)."""
+        if self._store is None or self._store_pid != os.getpid():
+            self._store = open_store(self.location)
+            self._store_pid = os.getpid()
+        return self._store
+
+    @property
     def fs(self) -> AbstractFileSystem:
-        if self._fs is None or self._fs_pid != os.getpid():
-            self._fs = shared_filesystem(self.location)
-            self._fs_pid = os.getpid()
-        return self._fs
+        return self.store.fs
 
     @property
     def local_fs(self) -> AbstractFileSystem:
@@ -228,7 +235,7 @@ class ObjectStoreReader(StorageReader):
     def _open(self) -> None:
         opened = open_checkpoint(
             self.location,
-            lambda: self.fs,
+            lambda: self.store,
             local=self._local_copy,
             broadcast=self._broadcast,
             process_group=self._group,
@@ -243,7 +250,7 @@ class ObjectStoreReader(StorageReader):
             opened.metadata,
             opened.locator,
         )
-        self._index = ItemIndex(opened, self.location, lambda: self.fs, self._local_copy)
+        self._index = ItemIndex(opened, self.location, lambda: self.store, self._local_copy)
         if self._local_copy is not None:
             objects = None if opened.manifest is None else opened.objects
             self._local_copy.start(self.location, objects)
@@ -263,13 +270,10 @@ class ObjectStoreReader(StorageReader):
                 self.load_id = uuid.uuid4().hex  # still a new load
                 return
             # A new load (DCP calls this first): read the manifest again, as the URL
-            # may have been overwritten since, but keep the warm client when the
+            # may have been overwritten since. The store names objects under one
+            # location; its client stays warm in the process's client cache when the
             # protocol and options are the same.
-            if (location.protocol, location.storage_options) != (
-                self.location.protocol,
-                self.location.storage_options,
-            ):
-                self._fs = None
+            self._store = None
             self.location = location
             self.load_id = uuid.uuid4().hex
             self.manifest, self._locator = None, None
@@ -370,7 +374,9 @@ class ObjectStoreReader(StorageReader):
         self.metadata_bytes_fetched += self._index.locate(indices)
 
     def _fetch(self, batch: list[Range]) -> list[bytes]:
-        return fetch_ranges(batch, self.location, lambda: self.fs, self._local_copy, self.options)
+        return fetch_ranges(
+            batch, self.location, lambda: self.store, self._local_copy, self.options
+        )
 
     def _deliver(self, rng: Range, buf: bytes | memoryview, planner: LoadPlanner) -> None:
         self._delivery.deliver(rng, buf, planner, self._metadata, self.location)

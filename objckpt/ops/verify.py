@@ -144,7 +144,7 @@ def check_loadable(
         return None, (Refusal(MANIFEST_KEY, location.url_of(MANIFEST_KEY), exc),)
     if opened.locator is None:  # format 1: the manifest places every item
         return opened.metadata, ()
-    index = ItemIndex(opened, location, lambda: store.fs)
+    index = ItemIndex(opened, location, lambda: store)
     todo = [
         (shard, key)
         for shard, key in enumerate(opened.locator.index_keys)
