@@ -51,7 +51,6 @@ from objckpt.format.layout import (
     MANIFEST_KEY,
     METADATA_KEY,
     is_objckpt_object,
-    list_names,
     new_attempt_id,
     payload_key,
 )
@@ -371,7 +370,7 @@ class ObjectStoreWriter(StorageWriter):
     def _refuse_existing(self, store: ObjectStore) -> None:
         url = self.location.url
         try:
-            names = list_names(store.fs, self.location.path)
+            names = list(store.listing())
         except Exception as exc:
             raise translate(exc, url=url, action="listing") from exc
         if MANIFEST_KEY in names:

@@ -8,7 +8,8 @@ worker never imports torch: ~190 MiB less per worker, and a start of well under 
 second instead of several.
 
 State kept here lives only in worker processes (never in the training process):
-their store clients, kept so HTTP connections serve every later object and save,
+their stores, kept so HTTP connections serve every later object and save (their
+clients are the worker's process client cache, :mod:`objckpt.writers.clients`),
 and their mappings of staging segments.
 """
 
@@ -22,8 +23,6 @@ import os
 import threading
 from collections.abc import Mapping
 
-from fsspec import AbstractFileSystem
-
 from objckpt.dcp.upload import Applied, compressed, split_reused, stored_size, upload_payload
 from objckpt.format.compress import parse_compression
 from objckpt.format.payload import PayloadRecord
@@ -32,6 +31,7 @@ from objckpt.options import UploadOptions
 from objckpt.pipeline import lifeline
 from objckpt.writers import ObjectStore, open_store
 from objckpt.writers.accounting import RequestCounter, counting
+from objckpt.writers.clients import PROCESS_CLIENTS
 from objckpt.writers.deadline import Deadline, bounded_by
 from objckpt.writers.location import Location
 
@@ -73,10 +73,7 @@ Entry = tuple[int, "FramedRef | bytes"]
 
 # A worker's state, kept for its life; its upload threads share it under _LOCK.
 _LOCK = threading.Lock()
-#: Filesystems by what they were built from: their HTTP connections serve every
-#: later object and save of the worker.
-_WORKER_FS: dict[tuple[str, str, str, str, int], AbstractFileSystem] = {}
-#: Stores by filesystem and location (a store names its objects under one location,
+#: Stores by settings, options and location (a store names its objects under one location,
 #: and a worker may upload to several at once: saves in flight, a promotion's source
 #: and destination). The newest few are kept; each shares its filesystem's clients.
 _WORKER_STORES: collections.OrderedDict[tuple[object, ...], ObjectStore] = collections.OrderedDict()
@@ -142,28 +139,28 @@ def _segment(path: str) -> mmap.mmap:
 
 def worker_store(location: Location, options: UploadOptions) -> ObjectStore:
     """Worker side: the store for ``location``. Its filesystem (clients, HTTP
-    connections) is kept for the worker's life and shared by every store built from
-    the same options; ``options.max_in_flight`` bounds each store's requests."""
-    # Everything the filesystem was built from: a later save with other upload
-    # options or another retry policy must not reuse one made for the first.
-    fs_key = (
+    connections) is the worker's process client for the location's settings and
+    these options (:data:`~objckpt.writers.clients.PROCESS_CLIENTS`, which also
+    keeps fork safety), shared by every store built from them;
+    ``options.max_in_flight`` bounds each store's requests."""
+    # A later save with other upload options or another retry policy gets a store
+    # of its own (the client is still shared where the settings are the same).
+    key = (
         location.protocol,
         repr(sorted(location.storage_options.items())),
         repr(location.retry),
         repr(options),
         os.getpid(),
+        location.url,
     )
-    key = (fs_key, location.url)
     with _LOCK:
         store = _WORKER_STORES.get(key)
         if store is not None:
             _WORKER_STORES.move_to_end(key)
             return store
-        fs = _WORKER_FS.get(fs_key)
-        if fs is None:  # its own, not the process-wide client: keyed by fs_key
-            fs = location.open_fs(fresh=True)
-        store = open_store(location, options, fs=fs)
-        _WORKER_FS.setdefault(fs_key, store.fs)
+        store = open_store(
+            location, options, fs=PROCESS_CLIENTS.filesystem(location, repr(options))
+        )
         _WORKER_STORES[key] = store
         while len(_WORKER_STORES) > _KEPT_STORES:
             _WORKER_STORES.popitem(last=False)  # an upload using it keeps its reference
