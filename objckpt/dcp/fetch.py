@@ -15,15 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from fsspec import AbstractFileSystem
-
 from objckpt.dcp.local_copy import LocalCopy
 from objckpt.dcp.read_plan import Range
 from objckpt.errors import SizeMismatchError
 from objckpt.format.ref_check import stored_where
 from objckpt.options import ReadOptions
+from objckpt.writers.base import ObjectStore
 from objckpt.writers.location import Location
-from objckpt.writers.reads import read_ranges
 from objckpt.writers.retry import retry_call
 from objckpt.writers.translate import translate
 
@@ -33,7 +31,7 @@ __all__ = ["fetch_ranges"]
 def fetch_ranges(
     batch: list[Range],
     location: Location,
-    fs: Callable[[], AbstractFileSystem],
+    store: Callable[[], ObjectStore],
     local: LocalCopy | None,
     options: ReadOptions,
 ) -> list[bytes]:
@@ -45,7 +43,7 @@ def fetch_ranges(
         StoreError: The store failed.
     """
     if local is None:
-        return _fetch_remote(batch, location, fs, options)
+        return _fetch_remote(batch, location, store, options)
     out: list[bytes | None] = [None] * len(batch)
     for n, rng in enumerate(batch):
         if local.holds(rng.key):
@@ -54,7 +52,7 @@ def fetch_ranges(
                 rng.verified = options.verify
     remote = [n for n, data in enumerate(out) if data is None]
     if remote:
-        fetched = _fetch_remote([batch[n] for n in remote], location, fs, options)
+        fetched = _fetch_remote([batch[n] for n in remote], location, store, options)
         for n, data in zip(remote, fetched, strict=True):
             out[n] = data
     return [d for d in out if d is not None]
@@ -63,39 +61,39 @@ def fetch_ranges(
 def _fetch_remote(
     batch: list[Range],
     location: Location,
-    fs: Callable[[], AbstractFileSystem],
+    store: Callable[[], ObjectStore],
     options: ReadOptions,
 ) -> list[bytes]:
     """Fetch every range of a batch concurrently; big ranges in parallel pieces."""
-    paths, starts, ends, owner = [], [], [], []
+    keys, starts, ends, owner = [], [], [], []
     step = options.range_size
     for n, rng in enumerate(batch):
         for start in range(rng.start, rng.end, step) if rng.end > rng.start else [rng.start]:
-            paths.append(location.key_path(rng.key))
+            keys.append(rng.key)
             starts.append(start)
             ends.append(min(start + step, rng.end))
             owner.append(n)
     # One retry layer: each request retries itself (body included) on S3 and GCS;
     # other stores get the whole batch retried.
     return retry_call(
-        lambda: _fetch_once(batch, location, fs, paths, starts, ends, owner),
+        lambda: _fetch_once(batch, location, store(), keys, starts, ends, owner),
         location.retry,
-        f"reading {len(paths)} ranges of {location.url}",
-        fs(),
+        f"reading {len(keys)} ranges of {location.url}",
+        store().fs,
     )
 
 
 def _fetch_once(
     batch: list[Range],
     location: Location,
-    fs: Callable[[], AbstractFileSystem],
-    paths: list[str],
+    store: ObjectStore,
+    keys: list[str],
     starts: list[int],
     ends: list[int],
     owner: list[int],
 ) -> list[bytes]:
     try:
-        pieces = read_ranges(fs(), paths, starts, ends)
+        pieces = store.read_ranges(keys, starts, ends)
     except Exception as exc:
         raise translate(exc, url=location.url, action="reading") from exc
     out: list[list[bytes]] = [[] for _ in batch]

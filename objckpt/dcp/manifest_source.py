@@ -28,7 +28,6 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from fsspec import AbstractFileSystem
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from objckpt.dcp.collective import from_rank0_if_same, is_distributed
@@ -52,8 +51,8 @@ from objckpt.format.layout import (
 )
 from objckpt.format.manifest import Manifest, ObjectEntry
 from objckpt.format.refs import require_step_directory
+from objckpt.writers.base import ObjectStore
 from objckpt.writers.location import Location
-from objckpt.writers.reads import read_bounded
 from objckpt.writers.retry import retry_call
 from objckpt.writers.translate import translate
 
@@ -96,7 +95,7 @@ class _Read:
 
 def open_checkpoint(
     location: Location,
-    fs: Callable[[], AbstractFileSystem],
+    store: Callable[[], ObjectStore],
     *,
     local: LocalCopy | None = None,
     broadcast: bool = False,
@@ -108,7 +107,7 @@ def open_checkpoint(
 
     Args:
         location: The checkpoint in the store.
-        fs: The store's filesystem (called only when the store is asked).
+        store: The store (called only when the store is asked).
         local: A local copy whose manifest, when readable, is used instead.
         broadcast: Read on rank 0 of ``process_group`` and send the bytes to the
             other ranks (a collective: every rank must call it together); a rank
@@ -137,13 +136,13 @@ def open_checkpoint(
         )
         same, data = from_rank0_if_same(
             location.url,
-            lambda: _read_manifest(location, fs, local, read, max_bytes),
+            lambda: _read_manifest(location, store, local, read, max_bytes),
             process_group,
         )
     if not same:  # no group, or rank 0 opened another checkpoint: read this one here
-        data = _read_manifest(location, fs, local, read, max_bytes)
+        data = _read_manifest(location, store, local, read, max_bytes)
     if data is None:
-        metadata, items = _open_stock(location, fs, allow_stock, max_bytes)
+        metadata, items = _open_stock(location, store, allow_stock, max_bytes)
         return Opened(None, metadata, {}, items, source=read.source, fetched=read.fetched)
     manifest_url = location.url_of(MANIFEST_KEY)
     manifest = Manifest.from_json_bytes(data, url=manifest_url, max_bytes=max_bytes)
@@ -233,7 +232,7 @@ def check_items(
 
 def _read_manifest(
     location: Location,
-    fs: Callable[[], AbstractFileSystem],
+    store: Callable[[], ObjectStore],
     local: LocalCopy | None,
     read: _Read,
     max_bytes: int,
@@ -252,9 +251,12 @@ def _read_manifest(
     read.source = location.url_of(MANIFEST_KEY)
     path = location.key_path(MANIFEST_KEY)
     try:
-        fs().invalidate_cache(location.path)
+        store().fs.invalidate_cache(location.path)
         data = retry_call(
-            lambda: read_bounded(fs(), path, max_bytes), location.retry, f"reading {path}", fs()
+            lambda: store().read_bounded(MANIFEST_KEY, max_bytes),
+            location.retry,
+            f"reading {path}",
+            store().fs,
         )
     except FileNotFoundError:
         return None
@@ -266,7 +268,7 @@ def _read_manifest(
 
 
 def _open_stock(
-    location: Location, fs: Callable[[], AbstractFileSystem], allow_stock: bool, max_bytes: int
+    location: Location, store: Callable[[], ObjectStore], allow_stock: bool, max_bytes: int
 ) -> tuple[Metadata, dict[MetadataIndex, StoredItem]]:
     """A stock DCP checkpoint's metadata and item locations, from its ``.metadata``,
     checked against the listing: every item inside the checkpoint and its object."""
@@ -274,7 +276,7 @@ def _open_stock(
     if not allow_stock:
         raise CheckpointNotFoundError(f"no committed checkpoint at {url}: no {MANIFEST_KEY}")
     try:
-        listed = _listing(fs(), location.path)
+        listed = store().listing()
     except Exception as exc:
         raise translate(exc, url=url, action="listing") from exc
     if any(is_objckpt_object(n) or is_entropy_dir(n) for n in listed):
@@ -297,7 +299,7 @@ def _open_stock(
     meta_url = location.url_of(METADATA_KEY)
     check_size(listed[METADATA_KEY], max_bytes, what="stock DCP metadata", url=meta_url)
     try:
-        blob = read_bounded(fs(), location.key_path(METADATA_KEY), max_bytes)
+        blob = store().read_bounded(METADATA_KEY, max_bytes)
     except Exception as exc:
         raise translate(exc, url=meta_url, action="reading") from exc
     check_size(len(blob), max_bytes, what="stock DCP metadata", url=meta_url, exact=False)
@@ -321,14 +323,3 @@ def _open_stock(
     check_metadata(metadata, where=meta_url, payload_bytes=payload, items=len(items))
     check_items(items, objects, metadata, where=meta_url)
     return metadata, items
-
-
-def _listing(fs: AbstractFileSystem, path: str) -> dict[str, int]:
-    """Size by name of each object directly under ``path`` (empty if none): one
-    listing answers what is here and how large each object is."""
-    fs.invalidate_cache(path)
-    try:
-        entries = fs.ls(path, detail=True)
-    except FileNotFoundError:
-        return {}
-    return {str(e["name"]).rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0) for e in entries}

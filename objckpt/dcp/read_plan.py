@@ -23,7 +23,6 @@ import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-from fsspec import AbstractFileSystem
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import ReadItem
 
@@ -33,9 +32,9 @@ from objckpt.errors import ChecksumMismatchError, SizeMismatchError, StateDictEr
 from objckpt.format.dcp_json import StoredItem
 from objckpt.format.index_read import decode_index
 from objckpt.options import ReadOptions
+from objckpt.writers.base import ObjectStore
 from objckpt.writers.checksum import Crc32c
 from objckpt.writers.location import Location
-from objckpt.writers.reads import read_ranges
 from objckpt.writers.retry import retry_call
 from objckpt.writers.translate import translate
 
@@ -65,7 +64,7 @@ class ItemIndex:
     Args:
         opened: The checkpoint as opened.
         location: The checkpoint in the store.
-        fs: The store's filesystem (called only when the store is asked).
+        store: The store (called only when the store is asked).
         local: The local copy to take intact index objects from.
     """
 
@@ -73,12 +72,12 @@ class ItemIndex:
         self,
         opened: Opened,
         location: Location,
-        fs: Callable[[], AbstractFileSystem],
+        store: Callable[[], ObjectStore],
         local: LocalCopy | None = None,
     ) -> None:
         self._opened = opened
         self._location = location
-        self._fs = fs
+        self._store = store
         self._local = local
         self._items: dict[MetadataIndex, StoredItem] = dict(opened.items)
         self._loaded_shards: set[int] = set()
@@ -148,6 +147,7 @@ class ItemIndex:
         found = self._local_index(keys)
         remote = {shard: k for shard, k in keys.items() if k is not None and shard not in found}
         paths = {shard: self._location.key_path(k) for shard, k in remote.items()}
+        rkeys = list(remote.values())
         blobs: dict[str, bytes] = {}
         if paths:
             # Each no longer than the manifest records (plus one byte, to tell a
@@ -155,12 +155,10 @@ class ItemIndex:
             ends = [self._opened.objects[k].size + 1 for k in remote.values()]
             try:
                 got = retry_call(
-                    lambda: _raise_first(
-                        read_ranges(self._fs(), list(paths.values()), [0] * len(ends), ends)
-                    ),
+                    lambda: _raise_first(self._store().read_ranges(rkeys, [0] * len(ends), ends)),
                     self._location.retry,
                     f"reading {len(paths)} index objects of {self._location.url}",
-                    self._fs(),
+                    self._store().fs,
                 )
             except Exception as exc:
                 raise translate(exc, url=self._location.url, action="reading the index of") from exc

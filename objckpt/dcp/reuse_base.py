@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextvars
+import functools
 import logging
 import threading
 from collections.abc import Iterable, Mapping, Sequence
@@ -53,11 +54,11 @@ from objckpt.format.ref_check import sibling
 from objckpt.format.refs import is_step_directory, split_reference
 from objckpt.format.reused import BaseItem
 from objckpt.options import ReadOptions
+from objckpt.writers import open_store
 from objckpt.writers.base import ObjectStore
 from objckpt.writers.checksum import crc32c_of
 from objckpt.writers.deadline import Deadline, bounded_by
 from objckpt.writers.location import Location
-from objckpt.writers.reads import read_bounded
 from objckpt.writers.translate import describe
 
 __all__ = ["BaseReader", "BaseTable", "base_location", "identity"]
@@ -318,11 +319,16 @@ class BaseReader:
             return f"has CRC32C {crc}, not the {item.object_crc32c} the base's manifest records"
         return None
 
+    @functools.cached_property
+    def _base_store(self) -> ObjectStore:
+        """The base step's objects, read on the saving store's client."""
+        return open_store(self._base, self._store.options, fs=self._store.fs)
+
     def _open(self) -> tuple[Manifest, Metadata, Locator]:
         if self._opened is None:
-            base, limit, fs = self._base, self._limit, self._store.fs
+            base, limit = self._base, self._limit
             url = base.url_of(MANIFEST_KEY)
-            data = read_bounded(fs, base.key_path(MANIFEST_KEY), limit)
+            data = self._base_store.read_bounded(MANIFEST_KEY, limit)
             manifest = Manifest.from_json_bytes(data, url=url, max_bytes=limit)
             if manifest.version < 2:
                 raise ManifestError(f"{url} is format {manifest.version}: no item hashes")
@@ -344,7 +350,7 @@ class BaseReader:
             entry = manifest.object(key)
             if entry is None:  # decode_metadata refuses this; kept for the type checker
                 raise ManifestError(f"{base.url} names index {key!r} but not as an object")
-            blob = read_bounded(self._store.fs, base.key_path(key), min(entry.size, self._limit))
+            blob = self._base_store.read_bounded(key, min(entry.size, self._limit))
             if len(blob) != entry.size or f"{crc32c_of(blob):08x}" != entry.crc32c:
                 raise ChecksumMismatchError(
                     f"index {base.url_of(key)} is {len(blob)} bytes with another CRC32C than "

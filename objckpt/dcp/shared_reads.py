@@ -25,11 +25,9 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
 from objckpt.dcp.collective import broadcast_bytes, broadcast_object
-from objckpt.dcp.read_plan import Range, batches
 from objckpt.errors import ObjckptError
-from objckpt.format.dcp_json import StoredItem
 
-__all__ = ["Sent", "SharedReads", "assign_owners", "exchange_shared", "fetch_whole"]
+__all__ = ["Sent", "SharedReads", "assign_owners", "exchange_shared"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,31 +161,4 @@ def _batches(order: list[int], described: Sequence[Sent], limit: int) -> list[li
         else:
             out.append([i])
             size = n
-    return out
-
-
-def fetch_whole(
-    items: Sequence[StoredItem],
-    fetch: Callable[[list[Range]], list[bytes]],
-    max_in_flight_bytes: int,
-) -> list[tuple[Sent, bytes]]:
-    """Owner: each of ``items`` whole (one range each, fetched in batches), with what
-    the receivers need to check it."""
-    ranges = [Range(it.relative_path, it.offset, it.offset + it.length, [], [it]) for it in items]
-    out: list[tuple[Sent, bytes]] = []
-    for batch in batches(ranges, max_in_flight_bytes):
-        for rng, data in zip(batch, fetch(batch), strict=True):
-            it = rng.items[0]
-            out.append(
-                (
-                    Sent(
-                        rng.key,
-                        rng.end - rng.start,
-                        it.crc32c,
-                        it.transform_descriptors,
-                        it.raw_length,
-                    ),
-                    data,
-                )
-            )
     return out

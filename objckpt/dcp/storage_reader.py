@@ -48,15 +48,14 @@ from objckpt.dcp.shared_reads import (
     SharedReads,
     assign_owners,
     exchange_shared,
-    fetch_whole,
 )
 from objckpt.errors import ConfigurationError, ObjckptError
 from objckpt.format.dcp_json import StoredItem
 from objckpt.format.index import Locator
 from objckpt.format.manifest import Manifest
 from objckpt.options import ReadOptions
+from objckpt.writers import ObjectStore, open_store
 from objckpt.writers.accounting import RequestCounter, RequestStats, counting
-from objckpt.writers.clients import shared_filesystem
 from objckpt.writers.location import Location
 from objckpt.writers.retry import RetryPolicy
 
@@ -140,8 +139,10 @@ class ObjectStoreReader(StorageReader):
         #: Where the manifest came from.
         self.manifest_source: str | None = None
         self.options = ReadOptions.with_verify(read, verify)
-        self._fs: AbstractFileSystem | None = None
-        self._fs_pid = -1
+        # This process's store for the location (its client is the process's shared
+        # one, objckpt.writers.clients); a forked child builds its own.
+        self._store: ObjectStore | None = None
+        self._store_pid = -1
         self.manifest: Manifest | None = None
         self._metadata: Metadata
         self._locator: Locator | None = None  # format 2: items load per index object
@@ -172,11 +173,16 @@ class ObjectStoreReader(StorageReader):
         self._unused = True
 
     @property
+    def store(self) -> ObjectStore:
+        """Every read of this load goes through it (:mod:`objckpt.writers.base`)."""
+        if self._store is None or self._store_pid != os.getpid():
+            self._store = open_store(self.location)
+            self._store_pid = os.getpid()
+        return self._store
+
+    @property
     def fs(self) -> AbstractFileSystem:
-        if self._fs is None or self._fs_pid != os.getpid():
-            self._fs = shared_filesystem(self.location)
-            self._fs_pid = os.getpid()
-        return self._fs
+        return self.store.fs
 
     @property
     def local_fs(self) -> AbstractFileSystem:
@@ -229,7 +235,7 @@ class ObjectStoreReader(StorageReader):
     def _open(self) -> None:
         opened = open_checkpoint(
             self.location,
-            lambda: self.fs,
+            lambda: self.store,
             local=self._local_copy,
             broadcast=self._broadcast,
             process_group=self._group,
@@ -244,7 +250,7 @@ class ObjectStoreReader(StorageReader):
             opened.metadata,
             opened.locator,
         )
-        self._index = ItemIndex(opened, self.location, lambda: self.fs, self._local_copy)
+        self._index = ItemIndex(opened, self.location, lambda: self.store, self._local_copy)
         if self._local_copy is not None:
             objects = None if opened.manifest is None else opened.objects
             self._local_copy.start(self.location, objects)
@@ -264,13 +270,10 @@ class ObjectStoreReader(StorageReader):
                 self.load_id = uuid.uuid4().hex  # still a new load
                 return
             # A new load (DCP calls this first): read the manifest again, as the URL
-            # may have been overwritten since, but keep the warm client when the
+            # may have been overwritten since. The store names objects under one
+            # location; its client stays warm in the process's client cache when the
             # protocol and options are the same.
-            if (location.protocol, location.storage_options) != (
-                self.location.protocol,
-                self.location.storage_options,
-            ):
-                self._fs = None
+            self._store = None
             self.location = location
             self.load_id = uuid.uuid4().hex
             self.manifest, self._locator = None, None
@@ -371,7 +374,9 @@ class ObjectStoreReader(StorageReader):
         self.metadata_bytes_fetched += self._index.locate(indices)
 
     def _fetch(self, batch: list[Range]) -> list[bytes]:
-        return fetch_ranges(batch, self.location, lambda: self.fs, self._local_copy, self.options)
+        return fetch_ranges(
+            batch, self.location, lambda: self.store, self._local_copy, self.options
+        )
 
     def _deliver(self, rng: Range, buf: bytes | memoryview, planner: LoadPlanner) -> None:
         self._delivery.deliver(rng, buf, planner, self._metadata, self.location)
@@ -380,7 +385,20 @@ class ObjectStoreReader(StorageReader):
         """Owner: the whole stored items this rank shares with the others."""
         self._locate(indices)
         items = [self._index.item_at(idx) for idx in indices]
-        return fetch_whole(items, self._fetch, self.options.max_in_flight_bytes)
+        # Each item whole (one range each, fetched in batches), with what the
+        # receivers need to check it.
+        ranges = [
+            Range(it.relative_path, it.offset, it.offset + it.length, [], [it]) for it in items
+        ]
+        out: list[tuple[Sent, bytes]] = []
+        for batch in batches(ranges, self.options.max_in_flight_bytes):
+            for rng, data in zip(batch, self._fetch(batch), strict=True):
+                it = rng.items[0]
+                sent = Sent(
+                    rng.key, rng.end - rng.start, it.crc32c, it.transform_descriptors, it.raw_length
+                )
+                out.append((sent, data))
+        return out
 
     def _deliver_shared(
         self, reads: list[ReadItem], sent: Sent, data: memoryview, planner: LoadPlanner

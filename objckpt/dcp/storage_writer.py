@@ -23,12 +23,14 @@ which carries the objckpt error per rank.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from fsspec import AbstractFileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -37,31 +39,36 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from objckpt._torch import StreamTransformExtension
-from objckpt.dcp.plan import RankPlan, assign_objects
+from objckpt.dcp.plan import ObjectPlan, RankPlan, assign_objects
 from objckpt.dcp.reuse_base import BaseReader, BaseTable, base_location
 from objckpt.dcp.serialize import (
     Framer,
+    WrittenObject,
     refuse_unwritable,
     resolve_bytes_items,
     resolve_entries,
+    stored_chunks,
     with_transforms,
+    written_object,
 )
-from objckpt.dcp.sync_write import write_objects
 from objckpt.dcp.transforms import ItemTransforms
+from objckpt.dcp.upload import StoredEntry, split_reused, upload_payload
 from objckpt.errors import CheckpointExistsError, ConfigurationError, ManifestError
 from objckpt.format.commit import commit_checkpoint, read_manifest, requests_result
 from objckpt.format.layout import (
     MANIFEST_KEY,
     METADATA_KEY,
     is_objckpt_object,
-    list_names,
     new_attempt_id,
     payload_key,
 )
 from objckpt.format.manifest import Manifest
+from objckpt.format.payload import PayloadRecord
+from objckpt.format.reused import BaseItem
 from objckpt.options import UploadOptions
 from objckpt.writers import ObjectStore, open_store
 from objckpt.writers.accounting import RequestCounter, RequestStats, counting
+from objckpt.writers.checksum import BytesLike
 from objckpt.writers.deadline import Deadline, bounded_by
 from objckpt.writers.location import Location
 from objckpt.writers.retry import RetryPolicy
@@ -371,7 +378,7 @@ class ObjectStoreWriter(StorageWriter):
     def _refuse_existing(self, store: ObjectStore) -> None:
         url = self.location.url
         try:
-            names = list_names(store.fs, self.location.path)
+            names = list(store.listing())
         except Exception as exc:
             raise translate(exc, url=url, action="listing") from exc
         if MANIFEST_KEY in names:
@@ -406,3 +413,62 @@ class ObjectStoreWriter(StorageWriter):
         state["_store"] = None  # filesystem clients never cross a process boundary
         state["_fs"] = None
         return state
+
+
+# The synchronous writer's upload loop: one payload object after another, through
+# the upload path the workers share (objckpt.dcp.upload). Each object's entries are
+# hashed against the base step's items first when the save reuses: equal items are
+# referenced, not written, and an object all of whose items are reused is never
+# created. Several objects are in flight at once; any failure aborts its upload and
+# lets the others settle before it is raised.
+
+
+def _stored(
+    entries: Iterable[tuple[int, torch.Tensor | BytesLike]], framer: Framer
+) -> Iterator[tuple[int, tuple[BytesLike, ...], bool]]:
+    """Each entry as its stored chunks, resolved as it is consumed."""
+    for ident, data in entries:
+        chunks, kept = stored_chunks(data, framer)
+        yield ident, chunks, kept
+
+
+def write_objects(
+    store: ObjectStore,
+    objects: Sequence[ObjectPlan],
+    items: list[WriteItem],
+    entries_of: Callable[[ObjectPlan], Iterable[tuple[int, torch.Tensor | BytesLike]]],
+    framer: Framer,
+    base: BaseTable | None,
+) -> tuple[list[WriteResult], int]:
+    """Write ``objects``; their items' write results and how many objects were created."""
+    position = {id(item): n for n, item in enumerate(items)}
+    written: list[WrittenObject] = []
+    created = 0
+    try:
+        for obj in objects:
+            reuse = base.for_items((position[id(i)], i) for i in obj.items) if base else {}
+            to_write: Iterable[StoredEntry]
+            reused: list[tuple[int, BaseItem]]
+            if reuse:  # hashed first: an object whose items are all reused is never begun
+                to_write, reused = split_reused(_stored(entries_of(obj), framer), reuse)
+            else:  # streamed: each item resolved as it is written, none held ahead
+                stored = _stored(entries_of(obj), framer)
+                to_write, reused = ((i, c, k, None) for i, c, k in stored), []
+            if reuse and not to_write:  # every item reused: the object is never created
+                done: concurrent.futures.Future[None] = concurrent.futures.Future()
+                done.set_result(None)
+                record = PayloadRecord(0, "", (), reused=tuple(reused))
+                written.append(written_object(obj, items, record, done))
+                continue
+            record, done = upload_payload(store, obj.key, to_write, obj.size_hint, reused)
+            written.append(written_object(obj, items, record, done))
+            created += 1
+        results: list[WriteResult] = []
+        for w in written:
+            w.done.result()
+            results.extend(w.write_results())
+    except BaseException:
+        for w in written:  # let in-flight uploads settle (they abort themselves on failure)
+            w.done.exception()
+        raise
+    return results, created

@@ -12,8 +12,9 @@ records, so a checkpoint transformed by either writer loads with either reader:
 * ``ObjectStoreWriter(_extensions=[...])``: any extension, applied exactly as
   torch's writer applies them (same order, same descriptors).
 
-The async path compresses in its upload workers instead (torch-free, the same
-codec); the sync writer transforms here, item by item, as the payload is written.
+Compression is one path (:func:`objckpt.dcp.upload.compressed`): the upload workers
+run it on staged bytes, the sync writer here, item by item, as the payload is
+written; DCP extensions are the sync writer's only.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch.distributed.checkpoint.planner import WriteItem
 
 from objckpt._torch import StreamTransformExtension, require_stream_transforms
 from objckpt.dcp.serialize import Framer, stored_chunks
+from objckpt.dcp.upload import Applied, compressed
 from objckpt.errors import ConfigurationError
 from objckpt.format.compress import (
     BYTEGROUP,
@@ -41,8 +43,10 @@ from objckpt.writers.checksum import BytesLike
 
 __all__ = ["ByteGrouping", "ItemTransforms"]
 
-#: (item id, descriptors, length before the transforms) of each transformed item.
-Applied = tuple[int, tuple[str, ...], int]
+
+def _dtype(data: torch.Tensor | BytesLike) -> str | None:
+    """A tensor's dtype name (its framed bytes may be grouped by element width)."""
+    return dtype_name(data.dtype) if isinstance(data, torch.Tensor) else None
 
 
 class ByteGrouping(StreamTransformExtension):
@@ -207,13 +211,15 @@ class ItemTransforms:
         framer: Framer,
         applied: list[Applied],
     ) -> Iterator[tuple[int, torch.Tensor | BytesLike]]:
+        if self.codec is not None:  # the upload workers' path (objckpt.dcp.upload)
+            items = (
+                (ident, stored_chunks(data, framer)[0], _dtype(data)) for ident, data in entries
+            )
+            yield from compressed(self.codec, items, applied)
+            return
         for ident, data in entries:
             chunks, _ = stored_chunks(data, framer)
-            if self.codec is not None:
-                dtype = dtype_name(data.dtype) if isinstance(data, torch.Tensor) else None
-                stored, descriptors, raw = self.codec.apply(chunks, dtype)
-            else:
-                stored, descriptors, raw = self._extended(chunks)
+            stored, descriptors, raw = self._extended(chunks)
             applied.append((ident, descriptors, raw))
             yield ident, stored
 

@@ -289,7 +289,7 @@ def _delete_superseded(store: ObjectStore, keys: set[str]) -> None:
     if not keys:
         return
     try:
-        store.fs.rm([store.path(k) for k in sorted(keys)])
+        store.delete_many(sorted(keys))
     except Exception as exc:
         logger.warning(
             "could not delete %d objects of the checkpoint %s replaced (%s); "

@@ -54,7 +54,7 @@ def _stream(
     crc = Crc32c()
     size = 0
     try:
-        with store.fs.open(store.path(key), "rb", block_size=_CHUNK) as f:
+        with store.open_read(key, _CHUNK) as f:
             while chunk := f.read(_CHUNK):
                 crc.update(chunk)
                 size += len(chunk)

@@ -39,14 +39,11 @@ _Verified = tuple[tuple[int, str], int, str]
 def _identity(store: ObjectStore, key: str) -> tuple[int, str] | None:
     """An object's size and the tag the store changes whenever its bytes change
     (S3's ETag, GCS's generation); None when it is absent or the store has none."""
-    path = store.path(key)
     try:
-        store.fs.invalidate_cache(path)
-        info = store.fs.info(path)
+        head = store.head(key)
     except Exception:  # absent or unreadable: checked, and reported, the long way
         return None
-    tag = info.get("ETag") or info.get("etag") or info.get("generation")
-    return (int(info.get("size") or 0), str(tag)) if tag else None
+    return (head.size, head.tag) if head.tag else None
 
 
 class VerifiedObjects:

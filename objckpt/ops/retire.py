@@ -39,7 +39,6 @@ from objckpt.format.steps import ObjectInfo, inventory, parse_step, step_name
 from objckpt.ops.live_set import DEFAULT_GRACE, ManifestCache, live_set, step_dir_of
 from objckpt.writers import ObjectStore, open_store
 from objckpt.writers.location import Location
-from objckpt.writers.translate import translate
 
 __all__ = ["RetireReport", "delete_keys", "parent_root", "prune_dir", "retire_steps"]
 
@@ -193,14 +192,7 @@ def delete_keys(
     batch = 500
     for i in range(0, len(keys), batch):
         chunk = keys[i : i + batch]
-        try:
-            store.fs.rm([store.path(k) for k in chunk])
-        except FileNotFoundError:
-            for k in chunk:  # some were gone already: delete the rest one by one
-                with contextlib.suppress(FileNotFoundError):
-                    store.fs.rm(store.path(k))
-        except Exception as exc:
-            raise translate(exc, url=store.location.url_of(chunk[0]), action="deleting") from exc
+        store.delete_many(chunk)
         if progress is not None:
             progress(len(chunk))
     store.fs.invalidate_cache(store.location.path)

@@ -36,7 +36,7 @@ from objckpt.errors import (
     IntegrityError,
     ManifestError,
 )
-from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY, list_names
+from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY
 from objckpt.format.manifest import Manifest, ObjectEntry, read_manifest
 from objckpt.format.ref_check import require_referenced
 from objckpt.format.refs import is_reference, referenced_step, require_step_directory
@@ -144,7 +144,7 @@ def check_loadable(
         return None, (Refusal(MANIFEST_KEY, location.url_of(MANIFEST_KEY), exc),)
     if opened.locator is None:  # format 1: the manifest places every item
         return opened.metadata, ()
-    index = ItemIndex(opened, location, lambda: store.fs)
+    index = ItemIndex(opened, location, lambda: store)
     todo = [
         (shard, key)
         for shard, key in enumerate(opened.locator.index_keys)
@@ -176,7 +176,7 @@ def open_manifest(store: ObjectStore) -> Manifest:
         manifest = read_manifest(store)
     except FileNotFoundError:
         url = store.location.url
-        if list_names(store.fs, store.location.path):
+        if store.listing():
             raise CheckpointNotCommittedError(
                 f"{url} has no {MANIFEST_KEY}: the save that wrote it never committed"
             ) from None

@@ -5,7 +5,8 @@ Two round trips could sit in ``save()`` before it returns, and neither needs to:
 * the **preflight** (bucket reachable, credentials may write): needed once per
   bucket and process, before the first copy, so credentials that cannot write fail
   before anything is staged. :class:`TargetCache` remembers the buckets proven and
-  keeps one filesystem client per protocol, so later saves pay for neither.
+  keeps one filesystem client per store settings (:class:`~objckpt.writers.clients.OwnedClients`),
+  so later saves pay for neither.
 * **"already committed?"** (one LIST of the URL, and a GET of a manifest found):
   tens to hundreds of milliseconds on S3, longer than copying a quarter of a GiB.
   A :class:`~objckpt.CheckpointManager` never asks: its step catalog knows which
@@ -55,7 +56,7 @@ logger = logging.getLogger(__name__)
 
 
 class TargetCache:
-    """Filesystem clients by protocol and buckets already proven writable.
+    """Filesystem clients by store settings and buckets already proven writable.
 
     A save's stall should not pay for a new HTTP session or a preflight round trip,
     so both outlive the save that created them. The clients are this cache's own
@@ -65,21 +66,17 @@ class TargetCache:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._clients = OwnedClients("objckpt-saves")
-        self._filesystems: dict[str, Any] = {}
+        self._clients = OwnedClients("objckpt-saves")  # one client per settings
         self._checked: set[tuple[str, str]] = set()
 
     def attach(self, target: ObjectStoreWriter) -> None:
-        """Give ``target`` this protocol's client, a request counter, and a preflight
+        """Give ``target`` the client for its settings, a request counter, and a preflight
         only when its bucket has not been proven writable yet. "Already committed?"
         is left to the save (see the module docstring)."""
         loc = target.location
         with self._lock:
-            fs = self._filesystems.get(loc.protocol)
-            if fs is None:
-                fs = self._filesystems[loc.protocol] = self._clients.filesystem(loc)
             target.attach(
-                fs=fs,
+                fs=self._clients.filesystem(loc),
                 preflight=(loc.protocol, loc.bucket) not in self._checked,
                 requests=RequestCounter(),
                 check_existing=False,
@@ -94,8 +91,6 @@ class TargetCache:
         """Close the clients, their connections and their loop thread (no save may
         use them any more; one still running fails), waiting up to ``timeout``
         seconds for each step."""
-        with self._lock:
-            self._filesystems.clear()
         self._clients.close(timeout)
 
 

@@ -8,7 +8,8 @@ worker never imports torch: ~190 MiB less per worker, and a start of well under 
 second instead of several.
 
 State kept here lives only in worker processes (never in the training process):
-their store clients, kept so HTTP connections serve every later object and save,
+their stores, kept so HTTP connections serve every later object and save (their
+clients are the worker's process client cache, :mod:`objckpt.writers.clients`),
 and their mappings of staging segments.
 """
 
@@ -22,15 +23,15 @@ import os
 import threading
 from collections.abc import Mapping
 
-from fsspec import AbstractFileSystem
-
+from objckpt.dcp.upload import Applied, compressed, split_reused, stored_size, upload_payload
 from objckpt.format.compress import parse_compression
-from objckpt.format.payload import PayloadRecord, PayloadWriter, close_payload
-from objckpt.format.reused import BaseItem, item_digest
+from objckpt.format.payload import PayloadRecord
+from objckpt.format.reused import BaseItem
 from objckpt.options import UploadOptions
 from objckpt.pipeline import lifeline
 from objckpt.writers import ObjectStore, open_store
 from objckpt.writers.accounting import RequestCounter, counting
+from objckpt.writers.clients import PROCESS_CLIENTS
 from objckpt.writers.deadline import Deadline, bounded_by
 from objckpt.writers.location import Location
 
@@ -72,10 +73,7 @@ Entry = tuple[int, "FramedRef | bytes"]
 
 # A worker's state, kept for its life; its upload threads share it under _LOCK.
 _LOCK = threading.Lock()
-#: Filesystems by what they were built from: their HTTP connections serve every
-#: later object and save of the worker.
-_WORKER_FS: dict[tuple[str, str, str, str, int], AbstractFileSystem] = {}
-#: Stores by filesystem and location (a store names its objects under one location,
+#: Stores by settings, options and location (a store names its objects under one location,
 #: and a worker may upload to several at once: saves in flight, a promotion's source
 #: and destination). The newest few are kept; each shares its filesystem's clients.
 _WORKER_STORES: collections.OrderedDict[tuple[object, ...], ObjectStore] = collections.OrderedDict()
@@ -141,28 +139,28 @@ def _segment(path: str) -> mmap.mmap:
 
 def worker_store(location: Location, options: UploadOptions) -> ObjectStore:
     """Worker side: the store for ``location``. Its filesystem (clients, HTTP
-    connections) is kept for the worker's life and shared by every store built from
-    the same options; ``options.max_in_flight`` bounds each store's requests."""
-    # Everything the filesystem was built from: a later save with other upload
-    # options or another retry policy must not reuse one made for the first.
-    fs_key = (
+    connections) is the worker's process client for the location's settings and
+    these options (:data:`~objckpt.writers.clients.PROCESS_CLIENTS`, which also
+    keeps fork safety), shared by every store built from them;
+    ``options.max_in_flight`` bounds each store's requests."""
+    # A later save with other upload options or another retry policy gets a store
+    # of its own (the client is still shared where the settings are the same).
+    key = (
         location.protocol,
         repr(sorted(location.storage_options.items())),
         repr(location.retry),
         repr(options),
         os.getpid(),
+        location.url,
     )
-    key = (fs_key, location.url)
     with _LOCK:
         store = _WORKER_STORES.get(key)
         if store is not None:
             _WORKER_STORES.move_to_end(key)
             return store
-        fs = _WORKER_FS.get(fs_key)
-        if fs is None:  # its own, not the process-wide client: keyed by fs_key
-            fs = location.open_fs(fresh=True)
-        store = open_store(location, options, fs=fs)
-        _WORKER_FS.setdefault(fs_key, store.fs)
+        store = open_store(
+            location, options, fs=PROCESS_CLIENTS.filesystem(location, repr(options))
+        )
         _WORKER_STORES[key] = store
         while len(_WORKER_STORES) > _KEPT_STORES:
             _WORKER_STORES.popitem(last=False)  # an upload using it keeps its reference
@@ -178,32 +176,6 @@ def _chunks(value: FramedRef | bytes) -> tuple[tuple[bytes | memoryview, ...], b
         data = memoryview(_segment(ref.path))[ref.offset : ref.offset + ref.nbytes]
         return (value.head, data, value.tail), True
     return (value,), False
-
-
-_ToWrite = tuple[int, tuple[bytes | memoryview, ...], bool, "str | None"]
-
-
-def _split_reused(
-    entries: list[Entry],
-    reuse: Mapping[int, BaseItem],
-    descriptors: Mapping[int, tuple[str, ...]],
-) -> tuple[list[_ToWrite], list[tuple[int, BaseItem]]]:
-    """The entries to write (id, chunks, kept, xxh3 when hashed already) and the
-    ones equal to their base item (hashed here, before any request; stored through
-    the same transforms, ``descriptors`` by entry id)."""
-    to_write: list[_ToWrite] = []
-    reused: list[tuple[int, BaseItem]] = []
-    for ident, value in entries:
-        chunks, kept = _chunks(value)
-        base = reuse.get(ident)
-        digest = None
-        if base is not None:
-            length, digest = item_digest(chunks)
-            if base.matches(length, digest, descriptors.get(ident)):
-                reused.append((ident, base))
-                continue
-        to_write.append((ident, chunks, kept, digest))
-    return to_write, reused
 
 
 def upload_object(
@@ -225,25 +197,15 @@ def upload_object(
     _forget_freed_segments()
     entries, transforms = _compressed(entries, options)
     chains = {ident: chain for ident, chain, _ in transforms}
-    to_write, reused = _split_reused(entries, reuse or {}, chains)
+    stored = ((ident, *_chunks(value)) for ident, value in entries)
+    to_write, reused = split_reused(stored, reuse or {}, chains)
     if not to_write:
         return PayloadRecord(0, "", (), reused=tuple(reused), transforms=transforms)
     store = worker_store(location, options)
-    size_hint = sum(sum(memoryview(c).nbytes for c in chunks) for _, chunks, _, _ in to_write)
     with counting(RequestCounter()) as counter, bounded_by(deadline):
-        upload = store.begin(key, size_hint)
-        try:
-            out = PayloadWriter(upload)
-            for ident, chunks, kept, digest in to_write:
-                out.write_item(ident, chunks, kept=kept, xxh3=digest)
-            record, done = close_payload(upload, out.record())
-            done.result()
-        except BaseException:
-            upload.abort()
-            raise
-    return dataclasses.replace(
-        record, requests=counter.snapshot(), reused=tuple(reused), transforms=transforms
-    )
+        record, done = upload_payload(store, key, to_write, stored_size(to_write), reused)
+        done.result()
+    return dataclasses.replace(record, requests=counter.snapshot(), transforms=transforms)
 
 
 def _compressed(
@@ -254,11 +216,10 @@ def _compressed(
     codec = parse_compression(options.compression)
     if codec is None:
         return entries, ()
-    out: list[Entry] = []
-    applied = []
-    for ident, value in entries:
-        dtype = value.data.dtype if isinstance(value, FramedRef) else None
-        stored, descriptors, raw = codec.apply(_chunks(value)[0], dtype)
-        out.append((ident, stored))
-        applied.append((ident, descriptors, raw))
+    applied: list[Applied] = []
+    items = (
+        (ident, _chunks(value)[0], value.data.dtype if isinstance(value, FramedRef) else None)
+        for ident, value in entries
+    )
+    out: list[Entry] = list(compressed(codec, items, applied))
     return out, tuple(applied)

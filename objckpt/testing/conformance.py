@@ -1,6 +1,7 @@
 """A conformance suite every store family passes (subclass it, as zarr's ``StoreTests``).
 
-objckpt's guarantees rest on a few properties of each store family: ``create`` is
+objckpt's guarantees rest on a few properties of each store family: the whole
+protocol (reads, ranged reads, listings, HEADs, deletes) behaves alike, ``create`` is
 create-only and atomic (the commit), an aborted upload leaves nothing visible,
 ``digest`` tells size and CRC32C without reading, open multipart uploads can be
 found and aborted (``gc``), a server-side copy is byte-exact (backups). This suite
@@ -18,7 +19,10 @@ same way::
         def store_location(self, tmp_path):
             return Location.parse(f"mystore://bucket/{tmp_path.name}", {...})
 
-Attributes a subclass sets (the defaults are the weakest promise):
+Attributes a subclass sets (the defaults are the weakest promise): what this
+server was shown to do, checked against the store's own capability flags of the
+same names (:class:`~objckpt.writers.base.ObjectStore`), which may promise more
+for the family (S3 keeps CRC32C, moto does not):
     atomic_create: ``create`` is create-only even against a concurrent writer
         (checked with racing threads). False: only the sequential refusal is checked.
     keeps_crc32c: ``digest`` returns the CRC32C the store computed itself.
@@ -140,6 +144,63 @@ class StoreConformance:
             store.put(name, name.encode())
         names = list_names(store.fs, store.location.path)
         assert sorted(names) == ["manifest.json", "x.distcp", "y.distcp"], names
+
+    def test_capability_flags_are_what_the_family_promises(self, store: ObjectStore) -> None:
+        """The store's own flags (what objckpt's code consults) promise at least what
+        this server was shown to do, and never a listing of uploads it cannot make."""
+        assert store.atomic_create or not self.atomic_create, type(store).__name__
+        assert store.keeps_crc32c or not self.keeps_crc32c, type(store).__name__
+        assert store.lists_open_uploads == self.lists_open_uploads, type(store).__name__
+
+    def test_a_listing_tells_names_and_sizes(self, store: ObjectStore) -> None:
+        assert store.listing() == {}
+        store.put("x.distcp", b"12345")
+        store.put("manifest.json", b"")
+        self._upload(store, "sub/inner.bin", b"abc")  # as a prefix-entropy payload is
+        listed = store.listing()
+        assert {k: v for k, v in listed.items() if k != "sub"} == {
+            "x.distcp": 5,
+            "manifest.json": 0,
+        }, listed
+        assert "sub" in listed, listed  # a sub-prefix is listed by its name
+        assert store.listing("sub") == {"inner.bin": 3}
+        assert store.listing("missing") == {}
+
+    def test_ranged_reads_through_the_store(self, store: ObjectStore) -> None:
+        store.put("five.bin", b"01234")
+        assert store.read_range("five.bin", 1, 3) == b"12"
+        assert store.read_range("five.bin", 3, 100) == b"34"
+        assert store.read_range("five.bin", 5, 6) == b""
+        assert store.read_range("five.bin", 2, 2) == b""
+        assert store.read_bounded("five.bin", 2) == b"012"
+        got = store.read_ranges(["five.bin", "five.bin", "missing.bin"], [0, 4, 0], [2, 9, 1])
+        assert got[:2] == [b"01", b"4"], got
+        assert isinstance(got[2], FileNotFoundError), got
+        with pytest.raises(FileNotFoundError):
+            store.read_range("missing.bin", 0, 1)
+        data = os.urandom(MiB + 5)
+        store.put("streamed.bin", data)
+        with store.open_read("streamed.bin", block_size=MiB // 4) as f:
+            assert f.read() == data
+
+    def test_a_head_tells_size_and_a_tag_that_follows_the_bytes(self, store: ObjectStore) -> None:
+        store.put("h.bin", b"first")
+        first = store.head("h.bin")
+        assert first.size == 5
+        store.put("h.bin", b"second!")
+        second = store.head("h.bin")
+        assert second.size == 7
+        if first.tag is not None:
+            assert second.tag is not None and second.tag != first.tag, (first, second)
+        with pytest.raises(FileNotFoundError):
+            store.head("missing.bin")
+
+    def test_delete_many_removes_what_it_names(self, store: ObjectStore) -> None:
+        for name in ("a.bin", "b.bin", "c.bin"):
+            store.put(name, b"x")
+        store.delete_many(["a.bin", "b.bin", "never-written.bin"])
+        assert sorted(store.listing()) == ["c.bin"]
+        store.delete_many([])
 
     # -- streamed uploads ------------------------------------------------------------------
     @pytest.mark.parametrize("size", [0, 100, 2 * MiB + 3, 11 * MiB + 7])

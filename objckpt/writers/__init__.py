@@ -1,6 +1,7 @@
-"""The store layer: how bytes get onto each store family, behind one protocol.
+"""The store layer: how bytes get onto and off each store family, behind one protocol.
 
-``base`` is the protocol (:class:`ObjectStore`); ``s3`` (its uploads in ``s3_upload``
+``base`` is the protocol (:class:`ObjectStore`: writes, the commit, reads, ranged
+reads, listings, HEADs, deletes, and capability flags); ``s3`` (its uploads in ``s3_upload``
 and ``s3_body``), ``azure`` (Azure Blob through adlfs), ``generic`` (GCS, memory, any
 fsspec store; GCS composite uploads in ``gcs_compose``) and ``local`` implement it,
 and ``reads`` is how every family's bytes are read back. Beside them live what every store
@@ -20,14 +21,14 @@ import importlib
 from typing import TYPE_CHECKING
 
 from objckpt.options import UploadOptions
-from objckpt.writers.base import ObjectStore, ObjectUpload, OpenUpload
+from objckpt.writers.base import ObjectHead, ObjectStore, ObjectUpload, OpenUpload
 from objckpt.writers.clients import shared_filesystem
 from objckpt.writers.location import Location
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
 
-__all__ = ["ObjectStore", "ObjectUpload", "OpenUpload", "open_store"]
+__all__ = ["ObjectHead", "ObjectStore", "ObjectUpload", "OpenUpload", "open_store"]
 
 #: Store family by protocol: (module, class); any other protocol is generic fsspec.
 _FAMILIES: dict[str, tuple[str, str]] = {

@@ -76,6 +76,8 @@ def _already_exists(exc: BaseException) -> bool:
 class AzureStore(ObjectStore):
     """Writes blobs to Azure Blob Storage (or Azurite) through adlfs."""
 
+    atomic_create = True  # If-None-Match: * on Put Blob
+
     def container_blob(self, key: str) -> tuple[str, str]:
         """The container and the blob name requests name for ``key``."""
         container, blob, _ = self.fs.split_path(self.path(key))

@@ -1,10 +1,25 @@
 """The narrow seam between objckpt and a store family: how bytes get onto it.
 
 One :class:`ObjectStore` per store family (S3, GCS, Azure Blob, local disk,
-memory, and a generic fsspec fallback). Reading needs no per-store code: fsspec's
-``cat_ranges`` already does concurrent ranged reads everywhere, and
-:mod:`objckpt.writers.reads` evens out how stores answer a range past an object's
-end (a 416 from S3, GCS and Azure) or an empty range.
+memory, and a generic fsspec fallback), and every access objckpt makes goes
+through it: writes and the commit, whole, bounded and ranged reads, listings,
+HEADs and deletes. One protocol, so that what a family must do right is stated
+(and tested, :mod:`objckpt.testing.conformance`) in one place, as zarr v3's
+``Store`` does. Reading needs little per-store code: fsspec's ``cat_ranges``
+already does concurrent ranged reads everywhere, and :mod:`objckpt.writers.reads`
+evens out how stores answer a range past an object's end (a 416 from S3, GCS and
+Azure) or an empty range.
+
+What a family can promise beyond the protocol is said by capability flags (class
+attributes, checked by the conformance suite), never by testing its type:
+:attr:`ObjectStore.atomic_create`, :attr:`ObjectStore.keeps_crc32c`,
+:attr:`ObjectStore.lists_open_uploads` and :attr:`ObjectStore.server_side_copy`.
+
+Errors: the read and listing methods raise ``FileNotFoundError`` plainly and
+otherwise the store's own error, because their callers retry a batch of reads as
+one (:func:`objckpt.writers.retry.retry_call` judges the raw error) and then name
+what they were reading; writes, HEADs and deletes raise
+:class:`~objckpt.errors.StoreError` subclasses named for the object.
 
 Call order during one save, per rank (rank 0 is the coordinator)::
 
@@ -40,8 +55,8 @@ import contextlib
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Coroutine
-from typing import Any
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from typing import IO, Any, ClassVar
 
 from fsspec import AbstractFileSystem
 from fsspec.asyn import AsyncFileSystem, FSTimeoutError, sync
@@ -52,13 +67,14 @@ from objckpt.options import UploadOptions
 from objckpt.writers.checksum import BytesLike, Crc32c, crc32c_of
 from objckpt.writers.deadline import Deadline, bounded_by, current_deadline
 from objckpt.writers.location import Location
-from objckpt.writers.reads import read_whole
+from objckpt.writers.reads import read_bounded, read_range, read_ranges, read_whole
 from objckpt.writers.throttle import AimdLimit
 from objckpt.writers.translate import precondition_failed, translate
 
 __all__ = [
     "PROBE_KEY",
     "BufferedUpload",
+    "ObjectHead",
     "ObjectStore",
     "ObjectUpload",
     "OpenUpload",
@@ -136,8 +152,32 @@ class OpenUpload:
     last_activity: float | None
 
 
+@dataclasses.dataclass(frozen=True)
+class ObjectHead:
+    """What a HEAD tells of one object, without reading it.
+
+    Attributes:
+        size: Bytes.
+        tag: What the store changes whenever the bytes change (S3's ETag, GCS's
+            generation), None where it has none.
+    """
+
+    size: int
+    tag: str | None
+
+
 class ObjectStore(abc.ABC):
-    """Writes objects under one checkpoint location (see the module docstring)."""
+    """Every access to objects under one checkpoint location (see the module docstring)."""
+
+    #: ``create`` is create-only even against a concurrent writer (a conditional
+    #: write on the store, or a lock on one host). False: check-then-write.
+    atomic_create: ClassVar[bool] = False
+    #: ``digest`` can return the full-object CRC32C the store computed itself (for
+    #: objects where it kept one); False: it always returns None.
+    keeps_crc32c: ClassVar[bool] = False
+    #: ``open_uploads`` lists unfinished multipart uploads (S3); False: an
+    #: unfinished upload leaves nothing listable, and ``open_uploads`` is empty.
+    lists_open_uploads: ClassVar[bool] = False
 
     def __init__(
         self, location: Location, options: UploadOptions, fs: AbstractFileSystem | None = None
@@ -302,6 +342,76 @@ class ObjectStore(abc.ABC):
         except Exception as exc:
             raise translate(exc, url=self.location.url_of(key), action="reading") from exc
 
+    def read_bounded(self, key: str, limit: int) -> bytes:
+        """At most ``limit + 1`` bytes of ``key`` in one ranged GET: a longer answer
+        says the object is over ``limit`` without reading it whole.
+
+        Raises:
+            FileNotFoundError: No such object.
+            Exception: The store's own error (see the module docstring).
+        """
+        return read_bounded(self.fs, self.path(key), limit)
+
+    def read_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of ``key``, fewer where it ends sooner (none where
+        it ends at or before ``start``); no request for an empty range.
+
+        Raises:
+            FileNotFoundError: No such object.
+            Exception: The store's own error (see the module docstring).
+        """
+        return read_range(self.fs, self.path(key), start, end)
+
+    def read_ranges(
+        self, keys: Sequence[str], starts: Sequence[int], ends: Sequence[int]
+    ) -> list[bytes | BaseException]:
+        """:meth:`read_range` of each ``(key, start, end)``, concurrently where the
+        client can; a failed range's exception takes its place in the answer."""
+        return read_ranges(self.fs, [self.path(k) for k in keys], starts, ends)
+
+    @contextlib.contextmanager
+    def open_read(self, key: str, block_size: int) -> Iterator[IO[bytes]]:
+        """``key`` as a file read front to back in ``block_size`` requests (an object
+        too large to hold whole). Errors as :meth:`read_range`."""
+        with self.fs.open(self.path(key), "rb", block_size=block_size) as f:
+            yield f
+
+    def listing(self, prefix: str = "") -> dict[str, int]:
+        """Size by name of each entry directly under the location (or its
+        ``prefix`` sub-prefix), afresh: empty if there is none. One request answers
+        what is here and how large each object is; a sub-prefix is listed by its
+        name (its size is 0).
+
+        Raises:
+            Exception: The store's own error (see the module docstring).
+        """
+        path = self.location.key_path(prefix) if prefix else self.location.path
+        self.fs.invalidate_cache(path)
+        try:
+            entries = self.fs.ls(path, detail=True)
+        except FileNotFoundError:
+            return {}
+        return {
+            str(e["name"]).rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0) for e in entries
+        }
+
+    def head(self, key: str) -> ObjectHead:
+        """``key``'s size and version tag, afresh (one HEAD; no payload read).
+
+        Raises:
+            FileNotFoundError: The object is absent.
+            StoreError: Any other failure, named for the object.
+        """
+        try:
+            self.fs.invalidate_cache(self.path(key))
+            info = self.fs.info(self.path(key))
+        except FileNotFoundError:
+            raise
+        except Exception as exc:
+            raise translate(exc, url=self.location.url_of(key), action="checking") from exc
+        tag = info.get("ETag") or info.get("etag") or info.get("generation")
+        return ObjectHead(int(info.get("size") or 0), str(tag) if tag else None)
+
     def exists(self, key: str) -> bool:
         try:
             self.fs.invalidate_cache(self.path(key))
@@ -365,6 +475,26 @@ class ObjectStore(abc.ABC):
             pass
         except Exception as exc:
             raise translate(exc, url=self.location.url_of(key), action="deleting") from exc
+
+    def delete_many(self, keys: Sequence[str]) -> None:
+        """Remove objects in batched requests where the store has them (absent ones
+        are fine).
+
+        Raises:
+            StoreError: A deletion failed, named for the first object of its batch.
+        """
+        batch = 500
+        for i in range(0, len(keys), batch):
+            chunk = keys[i : i + batch]
+            try:
+                self.fs.rm([self.path(k) for k in chunk])
+            except FileNotFoundError:
+                for k in chunk:  # some were gone already: delete the rest one by one
+                    with contextlib.suppress(FileNotFoundError):
+                        self.fs.rm(self.path(k))
+            except Exception as exc:
+                raise translate(exc, url=self.location.url_of(chunk[0]), action="deleting") from exc
+        self.fs.invalidate_cache(self.location.path)
 
     def open_uploads(self) -> list[OpenUpload]:
         """Multipart uploads started under this location and never completed.

@@ -153,9 +153,15 @@ class ClientCache:
         #: Clients this cache built (in this process), for tests and diagnostics.
         self.built = 0
 
-    def filesystem(self, location: Location) -> AbstractFileSystem:
+    def filesystem(self, location: Location, scope: Hashable = None) -> AbstractFileSystem:
         """The client for ``location``'s settings: this process's shared one, or a
         new one (then kept) where none is.
+
+        Args:
+            scope: What else the client is kept apart by (an upload worker keeps
+                one per ``UploadOptions``: every store on a client observes its
+                retries, and a save with other options must not inherit another's
+                throttling).
 
         Raises:
             ConfigurationError: The backend package is missing or rejects the options.
@@ -163,6 +169,8 @@ class ClientCache:
         key = _settings(location)
         if key is None or location.storage_options.get("skip_instance_cache"):
             return location.open_fs(fresh=True)
+        if scope is not None:
+            key = (key, scope)
         with self._lock:
             self._forget_other_process()
             fs = self._clients.get(key)
@@ -233,21 +241,28 @@ class OwnedClients:
         self._name = name
         self._lock = threading.Lock()
         self._clients: list[AbstractFileSystem] = []
+        #: The clients by the settings they were built from (as :class:`ClientCache`).
+        self._kept: dict[Hashable, AbstractFileSystem] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
 
     def filesystem(self, location: Location) -> AbstractFileSystem:
-        """A new client for ``location``, owned here (an async one runs on this
-        owner's loop, started with the first).
+        """The client for ``location``'s settings, owned here: built with the first
+        location of those settings (an async one on this owner's loop, started with
+        the first), then kept; settings that cannot be compared get a new one.
 
         Raises:
             ConfigurationError: The backend package is missing or rejects the
                 options, or these clients are closed.
         """
+        key = _settings(location)
         with self._lock:
             if self._closed:
                 raise ConfigurationError(f"{self._name}: its clients are closed")
+            kept = self._kept.get(key) if key is not None else None
+            if kept is not None:
+                return kept
             if self._loop is None and _is_async(location.protocol):
                 self._loop = asyncio.new_event_loop()
                 self._thread = threading.Thread(
@@ -256,6 +271,8 @@ class OwnedClients:
                 self._thread.start()
             fs = _built(location, self._loop)
             self._clients.append(fs)
+            if key is not None:
+                self._kept[key] = fs
             return fs
 
     def close(self, timeout: float = 10.0) -> None:
@@ -265,6 +282,7 @@ class OwnedClients:
         with self._lock:
             self._closed = True
             clients, self._clients = self._clients, []
+            self._kept.clear()
             loop, thread = self._loop, self._thread
             self._loop = self._thread = None
         if loop is None or thread is None:

@@ -52,6 +52,9 @@ GCS_SAVE_PERMISSIONS = ("storage.objects.create", "storage.objects.list")
 class GcsStore(GenericStore):
     """GCS through gcsfs: the commit is an ``ifGenerationMatch=0`` upload."""
 
+    atomic_create = True
+    keeps_crc32c = True  # GCS keeps every object's CRC32C
+
     def preflight(self, timeout: float) -> None:
         """The bucket check, then GCS's ``testIamPermissions``, which answers with the
         subset of :data:`GCS_SAVE_PERMISSIONS` the caller holds: read-only credentials
@@ -115,6 +118,8 @@ class GcsStore(GenericStore):
 
 class MemoryStore(GenericStore):
     """fsspec's in-process memory store; a lock makes the commit create-only."""
+
+    atomic_create = True
 
     # The memory filesystem's contents are process-global, so its commit lock is too.
     _commit_lock = threading.Lock()

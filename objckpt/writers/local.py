@@ -35,6 +35,8 @@ def _fsync_dir(path: str) -> None:
 class LocalStore(ObjectStore):
     """Writes objects as files under a local directory."""
 
+    atomic_create = True  # a hard link of a complete temporary file fails if the name exists
+
     def preflight(self, timeout: float) -> None:
         root = self.location.path
         parent = root

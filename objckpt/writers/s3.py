@@ -41,6 +41,10 @@ _NO_FULL_OBJECT_CRC32C = "_objckpt_no_full_object_crc32c"
 class S3Store(ObjectStore):
     """Writes objects to S3 (or any S3-compatible endpoint) through s3fs."""
 
+    atomic_create = True  # If-None-Match: * on PutObject
+    keeps_crc32c = True  # x-amz-checksum-crc32c, where the endpoint keeps it
+    lists_open_uploads = True  # ListMultipartUploads
+
     @property
     def full_object_crc32c(self) -> bool:
         """Whether multipart uploads ask the store to keep a full-object CRC32C
