@@ -154,24 +154,6 @@ class ReadOptions:
     share_replicated: bool = True
     max_metadata_bytes: int = 256 * MiB
 
-    @classmethod
-    def with_verify(cls, read: ReadOptions | None, verify: bool | None) -> ReadOptions:
-        """``read`` with a reader's ``verify=`` shorthand applied: one switch per
-        setting, so the two may not disagree (a silent winner would verify, or not,
-        by surprise).
-
-        Raises:
-            ConfigurationError: ``verify`` contradicts ``read.verify``.
-        """
-        if verify is None:
-            return read or cls()
-        if read is not None and read.verify != verify:
-            raise ConfigurationError(
-                f"option verify={verify!r} contradicts read=ReadOptions(verify={read.verify!r}); "
-                "set it in one place"
-            )
-        return dataclasses.replace(read or cls(), verify=verify)
-
     def __post_init__(self) -> None:
         _require(isinstance(self.verify, bool), "verify", self.verify, "True or False")
         _require(

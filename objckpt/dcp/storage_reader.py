@@ -83,9 +83,8 @@ class ObjectStoreReader(StorageReader):
     Args:
         url: Checkpoint URL.
         storage_options: Passed untouched to fsspec.
-        verify: Shorthand for ``read=ReadOptions(verify=...)`` (check each item's
-            CRC32C; on by default). Giving both with different values is an error.
-        read: Range sizing, read-ahead and verification.
+        read: Range sizing, read-ahead and verification (``ReadOptions.verify``:
+            check each item's CRC32C, on by default).
         broadcast: Read the manifest once, on rank 0 of ``process_group``, and send
             its bytes to the other ranks (it grows with W: W ranks each reading it
             is W^2 bytes per job). With ``True`` only, ``dcp.load`` also fetches each
@@ -121,7 +120,6 @@ class ObjectStoreReader(StorageReader):
         url: str | os.PathLike[str],
         *,
         storage_options: Mapping[str, Any] | None = None,
-        verify: bool | None = None,
         read: ReadOptions | None = None,
         retry: RetryPolicy | None = None,
         broadcast: bool | None = None,
@@ -139,7 +137,7 @@ class ObjectStoreReader(StorageReader):
         self._local_fs: AbstractFileSystem | None = None
         #: Where the manifest came from.
         self.manifest_source: str | None = None
-        self.options = ReadOptions.with_verify(read, verify)
+        self.options = read or ReadOptions()
         self._fs: AbstractFileSystem | None = None
         self._fs_pid = -1
         self.manifest: Manifest | None = None
