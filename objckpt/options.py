@@ -131,9 +131,6 @@ class ReadOptions:
         trust_pickles: Let non-tensor values be unpickled with full pickle (custom
             classes). Off: they are read with ``torch.load(weights_only=True)``,
             which admits plain values only, so a crafted checkpoint cannot run code.
-        share_replicated: When the reader coordinates a process group
-            (``broadcast=True``, as ``CheckpointManager.load`` does), fetch each item
-            several ranks read once, on one of them, and broadcast it to the others.
         max_metadata_bytes: Largest manifest, index object or stock ``.metadata``
             the reader accepts, judged before it is fetched (from the size the
             manifest or the listing records, or by reading at most this many bytes
@@ -151,7 +148,6 @@ class ReadOptions:
     coalesce_gap: int = 1 * MiB
     max_in_flight_bytes: int = 512 * MiB
     trust_pickles: bool = False
-    share_replicated: bool = True
     max_metadata_bytes: int = 256 * MiB
 
     def __post_init__(self) -> None:
@@ -161,12 +157,6 @@ class ReadOptions:
             "max_metadata_bytes",
             self.max_metadata_bytes,
             "a positive int (bytes)",
-        )
-        _require(
-            isinstance(self.share_replicated, bool),
-            "share_replicated",
-            self.share_replicated,
-            "True or False",
         )
         _require(
             isinstance(self.trust_pickles, bool),
