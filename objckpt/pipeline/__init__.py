@@ -7,6 +7,6 @@ queue) and ``commit_phase`` on a background thread (uploads, gather, commit).
 ``state_walk`` and ``host_copy``), ``workers`` the upload processes (with
 ``lifeline`` tying them to the trainer), ``deferred`` is the DCP writer that queues
 instead of uploading, ``finalize`` exchanges results through the c10d store,
-``plan_cache`` reuses plans, ``queue`` is the seeds' request queue and ``handle``
-what the caller holds. Builds on the DCP plugin layer.
+``plan_cache`` reuses plans, ``queue`` is the seeds' request queue (an adapter over
+the checkpointer's saves) and ``handle`` what the caller holds. Builds on the DCP plugin layer.
 """

@@ -43,7 +43,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -56,6 +56,7 @@ from objckpt.pipeline.commit_phase import WEDGED_AFTER, Committer
 from objckpt.pipeline.handle import SaveHandle
 from objckpt.pipeline.lifetime import register, wait_bounded, warn_and_wait
 from objckpt.pipeline.plan_cache import PlanCacheStats, PlanMemory
+from objckpt.pipeline.queue import AsyncRequest
 from objckpt.pipeline.save_phases import SaveRequest, SaveResources, TargetCache, run_save
 from objckpt.pipeline.stage import Stager
 from objckpt.pipeline.workers import WorkerPool
@@ -390,6 +391,27 @@ class AsyncCheckpointer:
     def worker_pids(self) -> list[int]:
         """PIDs of the upload workers (for diagnostics and fault tests)."""
         return self._pool.pids()
+
+    def async_request(
+        self,
+        state_dict: dict[str, Any],
+        url: str,
+        *,
+        finalize_fns: Sequence[Callable[[], Any]] = (),
+        **save_kwargs: Any,
+    ) -> AsyncRequest:
+        """Start a save as :meth:`save` does and return it as an
+        :class:`~objckpt.AsyncRequest` for an :class:`~objckpt.AsyncCallsQueue`, the
+        API Megatron users know: the queue then runs ``finalize_fns`` once this save
+        has committed, in the order its requests were scheduled. The queue is an
+        adapter: the save's uploads and commit are this checkpointer's, as for
+        :meth:`save`.
+
+        Args:
+            finalize_fns: Called in order, once, after the save has committed.
+            save_kwargs: :meth:`save`'s keywords (``process_group``, ``overwrite``, ...).
+        """
+        return AsyncRequest.for_save(self.save(state_dict, url, **save_kwargs), finalize_fns)
 
 
 def async_save(
