@@ -296,7 +296,9 @@ class CheckpointManager:
         In a process group every rank must call it together: rank 0 lists and picks
         the step, reads each manifest once and shares it, and a failure on any rank
         moves every rank to the next source, so all ranks load the same step from
-        the same place.
+        the same place. Each source is read as a plain ``dcp.load`` with
+        :class:`~objckpt.ObjectStoreReader` reads it (the manifest once per job,
+        replicated items fetched once and broadcast), with ``read`` as its options.
 
         Returns the step loaded.
 
