@@ -98,7 +98,7 @@ def run(
     with objckpt.CheckpointManager(
         root,
         storage_options=options,
-        keep_last=keep_last,
+        retention=objckpt.RetentionPolicy(keep_last=keep_last),
         async_options=objckpt.AsyncOptions(workers=1),
         reuse_unchanged=reuse,
     ) as mgr:

@@ -29,9 +29,8 @@ if TYPE_CHECKING:
     from objckpt.ops.retention import RetentionPolicy
     from objckpt.ops.tiers import LocalTier, TierStatus
     from objckpt.options import AsyncOptions, ReadOptions, UploadOptions
-    from objckpt.pipeline.checkpointer import AsyncCheckpointer
+    from objckpt.pipeline.checkpointer import AsyncCheckpointer, async_save
     from objckpt.pipeline.handle import SaveHandle
-    from objckpt.pipeline.one_save import async_save
     from objckpt.pipeline.queue import AsyncCallsQueue, AsyncRequest
     from objckpt.writers.location import Location
     from objckpt.writers.retry import RetryPolicy
@@ -59,7 +58,7 @@ _HOMES = {
     "SaveHandle": "objckpt.pipeline.handle",
     "TierStatus": "objckpt.ops.tiers",
     "UploadOptions": "objckpt.options",
-    "async_save": "objckpt.pipeline.one_save",
+    "async_save": "objckpt.pipeline.checkpointer",
     "load_config": "objckpt.ops.config",
 }
 

@@ -22,6 +22,7 @@ import torch
 
 from objckpt.errors import ConfigurationError
 from objckpt.ops.manager import CheckpointManager
+from objckpt.ops.retention import RetentionPolicy
 from objckpt.writers.location import Location
 
 __all__ = ["DemoResult", "SaveRecord", "run_demo"]
@@ -98,7 +99,11 @@ def run_demo(
         saves = []
         snapshot: dict[str, torch.Tensor] = {}
         mgr = stack.enter_context(
-            CheckpointManager(root.url, storage_options=storage_options, keep_last=keep_last)
+            CheckpointManager(
+                root.url,
+                storage_options=storage_options,
+                retention=RetentionPolicy(keep_last=keep_last),
+            )
         )
         if mgr.all_steps():
             raise ConfigurationError(

@@ -131,9 +131,6 @@ class ReadOptions:
         trust_pickles: Let non-tensor values be unpickled with full pickle (custom
             classes). Off: they are read with ``torch.load(weights_only=True)``,
             which admits plain values only, so a crafted checkpoint cannot run code.
-        share_replicated: When the reader coordinates a process group
-            (``broadcast=True``, as ``CheckpointManager.load`` does), fetch each item
-            several ranks read once, on one of them, and broadcast it to the others.
         max_metadata_bytes: Largest manifest, index object or stock ``.metadata``
             the reader accepts, judged before it is fetched (from the size the
             manifest or the listing records, or by reading at most this many bytes
@@ -151,26 +148,7 @@ class ReadOptions:
     coalesce_gap: int = 1 * MiB
     max_in_flight_bytes: int = 512 * MiB
     trust_pickles: bool = False
-    share_replicated: bool = True
     max_metadata_bytes: int = 256 * MiB
-
-    @classmethod
-    def with_verify(cls, read: ReadOptions | None, verify: bool | None) -> ReadOptions:
-        """``read`` with a reader's ``verify=`` shorthand applied: one switch per
-        setting, so the two may not disagree (a silent winner would verify, or not,
-        by surprise).
-
-        Raises:
-            ConfigurationError: ``verify`` contradicts ``read.verify``.
-        """
-        if verify is None:
-            return read or cls()
-        if read is not None and read.verify != verify:
-            raise ConfigurationError(
-                f"option verify={verify!r} contradicts read=ReadOptions(verify={read.verify!r}); "
-                "set it in one place"
-            )
-        return dataclasses.replace(read or cls(), verify=verify)
 
     def __post_init__(self) -> None:
         _require(isinstance(self.verify, bool), "verify", self.verify, "True or False")
@@ -179,12 +157,6 @@ class ReadOptions:
             "max_metadata_bytes",
             self.max_metadata_bytes,
             "a positive int (bytes)",
-        )
-        _require(
-            isinstance(self.share_replicated, bool),
-            "share_replicated",
-            self.share_replicated,
-            "True or False",
         )
         _require(
             isinstance(self.trust_pickles, bool),

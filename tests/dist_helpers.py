@@ -305,7 +305,10 @@ def manager_across_ranks(
         base = full_state()
         opts = objckpt.AsyncOptions(workers=1, barrier_timeout=120)
         with objckpt.CheckpointManager(
-            url, storage_options=options, keep_last=2, async_options=opts
+            url,
+            storage_options=options,
+            retention=objckpt.RetentionPolicy(keep_last=2),
+            async_options=opts,
         ) as mgr:
             for step in (1, 2, 3):
                 state = {

@@ -80,6 +80,22 @@ def load_replicated(rank: int, world: int, init_file: str, url: str, options: di
         dist.destroy_process_group()
 
 
+def load_replicated_dcp(rank: int, world: int, init_file: str, url: str, options: dict) -> None:
+    """A plain ``dcp.load`` of the step with the default reader: the manager's read path."""
+    import torch.distributed.checkpoint as dcp
+
+    _init(rank, world, init_file)
+    try:
+        expected = replicated_state()
+        got = {k: torch.zeros_like(v) for k, v in expected.items()}
+        reader = objckpt.ObjectStoreReader(url, storage_options=_options(rank, options))
+        dcp.load(got, storage_reader=reader)
+        for k, v in expected.items():
+            assert torch.equal(got[k], v), f"rank {rank}: {k} differs"
+    finally:
+        dist.destroy_process_group()
+
+
 def hsdp_full() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(5)
     return {

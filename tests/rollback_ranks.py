@@ -39,8 +39,7 @@ def refuse_then_discard(rank: int, world: int, init_file: str, url: str, options
         with objckpt.CheckpointManager(
             url,
             storage_options=options,
-            keep_last=2,
-            keep_every=10,
+            retention=objckpt.RetentionPolicy(keep_last=2, keep_every=10),
             async_options=objckpt.AsyncOptions(workers=1, barrier_timeout=120),
         ) as mgr:
             for step in (10, 15, 20):

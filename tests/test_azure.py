@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from conftest import assert_state_equal, empty_like_state
 from helpers import carried, load, save
 
-from objckpt import CheckpointManager, Location, UploadOptions
+from objckpt import CheckpointManager, Location, RetentionPolicy, UploadOptions
 from objckpt.cli import main
 from objckpt.errors import AccessDeniedError, BucketNotFoundError, CheckpointExistsError
 from objckpt.format.commit import commit_checkpoint
@@ -74,7 +74,9 @@ def test_a_manager_saves_asynchronously_loads_and_keeps_the_last_two(
     root = az_container.url("run")
     options = az_container.storage_options
     upload = UploadOptions(part_size=5 * MiB)
-    with CheckpointManager(root, storage_options=options, keep_last=2, upload=upload) as mgr:
+    with CheckpointManager(
+        root, storage_options=options, retention=RetentionPolicy(keep_last=2), upload=upload
+    ) as mgr:
         for step in (10, 20, 30):
             handle = mgr.save(step, _state(step))
             handle.result(timeout=120)

@@ -80,7 +80,7 @@ def test_backups_to_a_second_bucket_and_to_file_with_their_own_retention(
     with CheckpointManager(
         root,
         storage_options=s3_bucket.storage_options,
-        keep_last=2,
+        retention=RetentionPolicy(keep_last=2),
         backups=[s3_backup, file_backup],
     ) as mgr:
         for step in range(1, 6):
@@ -261,7 +261,10 @@ def test_failing_target_is_reported_with_lag_and_never_fails_the_save(
     opts = s3_bucket.storage_options
     missing = BackupTarget("s3://no-such-backup-bucket/run", opts)
     with CheckpointManager(
-        s3_bucket.url("run"), storage_options=opts, backups=[missing], keep_last=1
+        s3_bucket.url("run"),
+        storage_options=opts,
+        backups=[missing],
+        retention=RetentionPolicy(keep_last=1),
     ) as mgr:
         for step in (1, 2):
             mgr.save(step, _state(step)).result()
@@ -350,7 +353,9 @@ def test_primary_retention_spares_a_step_still_being_backed_up(
     root = s3_bucket.url("run")
     target = BackupTarget(backup_bucket.url("b"), storage_options=s3_proxy.storage_options())
     s3_proxy.add(Rule(key_contains=step_name(1), action="hold", stall=120))
-    with CheckpointManager(root, storage_options=opts, keep_last=1, backups=[target]) as mgr:
+    with CheckpointManager(
+        root, storage_options=opts, retention=RetentionPolicy(keep_last=1), backups=[target]
+    ) as mgr:
         mgr.save(1, _state(1)).result(timeout=60)
         s3_proxy.wait_for(None, faulted=True, timeout=60)  # step 1's copy is under way, held
         for step in (2, 3):

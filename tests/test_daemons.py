@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from objckpt.pipeline.daemons import DaemonThreads
+from objckpt.pipeline.checkpointer import DaemonThreads
 
 
 def test_calls_one_after_another_reuse_a_thread() -> None:
@@ -53,7 +53,7 @@ class _Seen(logging.Handler):
 def test_a_failing_call_is_logged_and_the_pool_serves_the_next() -> None:
     pool = DaemonThreads("t-err")
     seen = _Seen()
-    logger = logging.getLogger("objckpt.pipeline.daemons")
+    logger = logging.getLogger("objckpt.pipeline.checkpointer")
     logger.addHandler(seen)
     try:
         pool.submit(lambda: (_ for _ in ()).throw(ValueError("lost upload")))
@@ -102,7 +102,7 @@ def test_a_call_still_running_does_not_hold_the_interpreter_at_exit() -> None:
     uncommitted), not wait for an upload: the threads are daemons."""
     code = (
         "import threading\n"
-        "from objckpt.pipeline.daemons import DaemonThreads\n"
+        "from objckpt.pipeline.checkpointer import DaemonThreads\n"
         "pool = DaemonThreads('t-exit')\n"
         "started = threading.Event()\n"
         "pool.submit(lambda: (started.set(), threading.Event().wait()))\n"

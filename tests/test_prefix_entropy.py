@@ -7,7 +7,7 @@ import torch
 from conftest import assert_state_equal, empty_like_state
 from helpers import fs_of, load, save
 
-from objckpt import CheckpointManager, Location, UploadOptions
+from objckpt import CheckpointManager, Location, RetentionPolicy, UploadOptions
 from objckpt.errors import CheckpointNotCommittedError, ConfigurationError
 from objckpt.format.layout import MANIFEST_KEY, is_entropy_dir, is_objckpt_payload, payload_key
 from objckpt.format.steps import step_name
@@ -31,7 +31,10 @@ def _state(seed: int) -> dict:
 def test_keys_spread_over_prefixes_and_the_step_stays_one_unit(target: StoreTarget) -> None:
     root = target.url("run")
     with CheckpointManager(
-        root, storage_options=target.storage_options, upload=SPREAD, keep_last=1
+        root,
+        storage_options=target.storage_options,
+        upload=SPREAD,
+        retention=RetentionPolicy(keep_last=1),
     ) as mgr:
         mgr.save(1, _state(1)).result()
         mgr.save(2, _state(2)).result()

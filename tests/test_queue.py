@@ -62,3 +62,36 @@ def test_close_finalizes_everything() -> None:
         queue.schedule_async_request(AsyncRequest(lambda: None, (), [lambda i=i: ran.append(i)]))
     queue.close()
     assert ran == [0, 1, 2] and queue.get_num_unfinalized_calls() == 0
+
+
+def test_a_save_request_is_the_checkpointers_save_finalized_after_its_commit(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The queue is an adapter over AsyncCheckpointer: a save's request runs nothing on
+    the queue's executor; its finalize functions run once the save has committed."""
+    import torch
+
+    from objckpt import AsyncCheckpointer, AsyncOptions
+    from objckpt.errors import CheckpointExistsError
+    from objckpt.format.layout import MANIFEST_KEY
+
+    url = f"file://{tmp_path}/ck"
+    seen: list[bool] = []
+    with AsyncCheckpointer(async_options=AsyncOptions(workers=1)) as ckpt:
+        queue = AsyncCallsQueue()
+        request = ckpt.async_request(
+            {"w": torch.ones(8)},
+            url,
+            finalize_fns=[lambda: seen.append((tmp_path / "ck" / MANIFEST_KEY).exists())],
+        )
+        assert request.save is not None and request.async_fn is None
+        assert queue.schedule_async_request(request) == 0
+        assert queue.maybe_finalize_async_calls(blocking=True) == [0]
+        assert seen == [True]  # committed before the finalize function ran
+        # A save that fails is raised by the finalize, its functions never run.
+        again = ckpt.async_request(
+            {"w": torch.ones(8)}, url, finalize_fns=[lambda: seen.append(False)]
+        )
+        queue.schedule_async_request(again)
+        with pytest.raises(CheckpointExistsError):
+            queue.maybe_finalize_async_calls(blocking=True)
+        assert seen == [True] and queue.get_num_unfinalized_calls() == 0
+        queue.close()

@@ -16,7 +16,7 @@ from conftest import assert_state_equal, empty_like_state
 from helpers import load, save
 from reuse_helpers import lora_state, stored_items, train_step
 
-from objckpt import AsyncCheckpointer, AsyncOptions, CheckpointManager, Location
+from objckpt import AsyncCheckpointer, AsyncOptions, CheckpointManager, Location, RetentionPolicy
 from objckpt.errors import UploadError
 from objckpt.format import columns
 from objckpt.format.layout import MANIFEST_KEY
@@ -227,7 +227,7 @@ def test_with_keep_last_1_and_gc_at_zero_grace_step_3_loads_and_verifies(
     with CheckpointManager(
         root,
         storage_options=s3_bucket.storage_options,
-        keep_last=1,
+        retention=RetentionPolicy(keep_last=1),
         async_options=AsyncOptions(workers=1),
     ) as mgr:
         for step in (1, 2, 3):

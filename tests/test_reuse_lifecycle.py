@@ -68,7 +68,9 @@ def test_deleting_referenced_steps_keeps_the_referencing_step_whole(
     bucket, prefix = _path(root).split("/", 1)
     payloads = [k for k in _keys(moto_server, bucket, f"{prefix}/{step_name(1)}/") if "__0_" in k]
     assert len(payloads) == 1
-    with CheckpointManager(root, storage_options=opts, keep_last=1) as mgr:
+    with CheckpointManager(
+        root, storage_options=opts, retention=RetentionPolicy(keep_last=1)
+    ) as mgr:
         assert mgr.all_steps() == [1, 2, 3]
         mgr.delete(1)  # what retention does: the manager's own deletion
         mgr.delete(2)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from reuse_helpers import stored_items
 
-from objckpt import CheckpointManager, Location
+from objckpt import CheckpointManager, Location, RetentionPolicy
 from objckpt.errors import UploadError
 from objckpt.format.layout import MANIFEST_KEY
 from objckpt.format.manifest import read_manifest
@@ -45,7 +45,9 @@ def test_keep_last_one_and_gc_at_zero_grace_keep_the_newest_step_whole(
 ) -> None:
     root = s3_bucket.url("lora")
     opts = s3_bucket.storage_options
-    with CheckpointManager(root, storage_options=opts, keep_last=1) as mgr:
+    with CheckpointManager(
+        root, storage_options=opts, retention=RetentionPolicy(keep_last=1)
+    ) as mgr:
         for step in (1, 2, 3):
             mgr.save(step, _lora(step)).result(timeout=120)
         mgr.wait_until_finished()

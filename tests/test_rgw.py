@@ -467,7 +467,7 @@ def test_a_manager_run_keeps_its_steps_reuses_bytes_backs_up_and_resumes(
     with CheckpointManager(
         root,
         storage_options=opts,
-        keep_last=2,
+        retention=RetentionPolicy(keep_last=2),
         backups=[backup],
         async_options=AsyncOptions(workers=1),
     ) as mgr:

@@ -15,7 +15,7 @@ import torch
 import torch.multiprocessing as mp
 from conftest import assert_state_equal, empty_like_state
 
-from objckpt import CheckpointManager, LocalTier
+from objckpt import CheckpointManager, LocalTier, RetentionPolicy
 from objckpt.errors import StepOrderError
 from objckpt.format.steps import step_name
 from objckpt.ops.backup import committed_steps
@@ -46,8 +46,7 @@ def test_discard_after_on_the_local_tier_and_a_copy_backup(
         return CheckpointManager(
             root,
             storage_options=s3_bucket.storage_options,
-            keep_last=2,
-            keep_every=10,
+            retention=RetentionPolicy(keep_last=2, keep_every=10),
             backups=[backup],
             async_options=AsyncOptions(workers=1),
             local=LocalTier(local, keep_last=3),

@@ -9,7 +9,7 @@ import torch
 from conftest import assert_state_equal, empty_like_state, sample_state
 from helpers import carried, fs_of, load, path_of, save
 
-from objckpt import ObjectStoreReader, UploadOptions
+from objckpt import ObjectStoreReader, ReadOptions, UploadOptions
 from objckpt.errors import (
     CheckpointExistsError,
     CheckpointNotCommittedError,
@@ -111,8 +111,8 @@ def test_flipped_byte_is_detected_and_named(store: StoreTarget) -> None:
     err = carried(info.value)
     assert isinstance(err, ChecksumMismatchError)
     assert path.rsplit("/", 1)[-1] in str(err) and "model.big" in str(err)
-    # verify=False is the explicit escape hatch: it loads the damaged bytes.
-    load(empty_like_state(state), url, store, verify=False)
+    # ReadOptions(verify=False) is the explicit escape hatch: it loads the damaged bytes.
+    load(empty_like_state(state), url, store, read=ReadOptions(verify=False))
 
 
 def test_truncated_object_is_detected(store: StoreTarget) -> None:

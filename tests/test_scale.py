@@ -68,6 +68,11 @@ def test_replicated_state_is_uploaded_once_and_fetched_once(
     got_state = {k: torch.zeros_like(v) for k, v in expected.items()}
     load(got_state, f"{url}/{step_name(1)}", s3_bucket)
     assert all(torch.equal(got_state[k], v) for k, v in expected.items())
+    # A plain dcp.load in the group takes the manager's read path: fetched once too.
+    s3_proxy.clear()
+    _run(dist_scale.load_replicated_dcp, 4, tmp_path, f"{url}/{step_name(1)}", opts)
+    got = s3_proxy.received_bytes("GetObject")
+    assert size <= got < 1.05 * size, f"dcp.load fetched {got / MiB:.1f} MiB for {size / MiB} MiB"
 
 
 def test_hsdp_shard_and_replicate_written_once_and_resharded(

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from conftest import assert_state_equal, empty_like_state
 from helpers import carried, load, quiet, save
 
-from objckpt import CheckpointManager, Location, ObjectStoreReader, RetryPolicy
+from objckpt import CheckpointManager, Location, ObjectStoreReader, ReadOptions, RetryPolicy
 from objckpt.cli import main
 from objckpt.errors import CheckpointNotFoundError, ManifestError, StateDictError
 from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY, is_objckpt_payload
@@ -218,7 +218,7 @@ def test_load_never_unpickles_metadata_or_payload(tmp_path: Path) -> None:
     evil = pickle.dumps(_Boom(str(marker)))
     payload.write_bytes(evil + bytes(size - len(evil)))
     with pytest.raises(BaseException) as info:
-        load(empty_like_state(_state()), target.url("ck"), target, verify=False)
+        load(empty_like_state(_state()), target.url("ck"), target, read=ReadOptions(verify=False))
     err = carried(info.value)
     assert isinstance(err, StateDictError) and "never unpickles" in str(err), err
     assert "'meta.lr'" in str(err) and payload.name in str(err)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from hcl2.utils import SerializationOptions
 
-from objckpt import CheckpointManager, Location, UploadOptions
+from objckpt import CheckpointManager, Location, RetentionPolicy, UploadOptions
 from objckpt.format.layout import payload_key
 from objckpt.format.steps import step_name
 from objckpt.ops.config import parse_config
@@ -361,7 +361,7 @@ def _lifecycle(proxy: FaultProxy, moto: MotoServer, tmp_path: Path) -> None:
     with CheckpointManager(
         "s3://iam-primary/run",
         storage_options=opts,
-        keep_last=1,
+        retention=RetentionPolicy(keep_last=1),
         upload=parts,
         backups=["s3://iam-backup/run"],
     ) as mgr:

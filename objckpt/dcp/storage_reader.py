@@ -82,17 +82,18 @@ class ObjectStoreReader(StorageReader):
     Args:
         url: Checkpoint URL.
         storage_options: Passed untouched to fsspec.
-        verify: Shorthand for ``read=ReadOptions(verify=...)`` (check each item's
-            CRC32C; on by default). Giving both with different values is an error.
-        read: Range sizing, read-ahead and verification.
-        broadcast: Read the manifest once, on rank 0 of ``process_group``, and send
-            its bytes to the other ranks (it grows with W: W ranks each reading it
-            is W^2 bytes per job). With ``True`` only, ``dcp.load`` also fetches each
-            replicated item once (``ReadOptions.share_replicated``). ``None`` (default): so in a
-            process group, as a collective in the reader's first ``read_metadata()``
-            of each load (``dcp.load`` calls it on every rank); outside one, read
-            when built. ``True``: the constructor is the collective. ``False``:
-            every rank reads it, as where one rank loads alone in a job
+        read: Range sizing, read-ahead and verification (``ReadOptions.verify``:
+            check each item's CRC32C, on by default).
+        broadcast: Coordinate the reads of ``process_group``: read the manifest
+            once, on rank 0, and send its bytes to the other ranks (it grows with W:
+            W ranks each reading it is W^2 bytes per job), and fetch each stored item
+            several ranks read (replicated tensors) once, on one of them, which
+            broadcasts it to the others (:mod:`~objckpt.dcp.shared_reads`).
+            ``None`` (default): so in a process group, the manifest as a collective
+            in the reader's first ``read_metadata()`` of each load (``dcp.load``
+            calls it on every rank); outside one, read when built. ``True``: the
+            constructor is the manifest's collective. ``False``: every rank reads
+            everything itself, as where one rank loads alone in a job
             (``dcp.load(..., no_dist=True)``, ``read_metadata()`` on some ranks).
         process_group: The group for ``broadcast`` (default: the default group);
             a ``dcp.load`` on a subgroup passes that subgroup here too.
@@ -120,7 +121,6 @@ class ObjectStoreReader(StorageReader):
         url: str | os.PathLike[str],
         *,
         storage_options: Mapping[str, Any] | None = None,
-        verify: bool | None = None,
         read: ReadOptions | None = None,
         retry: RetryPolicy | None = None,
         broadcast: bool | None = None,
@@ -138,7 +138,7 @@ class ObjectStoreReader(StorageReader):
         self._local_fs: AbstractFileSystem | None = None
         #: Where the manifest came from.
         self.manifest_source: str | None = None
-        self.options = ReadOptions.with_verify(read, verify)
+        self.options = read or ReadOptions()
         # This process's store for the location (its client is the process's shared
         # one, objckpt.writers.clients); a forked child builds its own.
         self._store: ObjectStore | None = None
@@ -150,9 +150,10 @@ class ObjectStoreReader(StorageReader):
         # None: broadcast in a process group, at the first read_metadata() of each load.
         self._broadcast = is_distributed() if broadcast is None else broadcast
         self._at_read_metadata = broadcast is None and self._broadcast
-        # Replicated items fetched once per job only where asked for (as before the
-        # default changed): the owners' table travels in every rank's plan.
-        self._share = broadcast is True
+        # Replicated items are fetched once per job wherever the reader coordinates the
+        # group: one read path for a plain dcp.load and the manager's load (the owners'
+        # table travels in every rank's plan).
+        self._share = self._broadcast
         #: The manifest is still to be read, by the next read_metadata() (see above).
         self._pending = False
         self._group = process_group
@@ -324,7 +325,7 @@ class ObjectStoreReader(StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        if self._share and self.options.share_replicated and is_distributed():
+        if self._share and is_distributed():
             locator, metadata = self._locator, self._metadata
             if locator is None:
                 return assign_owners(plans)

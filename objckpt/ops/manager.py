@@ -60,9 +60,9 @@ class CheckpointManager:
     Args:
         root_url: Where steps live (``s3://bucket/run-1``).
         storage_options: Passed untouched to fsspec.
-        keep_last, keep_every, keep_newer_than: Retention rules (see
-            :class:`~objckpt.ops.retention.RetentionPolicy`); or pass ``retention``.
-        retention: A policy value instead of the three keywords.
+        retention: Which committed steps to keep
+            (:class:`~objckpt.RetentionPolicy`; default: keep every step). One value,
+            as in the config file and on each :class:`~objckpt.ops.backup.BackupTarget`.
         process_group: The group that saves together (default: the default group).
         upload: Object and part sizing for the upload workers.
         async_options: Workers, saves in flight, barrier timeout, staging budget.
@@ -85,9 +85,6 @@ class CheckpointManager:
         root_url: str,
         *,
         storage_options: Mapping[str, Any] | None = None,
-        keep_last: int | None = None,
-        keep_every: int | None = None,
-        keep_newer_than: float | None = None,
         retention: RetentionPolicy | None = None,
         process_group: Any | None = None,
         upload: UploadOptions | None = None,
@@ -109,15 +106,7 @@ class CheckpointManager:
                 raise ConfigurationError(
                     f"option local={local!r} is invalid: expected objckpt.LocalTier(path, ...)"
                 )
-            if retention is not None and any(
-                r is not None for r in (keep_last, keep_every, keep_newer_than)
-            ):
-                raise ConfigurationError(
-                    "pass either retention=RetentionPolicy(...) or keep_* options, not both"
-                )
-            self.retention = retention or RetentionPolicy(
-                keep_last=keep_last, keep_every=keep_every, keep_newer_than=keep_newer_than
-            )
+            self.retention = retention or RetentionPolicy()
             self.retry = retry or RetryPolicy()
             self.root = Location.parse(root_url, storage_options, self.retry)
             self.backups = tuple(
@@ -307,7 +296,9 @@ class CheckpointManager:
         In a process group every rank must call it together: rank 0 lists and picks
         the step, reads each manifest once and shares it, and a failure on any rank
         moves every rank to the next source, so all ranks load the same step from
-        the same place.
+        the same place. Each source is read as a plain ``dcp.load`` with
+        :class:`~objckpt.ObjectStoreReader` reads it (the manifest once per job,
+        replicated items fetched once and broadcast), with ``read`` as its options.
 
         Returns the step loaded.
 

@@ -18,7 +18,21 @@ The order of events for one save on one rank::
 
 This module holds the resources those phases use (staging memory, upload
 workers, filesystem clients, the plan cache, commit threads) and the hooks a
-training loop calls; the sequence itself lives in the two phase modules.
+training loop calls; the sequence itself lives in the two phase modules. With
+them, two smaller pieces of the same job:
+
+* :func:`async_save`, ``objckpt.async_save``: one save, on a checkpointer of the
+  caller's or on a one-off one that it builds for that save and closes when the
+  save ends (the one-off owns a checkpointer's whole life);
+* :class:`DaemonThreads`, the long-lived daemon threads each save's uploads and
+  commit are waited for on. Why not a thread per call: ``Thread.start()`` returns
+  only once the new thread has run, and a new thread that goes straight into
+  Python work keeps the GIL for a switch interval (5 ms) before the caller gets it
+  back; that was 3-4 ms of each async save's stall. Handing a call to a thread
+  that already waits costs a queue put. Why not ``ThreadPoolExecutor``: its
+  threads are joined at interpreter exit, so a script that ends without closing
+  its checkpointer would wait for an upload (up to the barrier timeout) instead of
+  leaving it uncommitted, as before.
 """
 
 from __future__ import annotations
@@ -26,9 +40,10 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import logging
+import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -38,16 +53,16 @@ from objckpt.errors import ConfigurationError, SaveDeadlineError, SaveSequenceEr
 from objckpt.format.manifest import Manifest
 from objckpt.options import AsyncOptions, UploadOptions
 from objckpt.pipeline.commit_phase import WEDGED_AFTER, Committer
-from objckpt.pipeline.daemons import DaemonThreads
 from objckpt.pipeline.handle import SaveHandle
 from objckpt.pipeline.lifetime import register, wait_bounded, warn_and_wait
 from objckpt.pipeline.plan_cache import PlanCacheStats, PlanMemory
+from objckpt.pipeline.queue import AsyncRequest
 from objckpt.pipeline.save_phases import SaveRequest, SaveResources, TargetCache, run_save
 from objckpt.pipeline.stage import Stager
 from objckpt.pipeline.workers import WorkerPool
 from objckpt.writers.retry import RetryPolicy
 
-__all__ = ["AsyncCheckpointer"]
+__all__ = ["AsyncCheckpointer", "DaemonThreads", "async_save"]
 
 logger = logging.getLogger(__name__)
 
@@ -376,3 +391,132 @@ class AsyncCheckpointer:
     def worker_pids(self) -> list[int]:
         """PIDs of the upload workers (for diagnostics and fault tests)."""
         return self._pool.pids()
+
+    def async_request(
+        self,
+        state_dict: dict[str, Any],
+        url: str,
+        *,
+        finalize_fns: Sequence[Callable[[], Any]] = (),
+        **save_kwargs: Any,
+    ) -> AsyncRequest:
+        """Start a save as :meth:`save` does and return it as an
+        :class:`~objckpt.AsyncRequest` for an :class:`~objckpt.AsyncCallsQueue`, the
+        API Megatron users know: the queue then runs ``finalize_fns`` once this save
+        has committed, in the order its requests were scheduled. The queue is an
+        adapter: the save's uploads and commit are this checkpointer's, as for
+        :meth:`save`.
+
+        Args:
+            finalize_fns: Called in order, once, after the save has committed.
+            save_kwargs: :meth:`save`'s keywords (``process_group``, ``overwrite``, ...).
+        """
+        return AsyncRequest.for_save(self.save(state_dict, url, **save_kwargs), finalize_fns)
+
+
+def async_save(
+    state_dict: dict[str, Any],
+    url: str,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    process_group: Any | None = None,
+    checkpointer: AsyncCheckpointer | None = None,
+    overwrite: bool = False,
+    no_dist: bool = False,
+    **kwargs: Any,
+) -> SaveHandle:
+    """Save asynchronously; returns a handle as soon as ``state_dict`` is staged.
+
+    Pass a long-lived ``checkpointer`` to reuse staging memory and worker
+    processes across saves (the fast path). Without one, a checkpointer is built
+    for this save and closed when it finishes.
+
+    Args:
+        no_dist: This process alone, without a collective (see
+            :meth:`AsyncCheckpointer.save`).
+        kwargs: ``upload``, ``async_options`` and ``on_commit`` for the one-off checkpointer.
+    """
+    if checkpointer is not None:
+        return checkpointer.save(
+            state_dict, url, process_group=process_group, overwrite=overwrite, no_dist=no_dist
+        )
+    ckpt = AsyncCheckpointer(storage_options=storage_options, **kwargs)
+    try:
+        handle = ckpt.save(
+            state_dict, url, process_group=process_group, overwrite=overwrite, no_dist=no_dist
+        )
+    except BaseException:
+        ckpt.close()
+        raise
+    handle.add_done_callback(lambda _: threading.Thread(target=ckpt.close, daemon=True).start())
+    return handle
+
+
+# -- the threads each save's commit runs on ------------------------------------------------
+_Job = tuple[Callable[..., Any], tuple[Any, ...]]
+
+
+class DaemonThreads:
+    """Runs each submitted call on an idle thread, starting one when none is idle.
+
+    Calls must handle their own errors (a save reports them through its handle);
+    one that escapes is logged. A thread is started only when none waits, so there
+    are never more threads than calls running (or just returning) at once; they
+    stay until :meth:`close`.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        # Threads waiting for a call minus calls queued for them: never below 0.
+        self._idle = 0
+        self._threads = 0
+        self._started: list[threading.Thread] = []
+        self._closed = False
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on a thread of this pool; returns without waiting for it."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{self._name} threads are closed")
+            if self._idle:
+                self._idle -= 1
+            else:
+                self._threads += 1
+                thread = threading.Thread(
+                    target=self._run, name=f"{self._name}-{self._threads}", daemon=True
+                )
+                thread.start()
+                self._started.append(thread)
+        self._jobs.put((fn, args))
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, args = job
+            try:
+                fn(*args)
+            except BaseException:
+                logger.exception("%s: a background call failed", self._name)
+            with self._lock:
+                self._idle += 1
+
+    @property
+    def threads(self) -> int:
+        """Threads started so far (for tests and diagnostics)."""
+        with self._lock:
+            return self._threads
+
+    def close(self, timeout: float = 0.0) -> None:
+        """Let every thread end once the calls before it are done, and wait up to
+        ``timeout`` seconds in all for them to end (0: do not wait)."""
+        with self._lock:
+            closing, self._closed = not self._closed, True
+            threads = list(self._started)
+        if closing:
+            for _ in threads:
+                self._jobs.put(None)
+        until = time.monotonic() + timeout
+        for thread in threads:
+            if thread is not threading.current_thread():  # closed from a call it runs
+                thread.join(max(0.0, until - time.monotonic()))

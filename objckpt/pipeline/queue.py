@@ -1,4 +1,16 @@
-"""Async request queue with the reference systems' semantics.
+"""Async request queue with the reference systems' semantics, over the checkpointer.
+
+Megatron users know NVIDIA's ``AsyncCallsQueue``/``AsyncRequest`` (the resiliency
+extension's API): a checkpoint strategy returns a request, the training loop
+schedules it and finalizes it every few steps. Here the queue is a thin adapter
+over :class:`~objckpt.AsyncCheckpointer`, not a second way to save:
+``AsyncCheckpointer.async_request`` starts a save exactly as ``save`` does and
+returns its request, whose work the queue does not run (the checkpointer's
+workers upload and its commit thread commits, on every rank); the queue only
+waits for that save's outcome and then runs the request's finalize functions, in
+order. A request built from a plain callable (``AsyncRequest(fn, args, ...)``)
+runs it on the queue's executor instead, as the reference API does, for
+finalize-ordered work that is not an objckpt save.
 
 ``schedule_async_request`` starts a request's work in the background and returns
 its index; ``maybe_finalize_async_calls`` runs, in schedule order and exactly
@@ -26,9 +38,12 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from objckpt.errors import ObjckptError, RequestFailedError
+
+if TYPE_CHECKING:
+    from objckpt.pipeline.handle import SaveHandle
 
 __all__ = ["AsyncCallsQueue", "AsyncRequest", "RankBarrier"]
 
@@ -56,9 +71,20 @@ class AsyncRequest:
         async_fn_args: Its positional arguments.
         finalize_fns: Called in order, once, after the work is done on all ranks.
         async_fn_kwargs: Its keyword arguments.
+
+    The request of an objckpt save comes from
+    :meth:`~objckpt.AsyncCheckpointer.async_request` (:meth:`for_save`): its work is
+    the save the checkpointer already runs.
     """
 
-    __slots__ = ("_finalize_fns", "_frozen", "async_fn", "async_fn_args", "async_fn_kwargs")
+    __slots__ = (
+        "_finalize_fns",
+        "_frozen",
+        "_save",
+        "async_fn",
+        "async_fn_args",
+        "async_fn_kwargs",
+    )
 
     def __init__(
         self,
@@ -72,6 +98,23 @@ class AsyncRequest:
         self.async_fn_kwargs = dict(async_fn_kwargs or {})
         self._finalize_fns = list(finalize_fns)
         self._frozen = False
+        self._save: SaveHandle | None = None
+
+    @classmethod
+    def for_save(
+        cls, handle: SaveHandle, finalize_fns: Sequence[Callable[[], Any]] = ()
+    ) -> AsyncRequest:
+        """The request whose work is a save an :class:`~objckpt.AsyncCheckpointer`
+        has started: done when ``handle`` has committed (on every rank: the commit
+        is the ranks' agreement) or failed, so the queue runs nothing of its own."""
+        request = cls(None, (), finalize_fns)
+        request._save = handle
+        return request
+
+    @property
+    def save(self) -> SaveHandle | None:
+        """The save this request stands for (None: its work is ``async_fn``)."""
+        return self._save
 
     @property
     def is_frozen(self) -> bool:
@@ -94,6 +137,7 @@ class AsyncRequest:
         out = AsyncRequest(
             self.async_fn, self.async_fn_args, self._finalize_fns, self.async_fn_kwargs
         )
+        out._save = self._save
         out._frozen = True
         return out
 
@@ -125,12 +169,28 @@ def _arrive(barrier: RankBarrier, call: _Active) -> None:
         call.arrived.set()
 
 
+def _outcome_of(handle: SaveHandle) -> concurrent.futures.Future[Any]:
+    """A future settled with ``handle``'s save: its manifest, or its error."""
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def settle(done: SaveHandle) -> None:
+        exc = done.exception(0)
+        if exc is None:
+            future.set_result(done.result(0))
+        else:
+            future.set_exception(exc)
+
+    handle.add_done_callback(settle)
+    return future
+
+
 class AsyncCallsQueue:
     """Schedules :class:`AsyncRequest` work and finalizes it in order.
 
     Args:
-        executor: Runs ``async_fn`` (default: one background thread, so requests
-            run in order). Pass objckpt's worker pool or any ``Executor``.
+        executor: Runs the ``async_fn`` of requests that are not saves (default:
+            one background thread, so they run in order); any ``Executor``. A
+            save's request (``AsyncCheckpointer.async_request``) uses none.
         barrier: Cross-rank completion; None means this process alone decides.
         finalize_timeout: Seconds a blocking finalize waits for other ranks
             before raising.
@@ -159,8 +219,11 @@ class AsyncCallsQueue:
             request._frozen = True  # the caller's object is frozen too: it was handed over
             index = self._next
             self._next += 1
-            if frozen.async_fn is None:
-                future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            future: concurrent.futures.Future[Any]
+            if frozen.save is not None:  # the checkpointer runs it: wait for its outcome
+                future = _outcome_of(frozen.save)
+            elif frozen.async_fn is None:
+                future = concurrent.futures.Future()
                 future.set_result(None)
             else:
                 future = self._executor.submit(

@@ -14,8 +14,10 @@ finish, so a second save in flight gets a second segment. For CUDA tensors the
 segment is page-locked and the device-to-host copies run non-blocking, then are
 waited for before ``stage`` returns, so the caller may change its tensors as
 soon as it returns. A state dict over the staging budget is copied in
-waves (:class:`Wave`) instead; with background staging the copy runs later
-(:mod:`objckpt.pipeline.background_copy`).
+waves (:class:`Wave`) instead; with background staging
+(``AsyncOptions(background_staging=True)``) the copy runs after ``save()`` returned
+(:class:`Copy`): the training loop only promises not to change its tensors in place
+until the copy ends, and each tensor's version counter checks the promise.
 
 Staging lives in a directory that may be small: containers give ``/dev/shm``
 64 MiB unless told otherwise. Segments reserve their bytes when made, so a state
@@ -37,16 +39,15 @@ from typing import Any
 
 import torch
 
-from objckpt._torch import collect_traversal_cycles
-from objckpt.errors import InternalError, StagingSpaceError
-from objckpt.pipeline.background_copy import Copy, tensor_versions
+from objckpt._torch import collect_traversal_cycles, version_counters
+from objckpt.errors import InternalError, StagingSpaceError, StateDictError
 from objckpt.pipeline.host_copy import HostCopier, copy_tensor
 from objckpt.pipeline.lifeline import sweep_stale_segments
 from objckpt.pipeline.segment import Buffers, Segment, aligned, default_staging_dir, no_room
 from objckpt.pipeline.state_walk import rebuild, scan
 from objckpt.pipeline.upload_task import SegmentRef
 
-__all__ = ["SegmentRef", "Staged", "Stager", "Wave"]
+__all__ = ["Copy", "SegmentRef", "Staged", "Stager", "Wave"]
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,77 @@ class Wave:
     def reset(self) -> None:
         """Start the next wave (the previous wave's uploads must be finished)."""
         self.used = 0
+
+
+class Copy:
+    """The copy of a state dict into its staging views, when it runs after ``save()``
+    returned (``AsyncOptions.background_staging``).
+
+    The caller promised not to change the tensors in place until ``finished`` is
+    set; the promise is checked: each tensor's version counter (bumped by every
+    in-place op, an optimizer step's included) is read when ``save()`` is called
+    and again after the copy, and a changed one fails the save instead of saving
+    a mix of two steps. (Writes through ``.data`` or a NumPy view bump nothing and
+    go unseen.)
+    """
+
+    def __init__(
+        self,
+        sources: list[torch.Tensor],
+        views: list[torch.Tensor],
+        paths: list[str],
+        versions: list[int],
+        cuda: bool,
+        copier: HostCopier,
+    ) -> None:
+        self._copier = copier
+        self._sources = sources
+        self._views = views
+        self._paths = paths
+        self._versions = versions
+        self._cuda = cuda
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._ran = False
+        #: Set once the copy has ended (whatever its outcome).
+        self.finished = threading.Event()
+
+    def run(self) -> None:
+        """Copy (once; later calls re-raise the first outcome).
+
+        Raises:
+            StateDictError: A tensor was changed in place before its copy ended.
+        """
+        with self._lock:
+            if not self._ran:
+                self._ran = True
+                try:
+                    self._copier.copy(self._sources, self._views, self._cuda)
+                    self._check()
+                except BaseException as exc:
+                    self._error = exc
+                finally:
+                    self._sources = []  # the caller's tensors are not held past the copy
+                    self.finished.set()
+            if self._error is not None:
+                raise self._error
+
+    def _check(self) -> None:
+        now = version_counters(self._sources)
+        if now is None:  # read at save(), so readable now; refuse rather than guess
+            raise StateDictError(
+                "the tensors' version counters could not be read after the background copy"
+            )
+        changed = [p for p, v, w in zip(self._paths, self._versions, now, strict=True) if v != w]
+        if changed:
+            shown = ", ".join(repr(p.lstrip(".")) for p in changed[:5])
+            more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
+            raise StateDictError(
+                f"{len(changed)} tensor(s) changed in place before the background copy of "
+                f"the save ended ({shown}{more}); nothing of this save is committed. With "
+                "AsyncOptions(background_staging=True), call handle.wait_staged() before "
+                "changing the state (before optimizer.step())"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,7 +320,7 @@ class Stager:
                 return self._wave(state_dict, structure, sizes, cuda, exc.free // 2, exc)
         if cuda:
             buffers.segment.pin()
-        versions = tensor_versions(tensors) if defer_copy else None
+        versions = version_counters(tensors) if defer_copy else None
         copy = None
         if versions is None:
             self._copier.copy(tensors, buffers.views, cuda)
