@@ -50,9 +50,9 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from objckpt.format.commit import commit_checkpoint, requests_result, written_objects
 from objckpt.format.dcp_json import StoredItem
+from objckpt.format.index import encode_rank_index
 from objckpt.format.manifest import ObjectEntry
 from objckpt.format.rank_commit import RankReport
-from objckpt.format.rank_index import encode_rank_index
 from objckpt.options import UploadOptions
 from objckpt.pipeline.coordinator import CommitHelper
 from objckpt.pipeline.finalize import RankExchange

@@ -1,6 +1,6 @@
 """A commit split by rank: each rank writes its own index, the coordinator the rest.
 
-Each rank, once its uploads ended, writes its index object (format/rank_index.py)
+Each rank, once its uploads ended, writes its index object (format/index.py)
 and reports a :class:`RankReport`: its index object's key, size and CRC32C, its
 payload objects' (a count bounded by its own objects, whatever the world size)
 and its request totals. That report is what travels through the c10d store, so a
@@ -29,8 +29,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from objckpt.format.commit import written_objects
 from objckpt.format.dcp_json import StoredItem, encode_storage_meta
+from objckpt.format.index import encode_rank_index, layout_doc
 from objckpt.format.manifest import ObjectEntry
-from objckpt.format.rank_index import encode_rank_index, layout_doc
 from objckpt.writers.accounting import RequestStats
 from objckpt.writers.base import ObjectStore
 from objckpt.writers.checksum import Crc32c

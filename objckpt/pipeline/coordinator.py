@@ -44,9 +44,9 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from objckpt.errors import ObjckptError, UploadError
 from objckpt.format.commit import commit_manifest, save_storage_meta
+from objckpt.format.index import with_writers
 from objckpt.format.manifest import Manifest
 from objckpt.format.rank_commit import Layout, RankReport
-from objckpt.format.rank_index import with_writers
 from objckpt.format.settle import SETTLE_SECONDS
 from objckpt.options import UploadOptions
 from objckpt.pipeline import stock_task

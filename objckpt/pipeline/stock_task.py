@@ -1,6 +1,6 @@
 """What rank 0's commit helper process runs: the O(W) half of an async commit.
 
-Every rank writes its own index object before it reports (format/rank_index.py),
+Every rank writes its own index object before it reports (format/index.py),
 so rank 0's training process gathers only small records. What still needs every
 rank's items is done here, in a long-lived helper process of rank 0
 (:class:`~objckpt.pipeline.workers.WorkerPool` of one, started at rank 0's first
@@ -45,10 +45,9 @@ from torch.distributed.checkpoint.metadata import (
 from objckpt._torch import storage_info
 from objckpt.errors import UploadError
 from objckpt.format.commit import delete_superseded_after, previous_objects
-from objckpt.format.index_read import decode_index, decode_metadata
+from objckpt.format.index import decode_index, decode_metadata, writer_columns
 from objckpt.format.layout import METADATA_KEY
 from objckpt.format.manifest import ObjectEntry
-from objckpt.format.rank_index import writer_columns
 from objckpt.format.settle import SETTLE_SECONDS
 from objckpt.options import UploadOptions
 from objckpt.pipeline.metadata_stream import MetadataStream
@@ -75,7 +74,7 @@ class StockLayout:
 
     Attributes:
         doc: The manifest's ``metadata`` of this save, writers not yet known
-            (``rank_index.layout_doc`` with this save's index keys).
+            (``index.layout_doc`` with this save's index keys).
         properties: Each tensor's ``TensorProperties`` as the plan recorded them
             (the manifest keeps only dtype and ``requires_grad``).
         planner_data: DCP's flatten mapping, as the plan has it.
