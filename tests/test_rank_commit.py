@@ -35,11 +35,10 @@ from torch.distributed.checkpoint.planner import (
 
 from objckpt._torch import storage_info
 from objckpt.errors import ManifestError
-from objckpt.format.commit import save_storage_meta
+from objckpt.format.commit import Layout, save_storage_meta
 from objckpt.format.dcp_json import StoredItem
 from objckpt.format.index import encode_metadata, encode_rank_index, with_writers, writer_columns
 from objckpt.format.manifest import ObjectEntry
-from objckpt.format.rank_commit import Layout
 from objckpt.options import UploadOptions
 from objckpt.pipeline import stock_task
 from objckpt.testing import FaultProxy

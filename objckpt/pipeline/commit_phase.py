@@ -41,9 +41,13 @@ from torch.distributed.checkpoint.storage import WriteResult
 from objckpt._torch import group_store
 from objckpt.dcp.serialize import written_object
 from objckpt.errors import ObjckptError, UploadError
-from objckpt.format.commit import commit_checkpoint, requests_result, written_objects
+from objckpt.format.commit import (
+    commit_checkpoint,
+    requests_result,
+    write_rank_index,
+    written_objects,
+)
 from objckpt.format.manifest import Manifest
-from objckpt.format.rank_commit import write_rank_index
 from objckpt.pipeline.coordinator import CommitHelper
 from objckpt.pipeline.deferred import DeferredWriter
 from objckpt.pipeline.finalize import RankExchange
