@@ -18,10 +18,11 @@ strategy (the in-thread one is ``format/commit.py``'s ``InThread``), and both bu
 ``.metadata`` with the same code, so it is the same bytes. Each wait on the helper
 is bounded, and a helper that does not answer in time is stopped (the next commit
 starts a fresh one). Step 1 ends by the earlier of two bounds: ``commit_by``, the
-time by which rank 0 must publish the outcome before the other ranks stop waiting for it, less :data:`MANIFEST_RESERVE` for the
-manifest; and the save's deadline plus :data:`~objckpt.pipeline.workers.WEDGED_AFTER`
-(the helper's reads end by then) plus :data:`CPU_ALLOWANCE` for its decoding and
-pickling. Then the save fails, nothing committed. Step 3 gets the settle bound
+time by which rank 0 must publish the outcome before the other ranks stop waiting
+for it, less :data:`MANIFEST_RESERVE` for the manifest; and the save's deadline plus
+:data:`~objckpt.pipeline.workers.WEDGED_AFTER` (the helper's reads end by then) plus
+:data:`CPU_ALLOWANCE` for its decoding and pickling. Then the save fails, nothing
+committed. Step 3 gets the settle bound
 (:data:`~objckpt.format.settle.SETTLE_SECONDS`, less when ``commit_by`` is nearer)
 inside the helper and that plus ``WEDGED_AFTER`` here; past it the helper is
 stopped, so nothing it does lands after the save's handle completed.
