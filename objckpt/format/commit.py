@@ -59,7 +59,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from objckpt._torch import storage_info
 from objckpt._version import __version__
-from objckpt.errors import ManifestError, ObjckptError, StoreError
+from objckpt.errors import ObjckptError, StoreError
 from objckpt.format.dcp_json import StoredItem, encode_storage_meta
 from objckpt.format.index import (
     IndexShard,
@@ -70,13 +70,13 @@ from objckpt.format.index import (
     layout_doc,
     writer_columns,
 )
-from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY
+from objckpt.format.layout import METADATA_KEY
 from objckpt.format.manifest import Manifest, ObjectEntry, read_manifest
 from objckpt.format.metadata_stream import MetadataStream
 from objckpt.format.ref_check import require_referenced
 from objckpt.format.refs import is_reference
 from objckpt.format.settle import after_commit, put_manifest, require_present
-from objckpt.format.superseded import referenced_by_siblings
+from objckpt.format.superseded import delete_superseded_after, previous_objects
 from objckpt.writers.accounting import RequestCounter, RequestStats, counting, current_counter
 from objckpt.writers.base import ObjectStore
 from objckpt.writers.checksum import Crc32c
@@ -93,9 +93,7 @@ __all__ = [
     "commit_checkpoint",
     "commit_manifest",
     "commit_sequence",
-    "delete_superseded_after",
     "metadata_entry",
-    "previous_objects",
     "read_manifest",
     "requests_result",
     "save_storage_meta",
@@ -589,51 +587,3 @@ def commit_manifest(
         "committed %s (%d objects, %d bytes)", url, len(manifest.objects), manifest.total_bytes
     )
     return manifest
-
-
-def delete_superseded_after(store: ObjectStore, written: bool, keys: set[str]) -> None:
-    """After ``.metadata`` was replaced (``written``): delete ``keys``, what only the
-    replaced manifest named, but for those another step of the same root references
-    (:func:`objckpt.format.superseded.referenced_by_siblings`). Until it is replaced,
-    stock readers load the replaced checkpoint, whose objects must stay: then they
-    are kept, and that is logged."""
-    # Another step's objects (references) are never this step's to delete; nor are
-    # its own objects that later steps of its root reference (#28).
-    keys = {k for k in keys - {MANIFEST_KEY} if not is_reference(k)}
-    if written:
-        _delete_superseded(store, keys - referenced_by_siblings(store, keys))
-    elif keys:
-        logger.warning(
-            "the objects only the checkpoint %s replaced named are kept (its %s still "
-            "points at them); `objckpt gc` removes them",
-            store.location.url,
-            METADATA_KEY,
-        )
-
-
-def previous_objects(store: ObjectStore) -> set[str]:
-    """What the manifest an overwrite replaces names (empty when there is none)."""
-    try:
-        return {o.key for o in read_manifest(store).objects}
-    except (FileNotFoundError, ManifestError):
-        return set()
-
-
-def _delete_superseded(store: ObjectStore, keys: set[str]) -> None:
-    """After an overwrite commits (never before): delete the payload and index
-    objects only the replaced manifest named, so re-saving a URL leaves no garbage.
-    A failure only leaves garbage behind (``objckpt gc`` removes it) and is logged."""
-    if not keys:
-        return
-    try:
-        store.fs.rm([store.path(k) for k in sorted(keys)])
-    except Exception as exc:
-        logger.warning(
-            "could not delete %d objects of the checkpoint %s replaced (%s); "
-            "`objckpt gc` removes them",
-            len(keys),
-            store.location.url,
-            exc,
-        )
-        return
-    logger.info("deleted %d objects of the checkpoint %s replaced", len(keys), store.location.url)

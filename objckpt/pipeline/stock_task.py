@@ -37,16 +37,11 @@ from collections.abc import Iterator
 from typing import Any
 
 from objckpt.errors import UploadError
-from objckpt.format.commit import (
-    StockLayout,
-    build_stock,
-    delete_superseded_after,
-    metadata_entry,
-    previous_objects,
-)
+from objckpt.format.commit import StockLayout, build_stock, metadata_entry
 from objckpt.format.layout import METADATA_KEY
 from objckpt.format.manifest import ObjectEntry
 from objckpt.format.settle import SETTLE_SECONDS
+from objckpt.format.superseded import delete_superseded_after, previous_objects
 from objckpt.options import UploadOptions
 from objckpt.pipeline.upload_task import worker_store
 from objckpt.writers.accounting import RequestCounter, RequestStats, counting
