@@ -81,3 +81,20 @@ def commit_via(
         return helper.commit(writer, reports, world_size)  # type: ignore[arg-type]
     finally:
         helper.close(timeout=30)
+
+
+def one_value_save(store: ObjectStore, attempt: str, value: bytes) -> tuple[Metadata, list]:
+    """A one-rank save of one bytes value, its payload object already on ``store``:
+    the DCP metadata and the rank's write results to commit."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    from objckpt.format.dcp_json import StoredItem
+    from objckpt.writers.checksum import Crc32c
+
+    key = f"__0_0.{attempt}.distcp"
+    store.put(key, value)
+    crc = Crc32c()
+    crc.update(value)
+    item = StoredItem(key, 0, len(value), crc.hexdigest(), len(value), crc.hexdigest())
+    metadata = Metadata({"step": BytesStorageMetadata()}, planner_data={"step": ("step",)})
+    return metadata, [[WriteResult(MetadataIndex("step"), len(value), item)]]

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import threading
 
 import pytest
 import torch
-from commit_strategies import STRATEGIES, commit_via
+from commit_strategies import STRATEGIES, commit_via, one_value_save
 from helpers import carried, fs_of, load, path_of, save
 from torch.distributed.checkpoint.metadata import Metadata
 
@@ -118,3 +119,25 @@ def test_overwriting_deletes_what_only_the_replaced_manifest_named(
     got = {"w": torch.zeros(1000)}
     load(got, url, target)
     assert torch.equal(got["w"], torch.full((1000,), 11.0))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_an_overwrite_commit_leaves_only_the_new_checkpoint(tmp_path, strategy: str) -> None:
+    """Whichever strategy commits, an overwrite deletes what only the replaced manifest
+    named once the new ``.metadata`` is written, and stock readers see the new save."""
+    import pickle
+
+    s = open_store(Location.parse(f"file://{tmp_path}/c"), UploadOptions())
+    os.makedirs(s.location.path, exist_ok=True)
+    for attempt, value in (("a" * 16, b"first"), ("b" * 16, b"second!")):
+        metadata, results = one_value_save(s, attempt, value)
+        manifest = commit_via(
+            strategy, s, metadata, results, attempt=attempt, world_size=1, overwrite=True
+        )
+    left = sorted(os.listdir(s.location.path))
+    assert left == sorted([MANIFEST_KEY, *(o.key for o in manifest.objects)])
+    stock = pickle.loads(s.read(".metadata"))
+    assert stock.storage_meta.save_id == "b" * 16
+    assert {info.relative_path for info in stock.storage_data.values()} == {
+        f"__0_0.{'b' * 16}.distcp"
+    }
