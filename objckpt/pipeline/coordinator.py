@@ -1,14 +1,15 @@
 """Rank 0's side of an async commit from the ranks' reports, its O(W) work in a helper.
 
+Every rank wrote its own index object (the commit's step 1) before it reported.
 Rank 0's training process gathers W small :class:`~objckpt.format.commit.RankReport`
-records, then (on its commit thread):
+records, then (on its commit thread; the steps of :mod:`objckpt.format.commit`):
 
-1. asks its commit helper process to prepare ``.metadata`` and the chunk writers
+2. asks its commit helper process to prepare ``.metadata`` and the chunk writers
    from the index objects the ranks wrote (:func:`~objckpt.pipeline.stock_task.prepare_stock`);
-2. writes the manifest (one listing, the create-only PUT settled by read-back):
+3. writes the manifest (one listing, the create-only PUT settled by read-back):
    the plan's :class:`~objckpt.format.commit.Layout`, built once per global
    plan, completed with this save's writers and keys;
-3. asks the helper to write ``.metadata`` and delete what an overwrite replaced
+4. asks the helper to write ``.metadata`` and delete what an overwrite replaced
    (:func:`~objckpt.pipeline.stock_task.publish_stock`); the save completes once
    it did (or failed: logged, the checkpoint stays committed, as in-thread).
 
@@ -17,18 +18,18 @@ implementation of the commit's order; :class:`InHelper` is its helper-process
 strategy (the in-thread one is ``format/commit.py``'s ``InThread``), and both build
 ``.metadata`` with the same code, so it is the same bytes. Each wait on the helper
 is bounded, and a helper that does not answer in time is stopped (the next commit
-starts a fresh one). Step 1 ends by the earlier of two bounds: ``commit_by``, the
+starts a fresh one). Step 2 ends by the earlier of two bounds: ``commit_by``, the
 time by which rank 0 must publish the outcome before the other ranks stop waiting
 for it, less :data:`MANIFEST_RESERVE` for the manifest; and the save's deadline plus
 :data:`~objckpt.pipeline.workers.WEDGED_AFTER` (the helper's reads end by then) plus
 :data:`CPU_ALLOWANCE` for its decoding and pickling. Then the save fails, nothing
-committed. Step 3 gets the settle bound
+committed. Step 4 gets the settle bound
 (:data:`~objckpt.format.settle.SETTLE_SECONDS`, less when ``commit_by`` is nearer)
 inside the helper and that plus ``WEDGED_AFTER`` here; past it the helper is
 stopped, so nothing it does lands after the save's handle completed.
 
 Stopping the helper stops every commit it holds: with ``max_in_flight > 1`` another
-save's step 1 fails (that save fails on every rank, nothing committed) and a
+save's step 2 fails (that save fails on every rank, nothing committed) and a
 ``.metadata`` another save prepared but had not yet written is lost (that save stays
 committed, without ``.metadata``, logged).
 """
@@ -73,7 +74,7 @@ logger = logging.getLogger(__name__)
 #: Seconds the helper's decoding and pickling may take past the save's deadline
 #: (its reads end by the deadline; its CPU work is not a request).
 CPU_ALLOWANCE = 60.0
-#: Seconds of ``commit_by`` kept for the manifest's listing and PUT after step 1.
+#: Seconds of ``commit_by`` kept for the manifest's listing and PUT after step 2.
 MANIFEST_RESERVE = 10.0
 
 
@@ -207,7 +208,7 @@ class CommitHelper:
         named: frozenset[str],
         commit_by: float | None = None,
     ) -> bool:
-        """Step 3, after the commit: the helper writes ``.metadata`` and deletes what
+        """Step 4, after the commit: the helper writes ``.metadata`` and deletes what
         an overwrite replaced, within the settle bound, and so that the outcome is
         still published by ``commit_by`` (past it the helper is stopped). Whether
         ``.metadata`` was written; when not, logged here (the save stays committed)."""
@@ -353,7 +354,7 @@ class InHelper(CommitStrategy):
 def prepare_bound(
     deadline: Deadline | None, commit_by: float | None
 ) -> tuple[float | None, Deadline | None]:
-    """When step 1 must have answered (a ``time.monotonic()``; None: no bound): the
+    """When step 2 must have answered (a ``time.monotonic()``; None: no bound): the
     earlier of ``commit_by`` less :data:`MANIFEST_RESERVE` and the deadline plus
     ``WEDGED_AFTER`` plus :data:`CPU_ALLOWANCE`; with ``deadline`` when it is that
     bound (a miss is then the deadline's error), else None."""
