@@ -14,7 +14,7 @@ writes into its index, which a rank's own index needs.)
   results, then ``commit_checkpoint`` (encode and PUT W index objects, pickle
   ``.metadata``, the manifest), all in the training process.
 * ``after``: every rank encodes and PUTs its own index and posts a
-  :class:`~objckpt.format.rank_commit.RankReport`; rank 0 gathers them
+  :class:`~objckpt.format.commit.RankReport`; rank 0 gathers them
   (``RankExchange.gather``: one wait, one ``multi_get``) and commits with
   :class:`~objckpt.pipeline.coordinator.CommitHelper`, whose helper process reads the
   W index objects and builds ``.metadata``. Measured twice: the first save of a plan
@@ -48,11 +48,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
-from objckpt.format.commit import commit_checkpoint, requests_result, written_objects
+from objckpt.format.commit import RankReport, commit_checkpoint, requests_result, written_objects
 from objckpt.format.dcp_json import StoredItem
+from objckpt.format.index import encode_rank_index
 from objckpt.format.manifest import ObjectEntry
-from objckpt.format.rank_commit import RankReport
-from objckpt.format.rank_index import encode_rank_index
 from objckpt.options import UploadOptions
 from objckpt.pipeline.coordinator import CommitHelper
 from objckpt.pipeline.finalize import RankExchange

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import threading
 
 import pytest
 import torch
+from commit_strategies import STRATEGIES, commit_via, one_value_save
 from helpers import carried, fs_of, load, path_of, save
 from torch.distributed.checkpoint.metadata import Metadata
 
 from objckpt import Location, UploadOptions
 from objckpt.errors import CheckpointExistsError
-from objckpt.format.commit import commit_checkpoint
 from objckpt.format.layout import MANIFEST_KEY
 from objckpt.format.settle import put_manifest
 from objckpt.testing.plugin import StoreTarget
@@ -45,16 +46,19 @@ def test_create_is_exclusive_under_a_race(store: StoreTarget) -> None:
     assert s.read("k") == f"writer {wins.index(True)}".encode()
 
 
-def test_retried_commit_of_the_same_attempt_is_settled(store: StoreTarget) -> None:
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_retried_commit_of_the_same_attempt_is_settled(store: StoreTarget, strategy: str) -> None:
     """A manifest PUT retried after its answer was lost meets its own write: the same
     bytes are ours. Other bytes, even of the same attempt, are another commit's."""
     s = _store(store, "c")
+    if strategy == "helper" and s.location.protocol == "memory":
+        pytest.skip("memory:// is private to its process: its commit never uses the helper")
     if s.location.protocol == "file":
         import os
 
         os.makedirs(s.location.path, exist_ok=True)
     empty = Metadata(state_dict_metadata={})
-    commit_checkpoint(s, empty, [], attempt="aaaaaaaaaaaaaaaa", world_size=1, overwrite=False)
+    commit_via(strategy, s, empty, [], attempt="aaaaaaaaaaaaaaaa", world_size=1, overwrite=False)
     ours = s.read(MANIFEST_KEY)
     put_manifest(s, ours)  # the retried PUT: settled as committed
     with pytest.raises(CheckpointExistsError, match=r"already committed by attempt a{16}"):
@@ -62,7 +66,9 @@ def test_retried_commit_of_the_same_attempt_is_settled(store: StoreTarget) -> No
     with pytest.raises(
         CheckpointExistsError, match="already committed by attempt aaaaaaaaaaaaaaaa"
     ):
-        commit_checkpoint(s, empty, [], attempt="bbbbbbbbbbbbbbbb", world_size=1, overwrite=False)
+        commit_via(
+            strategy, s, empty, [], attempt="bbbbbbbbbbbbbbbb", world_size=1, overwrite=False
+        )
     assert s.read(MANIFEST_KEY) == ours
 
 
@@ -113,3 +119,25 @@ def test_overwriting_deletes_what_only_the_replaced_manifest_named(
     got = {"w": torch.zeros(1000)}
     load(got, url, target)
     assert torch.equal(got["w"], torch.full((1000,), 11.0))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_an_overwrite_commit_leaves_only_the_new_checkpoint(tmp_path, strategy: str) -> None:
+    """Whichever strategy commits, an overwrite deletes what only the replaced manifest
+    named once the new ``.metadata`` is written, and stock readers see the new save."""
+    import pickle
+
+    s = open_store(Location.parse(f"file://{tmp_path}/c"), UploadOptions())
+    os.makedirs(s.location.path, exist_ok=True)
+    for attempt, value in (("a" * 16, b"first"), ("b" * 16, b"second!")):
+        metadata, results = one_value_save(s, attempt, value)
+        manifest = commit_via(
+            strategy, s, metadata, results, attempt=attempt, world_size=1, overwrite=True
+        )
+    left = sorted(os.listdir(s.location.path))
+    assert left == sorted([MANIFEST_KEY, *(o.key for o in manifest.objects)])
+    stock = pickle.loads(s.read(".metadata"))
+    assert stock.storage_meta.save_id == "b" * 16
+    assert {info.relative_path for info in stock.storage_data.values()} == {
+        f"__0_0.{'b' * 16}.distcp"
+    }

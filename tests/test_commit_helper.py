@@ -41,7 +41,7 @@ def _entry(key: str, data: bytes) -> ObjectEntry:
 
 
 def _prepare(tmp_path: Path, indexes: list[tuple[int, ObjectEntry]]) -> None:
-    """The helper's step 1 on a file:// store; it reads the index objects first, so
+    """The helper's step 2 on a file:// store; it reads the index objects first, so
     an empty layout is enough for what these tests check."""
     layout = stock_task.StockLayout({}, {}, None, StorageMeta())
     location = Location.parse(f"file://{tmp_path}")

@@ -15,6 +15,7 @@ import logging
 
 import pytest
 import torch
+from commit_strategies import STRATEGIES, commit_via
 from conftest import assert_state_equal, empty_like_state
 from helpers import load, save
 from store_bytes import assert_untouched, snapshot
@@ -22,7 +23,6 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from objckpt import Location, RetryPolicy, UploadOptions
 from objckpt.errors import CheckpointExistsError
-from objckpt.format.commit import commit_checkpoint
 from objckpt.format.layout import MANIFEST_KEY
 from objckpt.ops.verify import copy_checkpoint, verify_checkpoint
 from objckpt.testing import FaultProxy, MotoServer, Rule
@@ -114,8 +114,13 @@ def test_a_retry_answered_412_without_a_condition_is_settled_as_ours(
     _loads_and_verifies(url, s3_bucket, 3)
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_412_without_a_condition_on_a_committed_url_is_checkpoint_exists(
-    via: StoreTarget, s3_bucket: StoreTarget, s3_proxy: FaultProxy, moto_server: MotoServer
+    via: StoreTarget,
+    s3_bucket: StoreTarget,
+    s3_proxy: FaultProxy,
+    moto_server: MotoServer,
+    strategy: str,
 ) -> None:
     """Another attempt committed the URL; this commit's create-only PUT gets a 412
     naming no condition: ``CheckpointExistsError`` naming the winner, nothing of the
@@ -125,11 +130,11 @@ def test_a_412_without_a_condition_on_a_committed_url_is_checkpoint_exists(
     winner = open_store(Location.parse(url, s3_bucket.storage_options), UploadOptions())
     loser = open_store(Location.parse(url, via.storage_options, FAST), UploadOptions())
     try:
-        commit_checkpoint(winner, empty, [], attempt="a" * 16, world_size=1, overwrite=False)
+        commit_via(strategy, winner, empty, [], attempt="a" * 16, world_size=1, overwrite=False)
         before = snapshot(moto_server, via.bucket, "t/taken/")
         s3_proxy.add(BARE_412)
         with pytest.raises(CheckpointExistsError, match=f"by attempt {'a' * 16}"):
-            commit_checkpoint(loser, empty, [], attempt="b" * 16, world_size=1, overwrite=False)
+            commit_via(strategy, loser, empty, [], attempt="b" * 16, world_size=1, overwrite=False)
     finally:
         winner.close()
         loser.close()

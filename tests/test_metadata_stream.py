@@ -1,4 +1,4 @@
-"""``.metadata`` written a batch at a time (pipeline/metadata_stream.py): the same
+"""``.metadata`` written a batch at a time (format/metadata_stream.py): the same
 ``Metadata`` a plain pickle gives, through C's and Python's unpicklers, with the
 pickler's memory bounded by a batch."""
 
@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from objckpt._torch import storage_info
-from objckpt.pipeline.metadata_stream import BATCH, MetadataStream
+from objckpt.format.metadata_stream import BATCH, MetadataStream
 
 
 def _metadata(ranks: int, tensors: int) -> tuple[Metadata, list[dict[MetadataIndex, object]]]:

@@ -18,6 +18,7 @@ import pytest
 import rank_commit_ranks
 import torch
 import torch.multiprocessing as mp
+from commit_strategies import STRATEGIES, commit_via
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -32,20 +33,20 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
+from torch.distributed.checkpoint.storage import WriteResult
 
 from objckpt._torch import storage_info
 from objckpt.errors import ManifestError
-from objckpt.format.commit import save_storage_meta
+from objckpt.format.commit import Layout, save_storage_meta
 from objckpt.format.dcp_json import StoredItem
-from objckpt.format.index import encode_metadata
+from objckpt.format.index import encode_metadata, encode_rank_index, with_writers, writer_columns
 from objckpt.format.manifest import ObjectEntry
-from objckpt.format.rank_commit import Layout
-from objckpt.format.rank_index import encode_rank_index, with_writers, writer_columns
 from objckpt.options import UploadOptions
 from objckpt.pipeline import stock_task
 from objckpt.testing import FaultProxy
 from objckpt.testing.plugin import StoreTarget
 from objckpt.testing.rules import Rule
+from objckpt.writers import open_store
 from objckpt.writers.checksum import Crc32c
 from objckpt.writers.location import Location
 
@@ -249,3 +250,55 @@ def test_one_rank_commits_in_thread_without_a_helper(
     is started for it."""
     records = _save_each(tmp_path, 1, [s3_bucket.url("one")], s3_bucket.storage_options)
     assert records[0]["outcomes"] == ["committed"] and records[0]["helpers"] == [0], records
+
+
+def test_both_commit_strategies_write_the_same_bytes(tmp_path: Path) -> None:
+    """One save committed in-thread and through rank 0's commit helper process: the
+    same ``.metadata`` byte for byte, and the same manifest but for its time of
+    creation and request counts (where the work ran), so a checkpoint's bytes do not
+    depend on where it was saved."""
+    plans, metadata = _plans()
+    by_rank = _stored(plans)
+    manifests, blobs = [], []
+    for strategy in STRATEGIES:
+        root = tmp_path / strategy
+        root.mkdir()
+        payloads: dict[str, bytes] = {}
+        for items in by_rank:
+            for item in items.values():
+                payloads.setdefault(item.relative_path, item.relative_path.encode() * 20)
+        for key, data in payloads.items():
+            (root / key).write_bytes(data)
+        results = []
+        for items in by_rank:
+            mine = []
+            for index, item in items.items():
+                data = payloads[item.relative_path]
+                crc = Crc32c()
+                crc.update(data)
+                stored = dataclasses.replace(
+                    item, object_size=len(data), object_crc32c=crc.hexdigest()
+                )
+                mine.append(
+                    WriteResult(index=index, size_in_bytes=item.length, storage_data=stored)
+                )
+            results.append(mine)
+        store = open_store(Location.parse(f"file://{root}"), UploadOptions())
+        manifest = commit_via(
+            strategy,
+            store,
+            metadata,
+            results,
+            attempt=ATTEMPT,
+            world_size=WORLD,
+            overwrite=False,
+            user={"step": 7},
+            checkpoint_id="run/step",
+        )
+        doc = json.loads((root / "manifest.json").read_bytes())
+        assert doc == json.loads(manifest.to_json_bytes())
+        manifests.append({k: v for k, v in doc.items() if k not in ("created", "requests")})
+        blobs.append((root / ".metadata").read_bytes())
+    assert blobs[0] == blobs[1]
+    assert manifests[0] == manifests[1]
+    assert pickle.loads(blobs[0]).storage_meta == StorageMeta("run/step", ATTEMPT)

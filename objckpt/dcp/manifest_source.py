@@ -42,7 +42,7 @@ from objckpt.format.bounds import (
     check_size,
 )
 from objckpt.format.dcp_json import StoredItem, metadata_from_json
-from objckpt.format.index_read import Locator, decode_metadata
+from objckpt.format.index import Locator, decode_metadata
 from objckpt.format.layout import (
     MANIFEST_KEY,
     METADATA_KEY,

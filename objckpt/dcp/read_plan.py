@@ -30,7 +30,7 @@ from objckpt.dcp.local_copy import LocalCopy
 from objckpt.dcp.manifest_source import Opened, check_items
 from objckpt.errors import ChecksumMismatchError, SizeMismatchError, StateDictError
 from objckpt.format.dcp_json import StoredItem
-from objckpt.format.index_read import decode_index
+from objckpt.format.index import decode_index
 from objckpt.options import ReadOptions
 from objckpt.writers.base import ObjectStore
 from objckpt.writers.checksum import Crc32c

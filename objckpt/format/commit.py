@@ -1,62 +1,103 @@
-"""The commit: index objects, then ``manifest.json`` create-only, then ``.metadata``.
+"""The commit: one sequence of steps, run by one of two strategies.
 
-A checkpoint exists if and only if its manifest exists. Everything else the
-save wrote is invisible until then, so a crash at any earlier moment leaves the
-previous state of the URL untouched.
+The steps, in this order, whichever strategy runs them:
 
-Nothing a committed manifest names may be written by another attempt. Payload
-and index names carry the attempt id; ``.metadata`` (DCP's pickle, for stock
-readers) has a fixed name, so it is written only after this attempt's manifest
-is on the store: a failed, losing or overwriting attempt never touches the
-committed checkpoint's ``.metadata`` before it has won. Until that one PUT
-lands, a stock reader sees no ``.metadata`` (a new URL) or the previous
-checkpoint's, whose objects are all still there (an overwrite deletes what only
-the replaced manifest named after ``.metadata`` is replaced, never before).
+1. the index objects, one per writing rank (``__index_<rank>.<attempt>.json``);
+2. ``.metadata`` (DCP's pickle, for stock readers) prepared, not yet written, and the
+   manifest's ``metadata`` document, both from those index objects;
+3. one listing checks that every object the manifest names is there, then
+   ``manifest.json`` is written create-only: the commit point (any error of that PUT
+   is settled by reading it back, :mod:`objckpt.format.settle`);
+4. ``.metadata`` is written, then what only a replaced checkpoint named is deleted.
 
-Before the manifest, one listing checks that every object it names is there;
-any error of the manifest PUT is settled by reading it back
-(:mod:`objckpt.format.settle`).
+A checkpoint exists if and only if its manifest exists. Everything else the save
+wrote is invisible until then, so a crash at any earlier moment leaves the previous
+state of the URL untouched.
+
+Nothing a committed manifest names may be written by another attempt. Payload and
+index names carry the attempt id; ``.metadata`` has a fixed name, so it is written
+only after this attempt's manifest is on the store: a failed, losing or overwriting
+attempt never touches the committed checkpoint's ``.metadata`` before it has won.
+Until that one PUT lands, a stock reader sees no ``.metadata`` (a new URL) or the
+previous checkpoint's, whose objects are all still there (an overwrite deletes what
+only the replaced manifest named after ``.metadata`` is replaced, never before).
+
+Why two strategies (:class:`CommitStrategy`): steps 2 and 4 cost O(items), 9.8
+million entries at 8,192 ranks. :class:`InThread` runs them in the committing
+process itself, from the write results it holds: what a synchronous ``dcp.save``
+and a store only this process reaches (``file://`` that may be node-local,
+``memory://``) need. The helper-process strategy
+(:mod:`objckpt.pipeline.coordinator`) runs them in rank 0's commit helper, from
+the index objects every rank wrote itself, so an async save's commit does not hold
+the training process. Both decode the same index bytes with the same code
+(:func:`build_stock`) into the same ``.metadata`` pickle
+(:mod:`objckpt.format.metadata_stream`): where a checkpoint was saved does not change
+its bytes. :func:`commit_sequence` is the one place the steps' order is written.
 """
 
 from __future__ import annotations
 
+import abc
 import concurrent.futures
 import contextvars
 import dataclasses
 import logging
 import os
-import pickle
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, cast
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.storage import WriteResult
 
 from objckpt._torch import storage_info
 from objckpt._version import __version__
-from objckpt.errors import ManifestError, StoreError
-from objckpt.format.dcp_json import StoredItem
-from objckpt.format.index import IndexShard, encode_metadata
-from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY
+from objckpt.errors import InternalError, StoreError
+from objckpt.format.dcp_json import StoredItem, encode_storage_meta
+from objckpt.format.index import (
+    IndexShard,
+    decode_index,
+    decode_metadata,
+    encode_metadata,
+    encode_rank_index,
+    layout_doc,
+    writer_columns,
+)
+from objckpt.format.layout import METADATA_KEY
 from objckpt.format.manifest import Manifest, ObjectEntry, read_manifest
+from objckpt.format.metadata_stream import MetadataStream
 from objckpt.format.ref_check import require_referenced
 from objckpt.format.refs import is_reference
 from objckpt.format.settle import after_commit, put_manifest, require_present
-from objckpt.format.superseded import referenced_by_siblings
+from objckpt.format.superseded import delete_superseded_after, previous_objects
 from objckpt.writers.accounting import RequestCounter, RequestStats, counting, current_counter
 from objckpt.writers.base import ObjectStore
 from objckpt.writers.checksum import Crc32c
 
 __all__ = [
     "REQUESTS_FQN",
+    "CommitStrategy",
+    "InThread",
+    "Layout",
+    "Prepared",
+    "RankReport",
+    "StockLayout",
+    "build_stock",
     "commit_checkpoint",
     "commit_manifest",
-    "delete_superseded_after",
-    "previous_objects",
+    "commit_sequence",
+    "metadata_entry",
     "read_manifest",
     "requests_result",
     "save_storage_meta",
+    "write_rank_index",
     "written_objects",
 ]
 
@@ -90,14 +131,60 @@ def written_objects(results: Iterable[WriteResult]) -> tuple[ObjectEntry, ...]:
     return tuple(objects[k] for k in sorted(objects))
 
 
+@dataclasses.dataclass(frozen=True)
+class RankReport:
+    """What one rank reports for the commit: small, whatever the world size (a rank's
+    bytes per save do not grow with it, and the coordinator decodes W small records
+    instead of every rank's write results).
+
+    Attributes:
+        index: This rank's index object (None: it stored no item).
+        objects: The payload objects its items are in.
+        requests: Its store requests so far, its index PUT included.
+    """
+
+    index: ObjectEntry | None
+    objects: tuple[ObjectEntry, ...]
+    requests: RequestStats
+
+
+def write_rank_index(
+    store: ObjectStore,
+    results: Iterable[WriteResult],
+    rank: int,
+    attempt: str,
+    requests: Callable[[], RequestStats],
+) -> RankReport:
+    """Step 1 on one rank (the helper-process strategy): encode and PUT this rank's
+    index object; its report (``requests`` is read after the PUT, so it counts it).
+
+    Raises:
+        ManifestError: An item has no chunk position.
+        StoreError: The PUT failed (the save must fail on every rank).
+    """
+    results = list(results)
+    items = {wr.index: wr.storage_data for wr in results if isinstance(wr.storage_data, StoredItem)}
+    objects = written_objects(results)
+    if not items:
+        return RankReport(None, objects, requests())
+    shard = encode_rank_index(items, rank, attempt)
+    store.put(shard.key, shard.data)
+    return RankReport(_entry(shard), objects, requests())
+
+
+def _entry(shard: IndexShard) -> ObjectEntry:
+    crc = Crc32c()
+    crc.update(shard.data)
+    return ObjectEntry(shard.key, len(shard.data), crc.hexdigest())
+
+
 def _put_index(store: ObjectStore, shards: list[IndexShard]) -> list[ObjectEntry]:
-    """Write the index objects, several at once (one per writing rank: 1,024 at 1,024 ranks)."""
+    """Step 1 in-thread: write every rank's index object, several at once (1,024 at
+    1,024 ranks)."""
 
     def put(shard: IndexShard) -> ObjectEntry:
         store.put(shard.key, shard.data)
-        crc = Crc32c()
-        crc.update(shard.data)
-        return ObjectEntry(shard.key, len(shard.data), crc.hexdigest())
+        return _entry(shard)
 
     if len(shards) <= 1:
         return [put(s) for s in shards]
@@ -106,6 +193,264 @@ def _put_index(store: ObjectStore, shards: list[IndexShard]) -> list[ObjectEntry
     ) as pool:  # each task in a copy of this context, so its requests are counted
         futures = [pool.submit(contextvars.copy_context().run, put, s) for s in shards]
         return [f.result() for f in futures]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What the manifest and ``.metadata`` take from one global plan (kept while the
+    plan is reused: building it costs O(chunks), a save with it O(tensors)).
+
+    Attributes:
+        doc: The manifest's ``metadata`` without writers or index keys.
+        placeholder: ``doc`` with a writer any reader accepts on every entry (what
+            the index objects are decoded against).
+        properties: Each tensor's ``TensorProperties`` (for ``.metadata``).
+    """
+
+    doc: dict[str, Any]
+    placeholder: dict[str, Any]
+    properties: dict[str, TensorProperties]
+
+    @classmethod
+    def of(cls, metadata: Metadata) -> Layout:
+        doc = layout_doc(dataclasses.replace(metadata, version=_DCP_VERSION), "0" * 16)
+        state = {
+            fqn: entry if "writer" in entry else {**entry, "writer": 0}
+            for fqn, entry in doc["state_dict"].items()
+        }
+        return cls(doc, {**doc, "state_dict": state}, _properties(metadata))
+
+    def for_save(
+        self, placeholder: bool, index_keys: Sequence[str | None], storage_meta: StorageMeta
+    ) -> dict[str, Any]:
+        """The document of one save: its index keys and ``StorageMeta``."""
+        base = self.placeholder if placeholder else self.doc
+        return {
+            **base,
+            "index": list(index_keys),
+            "storage_meta": encode_storage_meta(storage_meta),
+        }
+
+
+def _properties(metadata: Metadata) -> dict[str, TensorProperties]:
+    return {
+        fqn: md.properties
+        for fqn, md in metadata.state_dict_metadata.items()
+        if isinstance(md, TensorStorageMetadata)
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class StockLayout:
+    """What building ``.metadata`` needs of the global plan besides the index objects.
+
+    Attributes:
+        doc: A manifest ``metadata`` document of this save every entry of which has
+            a writer (real, or :attr:`Layout.placeholder`'s), with its index keys.
+        properties: Each tensor's ``TensorProperties`` as the plan recorded them
+            (the manifest keeps only dtype and ``requires_grad``).
+        planner_data: DCP's flatten mapping, as the plan has it.
+        storage_meta: What ``.metadata`` records as the save's ``StorageMeta``.
+    """
+
+    doc: dict[str, Any]
+    properties: dict[str, TensorProperties]
+    planner_data: Any
+    storage_meta: StorageMeta
+
+
+def build_stock(
+    layout: StockLayout,
+    attempt: str,
+    indexes: Sequence[tuple[int, ObjectEntry]],
+    blobs: list[bytes],
+    url: str,
+) -> tuple[bytes, dict[str, Any], int]:
+    """Step 2, the same code in both strategies: DCP's ``.metadata`` pickle, each
+    entry's ``writer`` for the manifest, and its ``raw_bytes``, from the index objects
+    (``blobs[n]`` is the bytes of ``indexes[n]``, a (rank, entry) pair; each is
+    released once decoded).
+
+    Raises:
+        ManifestError: An index does not match the plan's layout, or a chunk of the
+            plan is in no rank's index (a rank's items went missing: never commit).
+    """
+    metadata, _ = decode_metadata(layout.doc, url=url)
+    # Every chunk built once, as plain lists: the index objects are decoded against them
+    # (a lazy run-length list would build a chunk per item looked up, and .metadata would
+    # build them all again), and each item's key holds its chunk's offsets (in memory:
+    # the stream writes them again per batch).
+    sd_md: dict[str, Any] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            md = TensorStorageMetadata(
+                properties=layout.properties.get(fqn, md.properties),
+                size=md.size,
+                chunks=cast(list[ChunkStorageMetadata], list(md.chunks)),
+            )
+        sd_md[fqn] = md
+    metadata = dataclasses.replace(metadata, state_dict_metadata=sd_md)
+    # .metadata is written as the ranks are decoded, a batch of items at a time: only
+    # the chunks and one rank's items are alive at once (metadata_stream's doc).
+    stream = MetadataStream()
+    stream.begin(sd_md, layout.planner_data)
+    raw = 0
+
+    def decoded() -> Iterator[tuple[int, Iterable[Any]]]:
+        """Each rank's items, one rank at a time (never all of them at once: 10 million
+        at 8,192 ranks), into ``.metadata`` on the way."""
+        nonlocal raw
+        for n, (rank, entry) in enumerate(indexes):
+            items = decode_index(
+                blobs[n], rank=rank, attempt=attempt, metadata=metadata, url=entry.key
+            )
+            blobs[n] = b""
+            stream.add(
+                (i, storage_info(it.relative_path, it.offset, it.length, it.transform_descriptors))
+                for i, it in items.items()
+            )
+            # Transformed (compressed) items' lengths before their transforms, as
+            # encode_metadata sums them into the manifest (a reader's budget).
+            raw += sum(it.raw_length or 0 for it in items.values() if it.transform_descriptors)
+            yield rank, items.keys()
+
+    writers = writer_columns(layout.doc, decoded())
+    return stream.end(layout.storage_meta, metadata.version), writers, raw
+
+
+def metadata_entry(blob: bytes) -> ObjectEntry:
+    """``.metadata``'s entry in the manifest's object list."""
+    crc = Crc32c()
+    crc.update(blob)
+    return ObjectEntry(METADATA_KEY, len(blob), crc.hexdigest())
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """What a strategy's step 2 gives the commit point.
+
+    Attributes:
+        doc: The manifest's ``metadata`` document.
+        metadata: ``.metadata``'s entry (the pickle stays with the strategy until step 4).
+        requests: The store requests step 2 made, for the manifest's totals.
+    """
+
+    doc: dict[str, Any]
+    metadata: ObjectEntry
+    requests: RequestStats
+
+
+class CommitStrategy(abc.ABC):
+    """Where steps 2 and 4 of one commit run (the module doc says why there are two).
+
+    One instance per commit: :meth:`prepare` once, then :meth:`publish` once the
+    manifest is committed, or :meth:`discard` when it was not.
+    """
+
+    @abc.abstractmethod
+    def prepare(self) -> Prepared:
+        """Step 2: build ``.metadata`` (kept, not written) and the manifest's document
+        from the index objects; with ``overwrite``, read what the replaced manifest named."""
+
+    @abc.abstractmethod
+    def discard(self) -> None:
+        """Forget what :meth:`prepare` holds: the manifest was not written."""
+
+    @abc.abstractmethod
+    def publish(self, named: frozenset[str]) -> bool:
+        """Step 4, after the commit: write ``.metadata``, then delete what only the
+        replaced checkpoint named (not in ``named``, the new manifest's keys). Whether
+        ``.metadata`` was written; a failure is logged (the save stays committed)."""
+
+
+class InThread(CommitStrategy):
+    """Steps 2 and 4 in the committing thread, from the index objects it wrote itself."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        layout: StockLayout,
+        shards: Sequence[IndexShard],
+        attempt: str,
+        overwrite: bool,
+    ) -> None:
+        self._store = store
+        self._layout = layout
+        self._shards = list(shards)
+        self._attempt = attempt
+        self._overwrite = overwrite
+        self._blob: bytes | None = None
+        self._superseded: set[str] = set()
+
+    def prepare(self) -> Prepared:
+        store = self._store
+        self._superseded = previous_objects(store) if self._overwrite else set()
+        indexes = [(s.rank, _entry(s)) for s in self._shards]
+        blobs = [s.data for s in self._shards]
+        self._shards = []
+        blob, _, _ = build_stock(self._layout, self._attempt, indexes, blobs, store.location.url)
+        self._blob = blob
+        return Prepared(self._layout.doc, metadata_entry(blob), RequestStats())
+
+    def discard(self) -> None:
+        self._blob = None
+
+    def publish(self, named: frozenset[str]) -> bool:
+        store, blob = self._store, self._blob
+        self._blob = None
+        if blob is None:
+            raise InternalError("internal: InThread.publish without a prepared .metadata")
+        written = after_commit(
+            store, f"writing {METADATA_KEY}", lambda: store.put(METADATA_KEY, blob)
+        )
+        delete_superseded_after(store, written, self._superseded - named)
+        return written
+
+
+def commit_sequence(
+    store: ObjectStore,
+    strategy: CommitStrategy,
+    reports: Sequence[RankReport],
+    *,
+    attempt: str,
+    world_size: int,
+    overwrite: bool,
+    user: Mapping[str, Any] | None,
+    requests: RequestStats | None,
+    base: str | None,
+) -> Manifest:
+    """Steps 2 to 4 once every rank's index object (step 1) is on the store, as
+    ``reports`` say: the one implementation of the commit's order (the module doc).
+
+    Args:
+        requests: The ranks' requests and step 1's, for the manifest (None: not counted).
+        base: The URL of the step this save reused items of (``reuse_from``), or None.
+
+    Raises:
+        CheckpointExistsError: Another attempt committed this URL first.
+        UploadError: An object the manifest would name is gone (nothing committed).
+    """
+    prepared = strategy.prepare()
+    objects = {o.key: o for r in reports for o in r.objects}
+    objects.update((r.index.key, r.index) for r in reports if r.index is not None)
+    objects[METADATA_KEY] = prepared.metadata
+    try:
+        manifest = commit_manifest(
+            store,
+            attempt=attempt,
+            world_size=world_size,
+            objects=objects.values(),
+            metadata=prepared.doc,
+            user=user,
+            requests=None if requests is None else requests + prepared.requests,
+            overwrite=overwrite,
+            base=base,
+        )
+    except BaseException:
+        strategy.discard()
+        raise
+    strategy.publish(frozenset(o.key for o in manifest.objects))
+    return manifest
 
 
 def save_storage_meta(
@@ -131,7 +476,8 @@ def commit_checkpoint(
     checkpoint_id: str | os.PathLike[str] | None = None,
     base: str | None = None,
 ) -> Manifest:
-    """Write the index objects, then the manifest, then ``.metadata``; returns the
+    """The whole commit in this thread (:class:`InThread`) from every rank's write
+    results: the index objects, then the manifest, then ``.metadata``; returns the
     manifest. With ``overwrite``, the replaced checkpoint stays whole (every byte its
     manifest names) until this manifest is committed.
 
@@ -144,9 +490,8 @@ def commit_checkpoint(
         CheckpointExistsError: Another attempt committed this URL first.
         UploadError: An object the manifest would name is gone (nothing committed).
     """
-    items: dict[MetadataIndex, StoredItem] = {}
     by_rank: list[dict[MetadataIndex, StoredItem]] = []
-    objects: dict[str, ObjectEntry] = {}
+    objects: list[tuple[ObjectEntry, ...]] = []
     ranks_requests = RequestStats()
     counted = False
     for rank_results in results:
@@ -158,50 +503,40 @@ def commit_checkpoint(
                 continue
             if not isinstance(item, StoredItem):
                 raise StoreError(f"unexpected storage_data {type(item).__name__} from a rank")
-            items[wr.index] = mine[wr.index] = item
-            objects[item.relative_path] = ObjectEntry(
-                item.relative_path, item.object_size, item.object_crc32c
-            )
+            mine[wr.index] = item
         by_rank.append(mine)
-
-    storage_meta = save_storage_meta(metadata, store.location.url, checkpoint_id, attempt)
-    stock = dataclasses.replace(
-        metadata,
-        version=_DCP_VERSION,
-        storage_meta=storage_meta,
-        storage_data={
-            index: storage_info(
-                item.relative_path, item.offset, item.length, item.transform_descriptors
+        objects.append(
+            tuple(
+                {
+                    i.relative_path: ObjectEntry(i.relative_path, i.object_size, i.object_crc32c)
+                    for i in mine.values()
+                }.values()
             )
-            for index, item in items.items()
-        },
-    )
-    blob = pickle.dumps(stock)
-    crc = Crc32c()
-    crc.update(blob)
-    objects[METADATA_KEY] = ObjectEntry(METADATA_KEY, len(blob), crc.hexdigest())
-
+        )
+    storage_meta = save_storage_meta(metadata, store.location.url, checkpoint_id, attempt)
     ours = dataclasses.replace(metadata, version=_DCP_VERSION, storage_meta=storage_meta)
+    # The index objects' bytes are what each rank's encode_rank_index gives; they are
+    # placed here from the global plan, so a planner that leaves DCP's index hints out works.
     doc, shards = encode_metadata(ours, by_rank, attempt)
     commit_counter = RequestCounter(parent=current_counter())
-    with counting(commit_counter):
-        for entry in _put_index(store, shards):
-            objects[entry.key] = entry
-    superseded = previous_objects(store) if overwrite else set()
-    manifest = commit_manifest(
+    with counting(commit_counter):  # step 1
+        entries = {e.key: e for e in _put_index(store, shards)}
+    reports = [
+        RankReport(entries.get(k) if k is not None else None, objects[rank], RequestStats())
+        for rank, k in enumerate(doc["index"])
+    ]
+    stock = StockLayout(doc, _properties(metadata), metadata.planner_data, storage_meta)
+    return commit_sequence(
         store,
+        InThread(store, stock, shards, attempt, overwrite),
+        reports,
         attempt=attempt,
         world_size=world_size,
-        objects=objects.values(),
-        metadata=doc,
+        overwrite=overwrite,
         user=user,
         requests=ranks_requests + commit_counter.snapshot() if counted else None,
-        overwrite=overwrite,
         base=base,
     )
-    written = after_commit(store, f"writing {METADATA_KEY}", lambda: store.put(METADATA_KEY, blob))
-    delete_superseded_after(store, written, superseded - {o.key for o in manifest.objects})
-    return manifest
 
 
 def commit_manifest(
@@ -252,51 +587,3 @@ def commit_manifest(
         "committed %s (%d objects, %d bytes)", url, len(manifest.objects), manifest.total_bytes
     )
     return manifest
-
-
-def delete_superseded_after(store: ObjectStore, written: bool, keys: set[str]) -> None:
-    """After ``.metadata`` was replaced (``written``): delete ``keys``, what only the
-    replaced manifest named, but for those another step of the same root references
-    (:func:`objckpt.format.superseded.referenced_by_siblings`). Until it is replaced,
-    stock readers load the replaced checkpoint, whose objects must stay: then they
-    are kept, and that is logged."""
-    # Another step's objects (references) are never this step's to delete; nor are
-    # its own objects that later steps of its root reference (#28).
-    keys = {k for k in keys - {MANIFEST_KEY} if not is_reference(k)}
-    if written:
-        _delete_superseded(store, keys - referenced_by_siblings(store, keys))
-    elif keys:
-        logger.warning(
-            "the objects only the checkpoint %s replaced named are kept (its %s still "
-            "points at them); `objckpt gc` removes them",
-            store.location.url,
-            METADATA_KEY,
-        )
-
-
-def previous_objects(store: ObjectStore) -> set[str]:
-    """What the manifest an overwrite replaces names (empty when there is none)."""
-    try:
-        return {o.key for o in read_manifest(store).objects}
-    except (FileNotFoundError, ManifestError):
-        return set()
-
-
-def _delete_superseded(store: ObjectStore, keys: set[str]) -> None:
-    """After an overwrite commits (never before): delete the payload and index
-    objects only the replaced manifest named, so re-saving a URL leaves no garbage.
-    A failure only leaves garbage behind (``objckpt gc`` removes it) and is logged."""
-    if not keys:
-        return
-    try:
-        store.delete_many(sorted(keys))
-    except Exception as exc:
-        logger.warning(
-            "could not delete %d objects of the checkpoint %s replaced (%s); "
-            "`objckpt gc` removes them",
-            len(keys),
-            store.location.url,
-            exc,
-        )
-        return
-    logger.info("deleted %d objects of the checkpoint %s replaced", len(keys), store.location.url)

@@ -1,7 +1,8 @@
-"""What an overwrite of a step directory must keep of the checkpoint it replaced.
+"""What an overwrite deletes of the checkpoint it replaced, and what it must keep.
 
-Overwriting a URL deletes, after the new manifest commits, the objects only the
-replaced manifest named (:func:`objckpt.format.commit.delete_superseded_after`). With
+Overwriting a URL deletes, after the new manifest commits and ``.metadata`` is
+replaced (the commit's last step, :mod:`objckpt.format.commit`), the objects only
+the replaced manifest named (:func:`delete_superseded_after`). With
 reuse (:mod:`objckpt.format.refs`), when the URL is a step directory of a root,
 later steps of that root may name those very objects as ``../step-<N>/<key>``:
 "only the replaced manifest named them" is then a question about the whole root,
@@ -23,13 +24,13 @@ import logging
 from collections.abc import Set
 
 from objckpt.errors import ManifestError, StoreError
-from objckpt.format.layout import MANIFEST_KEY, index_rank
+from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY, index_rank
 from objckpt.format.manifest import read_manifest
 from objckpt.format.refs import is_reference, is_step_directory, split_reference
 from objckpt.format.steps import inventory, parse_step
 from objckpt.writers import ObjectStore, open_store
 
-__all__ = ["referenced_by_siblings"]
+__all__ = ["delete_superseded_after", "previous_objects", "referenced_by_siblings"]
 
 logger = logging.getLogger(__name__)
 
@@ -98,3 +99,51 @@ def referenced_by_siblings(store: ObjectStore, keys: Set[str]) -> set[str]:
                 if target == me and inner in keys:
                     kept.add(inner)
     return kept
+
+
+def delete_superseded_after(store: ObjectStore, written: bool, keys: set[str]) -> None:
+    """After ``.metadata`` was replaced (``written``): delete ``keys``, what only the
+    replaced manifest named, but for those another step of the same root references
+    (:func:`objckpt.format.superseded.referenced_by_siblings`). Until it is replaced,
+    stock readers load the replaced checkpoint, whose objects must stay: then they
+    are kept, and that is logged."""
+    # Another step's objects (references) are never this step's to delete; nor are
+    # its own objects that later steps of its root reference (#28).
+    keys = {k for k in keys - {MANIFEST_KEY} if not is_reference(k)}
+    if written:
+        _delete_superseded(store, keys - referenced_by_siblings(store, keys))
+    elif keys:
+        logger.warning(
+            "the objects only the checkpoint %s replaced named are kept (its %s still "
+            "points at them); `objckpt gc` removes them",
+            store.location.url,
+            METADATA_KEY,
+        )
+
+
+def previous_objects(store: ObjectStore) -> set[str]:
+    """What the manifest an overwrite replaces names (empty when there is none)."""
+    try:
+        return {o.key for o in read_manifest(store).objects}
+    except (FileNotFoundError, ManifestError):
+        return set()
+
+
+def _delete_superseded(store: ObjectStore, keys: set[str]) -> None:
+    """After an overwrite commits (never before): delete the payload and index
+    objects only the replaced manifest named, so re-saving a URL leaves no garbage.
+    A failure only leaves garbage behind (``objckpt gc`` removes it) and is logged."""
+    if not keys:
+        return
+    try:
+        store.delete_many(sorted(keys))
+    except Exception as exc:
+        logger.warning(
+            "could not delete %d objects of the checkpoint %s replaced (%s); "
+            "`objckpt gc` removes them",
+            len(keys),
+            store.location.url,
+            exc,
+        )
+        return
+    logger.info("deleted %d objects of the checkpoint %s replaced", len(keys), store.location.url)

@@ -15,7 +15,10 @@ call of the training loop is needed for a save to finish::
 
 That split needs a store every process reaches alike (:func:`splits_commit`); on a
 ``file://`` path (perhaps node-local) or ``memory://``, and with one rank, each rank
-posts its write results instead and rank 0 commits them in-thread.
+posts its write results instead and rank 0 commits them in-thread. Both are the one
+commit sequence of :mod:`objckpt.format.commit` with one of its two strategies
+(``InHelper``, ``InThread``): which one only decides where the work runs, never the
+bytes of the checkpoint.
 
 The save's future gets the committed manifest (rank 0), None (other ranks) or
 the error; a rank's own upload error wins over the coordinator's summary of it.
@@ -41,9 +44,13 @@ from torch.distributed.checkpoint.storage import WriteResult
 from objckpt._torch import group_store
 from objckpt.dcp.serialize import written_object
 from objckpt.errors import InternalError, UploadError
-from objckpt.format.commit import commit_checkpoint, requests_result, written_objects
+from objckpt.format.commit import (
+    commit_checkpoint,
+    requests_result,
+    write_rank_index,
+    written_objects,
+)
 from objckpt.format.manifest import Manifest
-from objckpt.format.rank_commit import write_rank_index
 from objckpt.pipeline.coordinator import CommitHelper
 from objckpt.pipeline.deferred import DeferredWriter
 from objckpt.pipeline.finalize import RankExchange
@@ -254,8 +261,8 @@ class Committer:
 
 
 def splits_commit(location: Location, world: int) -> bool:
-    """Whether a distributed save's commit is split by rank (each rank writes its own
-    index, rank 0's helper process reads them all back): only with more than one
+    """Whether a distributed save's commit runs in rank 0's helper process (each rank
+    writes its own index, the helper reads them all back): only with more than one
     rank and a store every process reaches alike. A ``file://`` path may be
     node-local (a LocalTier: each node's own directory) and ``memory://`` is private
     to its process, so there rank 0 commits in-thread from the posted write results."""

@@ -1,31 +1,35 @@
 """Rank 0's side of an async commit from the ranks' reports, its O(W) work in a helper.
 
-Rank 0's training process gathers W small :class:`~objckpt.format.rank_commit.RankReport`
-records, then (on its commit thread):
+Every rank wrote its own index object (the commit's step 1) before it reported.
+Rank 0's training process gathers W small :class:`~objckpt.format.commit.RankReport`
+records, then (on its commit thread; the steps of :mod:`objckpt.format.commit`):
 
-1. asks its commit helper process to prepare ``.metadata`` and the chunk writers
+2. asks its commit helper process to prepare ``.metadata`` and the chunk writers
    from the index objects the ranks wrote (:func:`~objckpt.pipeline.stock_task.prepare_stock`);
-2. writes the manifest (one listing, the create-only PUT settled by read-back):
-   the plan's :class:`~objckpt.format.rank_commit.Layout`, built once per global
+3. writes the manifest (one listing, the create-only PUT settled by read-back):
+   the plan's :class:`~objckpt.format.commit.Layout`, built once per global
    plan, completed with this save's writers and keys;
-3. asks the helper to write ``.metadata`` and delete what an overwrite replaced
+4. asks the helper to write ``.metadata`` and delete what an overwrite replaced
    (:func:`~objckpt.pipeline.stock_task.publish_stock`); the save completes once
    it did (or failed: logged, the checkpoint stays committed, as in-thread).
 
-The commit order is the in-thread one's (format/commit.py); only where the work
-runs changed. Each wait on the helper is bounded, and a helper that does not answer
-in time is stopped (the next commit starts a fresh one). Step 1 ends by the earlier
-of two bounds: ``commit_by``, the time by which rank 0 must publish the outcome
-before the other ranks stop waiting for it, less :data:`MANIFEST_RESERVE` for the
-manifest; and the save's deadline plus :data:`~objckpt.pipeline.workers.WEDGED_AFTER`
-(the helper's reads end by then) plus :data:`CPU_ALLOWANCE` for its decoding and
-pickling. Then the save fails, nothing committed. Step 3 gets the settle bound
+These are the steps of :func:`~objckpt.format.commit.commit_sequence`, the one
+implementation of the commit's order; :class:`InHelper` is its helper-process
+strategy (the in-thread one is ``format/commit.py``'s ``InThread``), and both build
+``.metadata`` with the same code, so it is the same bytes. Each wait on the helper
+is bounded, and a helper that does not answer in time is stopped (the next commit
+starts a fresh one). Step 2 ends by the earlier of two bounds: ``commit_by``, the
+time by which rank 0 must publish the outcome before the other ranks stop waiting
+for it, less :data:`MANIFEST_RESERVE` for the manifest; and the save's deadline plus
+:data:`~objckpt.pipeline.workers.WEDGED_AFTER` (the helper's reads end by then) plus
+:data:`CPU_ALLOWANCE` for its decoding and pickling. Then the save fails, nothing
+committed. Step 4 gets the settle bound
 (:data:`~objckpt.format.settle.SETTLE_SECONDS`, less when ``commit_by`` is nearer)
 inside the helper and that plus ``WEDGED_AFTER`` here; past it the helper is
 stopped, so nothing it does lands after the save's handle completed.
 
 Stopping the helper stops every commit it holds: with ``max_in_flight > 1`` another
-save's step 1 fails (that save fails on every rank, nothing committed) and a
+save's step 2 fails (that save fails on every rank, nothing committed) and a
 ``.metadata`` another save prepared but had not yet written is lost (that save stays
 committed, without ``.metadata``, logged).
 """
@@ -43,10 +47,17 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata
 
 from objckpt.errors import InternalError, UploadError
-from objckpt.format.commit import commit_manifest, save_storage_meta
+from objckpt.format.commit import (
+    CommitStrategy,
+    Layout,
+    Prepared,
+    RankReport,
+    StockLayout,
+    commit_sequence,
+    save_storage_meta,
+)
+from objckpt.format.index import with_writers
 from objckpt.format.manifest import Manifest
-from objckpt.format.rank_commit import Layout, RankReport
-from objckpt.format.rank_index import with_writers
 from objckpt.format.settle import SETTLE_SECONDS
 from objckpt.options import UploadOptions
 from objckpt.pipeline import stock_task
@@ -56,14 +67,14 @@ from objckpt.writers.accounting import RequestStats
 from objckpt.writers.deadline import Deadline
 from objckpt.writers.location import Location
 
-__all__ = ["CPU_ALLOWANCE", "MANIFEST_RESERVE", "CommitHelper"]
+__all__ = ["CPU_ALLOWANCE", "MANIFEST_RESERVE", "CommitHelper", "InHelper"]
 
 logger = logging.getLogger(__name__)
 
 #: Seconds the helper's decoding and pickling may take past the save's deadline
 #: (its reads end by the deadline; its CPU work is not a request).
 CPU_ALLOWANCE = 60.0
-#: Seconds of ``commit_by`` kept for the manifest's listing and PUT after step 1.
+#: Seconds of ``commit_by`` kept for the manifest's listing and PUT after step 2.
 MANIFEST_RESERVE = 10.0
 
 
@@ -164,7 +175,8 @@ class CommitHelper:
         world: int,
         commit_by: float | None = None,
     ) -> Manifest:
-        """Commit the save ``reports`` describe (see the module doc).
+        """Commit the save ``reports`` describe (see the module doc) through
+        :func:`~objckpt.format.commit.commit_sequence` with :class:`InHelper`.
 
         Args:
             commit_by: The ``time.monotonic()`` by which the outcome must be
@@ -173,68 +185,17 @@ class CommitHelper:
         if writer.metadata is None or writer.rank_plan is None:
             raise InternalError("internal: commit without DCP metadata on the coordinator")
         target = writer.writer
-        store = target.store
         attempt = writer.rank_plan.attempt
-        layout = self.layout(writer.metadata)
-        storage_meta = save_storage_meta(
-            writer.metadata, store.location.url, target.checkpoint_id, attempt
-        )
-        keys = [None if r.index is None else r.index.key for r in reports]
-        indexes = [(rank, r.index) for rank, r in enumerate(reports) if r.index is not None]
-        stock = stock_task.StockLayout(
-            layout.for_save(True, keys, storage_meta),
-            layout.properties,
-            writer.metadata.planner_data,
-            storage_meta,
-        )
-        what = f"preparing {store.location.url}'s .metadata from {len(indexes)} index objects"
-        until, limit = prepare_bound(writer.deadline, commit_by)
-        prepared: stock_task.StockPrepared = self.bounded(
-            self._submit(
-                stock_task.prepare_stock,
-                store.location,
-                target.upload,
-                writer.deadline,
-                attempt,
-                stock,
-                indexes,
-                target.overwrite,
-            ),
-            until,
-            limit,
-            what,
-            attempt,
-        )
-        objects = {o.key: o for r in reports for o in r.objects}
-        objects.update((e.key, e) for _, e in indexes)
-        objects[prepared.metadata.key] = prepared.metadata
-        requests = sum((r.requests for r in reports), RequestStats()) + prepared.requests
-        try:
-            manifest = commit_manifest(
-                store,
-                attempt=attempt,
-                world_size=world,
-                objects=objects.values(),
-                metadata=with_writers(
-                    layout.for_save(False, keys, storage_meta),
-                    prepared.writers,
-                    keys,
-                    prepared.raw_bytes,
-                ),
-                user=target.user_metadata,
-                requests=requests,
-                overwrite=target.overwrite,
-                base=target.reuse_from,
-            )
-        except BaseException:
-            self._discard(attempt)
-            raise
-        self.publish(
-            store.location,
-            target.upload,
-            attempt,
-            frozenset(o.key for o in manifest.objects),
-            commit_by,
+        manifest = commit_sequence(
+            target.store,
+            InHelper(self, writer, reports, commit_by),
+            reports,
+            attempt=attempt,
+            world_size=world,
+            overwrite=target.overwrite,
+            user=target.user_metadata,
+            requests=sum((r.requests for r in reports), RequestStats()),
+            base=target.reuse_from,
         )
         target.close()
         return manifest
@@ -247,7 +208,7 @@ class CommitHelper:
         named: frozenset[str],
         commit_by: float | None = None,
     ) -> bool:
-        """Step 3, after the commit: the helper writes ``.metadata`` and deletes what
+        """Step 4, after the commit: the helper writes ``.metadata`` and deletes what
         an overwrite replaced, within the settle bound, and so that the outcome is
         still published by ``commit_by`` (past it the helper is stopped). Whether
         ``.metadata`` was written; when not, logged here (the save stays committed)."""
@@ -321,10 +282,79 @@ class CommitHelper:
             raise UploadError(message) from None
 
 
+class InHelper(CommitStrategy):
+    """Steps 2 and 4 of one commit in rank 0's commit helper process, from the index
+    objects every rank wrote itself (the module doc; why: :mod:`objckpt.format.commit`)."""
+
+    def __init__(
+        self,
+        helper: CommitHelper,
+        writer: DeferredWriter,
+        reports: Sequence[RankReport],
+        commit_by: float | None,
+    ) -> None:
+        assert writer.metadata is not None and writer.rank_plan is not None
+        self._helper = helper
+        self._writer = writer
+        self._metadata = writer.metadata
+        self._attempt = writer.rank_plan.attempt
+        self._keys = [None if r.index is None else r.index.key for r in reports]
+        self._indexes = [(rank, r.index) for rank, r in enumerate(reports) if r.index is not None]
+        self._commit_by = commit_by
+
+    def prepare(self) -> Prepared:
+        writer, target = self._writer, self._writer.writer
+        store = target.store
+        layout = self._helper.layout(self._metadata)
+        storage_meta = save_storage_meta(
+            self._metadata, store.location.url, target.checkpoint_id, self._attempt
+        )
+        stock = StockLayout(
+            layout.for_save(True, self._keys, storage_meta),
+            layout.properties,
+            self._metadata.planner_data,
+            storage_meta,
+        )
+        what = f"preparing {store.location.url}'s .metadata from {len(self._indexes)} index objects"
+        until, limit = prepare_bound(writer.deadline, self._commit_by)
+        prepared: stock_task.StockPrepared = self._helper.bounded(
+            self._helper._submit(
+                stock_task.prepare_stock,
+                store.location,
+                target.upload,
+                writer.deadline,
+                self._attempt,
+                stock,
+                self._indexes,
+                target.overwrite,
+            ),
+            until,
+            limit,
+            what,
+            self._attempt,
+        )
+        doc = with_writers(
+            layout.for_save(False, self._keys, storage_meta),
+            prepared.writers,
+            self._keys,
+            prepared.raw_bytes,
+        )
+        return Prepared(doc, prepared.metadata, prepared.requests)
+
+    def discard(self) -> None:
+        self._helper._discard(self._attempt)
+
+    def publish(self, named: frozenset[str]) -> bool:
+        target = self._writer.writer
+        return self._helper.publish(
+            target.store.location, target.upload, self._attempt, named, self._commit_by
+        )
+
+
 def prepare_bound(
     deadline: Deadline | None, commit_by: float | None
 ) -> tuple[float | None, Deadline | None]:
-    """When step 1 must have answered (a ``time.monotonic()``; None: no bound): the
+    """When step 2 must have answered (a ``time.monotonic()``; None: no bound): the
     earlier of ``commit_by`` less :data:`MANIFEST_RESERVE` and the deadline plus
     ``WEDGED_AFTER`` plus :data:`CPU_ALLOWANCE`; with ``deadline`` when it is that
     bound (a miss is then the deadline's error), else None."""

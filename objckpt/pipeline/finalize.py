@@ -46,7 +46,7 @@ class RankExchange:
     """One save attempt's reports and outcome, exchanged through the store.
 
     Keys live under ``objckpt/<attempt>/``. A rank's report is small (each rank
-    wrote its own index object first: :mod:`objckpt.format.rank_commit`), so its
+    wrote its own index object first: :mod:`objckpt.format.commit`), so its
     bytes do not grow with the world size; the coordinator reads all W in one
     ``multi_get`` after one ``wait`` (two round trips, not one per rank). Keys are
     deleted once read, each by one rank, so a long job's store does not grow by a

@@ -1,6 +1,6 @@
 """What rank 0's commit helper process runs: the O(W) half of an async commit.
 
-Every rank writes its own index object before it reports (format/rank_index.py),
+Every rank writes its own index object before it reports (format/index.py),
 so rank 0's training process gathers only small records. What still needs every
 rank's items is done here, in a long-lived helper process of rank 0
 (:class:`~objckpt.pipeline.workers.WorkerPool` of one, started at rank 0's first
@@ -11,13 +11,14 @@ workers it imports torch, for DCP's classes):
    against the size and CRC32C its rank reported, decode it against the plan's
    layout, and from the items build which rank wrote each chunk (the manifest's
    ``writer`` columns) and DCP's ``.metadata`` pickle for stock readers (~153 MB at
-   1,024 ranks), written as the index objects are decoded
-   (pipeline/metadata_stream.py). The pickle stays here; its size and CRC32C go
-   back for the manifest's object list. With ``overwrite``, it also reads the manifest being
-   replaced (what to delete once ``.metadata`` is replaced).
+   1,024 ranks), written as the index objects are decoded: the commit's step 2,
+   :func:`objckpt.format.commit.build_stock`, the code the in-thread commit runs. The
+   pickle stays here; its size and CRC32C go back for the manifest's object list.
+   With ``overwrite``, it also reads the manifest being replaced (what to delete once
+   ``.metadata`` is replaced).
 2. :func:`publish_stock` (after the manifest committed): PUT ``.metadata``, then
    delete the objects only the replaced checkpoint named, exactly as
-   ``format/commit.py`` does in-thread, within the settle bound; a failure leaves
+   ``format/commit.py``'s ``InThread`` does, within the settle bound; a failure leaves
    the save committed (the training process logs it). :func:`discard_stock`
    forgets a prepared pickle whose manifest was never written.
 
@@ -32,26 +33,16 @@ import dataclasses
 import gc
 import logging
 import threading
-from collections.abc import Iterable, Iterator
-from typing import Any, cast
+from collections.abc import Iterator
+from typing import Any
 
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
-)
-
-from objckpt._torch import storage_info
 from objckpt.errors import UploadError
-from objckpt.format.commit import delete_superseded_after, previous_objects
-from objckpt.format.index_read import decode_index, decode_metadata
+from objckpt.format.commit import StockLayout, build_stock, metadata_entry
 from objckpt.format.layout import METADATA_KEY
 from objckpt.format.manifest import ObjectEntry
-from objckpt.format.rank_index import writer_columns
 from objckpt.format.settle import SETTLE_SECONDS
+from objckpt.format.superseded import delete_superseded_after, previous_objects
 from objckpt.options import UploadOptions
-from objckpt.pipeline.metadata_stream import MetadataStream
 from objckpt.pipeline.upload_task import worker_store
 from objckpt.writers.accounting import RequestCounter, RequestStats, counting
 from objckpt.writers.checksum import Crc32c
@@ -67,25 +58,6 @@ _LOCK = threading.Lock()
 #: attempt -> (the .metadata pickle, what the replaced manifest named)
 _PREPARED: dict[str, tuple[bytes, set[str]]] = {}
 _FETCHERS = 16
-
-
-@dataclasses.dataclass(frozen=True)
-class StockLayout:
-    """What the helper needs of the global plan besides the index objects.
-
-    Attributes:
-        doc: The manifest's ``metadata`` of this save, writers not yet known
-            (``rank_index.layout_doc`` with this save's index keys).
-        properties: Each tensor's ``TensorProperties`` as the plan recorded them
-            (the manifest keeps only dtype and ``requires_grad``).
-        planner_data: DCP's flatten mapping, as the plan has it.
-        storage_meta: What ``.metadata`` records as the save's ``StorageMeta``.
-    """
-
-    doc: dict[str, Any]
-    properties: dict[str, TensorProperties]
-    planner_data: Any
-    storage_meta: StorageMeta
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,54 +120,10 @@ def _prepare(
     counter: RequestCounter,
 ) -> StockPrepared:
     """:func:`prepare_stock` once the index objects are fetched."""
-    metadata, _ = decode_metadata(layout.doc, url=location.url)
-    # Every chunk built once, as plain lists: the index objects are decoded against them
-    # (a lazy run-length list would build a chunk per item looked up, and .metadata would
-    # build them all again), and each item's key holds its chunk's offsets (in memory:
-    # the stream writes them again per batch).
-    sd_md: dict[str, Any] = {}
-    for fqn, md in metadata.state_dict_metadata.items():
-        if isinstance(md, TensorStorageMetadata):
-            md = TensorStorageMetadata(
-                properties=layout.properties.get(fqn, md.properties),
-                size=md.size,
-                chunks=cast(list[ChunkStorageMetadata], list(md.chunks)),
-            )
-        sd_md[fqn] = md
-    metadata = dataclasses.replace(metadata, state_dict_metadata=sd_md)
-    # .metadata is written as the ranks are decoded, a batch of items at a time: only
-    # the chunks and one rank's items are alive at once (metadata_stream's doc).
-    stream = MetadataStream()
-    stream.begin(sd_md, layout.planner_data)
-    raw = 0
-
-    def decoded() -> Iterator[tuple[int, Iterable[Any]]]:
-        """Each rank's items, one rank at a time (never all of them at once: 10 million
-        at 8,192 ranks), into ``.metadata`` on the way."""
-        nonlocal raw
-        for n, (rank, entry) in enumerate(indexes):
-            items = decode_index(
-                blobs[n], rank=rank, attempt=attempt, metadata=metadata, url=entry.key
-            )
-            blobs[n] = b""
-            stream.add(
-                (i, storage_info(it.relative_path, it.offset, it.length, it.transform_descriptors))
-                for i, it in items.items()
-            )
-            # Transformed (compressed) items' lengths before their transforms, as
-            # encode_metadata sums them into the manifest (a reader's budget).
-            raw += sum(it.raw_length or 0 for it in items.values() if it.transform_descriptors)
-            yield rank, items.keys()
-
-    writers = writer_columns(layout.doc, decoded())
-    blob = stream.end(layout.storage_meta, metadata.version)
-    crc = Crc32c()
-    crc.update(blob)
+    blob, writers, raw = build_stock(layout, attempt, indexes, blobs, location.url)
     with _LOCK:
         _PREPARED[attempt] = (blob, superseded)
-    return StockPrepared(
-        writers, ObjectEntry(METADATA_KEY, len(blob), crc.hexdigest()), counter.snapshot(), raw
-    )
+    return StockPrepared(writers, metadata_entry(blob), counter.snapshot(), raw)
 
 
 def _fetch(store: Any, indexes: list[tuple[int, ObjectEntry]]) -> list[bytes]:
