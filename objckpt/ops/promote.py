@@ -57,8 +57,8 @@ class Promoter:
         rank, world, process_group: Who promotes together (``process_group`` None
             and ``world`` 1: a single process).
         timeout: Seconds the coordinator waits for every rank's report.
-        on_durable: Coordinator: called with (step, manifest) once the primary's
-            manifest is committed.
+        on_durable: Coordinator: called with (step, url, manifest) once the
+            primary's manifest is committed.
     """
 
     def __init__(
@@ -73,7 +73,7 @@ class Promoter:
         process_group: Any | None,
         distributed: bool,
         timeout: float,
-        on_durable: Callable[[int, Manifest], None] | None = None,
+        on_durable: Callable[[int, str, Manifest], None] | None = None,
     ) -> None:
         self.local = local
         self.primary = primary
@@ -193,7 +193,7 @@ class Promoter:
             src_store.close()
             dst_store.close()
         if self._on_durable is not None:
-            self._on_durable(step, manifest)
+            self._on_durable(step, dst.url, manifest)
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for the promotions submitted so far (errors stay with their handles)."""

@@ -13,6 +13,8 @@ refused the write is logged instead (later saves bypass the local tier), never r
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -28,12 +30,30 @@ from objckpt.ops.torch_errors import unwrap
 from objckpt.options import AsyncOptions, UploadOptions
 from objckpt.pipeline import reuse_memory
 from objckpt.pipeline.checkpointer import AsyncCheckpointer
-from objckpt.pipeline.handle import SaveHandle
+from objckpt.pipeline.handle import EndHook, SaveHandle, SaveLifecycle
 from objckpt.writers.retry import RetryPolicy
 
-__all__ = ["SaveFlow"]
+__all__ = ["SaveFlow", "Where"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Where:
+    """Where one save goes, as every rank agreed.
+
+    Attributes:
+        url: This rank's target: its local tier's step directory, or the root's.
+        local: Whether the save goes to the local tier.
+        promotion: A local save picked for promotion: ends once it is durable.
+        base: A save to the root: the committed step whose unchanged items it
+            references (None: it uploads everything).
+    """
+
+    url: str
+    local: bool
+    promotion: concurrent.futures.Future[None] | None = None
+    base: int | None = None
 
 
 class SaveFlow:
@@ -98,7 +118,7 @@ class SaveFlow:
                 world=world,
                 process_group=process_group,
                 distributed=distributed,
-                on_durable=self._on_durable,
+                on_durable=durable.committed,
             )
 
     def save(
@@ -107,43 +127,89 @@ class SaveFlow:
         state_dict: dict[str, Any],
         user_metadata: Mapping[str, Any] | None,
         promote: bool | None,
+        *,
+        loaded: int | None,
     ) -> SaveHandle:
-        """Start saving ``step`` (see :meth:`objckpt.CheckpointManager.save`)."""
-        local_url = self.local.target(step, state_dict) if self.local is not None else None
-        url = local_url or self._catalog.step_url(step)
-        if self.local is not None and local_url is not None:
-            promote = self.local.pick(promote)  # every rank counts, whatever follows
-        self.checkpointer.start_workers()  # no load came first
-        base = self._base(step) if local_url is None else None
-        release = self._durable.hold_base(base) if base is not None else None
+        """Save ``step`` (see :meth:`objckpt.CheckpointManager.save`), phase by phase.
+
+        One manager save, top to bottom, each phase a named call:
+
+        1. order: a step below the run's newest is refused (every rank alike);
+        2. where it goes: the local tier or the root (:meth:`_where`);
+        3. stage -> agree -> plan or replay -> queue: ``AsyncCheckpointer.save``
+           (:func:`objckpt.pipeline.save_phases.run_save`), on the caller's thread;
+        4. commit: in the background (:mod:`objckpt.pipeline.commit_phase`); the
+           coordinator then records the step (:meth:`_on_commit`): on the root it
+           is backed up and retention applied (:meth:`DurableSteps.committed`);
+        5. after the commit, on every rank, before the handle reports it
+           (:meth:`_after_save`): the base released, the step recorded; a local
+           save promoted and local retention applied
+           (:meth:`LocalTierControl.after_save`).
+
+        ``loaded`` is the step the manager's last load returned (named by a refusal).
+        """
+        self._catalog.check_order(step, loaded=loaded)
         try:
-            handle = self.checkpointer.save(
-                state_dict,
-                url,
-                process_group=self._group,
-                user_metadata=user_metadata,
-                checkpoint_id=self._catalog.step_url(step),
-                exists=self._committed(step, local=local_url is not None),
-                reuse_from=None if base is None else self._catalog.step_url(base),
+            where = self._where(step, state_dict, promote)
+            self.checkpointer.start_workers()  # no load came first
+            release = self._durable.hold_base(where.base) if where.base is not None else None
+            try:
+                return self.checkpointer.save(
+                    state_dict,
+                    where.url,
+                    process_group=self._group,
+                    user_metadata=user_metadata,
+                    checkpoint_id=self._catalog.step_url(step),
+                    exists=self._committed(step, local=where.local),
+                    reuse_from=None if where.base is None else self._catalog.step_url(where.base),
+                    lifecycle=self._after_save(step, where, release),
+                )
+            except BaseException as exc:  # nothing was queued: undo what _where started
+                if release is not None:
+                    release()
+                if where.local and self.local is not None:
+                    self.local.abandon(step, where.promotion)
+                inner = unwrap(exc)
+                if inner is exc:
+                    raise
+                raise inner from exc
+        finally:
+            # Every rank alike, even when a failure after the agreement raised here
+            # on this rank only: the ranks' order checks must stay the same.
+            self._catalog.started(step)
+
+    def _where(self, step: int, state_dict: Mapping[str, Any], promote: bool | None) -> Where:
+        """Where the save of ``step`` goes (every rank alike: one all-reduce with a
+        local tier), whether a local save is promoted, and a root save's base."""
+        if self.local is not None:
+            local = self.local.place(step, state_dict, promote)
+            if local is not None:
+                url, promotion = local
+                return Where(url, local=True, promotion=promotion)
+        return Where(self._catalog.step_url(step), local=False, base=self._base(step))
+
+    def _after_save(
+        self, step: int, where: Where, release: Callable[[], None] | None
+    ) -> SaveLifecycle:
+        """What runs when the save ends, in order, before its handle reports it."""
+        if where.local:
+            assert self.local is not None
+            local = self.local
+            return SaveLifecycle(
+                tier="local",
+                promotion=where.promotion,
+                on_end=(lambda h, exc: local.after_save(step, h, exc, where.promotion),),
             )
-        except BaseException as exc:
-            if release is not None:
-                release()
-            inner = unwrap(exc)
-            if inner is exc:
-                raise
-            raise inner from exc
-        if release is not None:
-            handle._before_done(lambda exc: release())
-        if local_url is None and self._reuse:  # committed: the next save's base
-            handle._before_done(
-                lambda exc: reuse_memory.forget(url) if exc else reuse_memory.committed(url)
+        url = where.url
+        hooks: list[EndHook] = []
+        if release is not None:  # retention may drop the base again
+            hooks.append(lambda h, exc: release())
+        if self._reuse:  # committed: the next save's base
+            hooks.append(
+                lambda h, exc: reuse_memory.forget(url) if exc else reuse_memory.committed(url)
             )
-        if self.local is None or local_url is None:
-            handle._before_done(lambda exc: self._durable.saved(step, exc))
-        else:
-            self.local.track(step, handle, bool(promote))
-        return handle
+        hooks.append(lambda h, exc: self._durable.saved(step, exc))
+        return SaveLifecycle(on_end=tuple(hooks))
 
     def _base(self, step: int) -> int | None:
         """The step a save of ``step`` to the root reuses from: the newest step
@@ -170,10 +236,6 @@ class SaveFlow:
             return False
         steps = self._catalog.local_steps() if local else self._catalog.durable_steps()
         return step in steps
-
-    def _on_durable(self, step: int, manifest: Manifest) -> None:
-        """Coordinator: the root's manifest of a promoted step is committed."""
-        self._durable.committed(step, self._catalog.step_url(step), manifest)
 
     def _on_commit(self, url: str, manifest: Manifest) -> None:
         """Coordinator, background thread: a save committed (locally or on the root)."""

@@ -172,7 +172,7 @@ class CommitHelper:
         """
         if writer.metadata is None or writer.rank_plan is None:
             raise ObjckptError("internal: commit without DCP metadata on the coordinator")
-        target = writer.writer
+        target = writer.target
         store = target.store
         attempt = writer.rank_plan.attempt
         layout = self.layout(writer.metadata)
