@@ -33,8 +33,7 @@ from objckpt.format.layout import index_key, index_rank
 from objckpt.format.manifest import Manifest
 from objckpt.format.steps import step_name
 from objckpt.ops.catalog import StepCatalog
-from objckpt.ops.local_disk import delete_local_step, list_tier, step_dir_refusal
-from objckpt.ops.local_refs import local_references
+from objckpt.ops.local_disk import delete_local_step, list_tier, local_references, step_dir_refusal
 from objckpt.ops.promote import Promoter
 from objckpt.ops.tiers import (
     LocalTier,

@@ -14,7 +14,7 @@ any name there; only the index's name is fixed, and it is the export's commit
 .safetensors``) read the same way.
 
 This module holds the naming and the header encoding; writing and committing are
-:mod:`objckpt.ops.export_write`'s, and reading a source to import, which trusts
+:mod:`objckpt.ops.export`'s, and reading a source to import, which trusts
 nothing in it, is :mod:`objckpt.ops.safetensors_read`'s.
 """
 
