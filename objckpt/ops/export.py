@@ -11,7 +11,7 @@ one, and no committed index ever names bytes another attempt wrote.
 
 Import is the way back: a safetensors directory (sharded or ``model.safetensors``)
 saved as a committed DCP checkpoint. Its source is untrusted input, checked whole
-before anything is read or written (:mod:`objckpt.ops.safetensors_read`), then
+before anything is read or written (:mod:`objckpt.ops.safetensors_format`), then
 read a tensor at a time as the writer asks for each.
 
 **Writing one export** (:func:`write_shards`, :func:`commit_index`): shards streamed
@@ -56,18 +56,16 @@ from objckpt.format.layout import new_attempt_id
 from objckpt.ops.safetensors_format import (
     DTYPES,
     INDEX_NAME,
+    MAX_HEADER_BYTES,
     Entry,
+    Shard,
+    Stored,
     encode_header,
     index_attempt,
     index_document,
-    shard_name,
-)
-from objckpt.ops.safetensors_read import (
-    MAX_HEADER_BYTES,
-    Shard,
-    Stored,
     read_source,
     read_tensor,
+    shard_name,
 )
 from objckpt.ops.torch_errors import unwrap
 from objckpt.options import ReadOptions, UploadOptions
@@ -289,7 +287,7 @@ def import_safetensors(
     world size loads (DCP reshards whole tensors on load). Returns the tensor count.
 
     The source is untrusted input: the index and every header are checked before
-    anything is read or written (:mod:`objckpt.ops.safetensors_read`), then each
+    anything is read or written (:mod:`objckpt.ops.safetensors_format`), then each
     tensor is read with one ranged GET as the writer asks for it, so memory holds
     about one tensor at a time (plus the writer's part buffers), not the model.
 
