@@ -1,10 +1,15 @@
-"""The save path of a run: where each save goes, and what follows when it ends.
+"""The save path of a run: one manager save as its phases, top to bottom.
 
-A save goes to this node's local tier when there is one and every rank has room,
-to the root otherwise (:mod:`objckpt.ops.local_tier` decides, with every rank). Its
-handle then reports it done only after what follows has happened: a local save is
-recorded, maybe promoted and pruned (:mod:`objckpt.ops.local_tier`); a save to the
-root is recorded, backed up and retention applied (:mod:`objckpt.ops.durable`).
+:meth:`SaveFlow.save` is the whole sequence in one function (order, where it goes,
+stage -> agree -> plan or replay -> queue, commit, after the commit), each phase a
+named call; the parts it calls hold state, not the sequence. A save goes to this
+node's local tier when there is one and every rank has room, to the root otherwise
+(:meth:`LocalTierControl.place <objckpt.ops.local_tier.LocalTierControl.place>`
+decides, with every rank). What follows the save is handed to its handle when it is
+built (a :class:`~objckpt.pipeline.handle.SaveLifecycle`), so the handle reports it
+done only after that has happened: a local save is recorded, maybe promoted and
+pruned (:mod:`objckpt.ops.local_tier`); a save to the root is recorded, backed up
+and retention applied (:mod:`objckpt.ops.durable`).
 
 Errors of finished saves and promotions are raised once each, from the training
 loop's next check; a local save that failed because the disk filled up or the tier
@@ -150,7 +155,8 @@ class SaveFlow:
         """
         self._catalog.check_order(step, loaded=loaded)
         try:
-            where = self._where(step, state_dict, promote)
+            step_url = self._catalog.step_url(step)  # what DCP records, wherever it goes
+            where = self._where(step, step_url, state_dict, promote)
             self.checkpointer.start_workers()  # no load came first
             release = self._durable.hold_base(where.base) if where.base is not None else None
             try:
@@ -159,7 +165,7 @@ class SaveFlow:
                     where.url,
                     process_group=self._group,
                     user_metadata=user_metadata,
-                    checkpoint_id=self._catalog.step_url(step),
+                    checkpoint_id=step_url,
                     exists=self._committed(step, local=where.local),
                     reuse_from=None if where.base is None else self._catalog.step_url(where.base),
                     lifecycle=self._after_save(step, where, release),
@@ -178,7 +184,9 @@ class SaveFlow:
             # on this rank only: the ranks' order checks must stay the same.
             self._catalog.started(step)
 
-    def _where(self, step: int, state_dict: Mapping[str, Any], promote: bool | None) -> Where:
+    def _where(
+        self, step: int, step_url: str, state_dict: Mapping[str, Any], promote: bool | None
+    ) -> Where:
         """Where the save of ``step`` goes (every rank alike: one all-reduce with a
         local tier), whether a local save is promoted, and a root save's base."""
         if self.local is not None:
@@ -186,15 +194,14 @@ class SaveFlow:
             if local is not None:
                 url, promotion = local
                 return Where(url, local=True, promotion=promotion)
-        return Where(self._catalog.step_url(step), local=False, base=self._base(step))
+        return Where(step_url, local=False, base=self._base(step))
 
     def _after_save(
         self, step: int, where: Where, release: Callable[[], None] | None
     ) -> SaveLifecycle:
         """What runs when the save ends, in order, before its handle reports it."""
-        if where.local:
-            assert self.local is not None
-            local = self.local
+        local = self.local
+        if where.local and local is not None:
             return SaveLifecycle(
                 tier="local",
                 promotion=where.promotion,
