@@ -35,7 +35,7 @@ from objckpt.ops.torch_errors import unwrap
 from objckpt.options import AsyncOptions, UploadOptions
 from objckpt.pipeline import reuse_memory
 from objckpt.pipeline.checkpointer import AsyncCheckpointer
-from objckpt.pipeline.handle import EndHook, SaveHandle, SaveLifecycle
+from objckpt.pipeline.handle import SaveHandle, SaveLifecycle
 from objckpt.writers.retry import RetryPolicy
 
 __all__ = ["SaveFlow", "Where"]
@@ -147,9 +147,9 @@ class SaveFlow:
            coordinator then records the step (:meth:`_on_commit`): on the root it
            is backed up and retention applied (:meth:`DurableSteps.committed`);
         5. after the commit, on every rank, before the handle reports it
-           (:meth:`_after_save`): the base released, the step recorded; a local
-           save promoted and local retention applied
-           (:meth:`LocalTierControl.after_save`).
+           (:meth:`_after_save` names it): a save to the root releases its base and
+           is recorded (:meth:`_after_root_save`); a local save is recorded, promoted
+           and local retention applied (:meth:`LocalTierControl.after_save`).
 
         ``loaded`` is the step the manager's last load returned (named by a refusal).
         """
@@ -207,16 +207,37 @@ class SaveFlow:
                 promotion=where.promotion,
                 on_end=(lambda h, exc: local.after_save(step, h, exc, where.promotion),),
             )
-        url = where.url
-        hooks: list[EndHook] = []
-        if release is not None:  # retention may drop the base again
-            hooks.append(lambda h, exc: release())
-        if self._reuse:  # committed: the next save's base
-            hooks.append(
-                lambda h, exc: reuse_memory.forget(url) if exc else reuse_memory.committed(url)
-            )
-        hooks.append(lambda h, exc: self._durable.saved(step, exc))
-        return SaveLifecycle(on_end=tuple(hooks))
+        return SaveLifecycle(
+            on_end=(lambda h, exc: self._after_root_save(step, where, release, h, exc),)
+        )
+
+    def _after_root_save(
+        self,
+        step: int,
+        where: Where,
+        release: Callable[[], None] | None,
+        handle: SaveHandle,
+        exc: BaseException | None,
+    ) -> None:
+        """A save to the root ended, on every rank: its base is released (retention
+        may drop it now), what it wrote is the next save's base once committed, and
+        the step is recorded (the coordinator backed it up and applied retention at
+        its commit, :meth:`_on_commit`). Each runs even when one before it failed."""
+        try:
+            if release is not None:
+                release()
+        finally:
+            try:
+                if self._reuse:
+                    if exc is None:
+                        reuse_memory.committed(where.url)
+                    else:
+                        reuse_memory.forget(where.url)
+            finally:
+                if exc is None:
+                    self._catalog.finished(step)
+                    if self._rank != 0:  # the coordinator recorded it at its commit
+                        self._catalog.add_durable(step)
 
     def _base(self, step: int) -> int | None:
         """The step a save of ``step`` to the root reuses from: the newest step
