@@ -26,7 +26,7 @@ from typing import Any, Literal
 from objckpt.format.manifest import Manifest, ObjectEntry
 from objckpt.writers.accounting import RequestCounter, RequestStats
 
-__all__ = ["SaveHandle", "SaveLifecycle"]
+__all__ = ["EndHook", "SaveHandle", "SaveLifecycle"]
 
 logger = logging.getLogger(__name__)
 
