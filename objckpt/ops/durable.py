@@ -72,14 +72,6 @@ class DurableSteps:
         if latest is not None and self._replicator.lacking(latest):
             self._replicator.submit(latest)
 
-    def saved(self, step: int, exc: BaseException | None) -> None:
-        """Every rank: a save to the root ended (before its handle reports it done)."""
-        if exc is not None:
-            return
-        self._catalog.finished(step)
-        if self._rank != 0:
-            self._catalog.add_durable(step)
-
     def committed(self, step: int, url: str, manifest: Manifest) -> None:
         """Coordinator, background thread: record the step, back it up, then apply
         retention."""

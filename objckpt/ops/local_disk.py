@@ -23,26 +23,52 @@ what it finds there as untrusted, as it treats bucket contents:
   reads what is missing or damaged from the root). When any rank cannot list its
   directory, no rank deletes anything at that start: what that directory holds is
   unknown, and deleting on a guess loses the only copy of a local-only step.
+* **What kept steps reference stays.** A step saved to the local tier with reuse
+  names objects that an earlier local step directory of the same node holds
+  (``../step-<N>/<key>``, :mod:`objckpt.format.refs`); retention and the sweep leave
+  the files a kept step references (:func:`local_references`), or that step could
+  not load from the tier. Each rank holds its own index objects (and the coordinator
+  the manifest), so each rank finds them in the files its own node holds: no
+  collective is needed. Those files are read as untrusted input, bounded like any
+  metadata (:data:`objckpt.format.bounds.DEFAULT_MAX_METADATA_BYTES`); one that is
+  too large or malformed is skipped with a warning (what it references is then
+  unprotected, as a step whose index is unreadable could not load from the tier).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import re
 import stat
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from typing import Any
 
 from objckpt.dcp.collective import all_gather_object, is_distributed
-from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY, is_entropy_dir, is_objckpt_object
+from objckpt.errors import ManifestError
+from objckpt.format.bounds import DEFAULT_MAX_METADATA_BYTES
+from objckpt.format.layout import (
+    MANIFEST_KEY,
+    METADATA_KEY,
+    index_rank,
+    is_entropy_dir,
+    is_objckpt_object,
+)
+from objckpt.format.refs import is_reference, root_key, split_reference
 from objckpt.format.steps import parse_step, step_name
-from objckpt.ops.local_refs import local_references
 from objckpt.ops.tiers import LocalTier
 
-__all__ = ["TierListing", "delete_local_step", "list_tier", "step_dir_refusal", "sweep"]
+__all__ = [
+    "TierListing",
+    "delete_local_step",
+    "list_tier",
+    "local_references",
+    "step_dir_refusal",
+    "sweep",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +193,7 @@ def delete_local_step(path: str, keep: Collection[str] = ()) -> bool:
     Never follows a link (a linked step directory is left as it is); files objckpt
     does not write, and directories other than prefix-entropy ones, stay, and so
     does the directory then. ``keep`` names files (relative to ``path``) that kept
-    steps reference (:mod:`objckpt.ops.local_refs`): they stay, and so does the
+    steps reference (:func:`local_references`): they stay, and so does the
     directory, which is no step any more (its manifest is gone). Errors are logged,
     not raised (a local deletion never fails a save).
 
@@ -261,3 +287,52 @@ def sweep(tier: LocalTier, durable: Collection[int], process_group: Any | None) 
         if not keep:
             logger.info("deleting %s: a local save that never committed (a crash left it)", path)
         delete_local_step(path, keep)
+
+
+# -- what kept steps reference ---------------------------------------------------------
+def local_references(root: str, kept: Collection[int]) -> frozenset[str]:
+    """Root-relative keys (``step-<N>/<key>``) that the manifests and index objects
+    of this node's directories of the ``kept`` steps reference in other steps."""
+    out: set[str] = set()
+    for step in kept:
+        step_dir = step_name(step)
+        for key in _keys_in(os.path.join(root, step_dir)):
+            if is_reference(key):
+                try:
+                    split_reference(key, os.path.join(root, step_dir))
+                except ManifestError:
+                    continue
+                out.add(root_key(step_dir, key))
+    return frozenset(out)
+
+
+def _keys_in(path: str) -> Iterator[str]:
+    """The object keys named by the manifest and index objects directly in ``path``
+    (never through a link)."""
+    try:
+        with os.scandir(path) as entries:
+            names = [e.name for e in entries if e.is_file(follow_symlinks=False)]
+    except OSError:
+        return
+    for name in names:
+        if name != MANIFEST_KEY and index_rank(name) is None:
+            continue
+        file = os.path.join(path, name)
+        try:
+            if os.lstat(file).st_size > DEFAULT_MAX_METADATA_BYTES:
+                raise ValueError(f"larger than {DEFAULT_MAX_METADATA_BYTES} bytes")
+            with open(file, "rb") as f:
+                doc = json.loads(f.read())
+        except (OSError, ValueError) as exc:
+            logger.warning("local tier: cannot read %s for its references (%s)", file, exc)
+            continue
+        if not isinstance(doc, dict):
+            continue
+        if name == MANIFEST_KEY:
+            objects = doc.get("objects")
+            for o in objects if isinstance(objects, list) else ():
+                if isinstance(o, dict) and isinstance(o.get("key"), str):
+                    yield o["key"]
+        else:
+            keys = doc.get("keys")
+            yield from (k for k in (keys if isinstance(keys, list) else ()) if isinstance(k, str))

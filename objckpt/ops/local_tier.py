@@ -33,8 +33,7 @@ from objckpt.format.layout import index_key, index_rank
 from objckpt.format.manifest import Manifest
 from objckpt.format.steps import step_name
 from objckpt.ops.catalog import StepCatalog
-from objckpt.ops.local_disk import delete_local_step, list_tier, step_dir_refusal
-from objckpt.ops.local_refs import local_references
+from objckpt.ops.local_disk import delete_local_step, list_tier, local_references, step_dir_refusal
 from objckpt.ops.promote import Promoter
 from objckpt.ops.tiers import (
     LocalTier,
@@ -70,7 +69,7 @@ class LocalTierControl:
         upload: Part sizing for the promotions' copies.
         options: Worker counts and the barrier timeout of the saves.
         rank, world, process_group, distributed: Who saves together.
-        on_durable: Coordinator: called with (step, manifest) once a promoted
+        on_durable: Coordinator: called with (step, url, manifest) once a promoted
             step's manifest is committed on the root.
     """
 
@@ -85,7 +84,7 @@ class LocalTierControl:
         world: int,
         process_group: Any | None,
         distributed: bool,
-        on_durable: Callable[[int, Manifest], None],
+        on_durable: Callable[[int, str, Manifest], None],
     ) -> None:
         self.tier = tier
         self._catalog = catalog
@@ -121,7 +120,38 @@ class LocalTierControl:
         return self.tier.location.child(step_name(step)).url
 
     # -- a save -----------------------------------------------------------------------------
-    def target(self, step: int, state_dict: Mapping[str, Any]) -> str | None:
+    def place(
+        self, step: int, state_dict: Mapping[str, Any], promote: bool | None
+    ) -> tuple[str, concurrent.futures.Future[None] | None] | None:
+        """Where a save of ``step`` goes on this tier: this rank's URL and, when it is
+        picked for promotion, the future that ends once it is durable; None when the
+        save must bypass the tier (decided with every rank: one all-reduce).
+
+        A promotion picked here is running from now on (spared by local retention):
+        the save's end settles it (:meth:`after_save`), or :meth:`abandon` when the
+        save never started."""
+        url = self._target(step, state_dict)
+        if url is None:
+            return None
+        if not self._pick(promote):  # every rank counts, whatever follows
+            return url, None
+        promotion: concurrent.futures.Future[None] = concurrent.futures.Future()
+        with self._lock:
+            self._to_promote.add(step)
+            self._promotions.append(promotion)
+        return url, promotion
+
+    def abandon(self, step: int, promotion: concurrent.futures.Future[None] | None) -> None:
+        """The save of ``step`` :meth:`place` sent here failed to start: forget its
+        promotion (its error is the save's, raised to the caller)."""
+        if promotion is None:
+            return
+        with self._lock:
+            self._to_promote.discard(step)
+            self._promotions = [p for p in self._promotions if p is not promotion]
+        promotion.cancel()
+
+    def _target(self, step: int, state_dict: Mapping[str, Any]) -> str | None:
         """This rank's local URL for ``step``, or None when the save must bypass the
         local tier (decided with every rank: one all-reduce)."""
         why = (
@@ -141,7 +171,7 @@ class LocalTierControl:
         self._last_bypass = why
         return None
 
-    def pick(self, promote: bool | None) -> bool:
+    def _pick(self, promote: bool | None) -> bool:
         """Count a save to the local tier and say whether it is promoted (every
         ``promote_every``-th, unless ``promote`` decides). Called for every save the
         ranks agreed to send here, before it starts, whether or not it then fails on
@@ -150,27 +180,15 @@ class LocalTierControl:
         self._saves += 1
         return promote if promote is not None else self._saves % self.tier.promote_every == 0
 
-    def track(self, step: int, handle: SaveHandle, promote: bool) -> None:
-        """Follow a save started to the local tier (picked for promotion or not, by
-        :meth:`pick`) and act when it ends."""
-        promotion: concurrent.futures.Future[None] | None = None
-        if promote:
-            promotion = concurrent.futures.Future()
-            with self._lock:
-                self._to_promote.add(step)
-                self._promotions.append(promotion)
-        handle._set_promotion(promotion)
-        handle._before_done(lambda exc: self._saved(step, handle, exc, promotion))
-
-    def _saved(
+    def after_save(
         self,
         step: int,
         handle: SaveHandle,
         exc: BaseException | None,
         promotion: concurrent.futures.Future[None] | None,
     ) -> None:
-        """A local save ended: record it, start its promotion, apply local retention
-        (before its handle reports it done)."""
+        """A local save ended (before its handle reports it done): record it, keep
+        this rank's index object, start its promotion, apply local retention."""
         if exc is not None:
             full, refused = is_disk_full(exc), is_not_writable(exc)
             if full or refused:

@@ -229,13 +229,8 @@ class CheckpointManager:
             StepOrderError: ``step`` is below the newest step of the run.
             ConfigurationError, StateDictError, StoreError: before any upload.
         """
-        self._catalog.check_order(step, loaded=self._loaded)
-        try:
-            return self._saves.save(step, state_dict, user_metadata, promote)
-        finally:
-            # Every rank alike, even when a failure after the agreement raised here
-            # on this rank only: the ranks' order checks must stay the same.
-            self._catalog.started(step)
+        # The save's phases, top to bottom, are in one function: SaveFlow.save.
+        return self._saves.save(step, state_dict, user_metadata, promote, loaded=self._loaded)
 
     def maybe_finalize(self) -> list[int]:
         """Steps that committed since the last call (cheap; never blocks)."""

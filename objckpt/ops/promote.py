@@ -15,6 +15,10 @@ objects ``objckpt gc`` removes, while the local tier still holds the new step.
 
 Each rank's cost is its own bytes plus a constant number of store keys; the
 coordinator alone reads W keys, as it does for every async commit.
+
+What a promotion worker runs is here too (:func:`promote_object`, one object copied
+and checked): it is the same job's other half, and a worker imports the package
+(torch included) whichever module holds it.
 """
 
 from __future__ import annotations
@@ -29,19 +33,19 @@ from typing import Any
 from objckpt._torch import group_store
 from objckpt.errors import CheckpointExistsError, UploadError
 from objckpt.format.layout import is_objckpt_payload
-from objckpt.format.manifest import Manifest
+from objckpt.format.manifest import Manifest, ObjectEntry
 from objckpt.format.steps import step_name
-from objckpt.ops.promote_task import promote_object
-from objckpt.ops.verify import commit_copy
+from objckpt.ops.verify import commit_copy, copy_object
 from objckpt.options import UploadOptions
 from objckpt.pipeline.finalize import RankExchange
 from objckpt.pipeline.handle import SaveHandle
+from objckpt.pipeline.upload_task import worker_store
 from objckpt.writers import open_store
-from objckpt.writers.accounting import RequestStats
+from objckpt.writers.accounting import RequestCounter, RequestStats, counting
 from objckpt.writers.location import Location
 from objckpt.writers.translate import describe
 
-__all__ = ["Promoter"]
+__all__ = ["Promoter", "promote_object"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +61,8 @@ class Promoter:
         rank, world, process_group: Who promotes together (``process_group`` None
             and ``world`` 1: a single process).
         timeout: Seconds the coordinator waits for every rank's report.
-        on_durable: Coordinator: called with (step, manifest) once the primary's
-            manifest is committed.
+        on_durable: Coordinator: called with (step, url, manifest) once the
+            primary's manifest is committed.
     """
 
     def __init__(
@@ -73,7 +77,7 @@ class Promoter:
         process_group: Any | None,
         distributed: bool,
         timeout: float,
-        on_durable: Callable[[int, Manifest], None] | None = None,
+        on_durable: Callable[[int, str, Manifest], None] | None = None,
     ) -> None:
         self.local = local
         self.primary = primary
@@ -193,7 +197,7 @@ class Promoter:
             src_store.close()
             dst_store.close()
         if self._on_durable is not None:
-            self._on_durable(step, manifest)
+            self._on_durable(step, dst.url, manifest)
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for the promotions submitted so far (errors stay with their handles)."""
@@ -203,3 +207,13 @@ class Promoter:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def promote_object(
+    src: Location, dst: Location, options: UploadOptions, entry: ObjectEntry
+) -> RequestStats:
+    """Worker side: copy one object from the local tier to the primary, checked
+    against ``entry`` while it streams (a damaged local copy is never committed)."""
+    with counting(RequestCounter()) as counter:
+        copy_object(worker_store(src, options), worker_store(dst, options), entry, None)
+    return counter.snapshot()

@@ -1,10 +1,15 @@
-"""The save path of a run: where each save goes, and what follows when it ends.
+"""The save path of a run: one manager save as its phases, top to bottom.
 
-A save goes to this node's local tier when there is one and every rank has room,
-to the root otherwise (:mod:`objckpt.ops.local_tier` decides, with every rank). Its
-handle then reports it done only after what follows has happened: a local save is
-recorded, maybe promoted and pruned (:mod:`objckpt.ops.local_tier`); a save to the
-root is recorded, backed up and retention applied (:mod:`objckpt.ops.durable`).
+:meth:`SaveFlow.save` is the whole sequence in one function (order, where it goes,
+stage -> agree -> plan or replay -> queue, commit, after the commit), each phase a
+named call; the parts it calls hold state, not the sequence. A save goes to this
+node's local tier when there is one and every rank has room, to the root otherwise
+(:meth:`LocalTierControl.place <objckpt.ops.local_tier.LocalTierControl.place>`
+decides, with every rank). What follows the save is handed to its handle when it is
+built (a :class:`~objckpt.pipeline.handle.SaveLifecycle`), so the handle reports it
+done only after that has happened: a local save is recorded, maybe promoted and
+pruned (:mod:`objckpt.ops.local_tier`); a save to the root is recorded, backed up
+and retention applied (:mod:`objckpt.ops.durable`).
 
 Errors of finished saves and promotions are raised once each, from the training
 loop's next check; a local save that failed because the disk filled up or the tier
@@ -13,6 +18,8 @@ refused the write is logged instead (later saves bypass the local tier), never r
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -28,12 +35,30 @@ from objckpt.ops.torch_errors import unwrap
 from objckpt.options import AsyncOptions, UploadOptions
 from objckpt.pipeline import reuse_memory
 from objckpt.pipeline.checkpointer import AsyncCheckpointer
-from objckpt.pipeline.handle import SaveHandle
+from objckpt.pipeline.handle import SaveHandle, SaveLifecycle
 from objckpt.writers.retry import RetryPolicy
 
-__all__ = ["SaveFlow"]
+__all__ = ["SaveFlow", "Where"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Where:
+    """Where one save goes, as every rank agreed.
+
+    Attributes:
+        url: This rank's target: its local tier's step directory, or the root's.
+        local: Whether the save goes to the local tier.
+        promotion: A local save picked for promotion: ends once it is durable.
+        base: A save to the root: the committed step whose unchanged items it
+            references (None: it uploads everything).
+    """
+
+    url: str
+    local: bool
+    promotion: concurrent.futures.Future[None] | None = None
+    base: int | None = None
 
 
 class SaveFlow:
@@ -98,7 +123,7 @@ class SaveFlow:
                 world=world,
                 process_group=process_group,
                 distributed=distributed,
-                on_durable=self._on_durable,
+                on_durable=durable.committed,
             )
 
     def save(
@@ -107,43 +132,112 @@ class SaveFlow:
         state_dict: dict[str, Any],
         user_metadata: Mapping[str, Any] | None,
         promote: bool | None,
+        *,
+        loaded: int | None,
     ) -> SaveHandle:
-        """Start saving ``step`` (see :meth:`objckpt.CheckpointManager.save`)."""
-        local_url = self.local.target(step, state_dict) if self.local is not None else None
-        url = local_url or self._catalog.step_url(step)
-        if self.local is not None and local_url is not None:
-            promote = self.local.pick(promote)  # every rank counts, whatever follows
-        self.checkpointer.start_workers()  # no load came first
-        base = self._base(step) if local_url is None else None
-        release = self._durable.hold_base(base) if base is not None else None
+        """Save ``step`` (see :meth:`objckpt.CheckpointManager.save`), phase by phase.
+
+        One manager save, top to bottom, each phase a named call:
+
+        1. order: a step below the run's newest is refused (every rank alike);
+        2. where it goes: the local tier or the root (:meth:`_where`);
+        3. stage -> agree -> plan or replay -> queue: ``AsyncCheckpointer.save``
+           (:func:`objckpt.pipeline.save_phases.run_save`), on the caller's thread;
+        4. commit: in the background (:mod:`objckpt.pipeline.commit_phase`); the
+           coordinator then records the step (:meth:`_on_commit`): on the root it
+           is backed up and retention applied (:meth:`DurableSteps.committed`);
+        5. after the commit, on every rank, before the handle reports it
+           (:meth:`_after_save` names it): a save to the root releases its base and
+           is recorded (:meth:`_after_root_save`); a local save is recorded, promoted
+           and local retention applied (:meth:`LocalTierControl.after_save`).
+
+        ``loaded`` is the step the manager's last load returned (named by a refusal).
+        """
+        self._catalog.check_order(step, loaded=loaded)
         try:
-            handle = self.checkpointer.save(
-                state_dict,
-                url,
-                process_group=self._group,
-                user_metadata=user_metadata,
-                checkpoint_id=self._catalog.step_url(step),
-                exists=self._committed(step, local=local_url is not None),
-                reuse_from=None if base is None else self._catalog.step_url(base),
+            step_url = self._catalog.step_url(step)  # what DCP records, wherever it goes
+            where = self._where(step, step_url, state_dict, promote)
+            self.checkpointer.start_workers()  # no load came first
+            release = self._durable.hold_base(where.base) if where.base is not None else None
+            try:
+                return self.checkpointer.save(
+                    state_dict,
+                    where.url,
+                    process_group=self._group,
+                    user_metadata=user_metadata,
+                    checkpoint_id=step_url,
+                    exists=self._committed(step, local=where.local),
+                    reuse_from=None if where.base is None else self._catalog.step_url(where.base),
+                    lifecycle=self._after_save(step, where, release),
+                )
+            except BaseException as exc:  # nothing was queued: undo what _where started
+                if release is not None:
+                    release()
+                if where.local and self.local is not None:
+                    self.local.abandon(step, where.promotion)
+                inner = unwrap(exc)
+                if inner is exc:
+                    raise
+                raise inner from exc
+        finally:
+            # Every rank alike, even when a failure after the agreement raised here
+            # on this rank only: the ranks' order checks must stay the same.
+            self._catalog.started(step)
+
+    def _where(
+        self, step: int, step_url: str, state_dict: Mapping[str, Any], promote: bool | None
+    ) -> Where:
+        """Where the save of ``step`` goes (every rank alike: one all-reduce with a
+        local tier), whether a local save is promoted, and a root save's base."""
+        if self.local is not None:
+            local = self.local.place(step, state_dict, promote)
+            if local is not None:
+                url, promotion = local
+                return Where(url, local=True, promotion=promotion)
+        return Where(step_url, local=False, base=self._base(step))
+
+    def _after_save(
+        self, step: int, where: Where, release: Callable[[], None] | None
+    ) -> SaveLifecycle:
+        """What runs when the save ends, in order, before its handle reports it."""
+        local = self.local
+        if where.local and local is not None:
+            return SaveLifecycle(
+                tier="local",
+                promotion=where.promotion,
+                on_end=(lambda h, exc: local.after_save(step, h, exc, where.promotion),),
             )
-        except BaseException as exc:
+        return SaveLifecycle(
+            on_end=(lambda h, exc: self._after_root_save(step, where, release, h, exc),)
+        )
+
+    def _after_root_save(
+        self,
+        step: int,
+        where: Where,
+        release: Callable[[], None] | None,
+        handle: SaveHandle,
+        exc: BaseException | None,
+    ) -> None:
+        """A save to the root ended, on every rank: its base is released (retention
+        may drop it now), what it wrote is the next save's base once committed, and
+        the step is recorded (the coordinator backed it up and applied retention at
+        its commit, :meth:`_on_commit`). Each runs even when one before it failed."""
+        try:
             if release is not None:
                 release()
-            inner = unwrap(exc)
-            if inner is exc:
-                raise
-            raise inner from exc
-        if release is not None:
-            handle._before_done(lambda exc: release())
-        if local_url is None and self._reuse:  # committed: the next save's base
-            handle._before_done(
-                lambda exc: reuse_memory.forget(url) if exc else reuse_memory.committed(url)
-            )
-        if self.local is None or local_url is None:
-            handle._before_done(lambda exc: self._durable.saved(step, exc))
-        else:
-            self.local.track(step, handle, bool(promote))
-        return handle
+        finally:
+            try:
+                if self._reuse:
+                    if exc is None:
+                        reuse_memory.committed(where.url)
+                    else:
+                        reuse_memory.forget(where.url)
+            finally:
+                if exc is None:
+                    self._catalog.finished(step)
+                    if self._rank != 0:  # the coordinator recorded it at its commit
+                        self._catalog.add_durable(step)
 
     def _base(self, step: int) -> int | None:
         """The step a save of ``step`` to the root reuses from: the newest step
@@ -170,10 +264,6 @@ class SaveFlow:
             return False
         steps = self._catalog.local_steps() if local else self._catalog.durable_steps()
         return step in steps
-
-    def _on_durable(self, step: int, manifest: Manifest) -> None:
-        """Coordinator: the root's manifest of a promoted step is committed."""
-        self._durable.committed(step, self._catalog.step_url(step), manifest)
 
     def _on_commit(self, url: str, manifest: Manifest) -> None:
         """Coordinator, background thread: a save committed (locally or on the root)."""

@@ -53,7 +53,7 @@ from objckpt.errors import ConfigurationError, SaveDeadlineError, SaveSequenceEr
 from objckpt.format.manifest import Manifest
 from objckpt.options import AsyncOptions, UploadOptions
 from objckpt.pipeline.commit_phase import WEDGED_AFTER, Committer
-from objckpt.pipeline.handle import SaveHandle
+from objckpt.pipeline.handle import SaveHandle, SaveLifecycle
 from objckpt.pipeline.lifetime import register, wait_bounded, warn_and_wait
 from objckpt.pipeline.plan_cache import PlanCacheStats, PlanMemory
 from objckpt.pipeline.queue import AsyncRequest
@@ -164,6 +164,7 @@ class AsyncCheckpointer:
         no_dist: bool = False,
         exists: bool | None = None,
         reuse_from: str | None = None,
+        lifecycle: SaveLifecycle | None = None,
     ) -> SaveHandle:
         """Stage ``state_dict`` and start saving it to ``url``; returns once staged.
 
@@ -185,6 +186,8 @@ class AsyncCheckpointer:
                 refused now (on every rank, through the save's agreement).
             reuse_from: A committed step beside ``url`` whose unchanged items this
                 save references instead of uploading (``ObjectStoreWriter``'s).
+            lifecycle: What the handle runs when the save ends, before reporting it
+                (a manager's bookkeeping), and its tier and promotion.
 
         Raises:
             ConfigurationError, StateDictError, CheckpointExistsError, StoreError:
@@ -220,22 +223,23 @@ class AsyncCheckpointer:
                 self._sequence = exc.highest  # every rank resumes in step from here
                 raise
             future: concurrent.futures.Future[Manifest | None] = concurrent.futures.Future()
-            target = queued.writer.writer
+            target = queued.deferred.target
             copy = queued.staged.copy
             handle = SaveHandle(
                 target.location.url,
                 future,
                 target.request_counter,
                 None if copy is None else copy.finished,
+                ends_by=self._committer.ends_by(queued.deferred, queued.distributed),
+                lifecycle=lifecycle,
+                waited_for_earlier=waited,
+                attempt=target.attempt,
             )
-            handle.waited_for_earlier = waited
-            handle.attempt = target.attempt
-            handle._ends_by = self._committer.ends_by(queued.writer, queued.distributed)
             with self._lock:
                 self._inflight.append(handle)
             self._finalizers.submit(
                 self._committer.finalize,
-                queued.writer,
+                queued.deferred,
                 queued.staged,
                 handle,
                 future,
@@ -268,7 +272,7 @@ class AsyncCheckpointer:
                 if len(self._inflight) < self.options.max_in_flight:
                     break
                 oldest = self._inflight[0]
-            if not oldest._settled():  # its error is reported by check_for_errors
+            if not oldest.settled():  # its error is reported by check_for_errors
                 rank = dist.get_rank(process_group) if dist.is_initialized() else 0
                 refusal = SaveDeadlineError(
                     f"rank {rank}: the save of {oldest.url} is still running "
@@ -300,7 +304,7 @@ class AsyncCheckpointer:
         failed, stuck workers and stores included (now, with none in flight; None
         when one has no deadline). Only a hung on-commit hook outlasts it."""
         with self._lock:
-            bounds = [h._ends_by for h in self._inflight if not h.done()]
+            bounds = [h.ends_by for h in self._inflight if not h.done()]
         if any(b is None for b in bounds):
             return None
         return max([time.monotonic(), *(b for b in bounds if b is not None)])

@@ -72,7 +72,7 @@ def exchange_for(
 ) -> RankExchange:
     """The c10d-store exchange of ``writer``'s save attempt (saves in a process group
     only: a ``no_dist`` save, like one outside a group, commits without it)."""
-    target = writer.writer
+    target = writer.target
     if target.attempt is None:
         raise InternalError("internal: rank exchange before the attempt was agreed")
     return RankExchange(
@@ -140,8 +140,8 @@ class Committer:
         distributed: bool,
     ) -> None:
         """Finish one save within its deadline and settle ``future`` either way."""
-        url = writer.writer.location.url
-        counter = writer.writer.request_counter
+        url = writer.target.location.url
+        counter = writer.target.request_counter
         try:
             with counting(counter), bounded_by(writer.deadline):
                 manifest = self._finish(writer, staged, handle, world, process_group, distributed)
@@ -160,8 +160,8 @@ class Committer:
         process_group: Any | None,
         distributed: bool,
     ) -> Manifest | None:
-        split = distributed and splits_commit(writer.writer.location, world)
-        if split and writer.writer.rank == 0:
+        split = distributed and splits_commit(writer.target.location, world)
+        if split and writer.target.rank == 0:
             try:  # its start overlaps the uploads
                 self._helper.start()
             except Exception as exc:  # the commit tries again, inside the exchange
@@ -171,12 +171,12 @@ class Committer:
         if refusal is not None:  # nothing was uploaded; no rank gathers
             self._release(staged)
             raise refusal
-        if split and writer.writer.rank == 0 and writer.metadata is not None:
+        if split and writer.target.rank == 0 and writer.metadata is not None:
             self._helper.prepare_layout(writer.metadata)  # while the uploads run
         results, error = _collect(writer, self._workers)
         error = queueing_error or error
         self._release(staged)
-        handle._set_written(written_objects(results))
+        handle.record_written(written_objects(results))
         rank_plan = writer.rank_plan
         assert rank_plan is not None
         if not distributed:
@@ -190,11 +190,11 @@ class Committer:
         if error is None and split:
             try:  # this rank's own index object, before it reports
                 report = write_rank_index(
-                    writer.writer.store,
+                    writer.target.store,
                     results,
                     rank_plan.rank,
                     rank_plan.attempt,
-                    lambda: writer.writer.requests,
+                    lambda: writer.target.requests,
                 )
             except BaseException as exc:
                 error = exc
@@ -233,7 +233,7 @@ class Committer:
     ) -> Manifest:
         if writer.metadata is None or writer.rank_plan is None:
             raise InternalError("internal: commit without DCP metadata on the coordinator")
-        target = writer.writer
+        target = writer.target
         manifest = commit_checkpoint(
             target.store,
             writer.metadata,
@@ -253,7 +253,7 @@ class Committer:
         error is logged, never the save's outcome (the checkpoint is committed)."""
         if self._on_commit is None:
             return
-        url = writer.writer.location.url
+        url = writer.target.location.url
         try:
             self._on_commit(url, manifest)
         except Exception:
@@ -304,7 +304,7 @@ def _collect(
         except BrokenProcessPool as exc:
             if error is None:
                 error = UploadError(
-                    f"an upload worker died while saving {writer.writer.location.url} "
+                    f"an upload worker died while saving {writer.target.location.url} "
                     "(killed or out of memory); the save was not committed"
                 )
                 error.__cause__ = exc
@@ -314,8 +314,8 @@ def _collect(
                 logger.debug("another upload of %s failed too: %s", p.obj.key, describe(exc))
             error = error or exc
             continue
-        writer.writer.request_counter.add(record.requests)
+        writer.target.request_counter.add(record.requests)
         results.extend(written_object(p.obj, writer.items, record, done).write_results())
     # The rank's requests so far travel with its results; the coordinator sums them.
-    results.append(requests_result(writer.writer.requests))
+    results.append(requests_result(writer.target.requests))
     return results, error

@@ -184,7 +184,7 @@ class CommitHelper:
         """
         if writer.metadata is None or writer.rank_plan is None:
             raise InternalError("internal: commit without DCP metadata on the coordinator")
-        target = writer.writer
+        target = writer.target
         attempt = writer.rank_plan.attempt
         manifest = commit_sequence(
             target.store,
@@ -303,7 +303,7 @@ class InHelper(CommitStrategy):
         self._commit_by = commit_by
 
     def prepare(self) -> Prepared:
-        writer, target = self._writer, self._writer.writer
+        writer, target = self._writer, self._writer.target
         store = target.store
         layout = self._helper.layout(self._metadata)
         storage_meta = save_storage_meta(
@@ -345,7 +345,7 @@ class InHelper(CommitStrategy):
         self._helper._discard(self._attempt)
 
     def publish(self, named: frozenset[str]) -> bool:
-        target = self._writer.writer
+        target = self._writer.target
         return self._helper.publish(
             target.store.location, target.upload, self._attempt, named, self._commit_by
         )

@@ -56,18 +56,19 @@ class DeferredWriter(StorageWriter):
     """A DCP writer whose ``write_data`` queues uploads and whose ``finish`` defers the commit.
 
     Args:
-        writer: The plain writer for the target URL (already ``attach``-ed to the
-            agreed attempt and any shared filesystem).
+        target: The plain writer for the target URL (already ``attach``-ed to the
+            agreed attempt and any shared filesystem); kept as :attr:`target`.
         pool: The upload workers.
         staged: The staged copy of the state dict the items resolve to.
         framer: Tensor frames, kept by the checkpointer across saves.
     """
 
     def __init__(
-        self, writer: ObjectStoreWriter, pool: WorkerPool, staged: Staged, framer: Framer
+        self, target: ObjectStoreWriter, pool: WorkerPool, staged: Staged, framer: Framer
     ) -> None:
         super().__init__()
-        self.writer = writer
+        #: The plain writer of the target URL: location, options, store, attempt id.
+        self.target = target
         self._pool = pool
         self._staged = staged
         self._framer = framer
@@ -89,21 +90,21 @@ class DeferredWriter(StorageWriter):
 
     # -- DCP protocol: delegated to the plain writer ------------------------------------
     def reset(self, checkpoint_id: Any = None) -> None:
-        self.writer.reset(checkpoint_id)
+        self.target.reset(checkpoint_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.writer.set_up_storage_writer(is_coordinator, *args, **kwargs)
+        self.target.set_up_storage_writer(is_coordinator, *args, **kwargs)
 
     def storage_meta(self) -> StorageMeta | None:
-        return self.writer.storage_meta()
+        return self.target.storage_meta()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan  # the target was checked before planning (save_phases, target_check)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        if self.writer.attempt is None:
+        if self.target.attempt is None:
             raise InternalError("internal: global plan before the attempt was agreed")
-        return self.writer.prepare_global_plan(plans)
+        return self.target.prepare_global_plan(plans)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
@@ -144,9 +145,9 @@ class DeferredWriter(StorageWriter):
         self.rank_plan = rank_plan
         self.final_plan = plan
         self.items = list(plan.items)
-        upload = self.writer.upload
+        upload = self.target.upload
         self.deadline = Deadline.start(
-            upload.deadline, f"rank {rank_plan.rank} saving {self.writer.location.url}"
+            upload.deadline, f"rank {rank_plan.rank} saving {self.target.location.url}"
         )
         has_bytes = any(i.type == WriteItemType.BYTE_IO for i in self.items)
         later = later and self._staged.wave is None
@@ -187,12 +188,12 @@ class DeferredWriter(StorageWriter):
         *,
         strict: bool,
     ) -> None:
-        upload = self.writer.upload
+        upload = self.target.upload
         # The workers share the rank's request budget (and so its part-buffer memory,
         # max_in_flight * part_size), as one synchronous writer would hold it.
         share = -(-upload.max_in_flight // self._pool.workers)
         per_worker = dataclasses.replace(upload, max_in_flight=share)
-        location = self.writer.location
+        location = self.target.location
         items = self.items
         position = {id(item): n for n, item in enumerate(items)}
         staged = self._staged
@@ -206,7 +207,7 @@ class DeferredWriter(StorageWriter):
             object_size,
             lambda i: payload_key(rank_plan.rank, i, rank_plan.attempt, upload.prefix_entropy),
         )
-        base = self.writer.base_table(items) if objects else None
+        base = self.target.base_table(items) if objects else None
         this_wave: list[concurrent.futures.Future[PayloadRecord]] = []
         if wave is not None and objects:
             refusal = self.pass_gate()  # a wave's uploads cannot be held: ask first
@@ -281,10 +282,10 @@ class DeferredWriter(StorageWriter):
         coordinator, which never see it). ``set_up`` readies ``planner`` on the new
         staged state; with ``later`` both it and the queueing may wait for
         :meth:`queue_deferred` (see :meth:`_queue_after`)."""
-        attempt = self.writer.attempt
+        attempt = self.target.attempt
         if attempt is None:
             raise InternalError("internal: replay before the attempt was agreed")
-        rank_plan = RankPlan(rank=self.writer.rank, attempt=attempt)
+        rank_plan = RankPlan(rank=self.target.rank, attempt=attempt)
         plan = dataclasses.replace(plan, storage_data=rank_plan)
         self._queue_after(plan, planner, later=later, set_up=set_up)
         self.metadata = metadata
@@ -312,7 +313,7 @@ class DeferredWriter(StorageWriter):
         if not self._staged.owns(value):
             if strict:
                 raise InternalError(
-                    f"internal: a {tuple(value.shape)} tensor of {self.writer.location.url} "
+                    f"internal: a {tuple(value.shape)} tensor of {self.target.location.url} "
                     "is not in staging memory while queueing after save() returned"
                 )
             self.all_staged = False
@@ -341,7 +342,7 @@ class DeferredWriter(StorageWriter):
                 f.result()
             except BrokenProcessPool as exc:
                 raise UploadError(
-                    f"an upload worker died while saving {self.writer.location.url} in "
+                    f"an upload worker died while saving {self.target.location.url} in "
                     "staging waves (killed or out of memory); nothing was committed"
                 ) from exc
 

@@ -3,23 +3,53 @@
 A handle is a thin view over a ``concurrent.futures.Future`` so the caller never
 touches the pipeline's threads: it can poll (``done``), wait (``result``), or be
 told (``add_done_callback``), and the save's own error is re-raised unchanged.
+
+Its whole lifecycle is given when it is built, so no other module reaches inside
+it: the time bound the pipeline guarantees (``ends_by``) and what the caller runs
+when the save ends, before the handle reports it (a :class:`SaveLifecycle`: the
+manager's bookkeeping, a local save's promotion). The pipeline then drives the
+two transitions it owns through public methods: :meth:`SaveHandle.record_written`
+(this rank's objects, before the save resolves) and :meth:`SaveHandle.settled`
+(a wait no longer than the save's own bound).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from objckpt.format.manifest import Manifest, ObjectEntry
 from objckpt.writers.accounting import RequestCounter, RequestStats
 
-__all__ = ["SaveHandle"]
+__all__ = ["EndHook", "SaveHandle", "SaveLifecycle"]
 
 logger = logging.getLogger(__name__)
+
+#: Runs when a save ends, before its handle reports it: ``hook(handle, error or None)``.
+EndHook = Callable[["SaveHandle", BaseException | None], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveLifecycle:
+    """What the caller of a save attaches to its handle when it is built.
+
+    Attributes:
+        tier: ``"primary"`` (the object store) or ``"local"`` (a LocalTier).
+        promotion: A local save picked for promotion: ends when the step is
+            committed on the primary (None: not promoted, or not a local save).
+        on_end: Run in order when the save ends, before the handle reports it, so
+            whoever waits on the handle sees what they recorded (the manager's step
+            lists). A hook's own failure is logged, never the save's outcome.
+    """
+
+    tier: Literal["primary", "local"] = "primary"
+    promotion: concurrent.futures.Future[None] | None = None
+    on_end: tuple[EndHook, ...] = ()
 
 
 class SaveHandle:
@@ -40,49 +70,61 @@ class SaveHandle:
         future: concurrent.futures.Future[Manifest | None],
         counter: RequestCounter | None = None,
         staged: threading.Event | None = None,
+        *,
+        ends_by: float | None = None,
+        lifecycle: SaveLifecycle | None = None,
+        waited_for_earlier: float = 0.0,
+        attempt: str | None = None,
     ) -> None:
+        lifecycle = lifecycle or SaveLifecycle()
         self.url = url
-        self._future = future
         self._staged = staged
         self._counter = counter or RequestCounter()
         #: Seconds ``save`` waited for earlier saves to finish uploading before it
         #: could stage this one (``AsyncOptions.max_in_flight``): part of the stall.
-        self.waited_for_earlier = 0.0
+        self.waited_for_earlier = waited_for_earlier
         #: The save attempt's id (the same on every rank).
-        self.attempt: str | None = None
+        self.attempt = attempt
         #: ``"primary"`` (the object store) or ``"local"`` (a LocalTier).
-        self.tier = "primary"
-        #: The ``time.monotonic()`` by which the pipeline has settled this save, even
-        #: with a worker or the store stuck (None: the save has no deadline). A wait
-        #: past it would wait for something stuck: closing gives up on it there.
-        self._ends_by: float | None = None
+        self.tier: Literal["primary", "local"] = lifecycle.tier
+        self._ends_by = ends_by
         self._started = time.monotonic()
         self._committed_at: float | None = None
         self._written: tuple[ObjectEntry, ...] = ()
-        self._durable: concurrent.futures.Future[None] | None = None
+        self._durable = lifecycle.promotion
         self._durable_at: float | None = None
         future.add_done_callback(self._mark_committed)
+        if self._durable is not None:
+            self._durable.add_done_callback(self._mark_durable)
+        self._future = self._after(future, lifecycle.on_end) if lifecycle.on_end else future
 
-    def _before_done(self, fn: Callable[[BaseException | None], None]) -> None:
-        """Run ``fn(error or None)`` when the save ends, before the handle reports it:
-        whoever waits on the handle then sees what ``fn`` recorded (the manager's
-        step lists). ``fn``'s own failure is logged, never the save's outcome."""
-        inner = self._future
+    def _after(
+        self, inner: concurrent.futures.Future[Manifest | None], hooks: tuple[EndHook, ...]
+    ) -> concurrent.futures.Future[Manifest | None]:
+        """The future the handle reports: ``inner``'s outcome, once ``hooks`` ran."""
         outer: concurrent.futures.Future[Manifest | None] = concurrent.futures.Future()
-        self._future = outer
 
         def relay(f: concurrent.futures.Future[Manifest | None]) -> None:
             exc = f.exception()
-            try:
-                fn(exc)
-            except Exception:
-                logger.exception("after the save of %s", self.url)
+            for hook in hooks:
+                try:
+                    hook(self, exc)
+                except Exception:
+                    logger.exception("after the save of %s", self.url)
             if exc is not None:
                 outer.set_exception(exc)
             else:
                 outer.set_result(f.result())
 
         inner.add_done_callback(relay)
+        return outer
+
+    @property
+    def ends_by(self) -> float | None:
+        """The ``time.monotonic()`` by which the pipeline has settled this save, even
+        with a worker or the store stuck (None: the save has no deadline). A wait
+        past it would wait for something stuck: closing gives up on it there."""
+        return self._ends_by
 
     def wait_staged(self, timeout: float | None = None) -> bool:
         """Wait until the state dict is copied to staging memory; from then on the
@@ -96,7 +138,7 @@ class SaveHandle:
         if fut.exception() is None:
             self._committed_at = time.monotonic()
 
-    def _set_written(self, objects: tuple[ObjectEntry, ...]) -> None:
+    def record_written(self, objects: tuple[ObjectEntry, ...]) -> None:
         """The pipeline records this rank's objects before the save resolves."""
         self._written = objects
 
@@ -111,14 +153,6 @@ class SaveHandle:
         return None if self._committed_at is None else self._committed_at - self._started
 
     # -- durability -----------------------------------------------------------------------
-    def _set_promotion(self, promotion: concurrent.futures.Future[None] | None) -> None:
-        """A local save: ``promotion`` ends when the step is committed on the primary
-        (None: the step is not promoted)."""
-        self.tier = "local"
-        self._durable = promotion
-        if promotion is not None:
-            promotion.add_done_callback(self._mark_durable)
-
     def _mark_durable(self, fut: concurrent.futures.Future[None]) -> None:
         if fut.exception() is None:
             self._durable_at = time.monotonic()
@@ -193,9 +227,10 @@ class SaveHandle:
         """The save's error (None if it committed), waiting up to ``timeout`` seconds."""
         return self._future.exception(timeout)
 
-    def _settled(self, until: float | None = None) -> bool:
+    def settled(self, until: float | None = None) -> bool:
         """Wait until the save ends, at most until ``until`` (a ``time.monotonic()``;
-        None: no bound of the caller's), never past its own bound ``_ends_by``; whether it ended."""
+        None: no bound of the caller's), never past its own bound :attr:`ends_by`;
+        whether it ended."""
         bounds = [b for b in (until, self._ends_by) if b is not None]
         until = min(bounds) if bounds else None
         timeout = None if until is None else max(0.0, until - time.monotonic())

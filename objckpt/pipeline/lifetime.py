@@ -71,7 +71,7 @@ def _at_exit(ref: weakref.ref[_Owner]) -> None:
 def wait_bounded(handles: Sequence[SaveHandle], until: float | None = None) -> list[SaveHandle]:
     """Wait for ``handles``, each at most until its own bound (and ``until``, a
     ``time.monotonic()``); returns those still running."""
-    return [h for h in handles if not h._settled(until)]
+    return [h for h in handles if not h.settled(until)]
 
 
 def run_bounded(fn: Callable[[], None], timeout: float | None, what: str) -> bool:

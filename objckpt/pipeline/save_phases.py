@@ -110,7 +110,7 @@ class SaveResources:
 class Queued:
     """A save that passed every foreground phase: the commit thread takes it from here."""
 
-    writer: DeferredWriter
+    deferred: DeferredWriter
     staged: Staged
     world: int
     process_group: Any | None
@@ -260,13 +260,13 @@ def _plan(
                 staged.copy.run()
             except Exception as exc:
                 refusal = exc
-    base = proposed_base(writer.writer if writer is not None else None)
+    base = proposed_base(writer.target if writer is not None else None)
     agreement = agree_or_raise(
         url, cached is not None, refusal, process_group, distributed, sequence, base
     )
     assert staged is not None and writer is not None  # no rank refused
-    writer.writer.attach(attempt=agreement.attempt)
-    adopt_base(writer.writer, agreement.base, rank)  # rank 0's base, on every rank
+    writer.target.attach(attempt=agreement.attempt)
+    adopt_base(writer.target, agreement.base, rank)  # rank 0's base, on every rank
     if writer.gate is not None and rank == 0:
         res.checker.submit(writer.gate.publish)  # once its check has the answer
     planner = _planner(res, world)
