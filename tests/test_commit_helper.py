@@ -163,7 +163,7 @@ def test_rank_0_builds_a_new_plan_s_layout_before_it_waits_for_the_uploads(
     monkeypatch.setattr(committer._helper, "start", lambda: None)  # no process needed
     metadata = _metadata(4)
     writer = SimpleNamespace(
-        writer=SimpleNamespace(location=Location.parse("s3://b/x"), rank=rank),
+        target=SimpleNamespace(location=Location.parse("s3://b/x"), rank=rank),
         metadata=metadata,
         queue_deferred=lambda: steps.append("queue") and None,
         pass_gate=lambda: steps.append("gate") and None,
