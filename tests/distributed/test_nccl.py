@@ -1,7 +1,7 @@
 """End to end on NCCL: a job whose process group has no CPU backend saves and loads
 CUDA state through the manager (async, shared replicated reads) and through plain
 DCP. It needs CUDA and NCCL; without them (CI, this project's CPU machines) it is
-skipped with the reason. ``tests/test_fault_matrix.py`` proves objckpt's
+skipped with the reason. ``tests/distributed/test_fault_matrix.py`` proves objckpt's
 collectives on ``cuda:gloo``, which refuses CPU tensors as NCCL does, on CPU."""
 
 from __future__ import annotations

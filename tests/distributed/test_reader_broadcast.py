@@ -3,7 +3,7 @@ manifest at ``dcp.load``'s first step and the other ranks receive it (one GET pe
 not one per rank: the manifest grows with W, so W GETs of it are W^2 bytes per job).
 
 Real gloo processes against moto. Which ranks GET the manifest on the wire at 4 and 16
-ranks is tests/test_scale_ranks.py's; here: where each rank's manifest came from,
+ranks is tests/distributed/test_scale_ranks.py's; here: where each rank's manifest came from,
 a second load on the same reader (read again), the opt-out, a not-committed checkpoint
 failing every rank alike, a rank loading alone with ``broadcast=False``, every rank
 loading a checkpoint of its own at once, and a load on a subgroup.

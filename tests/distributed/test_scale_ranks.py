@@ -8,7 +8,7 @@ attributed to one rank and one path on the wire (no guessing from key names). Th
 an async save through ``CheckpointManager`` (the default path), a sync ``dcp.save`` with
 ``ObjectStoreWriter``, a load through ``CheckpointManager.load``, and a plain
 ``dcp.load`` with ``ObjectStoreReader`` (default ``broadcast``, and ``broadcast=True``). The c10d
-store's writes per path are read from the job's ``FileStore`` (see tests/scale_ranks.py).
+store's writes per path are read from the job's ``FileStore`` (see tests/support/scale_ranks.py).
 The figures are logged at INFO as a Markdown table (``--log-cli-level=INFO``); the one
 in docs/guides/at-scale.md comes from there.
 

@@ -317,7 +317,7 @@ def _equal(a: dict, b: dict) -> bool:
 
 
 def test_a_format_1_checkpoint_still_loads(tmp_path) -> None:
-    """Written by objckpt before format 2 (tests/data/v1, kept byte for byte)."""
+    """Written by objckpt before format 2 (tests/format/data/v1, kept byte for byte)."""
     ckpt = tmp_path / "step-0000000001"
     shutil.copytree(DATA / "v1" / "step-0000000001", ckpt)
     reader = objckpt.ObjectStoreReader(f"file://{ckpt}")

@@ -208,7 +208,7 @@ def test_background_staging_without_the_callback_is_refused(
         io.staging_callback("soon")  # type: ignore[arg-type]
 
 
-DDP_JOB = Path(__file__).with_name("lightning_ddp_job.py")
+DDP_JOB = Path(__file__).parents[1] / "support" / "lightning_ddp_job.py"
 #: Each job (two ranks starting, 3 or 2 steps) took 30-50 s here; one still running at this hangs.
 DDP_TIMEOUT = 240.0
 

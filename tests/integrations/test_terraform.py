@@ -26,7 +26,7 @@ from objckpt.testing import MotoServer
 from objckpt.testing.proxy import FaultProxy
 from objckpt.writers import open_store
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TF = REPO / "terraform"
 AWS = TF / "modules" / "aws-checkpoint-buckets"
 GCP = TF / "modules" / "gcp-checkpoint-bucket"

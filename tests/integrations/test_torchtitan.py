@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 import objckpt
 from objckpt.testing.plugin import StoreTarget
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
 
 

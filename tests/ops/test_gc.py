@@ -63,7 +63,7 @@ def test_gc_after_a_save_killed_mid_upload(
     child = subprocess.Popen(
         [
             sys.executable,
-            os.path.join(HERE, "killed_save.py"),
+            os.path.join(HERE, "..", "support", "killed_save.py"),
             root,
             json.dumps(s3_proxy.storage_options()),
             "6",

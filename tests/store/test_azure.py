@@ -1,7 +1,7 @@
 """Azure Blob (``az://`` through adlfs) end to end against Azurite (issue #36).
 
 The store family's properties are in the conformance suite
-(``tests/test_store_conformance.py::TestAzurite``); here is what a user sees: a
+(``tests/store/test_store_conformance.py::TestAzurite``); here is what a user sees: a
 training loop's manager on ``az://``, the create-only commit refusing a second
 writer, a commit whose answer was lost settled by reading it back, and a large
 object that becomes visible whole or not at all.

@@ -23,7 +23,7 @@ def _supported(package: str, extra: str) -> SpecifierSet:
 
     import tomllib
 
-    pyproject = Path(__file__).parents[1] / "pyproject.toml"
+    pyproject = Path(__file__).parents[2] / "pyproject.toml"
     extras = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]
     spec = next(d for d in extras[extra] if d.startswith(package))
     return SpecifierSet(spec.removeprefix(package))

@@ -21,7 +21,7 @@ def _supported_s3fs() -> SpecifierSet:
 
     import tomllib
 
-    pyproject = Path(__file__).parents[1] / "pyproject.toml"
+    pyproject = Path(__file__).parents[2] / "pyproject.toml"
     extras = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]
     spec = next(d for d in extras["s3"] if d.startswith("s3fs"))
     return SpecifierSet(spec.removeprefix("s3fs"))

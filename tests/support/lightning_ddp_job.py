@@ -7,7 +7,7 @@ rank waiting in a collective the others never make is a hang, not an error.
 
 Usage::
 
-    python tests/lightning_ddp_job.py fit|resume DIRPATH OPTIONS_JSON OUT_DIR
+    python tests/support/lightning_ddp_job.py fit|resume DIRPATH OPTIONS_JSON OUT_DIR
 
 ``fit`` trains 3 steps from scratch with a checkpoint after every step (the two
 newest kept, plus ``last.ckpt``); ``resume`` continues from ``DIRPATH/last.ckpt``

@@ -1,4 +1,4 @@
-"""Rank bodies for tests/test_load_planner.py (module-level so spawn can import them)."""
+"""Rank bodies for tests/dcp/test_load_planner.py (module-level so spawn can import them)."""
 
 from __future__ import annotations
 

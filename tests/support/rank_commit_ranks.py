@@ -1,4 +1,4 @@
-"""Rank bodies of tests/test_rank_commit.py (module-level so spawn can import them)."""
+"""Rank bodies of tests/pipeline/test_rank_commit.py (module-level so spawn can import them)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Rank bodies for tests/test_reader_broadcast.py (module-level so spawn can import them).
+"""Rank bodies for tests/distributed/test_reader_broadcast.py (module-level: spawn imports them).
 
 Two gloo ranks, one S3 (moto) root. Each rank records what it saw in
 ``<out>/rank<r>.json``; the parent test asserts on those records.

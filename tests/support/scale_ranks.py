@@ -1,4 +1,4 @@
-"""Rank bodies for tests/test_scale_ranks.py (module-level so spawn can import them).
+"""Rank bodies for tests/distributed/test_scale_ranks.py (module-level so spawn can import them).
 
 One spawn runs every path the test measures, one after the other, on the same W
 gloo processes: an async save through ``CheckpointManager``, a sync ``dcp.save``
