@@ -21,7 +21,7 @@ from typing import Any
 import load_planner_ranks
 import pytest
 import torch
-import torch.multiprocessing as mp
+from ranks import run_ranks
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -331,7 +331,7 @@ def test_lazy_columns_hold_the_values_unpack_expands(seed: int) -> None:
 def _run(body: str, world: int, tmp_path: Any, url: str, options: dict[str, Any]) -> None:
     init_file = tmp_path / f"init-{body}-{world}"
     args = (body, world, str(init_file), url, options)
-    mp.spawn(load_planner_ranks.rank_main, args=args, nprocs=world, join=True)
+    run_ranks(load_planner_ranks, *args)
 
 
 def test_manager_reshards_4_to_2_bit_exact(s3_bucket: StoreTarget, tmp_path: Any) -> None:

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from helpers import fs_of, load, path_of
+from ranks import run_ranks
 
 from objckpt import Location, ObjectStoreReader
 from objckpt.errors import CheckpointNotCommittedError
@@ -22,7 +23,7 @@ from objckpt.writers.base import PROBE_KEY
 def _run(fn, world: int, tmp_path, url: str, options: dict) -> None:
     init_file = tmp_path / f"init-{fn.__name__}-{world}"
     args = (fn.__name__, world, str(init_file), url, options)
-    mp.spawn(dist_helpers.rank_main, args=args, nprocs=world, join=True)
+    run_ranks(dist_helpers, *args)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

@@ -21,7 +21,7 @@ from typing import Any
 import fault_ranks
 import pytest
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
+from ranks import run_ranks
 
 from objckpt import ObjectStoreWriter
 from objckpt.testing import FaultProxy, Rule
@@ -91,7 +91,7 @@ def _run_column(
         proxy.storage_options(),
         str(out),
     )
-    mp.spawn(fault_ranks.rank_main, args=args, nprocs=WORLD, join=True)
+    run_ranks(fault_ranks, *args)
     found: dict[str, list[dict[str, Any]]] = {}
     for cell, _ in cells:
         for key in (cell, f"{cell}.after"):
@@ -166,7 +166,7 @@ def test_a_sparse_tensor_on_one_rank_fails_the_save_on_every_rank_and_the_next_c
         s3_bucket.storage_options,
         str(out),
     )
-    mp.spawn(fault_ranks.rank_main, args=args, nprocs=2, join=True)
+    run_ranks(fault_ranks, *args)
     step1 = [json.loads((out / f"step1.rank{r}.json").read_text()) for r in range(2)]
     assert [s["outcome"] for s in step1] == ["error", "error"], step1
     assert step1[1]["type"] == "StateDictError", step1
@@ -179,14 +179,14 @@ def test_a_sparse_tensor_on_one_rank_fails_the_save_on_every_rank_and_the_next_c
 
 def test_objckpt_collectives_run_on_a_group_without_a_cpu_backend(tmp_path: Path) -> None:
     args = ("collectives_without_cpu_backend", 2, str(tmp_path / "init"))
-    mp.spawn(fault_ranks.rank_main, args=args, nprocs=2, join=True)
+    run_ranks(fault_ranks, *args)
 
 
 def test_ranks_in_different_saves_fail_that_save_and_the_next_commits(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
     args = ("saves_out_of_step", 2, str(tmp_path / "init"), f"file://{tmp_path}/ck", str(out))
-    mp.spawn(fault_ranks.rank_main, args=args, nprocs=2, join=True)
+    run_ranks(fault_ranks, *args)
     skewed = [json.loads((out / f"skewed.rank{r}.json").read_text()) for r in range(2)]
     assert [s["type"] for s in skewed] == ["SaveSequenceError"] * 2, skewed
     assert "save 2" in skewed[0]["error"] and "save 3" in skewed[0]["error"], skewed

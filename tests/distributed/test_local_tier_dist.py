@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import dist_helpers
 import tier_ranks
-import torch.multiprocessing as mp
+from ranks import run_ranks
 
 from objckpt.format.layout import MANIFEST_KEY
 from objckpt.format.steps import step_name
@@ -22,7 +22,7 @@ from objckpt.testing.plugin import MotoServer, StoreTarget
 def _run(fn, world: int, tmp_path, url: str, options: dict) -> None:
     init_file = tmp_path / f"init-{fn.__name__}-{world}"
     args = (fn.__name__, world, str(init_file), url, options)
-    mp.spawn(dist_helpers.rank_main, args=args, nprocs=world, join=True)
+    run_ranks(dist_helpers, *args)
 
 
 @contextlib.contextmanager
@@ -97,9 +97,7 @@ def test_one_full_local_disk_sends_every_rank_to_the_store(
 
 def _spawn(body: str, world: int, tmp_path, *args: object) -> None:
     init_file = tmp_path / f"init-{body}-{world}"
-    mp.spawn(
-        tier_ranks.rank_main, args=(body, world, str(init_file), *args), nprocs=world, join=True
-    )
+    run_ranks(tier_ranks, body, world, str(init_file), *args)
 
 
 def _tier_files(local: str, world: int) -> dict[str, set[str]]:

@@ -12,7 +12,7 @@ import nccl_ranks
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import run_ranks
 
 from objckpt.testing.plugin import StoreTarget
 
@@ -31,4 +31,4 @@ def test_save_and_load_on_an_nccl_only_group(s3_bucket: StoreTarget, tmp_path: P
         s3_bucket.url("run"),
         s3_bucket.storage_options,
     )
-    mp.spawn(nccl_ranks.rank_main, args=args, nprocs=world, join=True)
+    run_ranks(nccl_ranks, *args)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import reader_ranks
-import torch.multiprocessing as mp
+from ranks import run_ranks
 
 import objckpt
 from objckpt.testing.plugin import StoreTarget
@@ -26,7 +26,7 @@ from objckpt.testing.plugin import StoreTarget
 def test_default_broadcast_in_a_process_group(s3_bucket: StoreTarget, tmp_path: Path) -> None:
     root = s3_bucket.url("reader-broadcast")
     args = ("loads", 2, str(tmp_path / "init"), root, s3_bucket.storage_options, str(tmp_path))
-    mp.spawn(reader_ranks.rank_main, args=args, nprocs=2, join=True)
+    run_ranks(reader_ranks, *args)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     manifest_url = f"{root}/ckpt/manifest.json"
     # Not read when built: the read is the collective at dcp.load's first step.

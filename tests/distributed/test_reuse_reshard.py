@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import reuse_ranks
 import torch
-import torch.multiprocessing as mp
 from conftest import assert_state_equal
 from helpers import load
+from ranks import run_ranks
 from reuse_helpers import stored_items
 
 from objckpt.format.refs import is_reference
@@ -19,7 +19,7 @@ from objckpt.testing.plugin import StoreTarget
 def _run(body, world: int, tmp_path, url: str, options: dict) -> None:
     init_file = tmp_path / f"init-{body.__name__}-{world}"
     args = (body.__name__, world, str(init_file), url, options)
-    mp.spawn(reuse_ranks.rank_main, args=args, nprocs=world, join=True)
+    run_ranks(reuse_ranks, *args)
 
 
 def test_a_job_resharded_from_4_to_2_ranks_reuses_what_is_unchanged(

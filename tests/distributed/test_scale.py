@@ -12,8 +12,8 @@ import json
 import dist_scale
 import pytest
 import torch
-import torch.multiprocessing as mp
 from helpers import load
+from ranks import run_ranks
 
 from objckpt import CheckpointManager, ObjectStoreReader
 from objckpt.format.steps import step_name
@@ -27,7 +27,7 @@ WRITES = ("PutObject", "UploadPart")
 def _run(fn, world: int, tmp_path, url: str, options: dict) -> None:
     init_file = tmp_path / f"init-{fn.__name__}-{world}"
     args = (fn.__name__, world, str(init_file), url, options)
-    mp.spawn(dist_scale.rank_main, args=args, nprocs=world, join=True)
+    run_ranks(dist_scale, *args)
 
 
 def _payload_ranks(s3_proxy: FaultProxy) -> set[int]:

@@ -48,7 +48,7 @@ from collections.abc import Iterator, Mapping
 
 import pytest
 import scale_ranks
-import torch.multiprocessing as mp
+from ranks import run_ranks
 
 from objckpt.testing import FaultProxy
 from objckpt.testing.plugin import BUCKET
@@ -184,7 +184,7 @@ def _run(moto: MotoServer, tmp_path_factory: pytest.TempPathFactory, world: int)
             "report": str(report),
         }
         args = ("measure", world, str(work / "init"), url, options)
-        mp.spawn(scale_ranks.rank_main, args=args, nprocs=world, join=True)
+        run_ranks(scale_ranks, *args)
         traffic = {
             p: tuple(
                 Traffic(tuple(row[p].seen), {op: row[p].received_bytes(op) for op in _SHORT})

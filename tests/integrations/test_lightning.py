@@ -13,7 +13,7 @@ from pathlib import Path
 import no_dist_ranks
 import pytest
 import torch
-import torch.multiprocessing as mp
+from ranks import run_ranks
 
 pl = pytest.importorskip("pytorch_lightning", reason="the lightning extra is not installed")
 
@@ -290,6 +290,6 @@ def test_calls_on_one_rank_of_a_process_group_make_no_collective(
     then rank 1 loads a path holding nothing and gets CheckpointNotFoundError."""
     root = s3_bucket.url("one-rank")
     args = ("lightning_load_alone", 2, str(tmp_path / "init"), root, s3_bucket.storage_options)
-    mp.spawn(no_dist_ranks.rank_main, args=args, nprocs=2, join=True)
+    run_ranks(no_dist_ranks, *args)
     fs = Location.parse(root, s3_bucket.storage_options).open_fs(fresh=True)
     assert not fs.exists(Location.parse(f"{root}/step-1.ckpt").path)  # removed whole

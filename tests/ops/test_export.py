@@ -10,9 +10,9 @@ import dist_helpers
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from click.testing import CliRunner
 from helpers import quiet
+from ranks import run_ranks
 from safetensors.torch import load as load_safetensors
 
 from objckpt import Location, ObjectStoreWriter
@@ -98,7 +98,7 @@ def test_export_loads_with_safetensors_bit_exact(s3_bucket: StoreTarget) -> None
 def test_export_consolidates_shards_saved_by_four_ranks(s3_bucket: StoreTarget, tmp_path) -> None:
     url = s3_bucket.url("ws4")
     args = ("save_sharded", 4, str(tmp_path / "init"), url, s3_bucket.storage_options)
-    mp.spawn(dist_helpers.rank_main, args=args, nprocs=4, join=True)
+    run_ranks(dist_helpers, *args)
     export_safetensors(url, s3_bucket.url("ws4-hf"), storage_options=s3_bucket.storage_options)
     _, got = _read_export(s3_bucket, s3_bucket.url("ws4-hf"))
     full = dist_helpers.full_state()
@@ -297,7 +297,7 @@ def test_import_of_a_safetensors_checkpoint_loads_sharded_on_two_ranks(
         s3_bucket.url("imported"),
         s3_bucket.storage_options,
     )
-    mp.spawn(dist_helpers.rank_main, args=args, nprocs=2, join=True)
+    run_ranks(dist_helpers, *args)
 
 
 def test_export_then_import_round_trips(s3_bucket: StoreTarget) -> None:

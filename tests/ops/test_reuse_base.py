@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import reuse_base_ranks
 import torch
-import torch.multiprocessing as mp
+from ranks import run_ranks
 from reuse_helpers import stored_items
 
 from objckpt import CheckpointManager, Location, UploadOptions
@@ -55,7 +55,7 @@ def test_every_rank_reuses_from_rank_0s_base_when_their_catalogs_differ(
     root = s3_bucket.url("agree")
     body = reuse_base_ranks.saves_after_rank_0_deleted_the_newest
     args = (body.__name__, 2, str(tmp_path / "init"), root, s3_bucket.storage_options)
-    mp.spawn(reuse_base_ranks.rank_main, args=args, nprocs=2, join=True)
+    run_ranks(reuse_base_ranks, *args)
     items = stored_items(f"{root}/{step_name(3)}", s3_bucket)
     frozen = {i.offset[0]: item for i, item in items.items() if i.fqn == "frozen" and i.offset}
     assert sorted(frozen) == [0, 32]  # one shard per rank
@@ -73,7 +73,7 @@ def test_one_rank_that_cannot_take_up_the_base_costs_only_its_reuse(
     root = s3_bucket.url("adopt")
     body = reuse_base_ranks.one_rank_cannot_read_its_base
     args = (body.__name__, 2, str(tmp_path / "init"), root, s3_bucket.storage_options)
-    mp.spawn(reuse_base_ranks.rank_main, args=args, nprocs=2, join=True)
+    run_ranks(reuse_base_ranks, *args)
     items = stored_items(f"{root}/{step_name(2)}", s3_bucket)
     frozen = {i.offset[0]: item for i, item in items.items() if i.fqn == "frozen" and i.offset}
     assert is_reference(frozen[0].relative_path), frozen[0].relative_path

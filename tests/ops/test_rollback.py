@@ -12,8 +12,8 @@ import os
 import pytest
 import rollback_ranks
 import torch
-import torch.multiprocessing as mp
 from conftest import assert_state_equal, empty_like_state
+from ranks import run_ranks
 
 from objckpt import CheckpointManager, LocalTier
 from objckpt.errors import StepOrderError
@@ -86,6 +86,6 @@ def test_a_save_below_the_newest_step_is_refused_on_both_ranks(
     url = s3_bucket.url("rollback-2")
     body = rollback_ranks.refuse_then_discard.__name__
     args = (body, 2, str(tmp_path / "init"), url, s3_bucket.storage_options)
-    mp.spawn(rollback_ranks.rank_main, args=args, nprocs=2, join=True)
+    run_ranks(rollback_ranks, *args)
     steps = sorted(s.step for s in committed_steps(Location.parse(url, s3_bucket.storage_options)))
     assert steps == [10, 11]

@@ -21,9 +21,9 @@ from typing import Any
 import bounded_ranks
 import pytest
 import torch
-import torch.multiprocessing as mp
 from bounded_ranks import BOUND, DEADLINE, end, stop_workers
 from helpers import load
+from ranks import run_ranks
 
 from objckpt import AsyncCallsQueue, AsyncCheckpointer, AsyncRequest, ObjectStoreReader
 from objckpt.errors import (
@@ -116,7 +116,7 @@ def test_a_wedged_worker_on_rank_1_fails_the_save_on_both_ranks(tmp_path: Path) 
     out.mkdir()
     root = f"file://{tmp_path}/root"
     args = ("wedged_worker_on_rank_1", 2, str(tmp_path / "init"), root, str(out))
-    mp.spawn(bounded_ranks.rank_main, args=args, nprocs=2, join=True)
+    run_ranks(bounded_ranks, *args)
     report = {
         (what, r): json.loads((out / f"{what}.rank{r}.json").read_text())
         for what in ("wedged", "after")

@@ -14,8 +14,8 @@ from typing import Any
 import no_dist_ranks
 import pytest
 import torch
-import torch.multiprocessing as mp
 from helpers import load
+from ranks import run_ranks
 
 import objckpt
 from objckpt.errors import ConfigurationError
@@ -36,7 +36,7 @@ def test_a_rank_saves_alone_and_the_group_saves_together_after(
     on rank 0 alone, agree on their save numbers and plans and commit."""
     root = s3_bucket.url("no-dist")
     args = ("alone_then_together", 2, str(tmp_path / "init"), root, s3_bucket.storage_options)
-    mp.spawn(no_dist_ranks.rank_main, args=args, nprocs=2, join=True)
+    run_ranks(no_dist_ranks, *args)
     for rank in (0, 1):  # each checkpoint holds what its rank held, nothing of the other's
         want = no_dist_ranks.state(rank)
         got = _blank(want)

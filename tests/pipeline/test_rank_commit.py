@@ -17,7 +17,7 @@ import fsspec
 import pytest
 import rank_commit_ranks
 import torch
-import torch.multiprocessing as mp
+from ranks import run_ranks
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -196,7 +196,7 @@ def test_a_chunk_no_rank_s_index_places_is_refused() -> None:
 
 def _save_each(tmp_path: Path, world: int, urls: list[str], options: dict, **kw: int) -> list:
     args = ("save_each", world, str(tmp_path / "init"), urls, options, str(tmp_path / "out"))
-    mp.spawn(rank_commit_ranks.rank_main, args=(*args, *kw.values()), nprocs=world, join=True)
+    run_ranks(rank_commit_ranks, *args, *kw.values())
     return [json.loads((tmp_path / f"out.rank{r}.json").read_text()) for r in range(world)]
 
 

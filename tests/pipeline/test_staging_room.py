@@ -29,7 +29,7 @@ import pytest
 import simulated_room as room_ranks
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
+from ranks import run_ranks
 from simulated_room import simulated_room
 
 import objckpt
@@ -305,7 +305,7 @@ def test_no_room_on_rank_1_fails_the_save_on_both_ranks_and_the_next_commits(
         s3_bucket.storage_options,
         str(out),
     )
-    mp.spawn(room_ranks.rank_main, args=args, nprocs=2, join=True)
+    run_ranks(room_ranks, *args)
     full: list[dict[str, Any]] = [
         json.loads((out / f"full.rank{r}.json").read_text()) for r in range(2)
     ]

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import stall_ranks
 import torch
-import torch.multiprocessing as mp
 from helpers import save
+from ranks import run_ranks
 from store_bytes import assert_untouched, snapshot
 
 from objckpt import AsyncCheckpointer, AsyncOptions, CheckpointManager, Location
@@ -159,7 +159,7 @@ def test_two_ranks_refused_in_the_background_both_fail_with_nothing_uploaded(
     init_file = tmp_path / "init"
     body = stall_ranks.refused_in_the_background.__name__
     args = (body, 2, str(init_file), url, s3_proxy.storage_options())
-    mp.spawn(stall_ranks.rank_main, args=args, nprocs=2, join=True)
+    run_ranks(stall_ranks, *args)
     verdicts = [(tmp_path / f"init.rank{r}").read_text() for r in range(2)]
     assert verdicts[0].startswith("CheckpointExistsError: "), verdicts
     assert "already holds a committed checkpoint" in verdicts[0], verdicts

@@ -11,13 +11,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from dist_helpers import _init
+from ranks import init_ranks
 
 import objckpt
 from objckpt.pipeline.commit_phase import WEDGED_AFTER
@@ -28,14 +27,6 @@ BARRIER = 60.0
 #: How long a save may take to fail with a wedged worker: deadline, grace, and slack
 #: for a loaded machine (before the fix the save never ended).
 BOUND = DEADLINE + WEDGED_AFTER + 30.0
-
-
-def rank_main(rank: int, body: str, *args: Any) -> None:
-    """Run ``body`` of this module on one rank (as dist_helpers.rank_main does)."""
-    globals()[body](rank, *args)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def _record(out: str, what: str, rank: int, fn: Callable[[], Any]) -> None:
@@ -67,7 +58,7 @@ def end(procs: list[subprocess.Popen[bytes]]) -> None:
 def wedged_worker_on_rank_1(rank: int, world: int, init_file: str, root: str, out: str) -> None:
     """Rank 1's only upload worker is stopped (SIGSTOP) before a save: it never
     answers. Every rank must fail that save by its deadline, then save again."""
-    _init(rank, world, init_file)
+    init_ranks(rank, world, init_file)
     state = {f"r{rank}.w": torch.randn(256, 256, generator=torch.Generator().manual_seed(rank))}
     upload = objckpt.UploadOptions(deadline=DEADLINE)
     opts = objckpt.AsyncOptions(workers=1, barrier_timeout=BARRIER)

@@ -3,33 +3,15 @@
 from __future__ import annotations
 
 import os
-import sys
-import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.device_mesh import init_device_mesh
+from ranks import init_ranks
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import objckpt
-from objckpt.testing import offline_env
-
-
-def rank_main(rank: int, body: str, *args: Any) -> None:
-    """Run the rank body ``body`` of this module, then leave without interpreter teardown.
-
-    torch 2.13's gloo worker threads can abort the process while the interpreter
-    finalizes ("terminate called without an active exception", SIGABRT; seen once
-    in a fresh-clone CI run here), after the body has passed and destroyed its
-    process group; that is torch's exit path, not the checkpoint under test. A failing
-    body still raises, and mp.spawn reports its traceback.
-    """
-    globals()[body](rank, *args)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def full_state() -> dict[str, torch.Tensor]:
@@ -41,22 +23,8 @@ def full_state() -> dict[str, torch.Tensor]:
     }
 
 
-def _init(rank: int, world: int, init_file: str) -> Any:
-    os.environ.update(offline_env())
-    import logging
-
-    logging.basicConfig(
-        level=logging.DEBUG if os.environ.get("OBJCKPT_DEBUG") else logging.WARNING,
-        format=f"[r{rank}] %(asctime)s %(name)s %(message)s",
-    )
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    return init_device_mesh("cpu", (world,))
-
-
 def save_sharded(rank: int, world: int, init_file: str, url: str, options: dict[str, Any]) -> None:
-    mesh = _init(rank, world, init_file)
+    mesh = init_ranks(rank, world, init_file)
     try:
         state = {
             "model": {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full_state().items()},
@@ -77,7 +45,7 @@ def save_with_rank_options(
     Every rank must see the save fail, naming the denied write."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    mesh = _init(rank, world, init_file)
+    mesh = init_ranks(rank, world, init_file)
     try:
         state = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full_state().items()}
         writer = objckpt.ObjectStoreWriter(url, storage_options=options[rank])
@@ -99,7 +67,7 @@ def load_sharded(
     options: dict[str, Any],
     with_step: bool = True,
 ) -> None:
-    mesh = _init(rank, world, init_file)
+    mesh = init_ranks(rank, world, init_file)
     try:
         expected = full_state()
         state: dict[str, Any] = {
@@ -123,7 +91,7 @@ def load_sharded(
 def async_save_sharded(
     rank: int, world: int, init_file: str, url: str, options: dict[str, Any]
 ) -> None:
-    mesh = _init(rank, world, init_file)
+    mesh = init_ranks(rank, world, init_file)
     try:
         state = {
             "model": {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full_state().items()},
@@ -149,7 +117,7 @@ def async_save_with_silent_rank(
     """Rank 1 never reports its uploads (as if it hung): everyone gets a timeout naming it."""
     from objckpt.pipeline import finalize
 
-    mesh = _init(rank, world, init_file)
+    mesh = init_ranks(rank, world, init_file)
     try:
         if rank == 1:
             finalize.RankExchange.post = lambda self, ok, payload: None  # type: ignore[method-assign]
@@ -182,7 +150,7 @@ def async_save_with_killed_coordinator(
     from objckpt.format.steps import step_name
     from objckpt.pipeline import finalize
 
-    mesh = _init(rank, world, init_file)
+    mesh = init_ranks(rank, world, init_file)
     state = {
         "model": {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full_state().items()},
         "step": 7,
@@ -216,7 +184,7 @@ def queue_across_ranks(
     from objckpt import AsyncCallsQueue, AsyncRequest
     from objckpt.pipeline.finalize import StoreBarrier
 
-    _init(rank, world, init_file)
+    init_ranks(rank, world, init_file)
     try:
         finalized: list[int] = []
         queue = AsyncCallsQueue(barrier=StoreBarrier(), finalize_timeout=60)
@@ -259,7 +227,7 @@ def _plan_cache_saves(
 ) -> None:
     from objckpt.pipeline.plan_cache import PlanCacheStats
 
-    mesh = _init(rank, world, init_file)
+    mesh = init_ranks(rank, world, init_file)
     try:
         base = full_state()
         opts = objckpt.AsyncOptions(workers=1, barrier_timeout=120, background_staging=background)
@@ -300,7 +268,7 @@ def manager_across_ranks(
     rank: int, world: int, init_file: str, url: str, options: dict[str, Any]
 ) -> None:
     """Every rank saves through its manager; rank 0 alone deletes; all see the same steps."""
-    mesh = _init(rank, world, init_file)
+    mesh = init_ranks(rank, world, init_file)
     try:
         base = full_state()
         opts = objckpt.AsyncOptions(workers=1, barrier_timeout=120)
@@ -366,7 +334,7 @@ def _tiered_state(mesh: Any, step: int) -> dict[str, Any]:
 
 def tiered_save(rank: int, world: int, init_file: str, url: str, options: dict[str, Any]) -> None:
     """Steps 1 and 2 to the local tier, both promoted to the store."""
-    mesh = _init(rank, world, init_file)
+    mesh = init_ranks(rank, world, init_file)
     try:
         with _tiered(rank, url, options) as mgr:
             for step in (1, 2):
@@ -382,7 +350,7 @@ def tiered_save(rank: int, world: int, init_file: str, url: str, options: dict[s
 
 def tiered_load(rank: int, world: int, init_file: str, url: str, options: dict[str, Any]) -> None:
     """Restart: the latest step loads bit-exact from whatever mix of tiers holds it."""
-    mesh = _init(rank, world, init_file)
+    mesh = init_ranks(rank, world, init_file)
     try:
         with _tiered(rank, url, options) as mgr:
             got = {
@@ -405,7 +373,7 @@ def tiered_one_rank_full(
 ) -> None:
     """Rank 1's local disk has no room (min_free_bytes beyond any disk): every rank
     saves that step to the store directly, and the step is durable."""
-    mesh = _init(rank, world, init_file)
+    mesh = init_ranks(rank, world, init_file)
     try:
         tier = {"min_free_bytes": 1 << 62} if rank == 1 else {}
         with _tiered(rank, url, options, **tier) as mgr:
@@ -454,7 +422,7 @@ def save_sharded_tensor(
     rank: int, world: int, init_file: str, url: str, options: dict[str, Any]
 ) -> None:
     """A synchronous save of ShardedTensors with two local shards on every rank."""
-    _init(rank, world, init_file)
+    init_ranks(rank, world, init_file)
     try:
         full = full_state()
         state = {
@@ -480,7 +448,7 @@ def load_sharded_tensor(
 ) -> None:
     """Load into the saved layout (two local shards each) and into another one (one
     rank holding two column chunks, the other one), values compared shard by shard."""
-    _init(rank, world, init_file)
+    init_ranks(rank, world, init_file)
     try:
         full = full_state()
         layouts = {  # resharded: three chunks of the last dimension

@@ -8,13 +8,12 @@ body needs.
 from __future__ import annotations
 
 import json
-import os
 import threading
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from dist_helpers import _init
+from ranks import init_ranks
 from torch.distributed.checkpoint import state_dict_saver
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -26,16 +25,6 @@ from objckpt.pipeline.finalize import StoreBarrier
 
 MiB = 1024 * 1024
 PARTS = objckpt.UploadOptions(part_size=5 * MiB, object_size=64 * MiB)
-
-
-def rank_main(rank: int, body: str, *args: Any) -> None:
-    """As dist_helpers.rank_main: run the body, then leave without interpreter teardown."""
-    import sys
-
-    globals()[body](rank, *args)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def replicated_state(mib: int = 64) -> dict[str, torch.Tensor]:
@@ -56,7 +45,7 @@ def _report(options: dict[str, Any], rank: int, doc: Any) -> None:
 
 
 def save_replicated(rank: int, world: int, init_file: str, url: str, options: dict) -> None:
-    _init(rank, world, init_file)
+    init_ranks(rank, world, init_file)
     try:
         with objckpt.CheckpointManager(
             url, storage_options=_options(rank, options), upload=PARTS
@@ -68,7 +57,7 @@ def save_replicated(rank: int, world: int, init_file: str, url: str, options: di
 
 
 def load_replicated(rank: int, world: int, init_file: str, url: str, options: dict) -> None:
-    _init(rank, world, init_file)
+    init_ranks(rank, world, init_file)
     try:
         expected = replicated_state()
         got = {k: torch.zeros_like(v) for k, v in expected.items()}
@@ -99,7 +88,7 @@ def hsdp_state(mesh: Any) -> dict[str, Any]:
 
 
 def save_hsdp(rank: int, world: int, init_file: str, url: str, options: dict) -> None:
-    _init(rank, world, init_file)
+    init_ranks(rank, world, init_file)
     try:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "shard"))
         with objckpt.CheckpointManager(
@@ -113,7 +102,7 @@ def save_hsdp(rank: int, world: int, init_file: str, url: str, options: dict) ->
 
 def load_hsdp(rank: int, world: int, init_file: str, url: str, options: dict) -> None:
     """Load on 4 (the same 2 x 2 mesh) or on 2 (one shard dimension)."""
-    _init(rank, world, init_file)
+    init_ranks(rank, world, init_file)
     try:
         if world == 4:
             mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "shard"))
@@ -141,7 +130,7 @@ def load_hsdp(rank: int, world: int, init_file: str, url: str, options: dict) ->
 def save_sharded_with_manager(
     rank: int, world: int, init_file: str, url: str, options: dict
 ) -> None:
-    mesh = _init(rank, world, init_file)
+    mesh = init_ranks(rank, world, init_file)
     try:
         g = torch.Generator().manual_seed(9)
         state = {"w": distribute_tensor(torch.randn(64, 256, generator=g), mesh, [Shard(0)])}
@@ -155,7 +144,7 @@ def save_sharded_with_manager(
 def load_sharded_with_manager(
     rank: int, world: int, init_file: str, url: str, options: dict
 ) -> None:
-    mesh = _init(rank, world, init_file)
+    mesh = init_ranks(rank, world, init_file)
     try:
         g = torch.Generator().manual_seed(9)
         expected = torch.randn(64, 256, generator=g)
@@ -170,7 +159,7 @@ def load_sharded_with_manager(
 def latest_while_committing(rank: int, world: int, init_file: str, url: str, options: dict) -> None:
     """Rank 0 commits step 2 right after the managers are built; rank 1's store is
     slow to list. Both must load the same step, and only rank 0 may list."""
-    _init(rank, world, init_file)
+    init_ranks(rank, world, init_file)
     try:
         opts = _options(rank, options)
         with objckpt.CheckpointManager(url, storage_options=opts) as mgr:
@@ -189,7 +178,7 @@ def latest_while_committing(rank: int, world: int, init_file: str, url: str, opt
 def failed_request_not_finalized(
     rank: int, world: int, init_file: str, url: str, options: dict
 ) -> None:
-    _init(rank, world, init_file)
+    init_ranks(rank, world, init_file)
     try:
         finalized: list[int] = []
         queue = objckpt.AsyncCallsQueue(barrier=StoreBarrier(), finalize_timeout=60)
@@ -224,7 +213,7 @@ def failed_request_not_finalized(
 def two_queues(rank: int, world: int, init_file: str, url: str, options: dict) -> None:
     """Queue B's request 0 is still running on rank 1 when queue A's request 0 is
     done everywhere: B must not be finalized on A's arrivals."""
-    _init(rank, world, init_file)
+    init_ranks(rank, world, init_file)
     try:
         a = objckpt.AsyncCallsQueue(barrier=StoreBarrier(), finalize_timeout=60)
         b = objckpt.AsyncCallsQueue(barrier=StoreBarrier(), finalize_timeout=60)
@@ -247,7 +236,7 @@ def two_queues(rank: int, world: int, init_file: str, url: str, options: dict) -
 
 
 def c10d_keys_over_saves(rank: int, world: int, init_file: str, url: str, options: dict) -> None:
-    _init(rank, world, init_file)
+    init_ranks(rank, world, init_file)
     try:
         store = group_store(None)
         counts = []

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from dist_helpers import _init
+from ranks import init_ranks
 from simulated_room import simulated_room
 
 import objckpt
@@ -70,16 +70,6 @@ MANAGER_CELLS = [
 SUCCEEDS = {"on-commit-raises", "load-falls-back"}
 DEADLINE = 20.0
 BARRIER = 15.0
-
-
-def rank_main(rank: int, body: str, *args: Any) -> None:
-    """Run ``body`` of this module on one rank (as dist_helpers.rank_main does)."""
-    import sys
-
-    globals()[body](rank, *args)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def everything(world: int) -> dict[str, torch.Tensor]:
@@ -168,7 +158,7 @@ def _fault(cell: str, mine: bool, ckpt: Any = None) -> contextlib.AbstractContex
 def async_column(
     rank: int, world: int, init_file: str, root: str, options: dict[str, Any], out: str
 ) -> None:
-    _init(rank, world, init_file)
+    init_ranks(rank, world, init_file)
     failing_hook = {"on": False}
 
     def on_commit(url: str, manifest: Any) -> None:
@@ -211,7 +201,7 @@ def async_column(
 def sync_column(
     rank: int, world: int, init_file: str, root: str, options: dict[str, Any], out: str
 ) -> None:
-    _init(rank, world, init_file)
+    init_ranks(rank, world, init_file)
     upload = objckpt.UploadOptions(deadline=DEADLINE)
 
     def save(url: str, state: dict[str, Any]) -> None:
@@ -243,7 +233,7 @@ def sync_column(
 def load_column(
     rank: int, world: int, init_file: str, root: str, options: dict[str, Any], out: str
 ) -> None:
-    _init(rank, world, init_file)
+    init_ranks(rank, world, init_file)
     expected = everything(world)
 
     def load(url: str, target: dict[str, Any]) -> None:
@@ -280,7 +270,7 @@ def manager_sparse_on_one_rank(
 ) -> None:
     """The reported case: rank 1's state holds a sparse tensor at step 1. Every rank
     must fail step 1, then commit step 2, and agree on the steps."""
-    _init(rank, world, init_file)
+    init_ranks(rank, world, init_file)
     try:
         opts = objckpt.AsyncOptions(workers=1, barrier_timeout=BARRIER)
         with objckpt.CheckpointManager(root, storage_options=options, async_options=opts) as mgr:
@@ -334,7 +324,7 @@ def collectives_without_cpu_backend(rank: int, world: int, init_file: str) -> No
 def saves_out_of_step(rank: int, world: int, init_file: str, root: str, out: str) -> None:
     """Rank 1 has counted one save() more than rank 0 (as if it made a call rank 0 did
     not): that save fails on both ranks naming the numbers, and the next one commits."""
-    _init(rank, world, init_file)
+    init_ranks(rank, world, init_file)
     try:
         with objckpt.AsyncCheckpointer(async_options=objckpt.AsyncOptions(workers=1)) as ckpt:
             ckpt.save(_state(rank), f"{root}/one").result(timeout=120)
@@ -354,7 +344,7 @@ def manager_column(
     fails on one rank (every rank falls back to the backup together)."""
     from objckpt.ops import manager as manager_module
 
-    _init(rank, world, init_file)
+    init_ranks(rank, world, init_file)
     opts = objckpt.AsyncOptions(workers=1, barrier_timeout=BARRIER)
     upload = objckpt.UploadOptions(deadline=DEADLINE)
     kw: dict[str, Any] = {"storage_options": options, "async_options": opts, "upload": upload}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 import warnings
 from typing import Any
 
@@ -16,16 +15,6 @@ import objckpt
 from objckpt.testing import offline_env
 
 
-def rank_main(rank: int, body: str, *args: Any) -> None:
-    """Run ``body``, then leave without interpreter teardown (torch 2.13's gloo
-    threads can abort a finalizing interpreter after the body passed; see
-    dist_helpers.rank_main)."""
-    globals()[body](rank, *args)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 def full_state() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(7)
     return {
@@ -35,7 +24,7 @@ def full_state() -> dict[str, torch.Tensor]:
     }
 
 
-def _init(rank: int, world: int, init_file: str) -> Any:
+def init_ranks(rank: int, world: int, init_file: str) -> Any:
     os.environ.update(offline_env())
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
@@ -49,7 +38,7 @@ def _manager(url: str, options: dict[str, Any]) -> objckpt.CheckpointManager:
 
 
 def save_rows(rank: int, world: int, init_file: str, url: str, options: dict[str, Any]) -> None:
-    mesh = _init(rank, world, init_file)
+    mesh = init_ranks(rank, world, init_file)
     try:
         with _manager(url, options) as mgr:
             state = {
@@ -67,7 +56,7 @@ def save_rows(rank: int, world: int, init_file: str, url: str, options: dict[str
 def load_resharded(
     rank: int, world: int, init_file: str, url: str, options: dict[str, Any]
 ) -> None:
-    mesh = _init(rank, world, init_file)
+    mesh = init_ranks(rank, world, init_file)
     try:
         expected = full_state()
         state: dict[str, Any] = {

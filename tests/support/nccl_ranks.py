@@ -9,7 +9,6 @@ reads, rank 0's listing) must run there.
 from __future__ import annotations
 
 import os
-import sys
 import warnings
 from typing import Any
 
@@ -19,14 +18,6 @@ import torch.distributed.checkpoint as dcp
 
 import objckpt
 from objckpt.testing import offline_env
-
-
-def rank_main(rank: int, body: str, *args: Any) -> None:
-    """Run ``body`` and leave without interpreter teardown (see dist_helpers)."""
-    globals()[body](rank, *args)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def _state(rank: int, world: int, device: torch.device) -> dict[str, Any]:

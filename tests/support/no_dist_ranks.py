@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import sys
 import warnings
 from typing import Any
 
@@ -24,15 +23,6 @@ from objckpt.testing import offline_env
 #: How long a rank waits for the other (a collective, a store key): far beyond a
 #: save of a few KiB, so reaching it means a rank waits for something that never comes.
 WAIT = datetime.timedelta(seconds=90)
-
-
-def rank_main(rank: int, body: str, *args: Any) -> None:
-    """Run ``body`` on one rank, then leave without interpreter teardown (as
-    ``dist_helpers.rank_main`` does: torch's gloo threads can abort the exit)."""
-    globals()[body](rank, *args)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def state(rank: int, scale: float = 1.0) -> dict[str, Any]:

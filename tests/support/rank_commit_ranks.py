@@ -8,19 +8,11 @@ import sys
 from typing import Any
 
 import torch.distributed as dist
-from dist_helpers import _init, full_state
+from dist_helpers import full_state
+from ranks import init_ranks
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import objckpt
-
-
-def rank_main(rank: int, body: str, *args: Any) -> None:
-    """Run ``body`` of this module, then leave without interpreter teardown (see
-    dist_helpers.rank_main: torch 2.13's gloo threads may abort at finalization)."""
-    globals()[body](rank, *args)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def save_each(
@@ -37,7 +29,7 @@ def save_each(
     store's key count once every rank is done with that save, and how many commit
     helper processes it runs. Rank 0 cannot start a process during save number
     ``no_helper_for`` (its ``sys.executable`` is a missing file then)."""
-    mesh = _init(rank, world, init_file)
+    mesh = init_ranks(rank, world, init_file)
     store = dist.distributed_c10d._get_default_store()
     record: dict[str, list[Any]] = {"outcomes": [], "keys": [], "helpers": []}
     try:

@@ -9,27 +9,18 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from dist_helpers import _init as init_ranks
+from ranks import init_ranks
 
 import objckpt
 
 #: Far beyond any step here: reaching it means a rank waited for one that never came.
 WAIT = datetime.timedelta(seconds=90)
-
-
-def rank_main(rank: int, body: str, *args: Any) -> None:
-    """Run ``body``, then leave without interpreter teardown (gloo's threads can abort it)."""
-    globals()[body](rank, *args)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def state(rank: int) -> dict[str, torch.Tensor]:

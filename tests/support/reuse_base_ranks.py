@@ -3,27 +3,16 @@ gloo; module-level so spawn can import them)."""
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from dist_helpers import _init
+from ranks import init_ranks
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import objckpt
 
-__all__ = ["one_rank_cannot_read_its_base", "rank_main", "saves_after_rank_0_deleted_the_newest"]
-
-
-def rank_main(rank: int, body: str, *args: Any) -> None:
-    """Run the rank body ``body`` of this module, then leave without interpreter
-    teardown (see :func:`dist_helpers.rank_main`)."""
-    globals()[body](rank, *args)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+__all__ = ["one_rank_cannot_read_its_base", "saves_after_rank_0_deleted_the_newest"]
 
 
 def _state(mesh: Any, step: int) -> dict[str, Any]:
@@ -43,7 +32,7 @@ def saves_after_rank_0_deleted_the_newest(
     """Steps 1 and 2, then rank 0 deletes step 2 (only rank 0's catalog forgets it:
     deleting is the coordinator's), then step 3: every rank must reuse from step 1,
     rank 0's newest step, not from step 2 that rank 1's catalog still lists."""
-    mesh = _init(rank, world, init_file)
+    mesh = init_ranks(rank, world, init_file)
     try:
         opts = objckpt.AsyncOptions(workers=1, barrier_timeout=120)
         with objckpt.CheckpointManager(url, storage_options=options, async_options=opts) as mgr:
@@ -75,7 +64,7 @@ def one_rank_cannot_read_its_base(
     reuse only. Every rank commits step 2 and loads it bit-exact."""
     from objckpt.pipeline import reuse_memory
 
-    mesh = _init(rank, world, init_file)
+    mesh = init_ranks(rank, world, init_file)
     try:
         opts = objckpt.AsyncOptions(workers=1, barrier_timeout=60)
         with objckpt.CheckpointManager(url, storage_options=options, async_options=opts) as mgr:

@@ -8,27 +8,17 @@ cut differently at 2 ranks (other chunk sizes) and must be uploaded again.
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from dist_helpers import _init, full_state
+from dist_helpers import full_state
+from ranks import init_ranks
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import objckpt
 
-__all__ = ["load_and_save_step_2", "rank_main", "save_step_1"]
-
-
-def rank_main(rank: int, body: str, *args: Any) -> None:
-    """Run the rank body ``body`` of this module, then leave without interpreter
-    teardown (see :func:`dist_helpers.rank_main`, whose torch exit path this avoids)."""
-    globals()[body](rank, *args)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+__all__ = ["load_and_save_step_2", "save_step_1"]
 
 
 def _replicated() -> dict[str, torch.Tensor]:
@@ -63,7 +53,7 @@ def _manager(url: str, options: dict[str, Any]) -> objckpt.CheckpointManager:
 
 
 def save_step_1(rank: int, world: int, init_file: str, url: str, options: dict[str, Any]) -> None:
-    mesh = _init(rank, world, init_file)
+    mesh = init_ranks(rank, world, init_file)
     try:
         with _manager(url, options) as mgr:
             mgr.save(1, _state(mesh, fill=True)).result(timeout=120)
@@ -75,7 +65,7 @@ def save_step_1(rank: int, world: int, init_file: str, url: str, options: dict[s
 def load_and_save_step_2(
     rank: int, world: int, init_file: str, url: str, options: dict[str, Any]
 ) -> None:
-    mesh = _init(rank, world, init_file)
+    mesh = init_ranks(rank, world, init_file)
     try:
         with _manager(url, options) as mgr:
             state = _state(mesh, fill=False)

@@ -2,26 +2,16 @@
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from dist_helpers import _init, full_state
+from dist_helpers import full_state
+from ranks import init_ranks
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import objckpt
 from objckpt.errors import StepOrderError
-
-
-def rank_main(rank: int, body: str, *args: Any) -> None:
-    """Run the rank body ``body`` of this module, then leave without interpreter
-    teardown (see :func:`dist_helpers.rank_main` for why)."""
-    globals()[body](rank, *args)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def _state(mesh: Any, step: int) -> dict[str, Any]:
@@ -34,7 +24,7 @@ def refuse_then_discard(rank: int, world: int, init_file: str, url: str, options
     """Steps 10, 15, 20; step 10 loaded; save(11) is refused on every rank (none of
     them enters the save's collectives, so none waits for another); discard_after(10)
     together; then step 11 commits and is kept."""
-    mesh = _init(rank, world, init_file)
+    mesh = init_ranks(rank, world, init_file)
     try:
         with objckpt.CheckpointManager(
             url,

@@ -17,14 +17,13 @@ writes of the path that ran between them. Rank 0 reads them and reports them.
 from __future__ import annotations
 
 import json
-import os
 import struct
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from dist_helpers import _init
+from ranks import init_ranks
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import objckpt
@@ -35,16 +34,6 @@ PATHS = ("manager_save", "dcp_save", "manager_load", "dcp_load", "dcp_load_broad
 #: Rows of each rank's shard of ``w`` (and elements of its shard of ``b``).
 ROWS = 4
 COLS = 64
-
-
-def rank_main(rank: int, body: str, *args: Any) -> None:
-    """As dist_helpers.rank_main: run the body, then leave without interpreter teardown."""
-    import sys
-
-    globals()[body](rank, *args)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def full_state(world: int) -> dict[str, torch.Tensor]:
@@ -100,7 +89,7 @@ def store_records(path: str, start: int) -> tuple[int, list[tuple[str, int]]]:
 
 def measure(rank: int, world: int, init_file: str, url: str, options: dict[str, Any]) -> None:
     """Run every path once; rank 0 reports the c10d store writes of each."""
-    mesh = _init(rank, world, init_file)
+    mesh = init_ranks(rank, world, init_file)
     store = dist.distributed_c10d._get_default_store()
     report: dict[str, Any] = {}
     mine = options["ranks"][rank]

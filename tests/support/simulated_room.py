@@ -7,7 +7,7 @@ for one directory as a filesystem of ``capacity`` bytes would: the bytes this
 process's segments hold there are used, the rest is free, and a reservation past
 it fails with ``ENOSPC`` (as tmpfs does, after returning the pages it took).
 
-Module-level (with a rank body) so ``mp.spawn`` can import it.
+Module-level (with a rank body) so a spawned rank can import it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import contextlib
 import errno
 import json
 import os
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -67,14 +66,6 @@ def simulated_room(directory: str, capacity: int, *, can_reserve: bool = True) -
         os.statvfs, os.posix_fallocate = real_statvfs, real_fallocate
 
 
-def rank_main(rank: int, body: str, *args: Any) -> None:
-    """Run ``body`` of this module on one rank (as dist_helpers.rank_main does)."""
-    globals()[body](rank, *args)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 def no_room_on_rank1(
     rank: int, world: int, init_file: str, root: str, options: dict[str, Any], out: str
 ) -> None:
@@ -82,11 +73,11 @@ def no_room_on_rank1(
     fails on both ranks; then its directory has room and the next save commits on both."""
     import torch
     import torch.distributed as dist
-    from dist_helpers import _init
+    from ranks import init_ranks
 
     import objckpt
 
-    _init(rank, world, init_file)
+    init_ranks(rank, world, init_file)
     staging = os.path.join(out, f"staging-rank{rank}")
     os.mkdir(staging)
     state = {f"r{rank}.w": torch.arange(64 * 1024, dtype=torch.float32) + rank}

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from dist_helpers import _init
+from ranks import init_ranks
 
 import objckpt
 
@@ -19,7 +17,7 @@ def refused_in_the_background(
     """A bare save to a committed ``url`` on every rank, after a first save to the
     same bucket (its preflight is behind us). Each rank writes its handle's outcome
     to ``<init_file>.rank<r>``: the error's class and message, or "committed"."""
-    _init(rank, world, init_file)
+    init_ranks(rank, world, init_file)
     state = {"w": torch.full((4096,), float(rank)), "step": 3}
     opts = objckpt.AsyncOptions(workers=1, barrier_timeout=60)
     try:
@@ -35,12 +33,3 @@ def refused_in_the_background(
             f.write(verdict)
     finally:
         dist.destroy_process_group()
-
-
-def rank_main(rank: int, body: str, *args: Any) -> None:
-    """Run the rank body ``body`` of this module, then leave without interpreter
-    teardown (see ``dist_helpers.rank_main``: torch's gloo threads can abort it)."""
-    globals()[body](rank, *args)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

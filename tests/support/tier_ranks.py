@@ -10,26 +10,17 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import sys
 from collections.abc import Iterator
 from typing import Any
 from unittest import mock
 
 import torch
 import torch.distributed as dist
-from dist_helpers import _init, full_state
+from dist_helpers import full_state
+from ranks import init_ranks
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import objckpt
-
-
-def rank_main(rank: int, body: str, *args: Any) -> None:
-    """Run the rank body ``body`` of this module, then leave without interpreter
-    teardown (see ``dist_helpers.rank_main``: torch's gloo threads can abort it)."""
-    globals()[body](rank, *args)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def _node(options: dict[str, Any], rank: int, world: int) -> str:
@@ -65,7 +56,7 @@ def _blank(mesh: Any) -> dict[str, Any]:
 
 def save_three(rank: int, world: int, init_file: str, url: str, options: dict[str, Any]) -> None:
     """Steps 1 and 3 committed on the local tier only, step 2 promoted (durable)."""
-    mesh = _init(rank, world, init_file)
+    mesh = init_ranks(rank, world, init_file)
     try:
         with _manager(rank, world, url, options) as mgr:
             for step in (1, 2, 3):
@@ -81,7 +72,7 @@ def restart_and_load(
 ) -> None:
     """Restart (on the nodes ``options`` says) and load the newest step every rank can
     load; it must be ``options["expect"]``, bit-exact."""
-    mesh = _init(rank, world, init_file)
+    mesh = init_ranks(rank, world, init_file)
     try:
         with _manager(rank, world, url, options) as mgr:
             got = _blank(mesh)
@@ -121,7 +112,7 @@ def restart_with_rank1_unable_to_list(
     """Rank 1 cannot list its tier directory at start: the manager still starts on
     every rank (nothing is swept anywhere), and the ranks load together after it:
     step 3, local only, from each node's own disk."""
-    mesh = _init(rank, world, init_file)
+    mesh = init_ranks(rank, world, init_file)
     try:
         fails = _listing_fails(_node(options, rank, world)) if rank == 1 else None
         with fails or contextlib.nullcontext():
