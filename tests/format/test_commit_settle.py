@@ -11,11 +11,11 @@ settled by the read-back: our bytes there means committed, another writer's mean
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 import pytest
-import torch
-from conftest import assert_state_equal, empty_like_state
+from conftest import assert_state_equal, empty_like_state, stepped_state
 from helpers import load, save
 from store_bytes import assert_untouched, snapshot
 from torch.distributed.checkpoint.metadata import Metadata
@@ -38,8 +38,8 @@ BARE_412 = Rule(
 )
 
 
-def _state(seed: int) -> dict:
-    return {"w": torch.full((1 << 16,), float(seed)), "b": torch.arange(9) * seed, "step": seed}
+# The commit cases write 256 KiB per step: ``stepped_state`` at that size.
+_state = functools.partial(stepped_state, shape=(1 << 16,))
 
 
 @pytest.fixture

@@ -11,13 +11,13 @@ state (its ``.metadata`` is the committed manifest's).
 
 from __future__ import annotations
 
+import functools
 import pathlib
 import threading
 
 import pytest
-import torch
 import torch.distributed.checkpoint as dcp
-from conftest import assert_state_equal, empty_like_state
+from conftest import assert_state_equal, empty_like_state, stepped_state
 from helpers import carried, quiet, save
 from store_bytes import assert_untouched, snapshot
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
@@ -40,8 +40,8 @@ MANIFEST_500 = Rule("PutObject", key_contains=MANIFEST_KEY, action="status", sta
 UNBOUNDED = UploadOptions(deadline=None)
 
 
-def _state(seed: int) -> dict:
-    return {"w": torch.full((1 << 16,), float(seed)), "b": torch.arange(9) * seed, "step": seed}
+# The commit cases write 256 KiB per step: ``stepped_state`` at that size.
+_state = functools.partial(stepped_state, shape=(1 << 16,))
 
 
 @pytest.fixture

@@ -28,6 +28,7 @@ import fsspec
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from conftest import counting_state
 from helpers import quiet, save
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
@@ -101,10 +102,6 @@ def _child(
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-def _state() -> dict[str, Any]:
-    return {"w": torch.arange(N, dtype=torch.float32), "step": 3}
-
-
 class _Ckpt:
     """A committed checkpoint at ``url``, and the edits an attacker makes to it."""
 
@@ -147,7 +144,7 @@ class _Ckpt:
 
 
 def _saved(target: StoreTarget, name: str) -> _Ckpt:
-    save(_state(), target.url(name), target)
+    save(counting_state(N), target.url(name), target)
     return _Ckpt(target.url(name), target.storage_options)
 
 

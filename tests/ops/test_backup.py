@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import assert_state_equal, empty_like_state
+from conftest import assert_state_equal, empty_like_state, stepped_state
 from helpers import fs_of
 
 from objckpt import CheckpointManager, Location, RetentionPolicy, UploadOptions
@@ -26,10 +26,6 @@ from objckpt.testing import FaultProxy, MotoServer, Rule
 from objckpt.testing.plugin import StoreTarget
 
 BACKUP_BUCKET = "objckpt-backup"
-
-
-def _state(step: int) -> dict:
-    return {"w": torch.full((64, 64), float(step)), "b": torch.arange(9) * step, "step": step}
 
 
 @pytest.fixture
@@ -84,7 +80,7 @@ def test_backups_to_a_second_bucket_and_to_file_with_their_own_retention(
         backups=[s3_backup, file_backup],
     ) as mgr:
         for step in range(1, 6):
-            mgr.save(step, _state(step))
+            mgr.save(step, stepped_state(step))
             mgr.wait_until_finished()
         mgr.wait_for_backups(timeout=120)
         status = mgr.backup_status()
@@ -124,29 +120,29 @@ def test_load_falls_back_to_a_backup_and_says_so(
     opts = s3_bucket.storage_options
     with CheckpointManager(root, storage_options=opts, backups=[backup]) as mgr:
         for step in (1, 2):
-            mgr.save(step, _state(step))
+            mgr.save(step, stepped_state(step))
             mgr.wait_until_finished()
         mgr.wait_for_backups(timeout=60)
 
         # A corrupted primary object: the CRC check fails, the backup loads.
         _flip_byte(root, 2, opts)
         caplog.clear()
-        got = empty_like_state(_state(0))
+        got = empty_like_state(stepped_state(0))
         assert mgr.load(got, step=2) == 2
-        assert_state_equal(got, _state(2))
+        assert_state_equal(got, stepped_state(2))
         warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert any("loaded step 2 from backup file://" in m for m in warned), warned
         assert any("CRC32C" in m for m in warned), warned
 
         # A deleted primary step: same.
         delete_step(Location.parse(root, opts).child(step_name(1)))
-        got = empty_like_state(_state(0))
+        got = empty_like_state(stepped_state(0))
         assert mgr.load(got, step=1) == 1
-        assert_state_equal(got, _state(1))
+        assert_state_equal(got, stepped_state(1))
 
     # Without a backup, the corruption is the error.
     with CheckpointManager(root, storage_options=opts) as mgr, pytest.raises(ChecksumMismatchError):
-        mgr.load(empty_like_state(_state(0)), step=2)
+        mgr.load(empty_like_state(stepped_state(0)), step=2)
 
     # The primary bucket is gone: a restarted job still resumes, from the backup.
     client = moto_server.boto3_client()
@@ -156,9 +152,9 @@ def test_load_falls_back_to_a_backup_and_says_so(
     caplog.clear()
     with CheckpointManager(root, storage_options=opts, backups=[backup]) as mgr:
         assert mgr.latest_step() is None
-        got = empty_like_state(_state(0))
+        got = empty_like_state(stepped_state(0))
         assert mgr.load(got) == 2
-        assert_state_equal(got, _state(2))
+        assert_state_equal(got, stepped_state(2))
     assert any("loaded step 2 from backup" in r.getMessage() for r in caplog.records)
 
 
@@ -206,7 +202,7 @@ def test_gcs_rewrite_is_server_side_and_checked(gcs_bucket: StoreTarget, gcs_emu
     opts = gcs_bucket.storage_options
     from helpers import save
 
-    save(_state(3), gcs_bucket.url("ck"), gcs_bucket)
+    save(stepped_state(3), gcs_bucket.url("ck"), gcs_bucket)
     src = Location.parse(gcs_bucket.url("ck"), opts)
     dst = Location.parse(f"gs://{BACKUP_BUCKET}/ck", opts)
     report = copy_checkpoint(src, dst)
@@ -233,7 +229,7 @@ def test_replicated_mode_waits_for_a_matching_replica(
         f"s3://{BACKUP_BUCKET}/t/run", opts, mode="replicated", replica_timeout=8
     )
     with CheckpointManager(s3_bucket.url("run"), storage_options=opts, backups=[replica]) as mgr:
-        mgr.save(1, _state(1)).result(timeout=120)  # committed; its backup still waits
+        mgr.save(1, stepped_state(1)).result(timeout=120)  # committed; its backup still waits
         status = mgr.backup_status()[0]
         assert status.latest_step is None and status.steps_behind == 1
         later = threading.Timer(
@@ -247,7 +243,7 @@ def test_replicated_mode_waits_for_a_matching_replica(
         status = mgr.backup_status()[0]
         assert (status.latest_step, status.steps_behind, status.error) == (1, 0, None)
         # Nothing was copied by objckpt before the "replication" ran: the check waited.
-        mgr.save(2, _state(2)).result(timeout=120)
+        mgr.save(2, stepped_state(2)).result(timeout=120)
         _replicate(client, s3_bucket.bucket, BACKUP_BUCKET, "t/run/step-0000000002/", True)
         with pytest.raises(BackupError, match=r"replica not in place after 8 s: .*CRC32C"):
             mgr.wait_for_backups(timeout=60)
@@ -264,7 +260,7 @@ def test_failing_target_is_reported_with_lag_and_never_fails_the_save(
         s3_bucket.url("run"), storage_options=opts, backups=[missing], keep_last=1
     ) as mgr:
         for step in (1, 2):
-            mgr.save(step, _state(step)).result()
+            mgr.save(step, stepped_state(step)).result()
         with pytest.raises(BackupError, match="no-such-backup-bucket"):
             mgr.wait_for_backups(timeout=60)
         mgr.check_for_errors()  # the saves themselves succeeded
@@ -298,10 +294,10 @@ def test_cli_ls_shows_lag_and_cp_restores_from_a_backup(
     root = s3_bucket.url("run")
     backup = f"file://{tmp_path}/backup"
     with CheckpointManager(root, storage_options=opts, backups=[backup]) as mgr:
-        mgr.save(1, _state(1))
+        mgr.save(1, stepped_state(1))
         mgr.wait_until_finished()
         mgr.wait_for_backups(timeout=60)
-        mgr.save(2, _state(2))
+        mgr.save(2, stepped_state(2))
         mgr.wait_until_finished()
         mgr.wait_for_backups(timeout=60)
     delete_step(Location.parse(f"{backup}/{step_name(2)}"))  # the backup trails by one
@@ -335,9 +331,9 @@ def test_cli_ls_shows_lag_and_cp_restores_from_a_backup(
     assert out.exit_code == 0, out.output
     assert _steps(root, opts) == [1, 2]
     with CheckpointManager(root, storage_options=opts) as mgr:
-        got = empty_like_state(_state(0))
+        got = empty_like_state(stepped_state(0))
         assert mgr.load(got, step=1) == 1
-        assert_state_equal(got, _state(1))
+        assert_state_equal(got, stepped_state(1))
 
 
 def test_primary_retention_spares_a_step_still_being_backed_up(
@@ -351,10 +347,10 @@ def test_primary_retention_spares_a_step_still_being_backed_up(
     target = BackupTarget(backup_bucket.url("b"), storage_options=s3_proxy.storage_options())
     s3_proxy.add(Rule(key_contains=step_name(1), action="hold", stall=120))
     with CheckpointManager(root, storage_options=opts, keep_last=1, backups=[target]) as mgr:
-        mgr.save(1, _state(1)).result(timeout=60)
+        mgr.save(1, stepped_state(1)).result(timeout=60)
         s3_proxy.wait_for(None, faulted=True, timeout=60)  # step 1's copy is under way, held
         for step in (2, 3):
-            mgr.save(step, _state(step)).result(timeout=60)  # retention runs at each commit
+            mgr.save(step, stepped_state(step)).result(timeout=60)  # retention runs at each commit
         assert 1 in _steps(root, opts), "a step was deleted while its backup was copying it"
         assert mgr.backup_status()[0].latest_step is None  # step 1 not there yet
         s3_proxy.release()
@@ -376,7 +372,7 @@ def test_wait_until_finished_also_waits_for_the_backups(
         s3_bucket.url("run"), storage_options=opts, backups=[backup_bucket.url("bk")]
     )
     try:
-        mgr.save(1, _state(1))
+        mgr.save(1, stepped_state(1))
         mgr.wait_until_finished()
         # Checked before close(), which would also wait: the backup is already there.
         backup = Location.parse(backup_bucket.url("bk"), opts).child(step_name(1))
@@ -389,7 +385,7 @@ def test_wait_until_finished_raises_a_failing_backup_naming_it(s3_bucket: StoreT
     opts = s3_bucket.storage_options
     missing = BackupTarget("s3://no-such-backup-bucket/run", opts)
     with CheckpointManager(s3_bucket.url("run"), storage_options=opts, backups=[missing]) as mgr:
-        mgr.save(1, _state(1))
+        mgr.save(1, stepped_state(1))
         started = time.monotonic()
         with pytest.raises(BackupError, match="no-such-backup-bucket"):
             mgr.wait_until_finished()

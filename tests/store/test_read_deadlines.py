@@ -16,9 +16,8 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-import torch
 from click.testing import CliRunner, Result
-from conftest import assert_state_equal, empty_like_state
+from conftest import assert_state_equal, counting_state, empty_like_state
 from helpers import carried, load, save
 
 import objckpt
@@ -41,10 +40,6 @@ SILENT = RetryPolicy(
 )
 
 
-def _state() -> dict:
-    return {"w": torch.arange(4096, dtype=torch.float32), "step": 3}
-
-
 def _via(options: dict) -> StoreTarget:
     return StoreTarget(root="s3://objckpt-test/t", storage_options=options)
 
@@ -59,11 +54,11 @@ def test_every_get_answered_503_costs_attempts_gets_not_attempts_squared(
     """The manifest (read whole) and a payload range (read in a batch) each get
     ``attempts`` GETs: the whole-read retry no longer wraps the request's own."""
     url = s3_bucket.url("ckpt")
-    save(_state(), url, s3_bucket)
+    save(counting_state(), url, s3_bucket)
     via = _via(s3_proxy.storage_options())
     s3_proxy.add(Rule("GetObject", key_contains=what, action="status", status=503))
     with pytest.raises(BaseException) as info:
-        load(empty_like_state(_state()), url, via, retry=FAST)
+        load(empty_like_state(counting_state()), url, via, retry=FAST)
     assert url in str(carried(info.value))  # the load's error names the checkpoint
     gets = [s for s in s3_proxy.seen if s.operation == "GetObject" and what in s.path]
     assert len(gets) == FAST.attempts, [s.path for s in gets]
@@ -75,10 +70,10 @@ def test_a_body_cut_off_every_time_is_retried_attempts_times(
     """A 200 whose body is cut short is retried by the request layer (the one layer
     left): ``attempts`` GETs, then the load fails naming the object."""
     url = s3_bucket.url("ckpt")
-    save(_state(), url, s3_bucket)
+    save(counting_state(), url, s3_bucket)
     s3_proxy.add(Rule("GetObject", key_contains=".distcp", action="truncate"))
     with pytest.raises(BaseException) as info:
-        load(empty_like_state(_state()), url, _via(s3_proxy.storage_options()), retry=FAST)
+        load(empty_like_state(counting_state()), url, _via(s3_proxy.storage_options()), retry=FAST)
     assert ".distcp" in str(carried(info.value))
     assert s3_proxy.count("GetObject", faulted=True) == FAST.attempts
 
@@ -133,9 +128,9 @@ def _commits_through_the_outage(
         relay.up()
         thread.join(timeout=30)
     assert relay.refused >= REFUSALS  # the endpoint was down mid-save, beyond BRIEF's tries
-    got = empty_like_state(_state())
+    got = empty_like_state(counting_state())
     load(got, s3_bucket.url("ckpt"), s3_bucket)
-    assert_state_equal(got, _state())
+    assert_state_equal(got, counting_state())
 
 
 def test_a_sync_save_commits_through_an_outage(
@@ -144,7 +139,13 @@ def test_a_sync_save_commits_through_an_outage(
     via = _via(relay.storage_options())
 
     def run() -> None:
-        save(_state(), s3_bucket.url("ckpt"), via, retry=BRIEF, upload=UploadOptions(deadline=120))
+        save(
+            counting_state(),
+            s3_bucket.url("ckpt"),
+            via,
+            retry=BRIEF,
+            upload=UploadOptions(deadline=120),
+        )
 
     _commits_through_the_outage(relay, s3_proxy, s3_bucket, run)
 
@@ -158,7 +159,7 @@ def test_an_async_save_commits_through_an_outage(
             retry=BRIEF,
             upload=UploadOptions(max_in_flight=4, deadline=120),
         ) as ckpt:
-            ckpt.save(_state(), s3_bucket.url("ckpt"), no_dist=True).result(timeout=300)
+            ckpt.save(counting_state(), s3_bucket.url("ckpt"), no_dist=True).result(timeout=300)
 
     _commits_through_the_outage(relay, s3_proxy, s3_bucket, run)
 
@@ -203,7 +204,7 @@ def test_a_load_fails_within_its_deadline_naming_the_endpoint(black_hole: str) -
     started = time.monotonic()
     with pytest.raises(BaseException) as info:
         load(
-            empty_like_state(_state()),
+            empty_like_state(counting_state()),
             "s3://objckpt-test/run/step-1",
             _via(s3_test_options(black_hole)),
             retry=SILENT,
@@ -218,7 +219,7 @@ def test_a_save_fails_within_its_deadline_naming_the_rank(black_hole: str) -> No
     started = time.monotonic()
     with pytest.raises(BaseException) as info:
         save(
-            _state(),
+            counting_state(),
             "s3://objckpt-test/run/step-1",
             _via(s3_test_options(black_hole)),
             retry=SILENT,

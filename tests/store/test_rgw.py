@@ -32,7 +32,7 @@ import pytest
 import torch
 from botocore.config import Config
 from click.testing import CliRunner, Result
-from conftest import assert_state_equal, empty_like_state
+from conftest import assert_state_equal, empty_like_state, stepped_state
 from helpers import carried, cli_env, load, save
 from reuse_helpers import lora_state, train_step
 from test_untrusted_input import _CHILD, CRAFTED, N, _Ckpt, _outside, _saved
@@ -93,10 +93,6 @@ def _manual_multipart(client: Any, bucket: str, key: str, parts: list[bytes]) ->
         )
         done.append({"PartNumber": n, "ETag": out["ETag"]})
     return upload["UploadId"], done
-
-
-def _state(step: int) -> dict[str, Any]:
-    return {"w": torch.full((64, 64), float(step)), "b": torch.arange(9) * step, "step": step}
 
 
 # -- what RGW does differently, and what objckpt does about it ----------------------------
@@ -269,13 +265,13 @@ def test_a_save_keeps_parts_in_flight_and_loads_back(
 
 
 def test_a_second_save_to_a_committed_checkpoint_is_refused(rgw_bucket: StoreTarget) -> None:
-    save(_state(1), rgw_bucket.url("c"), rgw_bucket)
+    save(stepped_state(1), rgw_bucket.url("c"), rgw_bucket)
     with pytest.raises(BaseException) as info:
-        save(_state(2), rgw_bucket.url("c"), rgw_bucket)
+        save(stepped_state(2), rgw_bucket.url("c"), rgw_bucket)
     assert isinstance(carried(info.value), CheckpointExistsError), repr(info.value)
-    got = empty_like_state(_state(0))
+    got = empty_like_state(stepped_state(0))
     load(got, rgw_bucket.url("c"), rgw_bucket)
-    assert_state_equal(got, _state(1))
+    assert_state_equal(got, stepped_state(1))
 
 
 def test_a_commit_whose_answer_was_lost_is_settled_by_reading_the_manifest_back(
@@ -293,11 +289,11 @@ def test_a_commit_whose_answer_was_lost_is_settled_by_reading_the_manifest_back(
             times=1,
         )
     )
-    save(_state(3), target.url("c"), target)
+    save(stepped_state(3), target.url("c"), target)
     assert len([p for p in proxy.paths("PutObject") if p.endswith(MANIFEST_KEY)]) == 2
-    got = empty_like_state(_state(0))
+    got = empty_like_state(stepped_state(0))
     load(got, rgw_bucket.url("c"), rgw_bucket)
-    assert_state_equal(got, _state(3))
+    assert_state_equal(got, stepped_state(3))
 
 
 def test_a_complete_whose_answer_was_lost_is_answered_again_by_rgw(
@@ -514,14 +510,14 @@ def test_a_local_tier_promotes_every_second_step_to_rgw(
     with CheckpointManager(
         root, storage_options=opts, local=tier, async_options=AsyncOptions(workers=1)
     ) as mgr:
-        handles = [mgr.save(step, _state(step)) for step in (1, 2, 3, 4)]
+        handles = [mgr.save(step, stepped_state(step)) for step in (1, 2, 3, 4)]
         mgr.wait_until_finished()
         assert [h.wait_durable(60) for h in handles] == [False, True, False, True]
         assert mgr.all_steps() == [2, 4] and mgr.local_steps() == [3, 4]
     with CheckpointManager(root, storage_options=opts) as mgr:  # another node: the root only
-        got = empty_like_state(_state(0))
+        got = empty_like_state(stepped_state(0))
         assert mgr.load(got) == 4
-    assert_state_equal(got, _state(4))
+    assert_state_equal(got, stepped_state(4))
 
 
 @pytest.fixture
@@ -541,7 +537,7 @@ def test_cli_lists_describes_and_verifies_checkpoints_on_rgw(
     root = rgw_bucket.url("run")
     with CheckpointManager(root, storage_options=rgw_bucket.storage_options) as mgr:
         for step in (1, 2):
-            mgr.save(step, _state(step)).result(timeout=120)
+            mgr.save(step, stepped_state(step)).result(timeout=120)
     listed = json.loads(cli("ls", root, "--json").stdout)
     assert [(s["step"], s["committed"]) for s in listed["steps"]] == [(1, True), (2, True)]
     info = json.loads(cli("info", f"{root}/{step_name(2)}", "--json").stdout)

@@ -323,7 +323,8 @@ def _tiered(rank: int, url: str, options: dict[str, Any], **tier: Any) -> objckp
     )
 
 
-def _tiered_state(mesh: Any, step: int) -> dict[str, Any]:
+def tiered_state(mesh: Any, step: int) -> dict[str, Any]:
+    """``full_state`` plus ``step``, sharded over the mesh: each step's values differ."""
     return {
         "model": {
             k: distribute_tensor(v + step, mesh, [Shard(0)]) for k, v in full_state().items()
@@ -338,7 +339,7 @@ def tiered_save(rank: int, world: int, init_file: str, url: str, options: dict[s
     try:
         with _tiered(rank, url, options) as mgr:
             for step in (1, 2):
-                handle = mgr.save(step, _tiered_state(mesh, step))
+                handle = mgr.save(step, tiered_state(mesh, step))
                 assert handle.tier == "local" and handle.wait_durable(120), rank
             mgr.wait_until_finished()
             assert mgr.all_steps() == [1, 2] and mgr.local_steps() == [1, 2], rank
@@ -377,7 +378,7 @@ def tiered_one_rank_full(
     try:
         tier = {"min_free_bytes": 1 << 62} if rank == 1 else {}
         with _tiered(rank, url, options, **tier) as mgr:
-            handle = mgr.save(1, _tiered_state(mesh, 1))
+            handle = mgr.save(1, tiered_state(mesh, 1))
             assert handle.tier == "primary", (rank, handle.tier)
             assert handle.wait_durable(120)
             mgr.wait_until_finished()

@@ -16,9 +16,8 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
-from dist_helpers import full_state
+from dist_helpers import full_state, tiered_state
 from ranks import init_ranks
-from torch.distributed.tensor import Shard, distribute_tensor
 
 import objckpt
 
@@ -37,17 +36,8 @@ def _manager(rank: int, world: int, url: str, options: dict[str, Any]) -> objckp
     )
 
 
-def _state(mesh: Any, step: int) -> dict[str, Any]:
-    return {
-        "model": {
-            k: distribute_tensor(v + step, mesh, [Shard(0)]) for k, v in full_state().items()
-        },
-        "step": step,
-    }
-
-
 def _blank(mesh: Any) -> dict[str, Any]:
-    got = _state(mesh, 0)
+    got = tiered_state(mesh, 0)
     for v in got["model"].values():
         v.to_local().zero_()
     got["step"] = -1
@@ -60,7 +50,7 @@ def save_three(rank: int, world: int, init_file: str, url: str, options: dict[st
     try:
         with _manager(rank, world, url, options) as mgr:
             for step in (1, 2, 3):
-                mgr.save(step, _state(mesh, step))
+                mgr.save(step, tiered_state(mesh, step))
             mgr.wait_until_finished()
             assert mgr.all_steps() == [2] and mgr.local_steps() == [1, 2, 3], rank
     finally:
