@@ -55,18 +55,6 @@ def sample_state(seed: int = 0, big: int = 3 * 1024 * 1024) -> dict[str, Any]:
     }
 
 
-def stepped_state(step: int, shape: tuple[int, ...] = (64, 64)) -> dict[str, Any]:
-    """A small state whose every value says which step wrote it: a load of the wrong
-    step (a fallback, a rollback, a retried commit) fails the comparison."""
-    return {"w": torch.full(shape, float(step)), "b": torch.arange(9) * step, "step": step}
-
-
-def counting_state(n: int = 4096) -> dict[str, Any]:
-    """One float32 tensor of ``n`` known elements and a plain value: the smallest state
-    whose bytes a crafted or slow read can be checked against."""
-    return {"w": torch.arange(n, dtype=torch.float32), "step": 3}
-
-
 def empty_like_state(state: dict[str, Any]) -> dict[str, Any]:
     def blank(v: Any) -> Any:
         if isinstance(v, torch.Tensor):

@@ -15,8 +15,9 @@ import functools
 import logging
 
 import pytest
-from conftest import assert_state_equal, empty_like_state, stepped_state
+from conftest import assert_state_equal, empty_like_state
 from helpers import load, save
+from states import stepped_state
 from store_bytes import assert_untouched, snapshot
 from torch.distributed.checkpoint.metadata import Metadata
 

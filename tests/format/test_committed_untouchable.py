@@ -17,8 +17,9 @@ import threading
 
 import pytest
 import torch.distributed.checkpoint as dcp
-from conftest import assert_state_equal, empty_like_state, stepped_state
+from conftest import assert_state_equal, empty_like_state
 from helpers import carried, quiet, save
+from states import stepped_state
 from store_bytes import assert_untouched, snapshot
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 

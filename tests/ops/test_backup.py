@@ -11,8 +11,9 @@ import time
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import assert_state_equal, empty_like_state, stepped_state
+from conftest import assert_state_equal, empty_like_state
 from helpers import fs_of
+from states import stepped_state
 
 from objckpt import CheckpointManager, Location, RetentionPolicy, UploadOptions
 from objckpt.cli import main

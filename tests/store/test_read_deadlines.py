@@ -17,8 +17,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from click.testing import CliRunner, Result
-from conftest import assert_state_equal, counting_state, empty_like_state
+from conftest import assert_state_equal, empty_like_state
 from helpers import carried, load, save
+from states import counting_state
 
 import objckpt
 from objckpt import RetryPolicy, UploadOptions

@@ -32,10 +32,11 @@ import pytest
 import torch
 from botocore.config import Config
 from click.testing import CliRunner, Result
-from conftest import assert_state_equal, empty_like_state, stepped_state
+from conftest import assert_state_equal, empty_like_state
+from crafted import _CHILD, CRAFTED, N, _Ckpt, _outside, _saved
 from helpers import carried, cli_env, load, save
 from reuse_helpers import lora_state, train_step
-from test_untrusted_input import _CHILD, CRAFTED, N, _Ckpt, _outside, _saved
+from states import stepped_state
 
 from objckpt import (
     AsyncOptions,
