@@ -69,11 +69,12 @@ test: lint iac docs-check azurite rgw
 # clone ($OBJCKPT_TORCH_VENVS, default ~/.cache/objckpt/torch-venvs), and reuses it.
 # The subset: round trip, interop with stock DCP readers and writers, resharding,
 # async, manager, planners, metadata, extensions, reuse, Lightning.
-TORCH_TESTS := tests/test_roundtrip.py tests/test_interop.py tests/test_distributed.py \
-	tests/test_async.py tests/test_manager.py tests/test_load_planner.py \
-	tests/test_metadata_stream.py tests/test_extensions.py tests/test_reuse.py \
-	tests/test_lightning.py tests/test_plan_cache.py tests/test_rank_commit.py \
-	tests/test_private_torch.py
+TORCH_TESTS := tests/dcp/test_roundtrip.py tests/dcp/test_interop.py \
+	tests/distributed/test_distributed.py tests/pipeline/test_async.py \
+	tests/ops/test_manager.py tests/dcp/test_load_planner.py \
+	tests/pipeline/test_metadata_stream.py tests/dcp/test_extensions.py tests/dcp/test_reuse.py \
+	tests/integrations/test_lightning.py tests/pipeline/test_plan_cache.py \
+	tests/pipeline/test_rank_commit.py tests/api/test_private_torch.py
 
 test-torch:
 	@test -n "$(TORCH)" || { echo "usage: make test-torch TORCH=2.9.1" >&2; exit 2; }
@@ -81,13 +82,13 @@ test-torch:
 	$$venv/bin/python -c 'import torch; print("torch", torch.__version__)' && \
 	$$venv/bin/python -m pytest -p no:cacheprovider $(TORCH_TESTS)
 
-# torchtitan 0.3.0's own trainer saving to objckpt on s3:// (tests/test_torchtitan.py,
+# torchtitan 0.3.0's own trainer saving to objckpt on s3:// (tests/integrations/test_torchtitan.py,
 # #37): 2 gloo ranks on CPU, in a venv `scripts/torch_venv.sh titan` builds beside the
 # others from constraints-titan.txt (torch 2.15.0, the fsspec torchtitan accepts).
 # OBJCKPT_REQUIRE_TITAN=1: a missing torchtitan fails the tests instead of skipping them.
 test-titan:
 	venv=$$(scripts/torch_venv.sh titan) && \
-	OBJCKPT_REQUIRE_TITAN=1 $$venv/bin/python -m pytest -p no:cacheprovider tests/test_torchtitan.py
+	OBJCKPT_REQUIRE_TITAN=1 $$venv/bin/python -m pytest -p no:cacheprovider tests/integrations/test_torchtitan.py
 
 bench: $(STAMP)
 	$(PY) -m pip install --quiet --constraint constraints.txt --editable '.[all,test,docs,bench]'

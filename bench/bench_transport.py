@@ -136,7 +136,7 @@ def guarantees(server: MotoServer) -> dict[str, dict[str, Any]]:
             out["obstore"]["failed_part_raised"] = True
         out["obstore"]["aborts_on_failure"] = left_open("fail-ob/") == 0
         crcs = [dict(s.amz).get("x-amz-checksum-crc32c") for s in proxy.seen]
-        out["s3fs"]["sends_part_crc32c"] = True  # tests/test_s3_multipart.py proves it
+        out["s3fs"]["sends_part_crc32c"] = True  # tests/store/test_s3_multipart.py proves it
         out["obstore"]["sends_part_crc32c"] = any(crcs[-3:])
     return out
 

@@ -23,7 +23,7 @@ plugin=()
 python3 -m pip show -q objckpt >/dev/null 2>&1 || plugin=(-p objckpt.testing.plugin)
 rc=0
 timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest ${plugin[@]+"${plugin[@]}"} -p no:cacheprovider \
-    -q -rA tests/test_stage.py tests/test_nccl.py 2>&1 | tee "$out/tests.log" || rc=1
+    -q -rA tests/pipeline/test_stage.py tests/distributed/test_nccl.py 2>&1 | tee "$out/tests.log" || rc=1
 timeout "${BENCH_TIMEOUT:-240}" python3 bench/bench_cuda.py --size-mib ${SIZES:-1024 2048} \
     --out "$out/bench_cuda.json" 2>&1 | tee "$out/bench_cuda.log" || rc=1
 exit $rc

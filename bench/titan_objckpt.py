@@ -1,7 +1,7 @@
 """torchtitan 0.3.0 saving and resuming through objckpt: the module a user writes.
 
 docs/guides/torchtitan.md shows this file; bench/titan_run.py and
-tests/test_torchtitan.py run it. torchtitan builds its checkpoint manager from
+tests/integrations/test_torchtitan.py run it. torchtitan builds its checkpoint manager from
 ``Trainer.Config.checkpoint`` (``config.checkpoint.build(...)``), so a subclass of its
 ``CheckpointManager`` with its own nested ``Config``, set in a config function, is
 the whole change: no torchtitan patch, no objckpt change.

@@ -9,7 +9,7 @@ cannot work without it (never a silent change of what is saved or loaded).
 Every private name here exists on torch 2.9 through 2.15: CI runs the full suite on
 the pinned release (``constraints.txt``) and a subset on the floor in
 ``pyproject.toml`` and on the newest release (``make test-torch TORCH=...``).
-``tests/test_private_torch.py`` keeps every other module to public names.
+``tests/api/test_private_torch.py`` keeps every other module to public names.
 """
 
 from __future__ import annotations

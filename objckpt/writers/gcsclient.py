@@ -8,7 +8,7 @@ request goes through) by the same function without gcsfs's retry decorator
 (``__wrapped__``), run under :func:`~objckpt.writers.retry.call_with_retries`: one
 retry loop, transient errors only (5xx, 429, connection errors; a 401 or 403 fails at
 once), bounded by the save's deadline. ``_request`` and its ``__wrapped__`` are gcsfs
-internals, pinned by ``tests/test_s3client.py``'s GCS twin for the supported range.
+internals, pinned by ``tests/store/test_gcsclient.py`` for the supported range.
 """
 
 from __future__ import annotations

@@ -13,11 +13,11 @@ whole read that multiplied the attempts. s3fs reads such bodies whole anyway, fr
 a :class:`_ReadBody` now. A large whole-object GET (a streamed download) keeps its
 streaming body.
 
-``_call_s3`` and ``retries`` are s3fs internals: ``tests/test_s3client.py`` pins
+``_call_s3`` and ``retries`` are s3fs internals: ``tests/store/test_s3client.py`` pins
 them for the s3fs range objckpt supports (``s3fs>=2024.6``), so a release that
 changes them fails there, not in a user's save. So are ``_s3`` and ``_s3creator``,
 which :meth:`RetryingS3FileSystem.close_connections` closes
-(``tests/test_async.py`` counts the sockets left after a checkpointer's close).
+(``tests/pipeline/test_async.py`` counts the sockets left after a checkpointer's close).
 """
 
 from __future__ import annotations

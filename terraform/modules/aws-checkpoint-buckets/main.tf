@@ -17,7 +17,7 @@ locals {
   replicated  = var.backup_mode == "replicated"
   prefix_glob = "${var.run_prefix}/*"
 
-  # Every S3 action objckpt's code issues (tests/test_terraform.py derives the
+  # Every S3 action objckpt's code issues (tests/integrations/test_terraform.py derives the
   # operations from a recorded run through a proxy and checks this list).
   #   ListBucket                 ListObjectsV2 (ls, gc, retention, preflight)
   #   ListBucketMultipartUploads gc finds uploads a killed save left open

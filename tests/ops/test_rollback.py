@@ -1,0 +1,90 @@
+"""Rolling a run back (``CheckpointManager.discard_after``) on every tier, and the
+refusal of a save below the newest step on every rank of a gloo job.
+
+The single-tier scenario (refusal naming both steps, discard, restart) is in
+``test_manager.py``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import rollback_ranks
+import torch
+from conftest import assert_state_equal, empty_like_state
+from ranks import run_ranks
+
+from objckpt import CheckpointManager, LocalTier, RetentionPolicy
+from objckpt.errors import StepOrderError
+from objckpt.format.steps import step_name
+from objckpt.ops.backup import committed_steps
+from objckpt.options import AsyncOptions
+from objckpt.testing.plugin import StoreTarget
+from objckpt.writers.location import Location
+
+
+def _state(step: int) -> dict:
+    return {"w": torch.full((4096,), float(step)), "step": step}
+
+
+def _backed_up(target: StoreTarget, url: str) -> list[int]:
+    return sorted(s.step for s in committed_steps(Location.parse(url, target.storage_options)))
+
+
+def test_discard_after_on_the_local_tier_and_a_copy_backup(
+    s3_bucket: StoreTarget, tmp_path
+) -> None:
+    """Steps 10, 15 and 20 on the local tier, the root and a copy backup (each with
+    retention by number). After loading step 10, discard_after(10) removes 15 and 20
+    from all three; the new run's steps are then kept everywhere, and a restart
+    resumes from them."""
+    root, backup = s3_bucket.url("tiers"), s3_bucket.url("tiers-backup")
+    local = str(tmp_path / "nvme")
+
+    def manager() -> CheckpointManager:
+        return CheckpointManager(
+            root,
+            storage_options=s3_bucket.storage_options,
+            retention=RetentionPolicy(keep_last=2, keep_every=10),
+            backups=[backup],
+            async_options=AsyncOptions(workers=1),
+            local=LocalTier(local, keep_last=3),
+        )
+
+    with manager() as mgr:
+        for step in (10, 15, 20):
+            mgr.save(step, _state(step)).wait_durable(120)
+        mgr.wait_until_finished()
+        assert mgr.local_steps() == mgr.all_steps() == [10, 15, 20]
+        assert _backed_up(s3_bucket, backup) == [10, 15, 20]
+        assert mgr.load(empty_like_state(_state(0)), step=10) == 10
+        with pytest.raises(StepOrderError, match="step 11 is below step 20"):
+            mgr.save(11, _state(11))
+
+        assert mgr.discard_after(10) == [15, 20]
+        assert mgr.local_steps() == mgr.all_steps() == [10]
+        assert sorted(os.listdir(local)) == [step_name(10)]
+        assert _backed_up(s3_bucket, backup) == [10]
+
+        for step in (11, 12):
+            mgr.save(step, _state(step)).wait_durable(120)
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [10, 11, 12] and mgr.local_steps() == [10, 11, 12]
+        assert _backed_up(s3_bucket, backup) == [10, 11, 12]
+    with manager() as mgr:
+        got = empty_like_state(_state(0))
+        got["step"] = None
+        assert mgr.latest_step() == 12 and mgr.load(got) == 12
+        assert_state_equal(got, _state(12))
+
+
+def test_a_save_below_the_newest_step_is_refused_on_both_ranks(
+    s3_bucket: StoreTarget, tmp_path
+) -> None:
+    url = s3_bucket.url("rollback-2")
+    body = rollback_ranks.refuse_then_discard.__name__
+    args = (body, 2, str(tmp_path / "init"), url, s3_bucket.storage_options)
+    run_ranks(rollback_ranks, *args)
+    steps = sorted(s.step for s in committed_steps(Location.parse(url, s3_bucket.storage_options)))
+    assert steps == [10, 11]

@@ -1,0 +1,304 @@
+"""A commit split by rank (#27 item 2): each rank's own index, the coordinator's rest.
+
+What every rank now writes itself, and what rank 0's commit helper builds from the
+stored index objects, must be what the coordinator produced alone before: the same
+index bytes, the same manifest ``metadata`` document, and a ``.metadata`` pickle that
+loads to the same DCP metadata.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pickle
+from pathlib import Path
+
+import fsspec
+import pytest
+import rank_commit_ranks
+import torch
+from commit_strategies import STRATEGIES, commit_via
+from ranks import run_ranks
+from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import WriteResult
+
+from objckpt._torch import storage_info
+from objckpt.errors import ManifestError
+from objckpt.format.commit import Layout, save_storage_meta
+from objckpt.format.dcp_json import StoredItem
+from objckpt.format.index import encode_metadata, encode_rank_index, with_writers, writer_columns
+from objckpt.format.manifest import ObjectEntry
+from objckpt.options import UploadOptions
+from objckpt.pipeline import stock_task
+from objckpt.testing import FaultProxy
+from objckpt.testing.plugin import StoreTarget
+from objckpt.testing.rules import Rule
+from objckpt.writers import open_store
+from objckpt.writers.checksum import Crc32c
+from objckpt.writers.location import Location
+
+ATTEMPT = "0123456789abcdef"
+WORLD = 3
+
+
+def _shard(fqn: str, size: list[int], offsets: list[int], sizes: list[int]) -> WriteItem:
+    return WriteItem(
+        index=MetadataIndex(fqn, torch.Size(offsets)),
+        type=WriteItemType.SHARD,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)),
+            properties=TensorProperties(
+                dtype=torch.bfloat16, requires_grad=fqn == "w", pin_memory=fqn == "u"
+            ),
+            size=torch.Size(size),
+        ),
+    )
+
+
+def _plans() -> tuple[list[SavePlan], Metadata]:
+    """Three ranks' plans as DCP's global planner returns them (index hints set):
+    a row-sharded tensor, an unevenly sharded one where rank 1 holds two chunks and
+    rank 2 none, a tensor saved whole by rank 2, and a value on rank 0."""
+    plans = []
+    for rank in range(WORLD):
+        items = [_shard("w", [6, 4], [2 * rank, 0], [2, 4])]
+        if rank == 1:
+            items += [_shard("u", [5], [0], [3]), _shard("u", [3], [3], [2])]
+        if rank == 0:
+            items.append(WriteItem(index=MetadataIndex("step"), type=WriteItemType.BYTE_IO))
+        if rank == 2:
+            items.append(_shard("whole", [7], [0], [7]))
+        plans.append(SavePlan(items))
+    global_plans, metadata = create_default_global_save_plan(plans)
+    metadata.storage_meta = StorageMeta("s3://b/run/step", ATTEMPT)
+    metadata.planner_data = {fqn: (fqn,) for fqn in metadata.state_dict_metadata}
+    return global_plans, metadata
+
+
+def _stored(plans: list[SavePlan]) -> list[dict[MetadataIndex, StoredItem]]:
+    """What each rank's uploads report for its items (two items per payload object)."""
+    out = []
+    for rank, plan in enumerate(plans):
+        items = {}
+        for n, item in enumerate(plan.items):
+            key = f"__{rank}_{n // 2}.{ATTEMPT}.distcp"
+            items[item.index] = StoredItem(key, 100 * (n % 2), 90 + n, f"{rank:04x}{n:04x}")
+            if rank == 2 and n == 0:  # one item stored compressed (its raw length counts)
+                items[item.index] = dataclasses.replace(
+                    items[item.index], transform_descriptors=("stream.zstd",), raw_length=300
+                )
+        out.append(items)
+    return out
+
+
+def test_a_rank_s_own_index_is_the_coordinator_s_byte_for_byte() -> None:
+    plans, metadata = _plans()
+    by_rank = _stored(plans)
+    _, shards = encode_metadata(metadata, by_rank, ATTEMPT)
+    assert [s.rank for s in shards] == list(range(WORLD))
+    for shard in shards:
+        own = encode_rank_index(by_rank[shard.rank], shard.rank, ATTEMPT)
+        assert (own.key, own.data) == (shard.key, shard.data), shard.rank
+
+
+def test_an_item_without_its_chunk_position_is_refused_naming_it() -> None:
+    plans, _ = _plans()
+    items = {
+        MetadataIndex(i.fqn, i.offset): s  # the hint dropped, as a planner might
+        for i, s in _stored(plans)[1].items()
+    }
+    with pytest.raises(ManifestError, match=r"rank 1's item 'w' at \[2, 0\] has no chunk"):
+        encode_rank_index(items, 1, ATTEMPT)
+
+
+def test_the_helper_rebuilds_the_coordinator_s_manifest_and_metadata(tmp_path: Path) -> None:
+    """From the index objects alone (as stored), the commit helper gives the manifest's
+    writers (the whole document then equals the coordinator's) and a ``.metadata``
+    that unpickles to what the coordinator pickled."""
+    plans, metadata = _plans()
+    by_rank = _stored(plans)
+    url = f"file://{tmp_path}/ckpt"
+    storage_meta = save_storage_meta(metadata, url, None, ATTEMPT)
+    ours = dataclasses.replace(metadata, version="1.0.0", storage_meta=storage_meta)
+    before_doc, _ = encode_metadata(ours, by_rank, ATTEMPT)
+    before_stock = dataclasses.replace(
+        ours,
+        storage_data={
+            i: storage_info(s.relative_path, s.offset, s.length, s.transform_descriptors)
+            for items in by_rank
+            for i, s in items.items()
+        },
+    )
+    (tmp_path / "ckpt").mkdir()
+    indexes = []
+    for rank, items in enumerate(by_rank):
+        shard = encode_rank_index(items, rank, ATTEMPT)
+        (tmp_path / "ckpt" / shard.key).write_bytes(shard.data)
+        crc = Crc32c()
+        crc.update(shard.data)
+        indexes.append((rank, ObjectEntry(shard.key, len(shard.data), crc.hexdigest())))
+    keys: list[str | None] = [e.key for _, e in indexes]
+    layout = Layout.of(metadata)
+    prepared = stock_task.prepare_stock(
+        Location.parse(url),
+        UploadOptions(),
+        None,
+        ATTEMPT,
+        stock_task.StockLayout(
+            layout.for_save(True, keys, storage_meta),
+            layout.properties,
+            metadata.planner_data,
+            storage_meta,
+        ),
+        indexes,
+        False,
+    )
+    doc = with_writers(
+        layout.for_save(False, keys, storage_meta), prepared.writers, keys, prepared.raw_bytes
+    )
+    assert doc == before_doc and doc["raw_bytes"] == 300
+    assert list(doc["state_dict"]["w"]) == list(before_doc["state_dict"]["w"])  # key order
+    assert (
+        stock_task.publish_stock(Location.parse(url), UploadOptions(), ATTEMPT, frozenset()) is None
+    )
+    blob = (tmp_path / "ckpt" / ".metadata").read_bytes()
+    crc = Crc32c()
+    crc.update(blob)
+    assert (prepared.metadata.size, prepared.metadata.crc32c) == (len(blob), crc.hexdigest())
+    assert pickle.loads(blob) == pickle.loads(pickle.dumps(before_stock))
+
+
+def test_a_chunk_no_rank_s_index_places_is_refused() -> None:
+    """Writers come from the index objects; a plan chunk none of them places (a rank's
+    items lost on the way) must fail the commit, never become writer -1."""
+    plans, metadata = _plans()
+    by_rank = _stored(plans)
+    layout = Layout.of(metadata)
+    found = [(r, items.keys()) for r, items in enumerate(by_rank)]
+    assert writer_columns(layout.placeholder, found)["u"] == [1, 1]
+    del by_rank[1][next(i for i in by_rank[1] if i.fqn == "u")]
+    found = [(r, items.keys()) for r, items in enumerate(by_rank)]
+    with pytest.raises(ManifestError, match=r"no rank's index places chunk 0 of 'u'"):
+        writer_columns(layout.placeholder, found)
+
+
+def _save_each(tmp_path: Path, world: int, urls: list[str], options: dict, **kw: int) -> list:
+    args = ("save_each", world, str(tmp_path / "init"), urls, options, str(tmp_path / "out"))
+    run_ranks(rank_commit_ranks, *args, *kw.values())
+    return [json.loads((tmp_path / f"out.rank{r}.json").read_text()) for r in range(world)]
+
+
+def test_one_rank_s_refused_index_fails_the_save_on_every_rank(
+    s3_bucket: StoreTarget, s3_proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """Rank 2's index PUT is refused (every retry): it reports the failure through the
+    same exchange, so the save fails on all four ranks and nothing is committed; the
+    next save, with no fault, commits on every rank. The failed save leaves no c10d
+    key behind (rank 2 never reads the outcome: the others delete it)."""
+    world = 4
+    first, bad, good = s3_bucket.url("first"), s3_bucket.url("bad"), s3_bucket.url("good")
+    prefix = bad.split("://", 1)[1].split("/", 1)[1]
+    s3_proxy.add(Rule(key_contains=f"{prefix}/__index_2.", operation="PutObject", status=500))
+    records = _save_each(tmp_path, world, [first, bad, good], s3_proxy.storage_options())
+    for rank, record in enumerate(records):
+        before, failed, after = record["outcomes"]
+        assert before == "committed" and after == "committed", (rank, record)
+        assert failed != "committed", f"rank {rank} saw the save with a refused index commit"
+    assert "__index_2." in records[2]["outcomes"][1], records[2]
+    assert "rank 2" in records[0]["outcomes"][1], records[0]  # the coordinator names the rank
+    keys = records[0]["keys"]
+    assert keys[1] == keys[0] and keys[2] == keys[0], f"c10d keys after each save: {keys}"
+    fs = fsspec.filesystem("s3", skip_instance_cache=True, **s3_bucket.storage_options)
+    stored = {p.rsplit("/", 1)[-1] for p in fs.find(bad.split("://", 1)[1])}
+    assert "manifest.json" not in stored and ".metadata" not in stored, stored
+    assert s3_proxy.count("PutObject", faulted=True) >= 1
+
+
+def test_a_commit_helper_that_cannot_start_fails_the_save_on_every_rank(
+    s3_bucket: StoreTarget, tmp_path: Path
+) -> None:
+    """Rank 0 cannot start its commit helper process (no interpreter at
+    ``sys.executable``): the save fails on both ranks with the reason, through the
+    exchange (not after the other rank's wait for an outcome that never comes), and
+    the next save, which can start it, commits."""
+    urls = [s3_bucket.url("bad"), s3_bucket.url("good")]
+    records = _save_each(tmp_path, 2, urls, s3_bucket.storage_options, no_helper_for=0)
+    for rank, record in enumerate(records):
+        failed, after = record["outcomes"]
+        assert "commit helper process could not be started" in failed, (rank, failed)
+        assert after == "committed", (rank, after)
+    assert records[0]["helpers"] == [0, 1], records[0]
+
+
+def test_one_rank_commits_in_thread_without_a_helper(
+    s3_bucket: StoreTarget, tmp_path: Path
+) -> None:
+    """A distributed save of one rank has nobody's index to gather: no helper process
+    is started for it."""
+    records = _save_each(tmp_path, 1, [s3_bucket.url("one")], s3_bucket.storage_options)
+    assert records[0]["outcomes"] == ["committed"] and records[0]["helpers"] == [0], records
+
+
+def test_both_commit_strategies_write_the_same_bytes(tmp_path: Path) -> None:
+    """One save committed in-thread and through rank 0's commit helper process: the
+    same ``.metadata`` byte for byte, and the same manifest but for its time of
+    creation and request counts (where the work ran), so a checkpoint's bytes do not
+    depend on where it was saved."""
+    plans, metadata = _plans()
+    by_rank = _stored(plans)
+    manifests, blobs = [], []
+    for strategy in STRATEGIES:
+        root = tmp_path / strategy
+        root.mkdir()
+        payloads: dict[str, bytes] = {}
+        for items in by_rank:
+            for item in items.values():
+                payloads.setdefault(item.relative_path, item.relative_path.encode() * 20)
+        for key, data in payloads.items():
+            (root / key).write_bytes(data)
+        results = []
+        for items in by_rank:
+            mine = []
+            for index, item in items.items():
+                data = payloads[item.relative_path]
+                crc = Crc32c()
+                crc.update(data)
+                stored = dataclasses.replace(
+                    item, object_size=len(data), object_crc32c=crc.hexdigest()
+                )
+                mine.append(
+                    WriteResult(index=index, size_in_bytes=item.length, storage_data=stored)
+                )
+            results.append(mine)
+        store = open_store(Location.parse(f"file://{root}"), UploadOptions())
+        manifest = commit_via(
+            strategy,
+            store,
+            metadata,
+            results,
+            attempt=ATTEMPT,
+            world_size=WORLD,
+            overwrite=False,
+            user={"step": 7},
+            checkpoint_id="run/step",
+        )
+        doc = json.loads((root / "manifest.json").read_bytes())
+        assert doc == json.loads(manifest.to_json_bytes())
+        manifests.append({k: v for k, v in doc.items() if k not in ("created", "requests")})
+        blobs.append((root / ".metadata").read_bytes())
+    assert blobs[0] == blobs[1]
+    assert manifests[0] == manifests[1]
+    assert pickle.loads(blobs[0]).storage_meta == StorageMeta("run/step", ATTEMPT)

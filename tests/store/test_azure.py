@@ -1,0 +1,235 @@
+"""Azure Blob (``az://`` through adlfs) end to end against Azurite (issue #36).
+
+The store family's properties are in the conformance suite
+(``tests/store/test_store_conformance.py::TestAzurite``); here is what a user sees: a
+training loop's manager on ``az://``, the create-only commit refusing a second
+writer, a commit whose answer was lost settled by reading it back, and a large
+object that becomes visible whole or not at all.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from click.testing import CliRunner
+from conftest import assert_state_equal, empty_like_state
+from helpers import carried, load, save
+
+from objckpt import CheckpointManager, Location, RetentionPolicy, UploadOptions
+from objckpt.cli import main
+from objckpt.errors import AccessDeniedError, BucketNotFoundError, CheckpointExistsError
+from objckpt.format.commit import commit_checkpoint
+from objckpt.format.layout import MANIFEST_KEY
+from objckpt.format.steps import step_name
+from objckpt.ops.verify import verify_checkpoint
+from objckpt.testing import Azurite, FaultProxy, Rule
+from objckpt.testing.azure_operations import azure_operation
+from objckpt.testing.azurite import AZURITE_KEY
+from objckpt.testing.plugin import StoreTarget
+from objckpt.writers import open_store, store_family
+from objckpt.writers.azure import AzureStore, BlockUpload
+
+MiB = 1024 * 1024
+NOT_ATOMIC = "check-then-write that is not atomic"
+
+
+def _state(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {
+        "w": torch.randn(64, 64, generator=g),
+        "big": torch.randn(3 * MiB, generator=g),  # 12 MiB: staged blocks at 5 MiB parts
+        "nested": {"b": torch.arange(5) * step},
+        "step": step,
+    }
+
+
+def _names(azurite: Azurite, container: str, prefix: str) -> list[str]:
+    with azurite.blob_service_client() as client:
+        blobs = client.get_container_client(container).list_blobs(name_starts_with=prefix)
+        return sorted(b.name for b in blobs)
+
+
+@pytest.fixture
+def via(azurite: Azurite, az_container: StoreTarget) -> tuple[StoreTarget, FaultProxy]:
+    """The test container reached through a recording, fault-injecting proxy."""
+    with FaultProxy(azurite.endpoint_url, seed=5, operation_of=azure_operation) as proxy:
+        target = StoreTarget(
+            root=az_container.root,
+            storage_options=azurite.storage_options(proxy.endpoint_url),
+            bucket=az_container.bucket,
+        )
+        yield target, proxy
+
+
+def test_a_manager_saves_asynchronously_loads_and_keeps_the_last_two(
+    az_container: StoreTarget, azurite: Azurite, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The training-loop facade on ``az://``: async saves committed create-only
+    (no "not atomic" warning), retention deleting old steps, a restarted manager
+    resuming from the newest step and loading it bit-exact."""
+    caplog.set_level(logging.WARNING, logger="objckpt")
+    root = az_container.url("run")
+    options = az_container.storage_options
+    upload = UploadOptions(part_size=5 * MiB)
+    with CheckpointManager(
+        root, storage_options=options, retention=RetentionPolicy(keep_last=2), upload=upload
+    ) as mgr:
+        for step in (10, 20, 30):
+            handle = mgr.save(step, _state(step))
+            handle.result(timeout=120)
+        mgr.wait_until_finished()
+        mgr.check_for_errors()
+        assert mgr.all_steps() == [20, 30]
+    assert not [r for r in caplog.records if NOT_ATOMIC in r.getMessage()]
+    steps = {n.split("/")[2] for n in _names(azurite, az_container.bucket, "t/run/")}
+    assert steps == {step_name(20), step_name(30)}, steps
+
+    with CheckpointManager(root, storage_options=options) as mgr:
+        assert mgr.latest_step() == 30
+        got = empty_like_state(_state(0))
+        mgr.load(got)
+    assert_state_equal(got, _state(30))
+    report = verify_checkpoint(Location.parse(f"{root}/{step_name(30)}", options))
+    assert report.ok, report.failures
+
+
+def test_a_second_create_is_checkpoint_exists(az_container: StoreTarget) -> None:
+    """Azure answers the second create-only Put Blob 409 ``BlobAlreadyExists``:
+    ``CheckpointExistsError`` naming the winner, whose manifest is unchanged."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    url = az_container.url("taken")
+    location = Location.parse(url, az_container.storage_options)
+    empty = Metadata(state_dict_metadata={})
+    winner, loser = open_store(location), open_store(location)
+    assert isinstance(winner, AzureStore)
+    try:
+        commit_checkpoint(winner, empty, [], attempt="a" * 16, world_size=1, overwrite=False)
+        before = winner.read(MANIFEST_KEY)
+        with pytest.raises(CheckpointExistsError, match=f"by attempt {'a' * 16}"):
+            commit_checkpoint(loser, empty, [], attempt="b" * 16, world_size=1, overwrite=False)
+        assert winner.read(MANIFEST_KEY) == before
+    finally:
+        winner.close()
+        loser.close()
+
+
+@pytest.mark.parametrize("scheme", ["az", "abfs"])
+def test_a_second_save_to_a_committed_url_is_refused(
+    az_container: StoreTarget, scheme: str
+) -> None:
+    """Either scheme is the Azure family; the second ``dcp.save`` to a committed URL
+    is ``CheckpointExistsError`` and the first checkpoint loads unchanged."""
+    url = az_container.url("twice").replace("az://", f"{scheme}://", 1)
+    assert store_family(Location.parse(url).protocol) is AzureStore
+    save(_state(1), url, az_container)
+    with pytest.raises(BaseException) as info:
+        save(_state(2), url, az_container)
+    assert isinstance(carried(info.value), CheckpointExistsError), repr(carried(info.value))
+    got = empty_like_state(_state(0))
+    load(got, url, az_container)
+    assert_state_equal(got, _state(1))
+
+
+def test_a_commit_whose_answer_was_lost_is_settled_by_reading_it_back(
+    via: tuple[StoreTarget, FaultProxy], az_container: StoreTarget
+) -> None:
+    """The manifest's Put Blob reaches Azurite, then its answer is lost (a reset).
+    azure-core sends it again and meets its own blob (409 ``BlobAlreadyExists``, or
+    another lost answer): the read-back finds this save's bytes, so it commits."""
+    target, proxy = via
+    proxy.add(
+        Rule("PutBlob", key_contains=MANIFEST_KEY, action="reset", before_upstream=False, times=1)
+    )
+    url = target.url("lost")
+    save(_state(4), url, target)
+    assert proxy.count("PutBlob", faulted=True) == 1
+    assert len([p for p in proxy.paths("PutBlob") if MANIFEST_KEY in p]) >= 2  # it was resent
+    got = empty_like_state(_state(0))
+    load(got, url, az_container)
+    assert_state_equal(got, _state(4))
+    report = verify_checkpoint(Location.parse(url, az_container.storage_options))
+    assert report.ok, report.failures
+
+
+def test_a_large_object_is_staged_blocks_and_visible_only_once_committed(
+    via: tuple[StoreTarget, FaultProxy], azurite: Azurite
+) -> None:
+    """Above two parts an object goes up as blocks, all four in flight at once, and
+    becomes a blob with one Put Block List. With every block staged
+    on the store (their answers held), there is no blob of that name, not a partial
+    one: only uncommitted blocks."""
+    target, proxy = via
+    proxy.add(Rule("PutBlock", action="hold", before_upstream=False, stall=120))
+    location = Location.parse(target.url("big"), target.storage_options)
+    store = open_store(location, UploadOptions(part_size=5 * MiB, max_in_flight=4))
+    data = torch.randn(4 * MiB, generator=torch.Generator().manual_seed(9)).numpy().tobytes()
+    try:
+        upload = store.begin("big.bin", len(data))
+        assert isinstance(upload, BlockUpload)
+        for at in range(0, len(data), MiB):
+            upload.write(data[at : at + MiB])
+        done = upload.close()
+        proxy.wait_for("PutBlock", count=4)  # 16 MiB in 5 MiB parts
+        proxy.wait_idle()  # each has landed; its answer is held
+        assert proxy.peak_open("PutBlock") == 4
+        assert _names(azurite, target.bucket, "t/big/") == []
+        with azurite.blob_service_client() as client:
+            blob = client.get_blob_client(target.bucket, "t/big/big.bin")
+            assert len(blob.get_block_list("uncommitted")[1]) == 4
+        proxy.release()
+        done.result(timeout=60)
+    finally:
+        proxy.release()
+        store.close()
+    assert proxy.count("PutBlockList") == 1 and proxy.count("PutBlob") == 0
+    assert _names(azurite, target.bucket, "t/big/") == ["t/big/big.bin"]
+    with azurite.blob_service_client() as client:
+        blob = client.get_blob_client(target.bucket, "t/big/big.bin")
+        assert blob.download_blob().readall() == data
+
+
+def test_the_cli_demo_ls_verify_and_gc_on_az(
+    az_container: StoreTarget, azurite: Azurite, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``objckpt demo --url az://…`` with the account from the standard environment
+    variable (as adlfs reads it), then the store commands on what it saved."""
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite.connection_string())
+    root = az_container.url("demo")
+    runner = CliRunner()
+    out = runner.invoke(
+        main, ["demo", "--url", root, "--steps", "40", "--every", "20", "--width", "16", "--json"]
+    )
+    assert out.exit_code == 0, out.output
+    doc = json.loads(out.output.strip().splitlines()[-1])
+    assert doc["weights_match"] is True and doc["restored_step"] == 40, doc
+
+    out = runner.invoke(main, ["ls", root, "--json"])
+    assert out.exit_code == 0, out.output
+    assert "40" in out.output
+    out = runner.invoke(main, ["verify", f"{root}/{step_name(40)}"])
+    assert out.exit_code == 0, out.output
+    out = runner.invoke(main, ["gc", root, "--grace", "0"])
+    assert out.exit_code == 0, out.output
+
+
+def test_a_missing_container_and_a_wrong_key_are_named_before_anything_is_staged(
+    azurite: Azurite, az_container: StoreTarget
+) -> None:
+    """Azure's answers translated at the boundary: no container is
+    ``BucketNotFoundError`` naming it; a key the account refuses (403
+    ``AuthorizationFailure`` from Azurite, ``AuthenticationFailed`` from Azure) is
+    ``AccessDeniedError``."""
+    with pytest.raises(BaseException) as info:
+        save(_state(1), "az://no-such-container/x", az_container)
+    err = carried(info.value)
+    assert isinstance(err, BucketNotFoundError) and "no-such-container" in str(err), repr(err)
+
+    wrong = {"connection_string": azurite.connection_string().replace(AZURITE_KEY, "A" * 86 + "==")}
+    target = StoreTarget(root=az_container.root, storage_options=wrong, bucket=az_container.bucket)
+    with pytest.raises(BaseException) as info:
+        save(_state(1), target.url("x"), target)
+    assert isinstance(carried(info.value), AccessDeniedError), repr(carried(info.value))
