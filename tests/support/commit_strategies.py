@@ -71,7 +71,7 @@ def commit_via(
         close=lambda: None,
     )
     writer = SimpleNamespace(
-        writer=target,
+        target=target,
         metadata=metadata,
         rank_plan=SimpleNamespace(attempt=attempt),
         deadline=None,
