@@ -402,15 +402,25 @@ class ObjectStore(abc.ABC):
             FileNotFoundError: The object is absent.
             StoreError: Any other failure, named for the object.
         """
+        info = self.fresh_info(key)
+        tag = info.get("ETag") or info.get("etag") or info.get("generation")
+        return ObjectHead(int(info.get("size") or 0), str(tag) if tag else None)
+
+    def fresh_info(self, key: str) -> dict[str, Any]:
+        """fsspec's ``info`` of ``key`` past its listing cache (a HEAD's answer): what
+        :meth:`head` and a family's :meth:`digest` read their fields from.
+
+        Raises:
+            FileNotFoundError: The object is absent.
+            StoreError: Any other failure, named for the object.
+        """
         try:
             self.fs.invalidate_cache(self.path(key))
-            info = self.fs.info(self.path(key))
+            return dict(self.fs.info(self.path(key)))
         except FileNotFoundError:
             raise
         except Exception as exc:
             raise translate(exc, url=self.location.url_of(key), action="checking") from exc
-        tag = info.get("ETag") or info.get("etag") or info.get("generation")
-        return ObjectHead(int(info.get("size") or 0), str(tag) if tag else None)
 
     def exists(self, key: str) -> bool:
         try:

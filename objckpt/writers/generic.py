@@ -105,13 +105,7 @@ class GcsStore(GenericStore):
         self.fs.cp_file(src.path(key), self.path(key))
 
     def digest(self, key: str) -> tuple[int, str | None]:
-        try:
-            self.fs.invalidate_cache(self.path(key))
-            info = self.fs.info(self.path(key))
-        except FileNotFoundError:
-            raise
-        except Exception as exc:
-            raise translate(exc, url=self.location.url_of(key), action="checking") from exc
+        info = self.fresh_info(key)
         crc = info.get("crc32c")
         return int(info.get("size") or 0), crc_from_base64(crc) if crc else None
 
