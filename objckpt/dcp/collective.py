@@ -51,6 +51,7 @@ __all__ = [
     "broadcast_object",
     "fail_together",
     "from_rank0_if_same",
+    "gather_object",
     "is_distributed",
     "route",
 ]
@@ -152,6 +153,20 @@ def all_gather_object(obj: Any, group: Any | None = None) -> list[Any]:
     r = route(group)
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=r.group)
+    return out
+
+
+def gather_object(obj: Any, group: Any | None = None) -> list[Any] | None:
+    """Every rank's ``obj`` in group rank order on group rank 0, None on the others
+    (a collective): for answers only rank 0 decides on, so that no rank receives
+    W answers it does not need.
+
+    Pickled: only for objckpt's own small values.
+    """
+    r = route(group)
+    rank = dist.get_rank(group)
+    out: list[Any] | None = [None] * dist.get_world_size(group) if rank == 0 else None
+    dist.gather_object(obj, out, dst=_global(0, group), group=r.group)
     return out
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from objckpt.errors import ChecksumMismatchError, SizeMismatchError
 from objckpt.format.dcp_json import StoredItem
@@ -38,14 +38,21 @@ class LocalCopy:
     Args:
         location: The local directory.
         store: The checkpoint in the store that the copy stands in for.
+        also: Further local directories holding objects of the same checkpoint
+            (the local tier's replicas of other nodes' files), looked in, in order,
+            for what ``location`` lacks.
 
     Attributes:
         location: The local directory.
         bytes_read: Bytes taken from the copy over this object's life.
     """
 
-    def __init__(self, location: Location, store: Location) -> None:
+    def __init__(self, location: Location, store: Location, also: Sequence[Location] = ()) -> None:
         self.location = location
+        #: Every directory looked in, in order (links never: see the module docstring).
+        self._dirs = [location] + [d for d in also if not os.path.islink(d.path.rstrip("/"))]
+        #: Where each key was found (the first directory holding a file of its name).
+        self._paths: dict[str, str] = {}
         self.bytes_read = 0
         self._store = store
         #: The manifest's objects (None: no manifest, so nothing local can be
@@ -67,7 +74,7 @@ class LocalCopy:
         """The copy's manifest when it is there and parses (else None, logged)."""
         if self._linked:
             return None
-        path = self.location.key_path(MANIFEST_KEY)
+        path = self._key_path(MANIFEST_KEY)
         try:
             with open(path, "rb") as f:
                 data = f.read()
@@ -87,7 +94,20 @@ class LocalCopy:
     def start(self, store: Location, objects: Mapping[str, ObjectEntry] | None) -> None:
         """Begin a load of ``store``, whose manifest lists ``objects`` (None: it has
         none); what earlier loads found about the copy is forgotten."""
-        self._store, self._objects, self._ok = store, objects, {}
+        self._store, self._objects, self._ok, self._paths = store, objects, {}, {}
+
+    def _key_path(self, key: str) -> str:
+        """The file that stands for ``key``: in the first directory holding one."""
+        path = self._paths.get(key)
+        if path is None:
+            path = self.location.key_path(key)
+            for d in self._dirs:
+                candidate = d.key_path(key)
+                if os.path.lexists(candidate):
+                    path = candidate
+                    break
+            self._paths[key] = path
+        return path
 
     def holds(self, key: str) -> bool:
         """Whether ``key`` is read from the copy: there, with the manifest's size."""
@@ -98,7 +118,7 @@ class LocalCopy:
             return known
         entry = self._objects.get(key)
         try:
-            size = os.stat(self.location.key_path(key)).st_size
+            size = os.stat(self._key_path(key)).st_size
         except OSError:
             size = None
         ok = entry is not None and size == entry.size
@@ -129,7 +149,7 @@ class LocalCopy:
         Raises:
             OSError: The object could not be read.
         """
-        with open(self.location.key_path(key), "rb") as f:
+        with open(self._key_path(key), "rb") as f:
             blob = f.read()
         try:
             check(blob)
@@ -145,7 +165,7 @@ class LocalCopy:
         """Bytes ``start``-``end`` of ``key``, each of ``items`` checked when ``verify``;
         None when the span is not usable (then ``key`` is distrusted)."""
         try:
-            with open(self.location.key_path(key), "rb") as f:
+            with open(self._key_path(key), "rb") as f:
                 f.seek(start)
                 data = f.read(end - start)
         except OSError as exc:

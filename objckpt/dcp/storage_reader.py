@@ -27,8 +27,8 @@ import dataclasses
 import logging
 import os
 import uuid
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Protocol
 
 import torch.distributed as dist
 from fsspec import AbstractFileSystem
@@ -52,6 +52,7 @@ from objckpt.dcp.shared_reads import (
 from objckpt.errors import ConfigurationError, ObjckptError
 from objckpt.format.dcp_json import StoredItem
 from objckpt.format.index import Locator
+from objckpt.format.layout import writer_rank
 from objckpt.format.manifest import Manifest
 from objckpt.options import ReadOptions
 from objckpt.writers import ObjectStore, open_store
@@ -61,7 +62,31 @@ from objckpt.writers.retry import RetryPolicy
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ObjectStoreReader"]
+__all__ = ["ObjectStoreReader", "PeerSource", "PlanData"]
+
+
+class PeerSource(Protocol):
+    """Objects a rank's node lacks, fetched from the node of a rank that holds them,
+    before the load reads (the manager's restore from a local tier's replicas)."""
+
+    def schedule(self, needs: list[set[str]]) -> list[Any]:
+        """Coordinator: from what each rank reads (object keys, by rank), what each
+        rank's ``fetch`` walks (the same transfers for every rank, in one order)."""
+        ...
+
+    def fetch(self, planned: Any) -> None:
+        """Every rank, in ``read_data``: walk the transfers ``schedule`` planned,
+        receiving this rank's missing objects; raise after the last one when any
+        failed."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanData:
+    """A rank's plan data when peers are involved: the shared reads and its fetches."""
+
+    shared: Any
+    peers: Any
 
 
 class ObjectStoreReader(StorageReader):
@@ -103,7 +128,12 @@ class ObjectStoreReader(StorageReader):
         local: A local directory holding (some of) this checkpoint's objects under
             the same names: read first, object by object, checked, with ``url``
             for whatever it lacks or holds damaged. Its manifest, when present
-            and readable, is used without asking the store.
+            and readable, is used without asking the store. A sequence of
+            directories: each looked in, in order (a local tier's step directory,
+            then its replicas of other nodes' files).
+        peers: Where ranks fetch the objects their plan reads and their node
+            lacks from another rank's node before reading (the manager's restore
+            with ``LocalTier(replicas=)``; :class:`PeerSource`).
         _extension_registry: DCP's ``ExtensionRegistry`` (experimental in DCP, as
             in torch's ``FileSystemReader``) for items stored through stream
             transforms objckpt does not know itself; objckpt's compression
@@ -126,15 +156,27 @@ class ObjectStoreReader(StorageReader):
         broadcast: bool | None = None,
         process_group: Any | None = None,
         allow_stock: bool = True,
-        local: str | os.PathLike[str] | None = None,
+        local: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
+        peers: PeerSource | None = None,
         _extension_registry: Any | None = None,
     ) -> None:
         super().__init__()
         self.location = Location.parse(url, storage_options, retry)
-        self.local = None if local is None else Location.parse(local)
-        if self.local is not None and not self.local.is_local:
+        dirs = (
+            []
+            if local is None
+            else [local]
+            if isinstance(local, (str, os.PathLike))
+            else list(local)
+        )
+        parsed = [Location.parse(d) for d in dirs]
+        if any(not d.is_local for d in parsed):
             raise ConfigurationError(f"option local={local!r}: expected a local directory")
-        self._local_copy = None if self.local is None else LocalCopy(self.local, self.location)
+        self.local = parsed[0] if parsed else None
+        self._local_copy = (
+            None if self.local is None else LocalCopy(self.local, self.location, parsed[1:])
+        )
+        self._peers = peers
         self._local_fs: AbstractFileSystem | None = None
         #: Where the manifest came from.
         self.manifest_source: str | None = None
@@ -328,9 +370,33 @@ class ObjectStoreReader(StorageReader):
         if self._share and is_distributed():
             locator, metadata = self._locator, self._metadata
             if locator is None:
-                return assign_owners(plans)
-            return assign_owners(plans, lambda idx: locator.shard_of(idx, metadata))
-        return plans
+                plans = assign_owners(plans)
+            else:
+                plans = assign_owners(plans, lambda idx: locator.shard_of(idx, metadata))
+        if self._peers is None:
+            return plans
+        needs = [self._objects_read(rank, p) for rank, p in enumerate(plans)]
+        fetches = self._peers.schedule(needs)
+        return [
+            dataclasses.replace(p, storage_data=PlanData(p.storage_data, f))
+            for p, f in zip(plans, fetches, strict=True)
+        ]
+
+    def _objects_read(self, rank: int, plan: LoadPlan) -> set[str]:
+        """Coordinator: the objects ``rank``'s plan reads itself (not the shared items
+        it receives): every object of each rank whose items it reads (format 2, where
+        the index objects locating them are not fetched yet), or each item's object."""
+        shared = plan.storage_data
+        given: set[MetadataIndex] = set()
+        if isinstance(shared, SharedReads):
+            given = {idx for idx, owner in shared.entries if owner != rank}
+        indices = [r.storage_index for r in plan.items if r.storage_index not in given]
+        locator, objects = self._locator, self.manifest.objects if self.manifest else ()
+        if locator is None:
+            self._locate(indices)
+            return {self._index.item_at(i).relative_path for i in indices}
+        shards = {locator.shard_of(i, self._metadata) for i in indices}
+        return {o.key for o in objects if writer_rank(o.key) in shards}
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         self._unused = False  # a later reset(url) is a new load: read the manifest again
@@ -342,9 +408,14 @@ class ObjectStoreReader(StorageReader):
 
     # -- read_data's steps ----------------------------------------------------------------
     def _read_plan(self, plan: LoadPlan, planner: LoadPlanner) -> None:
-        """Shared items through their owners, then the rest, fetched by this rank."""
+        """Objects from peers' nodes first (every rank walks their transfers), shared
+        items through their owners, then the rest, fetched by this rank."""
         reads = list(plan.items)
         shared = plan.storage_data
+        if isinstance(shared, PlanData):
+            assert self._peers is not None
+            self._peers.fetch(shared.peers)
+            shared = shared.shared
         if isinstance(shared, SharedReads):
             owned = {idx for idx, _ in shared.entries}
             exchange_shared(

@@ -43,6 +43,7 @@ __all__ = [
     "list_names",
     "new_attempt_id",
     "payload_key",
+    "writer_rank",
 ]
 
 MANIFEST_KEY = "manifest.json"
@@ -82,6 +83,15 @@ def index_rank(key: str) -> int | None:
     if not _INDEX.match(last):
         return None
     return int(last[len("__index_") :].split(".", 1)[0])
+
+
+def writer_rank(key: str) -> int | None:
+    """The rank that wrote ``key`` (a payload or index object), else None: what a
+    rank's part of a step is, wherever its files are held."""
+    last = key.rsplit("/", 1)[-1]
+    if _PAYLOAD.match(last):
+        return int(last[2:].split("_", 1)[0])
+    return index_rank(last)
 
 
 def is_entropy_dir(name: str) -> bool:

@@ -59,6 +59,7 @@ from objckpt.format.layout import (
 )
 from objckpt.format.refs import is_reference, root_key, split_reference
 from objckpt.format.steps import parse_step, step_name
+from objckpt.ops.peers import REPLICAS_DIR, replica_dir
 from objckpt.ops.tiers import LocalTier
 
 __all__ = [
@@ -86,6 +87,10 @@ class TierListing:
         present: Every step directory (links excluded).
         links: Step names that are symbolic links (never followed), with their targets.
         error: Why the directory could not be listed (None: it was).
+        replicas_committed: Steps whose replica directory (other nodes' files,
+            :func:`objckpt.ops.peers.replica_dir`) holds the coordinator's manifest:
+            committed, even when the coordinator's node is gone.
+        replicas_present: Every replica step directory (links excluded).
     """
 
     path: str
@@ -93,6 +98,8 @@ class TierListing:
     present: tuple[int, ...] = ()
     links: tuple[tuple[str, str], ...] = ()
     error: str | None = None
+    replicas_committed: frozenset[int] = frozenset()
+    replicas_present: tuple[int, ...] = ()
 
 
 def _link_target(path: str) -> str:
@@ -102,38 +109,60 @@ def _link_target(path: str) -> str:
         return f"? ({exc})"
 
 
-def list_tier(root: str) -> TierListing:
-    """This node's step directories under ``root``, without following links; a
-    listing that fails is reported in the answer, never raised (the answer is shared
-    in a collective every rank must reach)."""
+def _list_steps(root: str, links: list[tuple[str, str]]) -> tuple[set[int], list[int]]:
+    """The step directories directly under ``root`` (committed ones, all), without
+    following links (each link found is added to ``links``)."""
     committed: set[int] = set()
     present: list[int] = []
-    links: list[tuple[str, str]] = []
     try:
         with os.scandir(root) as entries:
             found = sorted(
                 (e.name, e.path, e.is_symlink(), e.is_dir(follow_symlinks=False)) for e in entries
             )
-        for name, path, link, is_dir in found:
-            step = parse_step(name)
-            if step is None:
-                continue
-            if link:
-                links.append((path, _link_target(path)))
-                continue
-            if not is_dir:
-                continue
-            present.append(step)
-            try:
-                if stat.S_ISREG(os.lstat(os.path.join(path, MANIFEST_KEY)).st_mode):
-                    committed.add(step)
-            except FileNotFoundError:
-                pass
     except FileNotFoundError:
-        return TierListing(root)
+        return committed, present
+    for name, path, link, is_dir in found:
+        step = parse_step(name)
+        if step is None:
+            continue
+        if link:
+            links.append((path, _link_target(path)))
+            continue
+        if not is_dir:
+            continue
+        present.append(step)
+        try:
+            if stat.S_ISREG(os.lstat(os.path.join(path, MANIFEST_KEY)).st_mode):
+                committed.add(step)
+        except FileNotFoundError:
+            pass
+    return committed, present
+
+
+def list_tier(root: str) -> TierListing:
+    """This node's step directories under ``root`` and its replica directories,
+    without following links; a listing that fails is reported in the answer, never
+    raised (the answer is shared in a collective every rank must reach)."""
+    links: list[tuple[str, str]] = []
+    try:
+        committed, present = _list_steps(root, links)
+        replicas = os.path.join(root, REPLICAS_DIR)
+        if os.path.islink(replicas):
+            links.append((replicas, _link_target(replicas)))
+            r_committed: set[int] = set()
+            r_present: list[int] = []
+        else:
+            r_committed, r_present = _list_steps(replicas, links)
     except Exception as exc:
         return TierListing(root, error=f"{type(exc).__name__}: {exc}")
-    return TierListing(root, frozenset(committed), tuple(present), tuple(links))
+    return TierListing(
+        root,
+        frozenset(committed),
+        tuple(present),
+        tuple(links),
+        replicas_committed=frozenset(r_committed),
+        replicas_present=tuple(r_present),
+    )
 
 
 def step_dir_refusal(path: str) -> str | None:
@@ -249,10 +278,12 @@ def sweep(tier: LocalTier, durable: Collection[int], process_group: Any | None) 
     """At start, every rank together (a collective): delete the step directories that
     can never load, on every node alike.
 
-    A step is kept when any rank's directory holds its manifest or the root holds
-    it committed (``durable``); a rank deletes its own directories of every other
-    step (what a save killed before its local commit left). When any rank cannot
-    list its directory, nothing is deleted anywhere (each rank warns, naming it).
+    A step is kept when any rank's directory holds its manifest (in the step's own
+    directory or among the replicas other nodes sent), or the root holds it
+    committed (``durable``); a rank deletes its own directories, and its replica
+    directories, of every other step (what a save or a replication killed before
+    its end left). When any rank cannot list its directory, nothing is deleted
+    anywhere (each rank warns, naming it).
     """
     root = tier.location.path
     mine = list_tier(root)
@@ -276,7 +307,9 @@ def sweep(tier: LocalTier, durable: Collection[int], process_group: Any | None) 
                 v.error,
             )
         return
-    known = set(durable).union(*(v.committed for v in views))
+    known = set(durable).union(
+        *(v.committed for v in views), *(v.replicas_committed for v in views)
+    )
     referenced = local_references(root, [s for s in mine.present if s in known])
     for step in mine.present:
         if step in known:
@@ -287,6 +320,12 @@ def sweep(tier: LocalTier, durable: Collection[int], process_group: Any | None) 
         if not keep:
             logger.info("deleting %s: a local save that never committed (a crash left it)", path)
         delete_local_step(path, keep)
+    for step in mine.replicas_present:
+        if step in known:
+            continue
+        path = replica_dir(root, step)
+        logger.info("deleting %s: replicas of a step no node and not the root holds", path)
+        delete_local_step(path)
 
 
 # -- what kept steps reference ---------------------------------------------------------

@@ -22,6 +22,7 @@ from __future__ import annotations
 import concurrent.futures
 import datetime
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -34,7 +35,9 @@ from objckpt.format.manifest import Manifest
 from objckpt.format.steps import step_name
 from objckpt.ops.catalog import StepCatalog
 from objckpt.ops.local_disk import delete_local_step, list_tier, local_references, step_dir_refusal
+from objckpt.ops.peers import Peers, replica_dir
 from objckpt.ops.promote import Promoter
+from objckpt.ops.replication import start_replication
 from objckpt.ops.tiers import (
     LocalTier,
     TierStatus,
@@ -71,6 +74,8 @@ class LocalTierControl:
         rank, world, process_group, distributed: Who saves together.
         on_durable: Coordinator: called with (step, url, manifest) once a promoted
             step's manifest is committed on the root.
+        peers: The job's peers (``LocalTier(replicas=)`` >= 2 in a process group):
+            each local step is replicated to other nodes (:mod:`objckpt.ops.replication`).
     """
 
     def __init__(
@@ -85,6 +90,7 @@ class LocalTierControl:
         process_group: Any | None,
         distributed: bool,
         on_durable: Callable[[int, str, Manifest], None],
+        peers: Peers | None = None,
     ) -> None:
         self.tier = tier
         self._catalog = catalog
@@ -115,6 +121,11 @@ class LocalTierControl:
             timeout=options.barrier_timeout,
             on_durable=on_durable,
         )
+        self._replicator = (
+            None
+            if peers is None
+            else start_replication(tier, peers.group, peers.nodes, peers.group.rank)
+        )
 
     def _url(self, step: int) -> str:
         return self.tier.location.child(step_name(step)).url
@@ -122,10 +133,14 @@ class LocalTierControl:
     # -- a save -----------------------------------------------------------------------------
     def place(
         self, step: int, state_dict: Mapping[str, Any], promote: bool | None
-    ) -> tuple[str, concurrent.futures.Future[None] | None] | None:
-        """Where a save of ``step`` goes on this tier: this rank's URL and, when it is
-        picked for promotion, the future that ends once it is durable; None when the
-        save must bypass the tier (decided with every rank: one all-reduce).
+    ) -> (
+        tuple[str, concurrent.futures.Future[None] | None, concurrent.futures.Future[bool] | None]
+        | None
+    ):
+        """Where a save of ``step`` goes on this tier: this rank's URL, the future that
+        ends once it is durable when it is picked for promotion, and the one that
+        ends with whether other nodes hold it when the tier has replicas; None when
+        the save must bypass the tier (decided with every rank: one all-reduce).
 
         A promotion picked here is running from now on (spared by local retention):
         the save's end settles it (:meth:`after_save`), or :meth:`abandon` when the
@@ -133,17 +148,27 @@ class LocalTierControl:
         url = self._target(step, state_dict)
         if url is None:
             return None
+        replication: concurrent.futures.Future[bool] | None = None
+        if self._replicator is not None:
+            replication = concurrent.futures.Future()
         if not self._pick(promote):  # every rank counts, whatever follows
-            return url, None
+            return url, None, replication
         promotion: concurrent.futures.Future[None] = concurrent.futures.Future()
         with self._lock:
             self._to_promote.add(step)
             self._promotions.append(promotion)
-        return url, promotion
+        return url, promotion, replication
 
-    def abandon(self, step: int, promotion: concurrent.futures.Future[None] | None) -> None:
+    def abandon(
+        self,
+        step: int,
+        promotion: concurrent.futures.Future[None] | None,
+        replication: concurrent.futures.Future[bool] | None = None,
+    ) -> None:
         """The save of ``step`` :meth:`place` sent here failed to start: forget its
-        promotion (its error is the save's, raised to the caller)."""
+        promotion and replication (its error is the save's, raised to the caller)."""
+        if replication is not None:
+            replication.cancel()
         if promotion is None:
             return
         with self._lock:
@@ -186,10 +211,14 @@ class LocalTierControl:
         handle: SaveHandle,
         exc: BaseException | None,
         promotion: concurrent.futures.Future[None] | None,
+        replication: concurrent.futures.Future[bool] | None = None,
     ) -> None:
         """A local save ended (before its handle reports it done): record it, keep
-        this rank's index object, start its promotion, apply local retention."""
+        this rank's index object, start its replication and promotion, apply local
+        retention."""
         if exc is not None:
+            if replication is not None:
+                replication.set_result(False)
             full, refused = is_disk_full(exc), is_not_writable(exc)
             if full or refused:
                 self._degraded = (
@@ -207,6 +236,9 @@ class LocalTierControl:
             return
         self._keep_own_index(step, handle)
         self._catalog.add_local(step)
+        if replication is not None and self._replicator is not None:
+            # Every rank, in save order: the save's outcome is the same on every rank.
+            self._replicator.submit(step, handle, replication)
         if promotion is not None:
             try:
                 running = self._promoter.submit(step, handle)
@@ -295,6 +327,8 @@ class LocalTierControl:
         steps and every step whose promotion is still running."""
         with self._lock:
             spare = set(self._to_promote)
+        if self._replicator is not None:
+            spare |= self._replicator.running()  # its files are being sent and received
         doomed = self._catalog.prune_local(self.tier.keep_last, spare)
         if not doomed:
             return
@@ -323,6 +357,9 @@ class LocalTierControl:
         keep = {k[len(prefix) :] for k in referenced if k.startswith(prefix)}
         if delete_local_step(where.path, keep):
             logger.info("deleted local step %d at %s", step, where.url)
+        replicas = replica_dir(self.tier.location.path, step)
+        if os.path.lexists(replicas) and delete_local_step(replicas):
+            logger.info("deleted the replicas of local step %d at %s", step, replicas)
 
     # -- errors, status, lifetime -----------------------------------------------------------
     def absorbed(self, exc: BaseException) -> bool:
@@ -335,7 +372,9 @@ class LocalTierControl:
         return found
 
     def wait_promotions(self) -> None:
-        """Wait for the promotions started so far."""
+        """Wait for the replications and promotions started so far."""
+        if self._replicator is not None:
+            self._replicator.wait()
         with self._lock:
             promotions = list(self._promotions)
         concurrent.futures.wait(promotions)
@@ -361,6 +400,8 @@ class LocalTierControl:
                 if s in local and (durable_latest is None or s > durable_latest)
             ]
         oldest = min((local[s] for s in behind), default=now)
+        rep = self._replicator
+        kept = set(local)
         return TierStatus(
             path=self.tier.location.url,
             local_latest=max(local, default=None),
@@ -371,11 +412,18 @@ class LocalTierControl:
             last_time_to_durable=self._last_durable_s,
             degraded=self._degraded or self._last_bypass,
             error=self._last_error,
+            replicas=1 if rep is None else rep.replicas,
+            replicated_latest=None if rep is None else rep.replicated_latest(kept),
+            not_replicated=() if rep is None else rep.not_replicated(kept),
+            last_time_to_replicated=None if rep is None else rep.last_seconds,
+            replication_error=None if rep is None else rep.last_error,
         )
 
     def drain(self) -> None:
-        """Wait for the promotions started so far, then stop promoting."""
+        """Wait for the replications and promotions started so far, then stop both."""
         self.wait_promotions()
+        if self._replicator is not None:
+            self._replicator.close()
         self._promoter.close()
 
     def close(self) -> None:

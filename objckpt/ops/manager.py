@@ -40,6 +40,7 @@ from objckpt.ops.config import load_config
 from objckpt.ops.durable import DurableSteps
 from objckpt.ops.gc import DEFAULT_GRACE, GcReport, collect_garbage
 from objckpt.ops.local_disk import sweep
+from objckpt.ops.peers import Peers
 from objckpt.ops.restore import Restorer
 from objckpt.ops.retention import RetentionPolicy
 from objckpt.ops.rollback import discard_after
@@ -125,7 +126,16 @@ class CheckpointManager:
             backups=self.backups,
             process_group=process_group,
         )
-        self._restorer = Restorer(self._catalog, retry=self.retry, process_group=process_group)
+        # Replicas need every rank's node and a gloo group of their own, both made
+        # here, on every rank at once (collectives), never from a background thread.
+        self._peers = (
+            Peers.start(process_group, (async_options or AsyncOptions()).barrier_timeout)
+            if local is not None and local.replicas > 1 and distributed
+            else None
+        )
+        self._restorer = Restorer(
+            self._catalog, retry=self.retry, process_group=process_group, peers=self._peers
+        )
         self._durable = DurableSteps(self._catalog, rank=self.rank)
         self.reload()
         if local is not None:
@@ -150,6 +160,7 @@ class CheckpointManager:
                 process_group=process_group,
                 distributed=distributed,
                 reuse_unchanged=reuse_unchanged,
+                peers=self._peers,
             )
         except Exception as exc:
             failure = exc

@@ -30,6 +30,7 @@ from objckpt.format.steps import parse_step
 from objckpt.ops.catalog import StepCatalog
 from objckpt.ops.durable import DurableSteps
 from objckpt.ops.local_tier import LocalTierControl
+from objckpt.ops.peers import Peers
 from objckpt.ops.tiers import LocalTier
 from objckpt.ops.torch_errors import unwrap
 from objckpt.options import AsyncOptions, UploadOptions
@@ -51,6 +52,7 @@ class Where:
         url: This rank's target: its local tier's step directory, or the root's.
         local: Whether the save goes to the local tier.
         promotion: A local save picked for promotion: ends once it is durable.
+        replication: A local save other nodes copy: ends with whether they hold it.
         base: A save to the root: the committed step whose unchanged items it
             references (None: it uploads everything).
     """
@@ -58,6 +60,7 @@ class Where:
     url: str
     local: bool
     promotion: concurrent.futures.Future[None] | None = None
+    replication: concurrent.futures.Future[bool] | None = None
     base: int | None = None
 
 
@@ -94,6 +97,7 @@ class SaveFlow:
         process_group: Any | None,
         distributed: bool,
         reuse_unchanged: bool = True,
+        peers: Peers | None = None,
     ) -> None:
         if not isinstance(reuse_unchanged, bool):
             raise ConfigurationError(
@@ -124,6 +128,7 @@ class SaveFlow:
                 process_group=process_group,
                 distributed=distributed,
                 on_durable=durable.committed,
+                peers=peers,
             )
 
     def save(
@@ -174,7 +179,7 @@ class SaveFlow:
                 if release is not None:
                     release()
                 if where.local and self.local is not None:
-                    self.local.abandon(step, where.promotion)
+                    self.local.abandon(step, where.promotion, where.replication)
                 inner = unwrap(exc)
                 if inner is exc:
                     raise
@@ -192,8 +197,8 @@ class SaveFlow:
         if self.local is not None:
             local = self.local.place(step, state_dict, promote)
             if local is not None:
-                url, promotion = local
-                return Where(url, local=True, promotion=promotion)
+                url, promotion, replication = local
+                return Where(url, local=True, promotion=promotion, replication=replication)
         return Where(step_url, local=False, base=self._base(step))
 
     def _after_save(
@@ -205,7 +210,12 @@ class SaveFlow:
             return SaveLifecycle(
                 tier="local",
                 promotion=where.promotion,
-                on_end=(lambda h, exc: local.after_save(step, h, exc, where.promotion),),
+                replication=where.replication,
+                on_end=(
+                    lambda h, exc: local.after_save(
+                        step, h, exc, where.promotion, where.replication
+                    ),
+                ),
             )
         return SaveLifecycle(
             on_end=(lambda h, exc: self._after_root_save(step, where, release, h, exc),)

@@ -80,16 +80,31 @@ class LocalTier:
         min_free_bytes: Room to leave free on the local disk. A save whose bytes
             would not fit above it goes to the object store directly (with a
             warning) instead of failing.
+        replicas: How many nodes hold each node's files of a local step (1: only
+            its own). With R >= 2, after a local save commits, every node sends its
+            files to R - 1 other nodes (:mod:`objckpt.ops.peers`), off the training
+            thread, so a restart after losing a node resumes from the newest local
+            step, taking that node's part from a peer instead of falling back to
+            the newest durable step. A node is what torchrun says (``GROUP_RANK``,
+            ``LOCAL_WORLD_SIZE``), else its host name.
+        replica_jump: Node g's files go to nodes g + k * replica_jump (mod the node
+            count), k = 1 .. R - 1: with nodes numbered along racks, the rack size
+            puts every replica in another rack (NVIDIA's resiliency extension calls
+            this the replication jump).
     """
 
     path: str | os.PathLike[str]
     keep_last: int = 2
     promote_every: int = 1
     min_free_bytes: int = 0
+    replicas: int = 1
+    replica_jump: int = 1
 
     def __post_init__(self) -> None:
         _positive_int("keep_last", self.keep_last, allow_none=False)
         _positive_int("promote_every", self.promote_every, allow_none=False)
+        _positive_int("replicas", self.replicas, allow_none=False)
+        _positive_int("replica_jump", self.replica_jump, allow_none=False)
         m = self.min_free_bytes
         if not isinstance(m, int) or isinstance(m, bool) or m < 0:
             raise ConfigurationError(
@@ -122,6 +137,15 @@ class TierStatus:
             promoted step (None: none yet).
         degraded: Why saves currently bypass the local tier (None: they do not).
         error: The last promotion failure, if any.
+        replicas: How many nodes hold each node's files of a local step (1: no
+            replicas: ``LocalTier(replicas=1)``, one node, or replication off).
+        replicated_latest: Newest local step every node's files of which are held
+            by ``replicas`` nodes (None: none).
+        not_replicated: Local steps kept whose replication failed (they are
+            committed on the local tier; a node lost now loses them).
+        last_time_to_replicated: Seconds from ``save`` to replicated for the
+            newest replicated step (None: none yet).
+        replication_error: The last replication failure, naming the node.
     """
 
     path: str
@@ -133,6 +157,11 @@ class TierStatus:
     last_time_to_durable: float | None
     degraded: str | None = None
     error: str | None = None
+    replicas: int = 1
+    replicated_latest: int | None = None
+    not_replicated: tuple[int, ...] = ()
+    last_time_to_replicated: float | None = None
+    replication_error: str | None = None
 
 
 def state_bytes(state_dict: Mapping[str, Any]) -> int:

@@ -42,6 +42,10 @@ class SaveLifecycle:
         tier: ``"primary"`` (the object store) or ``"local"`` (a LocalTier).
         promotion: A local save picked for promotion: ends when the step is
             committed on the primary (None: not promoted, or not a local save).
+        replication: A local save whose files other nodes copy (``LocalTier(replicas=)``):
+            ends with True once every node's files of the step are held by the
+            tier's other nodes too, False when replication failed (never an error:
+            the step stays committed on the local tier).
         on_end: Run in order when the save ends, before the handle reports it, so
             whoever waits on the handle sees what they recorded (the manager's step
             lists). A hook's own failure is logged, never the save's outcome.
@@ -49,6 +53,7 @@ class SaveLifecycle:
 
     tier: Literal["primary", "local"] = "primary"
     promotion: concurrent.futures.Future[None] | None = None
+    replication: concurrent.futures.Future[bool] | None = None
     on_end: tuple[EndHook, ...] = ()
 
 
@@ -93,9 +98,13 @@ class SaveHandle:
         self._written: tuple[ObjectEntry, ...] = ()
         self._durable = lifecycle.promotion
         self._durable_at: float | None = None
+        self._replicated = lifecycle.replication
+        self._replicated_at: float | None = None
         future.add_done_callback(self._mark_committed)
         if self._durable is not None:
             self._durable.add_done_callback(self._mark_durable)
+        if self._replicated is not None:
+            self._replicated.add_done_callback(self._mark_replicated)
         self._future = self._after(future, lifecycle.on_end) if lifecycle.on_end else future
 
     def _after(
@@ -190,6 +199,44 @@ class SaveHandle:
         if self.tier == "primary":
             return self.seconds_to_commit
         return None if self._durable_at is None else self._durable_at - self._started
+
+    # -- replicas on other nodes ----------------------------------------------------------
+    def _mark_replicated(self, fut: concurrent.futures.Future[bool]) -> None:
+        if not fut.cancelled() and fut.exception() is None and fut.result():
+            self._replicated_at = time.monotonic()
+
+    @property
+    def will_be_replicated(self) -> bool:
+        """Whether other nodes copy this save's files (a local save with
+        ``LocalTier(replicas=)`` >= 2 over more than one node)."""
+        return self._replicated is not None
+
+    def wait_replicated(self, timeout: float | None = None) -> bool:
+        """Wait until other nodes hold this save's files; True once every node's
+        files of the step are held by the tier's ``replicas`` nodes, False when
+        replication failed or is not asked for. A replication failure is reported
+        here (and in ``tier_status()``), never raised: the step stays committed on
+        the local tier. Re-raises the save's own error.
+
+        Raises:
+            TimeoutError: Replication still running after ``timeout`` seconds.
+        """
+        self.result(timeout)
+        if self._replicated is None:
+            return False
+        try:
+            return bool(self._replicated.result(timeout))
+        except concurrent.futures.TimeoutError:
+            if self._replicated.done():
+                raise
+            raise TimeoutError(f"save of {self.url} not replicated within {timeout} s") from None
+        except concurrent.futures.CancelledError:
+            return False
+
+    @property
+    def seconds_to_replicated(self) -> float | None:
+        """Seconds from ``save`` until other nodes held its files (None: not yet, or never)."""
+        return None if self._replicated_at is None else self._replicated_at - self._started
 
     @property
     def requests(self) -> RequestStats:
