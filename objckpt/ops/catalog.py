@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, TypeVar
 
 from objckpt.dcp.collective import broadcast_from_rank0, is_distributed
@@ -192,6 +192,15 @@ class StepCatalog:
         with self._lock:
             self._local[step] = time.time()
             self._finished.append(step)
+
+    def note_local(self, steps: Collection[int]) -> None:
+        """Every rank, at start: ``steps`` are committed on some node's local tier
+        (found by the agreed sweep), whether or not rank 0's own tier holds them."""
+        now = time.time()
+        with self._lock:
+            for step in steps:
+                self._local.setdefault(step, now)
+            self._high = max([*self._local, *_some(self._high)], default=None)
 
     def finished(self, step: int) -> None:
         """A save of ``step`` to the root ended well (see :meth:`take_finished`)."""

@@ -274,7 +274,7 @@ def delete_local_step(path: str, keep: Collection[str] = ()) -> bool:
     return True
 
 
-def sweep(tier: LocalTier, durable: Collection[int], process_group: Any | None) -> None:
+def sweep(tier: LocalTier, durable: Collection[int], process_group: Any | None) -> frozenset[int]:
     """At start, every rank together (a collective): delete the step directories that
     can never load, on every node alike.
 
@@ -284,6 +284,10 @@ def sweep(tier: LocalTier, durable: Collection[int], process_group: Any | None) 
     directories, of every other step (what a save or a replication killed before
     its end left). When any rank cannot list its directory, nothing is deleted
     anywhere (each rank warns, naming it).
+
+    Returns:
+        The steps committed on some rank's tier (the same on every rank; empty when
+        a listing failed).
     """
     root = tier.location.path
     mine = list_tier(root)
@@ -306,10 +310,11 @@ def sweep(tier: LocalTier, durable: Collection[int], process_group: Any | None) 
                 v.path,
                 v.error,
             )
-        return
-    known = set(durable).union(
+        return frozenset()
+    on_nodes = frozenset().union(
         *(v.committed for v in views), *(v.replicas_committed for v in views)
     )
+    known = set(durable) | on_nodes
     referenced = local_references(root, [s for s in mine.present if s in known])
     for step in mine.present:
         if step in known:
@@ -326,6 +331,7 @@ def sweep(tier: LocalTier, durable: Collection[int], process_group: Any | None) 
         path = replica_dir(root, step)
         logger.info("deleting %s: replicas of a step no node and not the root holds", path)
         delete_local_step(path)
+    return on_nodes
 
 
 # -- what kept steps reference ---------------------------------------------------------

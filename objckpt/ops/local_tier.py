@@ -250,6 +250,12 @@ class LocalTierControl:
                 )
         self._apply_retention()
 
+    def refill(self, step: int) -> None:
+        """Every rank, after a load that took ``step``'s files of a replaced node from
+        its peers: send this rank's part to its replica nodes again (background)."""
+        if self._replicator is not None:
+            self._replicator.refill(step)
+
     # -- index objects ----------------------------------------------------------------------
     # Each rank's local copy holds its own index object too (the coordinator wrote them
     # all): a restart on the same ranks then reads nothing of its own part from the

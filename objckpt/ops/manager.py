@@ -134,12 +134,19 @@ class CheckpointManager:
             else None
         )
         self._restorer = Restorer(
-            self._catalog, retry=self.retry, process_group=process_group, peers=self._peers
+            self._catalog,
+            retry=self.retry,
+            process_group=process_group,
+            peers=self._peers,
+            tier=local,
         )
         self._durable = DurableSteps(self._catalog, rank=self.rank)
         self.reload()
         if local is not None:
-            sweep(local, self._catalog.durable_steps(), process_group)  # every rank agrees
+            # Every rank agrees; the steps committed on any node's tier are the run's
+            # local steps (rank 0's own tier may not hold them all: it may run on
+            # another node than before, or on a replacement).
+            self._catalog.note_local(sweep(local, self._catalog.durable_steps(), process_group))
         # With a step to resume from, the job loads first: the upload workers (an
         # interpreter importing torch each) start once the load is done, not while
         # it runs on the same cores; without one they start now, well before the
@@ -314,6 +321,11 @@ class CheckpointManager:
         """
         try:
             self._loaded = self._restorer.load(state_dict, step, read)
+            refill = self._restorer.refill
+            if refill is not None and self._saves.local is not None:
+                # Every rank alike (rank 0 decided): its nodes' files go to their replica
+                # nodes again, in the background, so the next node loss is covered too.
+                self._saves.local.refill(refill)
             return self._loaded
         finally:
             self._checkpointer.start_workers()

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from objckpt.dcp.collective import all_gather_object, is_distributed
-from objckpt.errors import IntegrityError, ObjckptError
+from objckpt.errors import ObjckptError
 from objckpt.format.bounds import DEFAULT_MAX_METADATA_BYTES
 from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY, is_entropy_dir, is_objckpt_object
 from objckpt.format.steps import parse_step, step_name
@@ -65,6 +65,7 @@ __all__ = [
     "PeerGroup",
     "Peers",
     "Transfer",
+    "files_in",
     "list_holdings",
     "node_map",
     "replica_dir",
@@ -207,7 +208,7 @@ class Holdings:
     error: str | None = None
 
 
-def _files_in(step_dir: str) -> dict[str, int]:
+def files_in(step_dir: str) -> dict[str, int]:
     """objckpt's objects under ``step_dir`` (and its entropy sub-directories), by key,
     with sizes; nothing through a link."""
     found: dict[str, int] = {}
@@ -256,7 +257,7 @@ def list_holdings(tier_path: str, steps: Iterable[int] | None = None) -> Holding
                     if wanted is None or step in wanted:
                         dirs.append((step, e.path))
         for step, path in dirs:
-            files = _files_in(path)
+            files = files_in(path)
             if MANIFEST_KEY in files and step not in manifests:
                 data = _read_manifest(os.path.join(path, MANIFEST_KEY))
                 if data is not None:
@@ -577,17 +578,3 @@ class Peers:
     def start(cls, process_group: Any | None, timeout: float) -> Peers:
         nodes = node_map(process_group)
         return cls(PeerGroup.create(process_group, timeout), nodes)
-
-
-def check_received(into: str, keys: Iterable[str], entries: Mapping[str, Any]) -> None:
-    """Refuse received files whose size the manifest contradicts (the CRC32C was
-    checked on arrival against what the sender declared; the manifest decides)."""
-    for key in keys:
-        entry = entries.get(key)
-        if entry is None:
-            continue
-        size = os.path.getsize(os.path.join(into, key))
-        if size != entry.size:
-            raise IntegrityError(
-                f"{os.path.join(into, key)}: {size} bytes, the manifest says {entry.size}"
-            )

@@ -26,11 +26,12 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 
 from objckpt.dcp.collective import fail_together
-from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY, index_key
+from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY, index_key, writer_rank
 from objckpt.format.steps import step_name
-from objckpt.ops.peers import FileSpec, NodeMap, PeerGroup, replica_dir
+from objckpt.ops.peers import FileSpec, NodeMap, PeerGroup, files_in, replica_dir
 from objckpt.ops.tiers import LocalTier
 from objckpt.pipeline.handle import SaveHandle
 from objckpt.writers.checksum import Crc32c
@@ -90,21 +91,39 @@ class Replicator:
         return f"rank {rank} on node {self._nodes.names[self._nodes.node_of[rank]]}"
 
     # -- a step ---------------------------------------------------------------------------
+    def refill(self, step: int) -> concurrent.futures.Future[bool]:
+        """Send this rank's part of ``step`` to its replica nodes again, wherever this
+        node holds it (its own directory, or the replicas a load just received):
+        after a restore that took a replaced node's files from its peers, the new
+        node holds the replicas it held before, and the next loss is covered."""
+        outcome: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        self._start(step, lambda: self._part_files(step), outcome)
+        return outcome
+
     def submit(
         self, step: int, handle: SaveHandle, outcome: concurrent.futures.Future[bool]
     ) -> None:
         """Replicate ``step`` (committed locally, ``handle`` its save) after the steps
         submitted before it; ``outcome`` ends with whether it is replicated."""
+        self._start(step, lambda: self._own_files(step, handle), outcome)
+
+    def _start(
+        self,
+        step: int,
+        files: Callable[[], list[FileSpec] | str],
+        outcome: concurrent.futures.Future[bool],
+    ) -> None:
         with self._lock:
             if self._closed:
                 outcome.set_result(False)
                 return
-            fut = self._pool.submit(self._replicate, step, handle)
+            fut = self._pool.submit(self._replicate, step, files)
             self._running[step] = fut
 
         def done(f: concurrent.futures.Future[bool]) -> None:
             with self._lock:
-                self._running.pop(step, None)
+                if self._running.get(step) is f:
+                    del self._running[step]
             ok = not f.cancelled() and f.exception() is None and f.result()
             outcome.set_result(bool(ok))
 
@@ -132,10 +151,29 @@ class Replicator:
             return f"cannot read its files of step {step}: {describe(exc)}"
         return files
 
-    def _replicate(self, step: int, handle: SaveHandle) -> bool:
+    def _part_files(self, step: int) -> list[FileSpec] | str:
+        """This rank's part of ``step`` as this node holds it after a restore: the
+        objects this rank's number wrote (and on the coordinator the manifest and
+        ``.metadata``), from the step's directory or its replicas."""
+        dirs = [
+            os.path.join(self._tier.location.path, step_name(step)),
+            replica_dir(self._tier.location.path, step),
+        ]
+        found: dict[str, str] = {}
+        for d in dirs:
+            for key in files_in(d):
+                ours = writer_rank(key) == self._rank
+                if ours or (self._rank == 0 and key in (MANIFEST_KEY, METADATA_KEY)):
+                    found.setdefault(key, os.path.join(d, key))
+        try:
+            return [FileSpec(k, p, *_crc_of(p)) for k, p in sorted(found.items())]
+        except OSError as exc:
+            return f"cannot read its files of step {step}: {describe(exc)}"
+
+    def _replicate(self, step: int, own: Callable[[], list[FileSpec] | str]) -> bool:
         started = time.monotonic()
         into = replica_dir(self._tier.location.path, step)
-        files = self._own_files(step, handle)
+        files = own()
         error: str | None = files if isinstance(files, str) else None
         for pairs in self._rounds:
             dst = pairs[self._rank]

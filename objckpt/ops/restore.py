@@ -58,6 +58,7 @@ from objckpt.ops.peers import (
     replica_dir,
     rounds,
 )
+from objckpt.ops.tiers import LocalTier
 from objckpt.ops.torch_errors import size_mismatch, unwrap
 from objckpt.options import ReadOptions
 from objckpt.writers.retry import RetryPolicy
@@ -78,6 +79,7 @@ class Restorer:
         retry: How every store request is retried.
         process_group: The group that loads together.
         peers: The job's peers when the local tier keeps replicas on other nodes.
+        tier: The local tier (its ``replicas``), when there is one.
     """
 
     def __init__(
@@ -87,17 +89,23 @@ class Restorer:
         retry: RetryPolicy,
         process_group: Any | None = None,
         peers: Peers | None = None,
+        tier: LocalTier | None = None,
     ) -> None:
         self._catalog = catalog
+        self._tier = tier
         self._retry = retry
         self._group = process_group
         self._peers = peers
         #: Rank 0, during one load: every rank's holdings (None: no peers).
         self._fetch: PeerFetch | None = None
+        #: The step the last load took from the nodes while some of its files were on
+        #: fewer nodes than the tier's replicas (to replicate again; None: none).
+        self.refill: int | None = None
 
     def load(self, state_dict: dict[str, Any], step: int | None, read: ReadOptions | None) -> int:
         """Load ``step`` (the newest on any tier when None, falling back to the newest
         durable one) into ``state_dict`` in place; returns the step loaded."""
+        self.refill = None
         if self._peers is not None:
             newest, durable = self._survey(step)
         elif step is not None:
@@ -110,6 +118,7 @@ class Restorer:
             finally:
                 self._fetch = None
         except _SOURCE_FAILED as exc:
+            self.refill = None
             if step is not None:
                 raise
             if durable is None or durable == newest:
@@ -137,10 +146,11 @@ class Restorer:
         assert tier is not None and self._peers is not None
         mine = list_holdings(tier.path, None if step is None else [step])
         views = gather_object(mine, self._group) if is_distributed() else [mine]
-        newest, durable, from_nodes, manifest = broadcast_from_rank0(
+        newest, durable, from_nodes, manifest, refill = broadcast_from_rank0(
             lambda: self._decide(step, views or []), self._group
         )
         self._fetch = None
+        self.refill = newest if refill else None
         if from_nodes:
             parsed = None
             if views is not None and manifest is not None:  # rank 0
@@ -151,8 +161,11 @@ class Restorer:
 
     def _decide(
         self, step: int | None, views: list[Holdings]
-    ) -> tuple[int, int | None, bool, bytes | None]:
-        """Rank 0: (step to load, newest durable, whether from the nodes, its manifest)."""
+    ) -> tuple[int, int | None, bool, bytes | None, bool]:
+        """Rank 0: (step to load, newest durable, whether from the nodes, its manifest,
+        whether its nodes' files must be replicated again after the load: some object
+        is on fewer nodes than the tier's replicas, and the job runs on as many ranks
+        as saved it)."""
         for r, v in enumerate(views):
             if v.error is not None:
                 logger.warning("rank %d cannot list its local tier %s: %s", r, v.path, v.error)
@@ -181,7 +194,7 @@ class Restorer:
                 if not any(v.objects.get(s, {}).get(o.key) == o.size for v in views)
             ]
             if not lost:
-                return s, durable, True, manifests[s]
+                return s, durable, True, manifests[s], self._thin(s, manifest, views)
             ranks = sorted({r for r in (writer_rank(o.key) for o in lost) if r is not None})
             logger.warning(
                 "step %d is committed on the local tier but no surviving node holds all of "
@@ -193,13 +206,32 @@ class Restorer:
                 "" if durable is None else f"; loading step {durable}, the newest durable one",
             )
         if step is not None:
-            return step, durable, False, None
+            return step, durable, False, None, False
         if durable is None:
             raise CheckpointNotFoundError(
                 f"no committed step under {self._catalog.root.url} nor whole on the local "
                 f"tiers of the nodes that are left"
             )
-        return durable, durable, False, None
+        return durable, durable, False, None, False
+
+    def _thin(self, step: int, manifest: Manifest, views: list[Holdings]) -> bool:
+        """Whether some object of ``step`` is held by fewer nodes than the tier's
+        replicas (a node was replaced), when the same ranks can send it again."""
+        assert self._peers is not None
+        nodes = self._peers.nodes
+        if manifest.world_size != len(views) or nodes.problem is not None:
+            return False
+        tier = self._tier
+        want = nodes.effective_replicas(tier.replicas, tier.replica_jump) if tier else 1
+        for o in manifest.objects:
+            held = {
+                nodes.node_of[r]
+                for r, v in enumerate(views)
+                if v.objects.get(step, {}).get(o.key) == o.size
+            }
+            if len(held) < want:
+                return True
+        return False
 
     def _keep_manifest(self, step: int, data: bytes) -> None:
         """Rank 0: the step's manifest in its own tier, when its node holds none (it
