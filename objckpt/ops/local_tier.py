@@ -250,6 +250,12 @@ class LocalTierControl:
                 )
         self._apply_retention()
 
+    def wait_replications(self) -> None:
+        """Wait for the replications started so far (their outcome is reported, never
+        raised)."""
+        if self._replicator is not None:
+            self._replicator.wait()
+
     def refill(self, step: int) -> None:
         """Every rank, after a load that took ``step``'s files of a replaced node from
         its peers: send this rank's part to its replica nodes again (background)."""

@@ -320,6 +320,9 @@ class CheckpointManager:
             IntegrityError: An object fails its check on the primary and every backup.
         """
         try:
+            if self._saves.local is not None:
+                # A load's transfers and replication share the peers' group: one at a time.
+                self._saves.local.wait_replications()
             self._loaded = self._restorer.load(state_dict, step, read)
             refill = self._restorer.refill
             if refill is not None and self._saves.local is not None:

@@ -411,11 +411,21 @@ class PeerGroup:
         group: A gloo group over the ranks that save together (created by
             :meth:`create`), or None without torch.distributed.
         timeout: Seconds one message may wait for its peer.
+        tag: The point-to-point tag of its messages: replication and a load's
+            transfers use their own, so that one can never read the other's.
     """
 
-    def __init__(self, group: Any | None, timeout: float) -> None:
+    REPLICATION_TAG = 7
+    LOAD_TAG = 8
+
+    def __init__(self, group: Any | None, timeout: float, tag: int = REPLICATION_TAG) -> None:
         self.group = group
         self.timeout = timeout
+        self.tag = tag
+
+    def with_tag(self, tag: int) -> PeerGroup:
+        """The same group, its messages under ``tag``."""
+        return PeerGroup(self.group, self.timeout, tag)
 
     @classmethod
     def create(cls, process_group: Any | None, timeout: float) -> PeerGroup:
@@ -446,9 +456,9 @@ class PeerGroup:
         """Send ``out`` to ``dst`` and receive ``inp`` from ``src`` at once."""
         works = []
         if out is not None and dst is not None:
-            works.append(dist.isend(out, self._global(dst), group=self.group, tag=7))
+            works.append(dist.isend(out, self._global(dst), group=self.group, tag=self.tag))
         if inp is not None and src is not None:
-            works.append(dist.irecv(inp, self._global(src), group=self.group, tag=7))
+            works.append(dist.irecv(inp, self._global(src), group=self.group, tag=self.tag))
         for w in works:
             if w is not None:
                 w.wait(datetime.timedelta(seconds=self.timeout))

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 
 from objckpt.dcp.collective import fail_together
+from objckpt.errors import PeerRankError
 from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY, index_key, writer_rank
 from objckpt.format.steps import step_name
 from objckpt.ops.peers import FileSpec, NodeMap, PeerGroup, files_in, replica_dir
@@ -81,6 +82,9 @@ class Replicator:
         self.last_error: str | None = None
         self.last_seconds: float | None = None
         self._closed = False
+        #: Why the group can no longer carry a replication (a peer did not answer):
+        #: later steps are reported not replicated at once, not after a timeout each.
+        self._broken: str | None = None
 
     @property
     def active(self) -> bool:
@@ -173,15 +177,24 @@ class Replicator:
     def _replicate(self, step: int, own: Callable[[], list[FileSpec] | str]) -> bool:
         started = time.monotonic()
         into = replica_dir(self._tier.location.path, step)
+        if self._broken is not None:
+            why = f"step {step}: replication is off since a peer did not answer: {self._broken}"
+            with self._lock:
+                self._failed[step] = why
+                self.last_error = why
+            logger.info("%s", why)
+            return False
         files = own()
         error: str | None = files if isinstance(files, str) else None
+        lost: str | None = None
         for pairs in self._rounds:
             dst = pairs[self._rank]
             src = next(r for r, d in pairs.items() if d == self._rank)
             try:
                 sent, _, received = self._peers.exchange((dst, files), (src, into))
             except Exception as exc:  # a peer dead or stuck: the group's timeout ended it
-                error = error or f"no answer in the exchange with {self._node(dst)}: {exc}"
+                lost = f"no answer in the exchange with {self._node(dst)}: {exc}"
+                error = error or lost
                 break
             if sent is not None:
                 error = error or f"{self._node(dst)} did not keep this rank's files: {sent}"
@@ -193,6 +206,8 @@ class Replicator:
         try:
             fail_together(failure, f"replication of step {step}", self._peers.group)
         except BaseException as exc:
+            if lost is not None or (exc is not failure and not isinstance(exc, PeerRankError)):
+                self._broken = lost or describe(exc)  # the agreement itself failed
             why = f"step {step} on {self._node(self._rank)}: {exc}" if exc is failure else str(exc)
             with self._lock:
                 self._failed[step] = why

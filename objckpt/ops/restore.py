@@ -52,6 +52,7 @@ from objckpt.ops.catalog import StepCatalog, on_rank0
 from objckpt.ops.peers import (
     FileSpec,
     Holdings,
+    PeerGroup,
     Peers,
     Transfer,
     list_holdings,
@@ -146,9 +147,11 @@ class Restorer:
         assert tier is not None and self._peers is not None
         mine = list_holdings(tier.path, None if step is None else [step])
         views = gather_object(mine, self._group) if is_distributed() else [mine]
-        newest, durable, from_nodes, manifest, refill = broadcast_from_rank0(
-            lambda: self._decide(step, views or []), self._group
+        chosen: list[bytes] = []  # rank 0: the chosen step's manifest (not broadcast)
+        newest, durable, from_nodes, refill = broadcast_from_rank0(
+            lambda: self._decide(step, views or [], chosen), self._group
         )
+        manifest = chosen[0] if chosen else None
         self._fetch = None
         self.refill = newest if refill else None
         if from_nodes:
@@ -160,12 +163,12 @@ class Restorer:
         return newest, durable
 
     def _decide(
-        self, step: int | None, views: list[Holdings]
-    ) -> tuple[int, int | None, bool, bytes | None, bool]:
-        """Rank 0: (step to load, newest durable, whether from the nodes, its manifest,
-        whether its nodes' files must be replicated again after the load: some object
-        is on fewer nodes than the tier's replicas, and the job runs on as many ranks
-        as saved it)."""
+        self, step: int | None, views: list[Holdings], chosen: list[bytes]
+    ) -> tuple[int, int | None, bool, bool]:
+        """Rank 0: (step to load, newest durable, whether from the nodes, whether its
+        nodes' files must be replicated again after the load: some object is on fewer
+        nodes than the tier's replicas, and the job runs on as many ranks as saved
+        it); the chosen step's manifest is appended to ``chosen``."""
         for r, v in enumerate(views):
             if v.error is not None:
                 logger.warning("rank %d cannot list its local tier %s: %s", r, v.path, v.error)
@@ -194,7 +197,8 @@ class Restorer:
                 if not any(v.objects.get(s, {}).get(o.key) == o.size for v in views)
             ]
             if not lost:
-                return s, durable, True, manifests[s], self._thin(s, manifest, views)
+                chosen.append(manifests[s])
+                return s, durable, True, self._thin(s, manifest, views)
             ranks = sorted({r for r in (writer_rank(o.key) for o in lost) if r is not None})
             logger.warning(
                 "step %d is committed on the local tier but no surviving node holds all of "
@@ -206,13 +210,13 @@ class Restorer:
                 "" if durable is None else f"; loading step {durable}, the newest durable one",
             )
         if step is not None:
-            return step, durable, False, None, False
+            return step, durable, False, False
         if durable is None:
             raise CheckpointNotFoundError(
                 f"no committed step under {self._catalog.root.url} nor whole on the local "
                 f"tiers of the nodes that are left"
             )
-        return durable, durable, False, None, False
+        return durable, durable, False, False
 
     def _thin(self, step: int, manifest: Manifest, views: list[Holdings]) -> bool:
         """Whether some object of ``step`` is held by fewer nodes than the tier's
@@ -373,6 +377,7 @@ class PeerFetch:
     ) -> None:
         self.step = step
         self._peers = peers
+        self._wire = peers.group.with_tag(PeerGroup.LOAD_TAG)
         self._tier_path = tier_path
         self._views = views
         self._entries = {} if manifest is None else {o.key: o for o in manifest.objects}
@@ -416,8 +421,20 @@ class PeerFetch:
                 len(sent),
                 sum(n for n, _ in specs.values()),
             )
-        planned = (rounds(transfers), specs)
-        return [planned] * len(needs)
+        # Each rank gets only its own part of the plan, in round order: its sends (with
+        # what the receiver checks) and receives; a rank in no transfer gets nothing.
+        mine: list[list[tuple[Transfer | None, Transfer | None]]] = [[] for _ in needs]
+        for batch in rounds(transfers):
+            into = {t.dst: t for t in batch}
+            for t in batch:
+                mine[t.src].append((t, into.get(t.src)))
+            senders = {t.src for t in batch}
+            for t in batch:
+                if t.dst not in senders:
+                    mine[t.dst].append((None, t))
+        return [
+            (part, {k: specs[k] for s, _ in part if s is not None for k in s.keys}) for part in mine
+        ]
 
     def _path_of(self, key: str) -> str | None:
         for base in (
@@ -436,15 +453,11 @@ class PeerFetch:
             ObjckptError: This rank did not receive an object it reads, naming it
                 and the rank that was to send it.
         """
-        batches, specs = planned
+        steps, specs = planned
         me = self._peers.group.rank
         into = replica_dir(self._tier_path, self.step)
         errors: list[str] = []
-        for batch in batches:
-            send = next((t for t in batch if t.src == me), None)
-            recv = next((t for t in batch if t.dst == me), None)
-            if send is None and recv is None:
-                continue
+        for send, recv in steps:
             out: tuple[int, list[FileSpec] | str] | None = None
             if send is not None:
                 files: list[FileSpec] = []
@@ -457,7 +470,7 @@ class PeerFetch:
                 else:
                     out = (send.dst, files)
             try:
-                sent, _, received = self._peers.group.exchange(
+                sent, _, received = self._wire.exchange(
                     out, None if recv is None else (recv.src, into)
                 )
             except Exception as exc:  # a peer dead or stuck: later rounds would wait too
