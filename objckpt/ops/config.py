@@ -44,6 +44,8 @@ Schema (every table optional except ``root``)::
     keep_last = 2                           # local steps kept
     promote_every = 5                       # every 5th local save goes to the root
     min_free_bytes = 0                      # room to leave on the local disk
+    replicas = 2                            # each node's files also on 1 other node
+    replica_jump = 1                        # node g's replica goes to node g + 1
 
     [[backups]]                             # copies of each committed step (see README)
     url = "gs://replica/run-1"
