@@ -72,6 +72,10 @@ class Replicator:
         self._rounds = nodes.rounds_for(tier.replicas, tier.replica_jump)
         #: How many nodes hold each node's files (its own included).
         self.replicas = 1 + len(self._rounds)
+        #: This rank's (receiver, sender) in each round.
+        self._pairs = [
+            (pairs[rank], {d: r for r, d in pairs.items()}[rank]) for pairs in self._rounds
+        ]
         self._pool = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="objckpt-replicate"
         )
@@ -184,12 +188,13 @@ class Replicator:
                 self.last_error = why
             logger.info("%s", why)
             return False
-        files = own()
+        try:
+            files = own()
+        except Exception as exc:  # still walk every exchange: the peers wait for this rank
+            files = f"cannot list its files of step {step}: {describe(exc)}"
         error: str | None = files if isinstance(files, str) else None
         lost: str | None = None
-        for pairs in self._rounds:
-            dst = pairs[self._rank]
-            src = next(r for r, d in pairs.items() if d == self._rank)
+        for dst, src in self._pairs:
             try:
                 sent, _, received = self._peers.exchange((dst, files), (src, into))
             except Exception as exc:  # a peer dead or stuck: the group's timeout ended it
