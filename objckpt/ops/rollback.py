@@ -30,6 +30,7 @@ from objckpt.format.steps import step_name
 from objckpt.ops.catalog import StepCatalog, on_rank0
 from objckpt.ops.durable import DurableSteps
 from objckpt.ops.local_disk import delete_local_step, list_tier
+from objckpt.ops.peers import replica_dir
 from objckpt.ops.saving import SaveFlow
 from objckpt.ops.tiers import LocalTier
 from objckpt.pipeline.lifetime import run_bounded
@@ -107,6 +108,12 @@ def _discard_local(tier: LocalTier, step: int) -> None:
     if listing.error is not None:
         logger.warning("cannot list the local tier %s to discard steps: %s", root, listing.error)
         return
+    # Replicas first: a replica of the coordinator's manifest would keep a discarded
+    # step committed on this node (a restart would load it from the nodes).
+    for s in sorted((s for s in listing.replicas_present if s > step), reverse=True):
+        path = replica_dir(root, s)
+        if delete_local_step(path):
+            logger.info("discarded the replicas of local step %d at %s", s, path)
     for s in sorted((s for s in listing.present if s > step), reverse=True):
         path = os.path.join(root, step_name(s))
         if delete_local_step(path):
