@@ -74,6 +74,9 @@ class StepCatalog:
         self._lock = threading.Lock()
         self._steps: dict[int, StepInfo] = {}
         self._local: dict[int, float] = {}  # committed locally: step -> commit time
+        # Committed on some node's tier at start (the agreed sweep), kept across
+        # reloads: rank 0's listing names only what its own tier holds.
+        self._on_nodes: dict[int, float] = {}
         self._finished: list[int] = []
         # The newest step committed at the last listing or started by a save since: the
         # order check's bound. Made only from the broadcast listing and the save() calls,
@@ -93,6 +96,8 @@ class StepCatalog:
         with self._lock:
             self._steps = {s.step: s for s in found}
             self._local = {s.step: s.modified or time.time() for s in local}
+            for step, at in self._on_nodes.items():
+                self._local.setdefault(step, at)
             self._high = max([*self._steps, *self._local, *_some(self._high)], default=None)
 
     def newest(self) -> tuple[int, int | None]:
@@ -199,6 +204,7 @@ class StepCatalog:
         now = time.time()
         with self._lock:
             for step in steps:
+                self._on_nodes.setdefault(step, now)
                 self._local.setdefault(step, now)
             self._high = max([*self._local, *_some(self._high)], default=None)
 
@@ -267,6 +273,7 @@ class StepCatalog:
         with self._lock:
             self._steps = {s: i for s, i in self._steps.items() if s <= step}
             self._local = {s: t for s, t in self._local.items() if s <= step}
+            self._on_nodes = {s: t for s, t in self._on_nodes.items() if s <= step}
             # Not reported by maybe_finalize() any more: they are gone.
             self._finished = [s for s in self._finished if s <= step]
             self._high = None
@@ -293,4 +300,5 @@ class StepCatalog:
             doomed = [s for s in committed if s not in keep]
             for s in doomed:
                 self._local.pop(s, None)
+                self._on_nodes.pop(s, None)
             return [(s, s in self._steps) for s in doomed]

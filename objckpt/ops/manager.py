@@ -204,7 +204,9 @@ class CheckpointManager:
         return self._catalog.durable_steps()
 
     def local_steps(self) -> list[int]:
-        """Steps committed on the local tier (the coordinator's view), ascending."""
+        """Steps committed on the local tier, ascending: the coordinator's tier, and
+        at start every node's (the agreed sweep; rank 0 may run on another node
+        than before)."""
         return sorted(self._catalog.local_steps())
 
     def latest_step(self, *, durable: bool = False) -> int | None:
