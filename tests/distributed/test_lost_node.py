@@ -1,0 +1,143 @@
+"""A lost node costs no progress: the local tier's replicas on other nodes (#39).
+
+Real gloo ranks run as nodes of two (torchrun's environment set per rank), each
+node's tier in its own directory, the root on moto behind the recording proxy, so
+every store request of a restart is counted. Before replicas, losing a node's disk
+between promotions sent the restart back to the newest durable step (step 1 here);
+these tests fail that way on a tier without replicas.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import lost_node_ranks
+from ranks import run_ranks
+
+from objckpt.format.layout import MANIFEST_KEY
+from objckpt.format.steps import step_name
+from objckpt.testing import FaultProxy
+from objckpt.testing.plugin import StoreTarget
+
+
+def _options(proxy: FaultProxy, local: Path, **extra: Any) -> dict[str, Any]:
+    return {"storage": proxy.storage_options(), "local": str(local), "per_node": 2, **extra}
+
+
+def _run(body: Any, world: int, tmp_path: Path, url: str, options: dict[str, Any]) -> None:
+    init = tmp_path / f"init-{body.__name__}-{world}-{len(os.listdir(tmp_path))}"
+    run_ranks(lost_node_ranks, body, world, str(init), url, options)
+
+
+def _step_gets(proxy: FaultProxy, step: int) -> list[str]:
+    return [p for p in proxy.paths("GetObject") if f"/{step_name(step)}/" in p]
+
+
+def _payload_gets(proxy: FaultProxy) -> list[str]:
+    return [p for p in proxy.paths("GetObject") if p.endswith(".distcp")]
+
+
+def _names(path: Path) -> set[str]:
+    return set(os.listdir(path)) if path.exists() else set()
+
+
+def test_a_node_lost_between_promotions_resumes_from_the_newest_local_step_from_peers(
+    s3_bucket: StoreTarget, s3_proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """Step 1 durable, step 2 local only; node 1's disk is lost. The restart on a
+    replacement node resumes from step 2, bit-exact, with no GET of step 2 at all and
+    no payload GET from the store; afterwards the replacement holds node 0's
+    replicas again (the next loss is covered too)."""
+    local, url = tmp_path / "local", s3_bucket.url("lost-one")
+    options = _options(s3_proxy, local, expect=2)
+    _run(lost_node_ranks.save_durable_then_local, 4, tmp_path, url, options)
+    node0_own = _names(local / "node0" / step_name(2))
+    assert MANIFEST_KEY in _names(local / "node1" / "replicas" / step_name(2))  # node 0's part
+    shutil.rmtree(local / "node1")
+    s3_proxy.clear()
+    _run(lost_node_ranks.restart_and_load, 4, tmp_path, url, options)
+    assert _step_gets(s3_proxy, 2) == []
+    assert _payload_gets(s3_proxy) == []
+    refilled = _names(local / "node1" / "replicas" / step_name(2))
+    assert {k for k in node0_own if k.startswith("__0_") or k.startswith("__1_")} <= refilled
+    assert any(k.startswith("__2_") for k in refilled)  # its own part, taken from node 0
+
+
+def test_a_node_lost_and_a_restart_on_fewer_ranks_reshards_from_the_replicas(
+    s3_bucket: StoreTarget, s3_proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """Node 1 lost, the job restarted on node 0 alone (2 ranks): step 2 loads,
+    resharded, from node 0's own files and its replicas of node 1's; no payload GET."""
+    local, url = tmp_path / "local", s3_bucket.url("lost-reshard")
+    options = _options(s3_proxy, local, expect=2)
+    _run(lost_node_ranks.save_durable_then_local, 4, tmp_path, url, options)
+    shutil.rmtree(local / "node1")
+    s3_proxy.clear()
+    _run(lost_node_ranks.restart_and_load, 2, tmp_path, url, options)
+    assert _step_gets(s3_proxy, 2) == []
+    assert _payload_gets(s3_proxy) == []
+
+
+def test_two_nodes_lost_at_two_replicas_fall_back_to_the_durable_step_naming_the_loss(
+    s3_bucket: StoreTarget, s3_proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """Three nodes, R = 2 (node g's replica on node g + 1): nodes 1 and 2 lost, so
+    node 1's part of step 2 is on no node. The restart loads step 1 (durable),
+    bit-exact, and warns naming step 2 and the ranks whose files are gone."""
+    local, url = tmp_path / "local", s3_bucket.url("lost-two")
+    options = _options(s3_proxy, local, expect=1)
+    _run(lost_node_ranks.save_durable_then_local, 6, tmp_path, url, options)
+    shutil.rmtree(local / "node1")
+    shutil.rmtree(local / "node2")
+    _run(lost_node_ranks.restart_and_load, 6, tmp_path, url, options)
+    warnings = (local / "warnings.txt").read_text()
+    assert "step 2 is committed on the local tier but no surviving node holds all of it" in (
+        warnings
+    )
+    assert "rank(s) 2, 3 " in warnings  # node 1's ranks
+    assert "loading step 1" in warnings
+
+
+def test_a_full_peer_disk_leaves_the_step_committed_and_reported_not_replicated(
+    s3_bucket: StoreTarget, s3_proxy: FaultProxy, tmp_path: Path
+) -> None:
+    local, url = tmp_path / "local", s3_bucket.url("peer-full")
+    _run(lost_node_ranks.save_with_a_full_peer_disk, 4, tmp_path, url, _options(s3_proxy, local))
+    # The failed replica left nothing behind on node 1, and step 3's is whole.
+    assert not (local / "node1" / "replicas" / step_name(2)).exists() or not [
+        n for n in os.listdir(local / "node1" / "replicas" / step_name(2)) if n.startswith("__0_")
+    ]
+    assert MANIFEST_KEY in _names(local / "node1" / "replicas" / step_name(3))
+
+
+def test_local_retention_deletes_the_replicas_on_every_node(
+    s3_bucket: StoreTarget, s3_proxy: FaultProxy, tmp_path: Path
+) -> None:
+    local, url = tmp_path / "local", s3_bucket.url("retention")
+    _run(
+        lost_node_ranks.save_three_keep_one,
+        4,
+        tmp_path,
+        url,
+        _options(s3_proxy, local, keep_last=1),
+    )
+    for node in ("node0", "node1"):
+        assert _names(local / node / "replicas") == {step_name(3)}, node
+        assert {n for n in _names(local / node) if n.startswith("step-")} == {step_name(3)}
+
+
+def test_discard_after_deletes_the_replicas_above_the_step(
+    s3_bucket: StoreTarget, s3_proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """Without this, node 1's replica of the coordinator's manifest kept a discarded
+    step committed on the nodes, and the restart loaded it."""
+    local, url = tmp_path / "local", s3_bucket.url("discard")
+    options = _options(s3_proxy, local)
+    _run(lost_node_ranks.save_durable_then_local, 4, tmp_path, url, options)
+    _run(lost_node_ranks.discard_local_step, 4, tmp_path, url, options)
+    for node in ("node0", "node1"):
+        assert step_name(2) not in _names(local / node / "replicas"), node
+        assert step_name(2) not in _names(local / node), node

@@ -1,0 +1,172 @@
+"""Rank bodies of the lost-node tests: a local tier with replicas across nodes.
+
+Each rank sets torchrun's environment for itself before its manager starts: the job
+runs ``per_node`` ranks on each node (``GROUP_RANK = rank // per_node``), and each
+node's tier is ``<local>/node<GROUP_RANK>``, as its own disk. A test deletes a
+node's directory between two jobs: that node is lost, and the next job runs on a
+replacement (an empty directory at the same place) or on fewer nodes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from dist_helpers import full_state, tiered_state
+from ranks import init_ranks
+
+import objckpt
+
+
+def _join(rank: int, world: int, init_file: str, per_node: int) -> Any:
+    os.environ.update(
+        GROUP_RANK=str(rank // per_node),
+        LOCAL_RANK=str(rank % per_node),
+        LOCAL_WORLD_SIZE=str(per_node),
+    )
+    return init_ranks(rank, world, init_file)
+
+
+def _manager(rank: int, url: str, o: dict[str, Any]) -> objckpt.CheckpointManager:
+    return objckpt.CheckpointManager(
+        url,
+        storage_options=o["storage"],
+        async_options=objckpt.AsyncOptions(workers=1, barrier_timeout=o.get("timeout", 60)),
+        local=objckpt.LocalTier(
+            os.path.join(o["local"], f"node{rank // o['per_node']}"),
+            keep_last=o.get("keep_last", 3),
+            promote_every=100,  # only what the test promotes
+            replicas=o.get("replicas", 2),
+        ),
+    )
+
+
+def _blank(mesh: Any) -> dict[str, Any]:
+    got = tiered_state(mesh, 0)
+    for v in got["model"].values():
+        v.to_local().zero_()
+    got["step"] = -1
+    return got
+
+
+@contextlib.contextmanager
+def _full_under(part: str) -> Iterator[None]:
+    """Writes to files whose path contains ``part`` fail with ENOSPC in this process
+    (a disk that filled up), everything else as usual."""
+    real = open
+
+    def full(path: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        if part in os.fspath(path) and any(c in mode for c in "wxa"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(path))
+        return real(path, mode, *args, **kwargs)
+
+    with mock.patch("builtins.open", full):
+        yield
+
+
+def save_durable_then_local(
+    rank: int, world: int, init_file: str, url: str, o: dict[str, Any]
+) -> None:
+    """Step 1 promoted (durable), step 2 on the local tier only; both replicated."""
+    mesh = _join(rank, world, init_file, o["per_node"])
+    try:
+        with _manager(rank, url, o) as mgr:
+            one = mgr.save(1, tiered_state(mesh, 1), promote=True)
+            two = mgr.save(2, tiered_state(mesh, 2), promote=False)
+            mgr.wait_until_finished()
+            assert one.wait_durable() and not two.will_be_durable, rank
+            assert one.wait_replicated() and two.wait_replicated(), rank
+            assert two.seconds_to_replicated is not None, rank
+            status = mgr.tier_status()
+            assert status.replicas == 2 and status.replicated_latest == 2, (rank, status)
+            assert status.not_replicated == () and status.replication_error is None, status
+            assert mgr.all_steps() == [1] and mgr.local_steps() == [1, 2], rank
+    finally:
+        dist.destroy_process_group()
+
+
+def restart_and_load(rank: int, world: int, init_file: str, url: str, o: dict[str, Any]) -> None:
+    """Restart on ``world`` ranks and load the newest step: ``o["expect"]``, bit-exact;
+    rank 0 writes the warnings it logged to ``<local>/warnings.txt``."""
+    mesh = _join(rank, world, init_file, o["per_node"])
+    seen: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("objckpt").addHandler(handler)
+    try:
+        with _manager(rank, url, o) as mgr:
+            got = _blank(mesh)
+            step = mgr.load(got)
+            assert step == o["expect"], (rank, step)
+            for k, v in full_state().items():
+                assert torch.equal(got["model"][k].full_tensor(), v + step), (rank, k)
+            assert got["step"] == step
+            mgr.wait_until_finished()  # a replaced node's replicas are sent again
+        if rank == 0:
+            with open(os.path.join(o["local"], "warnings.txt"), "w") as f:
+                f.write("\n".join(seen))
+    finally:
+        logging.getLogger("objckpt").removeHandler(handler)
+        dist.destroy_process_group()
+
+
+def save_with_a_full_peer_disk(
+    rank: int, world: int, init_file: str, url: str, o: dict[str, Any]
+) -> None:
+    """Node 1's disk is full for replicas while step 2 replicates: step 2 stays
+    committed on the local tier, every rank reports it not replicated, and step 3
+    (the disk has room again) saves and replicates."""
+    mesh = _join(rank, world, init_file, o["per_node"])
+    try:
+        with _manager(rank, url, o) as mgr:
+            assert mgr.save(1, tiered_state(mesh, 1)).wait_replicated(), rank
+            full = _full_under("/replicas/") if rank // o["per_node"] == 1 else None
+            with full or contextlib.nullcontext():
+                two = mgr.save(2, tiered_state(mesh, 2))
+                two.result()  # committed: a replication failure never fails the save
+                assert two.wait_replicated() is False, rank
+            status = mgr.tier_status()
+            assert status.not_replicated == (2,), (rank, status)
+            assert status.replicated_latest == 1, (rank, status)
+            assert "No space left" in (status.replication_error or ""), (rank, status)
+            assert 2 in mgr.local_steps(), rank
+            three = mgr.save(3, tiered_state(mesh, 3))
+            assert three.wait_replicated(), rank
+            assert mgr.tier_status().replicated_latest == 3, rank
+    finally:
+        dist.destroy_process_group()
+
+
+def save_three_keep_one(rank: int, world: int, init_file: str, url: str, o: dict[str, Any]) -> None:
+    """Steps 1, 2, 3 on the local tier with ``keep_last=1``: each retired step's
+    replicas go with it."""
+    mesh = _join(rank, world, init_file, o["per_node"])
+    try:
+        with _manager(rank, url, o) as mgr:
+            for step in (1, 2, 3):
+                mgr.save(step, tiered_state(mesh, step))
+            mgr.wait_until_finished()
+            assert mgr.local_steps() == [3], rank
+    finally:
+        dist.destroy_process_group()
+
+
+def discard_local_step(rank: int, world: int, init_file: str, url: str, o: dict[str, Any]) -> None:
+    """``discard_after(1)`` after step 2 was saved locally and replicated: step 2 is
+    gone from every node, replicas included, and a restart resumes from step 1."""
+    mesh = _join(rank, world, init_file, o["per_node"])
+    try:
+        with _manager(rank, url, o) as mgr:
+            assert mgr.discard_after(1) == [2], rank
+            got = _blank(mesh)
+            assert mgr.load(got) == 1, rank
+            assert torch.equal(got["model"]["w"].full_tensor(), full_state()["w"] + 1), rank
+    finally:
+        dist.destroy_process_group()
