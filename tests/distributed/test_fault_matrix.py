@@ -131,6 +131,9 @@ def _check(found: dict[str, list[dict[str, Any]]], cells: list[tuple[str, int]])
         pytest.param((fault_ranks.sync_column, fault_ranks.SYNC_CELLS), id="sync-save"),
         pytest.param((fault_ranks.load_column, fault_ranks.LOAD_CELLS), id="load"),
         pytest.param((fault_ranks.manager_column, fault_ranks.MANAGER_CELLS), id="manager"),
+        pytest.param(
+            (fault_ranks.replication_column, fault_ranks.REPLICATION_CELLS), id="replication"
+        ),
     ],
 )
 def test_a_fault_on_one_rank_is_every_ranks_outcome(

@@ -9,13 +9,15 @@ these tests fail that way on a tier without replicas.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 import lost_node_ranks
-from ranks import run_ranks
+import torch.multiprocessing as mp
+from ranks import _rank_entry, run_ranks
 
 from objckpt.format.layout import MANIFEST_KEY
 from objckpt.format.steps import step_name
@@ -141,3 +143,35 @@ def test_discard_after_deletes_the_replicas_above_the_step(
     for node in ("node0", "node1"):
         assert step_name(2) not in _names(local / node / "replicas"), node
         assert step_name(2) not in _names(local / node), node
+
+
+def test_a_peer_dying_mid_transfer_never_hangs_the_others_and_the_step_stays_local(
+    s3_bucket: StoreTarget, s3_proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """Rank 3 exits while it receives step 1's replica. Ranks 0-2 end the same way
+    within a bound (the peers' timeout, twice: the exchange, then the agreement):
+    step 1 committed locally, reported not replicated, no hang."""
+    local = tmp_path / "local"
+    timeout = 10
+    options = _options(s3_proxy, local, timeout=timeout)
+    url = s3_bucket.url("peer-dies")
+    ctx = mp.start_processes(
+        _rank_entry,
+        args=("lost_node_ranks", "peer_dies_mid_transfer", 4, str(tmp_path / "init"), url, options),
+        nprocs=4,
+        join=False,
+        start_method="spawn",
+    )
+    for p in ctx.processes:
+        p.join(timeout=240)
+    codes = [p.exitcode for p in ctx.processes]
+    for p in ctx.processes:
+        if p.is_alive():
+            p.kill()
+    assert codes == [0, 0, 0, 17], codes  # None: a rank hung
+    outcomes = [json.loads((local / f"outcome{r}.json").read_text()) for r in range(3)]
+    for r, out in enumerate(outcomes):
+        assert out["replicated"] is False and out["not_replicated"] == [1], (r, out)
+        assert out["local"] == [1], (r, out)
+        assert out["waited"] < 4 * timeout + 30, (r, out)
+        assert out["error"], (r, out)

@@ -13,6 +13,7 @@ keyed by the cell's URL (``/<cell>/``), so a rule breaks only its own cell.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import json
 import os
@@ -65,9 +66,15 @@ MANAGER_CELLS = [
     ("ctor-start-fails", 2),
     ("load-falls-back", 3),
 ]
+#: A local tier with replicas, 4 ranks as 2 nodes: a replication that fails on one
+#: rank never fails the save; every rank reports the step not replicated.
+REPLICATION_CELLS = [
+    ("replication-raises", 1),
+    ("peer-disk-full", 3),
+]
 #: Cells whose fault must not fail the operation (the save committed; the load
-#: fell back to the backup on every rank).
-SUCCEEDS = {"on-commit-raises", "load-falls-back"}
+#: fell back to the backup on every rank; the step stayed committed locally).
+SUCCEEDS = {"on-commit-raises", "load-falls-back", "replication-raises", "peer-disk-full"}
 DEADLINE = 20.0
 BARRIER = 15.0
 
@@ -389,5 +396,63 @@ def manager_column(
 
             _record(out, "load-falls-back", rank, load)
             _record(out, "load-falls-back.after", rank, lambda: save_and_load(f"{root}/c3", 2))
+    finally:
+        dist.destroy_process_group()
+
+
+def replication_column(
+    rank: int, world: int, init_file: str, root: str, options: dict[str, Any], out: str
+) -> None:
+    """Local saves replicated across 2 nodes of 2 ranks (torchrun's environment per
+    rank): one rank's replication raises (it cannot list its files), then a peer's
+    disk is full for replicas. Each save must commit on every rank with the step
+    reported not replicated on every rank, naming the failing rank; the next save
+    replicates."""
+    from objckpt.ops.replication import Replicator
+
+    os.environ.update(GROUP_RANK=str(rank // 2), LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2")
+    init_ranks(rank, world, init_file)
+    opts = objckpt.AsyncOptions(workers=1, barrier_timeout=BARRIER)
+    tier = objckpt.LocalTier(
+        os.path.join(out, "tier", f"node{rank // 2}"), keep_last=2, promote_every=100, replicas=2
+    )
+    real_open = open
+
+    def disk_full(path: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        if "/replicas/" in os.fspath(path) and any(c in mode for c in "wxa"):
+            raise OSError(28, os.strerror(28), os.fspath(path))
+        return real_open(path, mode, *args, **kwargs)
+
+    faults = {
+        "replication-raises": lambda: _patched(
+            Replicator, "_own_files", _raiser(RuntimeError("listing (injected)"))
+        ),
+        "peer-disk-full": lambda: _patched(builtins, "open", disk_full),
+    }
+    try:
+        with objckpt.CheckpointManager(
+            f"{root}/replication", storage_options=options, async_options=opts, local=tier
+        ) as mgr:
+            step = 0
+            for cell, faulty in REPLICATION_CELLS:
+                step += 1
+
+                def save(cell: str = cell, faulty: int = faulty, step: int = step) -> None:
+                    fault = faults[cell]() if rank == faulty else contextlib.nullcontext()
+                    with fault:
+                        handle = mgr.save(step, _state(rank))
+                        handle.result(timeout=DEADLINE + BARRIER * 3 + 30)
+                        replicated = handle.wait_replicated(timeout=BARRIER * 4)
+                    status = mgr.tier_status()
+                    assert replicated is False and step in status.not_replicated, status
+                    assert f"rank {faulty}" in (status.replication_error or ""), status
+
+                _record(out, cell, rank, save)
+                step += 1
+
+                def after(step: int = step) -> None:
+                    assert mgr.save(step, _state(rank)).wait_replicated(timeout=120)
+
+                _record(out, f"{cell}.after", rank, after)
     finally:
         dist.destroy_process_group()

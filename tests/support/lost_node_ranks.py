@@ -170,3 +170,40 @@ def discard_local_step(rank: int, world: int, init_file: str, url: str, o: dict[
             assert torch.equal(got["model"]["w"].full_tensor(), full_state()["w"] + 1), rank
     finally:
         dist.destroy_process_group()
+
+
+def peer_dies_mid_transfer(
+    rank: int, world: int, init_file: str, url: str, o: dict[str, Any]
+) -> None:
+    """Rank 3 dies while it receives rank 1's files of step 1 (its process exits
+    from the replication thread). The others' save already returned; their
+    replication ends within the peers' timeout, reported not replicated, and
+    ``wait_until_finished`` returns. Each survivor writes ``<local>/outcome<r>.json``."""
+    import json
+    import time
+
+    from objckpt.ops import peers
+
+    mesh = _join(rank, world, init_file, o["per_node"])
+    if rank == 3:
+        peers._Incoming.write = lambda *a, **k: os._exit(17)  # type: ignore[method-assign]
+    mgr = _manager(rank, url, o)
+    handle = mgr.save(1, tiered_state(mesh, 1))
+    handle.result()
+    started = time.monotonic()
+    replicated = handle.wait_replicated()
+    mgr.wait_until_finished()
+    waited = time.monotonic() - started
+    status = mgr.tier_status()
+    with open(os.path.join(o["local"], f"outcome{rank}.json"), "w") as f:
+        json.dump(
+            {
+                "replicated": replicated,
+                "waited": waited,
+                "not_replicated": list(status.not_replicated),
+                "error": status.replication_error,
+                "local": mgr.local_steps(),
+            },
+            f,
+        )
+    os._exit(0)  # the group lost a member: no teardown that would wait for it
