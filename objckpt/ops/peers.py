@@ -503,11 +503,17 @@ class PeerGroup:
             try:
                 got = json.loads(inp.numpy().tobytes())
                 recv_error = got.get("error")
-                theirs = [(_safe_key(k), int(n), str(c)) for k, n, c in got.get("files", [])]
-            except (ValueError, TypeError, ObjckptError) as exc:
+                listed = [(k, int(n), str(c)) for k, n, c in got.get("files", [])]
+            except (ValueError, TypeError) as exc:
                 recv_error = f"the sender's header is unreadable: {exc}"
-                theirs = []
+                listed = []
+            try:
+                theirs = [(_safe_key(k), n, c) for k, n, c in listed]
+            except ObjckptError as exc:  # its bytes are still received (and dropped)
+                recv_error = recv_error or str(exc)
+                theirs = [("", n, c) for _, n, c in listed]
             incoming = _Incoming(recv[1], theirs)
+            incoming.error = recv_error
         sent_ok = self._stream(files, dst, incoming, src)
         their_ok = bool(self._int(int(sent_ok), dst, src))
         kept: list[str] = []

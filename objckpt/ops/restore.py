@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -249,7 +250,7 @@ class Restorer:
             return
         try:
             os.makedirs(into, exist_ok=True)
-            tmp = f"{path}.{os.getpid()}.tmp"
+            tmp = os.path.join(into, f".{MANIFEST_KEY}.{uuid.uuid4().hex}.tmp")
             with open(tmp, "wb") as f:
                 f.write(data)
             os.replace(tmp, path)

@@ -121,14 +121,16 @@ def _prepare(base: Path) -> dict[int, dict[str, bytes]]:
     return sent
 
 
-def _results(base: Path) -> dict[int, dict]:
+def _swap(base: Path, fault: dict[str, str]) -> dict[int, dict]:
+    """Both ranks exchange their files at once (``fault``: rank -> "read" or "full");
+    what each rank's ``exchange`` returned."""
+    run_ranks(peer_ranks, peer_ranks.swap_files, 2, str(base / "init"), str(base), fault)
     return {r: json.loads((base / f"result{r}.json").read_text()) for r in (0, 1)}
 
 
 def test_both_ranks_send_and_keep_each_others_files_at_once(tmp_path: Path) -> None:
     sent = _prepare(tmp_path)
-    run_ranks(peer_ranks, peer_ranks.swap_files, 2, str(tmp_path / "init"), str(tmp_path), {})
-    results = _results(tmp_path)
+    results = _swap(tmp_path, {})
     for rank in (0, 1):
         other = 1 - rank
         assert results[rank]["sent"] is None and results[rank]["received"] is None
@@ -141,10 +143,7 @@ def test_a_read_error_on_the_sender_is_reported_on_both_sides_and_nothing_is_kep
     tmp_path: Path,
 ) -> None:
     _prepare(tmp_path)
-    run_ranks(
-        peer_ranks, peer_ranks.swap_files, 2, str(tmp_path / "init"), str(tmp_path), {"1": "read"}
-    )
-    results = _results(tmp_path)
+    results = _swap(tmp_path, {"1": "read"})
     assert results[1]["sent"] is not None  # rank 1 learns rank 0 kept none of it
     assert "could not read" in results[0]["received"]
     assert results[0]["kept"] == []
@@ -156,10 +155,7 @@ def test_a_full_disk_on_the_receiver_fails_its_side_only_and_the_sender_hears_wh
     tmp_path: Path,
 ) -> None:
     _prepare(tmp_path)
-    run_ranks(
-        peer_ranks, peer_ranks.swap_files, 2, str(tmp_path / "init"), str(tmp_path), {"0": "full"}
-    )
-    results = _results(tmp_path)
+    results = _swap(tmp_path, {"0": "full"})
     assert "No space left" in results[0]["received"]
     assert "No space left" in results[1]["sent"]  # the ack carries the receiver's error
     assert results[0]["kept"] == [] and results[1]["received"] is None

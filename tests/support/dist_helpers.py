@@ -336,6 +336,15 @@ def tiered_state(mesh: Any, step: int) -> dict[str, Any]:
     }
 
 
+def blank_tiered_state(mesh: Any) -> dict[str, Any]:
+    """``tiered_state``'s shape with every value zero and ``step`` -1: what a load fills."""
+    got = tiered_state(mesh, 0)
+    for v in got["model"].values():
+        v.to_local().zero_()
+    got["step"] = -1
+    return got
+
+
 def tiered_save(rank: int, world: int, init_file: str, url: str, options: dict[str, Any]) -> None:
     """Steps 1 and 2 to the local tier, both promoted to the store."""
     mesh = init_ranks(rank, world, init_file)

@@ -19,7 +19,7 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
-from dist_helpers import full_state, tiered_state
+from dist_helpers import blank_tiered_state, full_state, tiered_state
 from ranks import init_ranks
 
 import objckpt
@@ -46,14 +46,6 @@ def _manager(rank: int, url: str, o: dict[str, Any]) -> objckpt.CheckpointManage
             replicas=o.get("replicas", 2),
         ),
     )
-
-
-def _blank(mesh: Any) -> dict[str, Any]:
-    got = tiered_state(mesh, 0)
-    for v in got["model"].values():
-        v.to_local().zero_()
-    got["step"] = -1
-    return got
 
 
 @contextlib.contextmanager
@@ -102,7 +94,7 @@ def restart_and_load(rank: int, world: int, init_file: str, url: str, o: dict[st
     logging.getLogger("objckpt").addHandler(handler)
     try:
         with _manager(rank, url, o) as mgr:
-            got = _blank(mesh)
+            got = blank_tiered_state(mesh)
             step = mgr.load(got)
             assert step == o["expect"], (rank, step)
             for k, v in full_state().items():
@@ -165,7 +157,7 @@ def discard_local_step(rank: int, world: int, init_file: str, url: str, o: dict[
     try:
         with _manager(rank, url, o) as mgr:
             assert mgr.discard_after(1) == [2], rank
-            got = _blank(mesh)
+            got = blank_tiered_state(mesh)
             assert mgr.load(got) == 1, rank
             assert torch.equal(got["model"]["w"].full_tensor(), full_state()["w"] + 1), rank
     finally:

@@ -16,7 +16,7 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
-from dist_helpers import full_state, tiered_state
+from dist_helpers import blank_tiered_state, full_state, tiered_state
 from ranks import init_ranks
 
 import objckpt
@@ -34,14 +34,6 @@ def _manager(rank: int, world: int, url: str, options: dict[str, Any]) -> objckp
         async_options=objckpt.AsyncOptions(workers=1, barrier_timeout=120),
         local=objckpt.LocalTier(_node(options, rank, world), keep_last=3, promote_every=2),
     )
-
-
-def _blank(mesh: Any) -> dict[str, Any]:
-    got = tiered_state(mesh, 0)
-    for v in got["model"].values():
-        v.to_local().zero_()
-    got["step"] = -1
-    return got
 
 
 def save_three(rank: int, world: int, init_file: str, url: str, options: dict[str, Any]) -> None:
@@ -65,7 +57,7 @@ def restart_and_load(
     mesh = init_ranks(rank, world, init_file)
     try:
         with _manager(rank, world, url, options) as mgr:
-            got = _blank(mesh)
+            got = blank_tiered_state(mesh)
             step = mgr.load(got)
             assert step == options["expect"], (rank, step)
             for k, v in full_state().items():
@@ -108,7 +100,7 @@ def restart_with_rank1_unable_to_list(
         with fails or contextlib.nullcontext():
             mgr = _manager(rank, world, url, options)
         with mgr:
-            got = _blank(mesh)
+            got = blank_tiered_state(mesh)
             assert mgr.load(got) == 3, rank
             for k, v in full_state().items():
                 assert torch.equal(got["model"][k].full_tensor(), v + 3), (rank, k)
