@@ -68,13 +68,15 @@ test: lint iac docs-check azurite rgw
 # on the pinned one. scripts/torch_venv.sh builds one venv per release, outside the
 # clone ($OBJCKPT_TORCH_VENVS, default ~/.cache/objckpt/torch-venvs), and reuses it.
 # The subset: round trip, interop with stock DCP readers and writers, resharding,
-# async, manager, planners, metadata, extensions, reuse, Lightning.
+# async, manager, planners, metadata, extensions, reuse, Lightning, the peers' wire and a
+# lost node (point-to-point on gloo across releases).
 TORCH_TESTS := tests/dcp/test_roundtrip.py tests/dcp/test_interop.py \
 	tests/distributed/test_distributed.py tests/pipeline/test_async.py \
 	tests/ops/test_manager.py tests/dcp/test_load_planner.py \
 	tests/pipeline/test_metadata_stream.py tests/dcp/test_extensions.py tests/dcp/test_reuse.py \
 	tests/integrations/test_lightning.py tests/pipeline/test_plan_cache.py \
-	tests/pipeline/test_rank_commit.py tests/api/test_private_torch.py
+	tests/pipeline/test_rank_commit.py tests/api/test_private_torch.py \
+	tests/ops/test_peers.py tests/distributed/test_lost_node.py
 
 test-torch:
 	@test -n "$(TORCH)" || { echo "usage: make test-torch TORCH=2.9.1" >&2; exit 2; }
