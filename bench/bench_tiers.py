@@ -31,7 +31,9 @@ production), so its page cache is warm for ``restart_local``, as on a node
 that restarts its job without a reboot.
 
 Usage: ``python bench/bench_tiers.py [--size-mib 256] [--saves 4] [--node-loss
-[--node-loss-mib 256 1024]]``.
+[--node-loss-mib 256 1024]]``; the node-loss job alone: ``--node-loss-only
+--node-loss-mib 256 1024 --saves 3``; a smoke run with tiny sizes: ``--node-loss-only
+--node-loss-mib 8 --saves 2 --out /tmp/bench-smoke``.
 """
 
 from __future__ import annotations

@@ -489,9 +489,9 @@ class PeerGroup:
         """
         dst = send[0] if send is not None else None
         src = recv[0] if recv is not None else None
+        cannot = send[1] if send is not None and isinstance(send[1], str) else None
         files: Sequence[FileSpec] = () if send is None or isinstance(send[1], str) else send[1]
-        head = {"error": send[1] if send is not None and isinstance(send[1], str) else None}
-        head["files"] = [[f.key, f.size, f.crc32c] for f in files]  # type: ignore[assignment]
+        head = {"error": cannot, "files": [[f.key, f.size, f.crc32c] for f in files]}
         blob = bytearray(json.dumps(head).encode())
         size = self._int(len(blob), dst, src)
         inp = torch.zeros(size if src is not None else 0, dtype=torch.uint8)
@@ -531,9 +531,7 @@ class PeerGroup:
         send_error: str | None = None
         if dst is not None:
             text = ack_in.numpy().tobytes()[:-1].decode(errors="replace")
-            send_error = text or (None if sent_ok else "this rank could not read every file")
-            if isinstance(send[1], str):  # type: ignore[index]
-                send_error = send_error or send[1]  # type: ignore[index]
+            send_error = cannot or text or (None if sent_ok else "could not read every file")
         return send_error, kept, recv_error
 
     def _stream(
