@@ -16,6 +16,7 @@ tier does not list load from a directory it does not own.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -101,11 +102,16 @@ class LocalCopy:
         path = self._paths.get(key)
         if path is None:
             path = self.location.key_path(key)
-            for d in self._dirs:
-                candidate = d.key_path(key)
-                if os.path.lexists(candidate):
-                    path = candidate
-                    break
+            entry = None if self._objects is None else self._objects.get(key)
+            found = [d.key_path(key) for d in self._dirs if os.path.lexists(d.key_path(key))]
+            if found:
+                path = found[0]
+            if entry is not None:  # the first copy of the manifest's size, when one is
+                for candidate in found:
+                    with contextlib.suppress(OSError):
+                        if os.stat(candidate).st_size == entry.size:
+                            path = candidate
+                            break
             self._paths[key] = path
         return path
 

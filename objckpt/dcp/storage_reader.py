@@ -412,9 +412,13 @@ class ObjectStoreReader(StorageReader):
         items through their owners, then the rest, fetched by this rank."""
         reads = list(plan.items)
         shared = plan.storage_data
+        fetch_error: Exception | None = None
         if isinstance(shared, PlanData):
             assert self._peers is not None
-            self._peers.fetch(shared.peers)
+            try:
+                self._peers.fetch(shared.peers)
+            except Exception as exc:  # raised after the shared reads' collectives below
+                fetch_error = exc
             shared = shared.shared
         if isinstance(shared, SharedReads):
             owned = {idx for idx, _ in shared.entries}
@@ -429,6 +433,8 @@ class ObjectStoreReader(StorageReader):
                 url=self.location.url,
             )
             reads = [r for r in reads if r.storage_index not in owned]
+        if fetch_error is not None:
+            raise fetch_error
         self._read(reads, planner)
 
     def _read(self, reads: list[ReadItem], planner: LoadPlanner) -> None:

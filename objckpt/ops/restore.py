@@ -42,7 +42,6 @@ from objckpt.errors import (
     CheckpointNotFoundError,
     IntegrityError,
     ManifestError,
-    ObjckptError,
     StateDictMismatchError,
     StoreError,
 )
@@ -487,7 +486,8 @@ class PeerFetch:
             if received is not None and recv is not None:
                 errors.append(f"{len(recv.keys)} object(s) from rank {recv.src}: {received}")
         if errors:
-            raise ObjckptError(
+            # An IntegrityError: the load moves on (backups, then the newest durable step).
+            raise IntegrityError(
                 f"step {self.step}: this rank did not receive what its node lacks from the "
                 f"other nodes: {'; '.join(errors)}"
             )

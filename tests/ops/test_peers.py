@@ -1,7 +1,7 @@
 """The peers of a local tier with replicas: the node map, the rounds, the wire.
 
 The distributed behaviour (a lost node, a full peer disk, a peer dying) is shown
-end to end in ``tests/distributed/test_peer_replicas.py``; here each piece is
+end to end in ``tests/distributed/test_lost_node.py``; here each piece is
 checked on its own, with two real gloo ranks for the wire: what crosses is
 checked (CRC32C) before it is kept, a failure on one side is reported on both and
 leaves no file, and names a peer sends are refused unless objckpt writes them.
