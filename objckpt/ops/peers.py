@@ -118,16 +118,6 @@ class NodeMap:
     def ranks_on(self, node: int) -> list[int]:
         return [r for r, n in enumerate(self.node_of) if n == node]
 
-    def replica_nodes(self, node: int, replicas: int, jump: int) -> list[int]:
-        """The other nodes holding ``node``'s files: ``node + k * jump`` (mod N) for
-        k = 1 .. ``replicas`` - 1, skipping ``node`` itself and repeats."""
-        out: list[int] = []
-        for k in range(1, replicas):
-            target = (node + k * jump) % self.nodes
-            if target != node and target not in out:
-                out.append(target)
-        return out
-
     def rounds_for(self, replicas: int, jump: int) -> list[dict[int, int]]:
         """The replication rounds: each a map sender rank -> receiver rank, one per
         k with a target other than the sender's own node (the same for every node,
