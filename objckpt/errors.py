@@ -210,6 +210,22 @@ class BarrierTimeoutError(ObjckptError, TimeoutError):
     """Some ranks did not report within the barrier timeout (a rank died or hung)."""
 
 
+class PeerSilentError(BarrierTimeoutError):
+    """A peer rank did not answer a point-to-point exchange in time (dead or stuck).
+
+    The message names that rank: the one this rank waited on, not merely the one
+    it talks to.
+    """
+
+    def __init__(self, message: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        #: The (group) rank that did not answer.
+        self.rank = rank
+
+    def __reduce__(self) -> tuple[type[PeerSilentError], tuple[str, int | None]]:
+        return (type(self), (str(self), self.rank))
+
+
 class RequestFailedError(ObjckptError):
     """An async request's work failed on some rank, so no rank finalizes it as a success."""
 

@@ -46,6 +46,7 @@ Schema (every table optional except ``root``)::
     min_free_bytes = 0                      # room to leave on the local disk
     replicas = 2                            # each node's files also on 1 other node
     replica_jump = 1                        # node g's replica goes to node g + 1
+    replication_timeout = 600               # seconds one step's replication may take
 
     [[backups]]                             # copies of each committed step (see README)
     url = "gs://replica/run-1"

@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from objckpt._torch import group_store
-from objckpt.dcp.collective import any_rank, is_distributed
+from objckpt.dcp.collective import all_reduce_max, is_distributed
 from objckpt.format.layout import index_key, index_rank
 from objckpt.format.manifest import Manifest
 from objckpt.format.steps import step_name
@@ -98,6 +98,7 @@ class LocalTierControl:
         self._world = world
         self._group = process_group
         self._timeout = options.barrier_timeout
+        self._max_waiting = options.max_in_flight
         self._lock = threading.Lock()
         self._saves = 0
         self._to_promote: set[int] = set()  # picked for promotion, not durable yet
@@ -124,7 +125,14 @@ class LocalTierControl:
         self._replicator = (
             None
             if peers is None
-            else start_replication(tier, peers.group, peers.nodes, peers.group.rank)
+            else start_replication(
+                tier,
+                peers.group,
+                peers.nodes,
+                peers.group.rank,
+                max_waiting=options.max_in_flight,
+                on_settled=lambda _step: self._apply_retention(),
+            )
         )
 
     def _url(self, step: int) -> str:
@@ -145,12 +153,21 @@ class LocalTierControl:
         A promotion picked here is running from now on (spared by local retention):
         the save's end settles it (:meth:`after_save`), or :meth:`abandon` when the
         save never started."""
-        url = self._target(step, state_dict)
+        url, backlog = self._target(step, state_dict)
         if url is None:
             return None
         replication: concurrent.futures.Future[bool] | None = None
         if self._replicator is not None:
             replication = concurrent.futures.Future()
+            if backlog:  # every rank alike: decided with the placement's all-reduce
+                self._replicator.refuse(
+                    step,
+                    f"{self._max_waiting} step(s) already wait to replicate on some rank "
+                    f"(AsyncOptions.max_in_flight={self._max_waiting})",
+                )
+                replication.set_result(False)
+            else:  # every rank, in save order: the order the steps are exchanged in
+                self._replicator.reserve(step, replication)
         if not self._pick(promote):  # every rank counts, whatever follows
             return url, None, replication
         promotion: concurrent.futures.Future[None] = concurrent.futures.Future()
@@ -166,9 +183,11 @@ class LocalTierControl:
         replication: concurrent.futures.Future[bool] | None = None,
     ) -> None:
         """The save of ``step`` :meth:`place` sent here failed to start: forget its
-        promotion and replication (its error is the save's, raised to the caller)."""
-        if replication is not None:
-            replication.cancel()
+        promotion and replication (its error is the save's, raised to the caller).
+        Its replication still walks its exchanges (sending that it has nothing), so
+        the other ranks' order stays the same."""
+        if replication is not None and self._replicator is not None:
+            self._replicator.cancel(step, f"its save of step {step} did not start")
         if promotion is None:
             return
         with self._lock:
@@ -176,17 +195,23 @@ class LocalTierControl:
             self._promotions = [p for p in self._promotions if p is not promotion]
         promotion.cancel()
 
-    def _target(self, step: int, state_dict: Mapping[str, Any]) -> str | None:
+    def _target(self, step: int, state_dict: Mapping[str, Any]) -> tuple[str | None, bool]:
         """This rank's local URL for ``step``, or None when the save must bypass the
-        local tier (decided with every rank: one all-reduce)."""
+        local tier, and whether ``max_in_flight`` steps already wait to replicate on
+        some rank (both decided with every rank: one all-reduce)."""
         why = (
             self._degraded
             or step_dir_refusal(self.tier.location.child(step_name(step)).path)
             or local_room(self.tier, state_bytes(state_dict))
         )
-        if not any_rank(why is not None, self._group):
+        full = self._replicator is not None and self._replicator.backlog_full()
+        if is_distributed():
+            bypass, backlog = all_reduce_max([int(why is not None), int(full)], self._group)
+        else:
+            bypass, backlog = int(why is not None), int(full)
+        if not bypass:
             self._last_bypass = None
-            return self._url(step)
+            return self._url(step), bool(backlog)
         why = why or "another rank's local tier cannot take this save"
         # Warned when the reason changes, not at every save while it lasts.
         log = logger.info if why == self._last_bypass else logger.warning
@@ -194,7 +219,7 @@ class LocalTierControl:
             "step %d goes to %s directly, not the local tier: %s", step, self._catalog.root.url, why
         )
         self._last_bypass = why
-        return None
+        return None, False
 
     def _pick(self, promote: bool | None) -> bool:
         """Count a save to the local tier and say whether it is promoted (every
@@ -217,8 +242,8 @@ class LocalTierControl:
         this rank's index object, start its replication and promotion, apply local
         retention."""
         if exc is not None:
-            if replication is not None:
-                replication.set_result(False)
+            if replication is not None and self._replicator is not None:
+                self._replicator.cancel(step, f"its save of step {step} failed: {describe(exc)}")
             full, refused = is_disk_full(exc), is_not_writable(exc)
             if full or refused:
                 self._degraded = (
@@ -234,11 +259,15 @@ class LocalTierControl:
                     self._to_promote.discard(step)
                 promotion.set_exception(exc)
             return
-        self._keep_own_index(step, handle)
+        index_error = self._keep_own_index(step, handle)
         self._catalog.add_local(step)
         if replication is not None and self._replicator is not None:
-            # Every rank, in save order: the save's outcome is the same on every rank.
-            self._replicator.submit(step, handle, replication)
+            # Settled on every rank, whatever failed here: the step walks its exchanges
+            # (in save order) and its agreement on every rank.
+            if index_error is None:
+                self._replicator.submit(step, handle)
+            else:
+                self._replicator.cancel(step, index_error)
         if promotion is not None:
             try:
                 running = self._promoter.submit(step, handle)
@@ -288,10 +317,14 @@ class LocalTierControl:
         for rank in range(1, self._world):
             store.set(self._index_key(manifest.attempt, rank), blobs.get(rank, b""))
 
-    def _keep_own_index(self, step: int, handle: SaveHandle) -> None:
-        """Non-coordinator, after the local commit: write this rank's index object."""
+    def _keep_own_index(self, step: int, handle: SaveHandle) -> str | None:
+        """Non-coordinator, after the local commit: write this rank's index object.
+
+        Returns why it is not on this node's disk (None: it is, or this rank needs
+        none): the step then cannot be restored from this node after the
+        coordinator's is lost, so it is not reported replicated."""
         if self._rank == 0 or self._world == 1:
-            return
+            return None
         store = group_store(self._group)
         key = self._index_key(handle.attempt, self._rank)
         try:
@@ -300,13 +333,18 @@ class LocalTierControl:
             store.delete_key(key)
         except Exception as exc:  # only a cost at load: the index is read from the root
             logger.warning("step %d: this rank's index object was not handed out: %s", step, exc)
-            return
+            return f"its index object of step {step} was not handed out: {describe(exc)}"
         if not blob or handle.attempt is None:
-            return
+            return None
         local = open_store(Location.parse(self._url(step)))
         key = index_key(self._rank, handle.attempt)
-        if not local.exists(key):  # else a directory shared with the coordinator
-            local.put(key, blob)
+        try:
+            if not local.exists(key):  # else a directory shared with the coordinator
+                local.put(key, blob)
+        except Exception as exc:  # a load reads it from the coordinator's node or the root
+            logger.warning("step %d: cannot keep this rank's index object: %s", step, exc)
+            return f"cannot write its index object of step {step}: {describe(exc)}"
+        return None
 
     # -- promotion and retention ------------------------------------------------------------
     def _promotion_ended(
@@ -432,11 +470,13 @@ class LocalTierControl:
         )
 
     def drain(self) -> None:
-        """Wait for the replications and promotions started so far, then stop both."""
+        """Wait for the replications and promotions started so far, then stop both;
+        local retention then keeps only what ``keep_last`` keeps."""
         self.wait_promotions()
         if self._replicator is not None:
             self._replicator.close()
         self._promoter.close()
+        self._apply_retention()
 
     def close(self) -> None:
         """Stop the promotion workers."""

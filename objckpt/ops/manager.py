@@ -129,7 +129,10 @@ class CheckpointManager:
         # Replicas need every rank's node and a gloo group of their own, both made
         # here, on every rank at once (collectives), never from a background thread.
         self._peers = (
-            Peers.start(process_group, (async_options or AsyncOptions()).barrier_timeout)
+            Peers.start(
+                process_group,
+                local.replication_timeout or (async_options or AsyncOptions()).barrier_timeout,
+            )
             if local is not None and local.replicas > 1 and distributed
             else None
         )

@@ -41,6 +41,7 @@ import json
 import logging
 import os
 import socket
+import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -49,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from objckpt.dcp.collective import all_gather_object, is_distributed
-from objckpt.errors import ObjckptError
+from objckpt.errors import ObjckptError, PeerSilentError
 from objckpt.format.bounds import DEFAULT_MAX_METADATA_BYTES
 from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY, is_entropy_dir, is_objckpt_object
 from objckpt.format.steps import parse_step, step_name
@@ -400,7 +401,8 @@ class PeerGroup:
     Args:
         group: A gloo group over the ranks that save together (created by
             :meth:`create`), or None without torch.distributed.
-        timeout: Seconds one message may wait for its peer.
+        timeout: Seconds one message may wait for its peer (and, with a deadline, the
+            most any message of one step's exchanges waits).
         tag: The point-to-point tag of its messages: replication and a load's
             transfers use their own, so that one can never read the other's.
     """
@@ -408,14 +410,32 @@ class PeerGroup:
     REPLICATION_TAG = 7
     LOAD_TAG = 8
 
-    def __init__(self, group: Any | None, timeout: float, tag: int = REPLICATION_TAG) -> None:
+    def __init__(
+        self,
+        group: Any | None,
+        timeout: float,
+        tag: int = REPLICATION_TAG,
+        deadline: float | None = None,
+    ) -> None:
         self.group = group
         self.timeout = timeout
         self.tag = tag
+        #: ``time.monotonic()`` past which no message waits (None: each waits ``timeout``).
+        self.deadline = deadline
 
     def with_tag(self, tag: int) -> PeerGroup:
         """The same group, its messages under ``tag``."""
-        return PeerGroup(self.group, self.timeout, tag)
+        return PeerGroup(self.group, self.timeout, tag, self.deadline)
+
+    def until(self, deadline: float) -> PeerGroup:
+        """The same group, no message waiting past ``deadline`` (``time.monotonic()``):
+        one step's exchanges share one bound, instead of a timeout per message."""
+        return PeerGroup(self.group, self.timeout, self.tag, deadline)
+
+    def _wait_seconds(self) -> float:
+        if self.deadline is None:
+            return self.timeout
+        return min(self.timeout, max(0.0, self.deadline - time.monotonic()))
 
     @classmethod
     def create(cls, process_group: Any | None, timeout: float) -> PeerGroup:
@@ -424,10 +444,12 @@ class PeerGroup:
         if not is_distributed():
             return cls(None, timeout)
         ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
+        # The group's collectives (a step's agreement) wait twice a step's bound: the
+        # ranks done first wait there for a pair that is slow but within its bound.
         group = dist.new_group(
             ranks=ranks,
             backend="gloo",
-            timeout=datetime.timedelta(seconds=timeout),
+            timeout=datetime.timedelta(seconds=2 * timeout),
             use_local_synchronization=process_group is not None,
         )
         return cls(group, timeout)
@@ -436,6 +458,10 @@ class PeerGroup:
     def rank(self) -> int:
         return dist.get_rank(self.group) if self.group is not None else 0
 
+    @property
+    def world(self) -> int:
+        return dist.get_world_size(self.group) if self.group is not None else 1
+
     def _global(self, rank: int) -> int:
         assert self.group is not None
         return dist.get_global_rank(self.group, rank)
@@ -443,15 +469,33 @@ class PeerGroup:
     def _pair(
         self, out: torch.Tensor | None, dst: int | None, inp: torch.Tensor | None, src: int | None
     ) -> None:
-        """Send ``out`` to ``dst`` and receive ``inp`` from ``src`` at once."""
-        works = []
-        if out is not None and dst is not None:
-            works.append(dist.isend(out, self._global(dst), group=self.group, tag=self.tag))
+        """Send ``out`` to ``dst`` and receive ``inp`` from ``src`` at once.
+
+        Raises:
+            PeerSilentError: A peer did not answer in time; it names that peer (the
+                one waited on: the sender when nothing arrived, else the receiver).
+        """
+        works: list[tuple[Any, int, str]] = []
         if inp is not None and src is not None:
-            works.append(dist.irecv(inp, self._global(src), group=self.group, tag=self.tag))
-        for w in works:
-            if w is not None:
-                w.wait(datetime.timedelta(seconds=self.timeout))
+            works.append(
+                (dist.irecv(inp, self._global(src), group=self.group, tag=self.tag), src, "sent")
+            )
+        if out is not None and dst is not None:
+            works.append(
+                (dist.isend(out, self._global(dst), group=self.group, tag=self.tag), dst, "took")
+            )
+        for w, peer, what in works:  # the receive first: its sender is the one waited on
+            if w is None:
+                continue
+            seconds = self._wait_seconds()
+            try:
+                if seconds <= 0:
+                    raise RuntimeError("the step's time was up")
+                w.wait(datetime.timedelta(seconds=seconds))
+            except RuntimeError as exc:
+                raise PeerSilentError(
+                    f"rank {peer} {what} nothing within {seconds:.0f} s: {exc}", rank=peer
+                ) from exc
 
     def _int(self, value: int, dst: int | None, src: int | None) -> int:
         out = torch.tensor([value], dtype=torch.int64)
@@ -463,12 +507,21 @@ class PeerGroup:
         self,
         send: tuple[int, Sequence[FileSpec] | str] | None,
         recv: tuple[int, str] | None,
+        *,
+        step: int | None = None,
+        seq: int | None = None,
     ) -> tuple[str | None, list[str], str | None]:
         """One round on this rank: send files to one peer and receive another's, at once.
+
+        The header names the step and its sequence number (the n-th replication or
+        load of this manager): a receiver that gets another step than it expects
+        receives the bytes and drops them, and reports it, so bytes are never kept
+        under another step's name, whatever order the ranks' saves ended in.
 
         Args:
             send: (receiver rank, the files, or why this rank cannot send them).
             recv: (sender rank, the directory to receive into).
+            step, seq: What this exchange is about, on both sides.
 
         Returns:
             (why the receiver did not keep what was sent, or None when it did;
@@ -481,7 +534,12 @@ class PeerGroup:
         src = recv[0] if recv is not None else None
         cannot = send[1] if send is not None and isinstance(send[1], str) else None
         files: Sequence[FileSpec] = () if send is None or isinstance(send[1], str) else send[1]
-        head = {"error": cannot, "files": [[f.key, f.size, f.crc32c] for f in files]}
+        head = {
+            "error": cannot,
+            "step": step,
+            "seq": seq,
+            "files": [[f.key, f.size, f.crc32c] for f in files],
+        }
         blob = bytearray(json.dumps(head).encode())
         size = self._int(len(blob), dst, src)
         inp = torch.zeros(size if src is not None else 0, dtype=torch.uint8)
@@ -493,6 +551,11 @@ class PeerGroup:
             try:
                 got = json.loads(inp.numpy().tobytes())
                 recv_error = got.get("error")
+                if (got.get("step"), got.get("seq")) != (step, seq):
+                    recv_error = (
+                        f"rank {src} sent step {got.get('step')} (#{got.get('seq')}) while "
+                        f"this rank expected step {step} (#{seq}); its bytes were dropped"
+                    )
                 listed = [(k, int(n), str(c)) for k, n, c in got.get("files", [])]
             except (ValueError, TypeError) as exc:
                 recv_error = f"the sender's header is unreadable: {exc}"

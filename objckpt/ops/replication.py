@@ -4,33 +4,53 @@ After a local save commits, every rank sends the files it wrote (its payload
 objects and its index object; the coordinator also the manifest and
 ``.metadata``) to its peer rank on each replica node
 (:meth:`objckpt.ops.peers.NodeMap.rounds_for`), and receives its peers' files
-into its tier's replica directory. One thread per rank does it, one step at a
-time in save order, on the peers' own gloo group: never on the training thread,
-never on the training group, never through the object store.
+into its tier's replica directory. One thread per rank does it, on the peers' own
+gloo group: never on the training thread, never on the training group, never
+through the object store.
 
-Every rank ends a step's replication with one agreement on that group
-(:func:`objckpt.dcp.collective.fail_together`): the step is replicated when every
-transfer of every rank was received and checked, and every rank reports the same
-answer, naming the first rank (and its node) that failed. A failure never fails a
-save: the step stays committed on the local tier, its handle's
-``wait_replicated()`` is False, and ``tier_status()`` lists it as not replicated.
-A peer that died or hangs holds a transfer until the group's timeout
-(``AsyncOptions.barrier_timeout``): replication is bounded, like every wait of a
-save.
+"Replicated" means restorable after this node is lost, so every step settles the
+same way on every rank:
+
+* **In save order, whatever order the local commits end in.** A step is reserved
+  (:meth:`PeerReplicator.reserve`) when its save is placed, which every rank does in
+  the same order, and gets a sequence number; the thread takes the steps in that
+  order, waiting for each one's local commit to end. Every exchange carries the
+  step and its number, and a receiver that gets another step drops the bytes and
+  reports it: bytes are never kept under another step's name.
+* **Every reserved step walks its exchanges**, even where the rank's save or its
+  index object failed (it sends its error in the header instead of files), so the
+  other ranks are never left waiting and no later exchange pairs with it.
+* **One agreement per step** on that group: the step is replicated when every
+  transfer of every rank was received and checked, and every rank reports the same
+  answer, naming the first rank that failed (and its node). A failure never fails
+  a save: the step stays committed on the local tier, its handle's
+  ``wait_replicated()`` is False, and ``tier_status()`` lists it as not replicated.
+* **Bounded.** A step's exchanges share one deadline (``LocalTier``'s
+  ``replication_timeout``, by default ``AsyncOptions.barrier_timeout``), not a
+  timeout per message; the group's collectives wait twice that, so a pair that is
+  slow but within the bound keeps the others waiting in the agreement, not failing
+  it. A peer that did not answer within the step's deadline breaks its pair's
+  stream: the agreement carries that too, and replication goes off on every rank
+  at once (one agreed decision), naming the rank that was waited on.
+* **At most ``max_in_flight`` steps wait to replicate** (committed locally, not yet
+  replicated); a step placed beyond that is reported not replicated at once on every
+  rank (decided with the placement's all-reduce), so retention may retire it.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable
 
-from objckpt.dcp.collective import fail_together
-from objckpt.errors import PeerRankError
+from objckpt.dcp.collective import all_reduce_max, broadcast_object, is_distributed
+from objckpt.errors import PeerSilentError
 from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY, index_key, writer_rank
+from objckpt.format.manifest import Manifest
 from objckpt.format.steps import step_name
 from objckpt.ops.peers import FileSpec, NodeMap, PeerGroup, files_in, replica_dir
 from objckpt.ops.tiers import LocalTier
@@ -38,9 +58,12 @@ from objckpt.pipeline.handle import SaveHandle
 from objckpt.writers.checksum import Crc32c
 from objckpt.writers.translate import describe
 
-__all__ = ["Replicator", "start_replication"]
+__all__ = ["PeerReplicator", "start_replication"]
 
 logger = logging.getLogger(__name__)
+
+#: What a rank sends of a step: the files, or why it cannot (sent in the header).
+Files = list[FileSpec] | str
 
 
 def _crc_of(path: str) -> tuple[int, str]:
@@ -54,7 +77,22 @@ def _crc_of(path: str) -> tuple[int, str]:
     return size, crc.hexdigest()
 
 
-class Replicator:
+@dataclasses.dataclass(eq=False)
+class _Ticket:
+    """One reserved step: its place in the order, what this rank sends (set once its
+    local commit ends), and the outcome every rank agrees on."""
+
+    step: int
+    seq: int
+    outcome: concurrent.futures.Future[bool]
+    files: concurrent.futures.Future[Callable[[], Files]] = dataclasses.field(
+        default_factory=concurrent.futures.Future
+    )
+    #: Whether its local commit ended (it then counts against ``max_in_flight``).
+    ready: bool = False
+
+
+class PeerReplicator:
     """One rank's replication of its local steps.
 
     Args:
@@ -62,13 +100,27 @@ class Replicator:
         peers: The group files travel on.
         nodes: Every rank's node.
         rank: This rank in ``peers``' group.
+        max_waiting: Steps that may wait to replicate at once (``max_in_flight``).
+        on_settled: Called with each step once its outcome is known (local retention
+            may retire it then, not at the next save).
     """
 
-    def __init__(self, tier: LocalTier, peers: PeerGroup, nodes: NodeMap, rank: int) -> None:
+    def __init__(
+        self,
+        tier: LocalTier,
+        peers: PeerGroup,
+        nodes: NodeMap,
+        rank: int,
+        *,
+        max_waiting: int = 1,
+        on_settled: Callable[[int], None] | None = None,
+    ) -> None:
         self._tier = tier
         self._peers = peers
         self._nodes = nodes
         self._rank = rank
+        self._max_waiting = max(1, max_waiting)
+        self._on_settled = on_settled
         self._rounds = nodes.rounds_for(tier.replicas, tier.replica_jump)
         #: How many nodes hold each node's files (its own included).
         self.replicas = 1 + len(self._rounds)
@@ -80,14 +132,16 @@ class Replicator:
             1, thread_name_prefix="objckpt-replicate"
         )
         self._lock = threading.Lock()
-        self._running: dict[int, concurrent.futures.Future[bool]] = {}
+        self._seq = 0
+        self._tickets: dict[int, _Ticket] = {}  # by step: reserved, not settled
+        self._outcomes: list[concurrent.futures.Future[bool]] = []  # for wait()
         self._replicated: list[int] = []
         self._failed: dict[int, str] = {}
         self.last_error: str | None = None
         self.last_seconds: float | None = None
         self._closed = False
-        #: Why the group can no longer carry a replication (a peer did not answer):
-        #: later steps are reported not replicated at once, not after a timeout each.
+        #: Why the group can no longer carry a replication (agreed on every rank: a
+        #: peer did not answer): later steps are reported not replicated at once.
         self._broken: str | None = None
 
     @property
@@ -95,49 +149,88 @@ class Replicator:
         """Whether saves are replicated at all (R >= 2 and another node to send to)."""
         return bool(self._rounds)
 
+    @property
+    def step_timeout(self) -> float:
+        """Seconds one step's replication may take (every exchange of it)."""
+        return self._peers.timeout
+
     def _node(self, rank: int) -> str:
         return f"rank {rank} on node {self._nodes.names[self._nodes.node_of[rank]]}"
 
-    # -- a step ---------------------------------------------------------------------------
-    def refill(self, step: int) -> concurrent.futures.Future[bool]:
-        """Send this rank's part of ``step`` to its replica nodes again, wherever this
-        node holds it (its own directory, or the replicas a load just received):
-        after a restore that took a replaced node's files from its peers, the new
-        node holds the replicas it held before, and the next loss is covered."""
-        outcome: concurrent.futures.Future[bool] = concurrent.futures.Future()
-        self._start(step, lambda: self._part_files(step), outcome)
-        return outcome
-
-    def submit(
-        self, step: int, handle: SaveHandle, outcome: concurrent.futures.Future[bool]
-    ) -> None:
-        """Replicate ``step`` (committed locally, ``handle`` its save) after the steps
-        submitted before it; ``outcome`` ends with whether it is replicated."""
-        self._start(step, lambda: self._own_files(step, handle), outcome)
-
-    def _start(
-        self,
-        step: int,
-        files: Callable[[], list[FileSpec] | str],
-        outcome: concurrent.futures.Future[bool],
-    ) -> None:
+    # -- reserving and settling steps -----------------------------------------------------
+    def backlog_full(self) -> bool:
+        """Whether ``max_in_flight`` steps already wait to replicate on this rank (their
+        local commit ended, their replication not): the next placed step is refused
+        when this holds on any rank (:meth:`refuse`)."""
         with self._lock:
+            return sum(t.ready for t in self._tickets.values()) >= self._max_waiting
+
+    def reserve(self, step: int, outcome: concurrent.futures.Future[bool]) -> None:
+        """Every rank, in save order (when the save of ``step`` is placed): take the
+        step's place in the order; ``outcome`` ends with whether it is replicated.
+        :meth:`submit` or :meth:`cancel` must follow, on every path."""
+        with self._lock:
+            self._seq += 1
+            ticket = _Ticket(step, self._seq, outcome)
             if self._closed:
                 outcome.set_result(False)
                 return
-            fut = self._pool.submit(self._replicate, step, files)
-            self._running[step] = fut
+            self._tickets[step] = ticket
+            self._outcomes = [o for o in self._outcomes if not o.done()] + [outcome]
+            fut = self._pool.submit(self._run, ticket)
+        fut.add_done_callback(lambda f: self._settled(ticket, f))
 
-        def done(f: concurrent.futures.Future[bool]) -> None:
-            with self._lock:
-                if self._running.get(step) is f:
-                    del self._running[step]
-            ok = not f.cancelled() and f.exception() is None and f.result()
-            outcome.set_result(bool(ok))
+    def refuse(self, step: int, why: str) -> None:
+        """Every rank alike (the placement's all-reduce decided it): ``step`` is not
+        replicated, at once; it takes no place in the order."""
+        self._record_failure(step, f"step {step} is not replicated: {why}", warn=self._rank == 0)
 
-        fut.add_done_callback(done)
+    def submit(self, step: int, handle: SaveHandle) -> None:
+        """The local save of ``step`` committed: send this rank's files of it."""
+        self._ready(step, lambda: self._own_files(step, handle))
 
-    def _own_files(self, step: int, handle: SaveHandle) -> list[FileSpec] | str:
+    def cancel(self, step: int, why: str) -> None:
+        """The save of ``step`` failed on this rank (or never started): the step still
+        walks its exchanges, sending ``why`` instead of files."""
+        self._ready(step, lambda: why)
+
+    def refill(self, step: int) -> concurrent.futures.Future[bool]:
+        """Every rank alike, after a restore that took a replaced node's files from its
+        peers: send this rank's part of ``step`` to its replica nodes again, wherever
+        this node holds it (its own directory, or the replicas a load just received),
+        each file with the CRC32C the step's manifest records: a damaged copy is
+        refused by its receiver, never spread."""
+        outcome: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        self.reserve(step, outcome)
+        self._ready(step, lambda: self._part_files(step))
+        return outcome
+
+    def _ready(self, step: int, files: Callable[[], Files]) -> None:
+        with self._lock:
+            ticket = self._tickets.get(step)
+            if ticket is None or ticket.files.done():
+                return
+            ticket.ready = True
+        ticket.files.set_result(files)
+
+    def _settled(self, ticket: _Ticket, f: concurrent.futures.Future[bool]) -> None:
+        with self._lock:
+            if self._tickets.get(ticket.step) is ticket:
+                del self._tickets[ticket.step]
+        ok = not f.cancelled() and f.exception() is None and f.result()
+        if not f.cancelled() and f.exception() is not None:
+            logger.error("replication of step %d failed: %s", ticket.step, f.exception())
+        # Retention first: whoever waits on the outcome finds the step retired already.
+        if self._on_settled is not None:
+            try:
+                self._on_settled(ticket.step)
+            except Exception:  # retention's own failures are its to report
+                logger.exception("after the replication of step %d", ticket.step)
+        if not ticket.outcome.done():
+            ticket.outcome.set_result(bool(ok))
+
+    # -- what a rank sends ------------------------------------------------------------------
+    def _own_files(self, step: int, handle: SaveHandle) -> Files:
         """What this rank sends of ``step``: its payload objects (with the CRC32C they
         were written with), its index object, and on the coordinator the manifest and
         ``.metadata``; or why it cannot."""
@@ -152,17 +245,49 @@ class Replicator:
             for key in extra:
                 path = os.path.join(where, key)
                 if not os.path.isfile(path) or os.path.islink(path):
-                    continue  # an index not handed out is read from the root at load
+                    if key == METADATA_KEY:
+                        continue  # a stock reader's file: the step restores without it
+                    return f"its {key} of step {step} is not on its disk"
                 size, crc = _crc_of(path)
                 files.append(FileSpec(key, path, size, crc))
         except OSError as exc:
             return f"cannot read its files of step {step}: {describe(exc)}"
         return files
 
-    def _part_files(self, step: int) -> list[FileSpec] | str:
+    def _manifest_entries(self, step: int) -> dict[str, tuple[int, str]] | None:
+        """Every rank (a broadcast on the peers' group): the size and CRC32C the
+        manifest of ``step`` records for each object, as the coordinator's node holds
+        the manifest; None when it cannot read it."""
+        entries: dict[str, tuple[int, str]] | None = None
+        if self._rank == 0:
+            for d in (
+                os.path.join(self._tier.location.path, step_name(step)),
+                replica_dir(self._tier.location.path, step),
+            ):
+                path = os.path.join(d, MANIFEST_KEY)
+                try:
+                    if os.path.islink(path) or not os.path.isfile(path):
+                        continue
+                    with open(path, "rb") as f:
+                        manifest = Manifest.from_json_bytes(f.read(), url=path)
+                except (OSError, ValueError) as exc:
+                    logger.warning("refill of step %d: cannot read %s: %s", step, path, exc)
+                    continue
+                entries = {o.key: (o.size, o.crc32c) for o in manifest.objects}
+                break
+        if not is_distributed() or self._peers.group is None:
+            return entries
+        result: dict[str, tuple[int, str]] | None = broadcast_object(entries, 0, self._peers.group)
+        return result
+
+    def _part_files(self, step: int) -> Files:
         """This rank's part of ``step`` as this node holds it after a restore: the
         objects this rank's number wrote (and on the coordinator the manifest and
-        ``.metadata``), from the step's directory or its replicas."""
+        ``.metadata``), from the step's directory or its replicas, each with the
+        manifest's size and CRC32C (a broadcast from rank 0: every rank calls it)."""
+        expected = self._manifest_entries(step)
+        if expected is None:
+            return f"no manifest of step {step} to check its files against"
         dirs = [
             os.path.join(self._tier.location.path, step_name(step)),
             replica_dir(self._tier.location.path, step),
@@ -173,32 +298,50 @@ class Replicator:
                 ours = writer_rank(key) == self._rank
                 if ours or (self._rank == 0 and key in (MANIFEST_KEY, METADATA_KEY)):
                     found.setdefault(key, os.path.join(d, key))
+        specs: list[FileSpec] = []
         try:
-            return [FileSpec(k, p, *_crc_of(p)) for k, p in sorted(found.items())]
+            for key, path in sorted(found.items()):
+                if key in expected:
+                    specs.append(FileSpec(key, path, *expected[key]))
+                elif key in (MANIFEST_KEY, METADATA_KEY):  # not listed by the manifest
+                    specs.append(FileSpec(key, path, *_crc_of(path)))
         except OSError as exc:
             return f"cannot read its files of step {step}: {describe(exc)}"
+        return specs
 
-    def _replicate(self, step: int, own: Callable[[], list[FileSpec] | str]) -> bool:
+    # -- one step ---------------------------------------------------------------------------
+    def _run(self, ticket: _Ticket) -> bool:
+        step = ticket.step
         started = time.monotonic()
-        into = replica_dir(self._tier.location.path, step)
         if self._broken is not None:
             why = f"step {step}: replication is off since a peer did not answer: {self._broken}"
-            with self._lock:
-                self._failed[step] = why
-                self.last_error = why
-            logger.info("%s", why)
+            self._record_failure(step, why, warn=False)
             return False
+        # The local commit of a save is bounded by the save's own deadline; waiting for
+        # it is bounded here too, so that a stuck save never holds the order forever.
+        files: Files
         try:
-            files = own()
+            files = ticket.files.result(timeout=self.step_timeout)()
+        except concurrent.futures.TimeoutError:
+            files = f"its save of step {step} had not ended after {self.step_timeout:.0f} s"
         except Exception as exc:  # still walk every exchange: the peers wait for this rank
             files = f"cannot list its files of step {step}: {describe(exc)}"
-        error: str | None = files if isinstance(files, str) else None
+        error: str | None = f"{self._node(self._rank)}: {files}" if isinstance(files, str) else None
         lost: str | None = None
+        wire = self._peers.until(time.monotonic() + self.step_timeout)
+        into = replica_dir(self._tier.location.path, step)
         for dst, src in self._pairs:
             try:
-                sent, _, received = self._peers.exchange((dst, files), (src, into))
-            except Exception as exc:  # a peer dead or stuck: the group's timeout ended it
-                lost = f"no answer in the exchange with {self._node(dst)}: {exc}"
+                sent, _, received = wire.exchange(
+                    (dst, files), (src, into), step=step, seq=ticket.seq
+                )
+            except PeerSilentError as exc:
+                silent = dst if exc.rank is None else exc.rank
+                lost = f"{self._node(silent)} did not answer within the step's bound: {exc}"
+                error = error or lost
+                break
+            except Exception as exc:  # the transport failed: this pair's stream is lost
+                lost = f"the exchange with {self._node(dst)} failed: {describe(exc)}"
                 error = error or lost
                 break
             if sent is not None:
@@ -207,24 +350,9 @@ class Replicator:
                 error = (
                     error or f"this rank did not keep the files of {self._node(src)}: {received}"
                 )
-        failure = None if error is None else RuntimeError(error)
-        try:
-            fail_together(failure, f"replication of step {step}", self._peers.group)
-        except BaseException as exc:
-            if lost is not None or (exc is not failure and not isinstance(exc, PeerRankError)):
-                self._broken = lost or describe(exc)  # the agreement itself failed
-            why = f"step {step} on {self._node(self._rank)}: {exc}" if exc is failure else str(exc)
-            with self._lock:
-                self._failed[step] = why
-                self.last_error = why
-            if exc is failure or self._rank == 0:
-                logger.warning(
-                    "step %d is committed on the local tier but not replicated to other "
-                    "nodes (a loss of a node holding it falls back to the newest durable "
-                    "step): %s",
-                    step,
-                    why,
-                )
+        outcome = self._agree(step, error, lost)
+        if outcome is not None:
+            self._record_failure(step, outcome, warn=error is not None or self._rank == 0)
             return False
         seconds = time.monotonic() - started
         with self._lock:
@@ -234,10 +362,51 @@ class Replicator:
         logger.info("step %d replicated to %d nodes in %.2f s", step, self.replicas, seconds)
         return True
 
+    def _agree(self, step: int, error: str | None, lost: str | None) -> str | None:
+        """Every rank: one outcome for ``step`` (None: replicated; else why not, the
+        lowest failing rank's reason), and whether replication goes off for the rest
+        of the job, decided together: a pair that lost its stream breaks the group on
+        every rank at once, not only on the two ranks of the pair."""
+        if not is_distributed() or self._peers.group is None:
+            if lost is not None:
+                self._broken = lost
+            return None if error is None else f"step {step}: {error}"
+        group = self._peers.group
+        world = self._peers.world
+        try:
+            top, broken = all_reduce_max(
+                [world - self._rank if error is not None else 0, int(lost is not None)], group
+            )
+            if top == 0:
+                return None
+            failed = world - top
+            cause = broadcast_object(error if self._rank == failed else None, failed, group)
+        except Exception as exc:  # the agreement itself failed: a peer is gone
+            self._broken = describe(exc)
+            return f"step {step}: the ranks could not agree (a peer is gone): {describe(exc)}"
+        if broken:
+            self._broken = str(cause)
+        return f"step {step}: {cause}"
+
+    def _record_failure(self, step: int, why: str, *, warn: bool) -> None:
+        with self._lock:
+            self._failed[step] = why
+            self.last_error = why
+        if warn:
+            logger.warning(
+                "step %d is committed on the local tier but not replicated to other nodes "
+                "(a loss of a node holding it falls back to the newest durable step): %s",
+                step,
+                why,
+            )
+        else:
+            logger.info("%s", why)
+
     # -- status, lifetime -----------------------------------------------------------------
     def running(self) -> set[int]:
+        """Steps reserved and not settled (local retention spares them)."""
         with self._lock:
-            return set(self._running)
+            return set(self._tickets)
 
     def replicated_latest(self, kept: set[int]) -> int | None:
         with self._lock:
@@ -248,9 +417,10 @@ class Replicator:
             return tuple(sorted(s for s in self._failed if s in kept))
 
     def wait(self) -> None:
+        """Wait until every step reserved so far is settled (each bounded)."""
         with self._lock:
-            futures = list(self._running.values())
-        concurrent.futures.wait(futures)
+            outcomes = list(self._outcomes)
+        concurrent.futures.wait(outcomes)
 
     def close(self) -> None:
         with self._lock:
@@ -259,8 +429,14 @@ class Replicator:
 
 
 def start_replication(
-    tier: LocalTier, peers: PeerGroup | None, nodes: NodeMap | None, rank: int
-) -> Replicator | None:
+    tier: LocalTier,
+    peers: PeerGroup | None,
+    nodes: NodeMap | None,
+    rank: int,
+    *,
+    max_waiting: int = 1,
+    on_settled: Callable[[int], None] | None = None,
+) -> PeerReplicator | None:
     """A replicator when ``tier`` asks for replicas and there is somewhere to send
     them; else None, with one warning saying why (``replicas`` > 1 only)."""
     if tier.replicas < 2:
@@ -274,7 +450,9 @@ def start_replication(
     if nodes.problem is not None:
         logger.warning("LocalTier(replicas=%d): replicas are off: %s", tier.replicas, nodes.problem)
         return None
-    replicator = Replicator(tier, peers, nodes, rank)
+    replicator = PeerReplicator(
+        tier, peers, nodes, rank, max_waiting=max_waiting, on_settled=on_settled
+    )
     if not replicator.active:
         logger.warning(
             "LocalTier(replicas=%d): the job runs on one node (%s), so local steps are not "

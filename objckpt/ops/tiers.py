@@ -91,6 +91,11 @@ class LocalTier:
             count), k = 1 .. R - 1: with nodes numbered along racks, the rack size
             puts every replica in another rack (NVIDIA's resiliency extension calls
             this the replication jump).
+        replication_timeout: Seconds one step's replication may take, all its
+            exchanges together (None: ``AsyncOptions.barrier_timeout``). A pair
+            still within it keeps the other ranks waiting, not failing; a peer
+            silent past it ends that step not replicated on every rank and turns
+            replication off for the rest of the job (one agreed decision).
     """
 
     path: str | os.PathLike[str]
@@ -99,8 +104,15 @@ class LocalTier:
     min_free_bytes: int = 0
     replicas: int = 1
     replica_jump: int = 1
+    replication_timeout: float | None = None
 
     def __post_init__(self) -> None:
+        t = self.replication_timeout
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int | float) or t <= 0):
+            raise ConfigurationError(
+                f"LocalTier option replication_timeout={t!r} is invalid: expected seconds > 0 "
+                "or None"
+            )
         _positive_int("keep_last", self.keep_last, allow_none=False)
         _positive_int("promote_every", self.promote_every, allow_none=False)
         _positive_int("replicas", self.replicas, allow_none=False)
