@@ -20,7 +20,7 @@ same way on every rank:
 * **Every reserved step walks its exchanges**, even where the rank's save or its
   index object failed (it sends its error in the header instead of files), so the
   other ranks are never left waiting and no later exchange pairs with it.
-* **One agreement per step** on that group: the step is replicated when every
+* **One agreement per step** on that group's c10d store: the step is replicated when every
   transfer of every rank was received and checked, and every rank reports the same
   answer, naming the first rank that failed (and its node). A failure never fails
   a save: the step stays committed on the local tier, its handle's
@@ -32,22 +32,27 @@ same way on every rank:
   it. A peer that did not answer within the step's deadline breaks its pair's
   stream: the agreement carries that too, and replication goes off on every rank
   at once (one agreed decision), naming the rank that was waited on.
-* **At most ``max_in_flight`` steps wait to replicate** (committed locally, not yet
-  replicated); a step placed beyond that is reported not replicated at once on every
-  rank (decided with the placement's all-reduce), so retention may retire it.
+* **At most ``max_in_flight`` steps wait to replicate** behind the one replicating
+  (committed locally, their replication not begun); a step placed beyond that is
+  reported not replicated at once on every rank (decided with the placement's
+  all-reduce), so retention may retire it.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
+import datetime
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
-from objckpt.dcp.collective import all_reduce_max, broadcast_object, is_distributed
+from objckpt._torch import group_store
+from objckpt.dcp.collective import broadcast_object, is_distributed
 from objckpt.errors import PeerSilentError
 from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY, index_key, writer_rank
 from objckpt.format.manifest import Manifest
@@ -159,11 +164,12 @@ class PeerReplicator:
 
     # -- reserving and settling steps -----------------------------------------------------
     def backlog_full(self) -> bool:
-        """Whether ``max_in_flight`` steps already wait to replicate on this rank (their
-        local commit ended, their replication not): the next placed step is refused
-        when this holds on any rank (:meth:`refuse`)."""
+        """Whether ``max_in_flight`` steps already wait to replicate on this rank behind
+        the one replicating (their local commit ended, their replication has not
+        begun): the next placed step is refused when this holds on any rank
+        (:meth:`refuse`)."""
         with self._lock:
-            return sum(t.ready for t in self._tickets.values()) >= self._max_waiting
+            return sum(t.ready for t in self._tickets.values()) > self._max_waiting
 
     def reserve(self, step: int, outcome: concurrent.futures.Future[bool]) -> None:
         """Every rank, in save order (when the save of ``step`` is placed): take the
@@ -350,7 +356,7 @@ class PeerReplicator:
                 error = (
                     error or f"this rank did not keep the files of {self._node(src)}: {received}"
                 )
-        outcome = self._agree(step, error, lost)
+        outcome = self._agree(ticket.seq, step, error, lost)
         if outcome is not None:
             self._record_failure(step, outcome, warn=error is not None or self._rank == 0)
             return False
@@ -362,30 +368,57 @@ class PeerReplicator:
         logger.info("step %d replicated to %d nodes in %.2f s", step, self.replicas, seconds)
         return True
 
-    def _agree(self, step: int, error: str | None, lost: str | None) -> str | None:
+    def _agree(self, seq: int, step: int, error: str | None, lost: str | None) -> str | None:
         """Every rank: one outcome for ``step`` (None: replicated; else why not, the
         lowest failing rank's reason), and whether replication goes off for the rest
         of the job, decided together: a pair that lost its stream breaks the group on
-        every rank at once, not only on the two ranks of the pair."""
+        every rank at once, not only on the two ranks of the pair.
+
+        On the peers' group's c10d store, not a collective of that group: gloo closes
+        a pair whose message timed out, and a collective over the group would then
+        fail on every rank without saying why. Each rank posts its answer and counts
+        itself in (O(1) requests per rank, none of them W-sized; no rank reads every
+        rank's answer); the last one in says so, and every rank reads the lowest
+        failing rank's reason."""
         if not is_distributed() or self._peers.group is None:
             if lost is not None:
                 self._broken = lost
             return None if error is None else f"step {step}: {error}"
-        group = self._peers.group
         world = self._peers.world
+        base = f"objckpt/replication/{seq}"
+        wait = datetime.timedelta(seconds=2 * self.step_timeout)
         try:
-            top, broken = all_reduce_max(
-                [world - self._rank if error is not None else 0, int(lost is not None)], group
-            )
-            if top == 0:
-                return None
-            failed = world - top
-            cause = broadcast_object(error if self._rank == failed else None, failed, group)
-        except Exception as exc:  # the agreement itself failed: a peer is gone
+            store = group_store(self._peers.group)
+            if error is not None:
+                store.set(f"{base}/error/{self._rank}", error)
+                _lower_to(store, f"{base}/lowest", self._rank)
+            if lost is not None:
+                store.add(f"{base}/lost", 1)
+            if store.add(f"{base}/in", 1) == world:  # the last one in
+                store.set(f"{base}/all", "1")
+                _forget(store, f"objckpt/replication/{seq - 1}")
+            try:
+                store.wait([f"{base}/all"], wait)
+            except Exception as exc:
+                arrived = store.add(f"{base}/in", 0)
+                raise TimeoutError(
+                    f"only {arrived} of {world} ranks reached the agreement within "
+                    f"{wait.total_seconds():.0f} s"
+                ) from exc
+            broken = store.add(f"{base}/lost", 0) > 0
+            lowest = int(store.get(f"{base}/lowest")) if store.check([f"{base}/lowest"]) else None
+            cause = None
+            if lowest is not None:
+                cause = store.get(f"{base}/error/{lowest}").decode(errors="replace")
+                if error is not None and lowest != self._rank:
+                    store.delete_key(f"{base}/error/{self._rank}")  # nobody reads it
+        except Exception as exc:  # the store or a peer is gone: nothing agrees any more
             self._broken = describe(exc)
             return f"step {step}: the ranks could not agree (a peer is gone): {describe(exc)}"
         if broken:
-            self._broken = str(cause)
+            self._broken = str(cause or lost)
+        if lowest is None:
+            return None if not broken else f"step {step}: {lost}"
         return f"step {step}: {cause}"
 
     def _record_failure(self, step: int, why: str, *, warn: bool) -> None:
@@ -426,6 +459,29 @@ class PeerReplicator:
         with self._lock:
             self._closed = True
         self._pool.shutdown(wait=True)
+
+
+def _lower_to(store: Any, key: str, rank: int) -> None:
+    """Set ``key`` to ``rank`` unless it already holds a lower rank (compare-and-set,
+    so concurrent ranks leave the lowest)."""
+    expected = ""
+    mine = str(rank)
+    while True:
+        got = store.compare_set(key, expected, mine).decode()
+        if got == mine or (got and int(got) < rank):
+            return
+        expected = got
+
+
+def _forget(store: Any, base: str) -> None:
+    """Delete an earlier agreement's keys (every rank has read them: it is in the
+    next one)."""
+    lowest = f"{base}/lowest"
+    with contextlib.suppress(Exception):
+        if store.check([lowest]):
+            store.delete_key(f"{base}/error/{int(store.get(lowest))}")
+        for key in ("in", "all", "lost", "lowest"):
+            store.delete_key(f"{base}/{key}")
 
 
 def start_replication(
