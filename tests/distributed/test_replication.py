@@ -147,3 +147,27 @@ def test_a_refill_never_spreads_a_damaged_copy(tmp_path: Path) -> None:
     damaged = sorted(own.glob("*.distcp"))[0]
     good = (replica / damaged.name).read_bytes()
     assert good[0] ^ damaged.read_bytes()[0] == 0x01, "the replica took the damaged bytes"
+
+
+def test_three_replicas_cover_two_lost_nodes(tmp_path: Path) -> None:
+    """R = 3 on N = 3 nodes (2 * jump mod N != 0): nodes 1 and 2 lost together, the
+    restart on replacements resumes from the local-only step 2, node 0 holding every
+    node's files."""
+    local = tmp_path / "local"
+    o = _options(local, per_node=1, replicas=3)
+    _run(replication_ranks, replication_ranks.save_local_three_replicas, 3, tmp_path, o)
+    for node in (1, 2):
+        shutil.rmtree(local / f"node{node}")
+    again = _options(local, per_node=1, replicas=3, expect=2)
+    _run(lost_node_ranks, lost_node_ranks.restart_and_load, 3, tmp_path, again)
+
+
+def test_the_coordinators_node_lost_resumes_from_its_replicas(tmp_path: Path) -> None:
+    """Node 0 (rank 0's, which alone keeps the manifest among the nodes' own files)
+    lost between promotions: the restart on a replacement resumes from the local-only
+    step 2, its manifest and node 0's part taken from node 1's replicas."""
+    local = tmp_path / "local"
+    o = _options(local, expect=2)
+    _run(lost_node_ranks, lost_node_ranks.save_durable_then_local, 4, tmp_path, o)
+    shutil.rmtree(local / "node0")
+    _run(lost_node_ranks, lost_node_ranks.restart_and_load, 4, tmp_path, o)

@@ -232,3 +232,22 @@ def refill_after_damage(rank: int, world: int, init_file: str, url: str, o: dict
             _write_outcome(o, rank, {"refilled": refilled, **_status(mgr)})
     finally:
         dist.destroy_process_group()
+
+
+def save_local_three_replicas(
+    rank: int, world: int, init_file: str, url: str, o: dict[str, Any]
+) -> None:
+    """Three nodes, ``replicas=3``: step 1 durable, step 2 local only, each node's files
+    held by both other nodes."""
+    mesh = _join(rank, world, init_file, o["per_node"])
+    try:
+        with _manager(rank, url, o) as mgr:
+            one = mgr.save(1, tiered_state(mesh, 1), promote=True)
+            two = mgr.save(2, tiered_state(mesh, 2), promote=False)
+            assert one.wait_durable() and one.wait_replicated(timeout=120), rank
+            assert two.wait_replicated(timeout=120), rank
+            mgr.wait_until_finished()
+            status = mgr.tier_status()
+            assert status.replicas == 3 and status.replicated_latest == 2, (rank, status)
+    finally:
+        dist.destroy_process_group()
