@@ -49,6 +49,7 @@ import time
 import warnings
 from typing import Any
 
+import smoke
 import torch
 from bench_sync import MiB, nbytes, transformer_state
 from record import write_record
@@ -238,8 +239,10 @@ def main() -> None:
     )
     ap.add_argument("--node-loss-mib", type=int, nargs="+", default=[256, 1024])
     ap.add_argument("--node-loss-only", action="store_true", help="only the node-loss job")
+    smoke.add_argument(ap)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    smoke.apply(args, size_mib=4, saves=2)
     warnings.filterwarnings("ignore")
     os.environ.update(offline_env())
     server = start_moto_server()

@@ -18,6 +18,7 @@ import tempfile
 from typing import Any
 
 log = logging.getLogger("bench")
+_active = False
 
 
 def add_argument(parser: argparse.ArgumentParser) -> None:
@@ -33,8 +34,10 @@ def add_argument(parser: argparse.ArgumentParser) -> None:
 def apply(args: argparse.Namespace, **tiny: Any) -> bool:
     """With ``--smoke``: set each of ``tiny`` on ``args`` and point ``args.out`` at a
     new temporary directory. Returns whether this is a smoke run."""
+    global _active
     if not args.smoke:
         return False
+    _active = True
     for name, value in tiny.items():
         if not hasattr(args, name):
             raise AttributeError(f"smoke: the parser has no --{name.replace('_', '-')}")
@@ -44,9 +47,15 @@ def apply(args: argparse.Namespace, **tiny: Any) -> bool:
     return True
 
 
-def installed(module: str, what: str) -> bool:
+def installed(module: str, what: str, hint: str = "pip install 'objckpt[bench]'") -> bool:
     """Whether the optional peer ``module`` can be imported; logs a skip line if not."""
     if importlib.util.find_spec(module) is not None:
         return True
-    log.warning("skipping %s: %s is not installed (pip install 'objckpt[bench]')", what, module)
+    log.warning("skipping %s: %s is not installed (%s)", what, module, hint)
     return False
+
+
+def count(real: int, tiny: int) -> int:
+    """``tiny`` in a smoke run, else ``real``: for shapes a script's options do not set
+    (how many small tensors a state dict has, say)."""
+    return tiny if _active else real
