@@ -88,9 +88,10 @@ def _median(rows: list[dict], key: str) -> float:
 def _restarts(
     make: Any, like: dict[str, torch.Tensor], step: int, n: int = 3
 ) -> list[tuple[float, float]]:
-    """(whole restart: build the manager and load; the load alone), n times."""
+    """(whole restart: build the manager and load; the load alone), n times (once in a
+    smoke run)."""
     out = []
-    for _ in range(n):
+    for _ in range(smoke.count(n, 1)):
         target = _empty_like(like)
         started = time.perf_counter()
         with make() as mgr:
