@@ -79,3 +79,10 @@ def test_other_keywords_are_untouched() -> None:
     assert "async_options" in inspect.signature(objckpt.async_save).parameters or (
         "kwargs" in inspect.signature(objckpt.async_save).parameters
     )
+
+
+def test_from_config_overrides_say_the_same(tmp_path: Any) -> None:
+    config = tmp_path / "objckpt.toml"
+    config.write_text(f'root = "{ROOT}"\n')
+    with pytest.raises(TypeError, match=r"retention=objckpt\.RetentionPolicy\(keep_last=2\)"):
+        objckpt.CheckpointManager.from_config(str(config), keep_last=2)
