@@ -35,6 +35,7 @@ import time
 import warnings
 from typing import Any
 
+import smoke
 import torch
 import torch.distributed.checkpoint as dcp
 from bench_sync import MiB, nbytes, transformer_state
@@ -321,8 +322,10 @@ def main() -> None:
         "--budget-mib", type=int, default=0, help="also measure saves with this staging budget"
     )
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    smoke.add_argument(parser)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    smoke.apply(args, size_mib=4, saves=2, world=[], budget_mib=0)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     res = bench(args)

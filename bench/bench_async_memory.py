@@ -24,6 +24,7 @@ import subprocess
 import sys
 import warnings
 
+import smoke
 from bench_throughput import TreeRss
 from record import write_record
 
@@ -72,6 +73,7 @@ def main() -> None:
     parser.add_argument("--size-mib", type=int, default=256)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
+    smoke.add_argument(parser)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     if args.child:
@@ -79,6 +81,7 @@ def main() -> None:
         print(json.dumps(child(method, int(size), endpoint, key, secret)))
         return
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    smoke.apply(args, size_mib=4)
     os.environ.update(offline_env())
     server = start_moto_server()
     out: dict[str, dict[str, float]] = {}

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import smoke
 import torch
 from record import write_record
 
@@ -107,8 +108,10 @@ def main() -> None:
     parser.add_argument("--size-mib", type=int, default=128, help="MiB per tensor kind")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="bench/results")
+    smoke.add_argument(parser)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    smoke.apply(args, size_mib=1, repeats=1)
     torch.set_num_threads(1)
     rows = []
     for kind, tensor in states(args.size_mib).items():

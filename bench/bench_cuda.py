@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shutil
 import statistics
 import sys
@@ -37,6 +38,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import smoke
 import torch
 
 log = logging.getLogger("bench")
@@ -215,8 +217,11 @@ def main() -> None:
     parser.add_argument("--size-mib", type=int, nargs="+", default=[1024])
     parser.add_argument("--saves", type=int, default=5)
     parser.add_argument("--out", help="write the results as JSON here")
+    smoke.add_argument(parser)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if smoke.apply(args, size_mib=[4], saves=2):
+        args.out = os.path.join(args.out, "cuda.json")
     warnings.filterwarnings("ignore")
     if not torch.cuda.is_available():
         log.info("no CUDA device: nothing to measure (run it where a GPU is lent)")

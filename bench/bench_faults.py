@@ -24,6 +24,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(__file__))
+import smoke
 from bench_sync import nbytes, transformer_state
 from record import write_record
 
@@ -108,8 +109,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rate", type=float, default=0.05)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    smoke.add_argument(parser)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    smoke.apply(args, size_mib=4, repeats=1)
     logging.getLogger("objckpt").setLevel(logging.INFO)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)

@@ -36,6 +36,7 @@ from typing import Any
 
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
+import smoke
 import torch
 import torch.distributed.checkpoint as dcp
 from bench_sync import MiB, nbytes, transformer_state
@@ -77,9 +78,12 @@ def main() -> None:
     ap.add_argument("--size-mib", type=int, default=256)
     ap.add_argument("--object-mib", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--part-mib", type=int, default=16, help="composite piece size")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    smoke.add_argument(ap)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    smoke.apply(args, size_mib=4, object_mib=11, part_mib=5, repeats=1)
     warnings.filterwarnings("ignore")
     os.environ.update(offline_env())
     server = start_fake_gcs_server()
@@ -123,7 +127,7 @@ def main() -> None:
         results["gcsfs_cat"] = measure(lambda: fs.cat(paths), moved, args.repeats)
 
         data = os.urandom(args.object_mib * MiB)
-        opts = UploadOptions(part_size=16 * MiB, max_in_flight=8)
+        opts = UploadOptions(part_size=args.part_mib * MiB, max_in_flight=8)
 
         def one_object(composite: bool) -> None:
             store = open_store(

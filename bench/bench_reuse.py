@@ -34,6 +34,7 @@ import time
 import warnings
 from typing import Any
 
+import smoke
 import torch
 from bench_sync import transformer_state
 from record import write_record
@@ -124,8 +125,10 @@ def main() -> None:
     parser.add_argument("--full-steps", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="bench/results")
+    smoke.add_argument(parser)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    smoke.apply(args, base_mib=1, steps=2, full_mib=2, full_steps=2, repeats=1)
     logging.getLogger("objckpt").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)

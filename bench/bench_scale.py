@@ -27,6 +27,7 @@ Usage: ``python bench/bench_scale.py [--worlds 8,64,256,1024] [--repeats 3] [--p
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import logging
@@ -37,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 import scale_commit
+import smoke
 import torch
 from record import write_record
 from torch.distributed.checkpoint import DefaultLoadPlanner
@@ -234,8 +236,10 @@ def measure_plan(world: int, repeats: int, manifest: bytes, own: Any) -> dict[st
     }
 
 
-def measure(world: int, repeats: int, with_dcp: bool, with_plan: bool = False) -> dict[str, Any]:
-    meta, items = simulate(world)
+def measure(
+    world: int, repeats: int, with_dcp: bool, with_plan: bool = False, layers: int = 400
+) -> dict[str, Any]:
+    meta, items = simulate(world, layers)
     row: dict[str, Any] = {"world": world, "chunks": sum(len(i) for i in items)}
     if with_dcp:
         stock = Metadata(
@@ -374,17 +378,32 @@ def main() -> None:
     scale_commit.add_arguments(parser)
     parser.add_argument("--name", default="scale", help="result file name prefix")
     parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--layers", type=int, default=400, help="weight tensors of the model")
+    parser.add_argument("--real-tensors", type=int, default=3000, help="tensors of the W=1 save")
+    smoke.add_argument(parser)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    # Smoke: every row kind once (DCP and v1, planning, rank 0's commit at W=64 the old
+    # way and the new, DCP's global plan) on a model of a few layers.
+    smoke.apply(
+        args, worlds="8", repeats=1, plan_from=8, commit_worlds="64", layers=8, real_tensors=100
+    )
     rows = []
     for world in (int(w) for w in args.worlds.split(",") if w):
         log.info("W=%d ...", world)
-        rows.append(measure(world, args.repeats, world <= args.dcp_up_to, world >= args.plan_from))
+        rows.append(
+            measure(
+                world, args.repeats, world <= args.dcp_up_to, world >= args.plan_from, args.layers
+            )
+        )
         log.info("%s", json.dumps(rows[-1]))
     commits = scale_commit.run(
-        args.commit_worlds, args.commit_before_up_to, simulate, args.commit_dcp_plan_up_to
+        args.commit_worlds,
+        args.commit_before_up_to,
+        functools.partial(simulate, layers=args.layers),
+        args.commit_dcp_plan_up_to,
     )
-    real = real_save()
+    real = real_save(args.real_tensors)
     fields = {"repeats": args.repeats, "rows": rows, "real_w1": real, "commit": commits}
     path = write_record(args.out, args.name, 0, fields)
     print(table(rows) if rows else "")

@@ -30,6 +30,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import smoke
 import torch
 import torch.distributed.checkpoint as dcp
 from record import write_record
@@ -43,10 +44,11 @@ MiB = 1024 * 1024
 
 
 def transformer_state(total_mib: int) -> dict[str, torch.Tensor]:
-    """About ``total_mib`` of fp32: half in 6 large tensors, half in ~1,000 small ones."""
+    """About ``total_mib`` of fp32: half in 6 large tensors, half in ~1,000 small ones
+    (20 in a smoke run)."""
     g = torch.Generator().manual_seed(0)
     big_each = total_mib * MiB // 2 // 6 // 4
-    small_count = 1000
+    small_count = smoke.count(1000, 20)
     small_each = total_mib * MiB // 2 // small_count // 4
     state: dict[str, torch.Tensor] = {}
     for i in range(6):
@@ -197,8 +199,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", choices=["s3", "local"], default=None)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    smoke.add_argument(parser)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    smoke.apply(args, size_mib=4, repeats=1)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)  # steady copy timings on a small, busy machine
 

@@ -61,6 +61,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import smoke
 import torch
 import torch.distributed.checkpoint as dcp
 from bench_async import copy_limit
@@ -428,8 +429,10 @@ def main() -> None:
     )
     parser.add_argument("--tag", default="", help="suffix of the results file name")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    smoke.add_argument(parser)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    smoke.apply(args, size_mib=4, repeats=1, cold_runs=1)
     warnings.filterwarnings("ignore")
     only = tuple(g for g in args.only.split(",") if g)
     unknown = sorted(set(only) - set(GROUPS))

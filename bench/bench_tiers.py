@@ -49,6 +49,7 @@ import time
 import warnings
 from typing import Any
 
+import smoke
 import torch
 from bench_sync import MiB, nbytes, transformer_state
 from record import write_record
@@ -87,9 +88,10 @@ def _median(rows: list[dict], key: str) -> float:
 def _restarts(
     make: Any, like: dict[str, torch.Tensor], step: int, n: int = 3
 ) -> list[tuple[float, float]]:
-    """(whole restart: build the manager and load; the load alone), n times."""
+    """(whole restart: build the manager and load; the load alone), n times (once in a
+    smoke run)."""
     out = []
-    for _ in range(n):
+    for _ in range(smoke.count(n, 1)):
         target = _empty_like(like)
         started = time.perf_counter()
         with make() as mgr:
@@ -238,8 +240,10 @@ def main() -> None:
     )
     ap.add_argument("--node-loss-mib", type=int, nargs="+", default=[256, 1024])
     ap.add_argument("--node-loss-only", action="store_true", help="only the node-loss job")
+    smoke.add_argument(ap)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    smoke.apply(args, size_mib=4, saves=2)
     warnings.filterwarnings("ignore")
     os.environ.update(offline_env())
     server = start_moto_server()

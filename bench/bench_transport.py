@@ -31,6 +31,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import smoke
 from record import write_record
 
 from objckpt import Location
@@ -75,14 +76,12 @@ def _obstore(endpoint: str, opts: dict[str, Any]) -> Any:
     )
 
 
-def guarantees(server: MotoServer) -> dict[str, dict[str, Any]]:
-    """Which guarantees each client keeps, checked against the same moto server."""
-    import obstore
-
-    out: dict[str, dict[str, Any]] = {"s3fs": {}, "obstore": {}}
+def guarantees(server: MotoServer, with_obstore: bool = True) -> dict[str, dict[str, Any]]:
+    """Which guarantees each client keeps, checked against the same moto server
+    (objckpt's alone without obstore: a smoke run where the ``bench`` extra is missing)."""
+    out: dict[str, dict[str, Any]] = {"s3fs": {}, "obstore": {}} if with_obstore else {"s3fs": {}}
     opts = server.storage_options()
     store = open_store(Location.parse(f"s3://{BUCKET}/g", opts), UploadOptions(part_size=5 * MiB))
-    ob = _obstore(server.endpoint_url, opts)
     try:
         # Create-only: a second create of the same key is refused.
         store.create("m.json", b"1")
@@ -91,12 +90,16 @@ def guarantees(server: MotoServer) -> dict[str, dict[str, Any]]:
             out["s3fs"]["create_only"] = False
         except FileExistsError:
             out["s3fs"]["create_only"] = True
-        obstore.put(ob, "g/o.json", b"1", mode="create")
-        try:
-            obstore.put(ob, "g/o.json", b"2", mode="create")
-            out["obstore"]["create_only"] = False
-        except Exception as exc:  # obstore's AlreadyExistsError
-            out["obstore"]["create_only"] = "AlreadyExists" in type(exc).__name__
+        if with_obstore:
+            import obstore
+
+            ob = _obstore(server.endpoint_url, opts)
+            obstore.put(ob, "g/o.json", b"1", mode="create")
+            try:
+                obstore.put(ob, "g/o.json", b"2", mode="create")
+                out["obstore"]["create_only"] = False
+            except Exception as exc:  # obstore's AlreadyExistsError
+                out["obstore"]["create_only"] = "AlreadyExists" in type(exc).__name__
     finally:
         store.close()
     # Abort on failure: a multipart upload whose 2nd part fails is aborted, not left open.
@@ -123,6 +126,11 @@ def guarantees(server: MotoServer) -> dict[str, dict[str, Any]]:
         finally:
             pstore.close()
         out["s3fs"]["aborts_on_failure"] = left_open("fail-s3fs/") == 0
+        out["s3fs"]["sends_part_crc32c"] = True  # tests/store/test_s3_multipart.py proves it
+        if not with_obstore:
+            return out
+        import obstore
+
         try:
             obstore.put(
                 _obstore(proxy.endpoint_url, popts),
@@ -136,14 +144,11 @@ def guarantees(server: MotoServer) -> dict[str, dict[str, Any]]:
             out["obstore"]["failed_part_raised"] = True
         out["obstore"]["aborts_on_failure"] = left_open("fail-ob/") == 0
         crcs = [dict(s.amz).get("x-amz-checksum-crc32c") for s in proxy.seen]
-        out["s3fs"]["sends_part_crc32c"] = True  # tests/store/test_s3_multipart.py proves it
         out["obstore"]["sends_part_crc32c"] = any(crcs[-3:])
     return out
 
 
-def run(size_mib: int, repeats: int) -> dict[str, Any]:
-    import obstore
-
+def run(size_mib: int, repeats: int, with_obstore: bool = True) -> dict[str, Any]:
     os.environ.update(offline_env())
     server = start_moto_server()
     try:
@@ -155,7 +160,7 @@ def run(size_mib: int, repeats: int) -> dict[str, Any]:
             Location.parse(f"s3://{BUCKET}/s3fs", opts),
             UploadOptions(part_size=PART, max_in_flight=IN_FLIGHT),
         )
-        ob = _obstore(server.endpoint_url, opts)
+        ob = _obstore(server.endpoint_url, opts) if with_obstore else None
         view = memoryview(data)
 
         def s3fs_put() -> None:
@@ -188,11 +193,14 @@ def run(size_mib: int, repeats: int) -> dict[str, Any]:
 
         res: dict[str, Any] = {"bytes": len(data)}
         res["s3fs_put"] = measure(s3fs_put, repeats, gib)
-        res["obstore_put"] = measure(obstore_put, repeats, gib)
         res["s3fs_get"] = measure(s3fs_get, repeats, gib)
-        res["obstore_get"] = measure(obstore_get, repeats, gib)
+        if with_obstore:
+            import obstore
+
+            res["obstore_put"] = measure(obstore_put, repeats, gib)
+            res["obstore_get"] = measure(obstore_get, repeats, gib)
         store.close()
-        res["guarantees"] = guarantees(server)
+        res["guarantees"] = guarantees(server, with_obstore)
         return res
     finally:
         server.stop()
@@ -203,19 +211,19 @@ def main() -> None:
     parser.add_argument("--size-mib", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    smoke.add_argument(parser)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    smoke.apply(args, size_mib=20, repeats=1)
     warnings.filterwarnings("ignore")
-    try:
-        import obstore  # noqa: F401
-    except ImportError:
-        log.warning("obstore is not installed (pip install 'objckpt[bench]'); nothing to compare")
-        return
-    res = run(args.size_mib, args.repeats)
+    with_obstore = smoke.installed("obstore", "obstore's rows")
+    if not with_obstore and not args.smoke:
+        return  # nothing to compare (a smoke run still runs objckpt's side)
+    res = run(args.size_mib, args.repeats, with_obstore)
     path = write_record(args.out, "transport", args.size_mib, {"repeats": args.repeats, **res})
     print("| client | put s | put CPU s/GiB | get s | get CPU s/GiB |")
     print("|---|---|---|---|---|")
-    for name in ("s3fs", "obstore"):
+    for name in res["guarantees"]:
         p, g = res[f"{name}_put"], res[f"{name}_get"]
         print(
             f"| {name} | {p['wall_s']:.2f} | {p['cpu_s_per_gib']:.2f} | "

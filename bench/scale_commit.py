@@ -233,7 +233,7 @@ def _one_save(
         metadata=meta,
         rank_plan=types.SimpleNamespace(attempt=ATTEMPT, rank=0),
         deadline=None,
-        writer=types.SimpleNamespace(
+        target=types.SimpleNamespace(
             store=target,
             checkpoint_id=None,
             upload=UploadOptions(),

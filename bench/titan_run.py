@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import random
 import re
@@ -38,6 +39,8 @@ import sys
 import tempfile
 import types
 from pathlib import Path
+
+import smoke
 
 HERE = Path(__file__).resolve().parent
 BUCKET = "titan"
@@ -215,7 +218,14 @@ def main() -> None:
         action="store_true",
         help="skip the uninterrupted run whose losses the resumed run must match",
     )
+    smoke.add_argument(p)
     args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.smoke:
+        if not smoke.installed("torchtitan", "the torchtitan run", "make test-titan's venv"):
+            return
+        smoke.apply(args, steps1=1, steps2=2, no_reference=True)
+        args.workdir = Path(args.out)
 
     from objckpt.testing.servers import offline_env, start_moto_server
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from objckpt._removed import READ_OPTIONS, UPLOAD_OPTIONS, removed_keywords
 from objckpt.errors import ConfigurationError
 
 __all__ = ["AsyncOptions", "ReadOptions", "UploadOptions"]
@@ -26,6 +27,7 @@ def _require(cond: bool, option: str, value: object, expected: str) -> None:
         raise ConfigurationError(f"option {option}={value!r} is invalid: expected {expected}")
 
 
+@removed_keywords(UPLOAD_OPTIONS)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class UploadOptions:
     """How payload bytes are cut into objects and parts.
@@ -114,6 +116,7 @@ class UploadOptions:
         return min(max(self.part_size, needed), S3_MAX_PART)
 
 
+@removed_keywords(READ_OPTIONS)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ReadOptions:
     """How payload bytes are fetched on load.

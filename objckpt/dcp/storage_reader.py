@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from objckpt._removed import READER, removed_keywords
 from objckpt.dcp.collective import is_distributed
 from objckpt.dcp.delivery import Delivery, fetch_and_deliver
 from objckpt.dcp.fetch import fetch_ranges
@@ -89,6 +90,7 @@ class PlanData:
     peers: Any
 
 
+@removed_keywords(READER)
 class ObjectStoreReader(StorageReader):
     """Load a committed checkpoint (or a stock DCP one) from any fsspec URL.
 

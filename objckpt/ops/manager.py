@@ -32,6 +32,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from objckpt._removed import MANAGER, removed_keywords
 from objckpt.dcp.collective import fail_together
 from objckpt.errors import ConfigurationError
 from objckpt.ops.backup import BackupStatus, BackupTarget
@@ -55,6 +56,7 @@ from objckpt.writers.retry import RetryPolicy
 __all__ = ["CheckpointManager"]
 
 
+@removed_keywords(MANAGER)
 class CheckpointManager:
     """Numbered steps of one training run under ``root_url``.
 

@@ -48,6 +48,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from objckpt._removed import CHECKPOINTER, removed_keywords
 from objckpt.dcp.serialize import Framer
 from objckpt.errors import ConfigurationError, SaveDeadlineError, SaveSequenceError
 from objckpt.format.manifest import Manifest
@@ -70,6 +71,7 @@ logger = logging.getLogger(__name__)
 _CLOSE_WAIT = 30.0
 
 
+@removed_keywords(CHECKPOINTER)
 class AsyncCheckpointer:
     """Runs async saves with persistent staging memory and upload workers.
 
@@ -418,6 +420,7 @@ class AsyncCheckpointer:
         return AsyncRequest.for_save(self.save(state_dict, url, **save_kwargs), finalize_fns)
 
 
+@removed_keywords(CHECKPOINTER)
 def async_save(
     state_dict: dict[str, Any],
     url: str,
