@@ -71,10 +71,17 @@ MANAGER_CELLS = [
 REPLICATION_CELLS = [
     ("replication-raises", 1),
     ("peer-disk-full", 3),
+    ("index-write-fails", 3),
 ]
 #: Cells whose fault must not fail the operation (the save committed; the load
 #: fell back to the backup on every rank; the step stayed committed locally).
-SUCCEEDS = {"on-commit-raises", "load-falls-back", "replication-raises", "peer-disk-full"}
+SUCCEEDS = {
+    "on-commit-raises",
+    "load-falls-back",
+    "replication-raises",
+    "peer-disk-full",
+    "index-write-fails",
+}
 DEADLINE = 20.0
 BARRIER = 15.0
 
@@ -404,11 +411,11 @@ def replication_column(
     rank: int, world: int, init_file: str, root: str, options: dict[str, Any], out: str
 ) -> None:
     """Local saves replicated across 2 nodes of 2 ranks (torchrun's environment per
-    rank): one rank's replication raises (it cannot list its files), then a peer's
-    disk is full for replicas. Each save must commit on every rank with the step
+    rank): one rank's replication raises (it cannot list its files), a peer's disk is
+    full for replicas, one rank cannot write its index object to its disk. Each save must commit on every rank with the step
     reported not replicated on every rank, naming the failing rank; the next save
     replicates."""
-    from objckpt.ops.replication import Replicator
+    from objckpt.ops.replication import PeerReplicator
 
     os.environ.update(GROUP_RANK=str(rank // 2), LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2")
     init_ranks(rank, world, init_file)
@@ -423,11 +430,17 @@ def replication_column(
             raise OSError(28, os.strerror(28), os.fspath(path))
         return real_open(path, mode, *args, **kwargs)
 
+    def index_full(path: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        if "/.__index_" in os.fspath(path) and any(c in mode for c in "wxa"):
+            raise OSError(28, os.strerror(28), os.fspath(path))
+        return real_open(path, mode, *args, **kwargs)
+
     faults = {
         "replication-raises": lambda: _patched(
-            Replicator, "_own_files", _raiser(RuntimeError("listing (injected)"))
+            PeerReplicator, "_own_files", _raiser(RuntimeError("listing (injected)"))
         ),
         "peer-disk-full": lambda: _patched(builtins, "open", disk_full),
+        "index-write-fails": lambda: _patched(builtins, "open", index_full),
     }
     try:
         with objckpt.CheckpointManager(
