@@ -34,7 +34,6 @@ from objckpt.ops.peers import Peers
 from objckpt.ops.tiers import LocalTier
 from objckpt.ops.torch_errors import unwrap
 from objckpt.options import AsyncOptions, UploadOptions
-from objckpt.pipeline import reuse_memory
 from objckpt.pipeline.checkpointer import AsyncCheckpointer
 from objckpt.pipeline.handle import SaveHandle, SaveLifecycle
 from objckpt.writers.retry import RetryPolicy
@@ -240,9 +239,9 @@ class SaveFlow:
             try:
                 if self._reuse:
                     if exc is None:
-                        reuse_memory.committed(where.url)
+                        self.checkpointer.reuse_memory.committed(where.url)
                     else:
-                        reuse_memory.forget(where.url)
+                        self.checkpointer.reuse_memory.forget(where.url)
             finally:
                 if exc is None:
                     self._catalog.finished(step)

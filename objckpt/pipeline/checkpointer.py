@@ -58,6 +58,7 @@ from objckpt.pipeline.handle import SaveHandle, SaveLifecycle
 from objckpt.pipeline.lifetime import register, wait_bounded, warn_and_wait
 from objckpt.pipeline.plan_cache import PlanCacheStats, PlanMemory
 from objckpt.pipeline.queue import AsyncRequest
+from objckpt.pipeline.reuse_memory import ReuseMemory
 from objckpt.pipeline.save_phases import SaveRequest, SaveResources, TargetCache, run_save
 from objckpt.pipeline.stage import Stager
 from objckpt.pipeline.workers import WorkerPool
@@ -123,6 +124,9 @@ class AsyncCheckpointer:
         self._errors: list[BaseException] = []
         self._checker = concurrent.futures.ThreadPoolExecutor(1, "objckpt-check")
         self._plans = PlanMemory()
+        #: What this rank wrote in its last committed save: the next save's reuse base
+        #: without reading the store (each checkpointer its own).
+        self.reuse_memory = ReuseMemory()
         self._resources = SaveResources(
             storage_options=self.storage_options,
             upload=self.upload,
@@ -133,6 +137,7 @@ class AsyncCheckpointer:
             framer=self._framer,
             targets=TargetCache(),
             plans=self._plans,
+            memory=self.reuse_memory,
             checker=self._checker,
         )
         # Each save's uploads and commit: threads that wait for it, not one per save.

@@ -11,12 +11,13 @@ cost those items their reuse, not every later save). The store is read only when
 the agreed base is not the step this process remembers (after a restart, or when
 the save that wrote it did not commit here).
 
-A save is remembered when it is queued (:func:`wrote`) and becomes usable only once
-its handle reports it committed (:func:`committed`, by the manager's save flow), so
-a failed or refused save is never anyone's base. The commit still lists every
-referenced object and the base's manifest (:mod:`objckpt.format.ref_check`): a
-memory that no longer matches the store fails a save, never commits a dangling
-reference.
+A save is remembered when it is queued (:meth:`ReuseMemory.wrote`) and becomes
+usable only once its handle reports it committed (:meth:`ReuseMemory.committed`, by
+the manager's save flow), so a failed or refused save is never anyone's base. Each
+:class:`~objckpt.pipeline.checkpointer.AsyncCheckpointer` owns one memory. The
+commit still lists every referenced object and the base's manifest
+(:mod:`objckpt.format.ref_check`): a memory that no longer matches the store fails a
+save, never commits a dangling reference.
 """
 
 from __future__ import annotations
@@ -34,66 +35,80 @@ from objckpt.format.refs import split_reference
 from objckpt.format.reused import BaseItem
 from objckpt.pipeline.deferred import DeferredWriter, Pending
 
-__all__ = ["committed", "forget", "recall", "wrote"]
+__all__ = ["ReuseMemory"]
 
 logger = logging.getLogger(__name__)
 
-_lock = threading.Lock()
-#: The saves queued last, not known committed yet: target URL -> (its uploads, its
-#: write items). A few at most (saves overlap by one or two); never the writer
-#: itself, which would keep its staged memory referenced.
-_queued: collections.OrderedDict[str, tuple[list[Pending], list[Any]]] = collections.OrderedDict()
+#: Saves queued and not known committed yet that one memory keeps (saves overlap by
+#: one or two).
 _QUEUED_MAX = 4
-#: The last save known committed: (its URL, its items as a later step references them).
-_remembered: tuple[str, dict[Identity, BaseItem]] | None = None
+
+
+class ReuseMemory:
+    """One checkpointer's memory of what its rank wrote (owned by the checkpointer, so
+    two checkpointers in one process, say a model's and its EMA's, each remember
+    their own last save).
+
+    A save is remembered when it is queued (:meth:`wrote`) and becomes usable only
+    once its handle reports it committed (:meth:`committed`), so a failed or refused
+    save is never anyone's base. Thread-safe: saves are queued on the caller's thread
+    and end on commit threads.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        #: The saves queued last, not known committed yet: target URL -> (its uploads,
+        #: its write items); never the writer itself, which would keep its staged
+        #: memory referenced.
+        self._queued: collections.OrderedDict[str, tuple[list[Pending], list[Any]]] = (
+            collections.OrderedDict()
+        )
+        #: The last save known committed: (its URL, its items as a later step
+        #: references them).
+        self._remembered: tuple[str, dict[Identity, BaseItem]] | None = None
+
+    def wrote(self, url: str, writer: DeferredWriter) -> None:
+        """A save to ``url`` was queued with ``writer`` (every rank, each its own)."""
+        with self._lock:
+            # The lists it goes on filling.
+            self._queued[_url(url)] = (writer.pending, writer.items)
+            self._queued.move_to_end(_url(url))
+            while len(self._queued) > _QUEUED_MAX:
+                self._queued.popitem(last=False)
+
+    def forget(self, url: str) -> None:
+        """The save to ``url`` ended without committing (or is no base): drop it."""
+        with self._lock:
+            self._queued.pop(_url(url), None)
+            if self._remembered is not None and self._remembered[0] == _url(url):
+                self._remembered = None
+
+    def committed(self, url: str) -> None:
+        """The save queued for ``url`` committed (its handle said so on this rank): its
+        items become what :meth:`recall` returns for ``url``."""
+        with self._lock:
+            queued = self._queued.pop(_url(url), None)
+        if queued is None:
+            return
+        try:
+            items = _items_of(url, *queued)
+        except Exception as exc:  # the memory is an optimisation: the store still works
+            logger.debug("not remembering the items of %s: %s", url, exc)
+            items = None
+        with self._lock:
+            self._remembered = None if items is None else (_url(url), items)
+
+    def recall(self, url: str) -> dict[Identity, BaseItem] | None:
+        """This rank's items of the committed step ``url``, when it is the save this
+        checkpointer remembers (None: read the store)."""
+        with self._lock:
+            if self._remembered is None or self._remembered[0] != _url(url):
+                return None
+            return self._remembered[1]
 
 
 def _url(url: str) -> str:
     return url.rstrip("/")
-
-
-def wrote(url: str, writer: DeferredWriter) -> None:
-    """A save to ``url`` was queued with ``writer`` (every rank, each its own)."""
-    with _lock:
-        _queued[_url(url)] = (writer.pending, writer.items)  # the lists it goes on filling
-        _queued.move_to_end(_url(url))
-        while len(_queued) > _QUEUED_MAX:
-            _queued.popitem(last=False)
-
-
-def forget(url: str) -> None:
-    """The save to ``url`` ended without committing (or is no base): drop it."""
-    global _remembered
-    with _lock:
-        _queued.pop(_url(url), None)
-        if _remembered is not None and _remembered[0] == _url(url):
-            _remembered = None
-
-
-def committed(url: str) -> None:
-    """The save queued for ``url`` committed (its handle said so on this rank): its
-    items become what :func:`recall` returns for ``url``."""
-    global _remembered
-    with _lock:
-        queued = _queued.pop(_url(url), None)
-    if queued is None:
-        return
-    try:
-        items = _items_of(url, *queued)
-    except Exception as exc:  # the memory is an optimisation: the store still works
-        logger.debug("not remembering the items of %s: %s", url, exc)
-        items = None
-    with _lock:
-        _remembered = None if items is None else (_url(url), items)
-
-
-def recall(url: str) -> dict[Identity, BaseItem] | None:
-    """This rank's items of the committed step ``url``, when it is the save this
-    process remembers (None: read the store)."""
-    with _lock:
-        if _remembered is None or _remembered[0] != _url(url):
-            return None
-        return _remembered[1]
 
 
 def _items_of(

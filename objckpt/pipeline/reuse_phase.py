@@ -26,7 +26,7 @@ from objckpt.dcp.reuse_base import base_location
 from objckpt.dcp.storage_writer import ObjectStoreWriter
 from objckpt.format.ref_check import sibling
 from objckpt.format.steps import parse_step, step_name
-from objckpt.pipeline import reuse_memory
+from objckpt.pipeline.reuse_memory import ReuseMemory
 from objckpt.writers.deadline import Deadline
 
 __all__ = ["adopt_base", "proposed_base"]
@@ -45,7 +45,7 @@ def proposed_base(target: ObjectStoreWriter | None) -> int | None:
     return parse_step(target.reuse_from.rstrip("/"))
 
 
-def adopt_base(target: ObjectStoreWriter, base: int | None, rank: int) -> None:
+def adopt_base(target: ObjectStoreWriter, base: int | None, rank: int, memory: ReuseMemory) -> None:
     """Use the agreed ``base`` step (None: no reuse) for this save, and start reading
     what this rank needs of it on a thread of its own, bounded by half the save's
     deadline (:data:`BASE_SHARE`).
@@ -58,13 +58,13 @@ def adopt_base(target: ObjectStoreWriter, base: int | None, rank: int) -> None:
     rank's reuse, with a warning, never the save.
     """
     try:
-        _adopt(target, base, rank)
+        _adopt(target, base, rank, memory)
     except Exception as exc:
         target.reuse_from = None
         logger.warning("rank %d reuses nothing in this save (base step %s: %s)", rank, base, exc)
 
 
-def _adopt(target: ObjectStoreWriter, base: int | None, rank: int) -> None:
+def _adopt(target: ObjectStoreWriter, base: int | None, rank: int, memory: ReuseMemory) -> None:
     if base is None:
         target.reuse_from = None
         return
@@ -77,7 +77,7 @@ def _adopt(target: ObjectStoreWriter, base: int | None, rank: int) -> None:
     reader = target.base_reader()
     if reader is None:
         return
-    known = reuse_memory.recall(url)
+    known = memory.recall(url)
     if known is not None:  # the step this process committed last: only HEADs to make
         reader.remember(known)
     budget = target.upload.deadline

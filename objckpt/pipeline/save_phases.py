@@ -41,7 +41,6 @@ from objckpt.dcp.serialize import Framer
 from objckpt.dcp.storage_writer import ObjectStoreWriter
 from objckpt.errors import CheckpointExistsError, ConfigurationError, PeerRankError
 from objckpt.options import AsyncOptions, UploadOptions
-from objckpt.pipeline import reuse_memory
 from objckpt.pipeline.commit_phase import exchange_for
 from objckpt.pipeline.deferred import DeferredWriter
 from objckpt.pipeline.plan_cache import (
@@ -52,6 +51,7 @@ from objckpt.pipeline.plan_cache import (
     cache_key,
     group_ranks,
 )
+from objckpt.pipeline.reuse_memory import ReuseMemory
 from objckpt.pipeline.reuse_phase import adopt_base, proposed_base
 from objckpt.pipeline.stage import Staged, Stager
 from objckpt.pipeline.target_check import CheckGate, TargetCache
@@ -102,6 +102,8 @@ class SaveResources:
     framer: Framer
     targets: TargetCache
     plans: PlanMemory
+    #: What this checkpointer's rank wrote in its last committed save (reuse's base).
+    memory: ReuseMemory
     #: One thread that asks "already committed?" while the save goes on.
     checker: concurrent.futures.ThreadPoolExecutor
 
@@ -170,7 +172,7 @@ def run_save(
         raise
     assert target is not None and staged is not None and writer is not None  # agreed: no refusal
     res.targets.proven(target)
-    reuse_memory.wrote(request.url, writer)  # the next save's base, once committed
+    res.memory.wrote(request.url, writer)  # the next save's base, once committed
     world = dist.get_world_size(process_group) if distributed else 1
     return Queued(writer, staged, world, process_group if distributed else None, distributed)
 
@@ -266,7 +268,7 @@ def _plan(
     )
     assert staged is not None and writer is not None  # no rank refused
     writer.target.attach(attempt=agreement.attempt)
-    adopt_base(writer.target, agreement.base, rank)  # rank 0's base, on every rank
+    adopt_base(writer.target, agreement.base, rank, res.memory)  # rank 0's base, on every rank
     if writer.gate is not None and rank == 0:
         res.checker.submit(writer.gate.publish)  # once its check has the answer
     planner = _planner(res, world)

@@ -412,9 +412,9 @@ def replication_column(
 ) -> None:
     """Local saves replicated across 2 nodes of 2 ranks (torchrun's environment per
     rank): one rank's replication raises (it cannot list its files), a peer's disk is
-    full for replicas, one rank cannot write its index object to its disk. Each save must commit on every rank with the step
-    reported not replicated on every rank, naming the failing rank; the next save
-    replicates."""
+    full for replicas, one rank cannot write its index object to its disk. Each save
+    must commit on every rank with the step reported not replicated on every rank,
+    naming the failing rank; the next save replicates."""
     from objckpt.ops.replication import PeerReplicator
 
     os.environ.update(GROUP_RANK=str(rank // 2), LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2")

@@ -62,7 +62,7 @@ def one_rank_cannot_read_its_base(
     of step 1 raises, as a base that cannot be opened or a thread that cannot start
     would): the failure comes after the save's agreement, so it must cost rank 1 its
     reuse only. Every rank commits step 2 and loads it bit-exact."""
-    from objckpt.pipeline import reuse_memory
+    from objckpt.pipeline.reuse_memory import ReuseMemory
 
     mesh = init_ranks(rank, world, init_file)
     try:
@@ -72,10 +72,10 @@ def one_rank_cannot_read_its_base(
             mgr.wait_until_finished()
             if rank == 1:
 
-                def broken(url: str) -> Any:
+                def broken(self: Any, url: str) -> Any:
                     raise RuntimeError("cannot read the base (injected)")
 
-                reuse_memory.recall = broken  # type: ignore[assignment]
+                ReuseMemory.recall = broken  # type: ignore[method-assign]
             mgr.save(2, _state(mesh, 2)).result(timeout=120)
             mgr.wait_until_finished()
             assert mgr.all_steps() == [1, 2], mgr.all_steps()
