@@ -66,7 +66,7 @@ class NodeStore:
     """Writes under one tier root, never through a link, each file whole or not at all.
 
     Args:
-        root: The tier's directory (it must exist; it may itself be a link).
+        root: The tier's directory (made when missing; it may itself be a link).
     """
 
     root: str
@@ -80,7 +80,10 @@ class NodeStore:
 
     def _open_dir(self, parts: list[str], create: bool) -> int:
         """A descriptor of ``root/parts...``, each component checked (and made, with
-        ``create``) without following a link."""
+        ``create``) without following a link. The root is made when missing (a
+        replaced node's tier starts empty): it is the path the user configured."""
+        if create:
+            os.makedirs(self.root, exist_ok=True)
         fd = os.open(self.root, _DIR_FLAGS)
         try:
             for i, part in enumerate(parts):

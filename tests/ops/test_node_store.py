@@ -60,6 +60,11 @@ def test_a_link_at_the_file_name_is_refused_not_replaced_or_followed(tmp_path: P
     assert target.read_bytes() == b"keep" and (tmp_path / "tier" / "a.bin").is_symlink()
 
 
+def test_a_missing_root_is_made(tmp_path: Path) -> None:
+    NodeStore(str(tmp_path / "new" / "tier")).write_bytes("a.bin", b"1")
+    assert (tmp_path / "new" / "tier" / "a.bin").read_bytes() == b"1"
+
+
 def test_the_root_itself_may_be_a_link(tmp_path: Path) -> None:
     real = tmp_path / "disk"
     real.mkdir()
