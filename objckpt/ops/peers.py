@@ -445,7 +445,10 @@ class _Incoming:
                 if size == 0:
                     self._open(i)
                 got = self._crc[i].hexdigest() if i in self._crc else Crc32c().hexdigest()
-                if self._got.get(i, 0) != size or got != crc:
+                if self._got.get(i, 0) != size:
+                    self.error = f"{key}: received {self._got.get(i, 0)} bytes of {size}"
+                    break
+                if got != crc:
                     self.error = f"{key}: received CRC32C {got}, the sender's manifest says {crc}"
                     break
             if self.error is None:
