@@ -38,6 +38,8 @@ exception text at ERROR level, so an error message is as public as a log line.
     ├── BarrierTimeoutError (TimeoutError)    ranks did not report in time (async commit)
     ├── RequestFailedError                    an async request failed on some rank
     ├── PeerRankError                         another rank failed this save or load
+    ├── PeerWireError (RuntimeError)          a peer sent what objckpt never sends (pair broken)
+    ├── LinkRefusedError (OSError)            a symbolic link where the local tier writes
     ├── SaveSequenceError                     ranks called save() a different number of times
     ├── StepOrderError (ValueError)           a save below the newest step of the run (a rollback)
     └── InternalError (RuntimeError)          a bug in objckpt: a call out of its order
@@ -59,10 +61,12 @@ __all__ = [
     "ConfigurationError",
     "IntegrityError",
     "InternalError",
+    "LinkRefusedError",
     "ManifestError",
     "MissingCredentialsError",
     "ObjckptError",
     "PeerRankError",
+    "PeerWireError",
     "RequestDeadlineError",
     "RequestFailedError",
     "SafetensorsError",
@@ -244,6 +248,19 @@ class PeerRankError(ObjckptError):
 
     def __reduce__(self) -> tuple[type[PeerRankError], tuple[str, int | None]]:
         return (type(self), (str(self), self.rank))
+
+
+class PeerWireError(ObjckptError, RuntimeError):
+    """A peer node's rank sent what objckpt never sends (a header of a length or
+    listing file sizes outside the wire's bounds): what follows it cannot be read in
+    step, so the pair is broken, as if the peer were dead (a ``RuntimeError``, as
+    torch's own error for a peer that stops answering is)."""
+
+
+class LinkRefusedError(ObjckptError, OSError):
+    """A symbolic link sits where the local tier writes (a directory or a file's name
+    under the tier's root): objckpt never writes through one, since the directory it
+    leads to is not the tier's own. The message names the link and its target."""
 
 
 class SaveSequenceError(ObjckptError):

@@ -48,9 +48,11 @@ __all__ = [
 
 MANIFEST_KEY = "manifest.json"
 METADATA_KEY = ".metadata"
-_PAYLOAD = re.compile(r"^__\d+_\d+\.[0-9a-f]{16}\.distcp$")
-_INDEX = re.compile(r"^__index_\d+\.[0-9a-f]{16}\.json$")
-_ENTROPY = re.compile(r"^[0-9a-f]{1,8}$")
+# Always matched whole (fullmatch): a "$" also matches before a final newline, and a
+# name a peer or a listing hands over may end in one.
+_PAYLOAD = re.compile(r"__\d+_\d+\.[0-9a-f]{16}\.distcp")
+_INDEX = re.compile(r"__index_\d+\.[0-9a-f]{16}\.json")
+_ENTROPY = re.compile(r"[0-9a-f]{1,8}")
 
 
 def new_attempt_id() -> str:
@@ -80,7 +82,7 @@ def index_key(rank: int, attempt: str) -> str:
 def index_rank(key: str) -> int | None:
     """The rank whose index object ``key`` is, or None for any other key."""
     last = key.rsplit("/", 1)[-1]
-    if not _INDEX.match(last):
+    if not _INDEX.fullmatch(last):
         return None
     return int(last[len("__index_") :].split(".", 1)[0])
 
@@ -89,14 +91,14 @@ def writer_rank(key: str) -> int | None:
     """The rank that wrote ``key`` (a payload or index object), else None: what a
     rank's part of a step is, wherever its files are held."""
     last = key.rsplit("/", 1)[-1]
-    if _PAYLOAD.match(last):
+    if _PAYLOAD.fullmatch(last):
         return int(last[2:].split("_", 1)[0])
     return index_rank(last)
 
 
 def is_entropy_dir(name: str) -> bool:
     """Whether a name is a prefix-entropy sub-prefix (1-8 hex digits)."""
-    return bool(_ENTROPY.match(name.rstrip("/")))
+    return bool(_ENTROPY.fullmatch(name.rstrip("/")))
 
 
 def list_names(fs: AbstractFileSystem, path: str) -> list[str]:
@@ -114,7 +116,7 @@ def list_names(fs: AbstractFileSystem, path: str) -> list[str]:
 
 def is_objckpt_payload(name: str) -> bool:
     """Whether a key (or path's last segment) is an objckpt payload name."""
-    return bool(_PAYLOAD.match(name.rsplit("/", 1)[-1]))
+    return bool(_PAYLOAD.fullmatch(name.rsplit("/", 1)[-1]))
 
 
 def is_objckpt_object(name: str) -> bool:
@@ -123,7 +125,7 @@ def is_objckpt_object(name: str) -> bool:
     last = name.rsplit("/", 1)[-1]
     owner = piece_owner(last)
     return bool(
-        _PAYLOAD.match(last)
-        or _INDEX.match(last)
+        _PAYLOAD.fullmatch(last)
+        or _INDEX.fullmatch(last)
         or (owner is not None and _PAYLOAD.fullmatch(owner))
     )

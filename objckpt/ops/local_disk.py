@@ -74,7 +74,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 # A commit's temporary file: "." + the object's key + "." + 32 hex digits + ".tmp".
-_TMP = re.compile(r"^\.(?P<key>.+)\.[0-9a-f]{32}\.tmp$")
+_TMP = re.compile(r"\.(?P<key>.+)\.[0-9a-f]{32}\.tmp")  # fullmatch: no $
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +189,7 @@ def step_dir_refusal(path: str) -> str | None:
 
 def _ours(name: str, beside_ours: bool) -> bool:
     """Whether ``name`` is a file objckpt writes into a step directory."""
-    tmp = _TMP.match(name)
+    tmp = _TMP.fullmatch(name)
     if tmp is not None:
         name = tmp.group("key")
     if name == MANIFEST_KEY or is_objckpt_object(name):

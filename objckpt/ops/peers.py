@@ -19,13 +19,23 @@ instead of the object store. Both need the same two things, which live here:
   their own (gloo, on CPU tensors), created at the manager's start: an NCCL
   training group is never used from a background thread, and the object store is
   not involved. A transfer is a header (each file's key, size and CRC32C, or the
-  sender's error), the bytes in chunks of :data:`CHUNK` (the memory each side
-  holds), the sender's trailer (did every read succeed), and the receiver's ack.
+  sender's error), the bytes in chunks of :data:`CHUNK` (one buffer per
+  direction, reused for every chunk: the memory each side holds), the sender's
+  trailer (did every read succeed), and the receiver's ack.
   Both sides walk all of it whatever fails (a read error sends zeros, a full disk
   receives and drops), so one side's failure never leaves the other blocked; only
   a dead or stuck peer does, until the group's timeout. A received file is
   checked against its CRC32C before it is renamed into place: a damaged copy is
-  never kept.
+  never kept. A received file is written through :mod:`objckpt.ops.node_store`
+  (never through a link, fsynced, renamed into place), and every failure, a
+  peer's death included, removes the partial files.
+* **A peer's header is untrusted input.** Its length is bounded by
+  :data:`HEADER_LIMIT` before anything is allocated, and every size it lists by
+  :data:`MAX_FILE_BYTES`; a header outside those bounds cannot be read in step (what
+  follows it is unknown), so it breaks the pair as a dead peer does
+  (:class:`~objckpt.errors.PeerWireError`). A header within them whose files are
+  refused (a name objckpt never writes, too many files) is answered with the
+  refusal, and its bytes are still received and dropped, chunk by chunk.
 
 Where a node keeps other nodes' files: ``<tier>/replicas/step-<N>/<key>``, never
 in its own step directories, so a replica is never mistaken for the node's own
@@ -37,28 +47,32 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import itertools
 import json
 import logging
 import os
 import socket
 import time
-import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from objckpt.dcp.collective import all_gather_object, is_distributed
-from objckpt.errors import ObjckptError, PeerSilentError
-from objckpt.format.bounds import DEFAULT_MAX_METADATA_BYTES
+from objckpt.errors import ManifestError, ObjckptError, PeerSilentError, PeerWireError
+from objckpt.format.bounds import DEFAULT_MAX_METADATA_BYTES, load_json
 from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY, is_entropy_dir, is_objckpt_object
 from objckpt.format.steps import parse_step, step_name
+from objckpt.ops.node_store import NodeStore, PendingFile
 from objckpt.writers.checksum import Crc32c
 from objckpt.writers.translate import describe
 
 __all__ = [
     "CHUNK",
+    "HEADER_LIMIT",
+    "MAX_FILES",
+    "MAX_FILE_BYTES",
     "REPLICAS_DIR",
     "FileSpec",
     "Holdings",
@@ -79,6 +93,14 @@ logger = logging.getLogger(__name__)
 REPLICAS_DIR = "replicas"
 #: Bytes per point-to-point message: what a transfer holds in memory on each side.
 CHUNK = 16 << 20
+#: Most bytes a transfer's header may take (about 15,000 files' entries): checked on
+#: both sides before the receiver allocates it.
+HEADER_LIMIT = 1 << 20
+#: Largest file a header may list: the largest object S3 stores (objckpt's files are
+#: a checkpoint's objects). A larger or negative size breaks the pair.
+MAX_FILE_BYTES = 5 << 40
+#: Most files a header may list and the receiver keep (more are refused, drained).
+MAX_FILES = 1 << 16
 
 
 def replica_dir(tier_path: str, step: int) -> str:
@@ -298,14 +320,52 @@ class FileSpec:
     crc32c: str
 
 
-def _chunks(sizes: Sequence[int]) -> list[tuple[int, int, int]]:
+def _chunks(sizes: Sequence[int]) -> Iterator[tuple[int, int, int]]:
     """(file index, offset, length) of every message a stream of files of ``sizes``
-    takes; both sides compute it from the header."""
-    out = []
+    takes; both sides compute it from the header. A generator: a header listing
+    large files costs no memory for its plan."""
     for i, size in enumerate(sizes):
         for start in range(0, size, CHUNK):
-            out.append((i, start, min(CHUNK, size - start)))
-    return out
+            yield (i, start, min(CHUNK, size - start))
+
+
+def _read_header(
+    data: bytes, src: int
+) -> tuple[str | None, list[tuple[Any, int, str]], tuple[Any, Any]]:
+    """The sender's error, its files' (key, size, CRC32C) and the (step, sequence
+    number) it names, from a header of at most :data:`HEADER_LIMIT` bytes; keys are
+    checked later (a refused key's bytes are still drained).
+
+    Raises:
+        PeerWireError: The header cannot be read, or lists a size outside
+            [0, :data:`MAX_FILE_BYTES`]: how many bytes follow is unknown.
+    """
+    broken = f"the header from rank {src}"
+    try:
+        got = load_json(
+            data, what="the peer header", url=f"from rank {src}", max_bytes=HEADER_LIMIT
+        )
+    except ManifestError as exc:
+        raise PeerWireError(f"{broken} is unreadable ({exc}); the pair is broken") from exc
+    entries = got.get("files", []) if isinstance(got, dict) else None
+    if not isinstance(entries, list):
+        raise PeerWireError(f"{broken} is no object with a list of files; the pair is broken")
+    error = got.get("error")
+    listed: list[tuple[Any, int, str]] = []
+    for e in entries:
+        if not (isinstance(e, list) and len(e) == 3 and type(e[1]) is int):
+            raise PeerWireError(f"{broken} lists a file as {str(e)[:100]}; the pair is broken")
+        key, size, crc = e
+        if not 0 <= size <= MAX_FILE_BYTES:
+            raise PeerWireError(
+                f"{broken} lists a file of {size} bytes (the wire carries 0 to "
+                f"{MAX_FILE_BYTES}); what follows cannot be read in step, so the pair is broken"
+            )
+        listed.append((key, size, str(crc)[:16]))
+    if error is None and len(listed) > MAX_FILES:
+        error = f"the sender lists {len(listed)} files; a transfer keeps at most {MAX_FILES}"
+    tag = (got.get("step"), got.get("seq"))
+    return (None if error is None else str(error)[:2000]), listed, tag
 
 
 def _safe_key(key: object) -> str:
@@ -324,41 +384,58 @@ def _safe_key(key: object) -> str:
     return key
 
 
+def _store_of(into: str) -> tuple[NodeStore, str]:
+    """The tier root a receiving directory is checked from, and its path under it: a
+    replica directory ``<tier>/replicas/step-<N>`` from the tier (so a link at
+    ``replicas/`` or at ``step-<N>`` is refused), any other from its parent."""
+    parent, name = os.path.split(os.path.normpath(into))
+    tier, replicas = os.path.split(parent)
+    if replicas == REPLICAS_DIR and parse_step(name) is not None:
+        return NodeStore(tier), f"{REPLICAS_DIR}/{name}"
+    return NodeStore(parent), name
+
+
+def _why(exc: BaseException) -> str:
+    """objckpt's own refusals as they are (they name a path and never a secret);
+    anything else described."""
+    return str(exc) if isinstance(exc, ObjckptError) else describe(exc)
+
+
 class _Incoming:
-    """Files being received into one directory: each into a temporary file, checked
-    and renamed into place at the end; after the first write error the rest is
-    received and dropped (the stream must be walked to its end)."""
+    """Files being received into one directory: each into a temporary file (through
+    :class:`~objckpt.ops.node_store.NodeStore`: never through a link), checked and
+    renamed into place at the end; after the first write error the rest is received
+    and dropped (the stream must be walked to its end). :meth:`abort` removes every
+    file not yet in place: an exchange that fails half-way leaves nothing."""
 
     def __init__(self, into: str, header: list[tuple[str, int, str]]) -> None:
         self.into = into
         self.header = header
         self.error: str | None = None
-        self._tmp: dict[int, str] = {}
-        self._files: dict[int, Any] = {}
+        self._store, self._under = _store_of(into)
+        self._pending: dict[int, PendingFile] = {}
         self._crc: dict[int, Crc32c] = {}
+        self._got: dict[int, int] = {}
 
-    def _open(self, i: int) -> Any:
-        f = self._files.get(i)
+    def _open(self, i: int) -> PendingFile:
+        f = self._pending.get(i)
         if f is None:
-            key = self.header[i][0]
-            final = os.path.join(self.into, key)
-            os.makedirs(os.path.dirname(final), exist_ok=True)
-            head, tail = os.path.split(final)
-            tmp = os.path.join(head, f".{tail}.{uuid.uuid4().hex}.tmp")
-            f = open(tmp, "xb")  # noqa: SIM115 (closed in finish/abort)
-            self._tmp[i], self._files[i], self._crc[i] = tmp, f, Crc32c()
+            f = self._store.create(f"{self._under}/{self.header[i][0]}")
+            self._pending[i], self._crc[i], self._got[i] = f, Crc32c(), 0
         return f
 
     def write(self, i: int, data: memoryview) -> None:
         if self.error is not None:
             return
         try:
-            self._open(i).write(data)
+            f = self._open(i)
+            f.write(data)
             self._crc[i].update(data)
-        except OSError as exc:
-            self.error = (
-                f"cannot write {os.path.join(self.into, self.header[i][0])}: {describe(exc)}"
-            )
+            self._got[i] += len(data)
+            if self._got[i] >= self.header[i][1]:
+                f.seal()  # its last chunk: one file descriptor open at a time
+        except (OSError, ObjckptError) as exc:
+            self.error = f"cannot write {os.path.join(self.into, self.header[i][0])}: {_why(exc)}"
 
     def finish(self, sender_ok: bool) -> list[str]:
         """Check every file and rename it into place; the keys kept."""
@@ -372,27 +449,26 @@ class _Incoming:
                 if size == 0:
                     self._open(i)
                 got = self._crc[i].hexdigest() if i in self._crc else Crc32c().hexdigest()
+                if self._got.get(i, 0) != size:
+                    self.error = f"{key}: received {self._got.get(i, 0)} bytes of {size}"
+                    break
                 if got != crc:
                     self.error = f"{key}: received CRC32C {got}, the sender's manifest says {crc}"
                     break
-            for f in self._files.values():
-                f.flush()
-                f.close()
             if self.error is None:
                 for i, (key, _, _) in enumerate(self.header):
-                    os.replace(self._tmp[i], os.path.join(self.into, key))
+                    self._pending[i].commit()
                     kept.append(key)
-        except OSError as exc:
-            self.error = self.error or f"cannot keep the files in {self.into}: {describe(exc)}"
+        except (OSError, ObjckptError) as exc:
+            self.error = self.error or f"cannot keep the files in {self.into}: {_why(exc)}"
         finally:
-            for f in self._files.values():
-                with contextlib.suppress(OSError):
-                    f.close()
-            if self.error is not None:
-                for tmp in self._tmp.values():
-                    with contextlib.suppress(OSError):
-                        os.unlink(tmp)
+            self.abort()  # what is not in place by now never will be
         return kept
+
+    def abort(self) -> None:
+        """Remove every file not renamed into place (never raises)."""
+        for f in self._pending.values():
+            f.discard()
 
 
 class PeerGroup:
@@ -528,7 +604,10 @@ class PeerGroup:
             the keys received and kept; why receiving failed, or None).
 
         Raises:
-            RuntimeError: A peer did not answer within the timeout (dead or stuck).
+            RuntimeError: A peer did not answer within the timeout (dead or stuck), or
+                sent a header outside the wire's bounds
+                (:class:`~objckpt.errors.PeerWireError`); files being received are
+                removed first.
         """
         dst = send[0] if send is not None else None
         src = recv[0] if recv is not None else None
@@ -541,25 +620,30 @@ class PeerGroup:
             "files": [[f.key, f.size, f.crc32c] for f in files],
         }
         blob = bytearray(json.dumps(head).encode())
+        if len(blob) > HEADER_LIMIT:  # the receiver would refuse it: say why instead
+            cannot = f"its header for {len(files)} files takes over {HEADER_LIMIT} bytes"
+            files = ()
+            blob = bytearray(
+                json.dumps({"error": cannot, "step": step, "seq": seq, "files": []}).encode()
+            )
         size = self._int(len(blob), dst, src)
-        inp = torch.zeros(size if src is not None else 0, dtype=torch.uint8)
+        if src is not None and not 0 <= size <= HEADER_LIMIT:
+            raise PeerWireError(
+                f"rank {src} announced a header of {size} bytes (the wire allows 0 to "
+                f"{HEADER_LIMIT}); what follows cannot be read in step, so the pair is broken"
+            )
+        inp = torch.empty(size if src is not None else 0, dtype=torch.uint8)
         self._pair(torch.frombuffer(blob, dtype=torch.uint8) if blob else None, dst, inp, src)
         incoming: _Incoming | None = None
         recv_error: str | None = None
         theirs: list[tuple[str, int, str]] = []
-        if recv is not None:
-            try:
-                got = json.loads(inp.numpy().tobytes())
-                recv_error = got.get("error")
-                if (got.get("step"), got.get("seq")) != (step, seq):
-                    recv_error = (
-                        f"rank {src} sent step {got.get('step')} (#{got.get('seq')}) while "
-                        f"this rank expected step {step} (#{seq}); its bytes were dropped"
-                    )
-                listed = [(k, int(n), str(c)) for k, n, c in got.get("files", [])]
-            except (ValueError, TypeError) as exc:
-                recv_error = f"the sender's header is unreadable: {exc}"
-                listed = []
+        if recv is not None and src is not None:
+            recv_error, listed, tag = _read_header(inp.numpy().tobytes(), src)
+            if tag != (step, seq):
+                recv_error = (
+                    f"rank {src} sent step {tag[0]} (#{tag[1]}) while this rank expected "
+                    f"step {step} (#{seq}); its bytes were dropped"
+                )
             try:
                 theirs = [(_safe_key(k), n, c) for k, n, c in listed]
             except ObjckptError as exc:  # its bytes are still received (and dropped)
@@ -567,8 +651,13 @@ class PeerGroup:
                 theirs = [("", n, c) for _, n, c in listed]
             incoming = _Incoming(recv[1], theirs)
             incoming.error = recv_error
-        sent_ok = self._stream(files, dst, incoming, src)
-        their_ok = bool(self._int(int(sent_ok), dst, src))
+        try:
+            sent_ok = self._stream(files, dst, incoming, src)
+            their_ok = bool(self._int(int(sent_ok), dst, src))
+        except BaseException:  # a peer dead or stuck: no partial file stays behind
+            if incoming is not None:
+                incoming.abort()
+            raise
         kept: list[str] = []
         if incoming is not None:
             kept = incoming.finish(their_ok and recv_error is None)
@@ -594,36 +683,44 @@ class PeerGroup:
         incoming: _Incoming | None,
         src: int | None,
     ) -> bool:
-        """The bytes both ways, one chunk each at a time; whether every read succeeded."""
-        out_plan = _chunks([f.size for f in files]) if dst is not None else []
-        in_plan = _chunks([n for _, n, _ in incoming.header]) if incoming is not None else []
+        """The bytes both ways, one chunk each at a time; whether every read succeeded.
+
+        One buffer per direction (at most :data:`CHUNK`), allocated once: the sender
+        reads each chunk into its buffer, the receiver receives into its own and
+        writes that memory, so no chunk is copied on either side.
+        """
+        out_sizes = [f.size for f in files] if dst is not None else []
+        in_sizes = [n for _, n, _ in incoming.header] if incoming is not None else []
+        out_buf = torch.empty(min(CHUNK, max(out_sizes, default=0)), dtype=torch.uint8)
+        in_buf = torch.empty(min(CHUNK, max(in_sizes, default=0)), dtype=torch.uint8)
+        out_mem, in_mem = out_buf.numpy().data, in_buf.numpy().data
         ok = True
         handles: dict[int, Any] = {}
         try:
-            for n in range(max(len(out_plan), len(in_plan))):
+            for mine, theirs in itertools.zip_longest(_chunks(out_sizes), _chunks(in_sizes)):
                 out = inp = None
-                if n < len(out_plan):
-                    i, start, length = out_plan[n]
-                    buf = bytearray(length)
+                if mine is not None:
+                    i, start, length = mine
                     if ok:
                         try:
                             f = handles.get(i)
                             if f is None:
                                 f = handles[i] = open(files[i].path, "rb")  # noqa: SIM115
                             f.seek(start)
-                            if f.readinto(buf) != length:
+                            if f.readinto(out_mem[:length]) != length:
                                 raise OSError(
                                     f"{files[i].path} is shorter than {files[i].size} bytes"
                                 )
                         except OSError as exc:
                             ok = False
+                            out_buf.zero_()  # zeros from here on: the receiver drops them
                             logger.warning("cannot send %s to rank %s: %s", files[i].path, dst, exc)
-                    out = torch.frombuffer(buf, dtype=torch.uint8)
-                if n < len(in_plan):
-                    inp = torch.empty(in_plan[n][2], dtype=torch.uint8)
+                    out = out_buf[:length]
+                if theirs is not None:
+                    inp = in_buf[: theirs[2]]
                 self._pair(out, dst, inp, src)
-                if inp is not None and incoming is not None:
-                    incoming.write(in_plan[n][0], memoryview(inp.numpy().data))
+                if theirs is not None and incoming is not None:
+                    incoming.write(theirs[0], in_mem[: theirs[2]])
         finally:
             for f in handles.values():
                 f.close()

@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 COMPOSE_LIMIT = 32
 #: What follows an object's key in the names of its temporary pieces.
 PIECE_MARK = ".objckpt-piece-"
-_PIECE = re.compile(rf"(.+){re.escape(PIECE_MARK)}\d+-\d+$", re.DOTALL)
+_PIECE = re.compile(rf"(.+){re.escape(PIECE_MARK)}\d+-\d+", re.DOTALL)  # fullmatch: no $
 
 
 def piece_key(key: str, level: int, index: int) -> str:
@@ -58,7 +58,7 @@ def piece_owner(name: str) -> str | None:
     Returns:
         The owner's key, or None when ``name`` is not a piece's name.
     """
-    match = _PIECE.match(name)
+    match = _PIECE.fullmatch(name)
     return match.group(1) if match else None
 
 

@@ -42,7 +42,13 @@ from helpers import quiet
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from objckpt import CheckpointManager
-from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY
+from objckpt.format.layout import (
+    MANIFEST_KEY,
+    METADATA_KEY,
+    is_entropy_dir,
+    is_objckpt_object,
+    is_objckpt_payload,
+)
 from objckpt.testing import FaultProxy
 from objckpt.testing.plugin import BUCKET, StoreTarget
 
@@ -227,3 +233,13 @@ def test_a_refused_primary_falls_back_to_the_backup(
     craft(_Ckpt(f"{root}/step-0000000001", target.storage_options))
     got = _child(root, target.storage_options, backups=[backup])
     assert got == {"loaded": [1.0, 2.0, 3.0, 4.0], "step": 1}, got
+
+
+def test_layout_names_with_a_final_newline_are_not_objckpt_names() -> None:
+    name = "__0_0.0123456789abcdef.distcp"
+    assert is_objckpt_payload(name) and is_objckpt_object(name) and is_entropy_dir("3f")
+    assert not is_objckpt_payload(name + "\n")
+    assert not is_objckpt_object(name + "\n")
+    assert not is_objckpt_object("__index_0.0123456789abcdef.json\n")
+    assert not is_objckpt_object(name + ".objckpt-piece-0-00001\n")
+    assert not is_entropy_dir("3f\n")

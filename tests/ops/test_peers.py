@@ -66,6 +66,10 @@ def test_rounds_never_give_a_rank_two_streams_of_one_direction() -> None:
         "notes.txt",
         "sub/dir/__0_0.0123456789abcdef.distcp",
         "zz/__0_0.0123456789abcdef.distcp",
+        "__0_0.0123456789abcdef.distcp\n",  # a regex's $ matches before a final newline
+        "__index_0.0123456789abcdef.json\n",
+        "3f\n/__0_0.0123456789abcdef.distcp",
+        "__0_0.0123456789abcdef.distcp.objckpt-piece-0-00001\n",
         3,
     ],
 )
@@ -121,11 +125,26 @@ def _prepare(base: Path) -> dict[int, dict[str, bytes]]:
     return sent
 
 
-def _swap(base: Path, fault: dict[str, str]) -> dict[int, dict]:
-    """Both ranks exchange their files at once (``fault``: rank -> "read" or "full");
-    what each rank's ``exchange`` returned."""
-    run_ranks(peer_ranks, peer_ranks.swap_files, 2, str(base / "init"), str(base), fault)
-    return {r: json.loads((base / f"result{r}.json").read_text()) for r in (0, 1)}
+def _swap(
+    base: Path,
+    fault: dict[str, str],
+    into_of: dict[str, str] | None = None,
+    timeout: float = 60,
+) -> dict[int, dict]:
+    """Both ranks exchange their files at once (``fault``: rank -> what breaks, see
+    :func:`peer_ranks.swap_files`); what each rank's ``exchange`` returned (a rank
+    that died has no entry)."""
+    args = (str(base / "init"), str(base), fault, into_of, timeout)
+    run_ranks(peer_ranks, peer_ranks.swap_files, 2, *args)
+    out = {}
+    for r in (0, 1):
+        if (base / f"result{r}.json").exists():
+            out[r] = json.loads((base / f"result{r}.json").read_text())
+    return out
+
+
+def _files_under(path: Path) -> list[str]:
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*")) if path.exists() else []
 
 
 def test_both_ranks_send_and_keep_each_others_files_at_once(tmp_path: Path) -> None:
@@ -161,3 +180,72 @@ def test_a_full_disk_on_the_receiver_fails_its_side_only_and_the_sender_hears_wh
     assert results[0]["kept"] == [] and results[1]["received"] is None
     leftovers = [n for n in os.listdir(tmp_path / "into0")] if (tmp_path / "into0").exists() else []
     assert leftovers == []
+
+
+def test_a_failed_read_mid_file_leaves_no_partial_file_on_the_receiver(tmp_path: Path) -> None:
+    _prepare(tmp_path)
+    results = _swap(tmp_path, {"1": "read-late"})
+    assert "could not read" in results[0]["received"] and results[0]["kept"] == []
+    assert _files_under(tmp_path / "into0") == []  # neither a file nor a .tmp
+
+
+def test_a_peer_dying_mid_transfer_leaves_no_partial_file(tmp_path: Path) -> None:
+    """Rank 1 exits after its second received chunk, so rank 0 has written its first
+    chunk into a temporary file; rank 0's exchange raises (no answer) and removes it."""
+    _prepare(tmp_path)
+    results = _swap(tmp_path, {"1": "die"}, timeout=20)
+    assert 1 not in results
+    assert "raised" in results[0]
+    assert _files_under(tmp_path / "into0") == []
+
+
+@pytest.mark.parametrize("link", ["replicas", "replicas/step-0000000005"])
+def test_a_link_in_the_replicas_path_is_refused_and_nothing_is_written_through_it(
+    tmp_path: Path, link: str
+) -> None:
+    """A link at ``<tier>/replicas`` or at the step's replica directory: the tier
+    does not keep the step (the error names the link), the sender hears it, and the
+    directory the link points to stays empty."""
+    _prepare(tmp_path)
+    tier = tmp_path / "tier0"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    where = tier / link
+    where.parent.mkdir(parents=True)
+    where.symlink_to(outside, target_is_directory=True)
+    into = str(tier / "replicas" / "step-0000000005")
+    results = _swap(tmp_path, {}, into_of={"0": into})
+    assert results[0]["kept"] == []
+    assert "symbolic link" in results[0]["received"] and str(where) in results[0]["received"]
+    assert "symbolic link" in results[1]["sent"]  # the sender hears why
+    assert _files_under(outside) == []
+    assert results[1]["received"] is None  # the other direction is unaffected
+
+
+@pytest.mark.parametrize("craft", ["length:-5", f"length:{1 << 40}", "size:-1", f"size:{1 << 45}"])
+def test_a_crafted_header_is_refused_without_allocating_what_it_announces(
+    tmp_path: Path, craft: str
+) -> None:
+    """Rank 1 announces a header of a negative or huge length, or lists a file of a
+    negative or huge size: rank 0 raises (the pair is broken, as with a dead peer)
+    naming what it refused, before allocating or planning what was announced."""
+    _prepare(tmp_path)
+    results = _swap(tmp_path, {"1": craft}, timeout=10)
+    assert results[1] == {"crafted": True, **{k: results[1][k] for k in ("peak", "allocated")}}
+    raised = results[0].get("raised", "")
+    assert "PeerWireError" in raised and craft.split(":")[1] in raised, results[0]
+    assert max(results[0]["allocated"], default=0) <= 1 << 20
+    assert results[0]["peak"] < 4 << 20, results[0]["peak"]  # no chunk plan of 2**21 entries
+    assert _files_under(tmp_path / "into0") == []
+
+
+def test_an_exchange_holds_one_chunk_buffer_per_direction(tmp_path: Path) -> None:
+    """Both ranks send and receive a file of three chunks: each allocates one receive
+    buffer of at most a chunk (torch) and nothing chunk-sized in Python (tracemalloc),
+    however many chunks cross."""
+    _prepare(tmp_path)
+    results = _swap(tmp_path, {})
+    for rank in (0, 1):
+        big = [n for n in results[rank]["allocated"] if n > 1 << 20]
+        assert len(big) <= 2 and sum(big) <= 2 * peer_ranks.CHUNK, big  # send + receive
+        assert results[rank]["peak"] < 2 << 20, results[rank]["peak"]

@@ -51,15 +51,24 @@ def _manager(rank: int, url: str, o: dict[str, Any]) -> objckpt.CheckpointManage
 @contextlib.contextmanager
 def _full_under(part: str) -> Iterator[None]:
     """Writes to files whose path contains ``part`` fail with ENOSPC in this process
-    (a disk that filled up), everything else as usual."""
+    (a disk that filled up), everything else as usual: through ``open`` and through
+    the node store's files (how received replicas are written)."""
+    from objckpt.ops.node_store import PendingFile
+
     real = open
+    real_write = PendingFile.write
 
     def full(path: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
         if part in os.fspath(path) and any(c in mode for c in "wxa"):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(path))
         return real(path, mode, *args, **kwargs)
 
-    with mock.patch("builtins.open", full):
+    def full_write(self: PendingFile, data: Any) -> None:
+        if part in self.path:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.path)
+        real_write(self, data)
+
+    with mock.patch("builtins.open", full), mock.patch.object(PendingFile, "write", full_write):
         yield
 
 
