@@ -240,7 +240,9 @@ class Rollback:
         if step <= self.after:
             return False
         digest = _digest(data)
-        if any(a == manifest.attempt or d == digest for a, d in self.discarded.get(step, ())):
+        if any(
+            (a and a == manifest.attempt) or d == digest for a, d in self.discarded.get(step, ())
+        ):
             return True
         made, at = _instant(manifest.created), _instant(self.at)
         return made is not None and at is not None and made < at
@@ -288,13 +290,14 @@ def _record(root: Location, step: int, held: Mapping[int, set[bytes]]) -> None:
     at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     record = Rollback(step, at, discarded)
     stamp = at[:19].replace("-", "").replace(":", "")
-    key = f"{ROLLBACKS_DIR}/{stamp}-{uuid.uuid4().hex[:16]}.json"
-    store = open_store(root)
+    key = f"{stamp}-{uuid.uuid4().hex[:16]}.json"
+    records = root.child(ROLLBACKS_DIR)  # flat keys: every store family makes the prefix
+    store = open_store(records)
     try:
         store.create(key, record.to_json_bytes())  # a StoreError names the key
     finally:
         store.close()
-    logger.info("recorded the rollback to step %d at %s", step, root.url_of(key))
+    logger.info("recorded the rollback to step %d at %s", step, records.url_of(key))
 
 
 def read_rollbacks(root: Location) -> list[Rollback]:
@@ -304,25 +307,25 @@ def read_rollbacks(root: Location) -> list[Rollback]:
     Raises:
         StoreError: The records cannot be listed.
     """
-    store = open_store(root)
+    records = root.child(ROLLBACKS_DIR)
+    store = open_store(records)
     try:
         try:
-            names = sorted(store.listing(ROLLBACKS_DIR))
+            names = sorted(store.listing())
         except Exception as exc:
-            raise translate(exc, url=root.url_of(ROLLBACKS_DIR), action="listing") from exc
+            raise translate(exc, url=records.url, action="listing") from exc
         out = []
-        for name in names:
-            if not name.endswith(".json"):
+        for key in names:
+            if not key.endswith(".json") or key.startswith("."):
                 continue
-            key = f"{ROLLBACKS_DIR}/{name}"
             try:
                 data = store.read_bounded(key, DEFAULT_MAX_METADATA_BYTES)
                 if len(data) > DEFAULT_MAX_METADATA_BYTES:
                     raise ManifestError(f"larger than {DEFAULT_MAX_METADATA_BYTES} bytes")
-                out.append(Rollback.from_json_bytes(data, root.url_of(key)))
+                out.append(Rollback.from_json_bytes(data, records.url_of(key)))
             except Exception as exc:
                 logger.warning(
-                    "rollback record %s is unreadable; skipped: %s", root.url_of(key), exc
+                    "rollback record %s is unreadable; skipped: %s", records.url_of(key), exc
                 )
         return out
     finally:
