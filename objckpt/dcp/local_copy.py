@@ -61,6 +61,9 @@ class LocalCopy:
         self._objects: Mapping[str, ObjectEntry] | None = None
         #: Objects found usable (True) or not (False), by key.
         self._ok: dict[str, bool] = {}
+        #: Files whose bytes were found wrong (not merely unreadable): key -> (the
+        #: file, why), over this object's life.
+        self.damaged: dict[str, tuple[str, str]] = {}
         self._linked = os.path.islink(location.path.rstrip("/"))
         if self._linked:
             logger.warning(
@@ -139,8 +142,11 @@ class LocalCopy:
         self._ok[key] = ok
         return ok
 
-    def distrust(self, key: str, why: str) -> None:
-        """Read ``key`` from the store from now on, logging ``why``."""
+    def distrust(self, key: str, why: str, *, damaged: bool = True) -> None:
+        """Read ``key`` from the store from now on, logging ``why``; ``damaged``:
+        its bytes were read and found wrong (listed in :attr:`damaged`)."""
+        if damaged:
+            self.damaged[key] = (self._key_path(key), why)
         logger.warning(
             "local copy %s is corrupt (%s); reading it from %s instead",
             self.location.url_of(key),
@@ -175,7 +181,7 @@ class LocalCopy:
                 f.seek(start)
                 data = f.read(end - start)
         except OSError as exc:
-            self.distrust(key, str(exc))
+            self.distrust(key, str(exc), damaged=False)
             return None
         if len(data) != end - start:
             self.distrust(key, f"{len(data)} bytes at {start}, not {end - start}")

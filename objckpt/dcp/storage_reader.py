@@ -254,6 +254,11 @@ class ObjectStoreReader(StorageReader):
         return 0 if self._local_copy is None else self._local_copy.bytes_read
 
     @property
+    def local_damaged(self) -> dict[str, tuple[str, str]]:
+        """Objects of the local copy found damaged: key -> (the file, why)."""
+        return {} if self._local_copy is None else dict(self._local_copy.damaged)
+
+    @property
     def requests(self) -> RequestStats:
         """Store requests this reader made on this rank (opening included)."""
         return self._counter.snapshot()

@@ -22,10 +22,31 @@ holding them (:class:`PeerFetch`), checked, into its own replica directory, wher
 they stay: a replacement node holds its part again. Only what no node holds is
 read from the object store; a job restarted on another world size reshards from
 the same mix.
+
+The newest step wins only if its holders agree. A node that was away while the
+run was rolled back (:func:`~objckpt.CheckpointManager.discard_after`) returns with
+its old copy of a discarded step, perhaps beside a new step of the same number.
+So rank 0 compares every node's manifest of a step (attempt id and digest) with
+the others' and with the root's rollback records (:mod:`objckpt.ops.rollback`): a
+copy a record discards is never loaded, it is named in a warning and deleted on its
+node; two copies that disagree with no record to tell them apart make the step
+unusable (the load falls back to the next step down).
+
+One bad copy never blocks a restart. A copy found damaged during the load (its
+CRC32C) or a peer that could not send its files makes the load fail on every rank
+alike (torch's read phase is agreed); the ranks then list again, each naming what
+it found bad (a damaged file of its own node is deleted), and rank 0 decides
+again without those copies: another holder sends them, or the step is no longer
+whole and the load falls back to the newest durable step. At most
+:data:`SURVEYS` decisions per load, each warning names the node that held the
+bad copy.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import hashlib
 import logging
 import os
 import uuid
@@ -49,6 +70,7 @@ from objckpt.format.layout import MANIFEST_KEY, writer_rank
 from objckpt.format.manifest import Manifest
 from objckpt.format.steps import parse_step, step_name
 from objckpt.ops.catalog import StepCatalog, on_rank0
+from objckpt.ops.local_disk import delete_local_step
 from objckpt.ops.peers import (
     FileSpec,
     Holdings,
@@ -59,8 +81,9 @@ from objckpt.ops.peers import (
     replica_dir,
     rounds,
 )
+from objckpt.ops.rollback import Rollback, read_rollbacks
 from objckpt.ops.tiers import LocalTier
-from objckpt.ops.torch_errors import size_mismatch, unwrap
+from objckpt.ops.torch_errors import first_of, size_mismatch, unwrap
 from objckpt.options import ReadOptions
 from objckpt.writers.retry import RetryPolicy
 
@@ -70,6 +93,33 @@ logger = logging.getLogger(__name__)
 
 # What moves a load to the next source (anything else is the caller's mistake).
 _SOURCE_FAILED = (CheckpointNotFoundError, IntegrityError, ManifestError, StoreError)
+
+#: Decisions one load makes at most with replicas on other nodes: the first, and
+#: one again after each load from the nodes that found a bad copy.
+SURVEYS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class BadCopy:
+    """A copy of a step's objects a rank found unusable during a load.
+
+    Attributes:
+        step: The step.
+        rank: The rank holding the copy (its node's ranks hold it alike).
+        keys: The objects.
+        why: What was wrong (a CRC32C mismatch, a failed read on the sender).
+        path: The damaged file on the holder's node, when the finder is on it.
+    """
+
+    step: int
+    rank: int
+    keys: tuple[str, ...]
+    why: str
+    path: str | None = None
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 class Restorer:
@@ -97,8 +147,12 @@ class Restorer:
         self._retry = retry
         self._group = process_group
         self._peers = peers
-        #: Rank 0, during one load: every rank's holdings (None: no peers).
+        #: During one load: the peers' transfers of the step loaded (None: none).
         self._fetch: PeerFetch | None = None
+        #: During one load: the copies this rank found bad since the last decision.
+        self._bad: list[BadCopy] = []
+        #: Rank 0, during one load: (step, node, key) of the copies found bad.
+        self._excluded: set[tuple[int, int, str]] = set()
         #: The step the last load took from the nodes while some of its files were on
         #: fewer nodes than the tier's replicas (to replicate again; None: none).
         self.refill: int | None = None
@@ -108,11 +162,20 @@ class Restorer:
         durable one) into ``state_dict`` in place; returns the step loaded."""
         self.refill = None
         if self._peers is not None:
-            newest, durable = self._survey(step)
-        elif step is not None:
+            return self._load_from_nodes(state_dict, step, read)
+        if step is not None:
             return self._load_step(step, state_dict, read)
-        else:
-            newest, durable = on_rank0(self._catalog.newest, self._group)
+        newest, durable = on_rank0(self._catalog.newest, self._group)
+        return self._load_or_durable(state_dict, step, read, newest, durable)
+
+    def _load_or_durable(
+        self,
+        state_dict: dict[str, Any],
+        step: int | None,
+        read: ReadOptions | None,
+        newest: int,
+        durable: int | None,
+    ) -> int:
         try:
             try:
                 return self._load_step(newest, state_dict, read)
@@ -134,41 +197,138 @@ class Restorer:
             return self._load_step(durable, state_dict, read)
 
     # -- with replicas on other nodes -------------------------------------------------------
-    def _survey(self, step: int | None) -> tuple[int, int | None]:
+    def _load_from_nodes(
+        self, state_dict: dict[str, Any], step: int | None, read: ReadOptions | None
+    ) -> int:
+        """Decide (:meth:`_survey`) and load; a load from the nodes that fails is
+        decided again without the copies found bad, at most :data:`SURVEYS` times.
+        Every rank walks the same: the decision is rank 0's and the load's failure
+        is every rank's (torch's read phase)."""
+        self._excluded = set()
+        self._bad = []
+        failed: set[int] = set()
+        found: list[BadCopy] = []
+        for attempt in range(SURVEYS):
+            newest, durable, from_nodes = self._survey(step, failed, found)
+            found = []
+            if not from_nodes or attempt + 1 == SURVEYS:
+                return self._load_or_durable(state_dict, step, read, newest, durable)
+            try:
+                try:
+                    return self._load_step(newest, state_dict, read)
+                finally:
+                    self._fetch = None
+            except _SOURCE_FAILED as exc:
+                self.refill = None
+                failed.add(newest)
+                found = self._take_bad(newest)
+                logger.warning(
+                    "step %d could not be loaded from the nodes (%s); deciding again "
+                    "without the copies found bad",
+                    newest,
+                    exc,
+                )
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _take_bad(self, step: int) -> list[BadCopy]:
+        """Every rank, after a failed load of ``step`` from the nodes: the copies it
+        found bad; a damaged file of its own tier is deleted (it never loads)."""
+        bad = list(self._bad)
+        self._bad = []
+        tier = self._catalog.local
+        for b in bad:
+            if b.path is None or tier is None:
+                continue
+            inside = os.path.abspath(b.path).startswith(os.path.abspath(tier.path) + os.sep)
+            if inside:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(b.path)
+                    logger.warning(
+                        "deleted %s: this node's copy of %s of step %d is damaged (%s)",
+                        b.path,
+                        ", ".join(b.keys),
+                        step,
+                        b.why,
+                    )
+        return bad
+
+    def _survey(
+        self, step: int | None, failed: set[int] | None = None, found: list[BadCopy] | None = None
+    ) -> tuple[int, int | None, bool]:
         """Every rank: gather what every tier holds on rank 0, which picks the step to
         load (``step``, or the newest whole on the surviving nodes or durable) and
         whether its objects come from the nodes (:meth:`_decide`); rank 0 keeps the
         holdings for the load's transfers. Two collectives.
 
+        ``failed``: steps whose load from the nodes failed in this load; ``found``:
+        the copies this rank found bad since the last decision (gathered with the
+        holdings).
+
         Returns:
-            The step to load and the newest durable one.
+            The step to load, the newest durable one, and whether from the nodes.
         """
         tier = self._catalog.local
         assert tier is not None and self._peers is not None
         mine = list_holdings(tier.path, None if step is None else [step])
-        views = gather_object(mine, self._group) if is_distributed() else [mine]
-        chosen: list[bytes] = []  # rank 0: the chosen step's manifest (not broadcast)
-        newest, durable, from_nodes, refill = broadcast_from_rank0(
-            lambda: self._decide(step, views or [], chosen), self._group
+        gathered = (
+            gather_object((mine, found or []), self._group)
+            if is_distributed()
+            else [(mine, found or [])]
         )
-        manifest = chosen[0] if chosen else None
+        views = None if gathered is None else [v for v, _ in gathered]
+        reports = [] if gathered is None else [b for _, bs in gathered for b in bs]
+        chosen: list[Any] = []  # rank 0: the chosen manifest and views (not broadcast)
+        newest, durable, from_nodes, refill, stale = broadcast_from_rank0(
+            lambda: self._decide(step, views or [], chosen, failed or set(), reports),
+            self._group,
+        )
+        self._delete_stale(stale)
         self._fetch = None
+        self._bad = []
         self.refill = newest if refill else None
         if from_nodes:
             parsed = None
-            if views is not None and manifest is not None:  # rank 0
+            if chosen:  # rank 0
+                manifest, views = chosen
                 parsed = Manifest.from_json_bytes(manifest, url=self._catalog.step_url(newest))
                 self._keep_manifest(newest, manifest)
             self._fetch = PeerFetch(self._peers, newest, tier.path, views, parsed)
-        return newest, durable
+        return newest, durable, from_nodes
+
+    def _delete_stale(self, stale: list[tuple[int, str]]) -> None:
+        """Every rank, one per node: delete this node's step directories (own and
+        replicas) whose manifest is one of ``stale`` ((step, SHA-256): copies of a
+        discarded step, :meth:`_agreed`)."""
+        assert self._peers is not None
+        tier = self._catalog.local
+        me = self._peers.group.rank
+        if not stale or tier is None or self._peers.nodes.local_of[me] != 0:
+            return
+        for step, digest in stale:
+            for path in (os.path.join(tier.path, step_name(step)), replica_dir(tier.path, step)):
+                try:
+                    with open(os.path.join(path, MANIFEST_KEY), "rb") as f:
+                        data = f.read()
+                except OSError:
+                    continue
+                if _digest(data) == digest and delete_local_step(path):
+                    logger.warning(
+                        "deleted %s: a copy of step %d that a rollback discarded", path, step
+                    )
 
     def _decide(
-        self, step: int | None, views: list[Holdings], chosen: list[bytes]
-    ) -> tuple[int, int | None, bool, bool]:
+        self,
+        step: int | None,
+        views: list[Holdings],
+        chosen: list[Any],
+        failed: set[int],
+        reports: list[BadCopy],
+    ) -> tuple[int, int | None, bool, bool, list[tuple[int, str]]]:
         """Rank 0: (step to load, newest durable, whether from the nodes, whether its
         nodes' files must be replicated again after the load: some object is on fewer
         nodes than the tier's replicas, and the job runs on as many ranks as saved
-        it); the chosen step's manifest is appended to ``chosen``."""
+        it, the stale copies every node deletes: (step, manifest SHA-256)); the
+        chosen step's manifest and the holdings to plan from are put in ``chosen``."""
         for r, v in enumerate(views):
             if v.error is not None:
                 logger.warning("rank %d cannot list its local tier %s: %s", r, v.path, v.error)
@@ -176,29 +336,29 @@ class Restorer:
             _, durable = self._catalog.newest()
         except CheckpointNotFoundError:
             durable = None
-        manifests: dict[int, bytes] = {}
-        for v in views:
-            for s, data in v.manifests.items():
-                manifests.setdefault(s, data)
-        candidates = sorted(manifests, reverse=True) if step is None else [step]
+        self._note_bad(reports)
+        views = self._without_excluded(views)
+        stale: list[tuple[int, str]] = []
+        steps = {s for v in views for s in v.manifests}
+        candidates = sorted(steps, reverse=True) if step is None else [step]
+        rollbacks = self._rollbacks() if steps else []
         for s in candidates:
             if step is None and durable is not None and s <= durable:
                 break
-            if s not in manifests:
+            if s in failed and not reports:
+                continue  # failed from the nodes, and no copy was found bad: the same again
+            agreed = self._agreed(s, views, rollbacks, stale)
+            if agreed is None:
                 continue
-            try:
-                manifest = Manifest.from_json_bytes(manifests[s], url=self._catalog.step_url(s))
-            except ManifestError as exc:
-                logger.warning("step %d: the local tiers' manifest is unusable: %s", s, exc)
-                continue
+            data, manifest, holding = agreed
             lost = [
                 o
                 for o in manifest.objects
-                if not any(v.objects.get(s, {}).get(o.key) == o.size for v in views)
+                if not any(v.objects.get(s, {}).get(o.key) == o.size for v in holding)
             ]
             if not lost:
-                chosen.append(manifests[s])
-                return s, durable, True, self._thin(s, manifest, views)
+                chosen[:] = [data, holding]
+                return s, durable, True, self._thin(s, manifest, holding), stale
             ranks = sorted({r for r in (writer_rank(o.key) for o in lost) if r is not None})
             logger.warning(
                 "step %d is committed on the local tier but no surviving node holds all of "
@@ -210,13 +370,132 @@ class Restorer:
                 "" if durable is None else f"; loading step {durable}, the newest durable one",
             )
         if step is not None:
-            return step, durable, False, False
+            return step, durable, False, False, stale
         if durable is None:
             raise CheckpointNotFoundError(
                 f"no committed step under {self._catalog.root.url} nor whole on the local "
                 f"tiers of the nodes that are left"
             )
-        return durable, durable, False, False
+        return durable, durable, False, False, stale
+
+    def _node(self, rank: int) -> str:
+        assert self._peers is not None
+        nodes = self._peers.nodes
+        if rank >= len(nodes.node_of):
+            return f"rank {rank}'s node"
+        return f"node {nodes.names[nodes.node_of[rank]]} (rank {rank})"
+
+    def _rollbacks(self) -> list[Rollback]:
+        """Rank 0: the root's rollback records (none, with a warning, when they cannot
+        be listed: only the holders' agreement is checked then)."""
+        try:
+            return read_rollbacks(self._catalog.root)
+        except Exception as exc:
+            logger.warning(
+                "cannot read the rollback records under %s (%s): a node's copy of a "
+                "discarded step is recognised only where the holders disagree",
+                self._catalog.root.url,
+                exc,
+            )
+            return []
+
+    def _agreed(
+        self,
+        step: int,
+        views: list[Holdings],
+        rollbacks: list[Rollback],
+        stale: list[tuple[int, str]],
+    ) -> tuple[bytes, Manifest, list[Holdings]] | None:
+        """Rank 0: the one manifest of ``step`` its holders agree on, once every copy
+        a rollback record discards is set aside (added to ``stale``, named in a
+        warning), with the holdings to plan from (the ranks holding a set-aside copy
+        count as holding nothing of ``step``); None when no copy is left, one is
+        unusable, or the copies left disagree."""
+        copies: dict[str, tuple[bytes, list[int]]] = {}
+        for r, v in enumerate(views):
+            data = v.manifests.get(step)
+            if data is not None:
+                copies.setdefault(_digest(data), (data, []))[1].append(r)
+        kept: dict[str, tuple[bytes, Manifest, list[int]]] = {}
+        for digest, (data, ranks) in copies.items():
+            try:
+                manifest = Manifest.from_json_bytes(data, url=self._catalog.step_url(step))
+            except ManifestError as exc:
+                logger.warning(
+                    "step %d: the manifest %s holds is unusable: %s",
+                    step,
+                    ", ".join(self._node(r) for r in ranks),
+                    exc,
+                )
+                return None
+            rolled = next((rb for rb in rollbacks if rb.discards(step, data, manifest)), None)
+            if rolled is None:
+                kept[digest] = (data, manifest, ranks)
+                continue
+            stale.append((step, digest))
+            logger.warning(
+                "step %d (attempt %s, committed %s) on %s was discarded by "
+                "discard_after(%d) at %s: it is not loaded, and is deleted there",
+                step,
+                manifest.attempt,
+                manifest.created,
+                ", ".join(self._node(r) for r in ranks),
+                rolled.after,
+                rolled.at,
+            )
+        if len(kept) != 1:
+            if len(kept) > 1:
+                logger.warning(
+                    "step %d: the nodes hold different manifests of it (%s) and no rollback "
+                    "record tells which is current; it is not loaded",
+                    step,
+                    "; ".join(
+                        f"attempt {m.attempt} on {', '.join(self._node(r) for r in ranks)}"
+                        for _, m, ranks in kept.values()
+                    ),
+                )
+            return None
+        data, manifest, _ = next(iter(kept.values()))
+        other = {r for d, (_, ranks) in copies.items() if d not in kept for r in ranks}
+        holding = [
+            v if r not in other else dataclasses.replace(v, objects={}, manifests={})
+            for r, v in enumerate(views)
+        ]
+        return data, manifest, holding
+
+    def _note_bad(self, reports: list[BadCopy]) -> None:
+        """Rank 0: warn of each copy found bad, naming its node; it is not planned
+        from again in this load."""
+        assert self._peers is not None
+        nodes = self._peers.nodes
+        for b in reports:
+            node = nodes.node_of[b.rank] if b.rank < len(nodes.node_of) else -1
+            for key in b.keys:
+                self._excluded.add((b.step, node, key))
+            logger.warning(
+                "step %d: the copy of %s on %s is bad (%s)%s; it is not used again",
+                b.step,
+                ", ".join(b.keys),
+                self._node(b.rank),
+                b.why,
+                f", and {b.path} is deleted" if b.path else "",
+            )
+
+    def _without_excluded(self, views: list[Holdings]) -> list[Holdings]:
+        """The holdings less the copies found bad in this load (by node)."""
+        excluded = self._excluded
+        if not excluded or self._peers is None:
+            return views
+        node_of = self._peers.nodes.node_of
+        out = []
+        for r, v in enumerate(views):
+            node = node_of[r] if r < len(node_of) else -1
+            objects = {
+                s: {k: n for k, n in held.items() if (s, node, k) not in excluded}
+                for s, held in v.objects.items()
+            }
+            out.append(dataclasses.replace(v, objects=objects))
+        return out
 
     def _thin(self, step: int, manifest: Manifest, views: list[Holdings]) -> bool:
         """Whether some object of ``step`` is held by fewer nodes than the tier's
@@ -236,6 +515,15 @@ class Restorer:
             if len(held) < want:
                 return True
         return False
+
+    def _note_damaged(self, reader: ObjectStoreReader, url: str) -> None:
+        """The local copies ``reader`` found damaged, as bad copies of this rank's."""
+        step = parse_step(url)
+        if step is None or self._peers is None or not reader.local_damaged:
+            return
+        me = self._peers.group.rank
+        for key, (path, why) in sorted(reader.local_damaged.items()):
+            self._bad.append(BadCopy(step, me, (key,), why, path))
 
     def _keep_manifest(self, step: int, data: bytes) -> None:
         """Rank 0: the step's manifest in its own tier, when its node holds none (it
@@ -334,12 +622,18 @@ class Restorer:
                 )
         except BaseException as exc:
             logger.info("load of %s failed on this rank after %s", url, reader.requests.summary())
+            self._note_damaged(reader, url)
+            if fetch is not None:
+                self._bad.extend(fetch.bad)
             mismatch = size_mismatch(exc)
             if mismatch is not None:
                 raise StateDictMismatchError(
                     f"the state dict does not fit {url}: {mismatch}"
                 ) from exc
-            inner = unwrap(exc)
+            # A source failure on any rank is every rank's (the others name it as a
+            # peer's: "rank 1 could not read the replicated items ..."), so every
+            # rank moves on to the same next source.
+            inner = first_of(exc, _SOURCE_FAILED) or unwrap(exc)
             if inner is exc:
                 raise
             raise inner from exc
@@ -381,6 +675,8 @@ class PeerFetch:
         self._tier_path = tier_path
         self._views = views
         self._entries = {} if manifest is None else {o.key: o for o in manifest.objects}
+        #: What this rank did not receive: the sender's copies, found bad.
+        self.bad: list[BadCopy] = []
 
     def schedule(self, needs: list[set[str]]) -> list[Any]:
         """Rank 0: for each rank, the objects it reads and its node lacks, each from
@@ -485,6 +781,7 @@ class PeerFetch:
                 )
             if received is not None and recv is not None:
                 errors.append(f"{len(recv.keys)} object(s) from rank {recv.src}: {received}")
+                self.bad.append(BadCopy(self.step, recv.src, recv.keys, received))
         if errors:
             # An IntegrityError: the load moves on (backups, then the newest durable step).
             raise IntegrityError(

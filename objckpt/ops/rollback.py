@@ -16,26 +16,52 @@ with the newest step of the catalog's last listing (which rank 0 makes and
 broadcasts) and the steps every rank's ``save()`` calls started, and the discard
 lists once on rank 0, which deletes on the root and the backups while every rank
 deletes its own node's local-tier directories, then lists again for every rank.
+
+With a local tier, a discarded step can come back from a node: one that was away
+during the discard (its disk intact) still holds its copy, and a restart would load
+it. So the discard leaves a **rollback record** on the root before it deletes
+anything, ``<root>/rollbacks/<time>-<id>.json`` (outside every step directory, so
+listings, retention and gc never take it for a step): the step rolled back to, the
+time (UTC, seconds), and the attempt id and SHA-256 of every manifest of a step above
+it that some node held then. A restart (:mod:`objckpt.ops.restore`) never loads a
+node's copy of a step above a record's step whose manifest the record names, or
+that was committed before the record's time. And every rank's local deletion is
+agreed: a rank whose listing or deletion failed (a replica manifest may survive
+there) makes the call raise on every rank, naming that rank and the path; calling
+again finishes the job.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import hashlib
+import json
 import logging
 import os
+import uuid
+from collections.abc import Mapping
 from typing import Any
 
-from objckpt.dcp.collective import fail_together
-from objckpt.errors import SaveDeadlineError, StoreError
+import torch.distributed as dist
+
+from objckpt.dcp.collective import fail_together, gather_object, is_distributed
+from objckpt.errors import ManifestError, SaveDeadlineError, StoreError
+from objckpt.format.bounds import DEFAULT_MAX_METADATA_BYTES
+from objckpt.format.manifest import Manifest
 from objckpt.format.steps import step_name
 from objckpt.ops.catalog import StepCatalog, on_rank0
 from objckpt.ops.durable import DurableSteps
 from objckpt.ops.local_disk import delete_local_step, list_tier
-from objckpt.ops.peers import replica_dir
+from objckpt.ops.peers import list_holdings, replica_dir
 from objckpt.ops.saving import SaveFlow
 from objckpt.ops.tiers import LocalTier
 from objckpt.pipeline.lifetime import run_bounded
+from objckpt.writers import open_store
+from objckpt.writers.location import Location
+from objckpt.writers.translate import translate
 
-__all__ = ["discard_after"]
+__all__ = ["ROLLBACKS_DIR", "Rollback", "discard_after", "read_rollbacks"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,9 +103,33 @@ def discard_after(
     fail_together(failure, f"discarding the steps above {step}", process_group)
     catalog.reload()
     doomed = catalog.above(step)
-    on_rank0(lambda: durable.discard_after(step, timeout=SETTLE_TIMEOUT), process_group)
+    held: dict[int, set[bytes]] = {}
     if local is not None:
-        _discard_local(local, step)
+        # Every node's manifests above the step, for the record (a collective).
+        mine = list_holdings(local.location.path)
+        unlisted = None
+        if mine.error is not None:
+            unlisted = StoreError(
+                f"rank {rank_of(process_group)} cannot list its local tier {mine.path} to "
+                f"discard the steps above {step}: {mine.error}; nothing was discarded "
+                "(call discard_after again)"
+            )
+        fail_together(unlisted, f"listing the local tiers above step {step}", process_group)
+        above = {s: m for s, m in mine.manifests.items() if s > step}
+        views = gather_object(above, process_group) if is_distributed() else [above]
+        for view in views or ():
+            for s, data in view.items():
+                held.setdefault(s, set()).add(data)
+
+    def discard_durable() -> list[int]:
+        if local is not None:
+            _record(catalog.root, step, held)
+        return durable.discard_after(step, timeout=SETTLE_TIMEOUT)
+
+    on_rank0(discard_durable, process_group)
+    if local is not None:
+        error = _discard_local(local, step, rank_of(process_group))
+        fail_together(error, f"discarding the local steps above {step}", process_group)
     catalog.forget_after(step)
     catalog.reload()
     left = catalog.above(step)
@@ -100,14 +150,29 @@ def discard_after(
     return doomed
 
 
-def _discard_local(tier: LocalTier, step: int) -> None:
+def rank_of(process_group: Any | None) -> int:
+    """This process's rank in ``process_group`` (0 without torch.distributed)."""
+    if not is_distributed():
+        return 0
+    return int(dist.get_rank(process_group))
+
+
+def _discard_local(tier: LocalTier, step: int, rank: int) -> StoreError | None:
     """This rank's local directories of steps above ``step``, committed or not (never
-    through a link; :mod:`objckpt.ops.local_disk`)."""
+    through a link; :mod:`objckpt.ops.local_disk`).
+
+    Returns:
+        Why a step above ``step`` may still be committed on this node (its tier
+        could not be listed, or a manifest above ``step`` is still there after the
+        deletion), naming this rank and the path; None when none is.
+    """
     root = tier.location.path
     listing = list_tier(root)
     if listing.error is not None:
-        logger.warning("cannot list the local tier %s to discard steps: %s", root, listing.error)
-        return
+        return StoreError(
+            f"rank {rank} cannot list its local tier {root} to discard the steps above "
+            f"{step}: {listing.error}; nothing there was discarded (call discard_after again)"
+        )
     # Replicas first: a replica of the coordinator's manifest would keep a discarded
     # step committed on this node (a restart would load it from the nodes).
     for s in sorted((s for s in listing.replicas_present if s > step), reverse=True):
@@ -118,3 +183,150 @@ def _discard_local(tier: LocalTier, step: int) -> None:
         path = os.path.join(root, step_name(s))
         if delete_local_step(path):
             logger.info("discarded local step %d at %s", s, path)
+    # A manifest still there keeps a discarded step committed on this node.
+    after = list_tier(root)
+    if after.error is not None:
+        return StoreError(
+            f"rank {rank} cannot list its local tier {root} after discarding the steps above "
+            f"{step}: {after.error} (call discard_after again)"
+        )
+    left = [os.path.join(root, step_name(s)) for s in sorted(after.committed) if s > step] + [
+        replica_dir(root, s) for s in sorted(after.replicas_committed) if s > step
+    ]
+    if left:
+        return StoreError(
+            f"rank {rank} could not delete the manifest of {', '.join(left)} (see the log): "
+            f"those steps above {step} are still committed on its node; call "
+            "discard_after again"
+        )
+    return None
+
+
+# -- the rollback record ---------------------------------------------------------------
+#: Where the root keeps its rollback records (outside every step directory).
+ROLLBACKS_DIR = "rollbacks"
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _instant(text: str) -> datetime.datetime | None:
+    try:
+        t = datetime.datetime.fromisoformat(text)
+    except (TypeError, ValueError):
+        return None
+    return t if t.tzinfo is not None else t.replace(tzinfo=datetime.timezone.utc)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollback:
+    """One ``discard_after`` as the root records it.
+
+    Attributes:
+        after: The step the run went back to.
+        at: When (ISO 8601, UTC, seconds).
+        discarded: Step -> the (attempt id, SHA-256) of each manifest of it that
+            some node held at the discard.
+    """
+
+    after: int
+    at: str
+    discarded: Mapping[int, frozenset[tuple[str, str]]]
+
+    def discards(self, step: int, data: bytes, manifest: Manifest) -> bool:
+        """Whether a node's copy of ``step`` (manifest bytes ``data``) was discarded:
+        its attempt or digest is recorded, or it was committed before the rollback."""
+        if step <= self.after:
+            return False
+        digest = _digest(data)
+        if any(
+            (a and a == manifest.attempt) or d == digest for a, d in self.discarded.get(step, ())
+        ):
+            return True
+        made, at = _instant(manifest.created), _instant(self.at)
+        return made is not None and at is not None and made < at
+
+    def to_json_bytes(self) -> bytes:
+        steps = {
+            str(s): [{"attempt": a, "sha256": d} for a, d in sorted(v)]
+            for s, v in sorted(self.discarded.items())
+        }
+        return json.dumps({"after": self.after, "at": self.at, "discarded": steps}).encode()
+
+    @classmethod
+    def from_json_bytes(cls, data: bytes, url: str) -> Rollback:
+        """Raises: ManifestError: ``data`` is no rollback record (naming ``url``)."""
+        try:
+            doc = json.loads(data)
+            after, at = doc["after"], doc["at"]
+            if not isinstance(after, int) or not isinstance(at, str):
+                raise TypeError("after or at")
+            discarded = {
+                int(s): frozenset((str(e["attempt"]), str(e["sha256"])) for e in entries)
+                for s, entries in doc.get("discarded", {}).items()
+            }
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise ManifestError(f"{url} is no rollback record: {exc}") from exc
+        return cls(after, at, discarded)
+
+
+def _record(root: Location, step: int, held: Mapping[int, set[bytes]]) -> None:
+    """Rank 0: write the rollback record of ``discard_after(step)`` (create-only).
+
+    Raises:
+        StoreError: It could not be written (then nothing is discarded).
+    """
+    discarded: dict[int, frozenset[tuple[str, str]]] = {}
+    for s, copies in held.items():
+        entries = set()
+        for data in copies:
+            try:
+                attempt = Manifest.from_json_bytes(data, url=root.url).attempt
+            except ManifestError:
+                attempt = ""
+            entries.add((attempt, _digest(data)))
+        discarded[s] = frozenset(entries)
+    at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    record = Rollback(step, at, discarded)
+    stamp = at[:19].replace("-", "").replace(":", "")
+    key = f"{stamp}-{uuid.uuid4().hex[:16]}.json"
+    records = root.child(ROLLBACKS_DIR)  # flat keys: every store family makes the prefix
+    store = open_store(records)
+    try:
+        store.create(key, record.to_json_bytes())  # a StoreError names the key
+    finally:
+        store.close()
+    logger.info("recorded the rollback to step %d at %s", step, records.url_of(key))
+
+
+def read_rollbacks(root: Location) -> list[Rollback]:
+    """Every rollback record under ``root`` (one listing, one read each); a record
+    that cannot be read is skipped with a warning.
+
+    Raises:
+        StoreError: The records cannot be listed.
+    """
+    records = root.child(ROLLBACKS_DIR)
+    store = open_store(records)
+    try:
+        try:
+            names = sorted(store.listing())
+        except Exception as exc:
+            raise translate(exc, url=records.url, action="listing") from exc
+        out = []
+        for key in names:
+            if not key.endswith(".json") or key.startswith("."):
+                continue
+            try:
+                data = store.read_bounded(key, DEFAULT_MAX_METADATA_BYTES)
+                if len(data) > DEFAULT_MAX_METADATA_BYTES:
+                    raise ManifestError(f"larger than {DEFAULT_MAX_METADATA_BYTES} bytes")
+                out.append(Rollback.from_json_bytes(data, records.url_of(key)))
+            except Exception as exc:
+                logger.warning(
+                    "rollback record %s is unreadable; skipped: %s", records.url_of(key), exc
+                )
+        return out
+    finally:
+        store.close()

@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from objckpt.errors import ObjckptError
 
-__all__ = ["size_mismatch", "unwrap"]
+__all__ = ["first_of", "size_mismatch", "unwrap"]
 
 
 def _failures(exc: BaseException) -> list[BaseException]:
@@ -26,6 +26,12 @@ def _failures(exc: BaseException) -> list[BaseException]:
 def unwrap(exc: BaseException) -> BaseException:
     """The objckpt error torch's ``CheckpointException`` carries, else ``exc``."""
     return next((e for e in _failures(exc) if isinstance(e, ObjckptError)), exc)
+
+
+def first_of(exc: BaseException, types: tuple[type[BaseException], ...]) -> BaseException | None:
+    """The first per-rank error torch's ``CheckpointException`` carries (in rank
+    order, the same on every rank) that is one of ``types``, else None."""
+    return next((e for e in _failures(exc) if isinstance(e, types)), None)
 
 
 def size_mismatch(exc: BaseException) -> BaseException | None:

@@ -145,6 +145,86 @@ def test_discard_after_deletes_the_replicas_above_the_step(
         assert step_name(2) not in _names(local / node), node
 
 
+def test_discard_after_fails_on_every_rank_when_a_node_cannot_list_its_tier(
+    s3_bucket: StoreTarget, s3_proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """Node 1's listing of its tier fails once (EIO) during ``discard_after(1)``.
+    Before: every rank reported step 2 discarded while node 1 kept its replica of the
+    manifest, and the next restart loaded step 2. Now the call raises on every rank
+    (naming the rank and the tier); called again it discards step 2 everywhere."""
+    local, url = tmp_path / "local", s3_bucket.url("discard-eio")
+    options = _options(s3_proxy, local)
+    _run(lost_node_ranks.save_durable_then_local, 4, tmp_path, url, options)
+    _run(lost_node_ranks.discard_while_a_listing_fails, 4, tmp_path, url, options)
+    for node in ("node0", "node1"):
+        assert step_name(2) not in _names(local / node / "replicas"), node
+        assert step_name(2) not in _names(local / node), node
+    _run(lost_node_ranks.restart_and_load, 4, tmp_path, url, {**options, "expect": 1})
+
+
+def test_a_node_returning_with_a_discarded_step_never_brings_it_back(
+    s3_bucket: StoreTarget, s3_proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """Job A saves step 2 (local only); node 0 drops out with its disk intact; job B,
+    on a replacement node, discards step 2 and saves a new step 2 (other values).
+    Node 0 returns with its old disk. Before: the restart loaded the discarded step 2
+    (the first manifest found). Now the holders' copies are compared with each other
+    and with the root's rollback record: the new step 2 loads, and node 0's stale
+    copy is named and deleted."""
+    local, url = tmp_path / "local", s3_bucket.url("returning")
+    options = _options(s3_proxy, local)
+    _run(lost_node_ranks.save_durable_then_local, 4, tmp_path, url, options)
+    os.rename(local / "node0", local / "node0-away")
+    _run(lost_node_ranks.discard_and_save_again, 4, tmp_path, url, options)
+    shutil.rmtree(local / "node0")
+    os.rename(local / "node0-away", local / "node0")
+    _run(lost_node_ranks.restart_and_load, 4, tmp_path, url, {**options, "expect": 2, "value": 202})
+    warnings = (local / "warnings.txt").read_text()
+    assert "group-rank 0" in warnings and "discarded" in warnings, warnings
+    # Again: the stale copy is gone, the new step 2 still loads.
+    _run(lost_node_ranks.restart_and_load, 4, tmp_path, url, {**options, "expect": 2, "value": 202})
+
+
+def test_a_flipped_bit_in_the_only_copy_falls_back_to_the_durable_step_every_time(
+    s3_bucket: StoreTarget, s3_proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """Node 1 lost; one bit flipped in node 0's copy of rank 1's payload of step 2
+    (local only; its other copy was on node 1). Before: the CRC check caught it, then
+    every restart raised ("rank 1 could not read the replicated items ... The
+    specified key does not exist"). Now every restart loads step 1 (durable),
+    warning which node held the bad copy."""
+    local, url = tmp_path / "local", s3_bucket.url("flipped")
+    options = _options(s3_proxy, local, expect=1)
+    _run(lost_node_ranks.save_durable_then_local, 4, tmp_path, url, options)
+    shutil.rmtree(local / "node1")
+    payload = next(
+        p
+        for p in sorted((local / "node0" / step_name(2)).iterdir())
+        if p.name.startswith("__1_") and p.name.endswith(".distcp")
+    )
+    blob = bytearray(payload.read_bytes())
+    blob[100] ^= 0x10  # in the first item: the pickled "step", which every rank reads
+    payload.write_bytes(bytes(blob))
+    _run(lost_node_ranks.restart_and_load, 4, tmp_path, url, options)
+    warnings = (local / "warnings.txt").read_text()
+    assert "group-rank 0" in warnings and payload.name in warnings, warnings
+    _run(lost_node_ranks.restart_and_load, 4, tmp_path, url, options)
+
+
+def test_a_sender_failing_during_a_restore_ends_every_rank_on_the_same_fallback(
+    s3_bucket: StoreTarget, s3_proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """Node 1 lost; node 0's reads of the replicas it is to send fail (EIO): every
+    rank loads step 1 (durable), bit-exact, in the same load."""
+    local, url = tmp_path / "local", s3_bucket.url("sender-fails")
+    options = _options(s3_proxy, local, expect=1)
+    _run(lost_node_ranks.save_durable_then_local, 4, tmp_path, url, options)
+    shutil.rmtree(local / "node1")
+    _run(lost_node_ranks.restart_with_a_failing_sender, 4, tmp_path, url, options)
+    warnings = (local / "warnings.txt").read_text()
+    assert "loading step 1" in warnings or "step 1" in warnings, warnings
+
+
 def test_a_peer_dying_mid_transfer_never_hangs_the_others_and_the_step_stays_local(
     s3_bucket: StoreTarget, s3_proxy: FaultProxy, tmp_path: Path
 ) -> None:

@@ -88,3 +88,39 @@ def test_a_save_below_the_newest_step_is_refused_on_both_ranks(
     run_ranks(rollback_ranks, *args)
     steps = sorted(s.step for s in committed_steps(Location.parse(url, s3_bucket.storage_options)))
     assert steps == [10, 11]
+
+
+def test_a_rollback_record_names_the_discarded_copies_by_attempt_digest_and_time(
+    tmp_path,
+) -> None:
+    """What a restart checks a node's manifest against: written create-only under
+    ``<root>/rollbacks/`` (outside step directories), read back whole; a copy of a
+    step above the record's step is discarded by its attempt id, its digest, or a
+    commit time before the rollback; a step at or below it, or committed after it
+    under another attempt, is not; an unreadable record is skipped."""
+    from types import SimpleNamespace
+    from typing import Any, cast
+
+    from objckpt.ops.rollback import ROLLBACKS_DIR, Rollback, _record, read_rollbacks
+
+    root = Location.parse(str(tmp_path / "root"))
+    os.makedirs(root.path)
+    old: Any = SimpleNamespace(attempt="aaaa", created="2026-01-01T00:00:00+00:00")
+    _record(root, 1, {2: {b'{"old": 2}'}})
+    (tmp_path / "root" / ROLLBACKS_DIR / "garbage.json").write_bytes(b"[not a record")
+    [record] = read_rollbacks(root)
+    assert record.after == 1 and set(record.discarded) == {2}
+    assert record.discards(2, b'{"old": 2}', old)  # digest (and time)
+    later = cast(Any, SimpleNamespace(attempt="aaaa", created="2999-01-01T00:00:00+00:00"))
+    assert not record.discards(2, b"{}", later)  # another digest, committed after
+    [(attempt, _)] = record.discarded[2]
+    assert attempt == ""  # not a manifest: matched by its digest only
+    assert not record.discards(
+        2, b"{}", cast(Any, SimpleNamespace(attempt="", created=later.created))
+    )
+    by_attempt = Rollback(1, record.at, {2: frozenset({("bbbb", "0" * 64)})})
+    same_attempt = cast(Any, SimpleNamespace(attempt="bbbb", created=later.created))
+    assert by_attempt.discards(2, b"{}", same_attempt)
+    assert not record.discards(1, b'{"old": 2}', old)  # the step rolled back to stays
+    assert record.discards(3, b"{}", old)  # unknown copy, committed before the rollback
+    assert step_name(2) not in os.listdir(root.path)

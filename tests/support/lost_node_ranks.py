@@ -23,6 +23,7 @@ from dist_helpers import blank_tiered_state, full_state, tiered_state
 from ranks import init_ranks
 
 import objckpt
+import objckpt.errors
 
 
 def _join(rank: int, world: int, init_file: str, per_node: int) -> Any:
@@ -94,8 +95,9 @@ def save_durable_then_local(
 
 
 def restart_and_load(rank: int, world: int, init_file: str, url: str, o: dict[str, Any]) -> None:
-    """Restart on ``world`` ranks and load the newest step: ``o["expect"]``, bit-exact;
-    rank 0 writes the warnings it logged to ``<local>/warnings.txt``."""
+    """Restart on ``world`` ranks and load the newest step: ``o["expect"]``, bit-exact
+    (its values ``full_state() + o["value"]``, the step by default); rank 0 writes
+    the warnings it logged to ``<local>/warnings.txt``."""
     mesh = _join(rank, world, init_file, o["per_node"])
     seen: list[str] = []
     handler = logging.Handler(logging.WARNING)
@@ -106,8 +108,9 @@ def restart_and_load(rank: int, world: int, init_file: str, url: str, o: dict[st
             got = blank_tiered_state(mesh)
             step = mgr.load(got)
             assert step == o["expect"], (rank, step)
+            value = o.get("value", step)
             for k, v in full_state().items():
-                assert torch.equal(got["model"][k].full_tensor(), v + step), (rank, k)
+                assert torch.equal(got["model"][k].full_tensor(), v + value), (rank, k)
             assert got["step"] == step
             mgr.wait_until_finished()  # a replaced node's replicas are sent again
         if rank == 0:
@@ -208,3 +211,86 @@ def peer_dies_mid_transfer(
             f,
         )
     os._exit(0)  # the group lost a member: no teardown that would wait for it
+
+
+@contextlib.contextmanager
+def _unlistable_once(path: str) -> Iterator[None]:
+    """The first listing of the directory ``path`` in this process fails with EIO."""
+    real = os.scandir
+    failed: list[str] = []
+
+    def scandir(p: Any = ".") -> Any:
+        if not failed and os.path.abspath(os.fspath(p)) == os.path.abspath(path):
+            failed.append(path)
+            raise OSError(errno.EIO, os.strerror(errno.EIO), os.fspath(p))
+        return real(p)
+
+    with mock.patch("os.scandir", scandir):
+        yield
+
+
+def discard_while_a_listing_fails(
+    rank: int, world: int, init_file: str, url: str, o: dict[str, Any]
+) -> None:
+    """``discard_after(1)`` while node 1's listing of its tier fails once: the call
+    raises on every rank, naming node 1's rank and its tier; called again, it
+    discards step 2 everywhere and the load resumes from step 1."""
+    mesh = _join(rank, world, init_file, o["per_node"])
+    node = rank // o["per_node"]
+    tier = os.path.join(o["local"], f"node{node}")
+    try:
+        with _manager(rank, url, o) as mgr:
+            failing = _unlistable_once(tier) if node == 1 else contextlib.nullcontext()
+            raised = None
+            with failing:
+                try:
+                    mgr.discard_after(1)
+                except objckpt.errors.ObjckptError as exc:
+                    raised = str(exc)
+            assert raised is not None, f"rank {rank}: discard_after(1) returned while node 1 "
+            assert ("rank 2" in raised or "rank 3" in raised) and os.path.join(
+                o["local"], "node1"
+            ) in raised, raised
+            assert mgr.discard_after(1) == [2], rank
+            got = blank_tiered_state(mesh)
+            assert mgr.load(got) == 1, rank
+            assert torch.equal(got["model"]["w"].full_tensor(), full_state()["w"] + 1), rank
+    finally:
+        dist.destroy_process_group()
+
+
+def discard_and_save_again(
+    rank: int, world: int, init_file: str, url: str, o: dict[str, Any]
+) -> None:
+    """Job B: ``discard_after(1)``, then a new step 2 (values ``full_state() + 202``),
+    local only and replicated."""
+    mesh = _join(rank, world, init_file, o["per_node"])
+    try:
+        with _manager(rank, url, o) as mgr:
+            assert mgr.discard_after(1) == [2], rank
+            state = tiered_state(mesh, 202)
+            state["step"] = 2
+            assert mgr.save(2, state, promote=False).wait_replicated(), rank
+            mgr.wait_until_finished()
+    finally:
+        dist.destroy_process_group()
+
+
+def restart_with_a_failing_sender(
+    rank: int, world: int, init_file: str, url: str, o: dict[str, Any]
+) -> None:
+    """Node 1 was lost: its files of step 2 come from node 0's replicas, and every
+    read of a replica on node 0's sending side fails (EIO). Every rank loads the
+    same fallback: step 1 (durable), bit-exact."""
+    from objckpt.ops import peers
+
+    real = open
+
+    def failing(path: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        if "/replicas/" in os.fspath(path) and "r" in mode:
+            raise OSError(errno.EIO, os.strerror(errno.EIO), os.fspath(path))
+        return real(path, mode, *args, **kwargs)
+
+    if rank // o["per_node"] == 0:
+        peers.open = failing  # type: ignore[attr-defined]
+    restart_and_load(rank, world, init_file, url, o)
