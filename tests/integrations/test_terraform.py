@@ -1,5 +1,6 @@
 """terraform/: parses, keeps its safety settings, maps onto the config file, and
-grants exactly the S3 actions objckpt's code issues (recorded through a proxy).
+grants exactly the S3 actions objckpt's code issues (recorded through a proxy); the
+Azure module's roles are scoped to the container.
 
 `terraform fmt -check` and checkov run outside pytest (`make iac`): they need a
 venv of their own (see the Makefile).
@@ -30,8 +31,9 @@ REPO = Path(__file__).resolve().parents[2]
 TF = REPO / "terraform"
 AWS = TF / "modules" / "aws-checkpoint-buckets"
 GCP = TF / "modules" / "gcp-checkpoint-bucket"
-MODULES = (AWS, GCP)
-EXAMPLES = (TF / "examples" / "aws", TF / "examples" / "gcp")
+AZURE = TF / "modules" / "azure-checkpoint-storage"
+MODULES = (AWS, GCP, AZURE)
+EXAMPLES = (TF / "examples" / "aws", TF / "examples" / "gcp", TF / "examples" / "azure")
 _OPTIONS = SerializationOptions(
     strip_string_quotes=True, with_comments=False, explicit_blocks=False
 )
@@ -129,8 +131,26 @@ def test_every_variable_is_typed_and_described(directory: Path) -> None:
                 "noncurrent_version_days",
             },
         ),
+        (
+            AZURE,
+            {
+                "storage_account_name",
+                "container_name",
+                "account_replication_type",
+                "replica_storage_account_name",
+                "backup_mode",
+                "run_prefix",
+                "run_name",
+                "training_principals",
+                "reader_principals",
+                "soft_delete_days",
+                "noncurrent_version_days",
+                "change_feed_retention_days",
+                "immutability_days",
+            },
+        ),
     ],
-    ids=["aws", "gcp"],
+    ids=["aws", "gcp", "azure"],
 )
 def test_input_that_can_be_wrong_is_validated(module: Path, validated: set[str]) -> None:
     variables = _variables(_parse(module))
@@ -240,6 +260,77 @@ def test_gcp_bucket_settings() -> None:
     assert "google_project_iam_custom_role.objckpt" in member["role"]
 
 
+# -- Azure safety settings -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def azure() -> dict[str, list[Any]]:
+    return _parse(AZURE)
+
+
+def test_azure_accounts_are_private_versioned_and_soft_deleting(azure) -> None:
+    for name in ("primary", "replica"):
+        account = _blocks(azure, "resource", "azurerm_storage_account")[name]
+        assert account["account_kind"] == "StorageV2"
+        assert account["https_traffic_only_enabled"] is True
+        assert account["min_tls_version"] == "TLS1_2"
+        assert account["allow_nested_items_to_be_public"] is False
+        assert account["shared_access_key_enabled"] == "${var.shared_access_key_enabled}"
+        assert account["default_to_oauth_authentication"] is True
+        assert account["is_hns_enabled"] is False
+        assert account["cross_tenant_replication_enabled"] is False
+        blob = _one(account["blob_properties"])
+        assert blob["versioning_enabled"] is True
+        assert _one(blob["delete_retention_policy"])["days"] == "${var.soft_delete_days}"
+        assert _one(blob["container_delete_retention_policy"])["days"] == "${var.soft_delete_days}"
+        container = _blocks(azure, "resource", "azurerm_storage_container")[name]
+        assert container["container_access_type"] == "private"
+    variables = _variables(azure)
+    assert variables["shared_access_key_enabled"]["default"] is False
+    assert variables["immutability_days"]["default"] is None  # WORM is opt-in
+    primary = _blocks(azure, "resource", "azurerm_storage_account")["primary"]
+    # Object replication reads the source's change feed.
+    assert "local.replicated" in str(_one(primary["blob_properties"])["change_feed_enabled"])
+    assert "immutability_policy" in str(primary.get("dynamic"))
+
+
+def test_azure_lifecycle_deletes_old_versions_and_snapshots(azure) -> None:
+    for name in ("primary", "replica"):
+        policy = _blocks(azure, "resource", "azurerm_storage_management_policy")[name]
+        rule = _one(policy["rule"])
+        assert rule["enabled"] is True
+        filters = _one(rule["filters"])
+        assert filters["prefix_match"] == ["${var.container_name}/${var.run_prefix}/"]
+        actions = _one(rule["actions"])
+        assert "delete_after_days_since_creation" in _one(actions["version"])
+        assert "delete_after_days_since_creation_greater_than" in _one(actions["snapshot"])
+
+
+def test_azure_object_replication_covers_the_run_prefix(azure) -> None:
+    replication = _blocks(azure, "resource", "azurerm_storage_object_replication")["backup"]
+    assert "local.replicated" in replication["count"]
+    assert replication["source_storage_account_id"] == "${azurerm_storage_account.primary.id}"
+    assert "azurerm_storage_account.replica" in replication["destination_storage_account_id"]
+    rule = _one(replication["rules"])
+    assert rule["filter_out_blobs_with_prefix"] == ["${var.run_prefix}/"]
+
+
+def test_azure_roles_are_scoped_to_the_container(azure) -> None:
+    local = azure["locals"][0]
+    for name in ("primary_scope", "replica_scope"):
+        assert "/blobServices/default/containers/" in local[name], name
+    roles = _blocks(azure, "resource", "azurerm_role_assignment")
+    assert roles["training_primary"]["role_definition_name"] == "Storage Blob Data Contributor"
+    assert roles["training_primary"]["scope"] == "${local.primary_scope}"
+    assert "local.replica_scope" in roles["training_replica"]["scope"]
+    # A replicated replica is read-only to clients: training only reads it.
+    assert "Storage Blob Data Reader" in local["replica_training_role"]
+    assert roles["reader"]["role_definition_name"] == "Storage Blob Data Reader"
+    for role in roles.values():  # never an account's ID: always a container scope
+        assert role["scope"].startswith("${") and "local." in role["scope"], role
+        assert "azurerm_storage_account" not in role["scope"], role
+
+
 # -- outputs -> the objckpt config file -----------------------------------------------------
 
 
@@ -304,6 +395,37 @@ def test_gcp_config_output_is_a_valid_objckpt_config(has_backup: bool, replicate
     assert len(cfg.backups) == int(has_backup)
     if replicated:
         assert cfg.backups[0].mode == "replicated" and cfg.backups[0].replica_timeout == 7200
+
+
+@pytest.mark.parametrize(
+    ("has_backup", "replicated"), [(False, False), (True, False), (True, True)]
+)
+def test_azure_config_output_is_a_valid_objckpt_config(has_backup: bool, replicated: bool) -> None:
+    outputs = _outputs(_parse(AZURE))
+    assert {"root", "storage_options", "backups", "objckpt_config"} <= set(outputs)
+    text = _render(
+        (AZURE / "objckpt.toml.tftpl").read_text(),
+        {
+            "root": "az://checkpoints/runs/run-1",
+            "account": "llmckptp",
+            "has_backup": has_backup,
+            "replicated": replicated,
+            "backup_url": "az://checkpoints/runs/run-1" if has_backup else "",
+            "backup_account": "llmckptr" if has_backup else "",
+            "backup_mode": "replicated" if replicated else "copy",
+            "replica_timeout": 3600,
+        },
+    )
+    cfg = parse_config(text, source="azure.toml", environ={})
+    assert cfg.root == "az://checkpoints/runs/run-1"
+    assert cfg.storage_options == {"account_name": "llmckptp", "anon": False}
+    assert len(cfg.backups) == int(has_backup)
+    if has_backup:
+        (backup,) = cfg.backups
+        assert backup.storage_options == {"account_name": "llmckptr", "anon": False}
+        assert backup.mode == ("replicated" if replicated else "copy")
+    if replicated:
+        assert cfg.backups[0].replica_timeout == 3600
 
 
 # -- IAM: exactly the actions objckpt uses ----------------------------------------------------
