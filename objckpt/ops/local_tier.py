@@ -131,6 +131,7 @@ class LocalTierControl:
                 peers.nodes,
                 peers.group.rank,
                 max_waiting=options.max_in_flight,
+                save_timeout=options.barrier_timeout,
                 on_settled=lambda _step: self._apply_retention(),
             )
         )

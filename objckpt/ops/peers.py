@@ -550,6 +550,7 @@ class PeerGroup:
         Raises:
             PeerSilentError: A peer did not answer in time; it names that peer (the
                 one waited on: the sender when nothing arrived, else the receiver).
+            PeerWireError: The connection to a peer closed.
         """
         works: list[tuple[Any, int, str]] = []
         if inp is not None and src is not None:
@@ -565,12 +566,22 @@ class PeerGroup:
                 continue
             seconds = self._wait_seconds()
             try:
-                if seconds <= 0:
-                    raise RuntimeError("the step's time was up")
-                w.wait(datetime.timedelta(seconds=seconds))
+                if seconds <= 0 and not w.is_completed():
+                    raise PeerSilentError(
+                        f"rank {peer} {what} nothing before the step's deadline", rank=peer
+                    )
+                w.wait(datetime.timedelta(seconds=max(seconds, 0.001)))
             except RuntimeError as exc:
-                raise PeerSilentError(
-                    f"rank {peer} {what} nothing within {seconds:.0f} s: {exc}", rank=peer
+                # gloo closes every pair of a rank whose wait timed out: only a wait of
+                # this rank's own that timed out names a silent peer; a closed
+                # connection is a bystander's view of someone else's timeout.
+                if "timed out" in str(exc).lower():
+                    raise PeerSilentError(
+                        f"rank {peer} {what} nothing within {seconds:.0f} s: {exc}", rank=peer
+                    ) from exc
+                raise PeerWireError(
+                    f"the connection to rank {peer} closed (a wait elsewhere timed out, or "
+                    f"rank {peer} died): {exc}"
                 ) from exc
 
     def _int(self, value: int, dst: int | None, src: int | None) -> int:

@@ -20,7 +20,10 @@ same way on every rank:
 * **Every reserved step walks its exchanges**, even where the rank's save or its
   index object failed (it sends its error in the header instead of files), so the
   other ranks are never left waiting and no later exchange pairs with it.
-* **One agreement per step** on that group's c10d store: the step is replicated when every
+* **A check-in before any byte moves**, on that group's c10d store: every rank says
+  its save ended (or why not), so one rank's failed save costs no exchange and no
+  rank waits on it, and the step's deadline starts alike on every rank.
+* **One agreement per step** on the same store: the step is replicated when every
   transfer of every rank was received and checked, and every rank reports the same
   answer, naming the first rank that failed (and its node). A failure never fails
   a save: the step stays committed on the local tier, its handle's
@@ -48,6 +51,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -118,6 +122,7 @@ class PeerReplicator:
         rank: int,
         *,
         max_waiting: int = 1,
+        save_timeout: float | None = None,
         on_settled: Callable[[int], None] | None = None,
     ) -> None:
         self._tier = tier
@@ -146,8 +151,18 @@ class PeerReplicator:
         self.last_seconds: float | None = None
         self._closed = False
         #: Why the group can no longer carry a replication (agreed on every rank: a
-        #: peer did not answer): later steps are reported not replicated at once.
+        #: peer did not answer; or this rank lost the store): later steps are reported
+        #: not replicated at once, without a word on the wire.
         self._broken: str | None = None
+        #: How long a step waits for its save to end on this rank (the save's own
+        #: bound; a save always ends, this only guards against one that never does).
+        self._save_timeout = max(3 * peers.timeout, 3 * (save_timeout or peers.timeout))
+        #: The agreements' keys of this replicator, on the peers' group's store: a
+        #: second manager on the same ranks (whose group may share the store's prefix)
+        #: never reads this one's answers.
+        self._nonce = uuid.uuid4().hex
+        if is_distributed() and peers.group is not None:
+            self._nonce = broadcast_object(self._nonce, 0, peers.group)
 
     @property
     def active(self) -> bool:
@@ -171,17 +186,27 @@ class PeerReplicator:
         with self._lock:
             return sum(t.ready for t in self._tickets.values()) > self._max_waiting
 
-    def reserve(self, step: int, outcome: concurrent.futures.Future[bool]) -> None:
+    def reserve(
+        self,
+        step: int,
+        outcome: concurrent.futures.Future[bool],
+        files: Callable[[], Files] | None = None,
+    ) -> None:
         """Every rank, in save order (when the save of ``step`` is placed): take the
         step's place in the order; ``outcome`` ends with whether it is replicated.
-        :meth:`submit` or :meth:`cancel` must follow, on every path."""
+        Unless ``files`` is given, :meth:`submit` or :meth:`cancel` must follow, on
+        every path."""
         with self._lock:
             self._seq += 1
             ticket = _Ticket(step, self._seq, outcome)
+            if files is not None:
+                ticket.files.set_result(files)
+                ticket.ready = True
             if self._closed:
                 outcome.set_result(False)
                 return
-            self._tickets[step] = ticket
+            if files is None:
+                self._tickets[step] = ticket
             self._outcomes = [o for o in self._outcomes if not o.done()] + [outcome]
             fut = self._pool.submit(self._run, ticket)
         fut.add_done_callback(lambda f: self._settled(ticket, f))
@@ -207,8 +232,7 @@ class PeerReplicator:
         each file with the CRC32C the step's manifest records: a damaged copy is
         refused by its receiver, never spread."""
         outcome: concurrent.futures.Future[bool] = concurrent.futures.Future()
-        self.reserve(step, outcome)
-        self._ready(step, lambda: self._part_files(step))
+        self.reserve(step, outcome, lambda: self._part_files(step))
         return outcome
 
     def _ready(self, step: int, files: Callable[[], Files]) -> None:
@@ -217,7 +241,7 @@ class PeerReplicator:
             if ticket is None or ticket.files.done():
                 return
             ticket.ready = True
-        ticket.files.set_result(files)
+            ticket.files.set_result(files)
 
     def _settled(self, ticket: _Ticket, f: concurrent.futures.Future[bool]) -> None:
         with self._lock:
@@ -251,9 +275,9 @@ class PeerReplicator:
             for key in extra:
                 path = os.path.join(where, key)
                 if not os.path.isfile(path) or os.path.islink(path):
-                    if key == METADATA_KEY:
-                        continue  # a stock reader's file: the step restores without it
-                    return f"its {key} of step {step} is not on its disk"
+                    # None handed out (a rank that wrote nothing) or a stock reader's
+                    # file; an index this rank failed to keep cancelled the step.
+                    continue
                 size, crc = _crc_of(path)
                 files.append(FileSpec(key, path, size, crc))
         except OSError as exc:
@@ -317,46 +341,51 @@ class PeerReplicator:
 
     # -- one step ---------------------------------------------------------------------------
     def _run(self, ticket: _Ticket) -> bool:
-        step = ticket.step
+        """One step on this rank: wait for its save, check in with every rank (all
+        ready, or the lowest failing rank's reason: then nobody sends a byte), the
+        exchanges under one deadline that starts at the check-in, then the outcome,
+        agreed."""
+        step, seq = ticket.step, ticket.seq
         started = time.monotonic()
         if self._broken is not None:
             why = f"step {step}: replication is off since a peer did not answer: {self._broken}"
             self._record_failure(step, why, warn=False)
             return False
-        # The local commit of a save is bounded by the save's own deadline; waiting for
-        # it is bounded here too, so that a stuck save never holds the order forever.
         files: Files
         try:
-            files = ticket.files.result(timeout=self.step_timeout)()
+            files = ticket.files.result(timeout=self._save_timeout)()
         except concurrent.futures.TimeoutError:
-            files = f"its save of step {step} had not ended after {self.step_timeout:.0f} s"
-        except Exception as exc:  # still walk every exchange: the peers wait for this rank
+            files = f"its save of step {step} had not ended after {self._save_timeout:.0f} s"
+        except Exception as exc:
             files = f"cannot list its files of step {step}: {describe(exc)}"
         error: str | None = f"{self._node(self._rank)}: {files}" if isinstance(files, str) else None
-        lost: str | None = None
-        wire = self._peers.until(time.monotonic() + self.step_timeout)
-        into = replica_dir(self._tier.location.path, step)
-        for dst, src in self._pairs:
-            try:
-                sent, _, received = wire.exchange(
-                    (dst, files), (src, into), step=step, seq=ticket.seq
-                )
-            except PeerSilentError as exc:
-                silent = dst if exc.rank is None else exc.rank
-                lost = f"{self._node(silent)} did not answer within the step's bound: {exc}"
-                error = error or lost
-                break
-            except Exception as exc:  # the transport failed: this pair's stream is lost
-                lost = f"the exchange with {self._node(dst)} failed: {describe(exc)}"
-                error = error or lost
-                break
-            if sent is not None:
-                error = error or f"{self._node(dst)} did not keep this rank's files: {sent}"
-            if received is not None:
-                error = (
-                    error or f"this rank did not keep the files of {self._node(src)}: {received}"
-                )
-        outcome = self._agree(ticket.seq, step, error, lost)
+        # Every rank ready before a byte moves: one rank's failed save costs no
+        # exchange (nobody times out on it), and the step's deadline starts alike.
+        outcome = self._agree(seq, "ready", step, error, None, self._save_timeout)
+        if outcome is None and not isinstance(files, str):
+            lost: str | None = None
+            silent = False
+            wire = self._peers.until(time.monotonic() + self.step_timeout)
+            into = replica_dir(self._tier.location.path, step)
+            for dst, src in self._pairs:
+                try:
+                    sent, _, received = wire.exchange((dst, files), (src, into), step=step, seq=seq)
+                except PeerSilentError as exc:
+                    waited = dst if exc.rank is None else exc.rank
+                    lost = f"{self._node(waited)} did not answer within the step's bound: {exc}"
+                    silent = True
+                    break
+                except Exception as exc:  # the transport failed: this pair's stream is lost
+                    lost = f"the exchange with {self._node(dst)} failed: {describe(exc)}"
+                    break
+                if sent is not None:
+                    error = error or f"{self._node(dst)} did not keep this rank's files: {sent}"
+                if received is not None:
+                    error = error or (
+                        f"this rank did not keep the files of {self._node(src)}: {received}"
+                    )
+            error = error or lost
+            outcome = self._agree(seq, "done", step, error, lost, 2 * self.step_timeout, silent)
         if outcome is not None:
             self._record_failure(step, outcome, warn=error is not None or self._rank == 0)
             return False
@@ -368,57 +397,72 @@ class PeerReplicator:
         logger.info("step %d replicated to %d nodes in %.2f s", step, self.replicas, seconds)
         return True
 
-    def _agree(self, seq: int, step: int, error: str | None, lost: str | None) -> str | None:
-        """Every rank: one outcome for ``step`` (None: replicated; else why not, the
-        lowest failing rank's reason), and whether replication goes off for the rest
-        of the job, decided together: a pair that lost its stream breaks the group on
+    def _agree(
+        self,
+        seq: int,
+        phase: str,
+        step: int,
+        error: str | None,
+        lost: str | None,
+        wait_s: float,
+        silent: bool = False,
+    ) -> str | None:
+        """Every rank: one outcome for ``phase`` of ``step`` (None: go on; else why
+        not: the reason of the lowest rank whose own wait for a peer timed out, else
+        of the lowest failing rank), and whether replication goes off for the rest of
+        the job, decided together: a pair that lost its stream breaks the group on
         every rank at once, not only on the two ranks of the pair.
 
         On the peers' group's c10d store, not a collective of that group: gloo closes
-        a pair whose message timed out, and a collective over the group would then
-        fail on every rank without saying why. Each rank posts its answer and counts
-        itself in (O(1) requests per rank, none of them W-sized; no rank reads every
-        rank's answer); the last one in says so, and every rank reads the lowest
-        failing rank's reason."""
+        every pair of a rank whose wait timed out, and a collective over the group
+        would then fail on every rank without saying why. Each rank posts its answer
+        and counts itself in (O(1) requests per rank, none of them W-sized; no rank
+        reads every rank's answer); the last one in says so and deletes the step
+        before's keys, and every rank reads the one reason."""
         if not is_distributed() or self._peers.group is None:
             if lost is not None:
                 self._broken = lost
             return None if error is None else f"step {step}: {error}"
         world = self._peers.world
-        base = f"objckpt/replication/{seq}"
-        wait = datetime.timedelta(seconds=2 * self.step_timeout)
+        base = f"objckpt/replication/{self._nonce}/{seq}/{phase}"
+        wait = datetime.timedelta(seconds=wait_s)
         try:
             store = group_store(self._peers.group)
             if error is not None:
                 store.set(f"{base}/error/{self._rank}", error)
                 _lower_to(store, f"{base}/lowest", self._rank)
+                if silent:
+                    _lower_to(store, f"{base}/silent", self._rank)
             if lost is not None:
                 store.add(f"{base}/lost", 1)
             if store.add(f"{base}/in", 1) == world:  # the last one in
                 store.set(f"{base}/all", "1")
-                _forget(store, f"objckpt/replication/{seq - 1}")
+                if phase == "ready":
+                    for old in ("ready", "done"):
+                        _forget(store, f"objckpt/replication/{self._nonce}/{seq - 1}/{old}")
             try:
                 store.wait([f"{base}/all"], wait)
             except Exception as exc:
                 arrived = store.add(f"{base}/in", 0)
                 raise TimeoutError(
-                    f"only {arrived} of {world} ranks reached the agreement within "
-                    f"{wait.total_seconds():.0f} s"
+                    f"only {arrived} of {world} ranks reached the agreement within {wait_s:.0f} s"
                 ) from exc
             broken = store.add(f"{base}/lost", 0) > 0
-            lowest = int(store.get(f"{base}/lowest")) if store.check([f"{base}/lowest"]) else None
+            named = None
+            for key in ("silent", "lowest"):
+                if store.check([f"{base}/{key}"]):
+                    named = int(store.get(f"{base}/{key}"))
+                    break
             cause = None
-            if lowest is not None:
-                cause = store.get(f"{base}/error/{lowest}").decode(errors="replace")
-                if error is not None and lowest != self._rank:
-                    store.delete_key(f"{base}/error/{self._rank}")  # nobody reads it
+            if named is not None:
+                cause = store.get(f"{base}/error/{named}").decode(errors="replace")
         except Exception as exc:  # the store or a peer is gone: nothing agrees any more
             self._broken = describe(exc)
             return f"step {step}: the ranks could not agree (a peer is gone): {describe(exc)}"
         if broken:
             self._broken = str(cause or lost)
-        if lowest is None:
-            return None if not broken else f"step {step}: {lost}"
+        if named is None:
+            return None
         return f"step {step}: {cause}"
 
     def _record_failure(self, step: int, why: str, *, warn: bool) -> None:
@@ -475,12 +519,13 @@ def _lower_to(store: Any, key: str, rank: int) -> None:
 
 def _forget(store: Any, base: str) -> None:
     """Delete an earlier agreement's keys (every rank has read them: it is in the
-    next one)."""
-    lowest = f"{base}/lowest"
+    next step's). The error keys of failing ranks other than the named ones are few
+    (ranks fail rarely) and are left; the store goes with the group."""
     with contextlib.suppress(Exception):
-        if store.check([lowest]):
-            store.delete_key(f"{base}/error/{int(store.get(lowest))}")
-        for key in ("in", "all", "lost", "lowest"):
+        for key in ("silent", "lowest"):
+            if store.check([f"{base}/{key}"]):
+                store.delete_key(f"{base}/error/{int(store.get(f'{base}/{key}'))}")
+        for key in ("in", "all", "lost", "lowest", "silent"):
             store.delete_key(f"{base}/{key}")
 
 
@@ -491,6 +536,7 @@ def start_replication(
     rank: int,
     *,
     max_waiting: int = 1,
+    save_timeout: float | None = None,
     on_settled: Callable[[int], None] | None = None,
 ) -> PeerReplicator | None:
     """A replicator when ``tier`` asks for replicas and there is somewhere to send
@@ -507,7 +553,13 @@ def start_replication(
         logger.warning("LocalTier(replicas=%d): replicas are off: %s", tier.replicas, nodes.problem)
         return None
     replicator = PeerReplicator(
-        tier, peers, nodes, rank, max_waiting=max_waiting, on_settled=on_settled
+        tier,
+        peers,
+        nodes,
+        rank,
+        max_waiting=max_waiting,
+        save_timeout=save_timeout,
+        on_settled=on_settled,
     )
     if not replicator.active:
         logger.warning(

@@ -98,7 +98,8 @@ def test_a_slow_receiver_caps_the_steps_waiting_and_retires_them_when_replicatio
     steps wait to replicate, the steps beyond are reported not replicated alike on
     every rank, and afterwards only the newest step is left."""
     local = tmp_path / "local"
-    o = _options(local, keep_last=1)
+    # The senders wait for the stalled receiver well past the 8 saves, however slow.
+    o = _options(local, keep_last=1, replication_timeout=600)
     _run(replication_ranks, replication_ranks.slow_receiver_many_saves, 4, tmp_path, o)
     outcomes = _outcomes(local, 4)
     first = outcomes[0]["replicated"]

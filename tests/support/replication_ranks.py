@@ -174,10 +174,10 @@ def one_rank_silent(rank: int, world: int, init_file: str, url: str, o: dict[str
     real_agree = PeerReplicator._agree
     real_exchange = PeerGroup.exchange
 
-    def agree(self: Any, seq: int, step: int, error: str | None, lost: str | None) -> str | None:
-        if step == 1 and rank != 2:  # this rank's exchanges ended: say so to rank 2
+    def agree(self: Any, seq: int, phase: str, step: int, *args: Any, **kwargs: Any) -> Any:
+        if step == 1 and phase == "done" and rank != 2:  # its exchanges ended: tell rank 2
             open(os.path.join(flags, f"gave-up{rank}"), "w").close()
-        return real_agree(self, seq, step, error, lost)
+        return real_agree(self, seq, phase, step, *args, **kwargs)
 
     def silent(self: Any, *args: Any, **kwargs: Any) -> Any:
         if kwargs.get("step") == 1:
