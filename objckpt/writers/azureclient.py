@@ -3,7 +3,7 @@
 **Retries and timeouts.** adlfs builds its ``BlobServiceClient`` with the Azure
 SDK's defaults: azure-storage-blob's ``ExponentialRetry`` (up to 3 connection
 retries, 3 read retries and 3 status retries, backing off 15, 18 and 24 s) and
-azure-core's 300 s connection and read timeouts. Against a stopped endpoint a save
+its own 20 s connection and 60 s read timeouts. Against a stopped endpoint a save
 then failed only after 80-87 s and ``CheckpointManager()`` took as long, whatever
 :class:`~objckpt.RetryPolicy`, ``preflight_timeout`` or ``UploadOptions.deadline``
 said. This subclass builds the service client itself (:meth:`do_connect`, the same

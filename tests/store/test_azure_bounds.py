@@ -1,7 +1,7 @@
 """Azure under objckpt's time bounds (issue #48, item 3).
 
 Against a stopped Azurite, azure-core's own retries (3 per kind, backing off 15, 18
-and 24 s) and its 300 s timeouts used to run instead of objckpt's: a save's result
+and 24 s) and timeouts used to run instead of objckpt's: a save's result
 failed only after 80-87 s and ``CheckpointManager()`` took as long. Now the service
 client adlfs talks through carries objckpt's retry policy and timeouts
 (:mod:`objckpt.writers.azureclient`): the :class:`~objckpt.RetryPolicy`,
@@ -155,3 +155,17 @@ def test_the_client_carries_objckpt_s_policy_unless_the_user_set_azure_retries(
     theirs = fs.client_options()
     assert "retry_policy" not in theirs and theirs["retry_total"] == 2
     assert theirs["read_timeout"] == 30 and theirs["connection_timeout"] == 7.0
+
+
+def test_messages_name_the_endpoint_without_a_sas_token() -> None:
+    """A SAS token is a secret: what the retry layer names (the endpoint, each
+    request's URL) carries no query string. (No request is sent here.)"""
+    from objckpt.writers.azureclient import _without_query
+
+    fs = RetryingAzureBlobFileSystem(
+        account_name="acct", sas_token="sv=x&sig=SECRET", skip_instance_cache=True
+    )
+    assert isinstance(fs.service_client._config.retry_policy, ObjckptRetry)
+    assert fs.endpoint() == "https://acct.blob.core.windows.net"
+    url = _without_query("https://acct.blob.core.windows.net/c/b?sv=x&sig=SECRET")
+    assert url == "https://acct.blob.core.windows.net/c/b"
