@@ -9,7 +9,9 @@ the request into fsspec's event-loop thread (``run_coroutine_threadsafe`` copies
 the caller's context) and into nothing else, so two saves running at once in one
 process each count their own requests.
 
-Stores other than S3 are not counted yet (their requests bypass the retry layer).
+GCS and Azure requests pass the same layer but are named by their HTTP method, so
+they are counted as ``OTHER``; stores with no retry layer of their own are not
+counted yet.
 """
 
 from __future__ import annotations

@@ -30,9 +30,13 @@ named by a manifest is ordinary garbage for ``gc``.
 block-list blobs, and no CRC32C: :meth:`AzureStore.digest` reports none, and
 objckpt checks its own CRC32C from the manifest (on verify, copies and backups).
 
-**Retries** are azure-core's own (its exponential retry policy per request):
-objckpt's :class:`~objckpt.RetryPolicy` does not reach inside the SDK, and a save's
-deadline bounds Azure requests only where objckpt waits for them.
+**Retries** are objckpt's, as on S3 and GCS: the service client is built with
+:class:`~objckpt.writers.azureclient.ObjckptRetry` in azure-core's retry policy's
+place and the transport's timeouts at ``RetryPolicy.timeout``
+(:mod:`objckpt.writers.azureclient`), so every Azure request follows
+:class:`~objckpt.RetryPolicy`, ``give_up_after``, ``preflight_timeout`` and the
+save's deadline, and a stopped endpoint fails with
+:class:`~objckpt.errors.StoreUnreachableError` in their time.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from typing import Any
 
 from objckpt.errors import BucketNotFoundError
 from objckpt.writers.base import (
+    PREFLIGHT_GRACE,
     BufferedUpload,
     ObjectStore,
     ObjectUpload,
@@ -104,7 +109,10 @@ class AzureStore(ObjectStore):
                     return
 
         try:
-            self.run_coro(first_page(), timeout=timeout)
+            # Bounded in the retry layer, which says what the store answered; the
+            # outer wait only backs it up.
+            with self.preflight_bound(timeout):
+                self.run_coro(first_page(), timeout=timeout + PREFLIGHT_GRACE)
         except Exception as exc:
             code, status = next(
                 (found for found in map(service_error, causes(exc)) if found != (None, None)),

@@ -1,28 +1,259 @@
 """The adlfs filesystem objckpt builds for ``az://``, ``abfs://`` and ``abfss://``.
 
-Why a subclass: an owner of its clients (:class:`~objckpt.writers.clients.OwnedClients`,
-an ``AsyncCheckpointer``) closes their connections and then ends the event loop they
-ran on. adlfs closes its service client only from a ``weakref.finalize`` hook
+**Retries and timeouts.** adlfs builds its ``BlobServiceClient`` with the Azure
+SDK's defaults: azure-storage-blob's ``ExponentialRetry`` (up to 3 connection
+retries, 3 read retries and 3 status retries, backing off 15, 18 and 24 s) and
+its own 20 s connection and 60 s read timeouts. Against a stopped endpoint a save
+then failed only after 80-87 s and ``CheckpointManager()`` took as long, whatever
+:class:`~objckpt.RetryPolicy`, ``preflight_timeout`` or ``UploadOptions.deadline``
+said. This subclass builds the service client itself (:meth:`do_connect`, the same
+account, credential and endpoint as adlfs would) with two changes:
+
+* azure-core's retry policy is replaced by :class:`ObjckptRetry`, a pipeline policy
+  that sends each request under :func:`~objckpt.writers.retry.call_with_retries`:
+  one retry layer, transient answers only (5xx, 429, 408, connection errors), capped
+  backoff with jitter, ``give_up_after``, the save's deadline (or
+  ``RetryPolicy.request_deadline``), request counting and throttling observers, as
+  for S3 and GCS. It sits where the SDK's own retry policy sits, before signing, so
+  each attempt is signed afresh.
+* the transport's connection and read timeouts are ``RetryPolicy.timeout`` (a
+  stalled attempt fails and is retried), unless ``storage_options`` give adlfs's
+  ``connection_timeout`` / ``read_timeout``.
+
+A user's own Azure retry settings win: any of azure-storage-blob's retry keywords
+in ``storage_options`` (``retry_total``, ``retry_connect``, ``retry_read``,
+``retry_status``, ``retry_to_secondary``, ``initial_backoff``, ``increment_base``,
+``retry_jitter_range``) are passed to the client, which then retries with the
+SDK's ``ExponentialRetry`` as told, and objckpt's policy is not installed (its
+deadlines still bound what objckpt waits for, not each SDK request).
+
+**Closing.** An owner of its clients (:class:`~objckpt.writers.clients.OwnedClients`,
+an ``AsyncCheckpointer``) closes their connections and then ends the event loop
+they ran on. adlfs closes its service client only from a ``weakref.finalize`` hook
 registered with the filesystem, which runs at interpreter exit on the loop the
 filesystem was built with; once that loop is closed, the hook fails ("Loop is not
-running") and aiohttp reports the session it never closed. :meth:`close_connections`
-closes the service client (and an async credential) on the loop while it runs, and
-retires adlfs's two hooks for this filesystem, which have nothing left to do.
+running") and aiohttp reports the session it never closed.
+:meth:`~RetryingAzureBlobFileSystem.close_connections` closes the service client
+(and an async credential) on the loop while it runs, and retires adlfs's two hooks
+for this filesystem, which have nothing left to do.
+
+``do_connect``, ``_USER_AGENT`` and the attributes read there are adlfs's;
+``tests/store/test_azure_bounds.py`` pins what this module relies on.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import weakref
+from typing import Any
+from urllib.parse import urlsplit
 
 from adlfs import AzureBlobFileSystem
-from fsspec.asyn import sync
+from azure.core.exceptions import HttpResponseError
+from azure.core.pipeline.policies import AsyncHTTPPolicy
+from fsspec.asyn import get_loop, sync
 
-__all__ = ["ClosableAzureBlobFileSystem"]
+from objckpt.writers.retry import RetryingFileSystem, RetryPolicy, call_with_retries
+from objckpt.writers.transient import is_transient
+
+__all__ = ["AZURE_RETRY_OPTIONS", "ObjckptRetry", "RetryingAzureBlobFileSystem"]
+
+#: azure-storage-blob's retry keywords: given in ``storage_options``, the SDK's own
+#: retry policy is used with them instead of objckpt's (a user's choice wins).
+AZURE_RETRY_OPTIONS = frozenset(
+    {
+        "retry_total",
+        "retry_connect",
+        "retry_read",
+        "retry_status",
+        "retry_to_secondary",
+        "initial_backoff",
+        "increment_base",
+        "retry_jitter_range",
+    }
+)
+
+# The per-request options azure-storage-blob's retry policy takes out of the
+# request's context (set by the storage policies before it, or by callers); left
+# there, the transport would pass them on to aiohttp, which refuses them.
+_STORAGE_RETRY_CONTEXT = (
+    "retry_total",
+    "retry_connect",
+    "retry_read",
+    "retry_status",
+    "retry_to_secondary",
+    "location_mode",
+    "hosts",
+    "retry_hook",
+)
 
 
-class ClosableAzureBlobFileSystem(AzureBlobFileSystem):
-    """adlfs's ``AzureBlobFileSystem`` whose connections can be closed on its loop."""
+def _without_query(url: str) -> str:
+    """``url`` without its query (a SAS token is a secret) or credentials."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{host}{port}{parts.path}" if parts.scheme else url.split("?")[0]
+
+
+def _endpoint_of(url: str) -> str | None:
+    parts = urlsplit(url)
+    if not parts.scheme or not parts.hostname:
+        return None
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{parts.hostname}{port}"
+
+
+class ObjckptRetry(AsyncHTTPPolicy):
+    """azure-core pipeline policy in the retry policy's place: each request is sent
+    under :func:`~objckpt.writers.retry.call_with_retries` (see the module docstring).
+
+    An answer objckpt deems transient (:func:`~objckpt.writers.transient.is_transient`:
+    5xx, 429, 408) is retried; when retrying ends, the error raised names what the
+    store answered. Any other answer goes back to the SDK, which raises its own
+    error for it (404, 409, 412, 403...).
+
+    Args:
+        policy: How requests are retried.
+        observers: Told of throttled and successful requests (the filesystem's set).
+    """
+
+    def __init__(self, policy: RetryPolicy, observers: Any) -> None:
+        super().__init__()
+        self.policy = policy
+        self.observers = observers
+
+    async def send(self, request: Any) -> Any:
+        options = request.context.options
+        # The storage SDK reads the location mode back from the answer (as its
+        # retry policy leaves it); objckpt's requests go to the primary.
+        mode = options.get("location_mode") or "primary"
+        for name in _STORAGE_RETRY_CONTEXT:
+            options.pop(name, None)
+        http = request.http_request
+        body = http.body
+        position: int | None = None
+        if hasattr(body, "read") and hasattr(body, "seek"):
+            try:
+                position = body.tell()
+            except Exception:  # an unseekable stream: sent once, as the SDK would
+                position = None
+        method = str(http.method)
+        target = _without_query(str(http.url))
+        attempts = 0
+
+        async def once(_: str) -> Any:
+            nonlocal attempts
+            attempts += 1
+            if attempts > 1 and position is not None:
+                body.seek(position)
+            response = await self.next.send(request)
+            answer = response.http_response
+            error = HttpResponseError(response=answer)
+            code = answer.headers.get("x-ms-error-code")
+            if code:
+                error.error_code = code  # type: ignore[attr-defined]  # as the SDK's own errors
+            if is_transient(error):
+                raise error
+            answer.location_mode = mode
+            return response
+
+        return await call_with_retries(
+            once,
+            self.policy,
+            list(self.observers),
+            lambda: f"Azure {method} of {target}",
+            method,
+            endpoint=lambda: _endpoint_of(target),
+        )
+
+
+class RetryingAzureBlobFileSystem(RetryingFileSystem, AzureBlobFileSystem):
+    """adlfs's ``AzureBlobFileSystem`` whose requests follow a
+    :class:`~objckpt.RetryPolicy` and the save's deadline, and whose connections can
+    be closed on its loop (``retry_policy=`` besides adlfs's own options)."""
+
+    def __init__(self, *args: Any, retry_policy: RetryPolicy | None = None, **kwargs: Any) -> None:
+        # do_connect runs inside adlfs's __init__: what it needs is set first, and
+        # the SDK's retry keywords are taken out (adlfs would hand unknown options
+        # to DefaultAzureCredential).
+        self.retry_policy = retry_policy or RetryPolicy()
+        self._observers: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._sdk_retry = {k: kwargs.pop(k) for k in list(kwargs) if k in AZURE_RETRY_OPTIONS}
+        self._sdk_timeouts = {
+            k: kwargs[k]
+            for k in ("connection_timeout", "read_timeout")
+            if kwargs.get(k) is not None
+        }
+        AzureBlobFileSystem.__init__(self, *args, **kwargs)
+
+    def client_options(self) -> dict[str, Any]:
+        """The keywords objckpt adds to the ``BlobServiceClient`` (see the module
+        docstring): its retry policy (or the user's SDK retry settings) and the
+        transport's timeouts."""
+        timeout = self.retry_policy.timeout
+        out: dict[str, Any] = {"connection_timeout": timeout, "read_timeout": timeout}
+        out.update(self._sdk_timeouts)
+        if self._sdk_retry:
+            out.update(self._sdk_retry)
+        else:
+            out["retry_policy"] = ObjckptRetry(self.retry_policy, self._observers)
+        return out
+
+    def do_connect(self) -> None:
+        """adlfs's ``do_connect`` (connection string first, then an account with a
+        credential or key, a SAS token, or anonymous), with :meth:`client_options`."""
+        from adlfs.spec import _USER_AGENT
+        from azure.storage.blob.aio import BlobServiceClient
+
+        extra = self.client_options()
+        try:
+            if self.connection_string is not None:
+                self.service_client = BlobServiceClient.from_connection_string(
+                    conn_str=self.connection_string, user_agent=_USER_AGENT, **extra
+                )
+            elif self.account_name is not None:
+                if hasattr(self, "account_host"):
+                    self.account_url = f"https://{self.account_host}"
+                else:
+                    self.account_url = f"https://{self.account_name}.blob.core.windows.net"
+                credential = next(
+                    (c for c in (self.credential, self.account_key) if c is not None), None
+                )
+                if credential is not None:
+                    self.service_client = BlobServiceClient(
+                        account_url=self.account_url,
+                        credential=credential,
+                        _location_mode=self.location_mode,
+                        user_agent=_USER_AGENT,
+                        **extra,
+                    )
+                elif self.sas_token is not None:
+                    this: Any = self  # adlfs leaves sas_token's type to inference
+                    if not this.sas_token.startswith("?"):
+                        this.sas_token = f"?{this.sas_token}"
+                    self.service_client = BlobServiceClient(
+                        account_url=self.account_url + this.sas_token,
+                        _location_mode=self.location_mode,
+                        user_agent=_USER_AGENT,
+                        **extra,
+                    )
+                else:  # anonymous: a public container
+                    self.service_client = BlobServiceClient(
+                        account_url=self.account_url, user_agent=_USER_AGENT, **extra
+                    )
+            else:
+                raise ValueError(
+                    "Must provide either a connection_string or account_name with credentials!!"
+                )
+        except RuntimeError:
+            asyncio.set_event_loop(get_loop())
+            self.do_connect()
+        except Exception as e:
+            # adlfs's wording; location.py turns it into a ConfigurationError. The
+            # message names the exception only: no connection string in it.
+            raise ValueError(f"unable to connect to account: {type(e).__name__}") from e
 
     async def close_connections(self) -> None:
         """Close the service client and credential now (see the module docstring);
@@ -40,3 +271,13 @@ class ClosableAzureBlobFileSystem(AzureBlobFileSystem):
             held = hook.peek()
             if held is not None and held[0] is self and held[1] is sync:
                 hook.detach()
+
+    def endpoint(self) -> str | None:
+        """The blob endpoint requests go to (scheme, host and port)."""
+        client = getattr(self, "service_client", None)
+        url = getattr(client, "url", None)
+        return _endpoint_of(url) if isinstance(url, str) else None
+
+
+#: The name this class had before it took objckpt's retries (kept for imports).
+ClosableAzureBlobFileSystem = RetryingAzureBlobFileSystem

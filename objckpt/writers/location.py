@@ -193,9 +193,10 @@ class Location:
                 cls = RetryingGCSFileSystem
                 ours = {"retry_policy": self.retry}
             elif self.protocol in _AZURE:
-                from objckpt.writers.azureclient import ClosableAzureBlobFileSystem
+                from objckpt.writers.azureclient import RetryingAzureBlobFileSystem
 
-                cls, ours = ClosableAzureBlobFileSystem, {}
+                cls = RetryingAzureBlobFileSystem
+                ours = {"retry_policy": self.retry}
             else:
                 cls, ours = fsspec.get_filesystem_class(self.protocol), {}
             if loop is not None and issubclass(cls, AsyncFileSystem):

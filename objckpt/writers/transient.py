@@ -43,6 +43,11 @@ _TRANSIENT_NAMES = {
     "ServerDisconnectedError",
     "ServerTimeoutError",
     "FSTimeoutError",
+    # azure-core's transport errors: no answer, or none complete.
+    "ServiceRequestError",
+    "ServiceResponseError",
+    "ServiceRequestTimeoutError",
+    "ServiceResponseTimeoutError",
 }
 # Service error codes (botocore's ``Error.Code``) and HTTP statuses worth another try;
 # anything else the service answered is permanent. Never read from message text: a

@@ -138,7 +138,7 @@ def test_a_commit_whose_answer_was_lost_is_settled_by_reading_it_back(
     via: tuple[StoreTarget, FaultProxy], az_container: StoreTarget
 ) -> None:
     """The manifest's Put Blob reaches Azurite, then its answer is lost (a reset).
-    azure-core sends it again and meets its own blob (409 ``BlobAlreadyExists``, or
+    objckpt's retry layer sends it again and meets its own blob (409 ``BlobAlreadyExists``, or
     another lost answer): the read-back finds this save's bytes, so it commits."""
     target, proxy = via
     proxy.add(
