@@ -470,6 +470,10 @@ class LocalTierControl:
             replication_error=None if rep is None else rep.last_error,
         )
 
+    def replication_seconds_left(self) -> float:
+        """The most the replications not settled yet may still take (0: none)."""
+        return 0.0 if self._replicator is None else self._replicator.seconds_left()
+
     def drain(self) -> None:
         """Wait for the replications and promotions started so far, then stop both;
         local retention then keeps only what ``keep_last`` keeps."""

@@ -397,13 +397,15 @@ class CheckpointManager:
 
         Bounded when saves have a deadline (``UploadOptions``): saves in flight by
         :meth:`AsyncCheckpointer.close`, promotions and backups one more deadline and
-        30 s. What still runs then is logged and abandoned, never made visible.
+        30 s, replications to peer nodes their own bound per step not settled. What still runs then is logged and abandoned, never made visible.
         """
         deadline = self._checkpointer.upload.deadline
         settles_by = self._checkpointer.settles_by()
         timeout = None
         if deadline is not None and settles_by is not None:
             timeout = settles_by - time.monotonic() + deadline + 30.0
+            if self._saves.local is not None:  # and each step still to replicate
+                timeout += self._saves.local.replication_seconds_left()
         run_bounded(self._close, timeout, f"closing the CheckpointManager of {self.root.url}")
 
     def _close(self) -> None:

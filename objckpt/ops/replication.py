@@ -493,6 +493,13 @@ class PeerReplicator:
         with self._lock:
             return tuple(sorted(s for s in self._failed if s in kept))
 
+    def seconds_left(self) -> float:
+        """The most the steps not settled yet may still take once their saves ended:
+        each its exchanges (the step's bound) and its agreement (twice that)."""
+        with self._lock:
+            pending = sum(not o.done() for o in self._outcomes)
+        return pending * 3 * self.step_timeout
+
     def wait(self) -> None:
         """Wait until every step reserved so far is settled (each bounded)."""
         with self._lock:
