@@ -397,7 +397,8 @@ class CheckpointManager:
 
         Bounded when saves have a deadline (``UploadOptions``): saves in flight by
         :meth:`AsyncCheckpointer.close`, promotions and backups one more deadline and
-        30 s, replications to peer nodes their own bound per step not settled. What still runs then is logged and abandoned, never made visible.
+        30 s, replications to peer nodes their own bound per step not settled. What
+        still runs then is logged and abandoned, never made visible.
         """
         deadline = self._checkpointer.upload.deadline
         settles_by = self._checkpointer.settles_by()
