@@ -56,6 +56,7 @@ from typing import Any
 
 import torch.distributed.checkpoint as dcp
 
+from objckpt._torch import group_store
 from objckpt.dcp.collective import broadcast_from_rank0, gather_object, is_distributed
 from objckpt.dcp.load_planner import LoadPlanner
 from objckpt.dcp.storage_reader import ObjectStoreReader
@@ -118,6 +119,16 @@ class BadCopy:
     path: str | None = None
 
 
+def _holders(step: int, views: list[Holdings]) -> dict[tuple[str, int], list[int]]:
+    """The ranks holding each (key, size) of ``step``: one pass over every rank's
+    listing, so rank 0's planning costs what the listings hold, not objects x ranks."""
+    where: dict[tuple[str, int], list[int]] = {}
+    for r, v in enumerate(views):
+        for key, size in v.objects.get(step, {}).items():
+            where.setdefault((key, size), []).append(r)
+    return where
+
+
 def _digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -147,6 +158,8 @@ class Restorer:
         self._retry = retry
         self._group = process_group
         self._peers = peers
+        #: Without a process group: this process's manifests by (step, digest).
+        self._posted: dict[tuple[int, str], bytes] = {}
         #: During one load: the peers' transfers of the step loaded (None: none).
         self._fetch: PeerFetch | None = None
         #: During one load: the copies this rank found bad since the last decision.
@@ -270,18 +283,25 @@ class Restorer:
         tier = self._catalog.local
         assert tier is not None and self._peers is not None
         mine = list_holdings(tier.path, None if step is None else [step])
+        digests = self._post_manifests(mine)
+        slim = dataclasses.replace(mine, manifests={})  # the bytes went to the store
         gathered = (
-            gather_object((mine, found or []), self._group)
+            gather_object((slim, digests, found or []), self._group)
             if is_distributed()
-            else [(mine, found or [])]
+            else [(slim, digests, found or [])]
         )
-        views = None if gathered is None else [v for v, _ in gathered]
-        reports = [] if gathered is None else [b for _, bs in gathered for b in bs]
+        views = None if gathered is None else [v for v, _, _ in gathered]
+        held = [] if gathered is None else [d for _, d, _ in gathered]
+        reports = [] if gathered is None else [b for _, _, bs in gathered for b in bs]
         chosen: list[Any] = []  # rank 0: the chosen manifest and views (not broadcast)
-        newest, durable, from_nodes, refill, stale = broadcast_from_rank0(
-            lambda: self._decide(step, views or [], chosen, failed or set(), reports),
-            self._group,
-        )
+
+        def decide() -> Any:
+            try:
+                return self._decide(step, views or [], held, chosen, failed or set(), reports)
+            finally:
+                self._drop_posted(held)
+
+        newest, durable, from_nodes, refill, stale = broadcast_from_rank0(decide, self._group)
         self._delete_stale(stale)
         self._fetch = None
         self._bad = []
@@ -316,10 +336,61 @@ class Restorer:
                         "deleted %s: a copy of step %d that a rollback discarded", path, step
                     )
 
+    # -- the manifests the nodes hold, each once on the store ------------------------------
+    # Every rank's holdings reach rank 0 through one gather, which pads every rank's
+    # answer to the largest: with manifest bytes in them (tens of MB at thousands of
+    # ranks, held by every rank of two nodes) that is W x the manifest. So a rank sends
+    # only each manifest's SHA-256, the first rank holding a copy posts its bytes to
+    # the group's c10d store under that digest (content-addressed: a copy posted
+    # twice is the same bytes), and rank 0 reads only the ones it decides on.
+    def _manifest_key(self, step: int, digest: str) -> str:
+        return f"objckpt/restore/manifest/{step}/{digest}"
+
+    def _post_manifests(self, mine: Holdings) -> dict[int, str]:
+        """This rank's manifests by step, as digests; each posted once by the group."""
+        digests = {s: _digest(data) for s, data in mine.manifests.items()}
+        if not is_distributed():
+            self._posted = {(s, digests[s]): data for s, data in mine.manifests.items()}
+            return digests
+        try:
+            store = group_store(self._group)
+            for s, data in mine.manifests.items():
+                key = self._manifest_key(s, digests[s])
+                if store.add(f"{key}/n", 1) == 1:
+                    store.set(key, data)
+        except Exception as exc:  # never alone out of the gather: rank 0 finds it missing
+            logger.warning("cannot post this node's manifests for the restore: %s", exc)
+        return digests
+
+    def _manifest_bytes(self, step: int, digest: str) -> bytes:
+        """Rank 0: the bytes of the manifest of ``step`` with ``digest``, as posted."""
+        if not is_distributed():
+            return self._posted[(step, digest)]
+        store, key = group_store(self._group), self._manifest_key(step, digest)
+        if not store.check([key]):  # every post came before the gather
+            raise ManifestError(f"step {step}: no rank could post its manifest {digest}")
+        data = bytes(store.get(key))
+        if _digest(data) != digest:  # the store is the job's own, but check what is read
+            raise ManifestError(f"step {step}: the posted manifest {digest} has other bytes")
+        return data
+
+    def _drop_posted(self, held: list[dict[int, str]]) -> None:
+        """Rank 0, once it decided (every rank posted before the gather): delete the
+        posted manifests, so a later survey posts again."""
+        if not is_distributed():
+            return
+        store = group_store(self._group)
+        for s, digest in {(s, d) for h in held for s, d in h.items()}:
+            key = self._manifest_key(s, digest)
+            with contextlib.suppress(Exception):
+                store.delete_key(key)
+                store.delete_key(f"{key}/n")
+
     def _decide(
         self,
         step: int | None,
         views: list[Holdings],
+        held: list[dict[int, str]],
         chosen: list[Any],
         failed: set[int],
         reports: list[BadCopy],
@@ -339,7 +410,7 @@ class Restorer:
         self._note_bad(reports)
         views = self._without_excluded(views)
         stale: list[tuple[int, str]] = []
-        steps = {s for v in views for s in v.manifests}
+        steps = {s for h in held for s in h}
         candidates = sorted(steps, reverse=True) if step is None else [step]
         rollbacks = self._rollbacks() if steps else []
         for s in candidates:
@@ -347,18 +418,15 @@ class Restorer:
                 break
             if s in failed and not reports:
                 continue  # failed from the nodes, and no copy was found bad: the same again
-            agreed = self._agreed(s, views, rollbacks, stale)
+            agreed = self._agreed(s, views, held, rollbacks, stale)
             if agreed is None:
                 continue
             data, manifest, holding = agreed
-            lost = [
-                o
-                for o in manifest.objects
-                if not any(v.objects.get(s, {}).get(o.key) == o.size for v in holding)
-            ]
+            where = _holders(s, holding)  # one pass over the listings, not one per object
+            lost = [o for o in manifest.objects if not where.get((o.key, o.size))]
             if not lost:
                 chosen[:] = [data, holding]
-                return s, durable, True, self._thin(s, manifest, holding), stale
+                return s, durable, True, self._thin(manifest, holding, where), stale
             ranks = sorted({r for r in (writer_rank(o.key) for o in lost) if r is not None})
             logger.warning(
                 "step %d is committed on the local tier but no surviving node holds all of "
@@ -403,6 +471,7 @@ class Restorer:
         self,
         step: int,
         views: list[Holdings],
+        held: list[dict[int, str]],
         rollbacks: list[Rollback],
         stale: list[tuple[int, str]],
     ) -> tuple[bytes, Manifest, list[Holdings]] | None:
@@ -411,14 +480,14 @@ class Restorer:
         warning), with the holdings to plan from (the ranks holding a set-aside copy
         count as holding nothing of ``step``); None when no copy is left, one is
         unusable, or the copies left disagree."""
-        copies: dict[str, tuple[bytes, list[int]]] = {}
-        for r, v in enumerate(views):
-            data = v.manifests.get(step)
-            if data is not None:
-                copies.setdefault(_digest(data), (data, []))[1].append(r)
+        holders: dict[str, list[int]] = {}
+        for r, h in enumerate(held):
+            if step in h:
+                holders.setdefault(h[step], []).append(r)
         kept: dict[str, tuple[bytes, Manifest, list[int]]] = {}
-        for digest, (data, ranks) in copies.items():
+        for digest, ranks in holders.items():
             try:
+                data = self._manifest_bytes(step, digest)
                 manifest = Manifest.from_json_bytes(data, url=self._catalog.step_url(step))
             except ManifestError as exc:
                 logger.warning(
@@ -456,7 +525,7 @@ class Restorer:
                 )
             return None
         data, manifest, _ = next(iter(kept.values()))
-        other = {r for d, (_, ranks) in copies.items() if d not in kept for r in ranks}
+        other = {r for d, ranks in holders.items() if d not in kept for r in ranks}
         holding = [
             v if r not in other else dataclasses.replace(v, objects={}, manifests={})
             for r, v in enumerate(views)
@@ -497,9 +566,12 @@ class Restorer:
             out.append(dataclasses.replace(v, objects=objects))
         return out
 
-    def _thin(self, step: int, manifest: Manifest, views: list[Holdings]) -> bool:
-        """Whether some object of ``step`` is held by fewer nodes than the tier's
-        replicas (a node was replaced), when the same ranks can send it again."""
+    def _thin(
+        self, manifest: Manifest, views: list[Holdings], where: dict[tuple[str, int], list[int]]
+    ) -> bool:
+        """Whether some object of the step is held by fewer nodes than the tier's
+        replicas (a node was replaced), when the same ranks can send it again
+        (``where``: the ranks holding each (key, size), :func:`_holders`)."""
         assert self._peers is not None
         nodes = self._peers.nodes
         if manifest.world_size != len(views) or nodes.problem is not None:
@@ -507,12 +579,7 @@ class Restorer:
         tier = self._tier
         want = nodes.effective_replicas(tier.replicas, tier.replica_jump) if tier else 1
         for o in manifest.objects:
-            held = {
-                nodes.node_of[r]
-                for r, v in enumerate(views)
-                if v.objects.get(step, {}).get(o.key) == o.size
-            }
-            if len(held) < want:
+            if len({nodes.node_of[r] for r in where.get((o.key, o.size), ())}) < want:
                 return True
         return False
 
@@ -684,9 +751,17 @@ class PeerFetch:
         where one holds them all); the same plan for every rank."""
         assert self._views is not None
         held = [v.objects.get(self.step, {}) for v in self._views]
+        where = _holders(self.step, self._views)
 
-        def holds(h: int, rank: int, ks: list[str]) -> bool:
-            return h != rank and all(held[h].get(k) == self._entries[k].size for k in ks)
+        def candidates(rank: int, ks: list[str]) -> list[int]:
+            """The ranks other than ``rank`` holding every key of ``ks`` intact (found
+            from the index of the first key's holders, never a scan of every rank)."""
+            first = where.get((ks[0], self._entries[ks[0]].size), [])
+            return [
+                h
+                for h in first
+                if h != rank and all(held[h].get(k) == self._entries[k].size for k in ks[1:])
+            ]
 
         load = [0] * len(held)
         transfers: list[Transfer] = []
@@ -699,9 +774,9 @@ class PeerFetch:
                 groups.setdefault(writer_rank(k), []).append(k)
             by_holder: dict[int, list[str]] = {}
             for group in groups.values():
-                whole = [h for h in range(len(held)) if holds(h, rank, group)]
+                whole = candidates(rank, group)
                 for ks in [group] if whole else [[k] for k in group]:
-                    holders = whole or [h for h in range(len(held)) if holds(h, rank, ks)]
+                    holders = whole or candidates(rank, ks)
                     if not holders:
                         continue  # on no node: read from the store (or the load fails)
                     h = min(holders, key=lambda h: (load[h], h))
