@@ -13,7 +13,6 @@ keyed by the cell's URL (``/<cell>/``), so a rule breaks only its own cell.
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import json
 import os
@@ -415,6 +414,8 @@ def replication_column(
     full for replicas, one rank cannot write its index object to its disk. Each save
     must commit on every rank with the step reported not replicated on every rank,
     naming the failing rank; the next save replicates."""
+    from lost_node_ranks import _full_under
+
     from objckpt.ops.replication import PeerReplicator
 
     os.environ.update(GROUP_RANK=str(rank // 2), LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2")
@@ -423,24 +424,13 @@ def replication_column(
     tier = objckpt.LocalTier(
         os.path.join(out, "tier", f"node{rank // 2}"), keep_last=2, promote_every=100, replicas=2
     )
-    real_open = open
-
-    def disk_full(path: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
-        if "/replicas/" in os.fspath(path) and any(c in mode for c in "wxa"):
-            raise OSError(28, os.strerror(28), os.fspath(path))
-        return real_open(path, mode, *args, **kwargs)
-
-    def index_full(path: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
-        if "/.__index_" in os.fspath(path) and any(c in mode for c in "wxa"):
-            raise OSError(28, os.strerror(28), os.fspath(path))
-        return real_open(path, mode, *args, **kwargs)
-
     faults = {
         "replication-raises": lambda: _patched(
             PeerReplicator, "_own_files", _raiser(RuntimeError("listing (injected)"))
         ),
-        "peer-disk-full": lambda: _patched(builtins, "open", disk_full),
-        "index-write-fails": lambda: _patched(builtins, "open", index_full),
+        # Through open and through the node store's files (how replicas are received).
+        "peer-disk-full": lambda: _full_under("/replicas/"),
+        "index-write-fails": lambda: _full_under("/.__index_"),
     }
     try:
         with objckpt.CheckpointManager(
