@@ -49,7 +49,6 @@ import dataclasses
 import hashlib
 import logging
 import os
-import uuid
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -64,6 +63,7 @@ from objckpt.errors import (
     CheckpointNotFoundError,
     IntegrityError,
     ManifestError,
+    ObjckptError,
     StateDictMismatchError,
     StoreError,
 )
@@ -72,6 +72,7 @@ from objckpt.format.manifest import Manifest
 from objckpt.format.steps import parse_step, step_name
 from objckpt.ops.catalog import StepCatalog, on_rank0
 from objckpt.ops.local_disk import delete_local_step
+from objckpt.ops.node_store import NodeStore
 from objckpt.ops.peers import (
     FileSpec,
     Holdings,
@@ -254,7 +255,8 @@ class Restorer:
                 continue
             inside = os.path.abspath(b.path).startswith(os.path.abspath(tier.path) + os.sep)
             if inside:
-                with contextlib.suppress(FileNotFoundError):
+                # Never raised: every rank goes on into the next survey's gather.
+                with contextlib.suppress(OSError):
                     os.unlink(b.path)
                     logger.warning(
                         "deleted %s: this node's copy of %s of step %d is damaged (%s)",
@@ -356,7 +358,7 @@ class Restorer:
             store = group_store(self._group)
             for s, data in mine.manifests.items():
                 key = self._manifest_key(s, digests[s])
-                if store.add(f"{key}/n", 1) == 1:
+                if not store.check([key]):  # content-addressed: two posts are the same bytes
                     store.set(key, data)
         except Exception as exc:  # never alone out of the gather: rank 0 finds it missing
             logger.warning("cannot post this node's manifests for the restore: %s", exc)
@@ -366,10 +368,15 @@ class Restorer:
         """Rank 0: the bytes of the manifest of ``step`` with ``digest``, as posted."""
         if not is_distributed():
             return self._posted[(step, digest)]
-        store, key = group_store(self._group), self._manifest_key(step, digest)
-        if not store.check([key]):  # every post came before the gather
-            raise ManifestError(f"step {step}: no rank could post its manifest {digest}")
-        data = bytes(store.get(key))
+        try:
+            store, key = group_store(self._group), self._manifest_key(step, digest)
+            if not store.check([key]):  # every post came before the gather
+                raise ManifestError(f"step {step}: no rank could post its manifest {digest}")
+            data = bytes(store.get(key))
+        except ManifestError:
+            raise
+        except Exception as exc:  # the store's own failure: this copy is unusable, not fatal
+            raise ManifestError(f"step {step}: cannot read the posted manifest: {exc}") from exc
         if _digest(data) != digest:  # the store is the job's own, but check what is read
             raise ManifestError(f"step {step}: the posted manifest {digest} has other bytes")
         return data
@@ -384,7 +391,6 @@ class Restorer:
             key = self._manifest_key(s, digest)
             with contextlib.suppress(Exception):
                 store.delete_key(key)
-                store.delete_key(f"{key}/n")
 
     def _decide(
         self,
@@ -489,28 +495,34 @@ class Restorer:
             try:
                 data = self._manifest_bytes(step, digest)
                 manifest = Manifest.from_json_bytes(data, url=self._catalog.step_url(step))
-            except ManifestError as exc:
+            except ManifestError as exc:  # set aside: the other holders may still agree
                 logger.warning(
-                    "step %d: the manifest %s holds is unusable: %s",
+                    "step %d: the manifest %s holds is unusable (%s); it is not used",
                     step,
                     ", ".join(self._node(r) for r in ranks),
                     exc,
                 )
-                return None
+                continue
             rolled = next((rb for rb in rollbacks if rb.discards(step, data, manifest)), None)
             if rolled is None:
                 kept[digest] = (data, manifest, ranks)
                 continue
-            stale.append((step, digest))
+            named = rolled.names(step, data, manifest)
+            if named:  # recorded by attempt or digest: safe to delete
+                stale.append((step, digest))
             logger.warning(
                 "step %d (attempt %s, committed %s) on %s was discarded by "
-                "discard_after(%d) at %s: it is not loaded, and is deleted there",
+                "discard_after(%d) at %s: it is not loaded%s",
                 step,
                 manifest.attempt,
                 manifest.created,
                 ", ".join(self._node(r) for r in ranks),
                 rolled.after,
                 rolled.at,
+                ", and is deleted there"
+                if named
+                else " (committed before the rollback by the clocks; kept on disk, since "
+                "two hosts' clocks decide it)",
             )
         if len(kept) != 1:
             if len(kept) > 1:
@@ -602,13 +614,10 @@ class Restorer:
         path = os.path.join(into, MANIFEST_KEY)
         if os.path.isfile(own) or os.path.isfile(path):
             return
-        try:
-            os.makedirs(into, exist_ok=True)
-            tmp = os.path.join(into, f".{MANIFEST_KEY}.{uuid.uuid4().hex}.tmp")
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-        except OSError as exc:  # the load reads it from the store, and fails over there
+        try:  # the node's one door: no link followed, fsynced, whole or not at all
+            rel = os.path.relpath(path, tier.path)
+            NodeStore(tier.path).write_bytes(rel, data)
+        except (OSError, ObjckptError) as exc:  # the load reads it from the store instead
             logger.warning("cannot keep the manifest of step %d at %s: %s", step, path, exc)
 
     def _load_step(self, step: int, state_dict: dict[str, Any], read: ReadOptions | None) -> int:

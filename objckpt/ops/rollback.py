@@ -234,15 +234,23 @@ class Rollback:
     at: str
     discarded: Mapping[int, frozenset[tuple[str, str]]]
 
-    def discards(self, step: int, data: bytes, manifest: Manifest) -> bool:
-        """Whether a node's copy of ``step`` (manifest bytes ``data``) was discarded:
-        its attempt or digest is recorded, or it was committed before the rollback."""
+    def names(self, step: int, data: bytes, manifest: Manifest) -> bool:
+        """Whether this record names a node's copy of ``step`` (manifest bytes
+        ``data``): its attempt or digest is recorded (a copy it is safe to delete)."""
         if step <= self.after:
             return False
         digest = _digest(data)
-        if any(
+        return any(
             (a and a == manifest.attempt) or d == digest for a, d in self.discarded.get(step, ())
-        ):
+        )
+
+    def discards(self, step: int, data: bytes, manifest: Manifest) -> bool:
+        """Whether a node's copy of ``step`` (manifest bytes ``data``) was discarded:
+        :meth:`names` it, or it was committed before the rollback (two wall clocks
+        compared: such a copy is not loaded, but never deleted on that ground)."""
+        if step <= self.after:
+            return False
+        if self.names(step, data, manifest):
             return True
         made, at = _instant(manifest.created), _instant(self.at)
         return made is not None and at is not None and made < at

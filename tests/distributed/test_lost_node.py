@@ -255,3 +255,17 @@ def test_a_peer_dying_mid_transfer_never_hangs_the_others_and_the_step_stays_loc
         assert out["local"] == [1], (r, out)
         assert out["waited"] < 4 * timeout + 30, (r, out)
         assert out["error"], (r, out)
+
+
+def test_one_holders_unreadable_manifest_never_blocks_the_step(
+    s3_bucket: StoreTarget, s3_proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """Node 1's replica of step 2's manifest is garbage (a damaged disk), node 0's own
+    copy is whole: the restart sets node 1's copy aside and resumes from step 2.
+    Before, one unusable copy made the step unusable on every restart (step 1)."""
+    local, url = tmp_path / "local", s3_bucket.url("garbage-manifest")
+    options = _options(s3_proxy, local, expect=2)
+    _run(lost_node_ranks.save_durable_then_local, 4, tmp_path, url, options)
+    (local / "node1" / "replicas" / step_name(2) / MANIFEST_KEY).write_bytes(b"{not json")
+    _run(lost_node_ranks.restart_and_load, 4, tmp_path, url, options)
+    assert "unusable" in (local / "warnings.txt").read_text()
