@@ -68,15 +68,18 @@ test: lint iac docs-check azurite rgw
 # on the pinned one. scripts/torch_venv.sh builds one venv per release, outside the
 # clone ($OBJCKPT_TORCH_VENVS, default ~/.cache/objckpt/torch-venvs), and reuses it.
 # The subset: round trip, interop with stock DCP readers and writers, resharding,
-# async, manager, planners, metadata, extensions, reuse, Lightning, the peers' wire and a
-# lost node (point-to-point on gloo across releases).
+# async, manager, planners, metadata, extensions, reuse, Lightning, the peers' wire, one
+# lost node and one silent peer (point-to-point on gloo and the c10d store's
+# compare-and-set across releases; the rest of those files runs on the pinned release).
 TORCH_TESTS := tests/dcp/test_roundtrip.py tests/dcp/test_interop.py \
 	tests/distributed/test_distributed.py tests/pipeline/test_async.py \
 	tests/ops/test_manager.py tests/dcp/test_load_planner.py \
 	tests/pipeline/test_metadata_stream.py tests/dcp/test_extensions.py tests/dcp/test_reuse.py \
 	tests/integrations/test_lightning.py tests/pipeline/test_plan_cache.py \
 	tests/pipeline/test_rank_commit.py tests/api/test_private_torch.py \
-	tests/ops/test_peers.py tests/distributed/test_lost_node.py
+	tests/ops/test_peers.py \
+	tests/distributed/test_lost_node.py::test_a_node_lost_between_promotions_resumes_from_the_newest_local_step_from_peers \
+	tests/distributed/test_replication.py::test_a_silent_rank_is_named_and_turns_replication_off_on_every_rank
 
 test-torch:
 	@test -n "$(TORCH)" || { echo "usage: make test-torch TORCH=2.9.1" >&2; exit 2; }
