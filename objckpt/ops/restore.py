@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import logging
 import os
 import warnings
@@ -83,7 +82,7 @@ from objckpt.ops.peers import (
     replica_dir,
     rounds,
 )
-from objckpt.ops.rollback import Rollback, read_rollbacks
+from objckpt.ops.rollback import Rollback, manifest_digest, read_rollbacks
 from objckpt.ops.tiers import LocalTier
 from objckpt.ops.torch_errors import first_of, size_mismatch, unwrap
 from objckpt.options import ReadOptions
@@ -128,10 +127,6 @@ def _holders(step: int, views: list[Holdings]) -> dict[tuple[str, int], list[int
         for key, size in v.objects.get(step, {}).items():
             where.setdefault((key, size), []).append(r)
     return where
-
-
-def _digest(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 class Restorer:
@@ -333,7 +328,7 @@ class Restorer:
                         data = f.read()
                 except OSError:
                     continue
-                if _digest(data) == digest and delete_local_step(path):
+                if manifest_digest(data) == digest and delete_local_step(path):
                     logger.warning(
                         "deleted %s: a copy of step %d that a rollback discarded", path, step
                     )
@@ -350,7 +345,7 @@ class Restorer:
 
     def _post_manifests(self, mine: Holdings) -> dict[int, str]:
         """This rank's manifests by step, as digests; each posted once by the group."""
-        digests = {s: _digest(data) for s, data in mine.manifests.items()}
+        digests = {s: manifest_digest(data) for s, data in mine.manifests.items()}
         if not is_distributed():
             self._posted = {(s, digests[s]): data for s, data in mine.manifests.items()}
             return digests
@@ -377,7 +372,7 @@ class Restorer:
             raise
         except Exception as exc:  # the store's own failure: this copy is unusable, not fatal
             raise ManifestError(f"step {step}: cannot read the posted manifest: {exc}") from exc
-        if _digest(data) != digest:  # the store is the job's own, but check what is read
+        if manifest_digest(data) != digest:  # the store is the job's own, but check what is read
             raise ManifestError(f"step {step}: the posted manifest {digest} has other bytes")
         return data
 

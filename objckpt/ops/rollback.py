@@ -207,7 +207,9 @@ def _discard_local(tier: LocalTier, step: int, rank: int) -> StoreError | None:
 ROLLBACKS_DIR = "rollbacks"
 
 
-def _digest(data: bytes) -> str:
+def manifest_digest(data: bytes) -> str:
+    """The SHA-256 that names a copy of a manifest (rollback records, the restore's
+    comparison of holders: one definition for both)."""
     return hashlib.sha256(data).hexdigest()
 
 
@@ -239,7 +241,7 @@ class Rollback:
         ``data``): its attempt or digest is recorded (a copy it is safe to delete)."""
         if step <= self.after:
             return False
-        digest = _digest(data)
+        digest = manifest_digest(data)
         return any(
             (a and a == manifest.attempt) or d == digest for a, d in self.discarded.get(step, ())
         )
@@ -293,7 +295,7 @@ def _record(root: Location, step: int, held: Mapping[int, set[bytes]]) -> None:
                 attempt = Manifest.from_json_bytes(data, url=root.url).attempt
             except ManifestError:
                 attempt = ""
-            entries.add((attempt, _digest(data)))
+            entries.add((attempt, manifest_digest(data)))
         discarded[s] = frozenset(entries)
     at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     record = Rollback(step, at, discarded)
