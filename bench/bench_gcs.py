@@ -127,7 +127,7 @@ def main() -> None:
         results["gcsfs_cat"] = measure(lambda: fs.cat(paths), moved, args.repeats)
 
         data = os.urandom(args.object_mib * MiB)
-        opts = UploadOptions(part_size=args.part_mib * MiB, max_in_flight=8)
+        opts = UploadOptions(part_size=args.part_mib * MiB, max_parts_in_flight=8)
 
         def one_object(composite: bool) -> None:
             store = open_store(

@@ -367,12 +367,15 @@ def real_save(tensors: int = 3000) -> dict[str, Any]:
 
 def restore_plan(world: int, per_node: int = 8, per_rank: int = 5) -> dict[str, Any]:
     """Rank 0's restore planning with peer replicas (``replicas=2``) at ``world``
-    simulated ranks, one node lost: the holdings every rank sends (``per_rank``
-    objects a rank, each also on the next node), the check that every object is held
-    somewhere and on enough nodes, as :meth:`objckpt.ops.restore.Restorer._decide`
-    makes it (:func:`objckpt.ops.restore._holders`), beside the per-object scan of
-    every rank's listing that it replaced. Bytes: what ``gather_object`` moves, and
-    with torch's padding of every rank's answer to the largest one."""
+    simulated ranks, one node lost: each node's tier holds its ranks' objects
+    (``per_rank`` a rank) and node - 1's; one rank per node lists it and the node's
+    ranks share that listing (:meth:`objckpt.ops.restore.Restorer._node_listings`);
+    the check that every object is held somewhere and on enough nodes, as
+    :meth:`objckpt.ops.restore.Restorer._decide` makes it
+    (:func:`objckpt.ops.restore._holders`), beside the per-object scan of every
+    rank's listing that it replaced. Bytes: what rank 0 reads (each node's listing
+    once, from the c10d store, and the gather of one digest a rank, padded by torch to
+    the largest answer), beside the gather of every rank's listing it replaced."""
 
     from objckpt.ops.peers import Holdings
     from objckpt.ops.restore import _holders
@@ -381,14 +384,15 @@ def restore_plan(world: int, per_node: int = 8, per_rank: int = 5) -> dict[str, 
     nodes = world // per_node
     node_of = [r // per_node for r in range(world)]
     own = {r: {f"__{r}_{i}.a.distcp": 1 << 20 for i in range(per_rank)} for r in range(world)}
-    views = []
-    for r in range(world):
-        node = node_of[r]
-        held = dict(own[r]) if node != 1 else {}  # node 1 lost: a replacement, empty
-        if node != 1:
-            peer = ((node - 1) % nodes) * per_node + r % per_node  # node - 1's files here
-            held.update(own[peer])
-        views.append(Holdings(f"/tier/node{node}", {step: held}, {}))
+    listings = []
+    for node in range(nodes):
+        held: dict[str, int] = {}
+        if node != 1:  # node 1 lost: a replacement, empty
+            for r in range(per_node):
+                held.update(own[node * per_node + r])
+                held.update(own[((node - 1) % nodes) * per_node + r])  # node - 1's files here
+        listings.append(Holdings(f"/tier/node{node}", {step: held}, {}))
+    views = [listings[node_of[r]] for r in range(world)]
     objects = [(k, n) for r in range(world) for k, n in own[r].items()]
     started = time.perf_counter()
     where = _holders(step, views)
@@ -401,13 +405,15 @@ def restore_plan(world: int, per_node: int = 8, per_rank: int = 5) -> dict[str, 
         any(v.objects.get(step, {}).get(k) == n for v in views)
         {node_of[h] for h, v in enumerate(views) if v.objects.get(step, {}).get(k) == n}
     scan_seconds = (time.perf_counter() - started) * world / scan
-    sizes = [len(pickle.dumps(v)) for v in views]
+    listing_bytes = [len(pickle.dumps((v, {step: "0" * 64}))) for v in listings]
+    answer = len(pickle.dumps(("0" * 64, [])))  # a rank's answer in the gather
     return {
         "world": world,
         "seconds": seconds,
         "scan_seconds": scan_seconds,
-        "gathered_bytes": sum(sizes),
-        "padded_bytes": max(sizes) * world,
+        "gathered_bytes": sum(listing_bytes) + answer * world,
+        "per_rank_listing_bytes": sum(listing_bytes[node_of[r]] for r in range(world)),
+        "per_rank_padded_bytes": max(listing_bytes) * world,
         "lost": len(lost),
         "thin": thin,
     }
@@ -476,6 +482,7 @@ def main() -> None:
     print(table(rows) if rows else "")
     print("\n" + plan_table(rows) if any("plan" in r for r in rows) else "")
     print("\n" + scale_commit.commit_table(commits) if commits else "")
+    print("\n" + scale_commit.publish_table(commits) if commits else "")
     ours = real["manifest"] + real["index"]
     print(
         f"\nreal W=1 save of {real['tensors']} tensors: manifest + index {ours / 1e3:.0f} kB, "
@@ -485,8 +492,9 @@ def main() -> None:
         print(
             f"\nrestore planning at W={r['world']}: {r['seconds']:.3f} s "
             f"(the per-object scan of every rank: {r['scan_seconds']:.3f} s); "
-            f"holdings gathered {r['gathered_bytes'] / 1e6:.1f} MB "
-            f"({r['padded_bytes'] / 1e6:.1f} MB padded to the largest)"
+            f"rank 0 reads {r['gathered_bytes'] / 1e6:.2f} MB of holdings (one listing a "
+            f"node); a listing from every rank was {r['per_rank_listing_bytes'] / 1e6:.1f} MB, "
+            f"{r['per_rank_padded_bytes'] / 1e6:.1f} MB padded to the largest"
         )
     print(f"\nrecorded in {path}")
 

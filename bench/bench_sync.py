@@ -43,12 +43,13 @@ log = logging.getLogger("bench")
 MiB = 1024 * 1024
 
 
-def transformer_state(total_mib: int) -> dict[str, torch.Tensor]:
+def transformer_state(total_mib: int, tensors: int | None = None) -> dict[str, torch.Tensor]:
     """About ``total_mib`` of fp32: half in 6 large tensors, half in ~1,000 small ones
-    (20 in a smoke run)."""
+    (20 in a smoke run), or in ``tensors - 6`` small ones where ``tensors`` is given
+    (a state of many small tensors: LoRA adapters, MoE optimizer states)."""
     g = torch.Generator().manual_seed(0)
     big_each = total_mib * MiB // 2 // 6 // 4
-    small_count = smoke.count(1000, 20)
+    small_count = smoke.count(1000 if tensors is None else max(1, tensors - 6), 20)
     small_each = total_mib * MiB // 2 // small_count // 4
     state: dict[str, torch.Tensor] = {}
     for i in range(6):

@@ -126,7 +126,7 @@ def _node_rank(
     state = {f"r{rank}.{k}": v for k, v in transformer_state(max(1, o["mib"] // world)).items()}
     tier = objckpt.LocalTier(
         os.path.join(o["local"], f"node{rank // PER_NODE}"),
-        keep_last=2,
+        retention=objckpt.RetentionPolicy(keep_last=2),
         promote_every=1 if o["replicas"] == 1 else 10**6,
         replicas=o["replicas"],
     )
@@ -276,7 +276,9 @@ def main() -> None:
             "s3://bench/s3only", storage_options=options, async_options=opts
         ) as mgr:
             s3_only = _saves(mgr, state, args.saves)
-        tier = objckpt.LocalTier(local, keep_last=2, promote_every=1)
+        tier = objckpt.LocalTier(
+            local, retention=objckpt.RetentionPolicy(keep_last=2), promote_every=1
+        )
         with objckpt.CheckpointManager(
             "s3://bench/tiered", storage_options=options, async_options=opts, local=tier
         ) as mgr:

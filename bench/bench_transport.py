@@ -158,7 +158,7 @@ def run(size_mib: int, repeats: int, with_obstore: bool = True) -> dict[str, Any
         gib = len(data) / 2**30
         store = open_store(
             Location.parse(f"s3://{BUCKET}/s3fs", opts),
-            UploadOptions(part_size=PART, max_in_flight=IN_FLIGHT),
+            UploadOptions(part_size=PART, max_parts_in_flight=IN_FLIGHT),
         )
         ob = _obstore(server.endpoint_url, opts) if with_obstore else None
         view = memoryview(data)

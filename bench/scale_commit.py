@@ -48,7 +48,13 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
-from objckpt.format.commit import RankReport, commit_checkpoint, requests_result, written_objects
+from objckpt.format.commit import (
+    RankReport,
+    commit_checkpoint,
+    requests_result,
+    stock_digest,
+    written_objects,
+)
 from objckpt.format.dcp_json import StoredItem
 from objckpt.format.index import encode_rank_index
 from objckpt.format.manifest import ObjectEntry
@@ -62,6 +68,8 @@ from objckpt.writers.location import Location
 
 log = logging.getLogger("bench")
 ATTEMPT = "6b0000000000beef"
+#: The later save's attempt id (same length, as every attempt id is).
+LATER = "6b0000000001cafe"
 
 
 def hint(items: list[dict[MetadataIndex, StoredItem]]) -> None:
@@ -150,26 +158,44 @@ def measure_after(
         helper._submit(_noop).result()  # up, torch imported: its start is not a save's
         first = f"{tmp}/step0"
         os.makedirs(first)
-        reports = []
-        encode_s = 0.0
+        later = f"{tmp}/step1"
+        os.makedirs(later)
+        reports, renamed = [], []
+        encode_s = digest_s = 0.0
         for r in range(world):
             t0 = time.process_time()
             shard = encode_rank_index(items[r], r, ATTEMPT)
             crc = Crc32c()
             crc.update(shard.data)
             spent = time.process_time() - t0
-            if r == world - 1:
-                encode_s = spent  # one rank other than the coordinator
+            t0 = time.process_time()
+            digest = stock_digest(items[r], ATTEMPT)
+            if r == world - 1:  # one rank other than the coordinator
+                encode_s, digest_s = spent, time.process_time() - t0
             with open(f"{first}/{shard.key}", "wb") as f:
                 f.write(shard.data)
             entry = ObjectEntry(shard.key, len(shard.data), crc.hexdigest())
-            reports.append(RankReport(entry, written_objects(_results(items[r])), RequestStats()))
+            objects = written_objects(_results(items[r]))
+            reports.append(RankReport(entry, objects, RequestStats(), digest))
+            # The later save: the same items under another attempt id (a rank's index
+            # names its objects by it, and it is all that changes; same length).
+            data = shard.data.replace(ATTEMPT.encode(), LATER.encode())
+            key = shard.key.replace(ATTEMPT, LATER)
+            with open(f"{later}/{key}", "wb") as f:
+                f.write(data)
+            crc = Crc32c()
+            crc.update(data)
+            moved = tuple(
+                dataclasses.replace(o, key=o.key.replace(ATTEMPT, LATER)) for o in objects
+            )
+            entry = ObjectEntry(key, len(data), crc.hexdigest())
+            renamed.append(RankReport(entry, moved, RequestStats(), digest))
         if not keep:
             items.clear()
             gc.collect()
         row["rank_index_encode_s"] = encode_s
+        row["rank_stock_digest_s"] = digest_s
         row["index_bytes_per_rank"] = reports[-1].index.size if reports[-1].index else 0
-        shutil.copytree(first, f"{tmp}/step1")  # the same index objects, before any commit
         # Rank 0 builds a new plan's layout on the save's background thread while the
         # uploads run (commit_phase); timed apart from the commit, which finds it kept.
         gc.collect()
@@ -178,9 +204,10 @@ def measure_after(
         row["layout_cpu_s"] = time.process_time() - t0
         assert helper._layout is not None and helper._layout[0] is meta, "no layout was built"
         row["layout_wall_s"] = time.perf_counter() - w0
-        for n, label in enumerate(("first save of the plan", "later save")):
+        saves = (("first save of the plan", reports, ATTEMPT), ("later save", renamed, LATER))
+        for n, (label, sent, attempt) in enumerate(saves):
             url_dir = f"{tmp}/step{n}"
-            row["saves"].append(_one_save(helper, meta, reports, url_dir, label))
+            row["saves"].append(_one_save(helper, meta, sent, url_dir, label, attempt))
         posted = row["saves"][0].pop("bytes")["posted"]
         row["saves"][1].pop("bytes")
         row["c10d_bytes_per_rank_max"] = max(posted)
@@ -217,21 +244,26 @@ def _noop() -> None:
 
 
 def _one_save(
-    helper: CommitHelper, meta: Any, reports: list[RankReport], url_dir: str, label: str
+    helper: CommitHelper,
+    meta: Any,
+    reports: list[RankReport],
+    url_dir: str,
+    label: str,
+    attempt: str = ATTEMPT,
 ) -> dict[str, Any]:
     world = len(reports)
     store = dist.HashStore()
     posted = []
     for r in range(world):
-        ex = RankExchange(store, ATTEMPT, r, world, 60.0, url_dir)
+        ex = RankExchange(store, attempt, r, world, 60.0, url_dir)
         value = pickle.dumps((True, reports[r]))
-        posted.append(len(f"objckpt/{ATTEMPT}/rank{r}") + len(value))
+        posted.append(len(f"objckpt/{attempt}/rank{r}") + len(value))
         if r:  # rank 0 posts its own inside the measured commit
             ex.post(True, reports[r])
     target = open_store(Location.parse(f"file://{url_dir}"), UploadOptions())
     writer = types.SimpleNamespace(
         metadata=meta,
-        rank_plan=types.SimpleNamespace(attempt=ATTEMPT, rank=0),
+        rank_plan=types.SimpleNamespace(attempt=attempt, rank=0),
         deadline=None,
         target=types.SimpleNamespace(
             store=target,
@@ -250,12 +282,14 @@ def _one_save(
     gc.callbacks.append(collections)
     try:
         t0, w0 = time.process_time(), time.perf_counter()
-        exchange = RankExchange(store, ATTEMPT, 0, world, 60.0, url_dir)
+        exchange = RankExchange(store, attempt, 0, world, 60.0, url_dir)
         exchange.post(True, reports[0])
         gathered = exchange.gather()
+        g0 = time.perf_counter()
         manifest = helper.commit(writer, gathered, world)  # type: ignore[arg-type]
         exchange.publish_outcome(None)
         cpu, wall = time.process_time() - t0, time.perf_counter() - w0
+        published = time.perf_counter() - g0
     finally:
         gc.callbacks.remove(collections)
     helper_cpu = _cpu_of(pid) - h0
@@ -266,6 +300,8 @@ def _one_save(
         "rank0_wall_s": wall,
         "rank0_gc": collections.summary(),
         "helper_cpu_s": helper_cpu,
+        "published_after_gather_s": published,
+        "node_cpu_s": cpu + helper_cpu,
         "helper_peak_rss_bytes": _peak_rss_of(pid) if pid else 0,
         "metadata_bytes": os.path.getsize(f"{url_dir}/.metadata"),
         "manifest_bytes": os.path.getsize(f"{url_dir}/manifest.json"),
@@ -385,5 +421,26 @@ def commit_table(rows: list[dict[str, Any]]) -> str:
             f"| {later.get('helper_peak_rss_bytes', 0) / 2**30:.2f} GiB "
             f"| {_mb(b['c10d_bytes_per_rank_max']) if b else '-'} "
             f"| {a['c10d_bytes_per_rank_max']} B | {dcp} |"
+        )
+    return "\n".join(lines)
+
+
+def publish_table(rows: list[dict[str, Any]]) -> str:
+    """Per save: when the outcome is published after the gather, and the CPU rank 0's
+    node spends on the commit (its process and the helper's)."""
+    lines = [
+        "| W | published after the gather: first / later save | rank 0's node CPU: first / "
+        "later save | `.metadata` | helper peak RSS |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        first, later = r["after"]["saves"]
+        lines.append(
+            f"| {r['world']} "
+            f"| {first.get('published_after_gather_s', 0):.2f} / "
+            f"{later.get('published_after_gather_s', 0):.2f} s "
+            f"| {first.get('node_cpu_s', 0):.2f} / {later.get('node_cpu_s', 0):.2f} s "
+            f"| {_mb(later['metadata_bytes'])} "
+            f"| {later.get('helper_peak_rss_bytes', 0) / 2**30:.2f} GiB |"
         )
     return "\n".join(lines)

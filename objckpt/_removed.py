@@ -21,8 +21,17 @@ MANAGER = {
     "keep_every": "retention=objckpt.RetentionPolicy(keep_every={value!r})",
     "keep_newer_than": "retention=objckpt.RetentionPolicy(keep_newer_than={value!r})",
 }
-#: ``ObjectStoreReader`` (#38).
-READER = {"verify": "read=objckpt.ReadOptions(verify={value!r})"}
+#: ``LocalTier`` (#45: one value per concern, the root's retention value).
+LOCAL_TIER = {"keep_last": "retention=objckpt.RetentionPolicy(keep_last={value!r})"}
+#: ``ObjectStoreWriter`` (#45: how a save writes is one value).
+WRITER = {"preflight_timeout": "upload=objckpt.UploadOptions(preflight_timeout={value!r})"}
+#: ``ObjectStoreReader`` (#38; #45: how a load reads is one value).
+READER = {
+    "verify": "read=objckpt.ReadOptions(verify={value!r})",
+    "broadcast": "read=objckpt.ReadOptions(broadcast={value!r})",
+    "allow_stock": "read=objckpt.ReadOptions(allow_stock={value!r})",
+    "local": "read=objckpt.ReadOptions(local={value!r})",
+}
 #: ``ReadOptions`` (November 2026 renames; #38).
 READ_OPTIONS = {
     "max_inflight_bytes": "max_in_flight_bytes={value!r}",
@@ -31,10 +40,25 @@ READ_OPTIONS = {
         "replicated reads wherever the reader coordinates the process group)"
     ),
 }
-#: ``UploadOptions`` (November 2026 renames).
-UPLOAD_OPTIONS = {"max_inflight": "max_in_flight={value!r}"}
+#: ``UploadOptions`` (November 2026 renames; #45: names say what they count).
+UPLOAD_OPTIONS = {
+    "max_inflight": "max_parts_in_flight={value!r}",
+    "max_in_flight": "max_parts_in_flight={value!r} (parts; saves in flight are "
+    "AsyncOptions.max_saves_in_flight)",
+}
+#: ``AsyncOptions`` (#45: names say what they count).
+ASYNC_OPTIONS = {
+    "max_in_flight": "max_saves_in_flight={value!r} (saves; parts in flight are "
+    "UploadOptions.max_parts_in_flight)",
+}
 #: ``AsyncCheckpointer`` and ``async_save`` (November 2026 renames).
 CHECKPOINTER = {"options": "async_options= (the same objckpt.AsyncOptions)"}
+
+
+def replacement(cls: type, name: str, value: Any) -> str | None:
+    """What replaced keyword ``name`` of class ``cls`` (None: it was never removed)."""
+    removed: Mapping[str, str] = getattr(cls, "__removed_keywords__", {})
+    return removed[name].format(value=value) if name in removed else None
 
 
 def removed_keywords(removed: Mapping[str, str]) -> Callable[[_T], _T]:
@@ -61,6 +85,8 @@ def removed_keywords(removed: Mapping[str, str]) -> Callable[[_T], _T]:
 
         if is_class:
             target.__init__ = checked  # type: ignore[method-assign]
+            # Read by the config file, which names the replacement of a removed key too.
+            target.__removed_keywords__ = dict(removed)  # type: ignore[attr-defined]
             return target
         return checked  # type: ignore[return-value]
 

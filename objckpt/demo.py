@@ -126,7 +126,7 @@ def run_demo(
                 if handle.waited_for_earlier > 0.05:
                     logger.info(
                         "  of which %.3f s waiting for the previous save's uploads to finish "
-                        "(AsyncOptions.max_in_flight=1: one save uploading at a time)",
+                        "(AsyncOptions.max_saves_in_flight=1: one save uploading at a time)",
                         handle.waited_for_earlier,
                     )
         mgr.wait_until_finished()

@@ -21,6 +21,7 @@ Needs the optional ``lightning`` extra (``pytorch-lightning``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Mapping
@@ -190,16 +191,11 @@ class ObjckptCheckpointIO(CheckpointIO):
         self._settle(url)
         read = self.read
         if weights_only is False and not read.trust_pickles:
-            import dataclasses
-
             read = dataclasses.replace(read, trust_pickles=True)
+        # Read here alone, whatever the process group; committed checkpoints only.
+        read = dataclasses.replace(read, allow_stock=False, broadcast=False)
         reader = ObjectStoreReader(
-            url,
-            storage_options=self.storage_options,
-            read=read,
-            retry=self.retry,
-            allow_stock=False,
-            broadcast=False,  # read here alone, whatever the process group
+            url, storage_options=self.storage_options, read=read, retry=self.retry
         )
         try:
             state = load_everything(reader)

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Sequence
+from typing import cast
 
-from objckpt._removed import READ_OPTIONS, UPLOAD_OPTIONS, removed_keywords
+from objckpt._removed import ASYNC_OPTIONS, READ_OPTIONS, UPLOAD_OPTIONS, removed_keywords
 from objckpt.errors import ConfigurationError
 
 __all__ = ["AsyncOptions", "ReadOptions", "UploadOptions"]
@@ -39,8 +41,8 @@ class UploadOptions:
         object_size: Target size of a payload object. Small tensors are packed
             together up to this size; a larger tensor gets an object of its own.
             Moderate objects keep ranged reads cheap and let uploads run in parallel.
-        max_in_flight: Parts (or small objects) uploading at once per writer; also
-            bounds the memory held by part buffers to ``max_in_flight * part_size``.
+        max_parts_in_flight: Parts (or small objects) uploading at once per writer; also
+            bounds the memory held by part buffers to ``max_parts_in_flight * part_size``.
         prefix_entropy: Hex digits of hashed sub-prefix in front of each payload
             key (0 = off). S3 serves about 3,500 PUT/s per prefix: a save whose
             ranks write more than that per second at once (e.g. 512 ranks x 8 parts
@@ -51,6 +53,13 @@ class UploadOptions:
             then fails the save in bounded time, with an error naming the rank and
             the object, instead of after every part's retries in turn. Raise it
             for many GiB per rank over a slow link.
+        preflight_timeout: Seconds allowed to confirm the bucket is reachable and
+            writable before anything is written (within ``deadline``). A
+            synchronous save's coordinator proves it for each save (other ranks
+            would multiply its requests by the world size on every save; a rank
+            that cannot write fails its first upload instead, and nothing is
+            committed); an async checkpointer, every rank once per bucket, before
+            its first copy, so bad credentials fail ``save()`` before any staging.
         compression: None (off: items stored as DCP's writers store them), or
             ``"zstd"`` (each item compressed with zstd, recorded under torch's own
             stream-transform descriptor, so stock readers load it) or
@@ -62,9 +71,10 @@ class UploadOptions:
 
     part_size: int = 16 * MiB
     object_size: int = 64 * MiB
-    max_in_flight: int = 8
+    max_parts_in_flight: int = 8
     prefix_entropy: int = 0
     deadline: float | None = 600.0
+    preflight_timeout: float = 30.0
     compression: str | None = None
 
     def __post_init__(self) -> None:
@@ -84,9 +94,9 @@ class UploadOptions:
             "a positive int (bytes)",
         )
         _require(
-            isinstance(self.max_in_flight, int) and 1 <= self.max_in_flight <= 256,
-            "max_in_flight",
-            self.max_in_flight,
+            isinstance(self.max_parts_in_flight, int) and 1 <= self.max_parts_in_flight <= 256,
+            "max_parts_in_flight",
+            self.max_parts_in_flight,
             "an int between 1 and 256",
         )
         _require(
@@ -107,6 +117,14 @@ class UploadOptions:
             "deadline",
             self.deadline,
             "seconds > 0, or None for no deadline",
+        )
+        _require(
+            isinstance(self.preflight_timeout, (int, float))
+            and not isinstance(self.preflight_timeout, bool)
+            and self.preflight_timeout > 0,
+            "preflight_timeout",
+            self.preflight_timeout,
+            "seconds > 0",
         )
 
     def part_size_for(self, size_hint: int) -> int:
@@ -144,6 +162,31 @@ class ReadOptions:
             manifests pass it at about 900 ranks (290 MB at 1,024) and stock
             ``.metadata`` pickles at about 1,400 (195 MB at 1,024): raise it to
             read those.
+        broadcast: Coordinate the reads of the reader's process group: read the
+            manifest once, on rank 0, and send its bytes to the other ranks (it
+            grows with W: W ranks each reading it is W^2 bytes per job), and fetch
+            each stored item several ranks read (replicated tensors) once, on one
+            of them, which broadcasts it to the others
+            (:mod:`~objckpt.dcp.shared_reads`). ``None`` (default): so in a process
+            group, the manifest as a collective in the reader's first
+            ``read_metadata()`` of each load (``dcp.load`` calls it on every rank);
+            outside one, read when built. ``True``: the reader's constructor is the
+            manifest's collective. ``False``: every rank reads everything itself,
+            as where one rank loads alone in a job (``dcp.load(..., no_dist=True)``,
+            ``read_metadata()`` on some ranks).
+        allow_stock: Load a stock DCP checkpoint (``.metadata``, no manifest) when
+            that is what the URL holds. False: only committed objckpt checkpoints
+            (the manager's rule: a step exists only once committed).
+        local: A local directory holding (some of) the checkpoint's objects under
+            the same names: read first, object by object, checked, with the URL for
+            whatever it lacks or holds damaged. Its manifest, when present and
+            readable, is used without asking the store. A sequence of directories:
+            each looked in, in order (a local tier's step directory, then its
+            replicas of other nodes' files). Kept as a tuple of paths (None: none).
+
+    ``CheckpointManager.load`` decides ``broadcast``, ``allow_stock`` and ``local``
+    itself (its process group, committed steps only, its local tier) and refuses a
+    ``read`` that sets them.
     """
 
     verify: bool = True
@@ -152,9 +195,31 @@ class ReadOptions:
     max_in_flight_bytes: int = 512 * MiB
     trust_pickles: bool = False
     max_metadata_bytes: int = 256 * MiB
+    broadcast: bool | None = None
+    allow_stock: bool = True
+    local: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None
 
     def __post_init__(self) -> None:
         _require(isinstance(self.verify, bool), "verify", self.verify, "True or False")
+        _require(
+            self.broadcast is None or isinstance(self.broadcast, bool),
+            "broadcast",
+            self.broadcast,
+            "True, False or None (coordinate in a process group)",
+        )
+        _require(
+            isinstance(self.allow_stock, bool), "allow_stock", self.allow_stock, "True or False"
+        )
+        if self.local is not None:
+            dirs = [self.local] if isinstance(self.local, (str, os.PathLike)) else self.local
+            _require(
+                isinstance(dirs, Sequence) and all(isinstance(d, (str, os.PathLike)) for d in dirs),
+                "local",
+                self.local,
+                "a directory, or a sequence of directories",
+            )
+            # One hashable value, however it was spelt: the paths as strings, in order.
+            object.__setattr__(self, "local", tuple(os.fspath(d) for d in dirs) or None)
         _require(
             type(self.max_metadata_bytes) is int and self.max_metadata_bytes >= 1,
             "max_metadata_bytes",
@@ -187,20 +252,26 @@ class ReadOptions:
             "an int >= range_size",
         )
 
+    @property
+    def local_dirs(self) -> tuple[str, ...]:
+        """``local`` as the paths it is kept as, in order (empty: none)."""
+        return cast("tuple[str, ...]", self.local or ())
 
+
+@removed_keywords(ASYNC_OPTIONS)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AsyncOptions:
     """How async saves run.
 
     Attributes:
-        workers: Upload processes per rank. They share ``UploadOptions.max_in_flight``
+        workers: Upload processes per rank. They share ``UploadOptions.max_parts_in_flight``
             (each gets its share, rounded up), so the rank's requests and part
             buffers in flight stay what one synchronous writer would hold. Each
             process costs ~50 MiB (an interpreter with the store's client stack).
         uploads_per_worker: Objects each worker uploads at once, on threads of its
             own. They share the worker's parts in flight, so one worker keeps its
             whole share busy even when each object has fewer parts than that.
-        max_in_flight: Saves that may be uploading at once; a further ``save``
+        max_saves_in_flight: Saves that may be uploading at once; a further ``save``
             waits for the oldest to finish (each in-flight save holds its own staging).
         barrier_timeout: Seconds the commit waits for every rank's uploads (and
             other ranks wait for the commit) before failing with an error naming
@@ -247,7 +318,7 @@ class AsyncOptions:
 
     workers: int = 1
     uploads_per_worker: int = 2
-    max_in_flight: int = 1
+    max_saves_in_flight: int = 1
     barrier_timeout: float = 600.0
     staging_budget: int | None = None
     share_replicated: bool = True
@@ -286,9 +357,10 @@ class AsyncOptions:
                 count,
                 "an int >= 1",
             )
-        if not isinstance(self.max_in_flight, int) or self.max_in_flight < 1:
+        if not isinstance(self.max_saves_in_flight, int) or self.max_saves_in_flight < 1:
             raise ConfigurationError(
-                f"option max_in_flight={self.max_in_flight!r} is invalid: expected an int >= 1"
+                f"option max_saves_in_flight={self.max_saves_in_flight!r} is invalid: "
+                "expected an int >= 1"
             )
         if self.staging_budget is not None and (
             not isinstance(self.staging_budget, int)

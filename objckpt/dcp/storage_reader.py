@@ -27,7 +27,7 @@ import dataclasses
 import logging
 import os
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 import torch.distributed as dist
@@ -99,7 +99,7 @@ class ObjectStoreReader(StorageReader):
     ``prepare_global_plan`` (coordinator only, with every rank's plan), then
     ``read_data`` with this rank's final plan.
 
-    With ``local=`` (a copy of the same checkpoint on this node's disk, the local
+    With ``ReadOptions(local=)`` (a copy of the same checkpoint on this node's disk, the local
     tier of :class:`~objckpt.LocalTier`) every object is read from that copy when
     it is there with the manifest's size, and from the store otherwise: the choice
     is per object, so a rank whose disk holds its own part reads only the rest from
@@ -109,30 +109,14 @@ class ObjectStoreReader(StorageReader):
     Args:
         url: Checkpoint URL.
         storage_options: Passed untouched to fsspec.
-        read: Range sizing, read-ahead and verification (``ReadOptions.verify``:
-            check each item's CRC32C, on by default).
-        broadcast: Coordinate the reads of ``process_group``: read the manifest
-            once, on rank 0, and send its bytes to the other ranks (it grows with W:
-            W ranks each reading it is W^2 bytes per job), and fetch each stored item
-            several ranks read (replicated tensors) once, on one of them, which
-            broadcasts it to the others (:mod:`~objckpt.dcp.shared_reads`).
-            ``None`` (default): so in a process group, the manifest as a collective
-            in the reader's first ``read_metadata()`` of each load (``dcp.load``
-            calls it on every rank); outside one, read when built. ``True``: the
-            constructor is the manifest's collective. ``False``: every rank reads
-            everything itself, as where one rank loads alone in a job
-            (``dcp.load(..., no_dist=True)``, ``read_metadata()`` on some ranks).
-        process_group: The group for ``broadcast`` (default: the default group);
-            a ``dcp.load`` on a subgroup passes that subgroup here too.
-        allow_stock: Load a stock DCP checkpoint (``.metadata``, no manifest) when
-            that is what ``url`` holds. False: only committed objckpt checkpoints
-            (the manager's rule: a step exists only once committed).
-        local: A local directory holding (some of) this checkpoint's objects under
-            the same names: read first, object by object, checked, with ``url``
-            for whatever it lacks or holds damaged. Its manifest, when present
-            and readable, is used without asking the store. A sequence of
-            directories: each looked in, in order (a local tier's step directory,
-            then its replicas of other nodes' files).
+        read: Range sizing, read-ahead, verification (``ReadOptions.verify``:
+            check each item's CRC32C, on by default), how the reads of a process
+            group are coordinated (``broadcast``), whether a stock DCP checkpoint
+            is accepted (``allow_stock``) and the local copies read first
+            (``local``): :class:`~objckpt.ReadOptions`.
+        process_group: The group ``ReadOptions.broadcast`` coordinates (default:
+            the default group); a ``dcp.load`` on a subgroup passes that subgroup
+            here too.
         peers: Where ranks fetch the objects their plan reads and their node
             lacks from another rank's node before reading (the manager's restore
             with ``LocalTier(replicas=)``; :class:`PeerSource`).
@@ -155,25 +139,18 @@ class ObjectStoreReader(StorageReader):
         storage_options: Mapping[str, Any] | None = None,
         read: ReadOptions | None = None,
         retry: RetryPolicy | None = None,
-        broadcast: bool | None = None,
         process_group: Any | None = None,
-        allow_stock: bool = True,
-        local: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
         peers: PeerSource | None = None,
         _extension_registry: Any | None = None,
     ) -> None:
         super().__init__()
         self.location = Location.parse(url, storage_options, retry)
-        dirs = (
-            []
-            if local is None
-            else [local]
-            if isinstance(local, (str, os.PathLike))
-            else list(local)
-        )
-        parsed = [Location.parse(d) for d in dirs]
+        self.options = read or ReadOptions()
+        parsed = [Location.parse(d) for d in self.options.local_dirs]
         if any(not d.is_local for d in parsed):
-            raise ConfigurationError(f"option local={local!r}: expected a local directory")
+            raise ConfigurationError(
+                f"option ReadOptions.local={self.options.local!r}: expected local directories"
+            )
         self.local = parsed[0] if parsed else None
         self._local_copy = (
             None if self.local is None else LocalCopy(self.local, self.location, parsed[1:])
@@ -182,7 +159,6 @@ class ObjectStoreReader(StorageReader):
         self._local_fs: AbstractFileSystem | None = None
         #: Where the manifest came from.
         self.manifest_source: str | None = None
-        self.options = read or ReadOptions()
         # This process's store for the location (its client is the process's shared
         # one, objckpt.writers.clients); a forked child builds its own.
         self._store: ObjectStore | None = None
@@ -192,6 +168,7 @@ class ObjectStoreReader(StorageReader):
         self._locator: Locator | None = None  # format 2: items load per index object
         self._index: ItemIndex
         # None: broadcast in a process group, at the first read_metadata() of each load.
+        broadcast = self.options.broadcast
         self._broadcast = is_distributed() if broadcast is None else broadcast
         self._at_read_metadata = broadcast is None and self._broadcast
         # Replicated items are fetched once per job wherever the reader coordinates the
@@ -201,7 +178,6 @@ class ObjectStoreReader(StorageReader):
         #: The manifest is still to be read, by the next read_metadata() (see above).
         self._pending = False
         self._group = process_group
-        self._allow_stock = allow_stock
         #: This load's id, drawn anew for each load (as FileSystemReader's ``load_id``).
         self.load_id = uuid.uuid4().hex
         self._rank = 0
@@ -289,7 +265,7 @@ class ObjectStoreReader(StorageReader):
             local=self._local_copy,
             broadcast=self._broadcast,
             process_group=self._group,
-            allow_stock=self._allow_stock,
+            allow_stock=self.options.allow_stock,
             max_bytes=self.options.max_metadata_bytes,
         )
         if opened.source is not None:

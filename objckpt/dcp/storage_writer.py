@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from objckpt._removed import WRITER, removed_keywords
 from objckpt._torch import StreamTransformExtension
 from objckpt.dcp.plan import ObjectPlan, RankPlan, assign_objects
 from objckpt.dcp.reuse_base import BaseReader, BaseTable, base_location
@@ -79,6 +80,7 @@ __all__ = ["ObjectStoreWriter"]
 logger = logging.getLogger(__name__)
 
 
+@removed_keywords(WRITER)
 class ObjectStoreWriter(StorageWriter):
     """Save a DCP checkpoint to an object store, committed by a create-only manifest.
 
@@ -88,13 +90,8 @@ class ObjectStoreWriter(StorageWriter):
         storage_options: Passed untouched to fsspec (endpoint, credentials, ...).
         overwrite: Replace a committed checkpoint at ``url``. The old one stays
             loadable until the new manifest replaces it in one write.
-        upload: Object and part sizing, upload concurrency.
-        preflight_timeout: Seconds allowed to confirm the bucket is reachable and
-            writable before anything is written. The coordinator proves it for the
-            save (other ranks would multiply its requests by the world size on every
-            save; a rank that cannot write fails its first upload instead, and
-            nothing is committed). An async checkpointer proves it on every rank,
-            once, before its first copy.
+        upload: Object and part sizing, upload concurrency, the save's deadline and
+            its preflight's bound (:class:`~objckpt.UploadOptions`).
         user_metadata: JSON-serializable values stored in the manifest's ``user``.
         reuse_from: A committed step beside ``url`` (``<root>/step-<N>``) whose equal
             items (fqn, chunk, length, xxh3-128) are referenced, not uploaded again.
@@ -113,7 +110,6 @@ class ObjectStoreWriter(StorageWriter):
         storage_options: Mapping[str, Any] | None = None,
         overwrite: bool = False,
         upload: UploadOptions | None = None,
-        preflight_timeout: float = 30.0,
         user_metadata: Mapping[str, Any] | None = None,
         retry: RetryPolicy | None = None,
         reuse_from: str | None = None,
@@ -124,10 +120,6 @@ class ObjectStoreWriter(StorageWriter):
             raise ConfigurationError(
                 f"option overwrite={overwrite!r} is invalid: expected True or False"
             )
-        if not (isinstance(preflight_timeout, (int, float)) and preflight_timeout > 0):
-            raise ConfigurationError(
-                f"option preflight_timeout={preflight_timeout!r} must be a positive number"
-            )
         self.location = Location.parse(url, storage_options, retry)
         base_location(self.location, reuse_from)  # a misnamed base fails here
         self.reuse_from = reuse_from
@@ -137,7 +129,7 @@ class ObjectStoreWriter(StorageWriter):
         self.overwrite = overwrite
         self.upload = upload or UploadOptions()
         self.transforms = ItemTransforms(self.upload.compression, _extensions)
-        self.preflight_timeout = float(preflight_timeout)
+        self.preflight_timeout = float(self.upload.preflight_timeout)
         self.user_metadata = dict(user_metadata or {})
         #: Tensor frames by dtype and shape, kept across the saves of a reused writer.
         self.framer = Framer()

@@ -43,10 +43,12 @@ import contextvars
 import dataclasses
 import logging
 import os
+import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import torch
+import xxhash
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -97,6 +99,7 @@ __all__ = [
     "read_manifest",
     "requests_result",
     "save_storage_meta",
+    "stock_digest",
     "write_rank_index",
     "written_objects",
 ]
@@ -146,6 +149,10 @@ class RankReport:
     index: ObjectEntry | None
     objects: tuple[ObjectEntry, ...]
     requests: RequestStats
+    #: :func:`stock_digest` of its items (None: not given): equal on every rank
+    #: between two saves, and ``.metadata`` differs only by the attempt id and the
+    #: save's ``StorageMeta``.
+    stock_digest: str | None = None
 
 
 def write_rank_index(
@@ -169,7 +176,32 @@ def write_rank_index(
         return RankReport(None, objects, requests())
     shard = encode_rank_index(items, rank, attempt)
     store.put(shard.key, shard.data)
-    return RankReport(_entry(shard), objects, requests())
+    return RankReport(_entry(shard), objects, requests(), stock_digest(items, attempt))
+
+
+def stock_digest(items: Mapping[MetadataIndex, StoredItem], attempt: str) -> str:
+    """xxh3-128 of what a rank's items put into ``.metadata`` and the manifest's
+    ``writer`` columns and ``raw_bytes`` (each item's key, object name with the
+    attempt id blanked, offset, length, transforms, raw length), in plan order: O(its
+    items), on the rank. Not its CRC32Cs and hashes, which change with every value."""
+    hasher = xxhash.xxh3_128()
+    blank = "-" * len(attempt)
+    for index, item in items.items():
+        hasher.update(
+            repr(
+                (
+                    index.fqn,
+                    None if index.offset is None else tuple(index.offset),
+                    index.index,
+                    item.relative_path.replace(attempt, blank),
+                    item.offset,
+                    item.length,
+                    item.transform_descriptors,
+                    item.raw_length,
+                )
+            ).encode()
+        )
+    return hasher.hexdigest()
 
 
 def _entry(shard: IndexShard) -> ObjectEntry:
@@ -210,6 +242,9 @@ class Layout:
     doc: dict[str, Any]
     placeholder: dict[str, Any]
     properties: dict[str, TensorProperties]
+    #: Names this layout (one per global plan): two saves with the same token and the
+    #: same :attr:`RankReport.stock_digest` on every rank have the same items.
+    token: str = ""
 
     @classmethod
     def of(cls, metadata: Metadata) -> Layout:
@@ -218,7 +253,7 @@ class Layout:
             fqn: entry if "writer" in entry else {**entry, "writer": 0}
             for fqn, entry in doc["state_dict"].items()
         }
-        return cls(doc, {**doc, "state_dict": state}, _properties(metadata))
+        return cls(doc, {**doc, "state_dict": state}, _properties(metadata), uuid.uuid4().hex)
 
     def for_save(
         self, placeholder: bool, index_keys: Sequence[str | None], storage_meta: StorageMeta
@@ -257,6 +292,8 @@ class StockLayout:
     properties: dict[str, TensorProperties]
     planner_data: Any
     storage_meta: StorageMeta
+    #: The :attr:`Layout.token` it came from ("": none, never a template's).
+    token: str = ""
 
 
 def build_stock(

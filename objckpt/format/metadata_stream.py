@@ -134,11 +134,30 @@ class MetadataStream:
     def end(self, storage_meta: Any, version: str | None) -> bytes:
         """The rest of the ``Metadata`` state; the whole pickle."""
         self._expect("end", "open", "ended")
-        out = self._out
-        out.write(self._body("storage_meta") + self._body(storage_meta))
-        out.write(self._body("version") + self._body(version))
-        out.write(_SETITEMS + _BUILD + _STOP)
-        return out.getvalue()
+        self._out.write(self._tail(storage_meta, version))
+        return self._out.getvalue()
+
+    def _tail(self, storage_meta: Any, version: str | None) -> bytes:
+        """What :meth:`end` writes: the same bytes for the same arguments whatever
+        came before (the memo is back to the shared entries after every batch)."""
+        return (
+            self._body("storage_meta")
+            + self._body(storage_meta)
+            + self._body("version")
+            + self._body(version)
+            + _SETITEMS
+            + _BUILD
+            + _STOP
+        )
+
+    @classmethod
+    def tail(cls, storage_meta: Any, version: str | None) -> bytes:
+        """The bytes a pickle ending with ``storage_meta`` and ``version`` ends with:
+        a pickle of the same items for another save is the one before with its
+        tail replaced (:mod:`objckpt.pipeline.stock_task`'s template)."""
+        stream = cls()
+        stream._stage = "ended"
+        return stream._tail(storage_meta, version)
 
     def _expect(self, call: str, stage: str, then: str) -> None:
         if self._stage != stage:

@@ -288,16 +288,18 @@ class StepCatalog:
         with self._lock:
             return self.retention.to_delete(list(self._steps.values()), time.time())
 
-    def prune_local(self, keep_last: int, spare: set[int]) -> list[tuple[int, bool]]:
-        """Forget all local steps but the newest ``keep_last`` and ``spare``.
+    def prune_local(self, policy: RetentionPolicy, spare: set[int]) -> list[tuple[int, bool]]:
+        """Forget the local steps ``policy`` drops, all but ``spare``.
 
         Returns:
             The steps forgotten (to delete from disk), each with whether it is durable.
         """
         with self._lock:
-            committed = sorted(self._local)
-            keep = set(committed[-keep_last:]) | spare
-            doomed = [s for s in committed if s not in keep]
+            local = [
+                StepInfo(s, "", committed=True, objects=1, bytes=0, modified=at)
+                for s, at in self._local.items()
+            ]
+            doomed = [s for s in policy.to_delete(local, time.time()) if s not in spare]
             for s in doomed:
                 self._local.pop(s, None)
                 self._on_nodes.pop(s, None)

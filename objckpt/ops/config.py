@@ -7,6 +7,13 @@ depth of the options (``client_kwargs.aws_secret_access_key``), is an error that
 names the key's path and never its value. Every table and key is checked, and a
 mistake names the file and key.
 
+Each table but ``[storage]`` and ``[gc]`` is one option value, one to one: the
+table named in :data:`TABLES` takes every field of its class under the field's own
+name (a backup's ``storage`` is its ``storage_options``, resolved as ``[storage]``
+is), and nothing else; a test walks the classes' fields against this schema and the
+configuration guide, so a field added to a class is a key of the file. TOML has no
+None: a field whose value may be None is None when its key is left out.
+
 Schema (every table optional except ``root``)::
 
     root = "s3://bucket/run-1"              # required: the manager's root URL
@@ -17,38 +24,53 @@ Schema (every table optional except ``root``)::
     env = { key = "AWS_ACCESS_KEY_ID", secret = "AWS_SECRET_ACCESS_KEY" }  # option <- env var
     profile = "training"                    # AWS profile (s3fs's ``profile`` option)
 
-    [retention]
+    [retention]                             # RetentionPolicy: the root's steps kept
     keep_last = 3                           # newest N committed steps
     keep_every = 1000                       # steps that are multiples of K
     keep_newer_than = 86400                 # seconds
 
-    [async]
+    [upload]                                # UploadOptions: how a save writes
+    part_size = 16777216                    # bytes per multipart part
+    object_size = 67108864                  # target bytes of a payload object
+    max_parts_in_flight = 8                 # parts uploading at once per rank
+    prefix_entropy = 0                      # hex digits of hashed key prefix (0: off)
+    deadline = 600                          # seconds for one save's requests
+    preflight_timeout = 30                  # seconds to prove the bucket writable
+    compression = "zstd"                    # or "bytegroup+zstd", "zstd:1", ...
+
+    [async]                                 # AsyncOptions: how async saves run
     workers = 1                             # upload processes per rank
     uploads_per_worker = 2                  # objects each uploads at once
-    max_in_flight = 1
-    barrier_timeout = 600
-    staging_budget = 4294967296             # bytes
+    max_saves_in_flight = 1                 # saves uploading at once
+    barrier_timeout = 600                   # seconds the commit waits for every rank
+    staging_budget = 4294967296             # bytes of staging one save may hold
+    share_replicated = true                 # replicas upload a share each
+    background_staging = false              # copy into staging after save() returns
     staging_threads = 4                     # threads of the copy into staging
+    staging_dir = "/dev/shm"                # where staging memory lives
+    exit_timeout = 60                       # seconds the exit waits for saves
 
-    [gc]
+    [gc]                                    # ``objckpt gc``
     grace = 3600                            # seconds an unreferenced object is spared
 
     [retry]                                 # RetryPolicy: every store request
-    attempts = 6
-    base_delay = 0.2
-    max_delay = 10
+    attempts = 6                            # tries, the first included
+    base_delay = 0.2                        # seconds, doubled per retry
+    max_delay = 10                          # seconds, the cap
     timeout = 60                            # seconds per request
+    request_deadline = 300                  # seconds per request with its retries
+    give_up_after = 60                      # seconds one failure may keep repeating
 
     [local]                                 # LocalTier: commit on node-local disk first
     path = "/local_nvme/ckpt"               # this node's directory
-    keep_last = 2                           # local steps kept
+    retention = { keep_last = 2 }           # local steps kept (a RetentionPolicy)
     promote_every = 5                       # every 5th local save goes to the root
     min_free_bytes = 0                      # room to leave on the local disk
     replicas = 2                            # each node's files also on 1 other node
     replica_jump = 1                        # node g's replica goes to node g + 1
     replication_timeout = 600               # seconds one step's replication may take
 
-    [[backups]]                             # copies of each committed step (see README)
+    [[backups]]                             # BackupTarget: copies of each committed step
     url = "gs://replica/run-1"
     storage = { env = { token = "GOOGLE_APPLICATION_CREDENTIALS" } }
     mode = "copy"                           # or "replicated": the bucket replicates itself
@@ -64,12 +86,13 @@ import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from objckpt._removed import replacement
 from objckpt.errors import ConfigurationError
 from objckpt.ops.backup import BackupTarget
 from objckpt.ops.gc import DEFAULT_GRACE
 from objckpt.ops.retention import RetentionPolicy
 from objckpt.ops.tiers import LocalTier
-from objckpt.options import AsyncOptions
+from objckpt.options import AsyncOptions, UploadOptions
 from objckpt.writers.location import Location
 from objckpt.writers.retry import RetryPolicy
 
@@ -78,7 +101,16 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
-__all__ = ["BackupTarget", "Config", "load_config", "looks_like_credential", "parse_config"]
+__all__ = [
+    "RENAMED_KEYS",
+    "TABLES",
+    "BackupTarget",
+    "Config",
+    "keys_of",
+    "load_config",
+    "looks_like_credential",
+    "parse_config",
+]
 
 # Option keys that carry credentials: they must come from the environment. A key is
 # credential-like when it is ``key`` (s3fs's access key id) or contains one of these
@@ -97,17 +129,20 @@ _SECRET_WORDS = (
     "api_key",
     "connection_string",
 )
-_TOP = {
-    "root",
-    "reuse_unchanged",
-    "storage",
-    "retention",
-    "async",
-    "gc",
-    "backups",
-    "retry",
-    "local",
+#: The tables that are option values, each the class it builds (see the module's
+#: docstring): one table per class, one key per field.
+TABLES: Mapping[str, type] = {
+    "retention": RetentionPolicy,
+    "upload": UploadOptions,
+    "async": AsyncOptions,
+    "retry": RetryPolicy,
+    "local": LocalTier,
+    "backups": BackupTarget,
 }
+#: The one key that is not its field's name: a backup's ``storage`` table becomes its
+#: ``storage_options`` (read from the environment, as ``[storage]`` is).
+RENAMED_KEYS: Mapping[tuple[type, str], str] = {(BackupTarget, "storage_options"): "storage"}
+_TOP = {"root", "reuse_unchanged", "storage", "gc", *TABLES}
 _STORAGE = {"options", "env", "profile"}
 
 
@@ -125,18 +160,25 @@ class Config:
     retry: RetryPolicy = dataclasses.field(default_factory=RetryPolicy)
     local: LocalTier | None = None
     reuse_unchanged: bool = True
+    upload: UploadOptions | None = None  # None: the manager's default
 
     def manager_options(self) -> dict[str, Any]:
         """The ``CheckpointManager`` keywords this file sets (all but the root)."""
         return {
             "storage_options": self.storage_options,
             "retention": self.retention,
+            "upload": self.upload,
             "async_options": self.async_options,
             "backups": self.backups,
             "retry": self.retry,
             "local": self.local,
             "reuse_unchanged": self.reuse_unchanged,
         }
+
+
+def keys_of(cls: type) -> dict[str, str]:
+    """The config keys of option class ``cls``: key -> the field it sets."""
+    return {RENAMED_KEYS.get((cls, f.name), f.name): f.name for f in dataclasses.fields(cls)}
 
 
 def _table(value: Any, where: str, source: str) -> dict[str, Any]:
@@ -205,6 +247,13 @@ def _storage(value: Any, where: str, source: str, environ: Mapping[str, str]) ->
 
 
 def _typed(cls: Any, table: Mapping[str, Any], where: str, source: str) -> Any:
+    for name, value in table.items():
+        instead = replacement(cls, name, value)
+        if instead is not None:
+            raise ConfigurationError(
+                f"{source}: {where}.{name} is gone, the {cls.__name__} field is now "
+                f"{instead} (see docs/changes.md)"
+            )
     known = {f.name for f in dataclasses.fields(cls)}
     _no_unknown(table, known, f"{where}.", source)
     try:
@@ -242,6 +291,9 @@ def parse_config(
     async_options = _typed(
         AsyncOptions, _table(data.get("async", {}), "async", source), "async", source
     )
+    upload = None
+    if "upload" in data:
+        upload = _typed(UploadOptions, _table(data["upload"], "upload", source), "upload", source)
     gc = _table(data.get("gc", {}), "gc", source)
     _no_unknown(gc, {"grace"}, "gc.", source)
     grace = gc.get("grace", DEFAULT_GRACE)
@@ -254,9 +306,8 @@ def parse_config(
     for i, entry in enumerate(backups_raw):
         where = f"backups[{i}]"
         entry = _table(entry, where, source)
-        _no_unknown(
-            entry, {"url", "storage", "mode", "retention", "replica_timeout"}, f"{where}.", source
-        )
+        keys = keys_of(BackupTarget)
+        _no_unknown(entry, set(keys), f"{where}.", source)
         url = entry.get("url")
         if not isinstance(url, str) or not url:
             raise ConfigurationError(f"{source}: {where}.url is required")
@@ -269,7 +320,7 @@ def parse_config(
                 f"{where}.retention",
                 source,
             )
-        extra = {k: entry[k] for k in ("mode", "replica_timeout") if k in entry}
+        extra = {keys[k]: entry[k] for k in entry if k not in ("url", "storage", "retention")}
         try:
             backups.append(BackupTarget(url, opts, retention=policy, **extra))
         except ConfigurationError as exc:
@@ -283,9 +334,20 @@ def parse_config(
         table = _table(data["local"], "local", source)
         if not isinstance(table.get("path"), str) or not table["path"]:
             raise ConfigurationError(f"{source}: local.path (this node's directory) is required")
+        if "retention" in table:
+            table = {
+                **table,
+                "retention": _typed(
+                    RetentionPolicy,
+                    _table(table["retention"], "local.retention", source),
+                    "local.retention",
+                    source,
+                ),
+            }
         local = _typed(LocalTier, table, "local", source)
     return Config(
         local=local,
+        upload=upload,
         retry=retry,
         source=source,
         root=root,

@@ -223,10 +223,9 @@ def export_safetensors(
     reader = ObjectStoreReader(
         step_url,
         storage_options=storage_options,
-        read=ReadOptions(),
+        # Read here alone, whatever the process group; committed checkpoints only.
+        read=ReadOptions(allow_stock=False, broadcast=False),
         retry=retry,
-        allow_stock=False,
-        broadcast=False,  # read here alone, whatever the process group
     )
     entries = _select(reader, keys, target)
     shards = _shards(entries, limit)

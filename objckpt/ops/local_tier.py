@@ -10,7 +10,7 @@ one step to the root. This module holds the bookkeeping between them, per rank:
   same place; a training step never fails for the local tier);
 * after a local commit: each rank keeps its own index object on its disk (handed
   out by the coordinator through the c10d store), every ``promote_every``-th step
-  is promoted, and local retention keeps the newest ``keep_last`` steps plus every
+  is promoted, and local retention keeps what ``LocalTier.retention`` keeps plus every
   step whose promotion is still running;
 * at start: step directories no commit names (a save killed before its local
   commit) are swept away (:func:`objckpt.ops.local_disk.sweep`, agreed by every
@@ -98,7 +98,7 @@ class LocalTierControl:
         self._world = world
         self._group = process_group
         self._timeout = options.barrier_timeout
-        self._max_waiting = options.max_in_flight
+        self._max_waiting = options.max_saves_in_flight
         self._lock = threading.Lock()
         self._saves = 0
         self._to_promote: set[int] = set()  # picked for promotion, not durable yet
@@ -130,7 +130,7 @@ class LocalTierControl:
                 peers.group,
                 peers.nodes,
                 peers.group.rank,
-                max_waiting=options.max_in_flight,
+                max_waiting=options.max_saves_in_flight,
                 save_timeout=options.barrier_timeout,
                 on_settled=lambda _step: self._apply_retention(),
             )
@@ -164,7 +164,7 @@ class LocalTierControl:
                 self._replicator.refuse(
                     step,
                     f"{self._max_waiting} step(s) already wait to replicate on some rank "
-                    f"(AsyncOptions.max_in_flight={self._max_waiting})",
+                    f"(AsyncOptions.max_saves_in_flight={self._max_waiting})",
                 )
                 replication.set_result(False)
             else:  # every rank, in save order: the order the steps are exchanged in
@@ -198,7 +198,7 @@ class LocalTierControl:
 
     def _target(self, step: int, state_dict: Mapping[str, Any]) -> tuple[str | None, bool]:
         """This rank's local URL for ``step``, or None when the save must bypass the
-        local tier, and whether ``max_in_flight`` steps already wait to replicate on
+        local tier, and whether ``max_saves_in_flight`` steps already wait to replicate on
         some rank (both decided with every rank: one all-reduce)."""
         why = (
             self._degraded
@@ -374,13 +374,13 @@ class LocalTierControl:
         self._apply_retention()
 
     def _apply_retention(self) -> None:
-        """Every rank, its own local directory: keep the newest ``keep_last`` local
-        steps and every step whose promotion is still running."""
+        """Every rank, its own local directory: keep the local steps the tier's
+        retention keeps and every step whose promotion or replication is running."""
         with self._lock:
             spare = set(self._to_promote)
         if self._replicator is not None:
             spare |= self._replicator.running()  # its files are being sent and received
-        doomed = self._catalog.prune_local(self.tier.keep_last, spare)
+        doomed = self._catalog.prune_local(self.tier.retention, spare)
         if not doomed:
             return
         gone = {s for s, _ in doomed}
@@ -393,9 +393,9 @@ class LocalTierControl:
             if not durable:
                 logger.info(
                     "local retention deletes step %d, which was never durable "
-                    "(not promoted, or its promotion failed; keep_last=%d)",
+                    "(not promoted, or its promotion failed; %s)",
                     s,
-                    self.tier.keep_last,
+                    self.tier.retention,
                 )
             self._delete(s, referenced)
 
@@ -476,7 +476,7 @@ class LocalTierControl:
 
     def drain(self) -> None:
         """Wait for the replications and promotions started so far, then stop both;
-        local retention then keeps only what ``keep_last`` keeps."""
+        local retention then keeps only what the tier's retention keeps."""
         self.wait_promotions()
         if self._replicator is not None:
             self._replicator.close()

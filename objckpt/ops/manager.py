@@ -26,6 +26,7 @@ A facade holding each public method's contract over parts that own their state:
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -54,6 +55,8 @@ from objckpt.writers.location import Location
 from objckpt.writers.retry import RetryPolicy
 
 __all__ = ["CheckpointManager"]
+
+_READ_DEFAULTS = ReadOptions()
 
 
 @removed_keywords(MANAGER)
@@ -131,10 +134,7 @@ class CheckpointManager:
         # Replicas need every rank's node and a gloo group of their own, both made
         # here, on every rank at once (collectives), never from a background thread.
         self._peers = (
-            Peers.start(
-                process_group,
-                local.replication_timeout or (async_options or AsyncOptions()).barrier_timeout,
-            )
+            Peers.start(process_group, local.replication_timeout, os.fspath(local.path))
             if local is not None and local.replicas > 1 and distributed
             else None
         )
@@ -325,7 +325,19 @@ class CheckpointManager:
         Raises:
             CheckpointNotFoundError: No committed step (or not this one) anywhere.
             IntegrityError: An object fails its check on the primary and every backup.
+            ConfigurationError: ``read`` sets what the manager decides itself
+                (``broadcast``, ``allow_stock``, ``local``).
         """
+        decided = [
+            f"{name}={getattr(read, name)!r}"
+            for name in ("broadcast", "allow_stock", "local")
+            if read is not None and getattr(read, name) != getattr(_READ_DEFAULTS, name)
+        ]
+        if decided:  # the same on every rank, before any collective
+            raise ConfigurationError(
+                f"CheckpointManager.load(read=ReadOptions({', '.join(decided)})): the manager "
+                "decides these itself (its process group, committed steps only, its local tier)"
+            )
         try:
             if self._saves.local is not None:
                 # A load's transfers and replication share the peers' group: one at a time.

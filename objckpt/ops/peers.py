@@ -51,6 +51,7 @@ import itertools
 import json
 import logging
 import os
+import secrets
 import socket
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -127,12 +128,21 @@ class NodeMap:
         node_of: The node index of each group rank.
         local_of: Each group rank's index among its node's ranks.
         problem: Why files cannot be paired across nodes (None: they can).
+        lister_of: For each group rank, the lowest rank of its node whose tier is the
+            same directory (ranks of a node usually share one, but may each have
+            their own): the one rank that lists it for a restore. Empty: every rank
+            lists its own.
+        nonce: Rank 0's random token, the same on every rank: it names this map's
+            entries in the group's c10d store, so two managers on one group never
+            read or delete each other's.
     """
 
     names: tuple[str, ...]
     node_of: tuple[int, ...]
     local_of: tuple[int, ...]
     problem: str | None = None
+    lister_of: tuple[int, ...] = ()
+    nonce: str = ""
 
     @property
     def nodes(self) -> int:
@@ -166,12 +176,32 @@ class NodeMap:
         return 1 + len(self.rounds_for(replicas, jump))
 
 
-def node_map(process_group: Any | None) -> NodeMap:
-    """Every rank's node, all-gathered (a collective on ``process_group``)."""
+def _directory_identity(path: str | None) -> str | None:
+    """Which directory ``path`` is (device and inode, so two spellings or a link to
+    one directory are the same), or its absolute path when it cannot be looked at."""
+    if path is None:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return os.path.abspath(path)
+    return f"{st.st_dev}:{st.st_ino}"
+
+
+def node_map(process_group: Any | None, tier_path: str | None = None) -> NodeMap:
+    """Every rank's node (and which ranks of a node share one tier directory, when
+    ``tier_path`` is given), all-gathered (a collective on ``process_group``)."""
     if not is_distributed():
         name, _ = _node_identity()
-        return NodeMap((name,), (0,), (0,))
-    views = all_gather_object(_node_identity(), process_group)
+        return NodeMap((name,), (0,), (0,), lister_of=(0,), nonce=secrets.token_hex(8))
+    mine = (_node_identity(), _directory_identity(tier_path), secrets.token_hex(8))
+    gathered = all_gather_object(mine, process_group)
+    views = [identity for identity, _, _ in gathered]
+    first: dict[tuple[str, str | None], int] = {}
+    lister_of = tuple(
+        first.setdefault((name, directory), r)
+        for r, ((name, _), directory, _) in enumerate(gathered)
+    )
     names: list[str] = []
     for name, _ in views:
         if name not in names:
@@ -198,7 +228,7 @@ def node_map(process_group: Any | None) -> NodeMap:
             f"LOCAL_WORLD_SIZE says {sorted(declared)} ranks per node, but "
             f"{sizes[0]} ranks share each node name"
         )
-    return NodeMap(tuple(names), node_of, tuple(local_of), problem)
+    return NodeMap(tuple(names), node_of, tuple(local_of), problem, lister_of, gathered[0][2])
 
 
 # -- what a rank's tier holds --------------------------------------------------------------
@@ -227,17 +257,28 @@ def files_in(step_dir: str) -> dict[str, int]:
     found: dict[str, int] = {}
     if os.path.islink(step_dir):
         return found
-    with contextlib.suppress(FileNotFoundError), os.scandir(step_dir) as entries:
-        for e in entries:
+    # A file deleted while the directory is scanned (a rank of the node deleting a
+    # damaged copy) is skipped alone, never the rest of the directory.
+    for e in _entries(step_dir):
+        with contextlib.suppress(FileNotFoundError):
             if e.is_file(follow_symlinks=False):
                 if e.name in (MANIFEST_KEY, METADATA_KEY) or is_objckpt_object(e.name):
                     found[e.name] = e.stat(follow_symlinks=False).st_size
             elif e.is_dir(follow_symlinks=False) and is_entropy_dir(e.name):
-                with os.scandir(e.path) as inner:
-                    for f in inner:
+                for f in _entries(e.path):
+                    with contextlib.suppress(FileNotFoundError):
                         if f.is_file(follow_symlinks=False) and is_objckpt_object(f.name):
                             found[f"{e.name}/{f.name}"] = f.stat(follow_symlinks=False).st_size
     return found
+
+
+def _entries(path: str) -> list[os.DirEntry[str]]:
+    """The entries of directory ``path`` (none when it is gone)."""
+    try:
+        with os.scandir(path) as entries:
+            return list(entries)
+    except FileNotFoundError:
+        return []
 
 
 def _read_manifest(path: str) -> bytes | None:
@@ -750,6 +791,8 @@ class Peers:
     nodes: NodeMap
 
     @classmethod
-    def start(cls, process_group: Any | None, timeout: float) -> Peers:
-        nodes = node_map(process_group)
+    def start(
+        cls, process_group: Any | None, timeout: float, tier_path: str | None = None
+    ) -> Peers:
+        nodes = node_map(process_group, tier_path)
         return cls(PeerGroup.create(process_group, timeout), nodes)

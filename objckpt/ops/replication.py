@@ -29,13 +29,13 @@ same way on every rank:
   a save: the step stays committed on the local tier, its handle's
   ``wait_replicated()`` is False, and ``tier_status()`` lists it as not replicated.
 * **Bounded.** A step's exchanges share one deadline (``LocalTier``'s
-  ``replication_timeout``, by default ``AsyncOptions.barrier_timeout``), not a
+  ``replication_timeout``, 600 s by default), not a
   timeout per message; the group's collectives wait twice that, so a pair that is
   slow but within the bound keeps the others waiting in the agreement, not failing
   it. A peer that did not answer within the step's deadline breaks its pair's
   stream: the agreement carries that too, and replication goes off on every rank
   at once (one agreed decision), naming the rank that was waited on.
-* **At most ``max_in_flight`` steps wait to replicate** behind the one replicating
+* **At most ``max_saves_in_flight`` steps wait to replicate** behind the one replicating
   (committed locally, their replication not begun); a step placed beyond that is
   reported not replicated at once on every rank (decided with the placement's
   all-reduce), so retention may retire it.
@@ -97,7 +97,7 @@ class _Ticket:
     files: concurrent.futures.Future[Callable[[], Files]] = dataclasses.field(
         default_factory=concurrent.futures.Future
     )
-    #: Whether its local commit ended (it then counts against ``max_in_flight``).
+    #: Whether its local commit ended (it then counts against ``max_saves_in_flight``).
     ready: bool = False
 
 
@@ -109,7 +109,7 @@ class PeerReplicator:
         peers: The group files travel on.
         nodes: Every rank's node.
         rank: This rank in ``peers``' group.
-        max_waiting: Steps that may wait to replicate at once (``max_in_flight``).
+        max_waiting: Steps that may wait to replicate at once (``max_saves_in_flight``).
         on_settled: Called with each step once its outcome is known (local retention
             may retire it then, not at the next save).
     """
@@ -179,7 +179,7 @@ class PeerReplicator:
 
     # -- reserving and settling steps -----------------------------------------------------
     def backlog_full(self) -> bool:
-        """Whether ``max_in_flight`` steps already wait to replicate on this rank behind
+        """Whether ``max_saves_in_flight`` steps already wait to replicate on this rank behind
         the one replicating (their local commit ended, their replication has not
         begun): the next placed step is refused when this holds on any rank
         (:meth:`refuse`)."""

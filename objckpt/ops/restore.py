@@ -12,16 +12,16 @@ alike, so all ranks move to the same next source and load the same step from the
 same place.
 
 With ``LocalTier(replicas=)`` a node's files of a local step are on other nodes
-too, so a step no longer needs every node's own disk. Every rank lists what its
-tier holds (its own step directories and its replicas of other nodes' files,
-:func:`~objckpt.ops.peers.list_holdings`), the listings are gathered on rank 0,
-and rank 0 picks the newest step whose every object some surviving rank holds,
-or the newest durable one, warning which ranks' files no node holds. During the
-load, each rank whose plan reads objects its node lacks receives them from a rank
-holding them (:class:`PeerFetch`), checked, into its own replica directory, where
-they stay: a replacement node holds its part again. Only what no node holds is
-read from the object store; a job restarted on another world size reshards from
-the same mix.
+too, so a step no longer needs every node's own disk. One rank of each node lists
+what the node's tier holds (its own step directories and its replicas of other
+nodes' files, :func:`~objckpt.ops.peers.list_holdings`), rank 0 reads each node's
+listing once, lends it to the node's ranks, and picks the newest step whose
+every object some surviving rank holds, or the newest durable one, warning
+which ranks' files no node holds. During the load, each rank whose plan reads
+objects its node lacks receives them from a rank holding them
+(:class:`PeerFetch`), checked, into its own replica directory, where they stay: a
+replacement node holds its part again. Only what no node holds is read from the
+object store; a job restarted on another world size reshards from the same mix.
 
 The newest step wins only if its holders agree. A node that was away while the
 run was rolled back (:func:`~objckpt.CheckpointManager.discard_after`) returns with
@@ -46,8 +46,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import os
+import pickle
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -120,12 +122,18 @@ class BadCopy:
 
 
 def _holders(step: int, views: list[Holdings]) -> dict[tuple[str, int], list[int]]:
-    """The ranks holding each (key, size) of ``step``: one pass over every rank's
-    listing, so rank 0's planning costs what the listings hold, not objects x ranks."""
-    where: dict[tuple[str, int], list[int]] = {}
+    """The ranks holding each (key, size) of ``step``: one pass over each distinct
+    listing (the ranks of a node share their node's), so rank 0's planning costs what
+    the listings hold, not objects x ranks."""
+    sharing: dict[int, list[int]] = {}  # a node's ranks share one listing (one pass each)
     for r, v in enumerate(views):
-        for key, size in v.objects.get(step, {}).items():
-            where.setdefault((key, size), []).append(r)
+        sharing.setdefault(id(v), []).append(r)
+    where: dict[tuple[str, int], list[int]] = {}
+    for ranks in sharing.values():
+        for key, size in views[ranks[0]].objects.get(step, {}).items():
+            where.setdefault((key, size), []).extend(ranks)
+    for holders in where.values():
+        holders.sort()
     return where
 
 
@@ -156,6 +164,8 @@ class Restorer:
         self._peers = peers
         #: Without a process group: this process's manifests by (step, digest).
         self._posted: dict[tuple[int, str], bytes] = {}
+        #: Without a process group: this process's listing by digest.
+        self._listings: dict[str, bytes] = {}
         #: During one load: the peers' transfers of the step loaded (None: none).
         self._fetch: PeerFetch | None = None
         #: During one load: the copies this rank found bad since the last decision.
@@ -279,24 +289,27 @@ class Restorer:
         """
         tier = self._catalog.local
         assert tier is not None and self._peers is not None
-        mine = list_holdings(tier.path, None if step is None else [step])
-        digests = self._post_manifests(mine)
-        slim = dataclasses.replace(mine, manifests={})  # the bytes went to the store
+        listing = None
+        if self._lists_for_node():
+            mine = list_holdings(tier.path, None if step is None else [step])
+            digests = self._post_manifests(mine)
+            slim = dataclasses.replace(mine, manifests={})  # the bytes went to the store
+            listing = self._post_listing(slim, digests)
         gathered = (
-            gather_object((slim, digests, found or []), self._group)
+            gather_object((listing, found or []), self._group)
             if is_distributed()
-            else [(slim, digests, found or [])]
+            else [(listing, found or [])]
         )
-        views = None if gathered is None else [v for v, _, _ in gathered]
-        held = [] if gathered is None else [d for _, d, _ in gathered]
-        reports = [] if gathered is None else [b for _, _, bs in gathered for b in bs]
+        reports = [] if gathered is None else [b for _, bs in gathered for b in bs]
+        posted = [] if gathered is None else [d for d, _ in gathered]
         chosen: list[Any] = []  # rank 0: the chosen manifest and views (not broadcast)
 
         def decide() -> Any:
+            views, held = self._node_listings(posted)
             try:
-                return self._decide(step, views or [], held, chosen, failed or set(), reports)
+                return self._decide(step, views, held, chosen, failed or set(), reports)
             finally:
-                self._drop_posted(held)
+                self._drop_posted(held, posted)
 
         newest, durable, from_nodes, refill, stale = broadcast_from_rank0(decide, self._group)
         self._delete_stale(stale)
@@ -304,7 +317,7 @@ class Restorer:
         self._bad = []
         self.refill = newest if refill else None
         if from_nodes:
-            parsed = None
+            parsed, views = None, None
             if chosen:  # rank 0
                 manifest, views = chosen
                 parsed = Manifest.from_json_bytes(manifest, url=self._catalog.step_url(newest))
@@ -341,7 +354,8 @@ class Restorer:
     # the group's c10d store under that digest (content-addressed: a copy posted
     # twice is the same bytes), and rank 0 reads only the ones it decides on.
     def _manifest_key(self, step: int, digest: str) -> str:
-        return f"objckpt/restore/manifest/{step}/{digest}"
+        assert self._peers is not None
+        return f"objckpt/restore/{self._peers.nodes.nonce}/manifest/{step}/{digest}"
 
     def _post_manifests(self, mine: Holdings) -> dict[int, str]:
         """This rank's manifests by step, as digests; each posted once by the group."""
@@ -376,16 +390,83 @@ class Restorer:
             raise ManifestError(f"step {step}: the posted manifest {digest} has other bytes")
         return data
 
-    def _drop_posted(self, held: list[dict[int, str]]) -> None:
+    def _drop_posted(self, held: list[dict[int, str]], listings: list[str | None]) -> None:
         """Rank 0, once it decided (every rank posted before the gather): delete the
-        posted manifests, so a later survey posts again."""
+        posted manifests and listings, so a later survey posts again."""
         if not is_distributed():
             return
         store = group_store(self._group)
-        for s, digest in {(s, d) for h in held for s, d in h.items()}:
-            key = self._manifest_key(s, digest)
+        keys = {self._manifest_key(s, d) for h in held for s, d in h.items()}
+        keys |= {self._listing_key(d) for d in listings if d is not None}
+        for key in keys:
             with contextlib.suppress(Exception):
                 store.delete_key(key)
+
+    # -- one listing per node ---------------------------------------------------------------
+    # The ranks of a node share its tier directory, so one of them (local rank 0) lists
+    # it and posts the listing to the group's c10d store under its digest; the gather
+    # carries only that digest (no rank's answer is padded to the largest listing), and
+    # rank 0 reads each node's listing once and lends it to every rank of the node.
+    def _lists_for_node(self) -> bool:
+        """Whether this rank lists its tier: the lowest rank of its node whose tier
+        is the same directory (:attr:`~objckpt.ops.peers.NodeMap.lister_of`)."""
+        assert self._peers is not None
+        nodes, me = self._peers.nodes, self._peers.group.rank
+        return not nodes.lister_of or nodes.lister_of[me] == me
+
+    def _listing_key(self, digest: str) -> str:
+        assert self._peers is not None
+        return f"objckpt/restore/{self._peers.nodes.nonce}/listing/{digest}"
+
+    def _post_listing(self, slim: Holdings, digests: dict[int, str]) -> str:
+        """This node's listing (holdings without manifest bytes, and the manifests'
+        digests) on the group's store; returns its digest."""
+        data = pickle.dumps((slim, digests))
+        digest = hashlib.sha256(data).hexdigest()
+        if not is_distributed():
+            self._listings[digest] = data
+            return digest
+        try:
+            store, key = group_store(self._group), self._listing_key(digest)
+            if not store.check([key]):  # content-addressed: two posts are the same bytes
+                store.set(key, data)
+        except Exception as exc:  # never alone out of the gather: rank 0 finds it missing
+            logger.warning("cannot post this node's tier listing for the restore: %s", exc)
+        return digest
+
+    def _node_listings(
+        self, posted: list[str | None]
+    ) -> tuple[list[Holdings], list[dict[int, str]]]:
+        """Rank 0: every rank's holdings and manifest digests, read once per node from
+        the listings posted (``posted``: each rank's digest, None on the ranks that
+        did not list); a listing that cannot be read is a node that could not list."""
+        assert self._peers is not None
+        nodes = self._peers.nodes
+        read: dict[str, tuple[Holdings, dict[int, str]]] = {}
+        for digest in {d for d in posted if d is not None}:
+            try:
+                if not is_distributed():
+                    data = self._listings[digest]
+                else:
+                    store, key = group_store(self._group), self._listing_key(digest)
+                    if not store.check([key]):  # every post came before the gather
+                        raise ValueError("its lister could not post it")
+                    data = bytes(store.get(key))
+                if hashlib.sha256(data).hexdigest() != digest:
+                    raise ValueError("the posted listing has other bytes")
+                read[digest] = pickle.loads(data)  # the job's own store, posted just now
+            except Exception as exc:
+                read[digest] = (Holdings("?", error=f"its listing cannot be read: {exc}"), {})
+        self._listings = {}
+        views: list[Holdings] = []
+        held: list[dict[int, str]] = []
+        for r, d in enumerate(posted):
+            if d is None and nodes.lister_of:
+                d = posted[nodes.lister_of[r]]  # the listing of its node's directory
+            v, h = read.get(d or "", (Holdings("?", error="no rank posted its listing"), {}))
+            views.append(v)
+            held.append(h)
+        return views, held
 
     def _decide(
         self,
@@ -401,8 +482,10 @@ class Restorer:
         nodes than the tier's replicas, and the job runs on as many ranks as saved
         it, the stale copies every node deletes: (step, manifest SHA-256)); the
         chosen step's manifest and the holdings to plan from are put in ``chosen``."""
+        warned: set[int] = set()  # once per listing: a node's ranks share one
         for r, v in enumerate(views):
-            if v.error is not None:
+            if v.error is not None and id(v) not in warned:
+                warned.add(id(v))
                 logger.warning("rank %d cannot list its local tier %s: %s", r, v.path, v.error)
         try:
             _, durable = self._catalog.newest()
@@ -533,8 +616,11 @@ class Restorer:
             return None
         data, manifest, _ = next(iter(kept.values()))
         other = {r for d, ranks in holders.items() if d not in kept for r in ranks}
+        empty: dict[int, Holdings] = {}  # a node's ranks keep sharing one listing
         holding = [
-            v if r not in other else dataclasses.replace(v, objects={}, manifests={})
+            v
+            if r not in other
+            else empty.setdefault(id(v), dataclasses.replace(v, objects={}, manifests={}))
             for r, v in enumerate(views)
         ]
         return data, manifest, holding
@@ -564,13 +650,16 @@ class Restorer:
             return views
         node_of = self._peers.nodes.node_of
         out = []
+        done: dict[tuple[int, int], Holdings] = {}  # a node's ranks keep sharing one listing
         for r, v in enumerate(views):
             node = node_of[r] if r < len(node_of) else -1
-            objects = {
-                s: {k: n for k, n in held.items() if (s, node, k) not in excluded}
-                for s, held in v.objects.items()
-            }
-            out.append(dataclasses.replace(v, objects=objects))
+            if (id(v), node) not in done:
+                objects = {
+                    s: {k: n for k, n in held.items() if (s, node, k) not in excluded}
+                    for s, held in v.objects.items()
+                }
+                done[(id(v), node)] = dataclasses.replace(v, objects=objects)
+            out.append(done[(id(v), node)])
         return out
 
     def _thin(
@@ -673,12 +762,12 @@ class Restorer:
         reader = ObjectStoreReader(
             url,
             storage_options=storage_options,
-            read=read,
+            # A step exists only once its manifest is committed (no stock checkpoint).
+            read=dataclasses.replace(
+                read or ReadOptions(), broadcast=distributed, allow_stock=False, local=dirs
+            ),
             retry=self._retry,
-            broadcast=distributed,
             process_group=self._group,
-            allow_stock=False,  # a step exists only once its manifest is committed
-            local=dirs or None,
             peers=fetch,
         )
         try:

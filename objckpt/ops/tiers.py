@@ -31,7 +31,9 @@ from typing import Any
 
 import torch
 
+from objckpt._removed import LOCAL_TIER, removed_keywords
 from objckpt.errors import ConfigurationError
+from objckpt.ops.retention import RetentionPolicy
 from objckpt.writers.location import Location
 from objckpt.writers.translate import causes
 
@@ -52,6 +54,11 @@ _REFUSED = (errno.EACCES, errno.EPERM, errno.EROFS)
 _REFUSED_TEXT = tuple(os.strerror(e) for e in _REFUSED)
 
 
+#: A local tier's default: the newest 2 local steps (the one a restart resumes from, and
+#: the one before it, while the next save writes).
+_LOCAL_RETENTION = RetentionPolicy(keep_last=2)
+
+
 def _positive_int(name: str, value: object, *, allow_none: bool) -> None:
     if value is None and allow_none:
         return
@@ -62,6 +69,7 @@ def _positive_int(name: str, value: object, *, allow_none: bool) -> None:
         )
 
 
+@removed_keywords(LOCAL_TIER)
 @dataclasses.dataclass(frozen=True)
 class LocalTier:
     """A node-local directory every save commits to before the object store.
@@ -70,10 +78,13 @@ class LocalTier:
         path: This process's local directory (``/local_nvme/ckpt``, ``/dev/shm/ckpt``
             or ``file://...``). Ranks on different nodes each use their own; ranks on
             one node may share one.
-        keep_last: Local steps kept (the newest N committed there). A step picked
-            for promotion is kept until it is durable; steps ``promote_every`` does
-            not pick are deleted by this rule alone, and the log says they were
-            never durable.
+        retention: Which local steps each rank's directory keeps
+            (:class:`~objckpt.RetentionPolicy`, the same value the root takes;
+            default: the newest 2). One value per concern: the tier's disk is
+            sized by it as the root is by its own. A step picked for promotion is
+            kept until it is durable whatever the policy says, and so is a step
+            whose replication is running; steps ``promote_every`` does not pick are
+            deleted by the policy alone, and the log says they were never durable.
         promote_every: Every K-th committed local save is promoted to the primary
             root (1: every save). ``CheckpointManager.save(..., promote=True)``
             promotes one save whatever K says.
@@ -92,28 +103,33 @@ class LocalTier:
             puts every replica in another rack (NVIDIA's resiliency extension calls
             this the replication jump).
         replication_timeout: Seconds one step's replication may take, all its
-            exchanges together (None: ``AsyncOptions.barrier_timeout``). A pair
+            exchanges together: the tier's own bound (a save's
+            ``AsyncOptions.barrier_timeout`` bounds the save, not its replication). A pair
             still within it keeps the other ranks waiting, not failing; a peer
             silent past it ends that step not replicated on every rank and turns
             replication off for the rest of the job (one agreed decision).
     """
 
     path: str | os.PathLike[str]
-    keep_last: int = 2
+    _: dataclasses.KW_ONLY
+    retention: RetentionPolicy = _LOCAL_RETENTION
     promote_every: int = 1
     min_free_bytes: int = 0
     replicas: int = 1
     replica_jump: int = 1
-    replication_timeout: float | None = None
+    replication_timeout: float = 600.0
 
     def __post_init__(self) -> None:
         t = self.replication_timeout
-        if t is not None and (isinstance(t, bool) or not isinstance(t, int | float) or t <= 0):
+        if isinstance(t, bool) or not isinstance(t, int | float) or t <= 0:
             raise ConfigurationError(
-                f"LocalTier option replication_timeout={t!r} is invalid: expected seconds > 0 "
-                "or None"
+                f"LocalTier option replication_timeout={t!r} is invalid: expected seconds > 0"
             )
-        _positive_int("keep_last", self.keep_last, allow_none=False)
+        if not isinstance(self.retention, RetentionPolicy):
+            raise ConfigurationError(
+                f"LocalTier option retention={self.retention!r} is invalid: expected "
+                "objckpt.RetentionPolicy(keep_last=...)"
+            )
         _positive_int("promote_every", self.promote_every, allow_none=False)
         _positive_int("replicas", self.replicas, allow_none=False)
         _positive_int("replica_jump", self.replica_jump, allow_none=False)

@@ -42,6 +42,7 @@ from objckpt.format.ref_check import require_referenced
 from objckpt.format.refs import is_reference, referenced_step, require_step_directory
 from objckpt.format.settle import after_commit, put_manifest, require_present
 from objckpt.format.steps import parse_step
+from objckpt.format.superseded import delete_superseded_after, previous_objects
 from objckpt.ops.object_check import (
     ObjectCheck,
     Progress,
@@ -390,8 +391,10 @@ def commit_copy(
 
     An object already at ``dst`` with the same size and CRC32C is not copied again (a
     copy resumed after a failure), one with other bytes is refused, and no object
-    that was there before is ever overwritten or deleted: with reuse, a committed
-    step of ``dst``'s root may reference it.
+    that was there before is ever overwritten. With ``overwrite``, after the commit
+    (and ``.metadata``), the objects only the replaced manifest named are deleted, as
+    after an overwriting save, but for those another step of ``dst``'s root
+    references (:func:`~objckpt.format.superseded.delete_superseded_after`).
 
     Objects the step references in sibling step directories (``../step-<N>/<key>``)
     go to the same root-relative key beside ``dst`` unless that key already holds
@@ -410,6 +413,9 @@ def commit_copy(
     rest = [e for e in manifest.objects if e.key != METADATA_KEY and not is_reference(e.key)]
     refs = [e for e in manifest.objects if is_reference(e.key)]
     picked = manifest.objects if objects is None else objects
+    # What the manifest this copy replaces names: deleted after the commit, as an
+    # overwriting save does (format/superseded.py decides what is safe to delete).
+    superseded = previous_objects(dst) if overwrite else set()
     todo = [e for e in picked if e.key != METADATA_KEY and not is_reference(e.key)]
     with concurrent.futures.ThreadPoolExecutor(max(1, parallel)) as pool:
         # Whatever is there already is never overwritten (nor deleted after a failed
@@ -429,12 +435,16 @@ def commit_copy(
     require_referenced(dst, refs)
     put_manifest(dst, manifest.to_json_bytes(), overwrite=overwrite)
     metadata = manifest.object(METADATA_KEY)
+    # Without a new .metadata, a replaced one still points at the old objects: keep them.
+    written = METADATA_KEY not in superseded
     if metadata is not None:
         copied: list[bool] = []
-        after_commit(
+        written = after_commit(
             dst,
             f"copying {METADATA_KEY}",
             lambda: copied.append(copy_object(src, dst, metadata, progress)),
         )
         server_side += sum(copied)
+    if superseded:
+        delete_superseded_after(dst, written, superseded - {e.key for e in manifest.objects})
     return server_side

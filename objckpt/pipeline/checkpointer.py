@@ -108,10 +108,10 @@ class AsyncCheckpointer:
         # flight committed in 9.9 s, 2 x 8 in 10.8 s, 1 x 8 in 11.5 s, 1 x 16 in 12.1 s
         # (then a worker uploaded one object at a time; now 4 parts are shared by the
         # rank's workers and their uploads_per_worker objects at once).
-        self.upload = upload or UploadOptions(max_in_flight=4)
+        self.upload = upload or UploadOptions(max_parts_in_flight=4)
         self.options = async_options or AsyncOptions()
         self._stager = Stager(
-            max_cached_sets=self.options.max_in_flight,
+            max_cached_sets=self.options.max_saves_in_flight,
             budget=self.options.staging_budget,
             copy_threads=self.options.staging_threads,
             staging_dir=self.options.staging_dir,
@@ -177,7 +177,7 @@ class AsyncCheckpointer:
 
         Must be called on every rank of ``process_group`` (DCP plans collectively),
         unless ``no_dist``. Safe to call from several threads: saves are staged and
-        planned one at a time, then upload concurrently up to ``max_in_flight``.
+        planned one at a time, then upload concurrently up to ``max_saves_in_flight``.
 
         Args:
             checkpoint_id: What DCP's ``StorageMeta.checkpoint_id`` records (``url``).
@@ -268,7 +268,7 @@ class AsyncCheckpointer:
     def _throttle(
         self, refusal: BaseException | None, process_group: Any
     ) -> tuple[float, BaseException | None]:
-        """Wait while ``max_in_flight`` saves are uploading; returns the seconds waited
+        """Wait while ``max_saves_in_flight`` saves are uploading; returns the seconds waited
         and this save's refusal (``refusal``, or: the oldest save in flight is stuck
         past its own bound, so no slot will free). A refusal goes into the save's
         agreement: every rank refuses this save, none waits for ever."""
@@ -276,7 +276,7 @@ class AsyncCheckpointer:
         while refusal is None:
             with self._lock:
                 self._inflight = [h for h in self._inflight if not h.done()]
-                if len(self._inflight) < self.options.max_in_flight:
+                if len(self._inflight) < self.options.max_saves_in_flight:
                     break
                 oldest = self._inflight[0]
             if not oldest.settled():  # its error is reported by check_for_errors
@@ -285,7 +285,7 @@ class AsyncCheckpointer:
                     f"rank {rank}: the save of {oldest.url} is still running "
                     f"{WEDGED_AFTER:g} s past its deadline of {self.upload.deadline} s "
                     "(UploadOptions.deadline) and the commit's waits, so none of the "
-                    f"AsyncOptions.max_in_flight={self.options.max_in_flight} slots is "
+                    f"AsyncOptions.max_saves_in_flight={self.options.max_saves_in_flight} slots is "
                     "free: this save was refused (is an on-commit hook stuck?)"
                 )
         return time.perf_counter() - started, refusal

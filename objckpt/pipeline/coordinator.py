@@ -28,7 +28,7 @@ committed. Step 4 gets the settle bound
 inside the helper and that plus ``WEDGED_AFTER`` here; past it the helper is
 stopped, so nothing it does lands after the save's handle completed.
 
-Stopping the helper stops every commit it holds: with ``max_in_flight > 1`` another
+Stopping the helper stops every commit it holds: with ``max_saves_in_flight > 1`` another
 save's step 2 fails (that save fails on every rank, nothing committed) and a
 ``.metadata`` another save prepared but had not yet written is lost (that save stays
 committed, without ``.metadata``, logged).
@@ -300,6 +300,7 @@ class InHelper(CommitStrategy):
         self._attempt = writer.rank_plan.attempt
         self._keys = [None if r.index is None else r.index.key for r in reports]
         self._indexes = [(rank, r.index) for rank, r in enumerate(reports) if r.index is not None]
+        self._digests = [r.stock_digest for r in reports if r.index is not None]
         self._commit_by = commit_by
 
     def prepare(self) -> Prepared:
@@ -314,6 +315,7 @@ class InHelper(CommitStrategy):
             layout.properties,
             self._metadata.planner_data,
             storage_meta,
+            layout.token,
         )
         what = f"preparing {store.location.url}'s .metadata from {len(self._indexes)} index objects"
         until, limit = prepare_bound(writer.deadline, self._commit_by)
@@ -327,6 +329,7 @@ class InHelper(CommitStrategy):
                 stock,
                 self._indexes,
                 target.overwrite,
+                self._digests,
             ),
             until,
             limit,

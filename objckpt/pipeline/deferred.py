@@ -190,9 +190,9 @@ class DeferredWriter(StorageWriter):
     ) -> None:
         upload = self.target.upload
         # The workers share the rank's request budget (and so its part-buffer memory,
-        # max_in_flight * part_size), as one synchronous writer would hold it.
-        share = -(-upload.max_in_flight // self._pool.workers)
-        per_worker = dataclasses.replace(upload, max_in_flight=share)
+        # max_parts_in_flight * part_size), as one synchronous writer would hold it.
+        share = -(-upload.max_parts_in_flight // self._pool.workers)
+        per_worker = dataclasses.replace(upload, max_parts_in_flight=share)
         location = self.target.location
         items = self.items
         position = {id(item): n for n, item in enumerate(items)}

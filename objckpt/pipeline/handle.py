@@ -86,7 +86,7 @@ class SaveHandle:
         self._staged = staged
         self._counter = counter or RequestCounter()
         #: Seconds ``save`` waited for earlier saves to finish uploading before it
-        #: could stage this one (``AsyncOptions.max_in_flight``): part of the stall.
+        #: could stage this one (``AsyncOptions.max_saves_in_flight``): part of the stall.
         self.waited_for_earlier = waited_for_earlier
         #: The save attempt's id (the same on every rank).
         self.attempt = attempt

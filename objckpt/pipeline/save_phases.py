@@ -225,13 +225,15 @@ def _plain_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
     """Replace ``Stateful`` values by their ``state_dict()``, as ``dcp.save`` does."""
     from torch.distributed.checkpoint.stateful import Stateful
 
-    def plain(value: Any) -> Any:
-        # Tensors and containers are never Stateful; skip the costly protocol check.
-        if isinstance(value, (torch.Tensor, dict, list, tuple, int, float, str, bytes)):
-            return value
-        return value.state_dict() if isinstance(value, Stateful) else value
+    # Tensors and containers are never Stateful: skip the costly protocol check, and
+    # the call, for them (a state dict may hold thousands of tensors at its top level).
+    return {
+        k: v if isinstance(v, _NEVER_STATEFUL) or not isinstance(v, Stateful) else v.state_dict()
+        for k, v in state_dict.items()
+    }
 
-    return {k: plain(v) for k, v in state_dict.items()}
+
+_NEVER_STATEFUL = (torch.Tensor, dict, list, tuple, int, float, str, bytes)
 
 
 def _plan(

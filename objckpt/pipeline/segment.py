@@ -31,6 +31,7 @@ import tempfile
 import torch
 
 from objckpt.errors import StagingSpaceError
+from objckpt.pipeline.host_copy import PieceTable
 from objckpt.pipeline.lifeline import segment_prefix
 from objckpt.pipeline.upload_task import SegmentRef
 
@@ -186,6 +187,8 @@ class Buffers:
     segment: Segment
     views: list[torch.Tensor]
     refs: dict[int, SegmentRef]  # data_ptr of a view -> where it lives
+    #: The last foreground copy's moves into ``views``, revalidated by the next one.
+    piece_table: PieceTable | None = None
 
     @functools.cached_property
     def starts(self) -> list[int]:

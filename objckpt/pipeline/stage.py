@@ -229,6 +229,11 @@ class Staged:
         return SegmentRef(parent.path, parent.offset + delta, nbytes, dtype, tuple(tensor.shape))
 
 
+def _sizes(tensors: list[torch.Tensor]) -> list[int]:
+    """Each tensor's bytes in a segment (only a budget or a wave needs them)."""
+    return [aligned(t.numel() * t.element_size()) for t in tensors]
+
+
 class Stager:
     """Owns the staging segments of one checkpointer (close it to free them).
 
@@ -301,8 +306,7 @@ class Stager:
         """
         structure, tensors, paths = scan(state_dict)
         cuda = any(t.is_cuda for t in tensors)
-        sizes = [aligned(t.numel() * t.element_size()) for t in tensors]
-        if self._budget is not None and sum(sizes) > self._budget:
+        if self._budget is not None and sum(sizes := _sizes(tensors)) > self._budget:
             if (floor := max(sizes)) > self._budget:
                 logger.warning(
                     "staging budget %d bytes is below the largest tensor (%d bytes); "
@@ -317,12 +321,17 @@ class Stager:
             try:
                 buffers = self._allocate(tensors)
             except StagingSpaceError as exc:
-                return self._wave(state_dict, structure, sizes, cuda, exc.free // 2, exc)
+                return self._wave(state_dict, structure, _sizes(tensors), cuda, exc.free // 2, exc)
         if cuda:
             buffers.segment.pin()
         versions = version_counters(tensors) if defer_copy else None
         copy = None
-        if versions is None:
+        if versions is None and not cuda:
+            # The caller waits in this copy, so the set's kept moves may serve it.
+            buffers.piece_table = self._copier.copy_reusing(
+                tensors, buffers.views, buffers.piece_table
+            )
+        elif versions is None:
             self._copier.copy(tensors, buffers.views, cuda)
         else:
             copy = Copy(tensors, buffers.views, paths, versions, cuda, self._copier)

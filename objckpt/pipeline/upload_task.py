@@ -142,7 +142,7 @@ def worker_store(location: Location, options: UploadOptions) -> ObjectStore:
     connections) is the worker's process client for the location's settings and
     these options (:data:`~objckpt.writers.clients.PROCESS_CLIENTS`, which also
     keeps fork safety), shared by every store built from them;
-    ``options.max_in_flight`` bounds each store's requests."""
+    ``options.max_parts_in_flight`` bounds each store's requests."""
     # A later save with other upload options or another retry policy gets a store
     # of its own (the client is still shared where the settings are the same).
     key = (

@@ -13,6 +13,12 @@ and Azurite's Azure Blob requests with ``operation_of=azure_operation``
 signatures stay valid. The rule and record values
 live in :mod:`objckpt.testing.rules`; this module is the server that applies them.
 
+Two ways in besides an endpoint URL: as a client's HTTP forward proxy
+(:meth:`FaultProxy.forward_options`), it receives virtual-hosted requests for
+``<bucket>.localhost``, a name no resolver here knows, and forwards them with their
+``Host`` header to the server (``virtual_host="localhost"`` names their operations);
+and over TLS (``tls=``), with a certificate from :mod:`objckpt.testing.tls`.
+
 Example::
 
     with FaultProxy(moto.endpoint_url) as proxy:
@@ -27,7 +33,9 @@ import base64
 import http.client
 import http.server
 import logging
+import re
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -40,6 +48,7 @@ import crc32c
 from objckpt.testing.rules import Rule, RuleState, Seen
 from objckpt.testing.s3_operations import s3_operation
 from objckpt.testing.servers import s3_test_options
+from objckpt.testing.tls import TestCertificate
 from objckpt.writers.clients import PROCESS_CLIENTS
 
 __all__ = ["FaultProxy", "Rule", "Seen", "s3_operation"]
@@ -47,6 +56,7 @@ __all__ = ["FaultProxy", "Rule", "Seen", "s3_operation"]
 logger = logging.getLogger(__name__)
 
 _S3_ERRORS = {
+    403: ("AccessDenied", "Access Denied"),
     503: ("SlowDown", "Please reduce your request rate."),
     500: ("InternalError", "We encountered an internal error. Please try again."),
 }
@@ -62,6 +72,10 @@ class FaultProxy:
             headers: :func:`s3_operation` (the default), or
             :func:`~objckpt.testing.azure_operations.azure_operation` in front of
             Azurite.
+        tls: Serve https with this certificate (None: plain http).
+        virtual_host: The domain of virtual-hosted requests (``localhost``: a
+            request for ``b.localhost`` is bucket ``b``'s), so their operations are
+            named as path-style ones are; the request goes upstream unchanged.
     """
 
     def __init__(
@@ -72,25 +86,38 @@ class FaultProxy:
         operation_of: Callable[
             [str, str, Mapping[str, Any], Mapping[str, str]], str
         ] = s3_operation,
+        tls: TestCertificate | None = None,
+        virtual_host: str | None = None,
     ) -> None:
         parts = urllib.parse.urlsplit(upstream)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"FaultProxy needs an http:// upstream, got {upstream!r}")
         self.upstream = (parts.hostname, parts.port or 80)
         self.operation_of = operation_of
+        self.virtual_host = virtual_host
+        self._tls = tls
         self._seed = seed
         self._lock = threading.Lock()
         self._rules: list[RuleState] = []
         self._changed = threading.Condition(self._lock)  # a request seen or finished
         self._released = threading.Event()
         self._forwarding = 0
+        self._failed_handshakes = 0
         self._open: dict[str, int] = {}
         self._peak_open: dict[str, int] = {}
         self.seen: list[Seen] = []
         self._received: dict[str, int] = {}
         handler = type("_Handler", (_Handler,), {"proxy": self})
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self._server = _Server(("127.0.0.1", 0), handler)
         self._server.daemon_threads = True
+        if tls is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(tls.cert_file)
+            # The handshake runs in the request's thread (_Handler.setup), so a client
+            # that refuses the certificate never holds up the accepting thread.
+            self._server.socket = context.wrap_socket(
+                self._server.socket, server_side=True, do_handshake_on_connect=False
+            )
         self._thread = threading.Thread(
             target=self._server.serve_forever, name="objckpt-fault-proxy", daemon=True
         )
@@ -99,11 +126,20 @@ class FaultProxy:
     @property
     def endpoint_url(self) -> str:
         port = self._server.server_address[1]
-        return f"http://127.0.0.1:{port}"
+        return f"{'https' if self._tls else 'http'}://127.0.0.1:{port}"
 
     def storage_options(self) -> dict[str, Any]:
-        """s3fs options that reach the upstream through this proxy."""
+        """s3fs options that reach the upstream through this proxy (over https
+        without a CA bundle: add ``client_kwargs["verify"]`` to trust it)."""
         return s3_test_options(self.endpoint_url)
+
+    def forward_options(self, endpoint_url: str) -> dict[str, Any]:
+        """s3fs options for ``endpoint_url`` (any host name, e.g.
+        ``http://localhost:1``) with this proxy as botocore's HTTP proxy: no name is
+        resolved on the client, and every request reaches the upstream."""
+        options = s3_test_options(endpoint_url)
+        options["config_kwargs"] = {"proxies": {"http": self.endpoint_url}}
+        return options
 
     def add(self, rule: Rule) -> Rule:
         with self._lock:
@@ -150,10 +186,10 @@ class FaultProxy:
         with self._lock:
             self._received[operation] = self._received.get(operation, 0) + n
 
-    def _decide(self, operation: str, path: str) -> Rule | None:
+    def _decide(self, operation: str, path: str, headers: Mapping[str, str]) -> Rule | None:
         with self._lock:
             for state in self._rules:
-                if state.fires(operation, path):
+                if state.fires(operation, path, headers):
                     return state.rule
         return None
 
@@ -216,6 +252,30 @@ class FaultProxy:
         with self._lock:
             return self._peak_open.get(operation, 0)
 
+    @property
+    def failed_handshakes(self) -> int:
+        """TLS handshakes that failed (a client that refused the certificate)."""
+        with self._lock:
+            return self._failed_handshakes
+
+    def wait_failed_handshakes(self, count: int = 1, timeout: float = 60.0) -> None:
+        """Block until ``count`` TLS handshakes have failed here: the client sees its
+        failure before this proxy's thread does.
+
+        Raises:
+            TimeoutError: Fewer within ``timeout`` seconds.
+        """
+        with self._changed:
+            if not self._changed.wait_for(lambda: self._failed_handshakes >= count, timeout):
+                raise TimeoutError(
+                    f"FaultProxy saw {self._failed_handshakes} failed handshakes, not {count}"
+                )
+
+    def _handshake_failed(self) -> None:
+        with self._changed:
+            self._failed_handshakes += 1
+            self._changed.notify_all()
+
     def _open_change(self, operation: str, delta: int) -> None:
         with self._lock:
             now = self._open.get(operation, 0) + delta
@@ -242,9 +302,24 @@ class FaultProxy:
         self.close()
 
 
+class _Server(http.server.ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that refused the certificate, or hung up: logged, not printed.
+        logger.debug("proxy: request from %s failed", client_address, exc_info=True)
+
+
 class _Handler(http.server.BaseHTTPRequestHandler):
     proxy: FaultProxy
     protocol_version = "HTTP/1.1"
+
+    def setup(self) -> None:
+        if isinstance(self.request, ssl.SSLSocket):
+            try:
+                self.request.do_handshake()
+            except (ssl.SSLError, OSError):
+                self.proxy._handshake_failed()
+                raise
+        super().setup()
 
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("proxy: " + format, *args)
@@ -267,13 +342,23 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         split = urllib.parse.urlsplit(self.path)
         query = urllib.parse.parse_qs(split.query, keep_blank_values=True)
         headers = {k: v for k, v in self.headers.items()}
-        operation = self.proxy.operation_of(self.command, split.path, query, headers)
+        operation = self.proxy.operation_of(
+            self.command, self._path_style(split.path), query, headers
+        )
         self.proxy._open_change(operation, +1)
         self._unanswered: str | None = operation
         try:
             self._serve(split, headers, operation)
         finally:
             self._answered()
+
+    def _path_style(self, path: str) -> str:
+        """``path`` as a path-style request names it (``/bucket/key``)."""
+        domain = self.proxy.virtual_host
+        host = (self.headers.get("Host") or "").rsplit(":", 1)[0]
+        if domain and host.endswith("." + domain):
+            return "/" + host[: -len(domain) - 1] + path
+        return path
 
     def _answered(self) -> None:
         """The request is answered (or given up): no longer open. Counted before the
@@ -290,7 +375,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self, split: urllib.parse.SplitResult, headers: dict[str, str], operation: str
     ) -> None:
         body = self._body()
-        rule = self.proxy._decide(operation, self.path)  # path and query
+        rule = self.proxy._decide(operation, self.path, headers)  # path and query
         fault = None if rule is None else rule.action
         decoded = self.headers.get("x-amz-decoded-content-length")
         sent = int(decoded) if decoded else len(body)
@@ -301,12 +386,18 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         crc_ok = None
         if claimed is not None and not decoded:  # plain bodies only (not aws-chunked)
             crc_ok = base64.b64encode(crc32c.crc32c(body).to_bytes(4, "big")).decode() == claimed
-        self.proxy._record(Seen(operation, self.command, split.path, fault, sent, amz, crc_ok))
+        host = self.headers.get("Host") or ""
+        self.proxy._record(
+            Seen(operation, self.command, split.path, fault, sent, amz, crc_ok, host)
+        )
         if rule is not None and rule.before_upstream and rule.action in ("stall", "hold"):
             self._wait(rule)
             rule = None
         if rule is not None and rule.before_upstream and rule.action in ("status", "reset"):
             self._fault(rule)
+            return
+        if rule is not None and rule.action == "session":
+            self._session()
             return
         self.proxy._forwarding_change(+1)
         try:
@@ -322,6 +413,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if rule is not None and rule.action in ("status", "reset"):
             self._fault(rule)  # applied upstream; the answer is lost
             return
+        if rule is not None and rule.action == "reorder":
+            payload = _reversed_entries(payload)
+            rule = None
         if self.command != "HEAD":
             self.proxy._add_received(operation, len(payload))
         self.send_response(status, reason)
@@ -385,6 +479,23 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(body)
 
+    def _session(self) -> None:
+        """A CreateSession answer: session credentials valid for five minutes."""
+        expires = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 300))
+        body = (
+            '<?xml version="1.0" encoding="UTF-8"?><CreateSessionResult '
+            'xmlns="http://s3.amazonaws.com/doc/2006-03-01/"><Credentials>'
+            "<SessionToken>objckpt-test-session-token</SessionToken>"
+            "<SecretAccessKey>objckpt-test-session-secret</SecretAccessKey>"
+            "<AccessKeyId>objckpt-test-session-key</AccessKeyId>"
+            f"<Expiration>{expires}</Expiration></Credentials></CreateSessionResult>"
+        ).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/xml")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
     def _reset(self) -> None:
         """Close with RST (SO_LINGER 0): the client sees 'connection reset by peer'."""
         self.close_connection = True
@@ -396,3 +507,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             pass
 
     do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+
+
+_ENTRY = re.compile(rb"<(Contents|CommonPrefixes|Upload)>.*?</\1>", re.DOTALL)
+
+
+def _reversed_entries(payload: bytes) -> bytes:
+    """A listing's XML with its entries (objects, prefixes, uploads) in reverse order."""
+    entries = [m.group(0) for m in _ENTRY.finditer(payload)]
+    if len(entries) < 2:
+        return payload
+    swapped = iter(reversed(entries))
+    return _ENTRY.sub(lambda _: next(swapped), payload)

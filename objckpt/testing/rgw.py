@@ -23,7 +23,9 @@ directory must not be on tmpfs (bluestore opens its block file with
 ``O_DIRECT``). radosgw serves plain HTTP and, where ``cryptography`` is installed,
 TLS with a self-signed certificate (``<dir>/ca.pem``): over https botocore's
 default request shape (aws-chunked bodies with trailing checksums) is refused by
-RGW 16.2, and objckpt must not send it.
+RGW 16.2, and objckpt must not send it. ``rgw_dns_name = localhost``: a request
+for ``<bucket>.localhost`` is virtual-hosted (reached through a forward proxy, as
+nothing here resolves that name).
 
 Each daemon runs in the foreground of a process of its own session, and its pid
 is written to ``<dir>/run/<daemon>.pid`` by this module, so :func:`stop_rgw` ends
@@ -61,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 from objckpt.testing.servers import TEST_KEY, TEST_SECRET, free_port, s3_test_options
+from objckpt.testing.tls import make_certificate
 
 __all__ = [
     "RgwServer",
@@ -256,6 +259,8 @@ osd_memory_target = {1 << 30}
 [client.rgw]
 rgw_frontends = {frontend}
 rgw_dynamic_resharding = false
+# Virtual-hosted requests: Host <bucket>.localhost names the bucket.
+rgw_dns_name = localhost
 """
 
 
@@ -388,42 +393,10 @@ def _write_certificate(pem: Path, ca: Path) -> bool:
     reads), alone in ``ca`` (what clients verify with). False: no ``cryptography``
     here (moto depends on it), so RGW serves plain HTTP only."""
     try:
-        from cryptography import x509
-        from cryptography.hazmat.primitives import hashes, serialization
-        from cryptography.hazmat.primitives.asymmetric import ec
-        from cryptography.x509.oid import NameOID
+        make_certificate(pem, ca, name="objckpt test RGW")
     except ImportError:
         logger.info("cryptography is not installed: RGW gets no https endpoint")
         return False
-    import datetime
-    import ipaddress
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "objckpt test RGW")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=3650))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    cert_pem = cert.public_bytes(serialization.Encoding.PEM)
-    key_pem = key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption(),
-    )
-    pem.write_bytes(cert_pem + key_pem)
-    ca.write_bytes(cert_pem)
     return True
 
 
@@ -512,6 +485,8 @@ def start_rgw(directory: str | os.PathLike[str], timeout: float = 180) -> RgwSer
     procs: dict[str, subprocess.Popen[bytes]] = {}
     try:
         state = _create(cluster) if fresh else json.loads(state_file.read_text())
+        if not fresh:  # what this module's version of the configuration says
+            cluster.conf.write_text(_conf(cluster.dir, state))
         https = state["https_port"]
         server = RgwServer(
             endpoint_url=f"http://127.0.0.1:{state['rgw_port']}",

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Mapping
 
 __all__ = ["ACTIONS", "Rule", "RuleState", "Seen"]
 
-ACTIONS = ("status", "reset", "stall", "hold", "truncate")
+ACTIONS = ("status", "reset", "stall", "hold", "truncate", "reorder", "session")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +30,11 @@ class Rule:
             (hold the request ``stall`` seconds, then forward it), ``hold``
             (hold it until :meth:`~objckpt.testing.FaultProxy.release` or ``stall`` seconds, then
             forward it: a stall the test ends when it has seen what it wanted), ``truncate``
-            (forward, then send half the response body and close).
+            (forward, then send half the response body and close), ``reorder`` (forward,
+            then answer a listing with its entries in reverse order, as S3 Express One
+            Zone directory buckets list keys in no particular order), ``session``
+            (answer a ``CreateSession`` with made-up session credentials, as S3 Express
+            One Zone does, for a server that has no such operation: moto).
         nth: Break only the nth matching request (1-based).
         probability: Break each matching request with this probability.
         times: Break at most this many requests (None: no limit).
@@ -43,6 +48,9 @@ class Rule:
             ``SlowDown`` for 503, ``InternalError`` otherwise); e.g. ``NoSuchUpload``
             with 404, as S3 answers a retried ``CompleteMultipartUpload`` whose first
             try completed the upload.
+        unless_header: Match only requests that lack this header (name, value; the
+            name compared case-insensitively): ``("x-amz-request-payer", "requester")``
+            with ``status=403, code="AccessDenied"`` is a requester-pays bucket.
     """
 
     operation: str | None = None
@@ -55,6 +63,7 @@ class Rule:
     stall: float = 5.0
     before_upstream: bool = True
     code: str | None = None
+    unless_header: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         if self.action not in ACTIONS:
@@ -77,6 +86,8 @@ class Seen:
     amz: tuple[tuple[str, str], ...] = ()
     #: Whether the payload matches its ``x-amz-checksum-crc32c`` header (None: no header).
     crc32c_ok: bool | None = None
+    #: The request's ``Host`` header (``bucket.localhost:port`` when virtual-hosted).
+    host: str = ""
 
 
 class RuleState:
@@ -93,18 +104,24 @@ class RuleState:
         self.fired = 0
         self.rng = random.Random(seed)
 
-    def fires(self, operation: str, path: str) -> bool:
+    def fires(self, operation: str, path: str, headers: Mapping[str, str] | None = None) -> bool:
         """Whether the rule breaks this request (counting it when it matches).
 
         Args:
             operation: The request's S3 operation.
             path: The request target, path and query.
+            headers: The request's headers.
         """
         r = self.rule
         if r.operation is not None and r.operation != operation:
             return False
         if r.key_contains is not None and r.key_contains not in path:
             return False
+        if r.unless_header is not None:
+            name, value = r.unless_header
+            sent = {k.lower(): v for k, v in (headers or {}).items()}
+            if sent.get(name.lower()) == value:
+                return False
         self.matched += 1
         if r.times is not None and self.fired >= r.times:
             return False

@@ -30,6 +30,7 @@ def s3_operation(
             ("GET", "list-type"): "ListObjectsV2",
             ("GET", "location"): "GetBucketLocation",
             ("GET", "versioning"): "GetBucketVersioning",
+            ("GET", "session"): "CreateSession",
             ("POST", "delete"): "DeleteObjects",
             ("PUT", None): "CreateBucket",
             ("DELETE", None): "DeleteBucket",

@@ -13,8 +13,8 @@ is ours, anyone else's is ``CheckpointExistsError``.
 each with its Content-MD5, which the service checks) and made the blob in one
 Put Block List, so a reader sees either no blob or the whole of it, never a
 part (:class:`BlockUpload`). Blocks go up under the store's request limit
-(``UploadOptions.max_in_flight``, AIMD like S3's parts), so the memory held is
-bounded by ``max_in_flight * part_size``. Smaller objects are one Put Blob of the
+(``UploadOptions.max_parts_in_flight``, AIMD like S3's parts), so the memory held is
+bounded by ``max_parts_in_flight * part_size``. Smaller objects are one Put Blob of the
 buffered bytes; azure-storage-blob itself would split anything over its
 ``max_single_put_size`` (64 MiB) into 4 MiB staged blocks and one block list,
 equally atomic.
@@ -164,7 +164,7 @@ class BlockUpload(PartedUpload):
         block_id = base64.b64encode(f"{self._prefix}-{len(self._blocks):06d}".encode()).decode()
         self._blocks.append(block_id)
         store = self._store
-        store.acquire_slot()  # backpressure: at most max_in_flight blocks in memory
+        store.acquire_slot()  # backpressure: at most max_parts_in_flight blocks in memory
         fut = store.submit_coro(self._put_block(block_id, data))
         fut.add_done_callback(store.release_slot)
         self._futures.append(

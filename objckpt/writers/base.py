@@ -187,7 +187,7 @@ class ObjectStore(abc.ABC):
         self.fs = fs if fs is not None else location.open_fs(fresh=True)
         # Bounds concurrent requests and the memory held by their buffers; halves
         # under throttling and grows back (AIMD), told by the retry layer.
-        self.limit = AimdLimit(options.max_in_flight)
+        self.limit = AimdLimit(options.max_parts_in_flight)
         observe = getattr(self.fs, "add_observer", None)
         if observe is not None:
             observe(self.limit)
@@ -218,7 +218,7 @@ class ObjectStore(abc.ABC):
         with self._pool_lock:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=self.options.max_in_flight, thread_name_prefix="objckpt-io"
+                    max_workers=self.options.max_parts_in_flight, thread_name_prefix="objckpt-io"
                 )
             return self._pool.submit(fn, *args)
 

@@ -11,9 +11,9 @@ computed while the bytes went by, so a piece lost or reordered never yields an
 object the manifest vouches for. Temporary pieces are deleted once composed; a
 crash leaves them as unreferenced objects ``objckpt gc`` removes.
 
-Pieces go up under the store's request limit (``UploadOptions.max_in_flight``,
+Pieces go up under the store's request limit (``UploadOptions.max_parts_in_flight``,
 halved under 429/503 by the AIMD limit like S3's parts), so the memory held is
-bounded by ``max_in_flight * part_size``.
+bounded by ``max_parts_in_flight * part_size``.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class CompositeUpload(PartedUpload):
         with self._lock:
             self._temporary.append(key)
         store = self._store
-        store.acquire_slot()  # backpressure: at most max_in_flight pieces in memory
+        store.acquire_slot()  # backpressure: at most max_parts_in_flight pieces in memory
         fut = store.submit_coro(store.fs._pipe_file(store.path(key), data))
         fut.add_done_callback(store.release_slot)
         self._futures.append(translated_future(fut, store.location.url_of(key), "uploading"))

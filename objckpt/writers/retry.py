@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import ipaddress
 import logging
 import random
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sized
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 import tenacity
 
@@ -144,9 +146,48 @@ class RetryObserver(Protocol):
     def succeeded(self) -> None: ...
 
 
+#: botocore's addressing styles (``config_kwargs={"s3": {"addressing_style": ...}}``).
+_ADDRESSING_STYLES = ("auto", "path", "virtual")
+
+
+def _check_addressing(options: Mapping[str, Any], s3: Mapping[str, Any]) -> None:
+    """Refuse an addressing style botocore would not use as asked: an unknown name,
+    or ``virtual`` towards an IP address, where botocore sends path-style requests
+    without a word (a bucket cannot be a subdomain of an address)."""
+    style = s3.get("addressing_style")
+    if style is None:
+        return
+    if style not in _ADDRESSING_STYLES:
+        raise ConfigurationError(
+            f"option config_kwargs['s3']['addressing_style']={style!r} is invalid: "
+            f"expected one of {', '.join(_ADDRESSING_STYLES)}"
+        )
+    client = options.get("client_kwargs") or {}
+    endpoint = options.get("endpoint_url") or (
+        client.get("endpoint_url") if isinstance(client, Mapping) else None
+    )
+    if style != "virtual" or not isinstance(endpoint, str):
+        return
+    host = urlsplit(endpoint).hostname or ""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return
+    raise ConfigurationError(
+        "option config_kwargs['s3']['addressing_style']='virtual' cannot be used with an "
+        f"endpoint_url that is an IP address ({host}): botocore would send path-style "
+        "requests instead; give the endpoint by a host name whose subdomains reach the "
+        "store, or use 'path'"
+    )
+
+
 def s3_options(options: Mapping[str, Any], policy: RetryPolicy) -> dict[str, Any]:
     """s3fs options with the SDKs' own retries and checksums off and the request
-    timeout set, unless the caller chose them."""
+    timeout set, unless the caller chose them.
+
+    Raises:
+        ConfigurationError: An addressing style botocore would not use as asked.
+    """
     out = dict(options)
     config = dict(out.get("config_kwargs") or {})
     config.setdefault("retries", {"total_max_attempts": 1})
@@ -157,6 +198,7 @@ def s3_options(options: Mapping[str, Any], policy: RetryPolicy) -> dict[str, Any
     config.setdefault("request_checksum_calculation", "when_required")
     config.setdefault("response_checksum_validation", "when_required")
     s3 = dict(config.get("s3") or {})
+    _check_addressing(options, s3)
     s3.setdefault("payload_signing_enabled", False)
     config["s3"] = s3
     config.setdefault("connect_timeout", policy.timeout)

@@ -166,7 +166,7 @@ class S3Store(ObjectStore):
             ChecksumType="FULL_OBJECT",
         )
         upload_id = out["UploadId"]
-        slots = asyncio.Semaphore(self.options.max_in_flight)
+        slots = asyncio.Semaphore(self.options.max_parts_in_flight)
 
         async def one(number: int, start: int) -> dict[str, Any]:
             end = min(start + part, size) - 1

@@ -6,7 +6,7 @@ thread per part.
 
 Why not s3fs's ``open("wb")``: it uploads one part at a time and does not abort
 the multipart upload when a part fails, leaving billed, invisible garbage. Here
-parts are submitted as soon as they fill (bounded by ``max_in_flight``), and any
+parts are submitted as soon as they fill (bounded by ``max_parts_in_flight``), and any
 failure aborts the upload before the error is raised.
 
 A request whose answer was lost may still have been applied, and the retry layer

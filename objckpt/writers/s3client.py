@@ -13,7 +13,14 @@ whole read that multiplied the attempts. s3fs reads such bodies whole anyway, fr
 a :class:`_ReadBody` now. A large whole-object GET (a streamed download) keeps its
 streaming body.
 
-``_call_s3`` and ``retries`` are s3fs internals: ``tests/store/test_s3client.py`` pins
+Two more overrides, for store options: ``_exists`` of a bare bucket under
+``requester_pays=True`` is a one-key listing (s3fs first asks HeadBucket and
+GetBucketLocation, which cannot carry ``RequestPayer``); and a PutObject's
+``IfNoneMatch`` is checked against botocore's model before it is sent (s3fs drops
+every parameter its botocore does not know, which would turn the create-only commit
+into an overwrite on a botocore from before S3's conditional writes).
+
+``_call_s3``, ``retries`` and ``_exists`` are s3fs internals: ``tests/store/test_s3client.py`` pins
 them for the s3fs range objckpt supports (``s3fs>=2024.6``), so a release that
 changes them fails there, not in a user's save. So are ``_s3`` and ``_s3creator``,
 which :meth:`RetryingS3FileSystem.close_connections` closes
@@ -25,11 +32,24 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import urlsplit
 
+from fsspec.asyn import sync_wrapper
 from s3fs import S3FileSystem
 
+from objckpt.errors import ConfigurationError
 from objckpt.writers.retry import RetryingFileSystem
+from objckpt.writers.translate import status_code
 
-__all__ = ["RetryingS3FileSystem"]
+__all__ = ["REQUESTER_PAYS_HINT", "RetryingS3FileSystem"]
+
+#: Said with an S3 AccessDenied answer when requests carry no ``RequestPayer``.
+REQUESTER_PAYS_HINT = (
+    "if the bucket is requester-pays, set storage_options requester_pays=True "
+    "(S3 refuses requests without x-amz-request-payer with 403 AccessDenied)"
+)
+
+#: Parameters a request must carry as objckpt asked, by s3fs method name: checked
+#: against botocore's model (see ``_require_parameter``).
+_MUST_BE_SENT = {"put_object": ("IfNoneMatch", "IfMatch")}
 
 #: Largest unranged GET body read inside the retried request (larger ones stream).
 _WHOLE_BODY_LIMIT = 64 * 1024 * 1024
@@ -73,8 +93,52 @@ class RetryingS3FileSystem(RetryingFileSystem, S3FileSystem):
             target = f"s3://{bucket}/{key}" if key else f"s3://{bucket}" if bucket else "S3"
             return f"S3 {method} of {target}"
 
+        for name in _MUST_BE_SENT.get(method, ()):
+            if name in kwargs:
+                await self._require_parameter(method, name)
         call = self._get_and_read if method == "get_object" else super()._call_s3
-        return await self._retried(call, what, method, *akwarglist, **kwargs)
+        try:
+            return await self._retried(call, what, method, *akwarglist, **kwargs)
+        except PermissionError as exc:
+            if not self.requester_pays and status_code(exc) == "AccessDenied":
+                # AWS answers a request to a requester-pays bucket without
+                # ``x-amz-request-payer`` with a bare 403 AccessDenied.
+                exc.objckpt_hint = REQUESTER_PAYS_HINT  # type: ignore[attr-defined]
+            raise
+
+    async def _require_parameter(self, method: str, name: str) -> None:
+        """Refuse a request whose parameter ``name`` the installed botocore does not
+        know: s3fs drops such parameters without a word (it filters every request's
+        arguments by botocore's model), and without ``IfNoneMatch`` the create-only
+        commit would be a plain PUT that overwrites."""
+        await self.set_session()
+        meta = self.s3.meta
+        operation = meta.method_to_api_mapping.get(method, method)
+        shape = meta.service_model.operation_model(operation).input_shape
+        if shape is None or name not in shape.members:
+            import botocore
+
+            raise ConfigurationError(
+                f"the installed botocore {botocore.__version__} does not know {operation}'s "
+                f"{name} parameter, which objckpt's create-only commit needs (S3 conditional "
+                "writes came with botocore releases of August 2024); upgrade botocore and "
+                "aiobotocore (pip install -U 'objckpt[s3]')"
+            )
+
+    async def _exists(self, path: str) -> bool:
+        # A bucket's existence: s3fs asks HeadBucket and GetBucketLocation first,
+        # which cannot carry RequestPayer (their input has no such member) and which a
+        # requester-pays bucket refuses; a one-key listing carries it: one request.
+        bucket, key, _ = self.split_path(self._strip_protocol(path))
+        if not self.requester_pays or key or not bucket:
+            return bool(await super()._exists(path))
+        try:
+            await self._call_s3("list_objects_v2", Bucket=bucket, MaxKeys=1)
+        except FileNotFoundError:
+            return False
+        return True
+
+    exists = sync_wrapper(_exists)
 
     async def _get_and_read(self, method: str, *akwarglist: Any, **kwargs: Any) -> Any:
         """One GET with its body read (ranged or small), as one attempt."""

@@ -3,7 +3,8 @@
 Transient: HTTP 503/SlowDown and 429, 500/InternalError, 502, 504, 408
 RequestTimeout, connection resets and refusals, timeouts, truncated responses.
 Permanent (raised at once): 403, 404 (no bucket or key), 412 (the create-only commit
-lost), other 4xx answers, and a deadline that ran out. A transient failure that
+lost), other 4xx answers, a TLS certificate the client does not trust, and a
+deadline that ran out. A transient failure that
 repeats past ``RetryPolicy.give_up_after`` is taken as persistent by the retry loop,
 which says what the store answered (:func:`answer_of`). Judged by type, service code
 and HTTP status only, never by message text: a ValueError naming step-0000005030 is
@@ -18,6 +19,7 @@ import asyncio
 import errno
 import http.client
 import socket
+import ssl
 
 from objckpt.errors import RequestDeadlineError, SaveDeadlineError, StoreRefusedError
 from objckpt.writers.translate import causes, service_error
@@ -104,6 +106,7 @@ def is_transient(exc: BaseException) -> bool:
                 SaveDeadlineError,
                 RequestDeadlineError,
                 StoreRefusedError,
+                ssl.SSLCertVerificationError,  # the same certificate is refused again
             ),
         )
         for e in chain

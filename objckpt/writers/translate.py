@@ -6,6 +6,11 @@ Backends disagree on how they say the same thing: botocore raises
 adlfs) an ``HttpResponseError`` with ``status_code`` and ``error_code``. Callers of
 objckpt see one class per meaning, with the original kept as ``__cause__``.
 
+A client may mark an exception with ``objckpt_hint`` (a sentence of its own, never
+the request's options), said after a refusal's description: objckpt's S3 client
+names ``requester_pays`` beside a bare 403 AccessDenied, as a requester-pays
+bucket answers one.
+
 Backend messages can quote request URLs, and a presigned URL carries a signature,
 so query strings are cut from any text that is copied into our messages.
 """
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import ssl
 
 from objckpt.errors import (
     AccessDeniedError,
@@ -29,6 +35,7 @@ __all__ = [
     "describe",
     "precondition_failed",
     "service_error",
+    "status_code",
     "translate",
     "unsatisfiable_range",
 ]
@@ -63,6 +70,17 @@ _CREDENTIAL_HINTS = {
     "401": "the store rejected the credentials (401)",
     "AuthenticationFailed": "the store rejected the account key or SAS token "
     "(Azure AuthenticationFailed: wrong key, expired SAS, or a clock far off)",
+}
+# Where a private CA's bundle is given, by protocol (a certificate refused by the client).
+_S3_CA_HINT = (
+    "for a store whose certificate a private CA signed, give that CA's bundle in "
+    "storage_options client_kwargs={'verify': '/path/to/ca.pem'} or AWS_CA_BUNDLE"
+)
+_CA_HINTS = {
+    "s3": _S3_CA_HINT,
+    "s3a": _S3_CA_HINT,
+    "": "for a store whose certificate a private CA signed, give that CA's bundle as its "
+    "client library documents (SSL_CERT_FILE for most)",
 }
 # Azure's codes for "these credentials may not do this" (its 403s).
 _ACCESS_CODES = frozenset(
@@ -169,7 +187,7 @@ def unsatisfiable_range(exc: BaseException) -> bool:
     return False
 
 
-def _status_code(exc: BaseException) -> str | None:
+def status_code(exc: BaseException) -> str | None:
     """The service's error code (``AccessDenied``, ``InvalidAccessKeyId``) of ``exc``
     or of the exception it was raised from, else its HTTP status (``"403"``)."""
     for seen in causes(exc):
@@ -204,18 +222,25 @@ def translate(
             f"no credentials found while {action} {url}: set them in the environment "
             f"(AWS_ACCESS_KEY_ID/AWS_PROFILE, GOOGLE_APPLICATION_CREDENTIALS) or storage_options"
         )
-    code = _status_code(exc)
+    code = status_code(exc)
     if code in _CREDENTIAL_HINTS:
         return AccessDeniedError(
             f"credentials rejected while {action} {url}: {_CREDENTIAL_HINTS[code]} ({detail})"
         )
     if isinstance(exc, PermissionError) or code in _ACCESS_CODES:
-        return AccessDeniedError(f"access denied while {action} {url}: {detail}")
+        hint = next((h for e in causes(exc) if (h := getattr(e, "objckpt_hint", None))), None)
+        more = f"; {hint}" if isinstance(hint, str) else ""
+        return AccessDeniedError(f"access denied while {action} {url}: {detail}{more}")
     if code == "NoSuchBucket":  # S3 says which: not a missing object, the bucket
         bucket = url.partition("://")[2].split("/", 1)[0]
         return BucketNotFoundError(f"bucket {bucket!r} of {url} does not exist ({detail})")
     if code == "ContainerNotFound" or (isinstance(exc, FileNotFoundError) and missing_is_bucket):
         return BucketNotFoundError(f"bucket or root of {url} does not exist ({detail})")
+    if any(isinstance(e, ssl.SSLCertVerificationError) for e in causes(exc)):
+        return StoreError(
+            f"the store's TLS certificate was not trusted while {action} {url}: {detail}; "
+            f"{_CA_HINTS.get(url.partition('://')[0], _CA_HINTS[''])}"
+        )
     if names & set(_UNREACHABLE_ERRORS) or isinstance(
         exc, (ConnectionError, TimeoutError, asyncio.TimeoutError)
     ):

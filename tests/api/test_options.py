@@ -18,7 +18,8 @@ def test_part_size_grows_under_the_part_limit() -> None:
     [
         ({"part_size": 1024}, "part_size"),
         ({"object_size": 0}, "object_size"),
-        ({"max_in_flight": 0}, "max_in_flight"),
+        ({"max_parts_in_flight": 0}, "max_parts_in_flight"),
+        ({"preflight_timeout": -1}, "preflight_timeout"),
     ],
 )
 def test_bad_upload_options_name_the_option(kwargs: dict, name: str) -> None:
@@ -100,3 +101,62 @@ def test_gc_is_a_dry_run_unless_asked_everywhere() -> None:
 
     assert inspect.signature(collect_garbage).parameters["dry_run"].default is True
     assert inspect.signature(CheckpointManager.gc).parameters["dry_run"].default is True
+
+
+def test_how_a_load_reads_is_one_value(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``broadcast``, ``allow_stock`` and ``local`` are ``ReadOptions`` fields (#45), checked
+    where written; ``local`` is kept as one hashable tuple however it was spelt."""
+    import pathlib
+
+    from objckpt import ReadOptions
+
+    assert ReadOptions(local="/a").local == ("/a",)
+    assert ReadOptions(local=[pathlib.Path("/a"), "/b"]).local == ("/a", "/b")
+    assert ReadOptions(local=()).local is None
+    assert hash(ReadOptions(local=["/a"])) == hash(ReadOptions(local="/a"))
+    with pytest.raises(ConfigurationError, match="option broadcast='yes'"):
+        ReadOptions(broadcast="yes")  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="option allow_stock=None"):
+        ReadOptions(allow_stock=None)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="option local=3"):
+        ReadOptions(local=3)  # type: ignore[arg-type]
+
+
+def test_the_reader_takes_allow_stock_from_its_read_options(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A stock DCP checkpoint loads by default and is refused with
+    ``ReadOptions(allow_stock=False)``: the field reaches the reader."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from helpers import quiet
+
+    from objckpt import ObjectStoreReader, ReadOptions
+    from objckpt.errors import CheckpointNotFoundError
+
+    with quiet():
+        dcp.save({"w": torch.ones(3)}, storage_writer=dcp.FileSystemWriter(str(tmp_path)))
+    url = f"file://{tmp_path}"
+    assert ObjectStoreReader(url).manifest is None  # the stock checkpoint, read
+    with pytest.raises(CheckpointNotFoundError, match="no committed checkpoint"):
+        ObjectStoreReader(url, read=ReadOptions(allow_stock=False))
+
+
+def test_the_manager_refuses_read_options_it_decides(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``CheckpointManager.load`` picks the group, committed steps and its local tier
+    itself: a ``read`` that sets them is refused, naming them, not silently overridden."""
+    from objckpt import CheckpointManager, ReadOptions
+
+    with (
+        CheckpointManager(f"file://{tmp_path}/run") as mgr,
+        pytest.raises(ConfigurationError, match=r"local=\('/nvme',\).*decides these"),
+    ):
+        mgr.load({}, read=ReadOptions(local="/nvme"))
+
+
+def test_the_preflight_bound_is_an_upload_option() -> None:
+    """``preflight_timeout`` is ``UploadOptions``' (#45): the writer takes it from there,
+    so async saves and the manager, which pass ``upload=``, can set it too."""
+    from objckpt import ObjectStoreWriter
+
+    writer = ObjectStoreWriter("memory://b/c", upload=UploadOptions(preflight_timeout=5))
+    assert writer.preflight_timeout == 5
+    assert ObjectStoreWriter("memory://b/c").preflight_timeout == 30

@@ -26,10 +26,22 @@ REMOVED: list[tuple[str, str, Any, str]] = [
         3600.0,
         "retention=objckpt.RetentionPolicy(keep_newer_than=3600.0)",
     ),
+    ("LocalTier", "keep_last", 2, "retention=objckpt.RetentionPolicy(keep_last=2)"),
+    (
+        "ObjectStoreWriter",
+        "preflight_timeout",
+        5.0,
+        "upload=objckpt.UploadOptions(preflight_timeout=5.0)",
+    ),
     ("ObjectStoreReader", "verify", False, "read=objckpt.ReadOptions(verify=False)"),
+    ("ObjectStoreReader", "broadcast", False, "read=objckpt.ReadOptions(broadcast=False)"),
+    ("ObjectStoreReader", "allow_stock", False, "read=objckpt.ReadOptions(allow_stock=False)"),
+    ("ObjectStoreReader", "local", "/nvme/x", "read=objckpt.ReadOptions(local='/nvme/x')"),
     ("ReadOptions", "share_replicated", True, "objckpt.AsyncOptions(share_replicated=True)"),
     ("ReadOptions", "max_inflight_bytes", 1 << 28, f"max_in_flight_bytes={1 << 28}"),
-    ("UploadOptions", "max_inflight", 4, "max_in_flight=4"),
+    ("UploadOptions", "max_inflight", 4, "max_parts_in_flight=4"),
+    ("UploadOptions", "max_in_flight", 4, "max_parts_in_flight=4"),
+    ("AsyncOptions", "max_in_flight", 2, "max_saves_in_flight=2"),
     ("AsyncCheckpointer", "options", None, "async_options="),
     ("async_save", "options", None, "async_options="),
 ]
@@ -38,7 +50,7 @@ REMOVED: list[tuple[str, str, Any, str]] = [
 def _call(entry: str) -> Callable[..., Any]:
     """The entry point with its required positional arguments filled in."""
     target = getattr(objckpt, entry)
-    if entry in ("CheckpointManager", "ObjectStoreReader"):
+    if entry in ("CheckpointManager", "ObjectStoreReader", "ObjectStoreWriter", "LocalTier"):
         return lambda **kw: target(ROOT, **kw)
     if entry == "async_save":
         return lambda **kw: target({}, ROOT, **kw)
@@ -72,9 +84,11 @@ def test_other_keywords_are_untouched() -> None:
     help() and the API reference show) are the wrapped ones."""
     with pytest.raises(TypeError, match="unexpected keyword argument 'no_such'"):
         objckpt.UploadOptions(no_such=1)  # type: ignore[call-arg]
-    assert objckpt.UploadOptions(max_in_flight=4).max_in_flight == 4
+    assert objckpt.UploadOptions(max_parts_in_flight=4).max_parts_in_flight == 4
+    assert objckpt.AsyncOptions(max_saves_in_flight=2).max_saves_in_flight == 2
     assert objckpt.ReadOptions(max_in_flight_bytes=1 << 28).max_in_flight_bytes == 1 << 28
-    assert "max_in_flight" in inspect.signature(objckpt.UploadOptions).parameters
+    assert "max_parts_in_flight" in inspect.signature(objckpt.UploadOptions).parameters
+    assert "max_saves_in_flight" in inspect.signature(objckpt.AsyncOptions).parameters
     assert "retention" in inspect.signature(objckpt.CheckpointManager).parameters
     assert "async_options" in inspect.signature(objckpt.async_save).parameters or (
         "kwargs" in inspect.signature(objckpt.async_save).parameters

@@ -197,14 +197,14 @@ def test_installed_entry_point(moto_server: MotoServer, run_root: str) -> None:
 def test_ls_local_shows_which_steps_are_only_on_the_local_tier(
     cli, s3_bucket: StoreTarget, tmp_path
 ) -> None:
-    from objckpt import AsyncOptions, LocalTier
+    from objckpt import AsyncOptions, LocalTier, RetentionPolicy
 
     root, local = s3_bucket.url("tiered"), str(tmp_path / "nvme")
     with CheckpointManager(
         root,
         storage_options=s3_bucket.storage_options,
         async_options=AsyncOptions(workers=1),
-        local=LocalTier(local, keep_last=3, promote_every=2),
+        local=LocalTier(local, retention=RetentionPolicy(keep_last=3), promote_every=2),
     ) as mgr:
         for step in (1, 2, 3):
             mgr.save(step, _state(step))

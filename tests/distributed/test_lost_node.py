@@ -269,3 +269,74 @@ def test_one_holders_unreadable_manifest_never_blocks_the_step(
     (local / "node1" / "replicas" / step_name(2) / MANIFEST_KEY).write_bytes(b"{not json")
     _run(lost_node_ranks.restart_and_load, 4, tmp_path, url, options)
     assert "unusable" in (local / "warnings.txt").read_text()
+
+
+def test_a_reshard_on_fewer_nodes_moves_a_lost_nodes_bytes_between_the_survivors(
+    s3_bucket: StoreTarget, s3_proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """Three nodes of two ranks, R = 2 (node g's replica on node g + 1, so node 2's
+    part is on node 0 only); node 2 lost and the job restarted on nodes 0 and 1 (4
+    ranks). Resharded to 4, node 1's ranks need rows that saved rank 4 (node 2) wrote:
+    node 0 sends them, and step 2 loads bit-exact with no payload GET."""
+    local, url = tmp_path / "local", s3_bucket.url("reshard-moves")
+    options = _options(s3_proxy, local, expect=2)
+    _run(lost_node_ranks.save_durable_then_local, 6, tmp_path, url, options)
+    node1 = _names(local / "node1" / step_name(2)) | _names(
+        local / "node1" / "replicas" / step_name(2)
+    )
+    assert any(n.startswith("__2_") for n in node1)  # node 1's own part ...
+    assert not any(n.startswith("__4_") for n in node1)  # ... and not node 2's
+    assert any(n.startswith("__4_") for n in _names(local / "node0" / "replicas" / step_name(2)))
+    shutil.rmtree(local / "node2")
+    s3_proxy.clear()
+    _run(lost_node_ranks.restart_and_load, 4, tmp_path, url, options)
+    assert _step_gets(s3_proxy, 2) == []
+    assert _payload_gets(s3_proxy) == []
+
+
+def test_a_restore_lists_each_nodes_tier_once_not_once_per_rank(
+    s3_bucket: StoreTarget, s3_proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """The ranks of a node share its tier: one of them lists it for rank 0's
+    decision (before, every rank listed it and sent the same listing). Node 1 lost,
+    3 nodes of 2 ranks: 3 listings, one per node, and step 2 loads from the peers."""
+    local, url = tmp_path / "local", s3_bucket.url("one-listing")
+    options = _options(s3_proxy, local, expect=2)
+    _run(lost_node_ranks.save_durable_then_local, 6, tmp_path, url, options)
+    shutil.rmtree(local / "node1")
+    s3_proxy.clear()
+    _run(lost_node_ranks.restart_counting_listings, 6, tmp_path, url, options)
+    counts = [int((local / f"listings{r}").read_text()) for r in range(6)]
+    assert [counts[r] + counts[r + 1] for r in (0, 2, 4)] == [1, 1, 1], counts
+    assert _payload_gets(s3_proxy) == []
+
+
+def test_ranks_of_a_node_with_their_own_tier_directories_each_list_theirs(
+    s3_bucket: StoreTarget, s3_proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """Each rank of a node has its own tier directory (``node<g>/r<l>``): one
+    listing per node would miss local rank 1's files. No node lost: step 2 loads
+    from the nodes, no payload GET."""
+    local, url = tmp_path / "local", s3_bucket.url("own-dirs")
+    options = _options(s3_proxy, local, expect=2, own_dirs=True)
+    _run(lost_node_ranks.save_durable_then_local, 4, tmp_path, url, options)
+    assert (local / "node1" / "r1" / step_name(2)).is_dir()
+    s3_proxy.clear()
+    _run(lost_node_ranks.restart_and_load, 4, tmp_path, url, options)
+    assert _payload_gets(s3_proxy) == []
+
+
+def test_a_listing_its_lister_cannot_post_never_stalls_the_restore(
+    s3_bucket: StoreTarget, s3_proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """Node 1's lister cannot post its listing: rank 0 finds it missing at once
+    (before, it waited on the key for the group's timeout while the other ranks timed
+    out in the broadcast). Node 0 holds node 1's replicas, so step 2 still loads from
+    the nodes on every rank, with no payload GET, and the failure is named."""
+    local, url = tmp_path / "local", s3_bucket.url("lost-listing")
+    options = _options(s3_proxy, local, expect=2, timeout=20)
+    _run(lost_node_ranks.save_durable_then_local, 4, tmp_path, url, options)
+    s3_proxy.clear()
+    _run(lost_node_ranks.restart_with_a_lost_listing, 4, tmp_path, url, options)
+    assert _payload_gets(s3_proxy) == []
+    assert "could not post" in (local / "warnings.txt").read_text()

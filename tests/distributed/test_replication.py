@@ -132,6 +132,22 @@ def test_a_silent_rank_is_named_and_turns_replication_off_on_every_rank(
         assert "off" in (got["error"] or ""), (r, got["error"])
 
 
+def test_a_slow_pair_within_the_steps_bound_replicates_and_turns_nothing_off(
+    tmp_path: Path,
+) -> None:
+    """One receiver is late by more than ``barrier_timeout`` but within the step's
+    bound. Before, the other ranks gave up after ``barrier_timeout`` in the agreement
+    and turned replication off for every rank; now both steps are replicated alike on
+    every rank and no error is recorded."""
+    local = tmp_path / "local"
+    o = _options(local, timeout=3, replication_timeout=120)
+    _run(replication_ranks, replication_ranks.slow_pair_within_the_bound, 4, tmp_path, o)
+    for r, got in enumerate(_outcomes(local, 4)):
+        assert got["replicated"] == [True, True], (r, got)
+        assert got["error"] is None and got["not_replicated"] == [], (r, got)
+        assert got["replicated_latest"] == 2, (r, got)
+
+
 def test_a_refill_never_spreads_a_damaged_copy(tmp_path: Path) -> None:
     """One bit flipped in node 0's own payload, then a refill of the step (as after a
     restore onto a replacement node). Before, the refill sent the damaged bytes with

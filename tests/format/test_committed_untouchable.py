@@ -145,6 +145,34 @@ def test_cp_overwrite_whose_commit_fails_changes_no_committed_byte(
     _assert_committed_state_intact(dst, s3_bucket, 2)
 
 
+def test_cp_overwrite_leaves_no_object_only_the_replaced_checkpoint_named(
+    s3_bucket: StoreTarget,
+) -> None:
+    """A copy with ``overwrite=True`` onto a committed checkpoint deletes, after its
+    commit, the objects only the replaced manifest named, as an overwriting save does
+    (before, they stayed: garbage no manifest names)."""
+    src, dst = s3_bucket.url("src-sup"), s3_bucket.url("dst-sup")
+    save(_state(2), src, s3_bucket)
+    save(_state(1), dst, s3_bucket)
+    store = open_store(Location.parse(dst, s3_bucket.storage_options))
+    try:
+        replaced = {o.key for o in read_manifest(store).objects}
+        copy_checkpoint(
+            Location.parse(src, s3_bucket.storage_options),
+            Location.parse(dst, s3_bucket.storage_options),
+            overwrite=True,
+        )
+        named = {o.key for o in read_manifest(store).objects}
+        only_replaced = replaced - named
+        assert only_replaced, "the two saves name the same objects: nothing to check"
+        left = {k for k in store.fs.find(store.location.path)}
+        there = {k.rsplit("/", 1)[-1] for k in left}
+    finally:
+        store.close()
+    assert not only_replaced & there, sorted(only_replaced & there)
+    _assert_committed_state_intact(dst, s3_bucket, 2)
+
+
 def test_a_promotion_onto_a_root_step_another_job_committed_changes_none_of_its_bytes(
     via: StoreTarget, s3_bucket: StoreTarget, moto_server: MotoServer, tmp_path: pathlib.Path
 ) -> None:

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import pathlib
+import re
+import sys
+import textwrap
+
 import pytest
 
 from objckpt import (
@@ -13,7 +20,14 @@ from objckpt import (
     load_config,
 )
 from objckpt.errors import ConfigurationError
-from objckpt.ops.config import parse_config
+from objckpt.ops import config as config_module
+from objckpt.ops.backup import BackupTarget
+from objckpt.ops.config import RENAMED_KEYS, TABLES, keys_of, parse_config
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
 
 GOOD = """
 root = "s3://bucket/run-1"
@@ -36,7 +50,7 @@ grace = 600
 
 [local]
 path = "/local_nvme/ckpt"
-keep_last = 3
+retention = { keep_last = 3 }
 promote_every = 5
 
 [retry]
@@ -75,7 +89,9 @@ def test_a_full_config_parses(tmp_path) -> None:
     assert cfg.async_options == AsyncOptions(workers=3, staging_budget=1 << 30)
     assert cfg.gc_grace == 600
     assert cfg.retry == RetryPolicy(attempts=3, timeout=20)
-    assert cfg.local == LocalTier("/local_nvme/ckpt", keep_last=3, promote_every=5)
+    assert cfg.local == LocalTier(
+        "/local_nvme/ckpt", retention=RetentionPolicy(keep_last=3), promote_every=5
+    )
     assert [b.url for b in cfg.backups] == ["file:///backups/run-1", "gs://replica/run-1"]
     assert cfg.backups[1].storage_options == {"token": "anon"}
     assert cfg.backups[0].mode == "copy" and cfg.backups[0].retention is None
@@ -118,7 +134,7 @@ def test_only_root_is_required() -> None:
             r"\[backups\[0\]\.retention\] option keep_last=",
         ),
         ('root = "s3://b/r"\n[[backups]]\nurl = "s3://c/r"\nkeep = 1', r"backups\[0\]\.'keep'"),
-        ('root = "s3://b/r"\n[local]\nkeep_last = 2', r"local\.path .* is required"),
+        ('root = "s3://b/r"\n[local]\npromote_every = 2', r"local\.path .* is required"),
         ('root = "s3://b/r"\n[local]\npath = "/x"\npromote = 2', r"unknown key local\.'promote'"),
         (
             'root = "s3://b/r"\n[local]\npath = "s3://c/x"',
@@ -203,3 +219,110 @@ def test_nested_options_without_credentials_still_pass() -> None:
         environ={},
     )
     assert cfg.storage_options["client_kwargs"] == {"region_name": "eu-west-1"}
+
+
+# -- the tables mirror the option values (#45 item 5) ----------------------------------------
+
+DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs" / "guides" / "configuration.md"
+#: The tables that are no option value, and why: ``[storage]`` is the manager's
+#: ``storage_options`` (resolved from the environment), ``[gc]`` the CLI's ``gc``.
+NOT_OPTIONS = {"storage", "gc"}
+#: Inside a table, the keys that are option values of their own.
+NESTED = {(LocalTier, "retention"): RetentionPolicy, (BackupTarget, "retention"): RetentionPolicy}
+
+
+def _schema() -> str:
+    """The module docstring's schema, as the TOML it is."""
+    return textwrap.dedent((config_module.__doc__ or "").split("::\n", 1)[1])
+
+
+def _docs_toml() -> dict:
+    """Every ``toml`` block of the configuration guide, merged."""
+    merged: dict = {}
+    for block in re.findall(r"```toml\n(.*?)```", DOCS.read_text(), re.S):
+        merged.update(tomllib.loads(block))
+    return merged
+
+
+def _tables(data: dict) -> dict[str, dict]:
+    """Each option table of a parsed file (a backup array: its first entry)."""
+    return {
+        name: (value[0] if isinstance(value, list) else value)
+        for name, value in data.items()
+        if isinstance(value, (dict, list))
+    }
+
+
+@pytest.mark.parametrize("where", ["objckpt/ops/config.py", "docs/guides/configuration.md"])
+def test_each_table_lists_every_field_of_its_option_value(where: str) -> None:
+    """Table name <-> options class, key <-> field, both ways: a field added to a class
+    (or a key the class lacks) fails here until the schema and the guide say it."""
+    data = tomllib.loads(_schema()) if where.endswith(".py") else _docs_toml()
+    tables = _tables(data)
+    assert set(tables) - NOT_OPTIONS == set(TABLES), where
+    for name, cls in TABLES.items():
+        fields = {RENAMED_KEYS.get((cls, f.name), f.name) for f in dataclasses.fields(cls)}
+        assert set(tables[name]) == fields, f"{where} [{name}] vs {cls.__name__}'s fields"
+        for (owner, key), inner in NESTED.items():
+            if owner is cls:
+                sub = {f.name for f in dataclasses.fields(inner)}
+                assert set(tables[name][key]) <= sub, f"{where} [{name}].{key}"
+
+
+def test_the_schema_parses_to_its_values_field_by_field(tmp_path, monkeypatch) -> None:
+    """Every key of the schema reaches its field with the value written: what the file
+    documents is what it accepts."""
+    from objckpt.format import compress
+
+    monkeypatch.setattr(compress, "zstd_available", lambda: True)  # parsing only
+    text = _schema().replace('"/dev/shm"', f'"{tmp_path}"')
+    environ = {
+        "AWS_ACCESS_KEY_ID": "k",
+        "AWS_SECRET_ACCESS_KEY": "s",
+        "GOOGLE_APPLICATION_CREDENTIALS": "t",
+    }
+    cfg = parse_config(text, environ=environ)
+    built = {
+        "retention": cfg.retention,
+        "upload": cfg.upload,
+        "async": cfg.async_options,
+        "retry": cfg.retry,
+        "local": cfg.local,
+        "backups": cfg.backups[0],
+    }
+    assert set(built) == set(TABLES)
+    for name, table in _tables(tomllib.loads(text)).items():
+        if name in NOT_OPTIONS:
+            continue
+        cls = TABLES[name]
+        for key, field in keys_of(cls).items():
+            value = getattr(built[name], field)
+            if (cls, field) in RENAMED_KEYS:  # storage -> storage_options, from the env
+                assert value == {"token": "t"}
+            elif (cls, key) in NESTED:
+                assert value == NESTED[cls, key](**table[key]), (name, key)
+            else:
+                assert value == table[key], (name, key)
+
+
+def test_the_manager_takes_every_value_the_file_sets() -> None:
+    """The file holds the manager's options, all of them but the root and the group."""
+    cfg = parse_config('root = "file:///tmp/x"', environ={})
+    manager = set(inspect.signature(CheckpointManager).parameters) - {"root_url", "process_group"}
+    assert set(cfg.manager_options()) == manager
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[async]\nmax_in_flight = 2", r"async\.max_in_flight is gone.* max_saves_in_flight=2"),
+        ("[upload]\nmax_in_flight = 4", r"upload\.max_in_flight is gone.* max_parts_in_flight=4"),
+        (
+            '[local]\npath = "/x"\nkeep_last = 2',
+            r"local\.keep_last is gone.*retention=objckpt\.RetentionPolicy\(keep_last=2\)",
+        ),
+    ],
+)
+def test_a_renamed_key_names_its_new_spelling(text: str, message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        parse_config(f'root = "file:///tmp/x"\n{text}', source="run.toml", environ={})

@@ -188,7 +188,7 @@ def test_upload_concurrency_backs_off_under_throttling_and_recovers(
     via: StoreTarget, s3_proxy: FaultProxy, moto_server: MotoServer
 ) -> None:
     loc = Location.parse(via.url("aimd"), via.storage_options, FAST)
-    store = open_store(loc, UploadOptions(part_size=5 * MiB, max_in_flight=8))
+    store = open_store(loc, UploadOptions(part_size=5 * MiB, max_parts_in_flight=8))
     data = torch.randint(0, 255, (60 * MiB,), dtype=torch.uint8).numpy().tobytes()
     try:
         s3_proxy.add(Rule("UploadPart", probability=0.3, times=10, action="status", status=503))

@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import assert_state_equal, empty_like_state
 
-from objckpt import CheckpointManager, LocalTier, Location
+from objckpt import CheckpointManager, LocalTier, Location, RetentionPolicy
 from objckpt.errors import ConfigurationError, StoreError
 from objckpt.format.layout import MANIFEST_KEY, is_objckpt_payload
 from objckpt.format.steps import step_name
@@ -61,19 +61,36 @@ def _gets(proxy: FaultProxy, step: int) -> list[str]:
 def test_option_errors_name_the_option(tmp_path) -> None:
     with pytest.raises(ConfigurationError, match="promote_every=0"):
         LocalTier(tmp_path, promote_every=0)
-    with pytest.raises(ConfigurationError, match="keep_last"):
-        LocalTier(tmp_path, keep_last=None)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match=r"retention=3 is invalid: expected objckpt\.Ret"):
+        LocalTier(tmp_path, retention=3)  # type: ignore[arg-type]
+    # The tier's own bound, not borrowed from AsyncOptions.barrier_timeout (#45).
+    assert LocalTier(tmp_path).replication_timeout == 600.0
+    with pytest.raises(ConfigurationError, match="replication_timeout=None is invalid"):
+        LocalTier(tmp_path, replication_timeout=None)  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="s3://b/x is not a local directory"):
         LocalTier("s3://b/x")
     with pytest.raises(ConfigurationError, match="local="):
         CheckpointManager(f"file://{tmp_path}/root", local=str(tmp_path))  # type: ignore[arg-type]
 
 
+def test_local_retention_is_the_whole_retention_policy(tmp_path) -> None:
+    """``LocalTier(retention=)`` takes the root's value, every rule of it: with
+    ``keep_last=1, keep_every=2`` the local disk keeps the milestones 2 and 4 and the
+    newest, 5 (a local ``keep_last`` alone could only keep the newest)."""
+    local = str(tmp_path / "nvme")
+    tier = LocalTier(local, retention=RetentionPolicy(keep_last=1, keep_every=2), promote_every=100)
+    with CheckpointManager(f"file://{tmp_path}/root", async_options=OPTS, local=tier) as mgr:
+        for step in (1, 2, 3, 4, 5):
+            mgr.save(step, _state(step)).result(60)
+        mgr.wait_until_finished()
+    assert sorted(os.listdir(local)) == [step_name(s) for s in (2, 4, 5)]
+
+
 def test_every_kth_save_is_promoted_and_durable_means_on_the_root(
     via: StoreTarget, s3_proxy: FaultProxy, tmp_path
 ) -> None:
     local = str(tmp_path / "nvme")
-    with _manager(via, local, keep_last=3, promote_every=2) as mgr:
+    with _manager(via, local, retention=RetentionPolicy(keep_last=3), promote_every=2) as mgr:
         handles = [mgr.save(step, _state(step)) for step in (1, 2, 3, 4)]
         mgr.wait_until_finished()
         assert [h.tier for h in handles] == ["local"] * 4
@@ -348,7 +365,10 @@ def test_local_retention_spares_a_step_until_its_promotion_ends(
     durable."""
     local = str(tmp_path / "nvme")
     s3_proxy.add(Rule(key_contains=f"{step_name(1)}/__0_", action="hold", stall=50))
-    with _manager(via, local, keep_last=1) as mgr, caplog.at_level(logging.INFO):
+    with (
+        _manager(via, local, retention=RetentionPolicy(keep_last=1)) as mgr,
+        caplog.at_level(logging.INFO),
+    ):
         try:
             first = mgr.save(1, _state(1))
             first.result(60)

@@ -17,6 +17,7 @@ import pytest
 from conftest import assert_state_equal, empty_like_state
 from test_local_tier import _manager, _state, _step_dir
 
+from objckpt import RetentionPolicy
 from objckpt.format.layout import MANIFEST_KEY
 from objckpt.format.steps import step_name
 from objckpt.testing import FaultProxy
@@ -54,14 +55,19 @@ def test_a_user_directory_linked_in_as_a_step_survives_saves_retention_and_sweep
     before = _tree(str(mine))
     os.makedirs(local)
     os.symlink(mine, _step_dir(local, 3))
-    with _manager(via, local, keep_last=1) as mgr, caplog.at_level(logging.WARNING):
+    with (
+        _manager(via, local, retention=RetentionPolicy(keep_last=1)) as mgr,
+        caplog.at_level(logging.WARNING),
+    ):
         handles = {step: mgr.save(step, _state(step)) for step in (1, 2, 3, 4, 5)}
         mgr.wait_until_finished()
         assert handles[3].tier == "primary" and handles[3].wait_durable(60)
         assert [handles[s].tier for s in (1, 2, 4, 5)] == ["local"] * 4
         assert mgr.all_steps() == [1, 2, 3, 4, 5] and mgr.local_steps() == [5]
     assert f"{_step_dir(local, 3)} is a symbolic link" in caplog.text
-    with _manager(via, local, keep_last=1) as mgr:  # the next start's sweep
+    with _manager(
+        via, local, retention=RetentionPolicy(keep_last=1)
+    ) as mgr:  # the next start's sweep
         got = empty_like_state(_state(0))
         assert mgr.load(got, step=3) == 3
         assert_state_equal(got, _state(3))
@@ -75,7 +81,7 @@ def test_a_committed_step_moved_away_and_linked_back_is_left_alone_and_named(
     """Step 1 (local only) moved to another disk and linked back: the tier neither
     lists it nor deletes a byte of it through the link, and the start says so."""
     local = str(tmp_path / "nvme")
-    with _manager(via, local, keep_last=3, promote_every=2) as mgr:
+    with _manager(via, local, retention=RetentionPolicy(keep_last=3), promote_every=2) as mgr:
         for step in (1, 2):
             mgr.save(step, _state(step))
         mgr.wait_until_finished()
@@ -84,7 +90,10 @@ def test_a_committed_step_moved_away_and_linked_back_is_left_alone_and_named(
     os.rename(_step_dir(local, 1), moved)
     os.symlink(moved, _step_dir(local, 1))
     before = _tree(moved)
-    with _manager(via, local, keep_last=1) as mgr, caplog.at_level(logging.WARNING):
+    with (
+        _manager(via, local, retention=RetentionPolicy(keep_last=1)) as mgr,
+        caplog.at_level(logging.WARNING),
+    ):
         assert mgr.local_steps() == [2]
         mgr.save(3, _state(3)).wait_durable(60)
         mgr.wait_until_finished()
@@ -97,7 +106,7 @@ def test_the_sweep_and_retention_delete_only_objckpt_files(via: StoreTarget, tmp
     """A file objckpt never writes, left in an uncommitted step directory and in a
     committed one, survives the sweep and retention; objckpt's own files go."""
     local = str(tmp_path / "nvme")
-    with _manager(via, local, keep_last=1) as mgr:
+    with _manager(via, local, retention=RetentionPolicy(keep_last=1)) as mgr:
         mgr.save(1, _state(1)).wait_durable(60)
         mgr.wait_until_finished()
     stray = os.path.join(_step_dir(local, 7), "__0_0.0123456789abcdef.distcp")
@@ -107,7 +116,7 @@ def test_the_sweep_and_retention_delete_only_objckpt_files(via: StoreTarget, tmp
             f.write(b"x" * 10)
     with open(os.path.join(_step_dir(local, 1), "keep.txt"), "wb") as f:
         f.write(b"y" * 10)
-    with _manager(via, local, keep_last=1) as mgr:
+    with _manager(via, local, retention=RetentionPolicy(keep_last=1)) as mgr:
         assert os.listdir(_step_dir(local, 7)) == ["keep.txt"]  # the sweep
         mgr.save(2, _state(2)).wait_durable(60)
         mgr.wait_until_finished()

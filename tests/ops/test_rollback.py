@@ -49,7 +49,7 @@ def test_discard_after_on_the_local_tier_and_a_copy_backup(
             retention=RetentionPolicy(keep_last=2, keep_every=10),
             backups=[backup],
             async_options=AsyncOptions(workers=1),
-            local=LocalTier(local, keep_last=3),
+            local=LocalTier(local, retention=RetentionPolicy(keep_last=3)),
         )
 
     with manager() as mgr:

@@ -112,8 +112,8 @@ def test_errors_before_upload_are_raised_by_save(target: StoreTarget) -> None:
 def test_options_are_validated() -> None:
     with pytest.raises(ConfigurationError, match="option workers="):
         AsyncOptions(workers=0)
-    with pytest.raises(ConfigurationError, match="option max_in_flight="):
-        AsyncOptions(max_in_flight=0)
+    with pytest.raises(ConfigurationError, match="option max_saves_in_flight="):
+        AsyncOptions(max_saves_in_flight=0)
     for bad in (0, -5, 1.5, True, "1GiB"):
         with pytest.raises(ConfigurationError, match="option staging_budget="):
             AsyncOptions(staging_budget=bad)  # type: ignore[arg-type]
@@ -189,9 +189,9 @@ def test_killed_worker_fails_the_save_and_the_next_save_works(
     assert torch.equal(got["w"], small["w"])
 
 
-def test_max_in_flight_bounds_concurrent_saves(tmp_path) -> None:
+def test_max_saves_in_flight_bounds_concurrent_saves(tmp_path) -> None:
     target = StoreTarget(root=f"file://{tmp_path}", storage_options={})
-    with AsyncCheckpointer(async_options=AsyncOptions(max_in_flight=1)) as ckpt:
+    with AsyncCheckpointer(async_options=AsyncOptions(max_saves_in_flight=1)) as ckpt:
         handles = [
             ckpt.save({"w": torch.full((MiB,), float(i))}, target.url(f"s{i}")) for i in range(3)
         ]
@@ -308,7 +308,7 @@ def test_two_threads_saving_at_once_both_commit_their_own_values(target: StoreTa
     states = [sample_state(seed=s) for s in (1, 2)]
     start = threading.Barrier(2)
     handles: dict[int, object] = {}
-    opts = AsyncOptions(max_in_flight=2)
+    opts = AsyncOptions(max_saves_in_flight=2)
     with AsyncCheckpointer(storage_options=target.storage_options, async_options=opts) as ckpt:
 
         def run(n: int) -> None:
@@ -336,7 +336,7 @@ def test_a_save_that_waited_for_the_previous_one_says_how_long(
     from objckpt.testing import Rule
 
     s3_proxy.add(Rule("PutObject", key_contains=".distcp", nth=1, action="stall", stall=2.0))
-    opts = AsyncOptions(max_in_flight=1)
+    opts = AsyncOptions(max_saves_in_flight=1)
     with AsyncCheckpointer(storage_options=s3_proxy.storage_options(), async_options=opts) as ckpt:
         first = ckpt.save({"w": torch.ones(8)}, s3_bucket.url("first"))
         second = ckpt.save({"w": torch.ones(8)}, s3_bucket.url("second"))
@@ -349,10 +349,10 @@ def test_a_save_that_waited_for_the_previous_one_says_how_long(
 def test_upload_workers_share_the_ranks_request_budget(
     s3_bucket: StoreTarget, s3_proxy: FaultProxy
 ) -> None:
-    """UploadOptions.max_in_flight bounds a rank's parts in flight (and so its part
-    buffers) across all its workers: 2 workers with max_in_flight=2 have at most two
+    """UploadOptions.max_parts_in_flight bounds a rank's parts in flight (and so its part
+    buffers) across all its workers: 2 workers with max_parts_in_flight=2 have at most two
     UploadParts open at the server, not two each."""
-    upload = UploadOptions(part_size=5 * MiB, object_size=8 * MiB, max_in_flight=2)
+    upload = UploadOptions(part_size=5 * MiB, object_size=8 * MiB, max_parts_in_flight=2)
     # Four 12 MiB tensors: four objects of three parts, two workers busy at once.
     state = {f"t{i}": torch.randn(3 * MiB) for i in range(4)}
     s3_proxy.add(Rule(operation="UploadPart", action="stall", stall=0.3))

@@ -43,15 +43,17 @@ class _Gate:
 @pytest.fixture
 def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Gate]:
     g = _Gate()
-    real = HostCopier.copy
+    # Both ways into staging: a copy, and a foreground copy by a reused piece table.
+    for name in ("copy", "copy_reusing"):
+        real = getattr(HostCopier, name)
 
-    def gated(self: HostCopier, *args: Any) -> None:
-        g.threads.append(threading.current_thread().name)
-        if threading.current_thread() is not threading.main_thread():
-            assert g.open.wait(60), "the test never opened the gate"
-        real(self, *args)
+        def gated(self: HostCopier, *args: Any, real: Any = real) -> Any:
+            g.threads.append(threading.current_thread().name)
+            if threading.current_thread() is not threading.main_thread():
+                assert g.open.wait(60), "the test never opened the gate"
+            return real(self, *args)
 
-    monkeypatch.setattr(HostCopier, "copy", gated)
+        monkeypatch.setattr(HostCopier, name, gated)
     yield g
     g.open.set()
 

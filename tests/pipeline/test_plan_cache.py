@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import assert_state_equal, empty_like_state
-from helpers import load
+from helpers import count_table_builds, load
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from objckpt import AsyncCheckpointer, ReadOptions
@@ -193,3 +193,45 @@ def test_a_queueing_error_after_save_returned_fails_the_save_and_commits_nothing
             ckpt.check_for_errors()
     assert (tmp_path / "root" / "miss" / MANIFEST_KEY).exists()
     assert not (tmp_path / "root" / "hit" / MANIFEST_KEY).exists()
+
+
+def _snapshot(state: dict[str, Any]) -> dict[str, Any]:
+    return {
+        **state,
+        "model": {k: v.clone() for k, v in state["model"].items()},
+        "optim": {**state["optim"], "moments": [m.clone() for m in state["optim"]["moments"]]},
+    }
+
+
+def _save_then_change(ckpt: AsyncCheckpointer, state: dict[str, Any], url: str, target) -> None:
+    """Save ``state``, change its tensors in place once ``save()`` returned, and check
+    that the checkpoint holds the values of the call."""
+    expected = _snapshot(state)
+    handle = ckpt.save(state, url)
+    state["model"]["w"].add_(100)
+    state["optim"]["moments"][1].zero_()
+    handle.result(timeout=120)
+    got = empty_like_state(expected)
+    load(got, url, target)
+    assert_state_equal(got, expected)
+
+
+def test_a_hit_after_tensors_moved_saves_the_new_tensors_not_the_old_memory(
+    target: StoreTarget, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hit reuses the staging set and its piece table; tensors that kept their
+    layout but not their memory (a rebound ``.data``, a replaced optimizer state) are
+    copied from where they are now, and changes after ``save()`` returned are never
+    saved, whether the table was reused or rebuilt."""
+
+    built = count_table_builds(monkeypatch)
+    with AsyncCheckpointer() as ckpt:
+        state = _state(1)
+        _save_then_change(ckpt, state, target.url("s1"), target)
+        _save_then_change(ckpt, state, target.url("s2"), target)  # the same tensors
+        assert len(built) == 1  # copied by the first save's table
+        state["model"]["w"].data = torch.full((4, 8), 30.0)
+        state["optim"]["moments"][1] = torch.full((2,), 31.0)
+        _save_then_change(ckpt, state, target.url("s3"), target)
+        assert len(built) == 2  # the moved tensors were seen
+        assert ckpt.plan_cache_stats == PlanCacheStats(hits=2, misses=1)

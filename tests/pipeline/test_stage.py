@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import pytest
 import torch
+from helpers import count_table_builds
 
 from objckpt.pipeline.stage import Stager
 
@@ -79,3 +81,57 @@ def test_a_view_kept_past_close_stays_readable_and_the_segment_name_goes() -> No
     assert out.returncode == 0, out.stderr[-2000:]
     expected = float(torch.arange(1 << 20, dtype=torch.float32).sum())
     assert out.stdout.split() == ["False", str(expected), str(float((1 << 20) - 1))]
+
+
+def _rebound(s: dict[str, torch.Tensor]) -> None:
+    s["w"] = torch.full((64, 64), 7.0)  # same layout, other memory
+
+
+def _data_rebound(s: dict[str, torch.Tensor]) -> None:
+    s["w"].data = torch.full((64, 64), 8.0)  # the same object, other memory
+
+
+def _transposed(s: dict[str, torch.Tensor]) -> None:
+    s["w"] = s["w"].t()  # same shape, dtype and address; not dense in order
+
+
+def _conjugated(s: dict[str, torch.Tensor]) -> None:
+    s["z"] = s["z"].conj()  # same address and dtype; the bytes are not the values
+
+
+def _negated(s: dict[str, torch.Tensor]) -> None:
+    s["n"] = torch._neg_view(s["n"])  # same address and dtype; the values are -bytes
+
+
+def _state_for_table() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return {  # every pair raw, so the copy keeps a piece table
+        "w": torch.randn(64, 64, generator=g),
+        "z": torch.randn(32, dtype=torch.complex64, generator=g),
+        "n": torch.randn(32, generator=g),
+        "b": torch.arange(100),
+    }
+
+
+@pytest.mark.parametrize("change", [_rebound, _data_rebound, _transposed, _conjugated, _negated])
+def test_a_reused_staging_set_copies_what_the_tensors_hold_now(
+    change: Callable[[dict[str, torch.Tensor]], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The piece table a staging set keeps is found by the layout, which does not see
+    where the bytes are or whether they are the values: every save checks again,
+    and a change the layout misses rebuilds the table."""
+    built = count_table_builds(monkeypatch)
+    stager = Stager(max_cached_sets=1)
+    state = _state_for_table()
+    for _ in range(2):
+        staged = stager.stage(state)
+        assert all(torch.equal(staged.state[k], state[k]) for k in state)
+        stager.release(staged)
+    assert len(built) == 1  # the second save copied by the first one's table
+    change(state)
+    staged = stager.stage(state)
+    assert len(built) == 2  # the change was seen
+    for k, v in state.items():
+        assert torch.equal(staged.state[k], v.resolve_conj().resolve_neg()), k
+    stager.release(staged)
+    stager.close()

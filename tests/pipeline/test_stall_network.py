@@ -101,7 +101,7 @@ def _returns_while_held(proxy: FaultProxy, call: Callable[[], Any]) -> tuple[Any
 def test_a_managers_later_saves_make_no_request_before_save_returns(
     s3_proxy: FaultProxy, s3_bucket: StoreTarget
 ) -> None:
-    opts = AsyncOptions(workers=1, max_in_flight=2)
+    opts = AsyncOptions(workers=1, max_saves_in_flight=2)
     root = s3_bucket.url("run")
     with CheckpointManager(
         root, storage_options=s3_proxy.storage_options(), async_options=opts

@@ -195,5 +195,5 @@ def test_a_worker_keeps_one_store_per_location_over_one_filesystem(
     assert (first.location.url, second.location.url) == (here.url, there.url)
     assert first.fs is second.fs  # one client, one connection pool
     assert worker_store(here, opts) is first
-    other = worker_store(here, UploadOptions(max_in_flight=3))
+    other = worker_store(here, UploadOptions(max_parts_in_flight=3))
     assert other.fs is not first.fs  # other options: a filesystem of their own

@@ -165,7 +165,7 @@ def test_a_large_object_is_staged_blocks_and_visible_only_once_committed(
     target, proxy = via
     proxy.add(Rule("PutBlock", action="hold", before_upstream=False, stall=120))
     location = Location.parse(target.url("big"), target.storage_options)
-    store = open_store(location, UploadOptions(part_size=5 * MiB, max_in_flight=4))
+    store = open_store(location, UploadOptions(part_size=5 * MiB, max_parts_in_flight=4))
     data = torch.randn(4 * MiB, generator=torch.Generator().manual_seed(9)).numpy().tobytes()
     try:
         upload = store.begin("big.bin", len(data))

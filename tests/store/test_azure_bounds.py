@@ -20,7 +20,7 @@ import pytest
 import torch
 from helpers import carried, save
 
-from objckpt import CheckpointManager, Location, RetryPolicy
+from objckpt import CheckpointManager, Location, RetryPolicy, UploadOptions
 from objckpt.errors import StoreRefusedError, StoreUnreachableError
 from objckpt.testing import Azurite, FaultProxy, Rule
 from objckpt.testing.azure_operations import azure_operation
@@ -88,7 +88,13 @@ def test_a_save_preflight_against_a_stopped_azurite_fails_within_preflight_timeo
     own_azurite.stop()
     slow = RetryPolicy(base_delay=0.5, max_delay=2.0, give_up_after=None, request_deadline=None)
     with pytest.raises(BaseException) as info:
-        save(_state(1), target.url("x"), target, preflight_timeout=3, retry=slow)
+        save(
+            _state(1),
+            target.url("x"),
+            target,
+            upload=UploadOptions(preflight_timeout=3),
+            retry=slow,
+        )
     err = carried(info.value)
     assert isinstance(err, StoreUnreachableError), repr(err)
     assert "preflight_timeout" in str(err) and "attempts" in str(err), str(err)
@@ -129,7 +135,13 @@ def test_an_azurite_answering_500_fails_naming_the_answer(
             root=az_container.root, storage_options=options, bucket=az_container.bucket
         )
         with pytest.raises(BaseException) as info:
-            save(_state(1), target.url("refused"), target, preflight_timeout=20, retry=SHORT)
+            save(
+                _state(1),
+                target.url("refused"),
+                target,
+                upload=UploadOptions(preflight_timeout=20),
+                retry=SHORT,
+            )
     err = carried(info.value)
     assert isinstance(err, StoreRefusedError), repr(err)
     assert "HTTP 500" in str(err), str(err)

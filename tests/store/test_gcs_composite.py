@@ -28,7 +28,7 @@ def gcs(request: pytest.FixtureRequest) -> StoreTarget:
 def _store(target: StoreTarget, name: str) -> GcsStore:
     store = open_store(
         Location.parse(target.url(name), target.storage_options),
-        UploadOptions(part_size=PART, max_in_flight=4),
+        UploadOptions(part_size=PART, max_parts_in_flight=4),
     )
     assert isinstance(store, GcsStore)
     return store

@@ -90,7 +90,7 @@ def test_a_store_that_answers_503_to_everything_is_said_to_have_answered(
     and the error says the store answered 503 (it was "no answer within 30 s")."""
     s3_proxy.add(Rule(status=503))
     with pytest.raises(BaseException) as info:
-        save(_state(3, mib=1), via.url("slowdown"), via, preflight_timeout=5)
+        save(_state(3, mib=1), via.url("slowdown"), via, upload=UploadOptions(preflight_timeout=5))
     err = carried(info.value)
     message = str(err)
     assert isinstance(err, StoreRefusedError), repr(err)

@@ -158,7 +158,7 @@ def test_an_async_save_commits_through_an_outage(
         with objckpt.AsyncCheckpointer(
             storage_options=relay.storage_options(),
             retry=BRIEF,
-            upload=UploadOptions(max_in_flight=4, deadline=120),
+            upload=UploadOptions(max_parts_in_flight=4, deadline=120),
         ) as ckpt:
             ckpt.save(counting_state(), s3_bucket.url("ckpt"), no_dist=True).result(timeout=300)
 

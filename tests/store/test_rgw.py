@@ -34,7 +34,7 @@ from botocore.config import Config
 from click.testing import CliRunner, Result
 from conftest import assert_state_equal, empty_like_state
 from crafted import _CHILD, CRAFTED, N, _Ckpt, _outside, _saved
-from helpers import carried, cli_env, load, save
+from helpers import carried, cli_env, load, s3_client, save
 from reuse_helpers import lora_state, train_step
 from states import stepped_state
 
@@ -64,7 +64,7 @@ from objckpt.writers.s3 import S3Store
 from objckpt.writers.s3_settle import landed
 
 MiB = 1 << 20
-PARTS = UploadOptions(part_size=5 * MiB, max_in_flight=8)
+PARTS = UploadOptions(part_size=5 * MiB, max_parts_in_flight=8)
 
 
 @pytest.fixture
@@ -355,13 +355,7 @@ def test_an_upload_ended_behind_objckpts_back_fails_naming_it_without_a_gc_warni
     fails naming the object. The abort that follows meets NoSuchUpload: nothing is
     left, so no warning that ``objckpt gc`` will clean up."""
     opts = s3_target.storage_options
-    client = boto3.client(
-        "s3",
-        endpoint_url=opts["endpoint_url"],
-        aws_access_key_id=opts["key"],
-        aws_secret_access_key=opts["secret"],
-        region_name="us-east-1",
-    )
+    client = s3_client(opts)
     with FaultProxy(opts["endpoint_url"]) as proxy:
         location = Location.parse(
             s3_target.url("c"), proxy.storage_options(), RetryPolicy(attempts=2)
@@ -507,7 +501,9 @@ def test_a_local_tier_promotes_every_second_step_to_rgw(
 ) -> None:
     root = rgw_bucket.url("run")
     opts = rgw_bucket.storage_options
-    tier = LocalTier(str(tmp_path / "nvme"), keep_last=2, promote_every=2)
+    tier = LocalTier(
+        str(tmp_path / "nvme"), retention=RetentionPolicy(keep_last=2), promote_every=2
+    )
     with CheckpointManager(
         root, storage_options=opts, local=tier, async_options=AsyncOptions(workers=1)
     ) as mgr:

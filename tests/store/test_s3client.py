@@ -39,6 +39,11 @@ def test_the_s3fs_internals_the_subclass_overrides_are_there() -> None:
         inspect.Parameter.VAR_KEYWORD,
     }
     assert isinstance(S3FileSystem.retries, int)
+    # _exists (a bucket's existence under requester-pays) and the sync exists that
+    # s3fs defines on its class (replaced beside it).
+    assert inspect.iscoroutinefunction(S3FileSystem._exists)
+    assert "exists" in vars(S3FileSystem)
+    assert "requester_pays" in inspect.signature(S3FileSystem.__init__).parameters
 
 
 def test_open_fs_builds_the_subclass_and_leaves_s3fs_alone(s3_bucket: StoreTarget) -> None:

@@ -71,6 +71,8 @@ REPLICATION_CELLS = [
     ("replication-raises", 1),
     ("peer-disk-full", 3),
     ("index-write-fails", 3),
+    ("replica-bit-flipped", 3),
+    ("replicas-dir-a-link", 2),
 ]
 #: Cells whose fault must not fail the operation (the save committed; the load
 #: fell back to the backup on every rank; the step stayed committed locally).
@@ -80,6 +82,8 @@ SUCCEEDS = {
     "replication-raises",
     "peer-disk-full",
     "index-write-fails",
+    "replica-bit-flipped",
+    "replicas-dir-a-link",
 }
 DEADLINE = 20.0
 BARRIER = 15.0
@@ -406,6 +410,32 @@ def manager_column(
         dist.destroy_process_group()
 
 
+def _flipping(write: Callable[..., Any]) -> Callable[..., Any]:
+    def flipped(self: Any, i: int, data: memoryview) -> None:
+        changed = bytearray(data)
+        changed[0] ^= 1
+        write(self, i, memoryview(changed))
+
+    return flipped
+
+
+@contextlib.contextmanager
+def _replicas_linked(node: str) -> Iterator[None]:
+    """``<node>/replicas`` replaced by a link to a directory outside the tier (set up
+    before this rank's save, so before any exchange of the step); put back after."""
+    replicas, outside = os.path.join(node, "replicas"), node + "-outside"
+    os.makedirs(outside, exist_ok=True)
+    kept = replicas + ".kept"
+    os.rename(replicas, kept)
+    os.symlink(outside, replicas)
+    try:
+        yield
+    finally:
+        os.unlink(replicas)
+        os.rename(kept, replicas)
+        assert not os.listdir(outside), os.listdir(outside)  # nothing written through
+
+
 def replication_column(
     rank: int, world: int, init_file: str, root: str, options: dict[str, Any], out: str
 ) -> None:
@@ -416,13 +446,18 @@ def replication_column(
     naming the failing rank; the next save replicates."""
     from lost_node_ranks import _full_under
 
+    from objckpt.ops.peers import _Incoming
     from objckpt.ops.replication import PeerReplicator
 
     os.environ.update(GROUP_RANK=str(rank // 2), LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2")
     init_ranks(rank, world, init_file)
     opts = objckpt.AsyncOptions(workers=1, barrier_timeout=BARRIER)
     tier = objckpt.LocalTier(
-        os.path.join(out, "tier", f"node{rank // 2}"), keep_last=2, promote_every=100, replicas=2
+        os.path.join(out, "tier", f"node{rank // 2}"),
+        retention=objckpt.RetentionPolicy(keep_last=2),
+        promote_every=100,
+        replicas=2,
+        replication_timeout=BARRIER,
     )
     faults = {
         "replication-raises": lambda: _patched(
@@ -431,6 +466,11 @@ def replication_column(
         # Through open and through the node store's files (how replicas are received).
         "peer-disk-full": lambda: _full_under("/replicas/"),
         "index-write-fails": lambda: _full_under("/.__index_"),
+        # One bit of what rank 3 receives flips on the way: its CRC32C against the
+        # manifest's value refuses it.
+        "replica-bit-flipped": lambda: _patched(_Incoming, "write", _flipping(_Incoming.write)),
+        # Node 1's replicas directory is a link out of the tier: never written through.
+        "replicas-dir-a-link": lambda: _replicas_linked(os.path.join(out, "tier", "node1")),
     }
     try:
         with objckpt.CheckpointManager(

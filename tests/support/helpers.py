@@ -68,3 +68,33 @@ def cli_env(moto_server: Any) -> dict[str, str]:
         "AWS_SECRET_ACCESS_KEY": TEST_SECRET,
         "AWS_DEFAULT_REGION": "us-east-1",
     }
+
+
+def s3_client(opts: Any) -> Any:
+    """A boto3 client for the S3 server of the storage options ``opts`` (endpoint
+    and credentials): for what a test sets up or breaks by hand, never for what
+    objckpt does."""
+    import boto3
+
+    return boto3.client(
+        "s3",
+        endpoint_url=opts["endpoint_url"],
+        aws_access_key_id=opts["key"],
+        aws_secret_access_key=opts["secret"],
+        region_name="us-east-1",
+    )
+
+
+def count_table_builds(monkeypatch: Any) -> list[int]:
+    """A list that grows by one each time the host copier builds a piece table."""
+    from objckpt.pipeline import host_copy
+
+    built: list[int] = []
+    real = host_copy._pieces
+
+    def counting(*args: Any) -> Any:
+        built.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(host_copy, "_pieces", counting)
+    return built

@@ -26,7 +26,7 @@ def state(step: int, tensors: int) -> dict:
 
 def main() -> None:
     root, options, tensors = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
-    upload = UploadOptions(part_size=5 * MiB, object_size=8 * MiB, max_in_flight=1)
+    upload = UploadOptions(part_size=5 * MiB, object_size=8 * MiB, max_parts_in_flight=1)
     mgr = CheckpointManager(root, storage_options=options, upload=upload)
     mgr.save(1, state(1, 1)).result(timeout=120)
     print("committed", flush=True)

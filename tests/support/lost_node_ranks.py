@@ -35,16 +35,24 @@ def _join(rank: int, world: int, init_file: str, per_node: int) -> Any:
     return init_ranks(rank, world, init_file)
 
 
+def _tier_dir(rank: int, o: dict[str, Any]) -> str:
+    """``<local>/node<GROUP_RANK>``, shared by the node's ranks; with
+    ``o["own_dirs"]`` each rank of the node has its own, ``.../r<LOCAL_RANK>``."""
+    node = os.path.join(o["local"], f"node{rank // o['per_node']}")
+    return os.path.join(node, f"r{rank % o['per_node']}") if o.get("own_dirs") else node
+
+
 def _manager(rank: int, url: str, o: dict[str, Any]) -> objckpt.CheckpointManager:
     return objckpt.CheckpointManager(
         url,
         storage_options=o["storage"],
         async_options=objckpt.AsyncOptions(workers=1, barrier_timeout=o.get("timeout", 60)),
         local=objckpt.LocalTier(
-            os.path.join(o["local"], f"node{rank // o['per_node']}"),
-            keep_last=o.get("keep_last", 3),
+            _tier_dir(rank, o),
+            retention=objckpt.RetentionPolicy(keep_last=o.get("keep_last", 3)),
             promote_every=100,  # only what the test promotes
             replicas=o.get("replicas", 2),
+            replication_timeout=o.get("timeout", 60),
         ),
     )
 
@@ -294,3 +302,54 @@ def restart_with_a_failing_sender(
     if rank // o["per_node"] == 0:
         peers.open = failing  # type: ignore[attr-defined]
     restart_and_load(rank, world, init_file, url, o)
+
+
+def restart_counting_listings(
+    rank: int, world: int, init_file: str, url: str, o: dict[str, Any]
+) -> None:
+    """``restart_and_load``, each rank writing how many times it listed its node's
+    tier for the restore's decision to ``<local>/listings<rank>``."""
+    from objckpt.ops import restore
+
+    real = restore.list_holdings
+    calls = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    with mock.patch.object(restore, "list_holdings", counted):
+        restart_and_load(rank, world, init_file, url, o)
+    with open(os.path.join(o["local"], f"listings{rank}"), "w") as f:
+        f.write(str(len(calls)))
+
+
+def restart_with_a_lost_listing(
+    rank: int, world: int, init_file: str, url: str, o: dict[str, Any]
+) -> None:
+    """``restart_and_load`` while rank 2 (node 1's lister) cannot post its tier
+    listing to the group's c10d store: rank 0 finds it missing at once, node 1 counts
+    as unable to list, and every rank goes on to the same load."""
+    from objckpt.ops import restore
+
+    real = restore.group_store
+
+    class Refusing:
+        def __init__(self, store: Any) -> None:
+            self._store = store
+
+        def set(self, key: str, value: Any) -> None:
+            if "/listing/" in key:
+                raise RuntimeError("the c10d store refused the listing (injected)")
+            self._store.set(key, value)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._store, name)
+
+    def refusing(group: Any) -> Any:
+        return Refusing(real(group))
+
+    with contextlib.ExitStack() as stack:
+        if rank == 2:
+            stack.enter_context(mock.patch.object(restore, "group_store", refusing))
+        restart_and_load(rank, world, init_file, url, o)

@@ -81,14 +81,20 @@ def loads(
     record["again"] = _load(reader, checkpoint_id=url)
 
     # 3. broadcast=False: every rank reads the manifest itself.
-    record["each"] = _load(objckpt.ObjectStoreReader(url, storage_options=options, broadcast=False))
+    record["each"] = _load(
+        objckpt.ObjectStoreReader(
+            url, storage_options=options, read=objckpt.ReadOptions(broadcast=False)
+        )
+    )
 
     # 4. Not committed (payload, no manifest): the same error on every rank.
     bare = f"{root}/bare"
     dcp.save(state(rank), storage_writer=objckpt.ObjectStoreWriter(bare, storage_options=options))
     dist.barrier()
     if rank == 0:
-        fs = objckpt.ObjectStoreReader(bare, storage_options=options, broadcast=False).fs
+        fs = objckpt.ObjectStoreReader(
+            bare, storage_options=options, read=objckpt.ReadOptions(broadcast=False)
+        ).fs
         fs.rm(fs._strip_protocol(f"{bare}/manifest.json"))
     dist.barrier()
     try:
@@ -100,7 +106,9 @@ def loads(
     # 5. One rank loads alone (no_dist) while the other waits on the store: with
     #    broadcast=False nothing waits for the other rank.
     def alone() -> None:
-        reader = objckpt.ObjectStoreReader(url, storage_options=options, broadcast=False)
+        reader = objckpt.ObjectStoreReader(
+            url, storage_options=options, read=objckpt.ReadOptions(broadcast=False)
+        )
         record["alone"] = _load(reader, no_dist=True)
 
     _while_the_other_waits(rank, 0, "alone-done", store, alone)

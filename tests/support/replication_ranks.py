@@ -32,14 +32,16 @@ def _manager(rank: int, url: str, o: dict[str, Any]) -> objckpt.CheckpointManage
         url,
         storage_options=o.get("storage"),
         async_options=objckpt.AsyncOptions(
-            workers=1, barrier_timeout=o.get("timeout", 60), max_in_flight=o.get("in_flight", 1)
+            workers=1,
+            barrier_timeout=o.get("timeout", 60),
+            max_saves_in_flight=o.get("in_flight", 1),
         ),
         local=objckpt.LocalTier(
             os.path.join(o["local"], f"node{rank // o['per_node']}"),
-            keep_last=o.get("keep_last", 3),
+            retention=objckpt.RetentionPolicy(keep_last=o.get("keep_last", 3)),
             promote_every=100,  # nothing is promoted: every step is local only
             replicas=o.get("replicas", 2),
-            replication_timeout=o.get("replication_timeout"),
+            replication_timeout=o.get("replication_timeout", o.get("timeout", 60)),
         ),
     )
 
@@ -87,7 +89,7 @@ def index_write_fails_on_one_rank(
 def commits_end_out_of_order(
     rank: int, world: int, init_file: str, url: str, o: dict[str, Any]
 ) -> None:
-    """``max_in_flight=2``: rank 3's step-1 local commit ends only after its step-2
+    """``max_saves_in_flight=2``: rank 3's step-1 local commit ends only after its step-2
     one did (its step-1 index write waits for step 2's handle). Both steps are
     replicated on every rank, each step's files under its own name."""
     mesh = _join(rank, world, init_file, o["per_node"])
@@ -119,7 +121,7 @@ def slow_receiver_many_saves(
     rank: int, world: int, init_file: str, url: str, o: dict[str, Any]
 ) -> None:
     """``keep_last=1``; rank 1 receives step 1 slowly (its first write waits until
-    all 8 saves have committed locally). Meanwhile at most ``max_in_flight`` steps
+    all 8 saves have committed locally). Meanwhile at most ``max_saves_in_flight`` steps
     wait to replicate, so the disk holds few steps; the steps beyond that are
     reported not replicated at once, alike on every rank; once the receiver goes
     on and the manager is finished, only the newest step is left on every node."""
@@ -249,5 +251,38 @@ def save_local_three_replicas(
             mgr.wait_until_finished()
             status = mgr.tier_status()
             assert status.replicas == 3 and status.replicated_latest == 2, (rank, status)
+    finally:
+        dist.destroy_process_group()
+
+
+def slow_pair_within_the_bound(
+    rank: int, world: int, init_file: str, url: str, o: dict[str, Any]
+) -> None:
+    """Rank 3 receives step 1 slowly: its first chunk lands ``barrier_timeout`` + 1 s
+    late (the injected fault is the delay itself), well inside the step's bound
+    (``replication_timeout``). Before, each message had ``barrier_timeout`` and the
+    other ranks gave up in the agreement after it, turning replication off for the
+    job. Now every rank waits for the slow pair within the bound: steps 1 and 2 are
+    replicated on every rank and replication stays on."""
+    mesh = _join(rank, world, init_file, o["per_node"])
+    real_write = _Incoming.write
+    late = threading.Event()  # set after the first wait: only the first chunk is late
+
+    def slow(self: Any, i: int, data: memoryview) -> None:
+        if not late.is_set():
+            late.wait(o["timeout"] + 1)
+            late.set()
+        real_write(self, i, data)
+
+    try:
+        with _manager(rank, url, o) as mgr:
+            stall = mock.patch.object(_Incoming, "write", slow)
+            with stall if rank == 3 else contextlib.nullcontext():
+                one = mgr.save(1, tiered_state(mesh, 1))
+                first = one.wait_replicated()
+            two = mgr.save(2, tiered_state(mesh, 2))
+            second = two.wait_replicated()
+            mgr.wait_until_finished()
+            _write_outcome(o, rank, {"replicated": [first, second], **_status(mgr)})
     finally:
         dist.destroy_process_group()

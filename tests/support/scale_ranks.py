@@ -120,7 +120,9 @@ def measure(rank: int, world: int, init_file: str, url: str, options: dict[str, 
                 reader = objckpt.ObjectStoreReader(
                     f"{url}/dcp",
                     storage_options=opts,
-                    broadcast=True if path.endswith("broadcast") else None,
+                    read=objckpt.ReadOptions(
+                        broadcast=True if path.endswith("broadcast") else None
+                    ),
                 )
                 dcp.load(state, storage_reader=reader)
                 _check(state, world, rank, path)

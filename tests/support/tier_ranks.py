@@ -32,7 +32,11 @@ def _manager(rank: int, world: int, url: str, options: dict[str, Any]) -> objckp
         url,
         storage_options=options["storage"],
         async_options=objckpt.AsyncOptions(workers=1, barrier_timeout=120),
-        local=objckpt.LocalTier(_node(options, rank, world), keep_last=3, promote_every=2),
+        local=objckpt.LocalTier(
+            _node(options, rank, world),
+            retention=objckpt.RetentionPolicy(keep_last=3),
+            promote_every=2,
+        ),
     )
 
 
