@@ -41,10 +41,10 @@ from record import write_record
 
 import objckpt
 from objckpt.format.reused import item_digest
-from objckpt.format.steps import inventory
 from objckpt.testing import FaultProxy
 from objckpt.testing import lora as testing_lora
 from objckpt.testing.servers import offline_env, start_moto_server
+from objckpt.writers import open_store
 
 log = logging.getLogger("bench")
 MiB = 1024 * 1024
@@ -80,7 +80,7 @@ def hash_seconds_per_gib(mib: int = 256, repeats: int = 5) -> float:
 
 def _stored_bytes(root: str, options: dict[str, Any]) -> int:
     loc = objckpt.Location.parse(root, options)
-    return sum(o.size for o in inventory(loc.open_fs(fresh=True), loc))
+    return sum(o.size for o in open_store(loc).inventory())
 
 
 def run(

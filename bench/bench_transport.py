@@ -184,7 +184,7 @@ def run(size_mib: int, repeats: int, with_obstore: bool = True) -> dict[str, Any
         path = store.path("obj")
 
         def s3fs_get() -> None:
-            blobs = store.fs.cat_ranges([path] * len(starts), starts, ends)
+            blobs = store._fs.cat_ranges([path] * len(starts), starts, ends)
             assert sum(len(b) for b in blobs) == len(data)
 
         def obstore_get() -> None:

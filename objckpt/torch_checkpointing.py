@@ -62,12 +62,11 @@ from objckpt.errors import (
 from objckpt.format.commit import commit_manifest
 from objckpt.format.layout import MANIFEST_KEY, new_attempt_id
 from objckpt.format.manifest import Manifest, ObjectEntry, read_manifest
-from objckpt.format.steps import inventory
 from objckpt.options import UploadOptions
 from objckpt.writers import ObjectStore, open_store
 from objckpt.writers.checksum import Crc32c
 from objckpt.writers.location import Location
-from objckpt.writers.retry import RetryPolicy, retry_call
+from objckpt.writers.retry import RetryPolicy
 
 __all__ = ["ObjckptStorage", "ObjckptStorageConfig"]
 
@@ -180,7 +179,7 @@ class ObjckptStorage(Storage):
 
     def _checkpoint_store(self, checkpoint: str) -> ObjectStore:
         """A store at one checkpoint's directory, sharing the root store's client."""
-        return open_store(self._root.child(checkpoint), self._config.upload, fs=self._store.fs)
+        return self._store.child(checkpoint)
 
     def remap_path(self, path: Path) -> str:
         rel = self._relative(path)
@@ -206,7 +205,7 @@ class ObjckptStorage(Storage):
         """Size by path of each file staged for ``checkpoint`` (records not included)."""
         return {
             o.key: o.size
-            for o in inventory(self._store.fs, self._root.child(checkpoint))
+            for o in self._store.child(checkpoint).inventory()
             if o.key != MANIFEST_KEY and not o.key.startswith(SUMS_DIR + "/")
         }
 
@@ -366,7 +365,7 @@ class ObjckptStorage(Storage):
     def _records(self, store: ObjectStore) -> dict[str, ObjectEntry]:
         keys = [
             o.key
-            for o in inventory(store.fs, store.location)
+            for o in store.inventory()
             if o.key.startswith(SUMS_DIR + "/") and o.key.endswith(".json")
         ]
         if not keys:
@@ -405,7 +404,7 @@ class ObjckptStorage(Storage):
                 raise FileNotFoundError(f"{self.remap_path(path)} does not exist")
             store.delete(MANIFEST_KEY)  # gone for every reader before any file goes
             self._manifests.pop(name.checkpoint, None)
-        keys = [o.key for o in inventory(store.fs, store.location)]
+        keys = [o.key for o in store.inventory()]
         uploads = store.open_uploads()
         if name.staging and not keys and not uploads:
             raise FileNotFoundError(f"{self.remap_path(path)} does not exist")
@@ -488,11 +487,9 @@ class ObjckptStorage(Storage):
 
     def _read_range(self, key: str, start: int, end: int) -> bytes:
         return bytes(
-            retry_call(
+            self._store.retrying(
                 lambda: self._store.read_range(key, start, end),
-                self._root.retry,
                 f"reading {self._root.url_of(key)}",
-                self._store.fs,
             )
         )
 

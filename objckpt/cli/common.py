@@ -21,7 +21,6 @@ import contextlib
 import dataclasses
 import difflib
 import functools
-import inspect
 import json
 import logging
 import sys
@@ -38,7 +37,7 @@ from objckpt.errors import (
     ConfigurationError,
     ObjckptError,
 )
-from objckpt.writers.location import Location
+from objckpt.writers.location import Location, backend_options
 from objckpt.writers.retry import RetryPolicy
 from objckpt.writers.translate import describe
 
@@ -51,7 +50,6 @@ __all__ = [
     "WAIT_NOTICE_AFTER",
     "CommandContext",
     "WaitNotice",
-    "backend_options",
     "check_option_names",
     "committed_manifest",
     "errors_to_exit_codes",
@@ -121,54 +119,6 @@ def parse_options(pairs: tuple[str, ...]) -> dict[str, Any]:
                 param_hint=_OPTION,
             )
     return out
-
-
-# fsspec's own constructor options, which every filesystem accepts.
-_FSSPEC_OPTIONS = frozenset(
-    {"use_listings_cache", "listings_expiry_time", "max_paths", "skip_instance_cache"}
-)
-
-
-def _declared(cls: type) -> set[str]:
-    """Keyword options the constructors along ``cls``'s MRO name, up to fsspec's base."""
-    from fsspec.spec import AbstractFileSystem
-
-    names: set[str] = set()
-    for klass in cls.__mro__:
-        if klass in (AbstractFileSystem, object) or "__init__" not in vars(klass):
-            continue
-        params = inspect.signature(vars(klass)["__init__"]).parameters.values()
-        names |= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-        if not any(p.kind is p.VAR_KEYWORD for p in params):
-            break
-    return names - {"self"}
-
-
-def backend_options(protocol: str) -> frozenset[str] | None:
-    """The storage option names the backend of ``protocol`` takes, or None where
-    that cannot be told.
-
-    Told for S3 (s3fs hands the keywords its constructor does not name to
-    aiobotocore's session, which rejects unknown ones only at the first request,
-    as a bare ``TypeError``), GCS, Azure and memory (whose leftovers fsspec and
-    adlfs drop silently, so a typo'd name is ignored): from their constructors' signatures, so
-    no backend parameter is declared twice. Other backends may pass leftovers on
-    to their HTTP client, so any name may be meant.
-    """
-    if protocol not in ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory"):
-        return None
-    import fsspec
-
-    try:
-        cls = fsspec.get_filesystem_class(protocol)
-    except ImportError:
-        return None  # opening the store says which extra to install
-    names = _declared(cls) | _FSSPEC_OPTIONS
-    if protocol in ("s3", "s3a"):
-        from aiobotocore.session import AioSession
-
-        names |= _declared(AioSession)
-    return frozenset(names)
 
 
 def parse_url(url: str, what: str) -> Location:
@@ -351,11 +301,11 @@ class CommandContext:
         """The error naming the first bucket of the command's stores that does not
         exist, or None. Asked only once the command found nothing where it looked:
         "no checkpoint at s3://typo/x" hides that the bucket itself is the mistake."""
-        from objckpt.format.steps import require_bucket
+        from objckpt.writers import open_store
 
         for loc in self.resolved:
             try:
-                require_bucket(loc.open_fs(), loc)
+                open_store(loc).require_bucket()
             except BucketNotFoundError as exc:
                 return exc
             except Exception:  # the original error says more than this one would

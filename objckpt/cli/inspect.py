@@ -51,13 +51,13 @@ def ls_command(ctx: CommandContext, root: str | None, local: str | None) -> None
     """List the steps under ROOT: committed or not, objects, bytes, time; with a
     config naming backups, how far each backup trails; with --local, which steps
     this node's local tier holds."""
-    from objckpt.format.steps import inventory, steps_of
+    from objckpt.format.steps import steps_of
     from objckpt.writers import open_store
 
     loc = ctx.location(root, "ROOT")
     store = open_store(loc)
     try:
-        steps = steps_of(inventory(store.fs, loc), loc)
+        steps = steps_of(store.inventory(), loc)
     finally:
         store.close()
     local_steps: dict[int, StepInfo] = {}
@@ -65,9 +65,7 @@ def ls_command(ctx: CommandContext, root: str | None, local: str | None) -> None
         local_loc = Location.parse(local)
         if not local_loc.is_local:
             raise click.BadParameter(f"{local} is not a local directory", param_hint="--local")
-        local_steps = {
-            s.step: s for s in steps_of(inventory(local_loc.open_fs(), local_loc), local_loc)
-        }
+        local_steps = {s.step: s for s in steps_of(open_store(local_loc).inventory(), local_loc)}
     doc: list[dict[str, Any]] = [
         {
             "step": s.step,

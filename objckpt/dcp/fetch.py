@@ -22,7 +22,6 @@ from objckpt.format.ref_check import stored_where
 from objckpt.options import ReadOptions
 from objckpt.writers.base import ObjectStore
 from objckpt.writers.location import Location
-from objckpt.writers.retry import retry_call
 from objckpt.writers.translate import translate
 
 __all__ = ["fetch_ranges"]
@@ -75,11 +74,9 @@ def _fetch_remote(
             owner.append(n)
     # One retry layer: each request retries itself (body included) on S3 and GCS;
     # other stores get the whole batch retried.
-    return retry_call(
+    return store().retrying(
         lambda: _fetch_once(batch, location, store(), keys, starts, ends, owner),
-        location.retry,
         f"reading {len(keys)} ranges of {location.url}",
-        store().fs,
     )
 
 

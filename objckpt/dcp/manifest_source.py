@@ -53,7 +53,6 @@ from objckpt.format.manifest import Manifest, ObjectEntry
 from objckpt.format.refs import require_step_directory
 from objckpt.writers.base import ObjectStore
 from objckpt.writers.location import Location
-from objckpt.writers.retry import retry_call
 from objckpt.writers.translate import translate
 
 __all__ = ["Opened", "check_items", "open_checkpoint", "opened_from"]
@@ -251,12 +250,9 @@ def _read_manifest(
     read.source = location.url_of(MANIFEST_KEY)
     path = location.key_path(MANIFEST_KEY)
     try:
-        store().fs.invalidate_cache(location.path)
-        data = retry_call(
-            lambda: store().read_bounded(MANIFEST_KEY, max_bytes),
-            location.retry,
-            f"reading {path}",
-            store().fs,
+        store().forget_listings()
+        data = store().retrying(
+            lambda: store().read_bounded(MANIFEST_KEY, max_bytes), f"reading {path}"
         )
     except FileNotFoundError:
         return None

@@ -35,7 +35,6 @@ from objckpt.options import ReadOptions
 from objckpt.writers.base import ObjectStore
 from objckpt.writers.checksum import Crc32c
 from objckpt.writers.location import Location
-from objckpt.writers.retry import retry_call
 from objckpt.writers.translate import translate
 
 __all__ = ["ItemIndex", "Range", "batches", "plan_ranges"]
@@ -154,11 +153,9 @@ class ItemIndex:
             # longer one): a replaced index object costs its recorded size at most.
             ends = [self._opened.objects[k].size + 1 for k in remote.values()]
             try:
-                got = retry_call(
+                got = self._store().retrying(
                     lambda: _raise_first(self._store().read_ranges(rkeys, [0] * len(ends), ends)),
-                    self._location.retry,
                     f"reading {len(paths)} index objects of {self._location.url}",
-                    self._store().fs,
                 )
             except Exception as exc:
                 raise translate(exc, url=self._location.url, action="reading the index of") from exc

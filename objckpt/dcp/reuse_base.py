@@ -54,7 +54,6 @@ from objckpt.format.ref_check import sibling
 from objckpt.format.refs import is_step_directory, split_reference
 from objckpt.format.reused import BaseItem
 from objckpt.options import ReadOptions
-from objckpt.writers import open_store
 from objckpt.writers.base import ObjectStore
 from objckpt.writers.checksum import crc32c_of
 from objckpt.writers.deadline import Deadline, bounded_by
@@ -322,7 +321,7 @@ class BaseReader:
     @functools.cached_property
     def _base_store(self) -> ObjectStore:
         """The base step's objects, read on the saving store's client."""
-        return open_store(self._base, self._store.options, fs=self._store.fs)
+        return self._store.at(self._base)
 
     def _open(self) -> tuple[Manifest, Metadata, Locator]:
         if self._opened is None:

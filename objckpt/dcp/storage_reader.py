@@ -31,7 +31,6 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 import torch.distributed as dist
-from fsspec import AbstractFileSystem
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
@@ -156,7 +155,6 @@ class ObjectStoreReader(StorageReader):
             None if self.local is None else LocalCopy(self.local, self.location, parsed[1:])
         )
         self._peers = peers
-        self._local_fs: AbstractFileSystem | None = None
         #: Where the manifest came from.
         self.manifest_source: str | None = None
         # This process's store for the location (its client is the process's shared
@@ -202,15 +200,12 @@ class ObjectStoreReader(StorageReader):
         return self._store
 
     @property
-    def fs(self) -> AbstractFileSystem:
-        return self.store.fs
-
-    @property
-    def local_fs(self) -> AbstractFileSystem:
-        if self._local_fs is None:
-            assert self.local is not None
-            self._local_fs = self.local.open_fs()
-        return self._local_fs
+    def fs(self) -> Any:
+        """Removed: every read goes through :attr:`store`."""
+        raise AttributeError(
+            "ObjectStoreReader.fs was removed: read through ObjectStoreReader.store "
+            "(an objckpt.writers.ObjectStore: read, read_range, listing, inventory)"
+        )
 
     @property
     def is_stock(self) -> bool:

@@ -32,7 +32,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from fsspec import AbstractFileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -70,6 +69,7 @@ from objckpt.options import UploadOptions
 from objckpt.writers import ObjectStore, open_store
 from objckpt.writers.accounting import RequestCounter, RequestStats, counting
 from objckpt.writers.checksum import BytesLike
+from objckpt.writers.clients import OwnedClients
 from objckpt.writers.deadline import Deadline, bounded_by
 from objckpt.writers.location import Location
 from objckpt.writers.retry import RetryPolicy
@@ -135,8 +135,10 @@ class ObjectStoreWriter(StorageWriter):
         self.framer = Framer()
         self._store: ObjectStore | None = None
         self._store_pid = -1
-        self._fs: AbstractFileSystem | None = None  # shared by a checkpointer across saves
-        self._fs_pid = -1
+        # A checkpointer's clients, shared across its saves (in the process that
+        # attached them; a worker opens its own).
+        self._clients: OwnedClients | None = None
+        self._clients_pid = -1
         # None: the coordinator's saves only (see preflight_timeout); attach() decides
         # for a checkpointer's writers.
         self._needs_preflight: bool | None = None
@@ -157,7 +159,7 @@ class ObjectStoreWriter(StorageWriter):
     def attach(
         self,
         *,
-        fs: AbstractFileSystem | None = None,
+        clients: OwnedClients | None = None,
         preflight: bool | None = None,
         attempt: str | None = None,
         requests: RequestCounter | None = None,
@@ -170,8 +172,8 @@ class ObjectStoreWriter(StorageWriter):
         stall. The owner keeps those and hands them to each save's writer here.
 
         Args:
-            fs: A filesystem client for this writer's protocol and options to reuse
-                (only in the process that attached it; workers open their own).
+            clients: The owner's store clients, this writer's store built on them
+                (only in the process that attached them; workers open their own).
             preflight: Whether ``prepare_local_plan`` must still prove the bucket
                 is reachable and writable (False once a save to it succeeded;
                 None leaves it as it is).
@@ -183,8 +185,8 @@ class ObjectStoreWriter(StorageWriter):
                 committed?" (False: the owner knows, or asks off the training
                 thread with :meth:`refuse_existing`; None leaves it as it is).
         """
-        if fs is not None:
-            self._fs, self._fs_pid = fs, os.getpid()
+        if clients is not None:
+            self._clients, self._clients_pid = clients, os.getpid()
         if preflight is not None:
             self._needs_preflight = preflight
         if attempt is not None:
@@ -362,8 +364,8 @@ class ObjectStoreWriter(StorageWriter):
     def store(self) -> ObjectStore:
         """This process's store object (built lazily, never shared across processes)."""
         if self._store is None or self._store_pid != os.getpid():
-            fs = self._fs if self._fs is not None and self._fs_pid == os.getpid() else None
-            self._store = open_store(self.location, self.upload, fs)
+            mine = self._clients if self._clients_pid == os.getpid() else None
+            self._store = open_store(self.location, self.upload, clients=mine)
             self._store_pid = os.getpid()
         return self._store
 
@@ -403,7 +405,7 @@ class ObjectStoreWriter(StorageWriter):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_store"] = None  # filesystem clients never cross a process boundary
-        state["_fs"] = None
+        state["_clients"] = None
         return state
 
 

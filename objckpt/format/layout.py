@@ -29,8 +29,6 @@ import re
 import secrets
 import time
 
-from fsspec import AbstractFileSystem
-
 from objckpt.writers.gcs_compose import piece_owner
 
 __all__ = [
@@ -40,7 +38,6 @@ __all__ = [
     "index_rank",
     "is_objckpt_object",
     "is_objckpt_payload",
-    "list_names",
     "new_attempt_id",
     "payload_key",
     "writer_rank",
@@ -99,19 +96,6 @@ def writer_rank(key: str) -> int | None:
 def is_entropy_dir(name: str) -> bool:
     """Whether a name is a prefix-entropy sub-prefix (1-8 hex digits)."""
     return bool(_ENTROPY.fullmatch(name.rstrip("/")))
-
-
-def list_names(fs: AbstractFileSystem, path: str) -> list[str]:
-    """Names of the objects directly under ``path`` (empty if there is none).
-
-    One listing answers every "what is here" question (manifest? .metadata?
-    objckpt payload?) in a single request instead of one per object.
-    """
-    fs.invalidate_cache(path)
-    try:
-        return [str(n).rstrip("/").rsplit("/", 1)[-1] for n in fs.ls(path, detail=False)]
-    except FileNotFoundError:
-        return []
 
 
 def is_objckpt_payload(name: str) -> bool:

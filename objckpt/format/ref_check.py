@@ -30,7 +30,6 @@ from objckpt.errors import UploadError
 from objckpt.format.layout import MANIFEST_KEY
 from objckpt.format.manifest import ObjectEntry
 from objckpt.format.refs import referenced_step, split_reference
-from objckpt.format.steps import inventory
 from objckpt.writers.base import ObjectStore
 from objckpt.writers.location import Location
 
@@ -87,7 +86,7 @@ def require_referenced(
         by_step.setdefault(base, {})
     for step_dir, want in sorted(by_step.items()):
         where = sibling(store.location, step_dir)
-        found = {o.key: o.size for o in inventory(store.fs, where)}
+        found = {o.key: o.size for o in store.at(where).inventory()}
         if step_dir == base and MANIFEST_KEY not in found:
             raise UploadError(
                 f"refusing to commit {store.location.url}: it reuses bytes through its base "

@@ -37,7 +37,6 @@ from collections.abc import Callable, Iterable, Iterator
 from objckpt.errors import CheckpointExistsError, ManifestError, UploadError
 from objckpt.format.layout import MANIFEST_KEY
 from objckpt.format.manifest import Manifest, ObjectEntry
-from objckpt.format.steps import inventory
 from objckpt.writers.base import ObjectStore
 from objckpt.writers.checksum import crc32c_of
 from objckpt.writers.deadline import Deadline, bounded_by, current_deadline
@@ -82,7 +81,7 @@ def require_present(store: ObjectStore, entries: Iterable[ObjectEntry]) -> None:
         # A local path may be node-local (a LocalTier: each rank's objects are on
         # its own node, out of the coordinator's sight); gc runs on object stores.
         return
-    found = {o.key: o.size for o in inventory(store.fs, store.location)}
+    found = {o.key: o.size for o in store.inventory()}
     missing = sorted(k for k in want if k not in found)
     wrong = sorted(k for k in want if k in found and found[k] != want[k])
     if not missing and not wrong:

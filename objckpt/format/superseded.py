@@ -27,8 +27,8 @@ from objckpt.errors import ManifestError, StoreError
 from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY, index_rank
 from objckpt.format.manifest import read_manifest
 from objckpt.format.refs import is_reference, is_step_directory, split_reference
-from objckpt.format.steps import inventory, parse_step
-from objckpt.writers import ObjectStore, open_store
+from objckpt.format.steps import parse_step
+from objckpt.writers import ObjectStore
 
 __all__ = ["delete_superseded_after", "previous_objects", "referenced_by_siblings"]
 
@@ -51,7 +51,7 @@ def referenced_by_siblings(store: ObjectStore, keys: Set[str]) -> set[str]:
         store.location, url=url.rsplit("/", 1)[0], path=path.rsplit("/", 1)[0]
     )
     try:
-        objects = inventory(store.fs, root)
+        objects = store.at(root).inventory()
     except StoreError as exc:
         logger.warning(
             "keeping the objects %s replaced: listing %s failed (%s)", url, root.url, exc
@@ -80,7 +80,7 @@ def referenced_by_siblings(store: ObjectStore, keys: Set[str]) -> set[str]:
         return set(keys)
     kept: set[str] = set()
     for step_dir in manifests:
-        sibling = open_store(root.child(step_dir), store.options, store.fs)
+        sibling = store.at(root.child(step_dir))
         try:
             entries = read_manifest(sibling).objects
         except (ManifestError, FileNotFoundError, StoreError) as exc:

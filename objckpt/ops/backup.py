@@ -135,7 +135,7 @@ def committed_steps(root: Location) -> list[StepInfo]:
     """
     store = open_store(root)
     try:
-        return list_committed(store.fs, root)
+        return list_committed(store)
     finally:
         store.close()
 

@@ -308,8 +308,7 @@ def import_safetensors(
         StoreError: Reading or writing failed (nothing is committed then).
     """
     src = Location.parse(src_url, storage_options, retry)
-    fs = src.open_fs(fresh=True)
-    shards = read_source(src, fs, max_header_bytes=max_header_bytes)
+    shards = read_source(src, max_header_bytes=max_header_bytes)
     chosen = {
         t.key: (shard, t)
         for shard in shards
@@ -324,7 +323,7 @@ def import_safetensors(
         storage_options=storage_options if dest_storage_options is None else dest_storage_options,
         retry=retry,
     )
-    planner = _SourcePlanner(fs, chosen)
+    planner = _SourcePlanner(chosen)
     try:
         dcp.save(planner.placeholders(), storage_writer=writer, planner=planner, no_dist=True)
     except BaseException as exc:
@@ -346,9 +345,8 @@ class _SourcePlanner(DefaultSavePlanner):
     and is never read: the writer resolves every item through the planner.
     """
 
-    def __init__(self, fs: Any, tensors: dict[str, tuple[Shard, Stored]]) -> None:
+    def __init__(self, tensors: dict[str, tuple[Shard, Stored]]) -> None:
         super().__init__()
-        self._fs = fs
         self._tensors = tensors
 
     def placeholders(self) -> dict[str, torch.Tensor]:
@@ -360,7 +358,7 @@ class _SourcePlanner(DefaultSavePlanner):
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
         shard, stored = self._tensors[write_item.index.fqn]
-        return read_tensor(self._fs, shard, stored)
+        return read_tensor(shard, stored)
 
 
 # -- writing one export: shards, then the commit -----------------------------------------

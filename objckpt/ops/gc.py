@@ -41,7 +41,7 @@ from collections.abc import Callable
 from objckpt.errors import CheckpointNotFoundError, ConfigurationError, ManifestError
 from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY, is_entropy_dir, is_objckpt_object
 from objckpt.format.manifest import read_manifest
-from objckpt.format.steps import ObjectInfo, inventory, parse_step, step_name
+from objckpt.format.steps import ObjectInfo, parse_step, step_name
 from objckpt.ops.live_set import DEFAULT_GRACE, live_set
 from objckpt.ops.retire import delete_keys, parent_root, prune_dir, retire_steps
 from objckpt.writers import ObjectStore, OpenUpload, open_store
@@ -102,9 +102,9 @@ def _parent_live(store: ObjectStore, *, grace: float, now: float) -> frozenset[s
         return frozenset()
     root, step = parent
     name = step_name(step) + "/"
-    root_store = open_store(root, store.options, store.fs)
+    root_store = store.at(root)
     try:
-        live = live_set(root_store, inventory(store.fs, root), grace=grace, now=now)
+        live = live_set(root_store, root_store.inventory(), grace=grace, now=now)
     finally:
         root_store.close()
     if live.partial:
@@ -148,7 +148,7 @@ def collect_garbage(
     now = time.time() if now is None else now
     store = open_store(root)
     try:
-        objects = inventory(store.fs, root)
+        objects = store.inventory()
         live = live_set(store, objects, grace=grace, now=now)
         unreadable = list(live.unreadable)
         skip_dirs = {step_name(s) + "/" for s in unreadable}
@@ -232,7 +232,7 @@ def delete_step(location: Location, store: ObjectStore | None = None) -> int:
     own = store is None
     store = store or open_store(location)
     try:
-        names = [o.key for o in inventory(store.fs, location)]
+        names = [o.key for o in store.at(location).inventory()]
         uploads: list[OpenUpload] = store.open_uploads()
         if not names and not uploads:
             raise CheckpointNotFoundError(f"no checkpoint at {location.url}")

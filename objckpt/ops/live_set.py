@@ -36,7 +36,7 @@ from objckpt.format.manifest import Manifest, read_manifest
 from objckpt.format.refs import is_reference, root_key, split_reference
 from objckpt.format.steps import ObjectInfo, parse_step
 from objckpt.options import UploadOptions
-from objckpt.writers import ObjectStore, open_store
+from objckpt.writers import ObjectStore
 
 __all__ = [
     "DEFAULT_GRACE",
@@ -122,7 +122,7 @@ def live_set(
     """The live set of the root ``store`` is at, from one listing of it (``objects``).
 
     Args:
-        objects: The root's inventory (:func:`objckpt.format.steps.inventory`).
+        objects: The root's inventory (:meth:`objckpt.writers.base.ObjectStore.inventory`).
         grace: Seconds; uncommitted index objects younger than this (or of unknown
             age) protect what they reference.
         now: The time the ages are measured at.
@@ -185,7 +185,7 @@ def _manifest_keys(
     cache_key = (info.key, info.size, info.modified)
     if cache is not None and cache_key in cache:
         return cache[cache_key]
-    step_store = open_store(store.location.child(step_dir), store.options, store.fs)
+    step_store = store.child(step_dir)
     try:
         manifest = read_manifest(step_store)
     except (ManifestError, FileNotFoundError) as exc:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from objckpt.format.ref_check import sibling
 from objckpt.format.refs import is_reference, split_reference
-from objckpt.writers import ObjectStore, open_store
+from objckpt.writers import ObjectStore
 
 __all__ = ["Siblings"]
 
@@ -38,7 +38,7 @@ class Siblings:
         found = self._open.get(step_dir)
         if found is None:
             where = sibling(self.store.location, step_dir)
-            found = open_store(where, self.store.options, self.store.fs)
+            found = self.store.at(where)
             self._open[step_dir] = found
         return found, inner
 

@@ -29,13 +29,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Callable, Iterable
 
 from objckpt.errors import CheckpointNotFoundError, ConfigurationError
 from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY, is_entropy_dir, is_objckpt_object
-from objckpt.format.steps import ObjectInfo, inventory, parse_step, step_name
+from objckpt.format.steps import ObjectInfo, parse_step, step_name
 from objckpt.ops.live_set import DEFAULT_GRACE, ManifestCache, live_set, step_dir_of
 from objckpt.writers import ObjectStore, open_store
 from objckpt.writers.location import Location
@@ -104,7 +103,7 @@ def retire_steps(
     own = store is None
     store = store or open_store(root)
     try:
-        objects = inventory(store.fs, root)
+        objects = store.at(root).inventory()
         by_dir: dict[str, list[ObjectInfo]] = {}
         for o in objects:
             d = step_dir_of(o.key)
@@ -125,7 +124,7 @@ def retire_steps(
                     deleted.append(key)
         # A fresh listing, taken now that the doomed manifests are gone: a step that
         # committed since the first one (referencing what is about to go) is in it.
-        fresh = inventory(store.fs, root)
+        fresh = store.at(root).inventory()
         live = live_set(store, fresh, grace=grace, now=now, exclude=dirs, cache=cache)
         gone = set(deleted)
         candidates = [o.key for d in dirs for o in by_dir.get(d, ()) if o.key not in gone]
@@ -195,18 +194,16 @@ def delete_keys(
         store.delete_many(chunk)
         if progress is not None:
             progress(len(chunk))
-    store.fs.invalidate_cache(store.location.path)
+    store.forget_listings()
 
 
 def prune_dir(store: ObjectStore, location: Location) -> None:
-    """Remove an emptied directory on a local filesystem (object stores have none)."""
+    """Remove an emptied directory on a local filesystem, with the prefix-entropy
+    directories emptied inside it (object stores have none)."""
     if location.is_local:
+        here = store.at(location)
         with contextlib.suppress(OSError):
-            for name in os.listdir(location.path):  # emptied prefix-entropy directories
-                if is_entropy_dir(name):
-                    with contextlib.suppress(OSError):
-                        os.rmdir(os.path.join(location.path, name))
-            store.fs.rmdir(location.path)
+            here.remove_empty_directories(n for n in here.directories() if is_entropy_dir(n))
 
 
 def _require(root: Location, dirs: list[str], by_dir: dict[str, list[ObjectInfo]]) -> None:

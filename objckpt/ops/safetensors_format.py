@@ -66,8 +66,8 @@ from objckpt.errors import (
     SafetensorsError,
 )
 from objckpt.format.bounds import MAX_DIMS, load_json, tensor_bytes
+from objckpt.writers import ObjectStore, open_store
 from objckpt.writers.location import Location
-from objckpt.writers.reads import read_range
 from objckpt.writers.translate import translate
 
 __all__ = [
@@ -198,24 +198,22 @@ class Stored:
 
 @dataclasses.dataclass(frozen=True)
 class Shard:
-    """One checked safetensors file: its fsspec path, its URL (for messages) and its
-    tensors in file order."""
+    """One checked safetensors file: the store it is read through, its key there, its
+    URL (for messages) and its tensors in file order."""
 
-    path: str
+    store: ObjectStore
+    key: str
     url: str
     tensors: tuple[Stored, ...]
 
 
-def read_source(
-    location: Location, fs: Any, *, max_header_bytes: int = MAX_HEADER_BYTES
-) -> list[Shard]:
+def read_source(location: Location, *, max_header_bytes: int = MAX_HEADER_BYTES) -> list[Shard]:
     """Every shard of the source at ``location``, each header and the index checked
     (see the module docstring), before any tensor is read.
 
     Args:
         location: A directory holding ``model.safetensors.index.json`` or
             ``model.safetensors``, or one ``.safetensors`` file.
-        fs: The fsspec filesystem of ``location``.
         max_header_bytes: Most bytes of a header or index read.
 
     Raises:
@@ -231,17 +229,14 @@ def read_source(
         )
     base = location.path.rstrip("/")
     if base.endswith(".safetensors"):
-        return [read_header(fs, base, location.url, max_header_bytes)]
+        parent = open_store(location.parent())
+        return [read_header(parent, base.rsplit("/", 1)[-1], max_header_bytes)]
+    store = open_store(location)
     index_url = location.url_of(INDEX_NAME)
-    raw = _read_index(fs, f"{base}/{INDEX_NAME}", index_url, max_header_bytes)
+    raw = _read_index(store, INDEX_NAME, max_header_bytes)
     if raw is None:
         try:
-            single = read_header(
-                fs,
-                f"{base}/model.safetensors",
-                location.url_of("model.safetensors"),
-                max_header_bytes,
-            )
+            single = read_header(store, "model.safetensors", max_header_bytes)
         except CheckpointNotFoundError:
             raise CheckpointNotFoundError(
                 f"no {INDEX_NAME} or model.safetensors under {location.url}: "
@@ -252,7 +247,7 @@ def read_source(
     shards = []
     for name in sorted(set(weight_map.values())):
         try:
-            shard = read_header(fs, f"{base}/{name}", location.url_of(name), max_header_bytes)
+            shard = read_header(store, name, max_header_bytes)
         except CheckpointNotFoundError as exc:
             raise SafetensorsError(
                 f"{index_url}: weight_map names the shard {name!r}, but "
@@ -263,21 +258,22 @@ def read_source(
     return shards
 
 
-def read_header(fs: Any, path: str, url: str, max_header_bytes: int) -> Shard:
+def read_header(store: ObjectStore, key: str, max_header_bytes: int) -> Shard:
     """One safetensors file's header, checked against the file's size and the format.
 
     Raises:
-        CheckpointNotFoundError: No file at ``path``.
+        CheckpointNotFoundError: No file at ``key``.
         SafetensorsError: The header is malformed (the message names ``url``).
         StoreError: Reading failed.
     """
-    size = _size(fs, path, url)
+    url = store.location.url_of(key)
+    size = _size(store, key)
     if size < 8:
         raise SafetensorsError(
             f"{url} is {size} bytes: too short for a safetensors file (an 8-byte header "
             "length comes first)"
         )
-    (length,) = struct.unpack("<Q", _read(fs, path, url, 0, 8))
+    (length,) = struct.unpack("<Q", _read(store, key, 0, 8))
     if length > max_header_bytes:
         raise SafetensorsError(
             f"{url}: header of {length} bytes, more than the {max_header_bytes} objckpt "
@@ -288,7 +284,7 @@ def read_header(fs: Any, path: str, url: str, max_header_bytes: int) -> Shard:
             f"{url}: header of {length} bytes, but the file holds only {size - 8} after "
             "the header length"
         )
-    raw = _read(fs, path, url, 8, 8 + length)
+    raw = _read(store, key, 8, 8 + length)
     if not raw.startswith(b"{"):
         raise SafetensorsError(f"{url}: the header does not start with '{{': not safetensors")
     doc = _json(raw, "safetensors header of", url, max_header_bytes)
@@ -296,21 +292,21 @@ def read_header(fs: Any, path: str, url: str, max_header_bytes: int) -> Shard:
         raise SafetensorsError(f"{url}: the header is {_brief(doc)}, not a JSON object")
     start, data_size = 8 + length, size - 8 - length
     tensors = []
-    for key, field in doc.items():
-        if key == "__metadata__":
+    for name, field in doc.items():
+        if name == "__metadata__":
             if not isinstance(field, dict) or not all(isinstance(v, str) for v in field.values()):
                 raise SafetensorsError(
                     f"{url}: __metadata__ is {_brief(field)}; the format allows only a "
                     "map of strings to strings"
                 )
             continue
-        tensors.append(_tensor(key, field, url, start, data_size))
+        tensors.append(_tensor(name, field, url, start, data_size))
     ordered = sorted(tensors, key=lambda t: (t.begin, t.end))
     _check_cover(ordered, url, start, data_size)
-    return Shard(path, url, tuple(ordered))
+    return Shard(store, key, url, tuple(ordered))
 
 
-def read_tensor(fs: Any, shard: Shard, stored: Stored) -> torch.Tensor:
+def read_tensor(shard: Shard, stored: Stored) -> torch.Tensor:
     """One tensor's values, read with one ranged request of exactly its bytes.
 
     Raises:
@@ -320,7 +316,7 @@ def read_tensor(fs: Any, shard: Shard, stored: Stored) -> torch.Tensor:
     """
     if stored.end == stored.begin:
         return torch.empty(stored.shape, dtype=stored.dtype)
-    data = bytearray(_read(fs, shard.path, shard.url, stored.begin, stored.end))
+    data = bytearray(_read(shard.store, shard.key, stored.begin, stored.end))
     return torch.frombuffer(data, dtype=stored.dtype).reshape(stored.shape)
 
 
@@ -396,17 +392,18 @@ def _check_cover(ordered: list[Stored], url: str, start: int, data_size: int) ->
         )
 
 
-def _read_index(fs: Any, path: str, url: str, max_bytes: int) -> bytes | None:
+def _read_index(store: ObjectStore, key: str, max_bytes: int) -> bytes | None:
     """The index's bytes (None: there is none), its size checked before it is read."""
+    url = store.location.url_of(key)
     try:
-        size = _size(fs, path, url)
+        size = _size(store, key)
     except CheckpointNotFoundError:
         return None
     if size > max_bytes:
         raise SafetensorsError(
             f"{url} is {size} bytes, more than the {max_bytes} objckpt reads (max_header_bytes)"
         )
-    return _read(fs, path, url, 0, size)
+    return _read(store, key, 0, size)
 
 
 def _weight_map(raw: bytes, url: str, base: str, src_url: str, max_bytes: int) -> dict[str, str]:
@@ -469,21 +466,18 @@ def _json(raw: bytes, what: str, url: str, max_bytes: int) -> Any:
         raise SafetensorsError(str(exc)) from exc
 
 
-def _size(fs: Any, path: str, url: str) -> int:
+def _size(store: ObjectStore, key: str) -> int:
     try:
-        return int(fs.size(path))
+        return store.head(key).size
     except FileNotFoundError as exc:
-        raise CheckpointNotFoundError(f"{url} does not exist") from exc
-    except ObjckptError:
-        raise
-    except Exception as exc:
-        raise translate(exc, url=url, action="reading") from exc
+        raise CheckpointNotFoundError(f"{store.location.url_of(key)} does not exist") from exc
 
 
-def _read(fs: Any, path: str, url: str, start: int, end: int) -> bytes:
+def _read(store: ObjectStore, key: str, start: int, end: int) -> bytes:
     """Bytes ``[start, end)`` of the file, all of them or an error naming it."""
+    url = store.location.url_of(key)
     try:
-        data = read_range(fs, path, start, end)
+        data = store.read_range(key, start, end)
     except ObjckptError:
         raise
     except Exception as exc:

@@ -57,6 +57,7 @@ from objckpt.pipeline.finalize import RankExchange
 from objckpt.pipeline.handle import SaveHandle
 from objckpt.pipeline.stage import Staged
 from objckpt.pipeline.workers import WEDGED_AFTER, WorkerPool
+from objckpt.writers import store_family
 from objckpt.writers.accounting import counting
 from objckpt.writers.deadline import bounded_by
 from objckpt.writers.location import Location
@@ -266,7 +267,7 @@ def splits_commit(location: Location, world: int) -> bool:
     rank and a store every process reaches alike. A ``file://`` path may be
     node-local (a LocalTier: each node's own directory) and ``memory://`` is private
     to its process, so there rank 0 commits in-thread from the posted write results."""
-    return world > 1 and not location.is_local and location.protocol != "memory"
+    return world > 1 and store_family(location.protocol).shared_by_processes
 
 
 def _collect(

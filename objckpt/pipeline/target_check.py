@@ -76,7 +76,7 @@ class TargetCache:
         loc = target.location
         with self._lock:
             target.attach(
-                fs=self._clients.filesystem(loc),
+                clients=self._clients,
                 preflight=(loc.protocol, loc.bucket) not in self._checked,
                 requests=RequestCounter(),
                 check_existing=False,

@@ -158,9 +158,7 @@ def worker_store(location: Location, options: UploadOptions) -> ObjectStore:
         if store is not None:
             _WORKER_STORES.move_to_end(key)
             return store
-        store = open_store(
-            location, options, fs=PROCESS_CLIENTS.filesystem(location, repr(options))
-        )
+        store = open_store(location, options, clients=PROCESS_CLIENTS, scope=repr(options))
         _WORKER_STORES[key] = store
         while len(_WORKER_STORES) > _KEPT_STORES:
             _WORKER_STORES.popitem(last=False)  # an upload using it keeps its reference

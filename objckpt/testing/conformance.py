@@ -68,12 +68,11 @@ from objckpt._torch import storage_info
 from objckpt.dcp.storage_reader import ObjectStoreReader
 from objckpt.dcp.storage_writer import ObjectStoreWriter
 from objckpt.errors import ChecksumMismatchError, ManifestError, SizeMismatchError
-from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY, list_names
-from objckpt.format.steps import committed_steps, inventory, step_name
+from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY
+from objckpt.format.steps import committed_steps, step_name
 from objckpt.options import UploadOptions
 from objckpt.writers import ObjectStore, open_store
 from objckpt.writers.location import Location
-from objckpt.writers.reads import read_bounded, read_ranges
 
 __all__ = ["StoreConformance"]
 
@@ -148,7 +147,7 @@ class StoreConformance:
     def test_listing_names_what_was_written(self, store: ObjectStore) -> None:
         for name in ("x.distcp", "y.distcp", "manifest.json"):
             store.put(name, name.encode())
-        names = list_names(store.fs, store.location.path)
+        names = list(store.listing())
         assert sorted(names) == ["manifest.json", "x.distcp", "y.distcp"], names
 
     def test_steps_and_objects_are_in_order_whatever_order_the_store_lists(
@@ -158,14 +157,10 @@ class StoreConformance:
         list keys in no particular order (other stores in lexicographic order)."""
         for step, key in ((3, MANIFEST_KEY), (1, MANIFEST_KEY), (20, MANIFEST_KEY),
                           (2, MANIFEST_KEY), (4, "x.distcp")):  # fmt: skip
-            inner = open_store(store.location.child(step_name(step)))
-            try:
-                inner.put(key, b"{}")
-            finally:
-                inner.close()
-        steps = committed_steps(store.fs, store.location)
+            store.child(step_name(step)).put(key, b"{}")
+        steps = committed_steps(store)
         assert [s.step for s in steps] == [1, 2, 3, 20], steps
-        keys = [o.key for o in inventory(store.fs, store.location)]
+        keys = [o.key for o in store.inventory()]
         assert keys == sorted(keys) and len(keys) == 5, keys
 
     def test_capability_flags_are_what_the_family_promises(self, store: ObjectStore) -> None:
@@ -313,11 +308,11 @@ class StoreConformance:
         store.put("big.json", b"x" * (MiB + 10))
         store.put("small.json", b"{}")
         store.put("empty.json", b"")
-        assert read_bounded(store.fs, store.path("big.json"), 1000) == b"x" * 1001
-        assert read_bounded(store.fs, store.path("small.json"), 1000) == b"{}"
-        assert read_bounded(store.fs, store.path("empty.json"), 1000) == b""
+        assert store.read_bounded("big.json", 1000) == b"x" * 1001
+        assert store.read_bounded("small.json", 1000) == b"{}"
+        assert store.read_bounded("empty.json", 1000) == b""
         with pytest.raises(FileNotFoundError):
-            read_bounded(store.fs, store.path("missing.json"), 1000)
+            store.read_bounded("missing.json", 1000)
 
     def test_a_range_past_the_end_of_an_object_reads_as_empty(self, store: ObjectStore) -> None:
         """What every size check of a reader rests on: a range reads what lies in it,
@@ -325,15 +320,14 @@ class StoreConformance:
         (any range of an empty object), and an empty range reads as empty."""
         store.put("empty.bin", b"")
         store.put("five.bin", b"01234")
-        empty, five = store.path("empty.bin"), store.path("five.bin")
-        got = read_ranges(
-            store.fs,
+        empty, five = "empty.bin", "five.bin"
+        got = store.read_ranges(
             [empty, five, five, five, five, empty],
             [0, 0, 3, 5, 10, 0],
             [1000, 5, 1000, 6, 20, 0],
         )
         assert got == [b"", b"01234", b"34", b"", b"", b""], got
-        missing = read_ranges(store.fs, [store.path("missing.bin")], [0], [10])
+        missing = store.read_ranges(["missing.bin"], [0], [10])
         assert isinstance(missing[0], FileNotFoundError), missing
 
     @pytest.mark.parametrize("emptied", ["payload", "index"])

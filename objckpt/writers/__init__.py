@@ -18,15 +18,12 @@ imported only when an ``s3://`` client is built.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from collections.abc import Hashable
 
 from objckpt.options import UploadOptions
 from objckpt.writers.base import ObjectHead, ObjectStore, ObjectUpload, OpenUpload
-from objckpt.writers.clients import shared_filesystem
+from objckpt.writers.clients import PROCESS_CLIENTS, ClientCache, OwnedClients
 from objckpt.writers.location import Location
-
-if TYPE_CHECKING:
-    from fsspec import AbstractFileSystem
 
 __all__ = ["ObjectHead", "ObjectStore", "ObjectUpload", "OpenUpload", "open_store"]
 
@@ -54,16 +51,20 @@ def store_family(protocol: str) -> type[ObjectStore]:
 
 
 def open_store(
-    location: Location, options: UploadOptions | None = None, fs: AbstractFileSystem | None = None
+    location: Location,
+    options: UploadOptions | None = None,
+    *,
+    clients: ClientCache | OwnedClients | None = None,
+    scope: Hashable = None,
 ) -> ObjectStore:
     """The store family for ``location``'s protocol (generic fsspec otherwise).
 
     Args:
-        fs: A filesystem for the same protocol and options to use (its clients and
-            connections); by default this process's shared client for the
-            location's settings (:mod:`objckpt.writers.clients`).
+        clients: Whose client for the location's settings to use (its connections);
+            by default this process's shared one (:mod:`objckpt.writers.clients`).
+        scope: What else that client is kept apart by (see
+            :meth:`~objckpt.writers.clients.ClientCache.filesystem`).
     """
     family = store_family(location.protocol)
-    return family(
-        location, options or UploadOptions(), fs if fs is not None else shared_filesystem(location)
-    )
+    fs = (clients or PROCESS_CLIENTS).filesystem(location, scope)
+    return family(location, options or UploadOptions(), fs)

@@ -85,7 +85,7 @@ class AzureStore(ObjectStore):
 
     def container_blob(self, key: str) -> tuple[str, str]:
         """The container and the blob name requests name for ``key``."""
-        container, blob, _ = self.fs.split_path(self.path(key))
+        container, blob, _ = self._fs.split_path(self.path(key))
         return str(container), str(blob)
 
     def preflight(self, timeout: float) -> None:
@@ -103,7 +103,7 @@ class AzureStore(ObjectStore):
         url = self.location.url
 
         async def first_page() -> None:
-            async with self.fs.service_client.get_container_client(container) as client:
+            async with self._fs.service_client.get_container_client(container) as client:
                 pages = client.list_blobs(name_starts_with=prefix, results_per_page=1).by_page()
                 async for _ in pages:
                     return
@@ -139,7 +139,7 @@ class AzureStore(ObjectStore):
     def digest(self, key: str) -> tuple[int, str | None]:
         """The blob's size, as listed afresh; Azure keeps no CRC32C (see the module
         docstring)."""
-        self.fs.invalidate_cache(self.path(key))
+        self._fs.invalidate_cache(self.path(key))
         return super().digest(key)
 
 
@@ -173,13 +173,13 @@ class BlockUpload(PartedUpload):
 
     async def _put_block(self, block_id: str, data: bytes) -> None:
         container, blob = self._store.container_blob(self.key)
-        async with self._store.fs.service_client.get_blob_client(container, blob) as client:
+        async with self._store._fs.service_client.get_blob_client(container, blob) as client:
             # validate_content: the block's MD5 goes with it and the service checks it.
             await client.stage_block(block_id, data, length=len(data), validate_content=True)
 
     async def _commit(self) -> Any:
         container, blob = self._store.container_blob(self.key)
-        async with self._store.fs.service_client.get_blob_client(container, blob) as client:
+        async with self._store._fs.service_client.get_blob_client(container, blob) as client:
             return await client.commit_block_list(list(self._blocks), metadata=_BLOB_METADATA)
 
     def close(self) -> concurrent.futures.Future[None]:
@@ -203,7 +203,7 @@ class BlockUpload(PartedUpload):
             self.abort()
             raise
         finally:
-            store.fs.invalidate_cache(store.path(self.key))
+            store._fs.invalidate_cache(store.path(self.key))
 
     def abort(self) -> None:
         """Wait out blocks still in flight; staged blocks expire on their own (the
@@ -214,7 +214,7 @@ class BlockUpload(PartedUpload):
             fut.exception()
         if self._committing:
             try:
-                self._store.fs.rm_file(self._store.path(self.key))
+                self._store._fs.rm_file(self._store.path(self.key))
             except FileNotFoundError:
                 pass
             except Exception:  # best effort: an uncommitted object is garbage for gc anyway

@@ -13,7 +13,8 @@ Azure) or an empty range.
 What a family can promise beyond the protocol is said by capability flags (class
 attributes, checked by the conformance suite), never by testing its type:
 :attr:`ObjectStore.atomic_create`, :attr:`ObjectStore.keeps_crc32c`,
-:attr:`ObjectStore.lists_open_uploads` and :attr:`ObjectStore.server_side_copy`.
+:attr:`ObjectStore.lists_open_uploads`, :attr:`ObjectStore.shared_by_processes` and
+:attr:`ObjectStore.server_side_copy`.
 
 Errors: the read and listing methods raise ``FileNotFoundError`` plainly and
 otherwise the store's own error, because their callers retry a batch of reads as
@@ -53,9 +54,11 @@ import abc
 import concurrent.futures
 import contextlib
 import dataclasses
+import datetime
 import logging
+import os
 import threading
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from typing import IO, Any, ClassVar
 
 from fsspec import AbstractFileSystem
@@ -75,6 +78,7 @@ __all__ = [
     "PROBE_KEY",
     "BufferedUpload",
     "ObjectHead",
+    "ObjectInfo",
     "ObjectStore",
     "ObjectUpload",
     "OpenUpload",
@@ -164,6 +168,47 @@ class ObjectHead:
 
     size: int
     tag: str | None
+    modified: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectInfo:
+    """One object found by :meth:`ObjectStore.inventory`.
+
+    Attributes:
+        key: Path relative to the store's location (``step-0000000100/manifest.json``).
+        size: Bytes.
+        modified: Last-modified time (seconds since the epoch), None when the
+            store does not say (such objects are never collected).
+    """
+
+    key: str
+    size: int
+    modified: float | None
+
+
+def modified_time(info: Mapping[str, Any]) -> float | None:
+    """The last-modified time (seconds since the epoch) in an fsspec ``info``, under
+    whichever name the store family gives it; None when it gives none."""
+    for name in ("LastModified", "mtime", "updated", "last_modified", "created"):
+        value = info.get(name)
+        if value is None:
+            continue
+        if isinstance(value, datetime.datetime):
+            if value.tzinfo is None:
+                value = value.replace(tzinfo=datetime.timezone.utc)
+            return value.timestamp()
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                parsed = datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+            except ValueError:
+                continue
+            if parsed.tzinfo is None:
+                parsed = parsed.replace(tzinfo=datetime.timezone.utc)
+            return parsed.timestamp()
+    return None
 
 
 class ObjectStore(abc.ABC):
@@ -178,17 +223,21 @@ class ObjectStore(abc.ABC):
     #: ``open_uploads`` lists unfinished multipart uploads (S3); False: an
     #: unfinished upload leaves nothing listable, and ``open_uploads`` is empty.
     lists_open_uploads: ClassVar[bool] = False
+    #: Every process of a job, on any node, reaches the same objects under a URL
+    #: (an object store). False where a path may be one node's own (local disk) or
+    #: one process's (memory).
+    shared_by_processes: ClassVar[bool] = True
 
     def __init__(
         self, location: Location, options: UploadOptions, fs: AbstractFileSystem | None = None
     ) -> None:
         self.location = location
         self.options = options
-        self.fs = fs if fs is not None else location.open_fs(fresh=True)
+        self._fs = fs if fs is not None else location.open_fs(fresh=True)
         # Bounds concurrent requests and the memory held by their buffers; halves
         # under throttling and grows back (AIMD), told by the retry layer.
         self.limit = AimdLimit(options.max_parts_in_flight)
-        observe = getattr(self.fs, "add_observer", None)
+        observe = getattr(self._fs, "add_observer", None)
         if observe is not None:
             observe(self.limit)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -197,19 +246,19 @@ class ObjectStore(abc.ABC):
     # -- helpers shared by the families ------------------------------------------------
     @property
     def is_async(self) -> bool:
-        return isinstance(self.fs, AsyncFileSystem)
+        return isinstance(self._fs, AsyncFileSystem)
 
     def submit_coro(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
         """Run a coroutine on the filesystem's own event loop thread."""
         import asyncio
 
-        return asyncio.run_coroutine_threadsafe(coro, self.fs.loop)
+        return asyncio.run_coroutine_threadsafe(coro, self._fs.loop)
 
     def run_coro(self, coro: Coroutine[Any, Any, Any], timeout: float | None = None) -> Any:
         """Run ``coro`` on the filesystem's event loop; past ``timeout`` seconds raise
         the builtin TimeoutError (which translates to StoreUnreachableError)."""
         try:
-            return sync(self.fs.loop, lambda: coro, timeout=timeout)
+            return sync(self._fs.loop, lambda: coro, timeout=timeout)
         except FSTimeoutError as exc:
             raise TimeoutError(f"no answer within {timeout} s") from exc
 
@@ -262,7 +311,7 @@ class ObjectStore(abc.ABC):
             FileExistsError: The object exists and ``overwrite`` is False.
         """
         try:
-            self.fs.pipe_file(self.path(key), data, mode="overwrite" if overwrite else "create")
+            self._fs.pipe_file(self.path(key), data, mode="overwrite" if overwrite else "create")
         except FileExistsError:
             raise
         except Exception as exc:
@@ -270,7 +319,7 @@ class ObjectStore(abc.ABC):
                 raise FileExistsError(self.location.url_of(key)) from exc
             raise translate(exc, url=self.location.url_of(key), action="committing") from exc
         finally:
-            self.fs.invalidate_cache(self.path(key))
+            self._fs.invalidate_cache(self.path(key))
 
     # -- the protocol ------------------------------------------------------------------
     def preflight(self, timeout: float) -> None:
@@ -286,10 +335,10 @@ class ObjectStore(abc.ABC):
         try:
             if self.is_async:
                 with self.preflight_bound(timeout):
-                    coro = self.fs._exists(bucket)
+                    coro = self._fs._exists(bucket)
                     exists = self.run_coro(coro, timeout=timeout + PREFLIGHT_GRACE)
             else:
-                exists = self.submit_call(self.fs.exists, bucket).result(timeout=timeout)
+                exists = self.submit_call(self._fs.exists, bucket).result(timeout=timeout)
         except concurrent.futures.TimeoutError as exc:
             raise translate(
                 TimeoutError(f"no answer within {timeout} s"),
@@ -310,7 +359,7 @@ class ObjectStore(abc.ABC):
     def put(self, key: str, data: bytes) -> None:
         """Write a small object in one request (overwriting is allowed)."""
         try:
-            self.fs.pipe_file(self.path(key), data)
+            self._fs.pipe_file(self.path(key), data)
         except Exception as exc:
             raise translate(exc, url=self.location.url_of(key), action="writing") from exc
 
@@ -331,10 +380,10 @@ class ObjectStore(abc.ABC):
         try:
             return bytes(
                 retry.retry_call(
-                    lambda: read_whole(self.fs, self.path(key)),
+                    lambda: read_whole(self._fs, self.path(key)),
                     self.location.retry,
                     f"reading {self.location.url_of(key)}",
-                    self.fs,
+                    self._fs,
                 )
             )
         except FileNotFoundError:
@@ -350,7 +399,7 @@ class ObjectStore(abc.ABC):
             FileNotFoundError: No such object.
             Exception: The store's own error (see the module docstring).
         """
-        return read_bounded(self.fs, self.path(key), limit)
+        return read_bounded(self._fs, self.path(key), limit)
 
     def read_range(self, key: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of ``key``, fewer where it ends sooner (none where
@@ -360,21 +409,136 @@ class ObjectStore(abc.ABC):
             FileNotFoundError: No such object.
             Exception: The store's own error (see the module docstring).
         """
-        return read_range(self.fs, self.path(key), start, end)
+        return read_range(self._fs, self.path(key), start, end)
 
     def read_ranges(
         self, keys: Sequence[str], starts: Sequence[int], ends: Sequence[int]
     ) -> list[bytes | BaseException]:
         """:meth:`read_range` of each ``(key, start, end)``, concurrently where the
         client can; a failed range's exception takes its place in the answer."""
-        return read_ranges(self.fs, [self.path(k) for k in keys], starts, ends)
+        return read_ranges(self._fs, [self.path(k) for k in keys], starts, ends)
 
     @contextlib.contextmanager
     def open_read(self, key: str, block_size: int) -> Iterator[IO[bytes]]:
         """``key`` as a file read front to back in ``block_size`` requests (an object
         too large to hold whole). Errors as :meth:`read_range`."""
-        with self.fs.open(self.path(key), "rb", block_size=block_size) as f:
+        with self._fs.open(self.path(key), "rb", block_size=block_size) as f:
             yield f
+
+    def at(self, location: Location) -> ObjectStore:
+        """A store of the same family, options and client for another location of
+        the same service (a sibling step, a root above this one): no new client, no
+        new connections."""
+        if location.protocol != self.location.protocol:
+            raise ValueError(f"{location.url} is not on {self.location.url}'s service")
+        return type(self)(location, self.options, self._fs)
+
+    def child(self, name: str) -> ObjectStore:
+        """:meth:`at` the sub-prefix ``name`` of this location (a ``step-N``)."""
+        return self.at(self.location.child(name))
+
+    def retrying(self, fn: Callable[[], Any], what: str) -> Any:
+        """``fn`` (a whole read of this store: a batch of ranges, one manifest) under
+        the location's retry policy, in the store's one retry layer
+        (:func:`objckpt.writers.retry.retry_call`)."""
+        return retry.retry_call(fn, self.location.retry, what, self._fs)
+
+    def forget_listings(self) -> None:
+        """Drop what the client remembers of listings under this location: the next
+        listing or HEAD asks the store."""
+        self._fs.invalidate_cache(self.location.path)
+
+    def inventory(self) -> list[ObjectInfo]:
+        """Every object under the location (one recursive listing, paginated by the
+        store), sorted by key.
+
+        An empty answer from an object store is checked once more: a root in a
+        bucket that does not exist must not look like a root without steps (a typo
+        in the bucket name would otherwise read as "nothing saved yet").
+
+        Raises:
+            BucketNotFoundError: The bucket does not exist (object stores only; a
+                missing local directory is an empty root).
+            StoreError: The listing failed (translated, naming the location).
+        """
+        root = self.location
+        self._fs.invalidate_cache(root.path)
+        try:
+            found = self._fs.find(root.path, detail=True)
+        except FileNotFoundError:
+            found = {}
+        except Exception as exc:
+            raise translate(exc, url=root.url, action="listing", missing_is_bucket=True) from exc
+        if not found:
+            self.require_bucket()
+            return []
+        prefix = root.path.rstrip("/") + "/"
+        out = []
+        for path, info in found.items():
+            path = str(path)
+            if info.get("type") == "directory":
+                continue
+            if not path.startswith(prefix):
+                path = "/" + path if ("/" + path).startswith(prefix) else path
+            key = path[len(prefix) :] if path.startswith(prefix) else path.rsplit("/", 1)[-1]
+            out.append(ObjectInfo(key, int(info.get("size") or 0), modified_time(info)))
+        return sorted(out, key=lambda o: o.key)
+
+    def directories(self) -> list[str]:
+        """Names of the sub-prefixes directly under the location (one listing of its
+        top level, not of what they hold).
+
+        Raises:
+            BucketNotFoundError: The listing was empty and the bucket does not exist.
+            StoreError: The listing failed (translated, naming the location).
+        """
+        root = self.location
+        self._fs.invalidate_cache(root.path)
+        try:
+            listed = self._fs.ls(root.path, detail=True)
+        except FileNotFoundError:
+            listed = []
+        except Exception as exc:
+            raise translate(exc, url=root.url, action="listing", missing_is_bucket=True) from exc
+        if not listed:
+            self.require_bucket()
+        return [
+            str(e.get("name", "")).rstrip("/").rsplit("/", 1)[-1]
+            for e in listed
+            if e.get("type") == "directory"
+        ]
+
+    def require_bucket(self) -> None:
+        """Raise when the location's bucket does not exist (one request; object
+        stores only).
+
+        Raises:
+            BucketNotFoundError: Named for the bucket and the location.
+            StoreError: The check itself failed (translated, naming the location).
+        """
+        root = self.location
+        if root.is_local:
+            return
+        try:
+            exists = self._fs.exists(root.bucket)
+        except Exception as exc:
+            raise translate(exc, url=root.url, action="listing", missing_is_bucket=True) from exc
+        if not exists:
+            raise BucketNotFoundError(f"bucket {root.bucket!r} of {root.url} does not exist")
+
+    def remove_empty_directories(self, inner: Iterable[str] = ()) -> None:
+        """On local disk, remove the sub-directories ``inner`` and then the
+        location's own directory, each only if empty (object stores have no
+        directories: nothing to do). A directory that is not empty, or already
+        gone, stays as it is."""
+        if not self.location.is_local:
+            return
+        path = self.location.path
+        for name in inner:
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.join(path, name))
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
 
     def listing(self, prefix: str = "") -> dict[str, int]:
         """Size by name of each entry directly under the location (or its
@@ -386,9 +550,9 @@ class ObjectStore(abc.ABC):
             Exception: The store's own error (see the module docstring).
         """
         path = self.location.key_path(prefix) if prefix else self.location.path
-        self.fs.invalidate_cache(path)
+        self._fs.invalidate_cache(path)
         try:
-            entries = self.fs.ls(path, detail=True)
+            entries = self._fs.ls(path, detail=True)
         except FileNotFoundError:
             return {}
         return {
@@ -403,8 +567,12 @@ class ObjectStore(abc.ABC):
             StoreError: Any other failure, named for the object.
         """
         info = self.fresh_info(key)
+        if info.get("type") == "directory":  # a prefix (or local directory), no object
+            raise FileNotFoundError(self.location.url_of(key))
         tag = info.get("ETag") or info.get("etag") or info.get("generation")
-        return ObjectHead(int(info.get("size") or 0), str(tag) if tag else None)
+        return ObjectHead(
+            int(info.get("size") or 0), str(tag) if tag else None, modified_time(info)
+        )
 
     def fresh_info(self, key: str) -> dict[str, Any]:
         """fsspec's ``info`` of ``key`` past its listing cache (a HEAD's answer): what
@@ -415,8 +583,8 @@ class ObjectStore(abc.ABC):
             StoreError: Any other failure, named for the object.
         """
         try:
-            self.fs.invalidate_cache(self.path(key))
-            return dict(self.fs.info(self.path(key)))
+            self._fs.invalidate_cache(self.path(key))
+            return dict(self._fs.info(self.path(key)))
         except FileNotFoundError:
             raise
         except Exception as exc:
@@ -424,8 +592,8 @@ class ObjectStore(abc.ABC):
 
     def exists(self, key: str) -> bool:
         try:
-            self.fs.invalidate_cache(self.path(key))
-            return bool(self.fs.exists(self.path(key)))
+            self._fs.invalidate_cache(self.path(key))
+            return bool(self._fs.exists(self.path(key)))
         except Exception as exc:
             raise translate(exc, url=self.location.url_of(key), action="checking") from exc
 
@@ -455,7 +623,7 @@ class ObjectStore(abc.ABC):
                 exc, url=self.location.url_of(key), action=f"copying {src.location.url_of(key)}"
             ) from exc
         finally:
-            self.fs.invalidate_cache(self.path(key))
+            self._fs.invalidate_cache(self.path(key))
         return True
 
     def _copy_inside(self, src: ObjectStore, key: str, size: int) -> None:
@@ -470,7 +638,7 @@ class ObjectStore(abc.ABC):
             FileNotFoundError: The object is absent.
         """
         try:
-            info = self.fs.info(self.path(key))
+            info = self._fs.info(self.path(key))
         except FileNotFoundError:
             raise
         except Exception as exc:
@@ -480,7 +648,7 @@ class ObjectStore(abc.ABC):
     def delete(self, key: str) -> None:
         """Remove one object (absent is fine)."""
         try:
-            self.fs.rm_file(self.path(key))
+            self._fs.rm_file(self.path(key))
         except FileNotFoundError:
             pass
         except Exception as exc:
@@ -497,14 +665,14 @@ class ObjectStore(abc.ABC):
         for i in range(0, len(keys), batch):
             chunk = keys[i : i + batch]
             try:
-                self.fs.rm([self.path(k) for k in chunk])
+                self._fs.rm([self.path(k) for k in chunk])
             except FileNotFoundError:
                 for k in chunk:  # some were gone already: delete the rest one by one
                     with contextlib.suppress(FileNotFoundError):
-                        self.fs.rm(self.path(k))
+                        self._fs.rm(self.path(k))
             except Exception as exc:
                 raise translate(exc, url=self.location.url_of(chunk[0]), action="deleting") from exc
-        self.fs.invalidate_cache(self.location.path)
+        self._fs.invalidate_cache(self.location.path)
 
     def open_uploads(self) -> list[OpenUpload]:
         """Multipart uploads started under this location and never completed.
@@ -587,9 +755,9 @@ class BufferedUpload(ObjectUpload):
         store.acquire_slot()
         fut: concurrent.futures.Future[None]
         if store.is_async:
-            fut = store.submit_coro(store.fs._pipe_file(path, data))
+            fut = store.submit_coro(store._fs._pipe_file(path, data))
         else:
-            fut = store.submit_call(store.fs.pipe_file, path, data)
+            fut = store.submit_call(store._fs.pipe_file, path, data)
         fut.add_done_callback(store.release_slot)
         return translated_future(fut, store.location.url_of(self.key), "uploading")
 
@@ -597,7 +765,7 @@ class BufferedUpload(ObjectUpload):
         self._buf = bytearray()
         if self._closed:
             try:
-                self._store.fs.rm_file(self._store.path(self.key))
+                self._store._fs.rm_file(self._store.path(self.key))
             except Exception:  # best effort: an uncommitted object is garbage for gc anyway
                 logger.debug("could not remove aborted object %s", self.key, exc_info=True)
 

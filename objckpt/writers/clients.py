@@ -247,16 +247,19 @@ class OwnedClients:
         self._thread: threading.Thread | None = None
         self._closed = False
 
-    def filesystem(self, location: Location) -> AbstractFileSystem:
-        """The client for ``location``'s settings, owned here: built with the first
-        location of those settings (an async one on this owner's loop, started with
-        the first), then kept; settings that cannot be compared get a new one.
+    def filesystem(self, location: Location, scope: Hashable = None) -> AbstractFileSystem:
+        """The client for ``location``'s settings (and ``scope``, as
+        :meth:`ClientCache.filesystem`), owned here: built with the first location
+        of those settings (an async one on this owner's loop, started with the
+        first), then kept; settings that cannot be compared get a new one.
 
         Raises:
             ConfigurationError: The backend package is missing or rejects the
                 options, or these clients are closed.
         """
         key = _settings(location)
+        if key is not None and scope is not None:
+            key = (key, scope)
         with self._lock:
             if self._closed:
                 raise ConfigurationError(f"{self._name}: its clients are closed")

@@ -84,7 +84,7 @@ class CompositeUpload(PartedUpload):
             self._temporary.append(key)
         store = self._store
         store.acquire_slot()  # backpressure: at most max_parts_in_flight pieces in memory
-        fut = store.submit_coro(store.fs._pipe_file(store.path(key), data))
+        fut = store.submit_coro(store._fs._pipe_file(store.path(key), data))
         fut.add_done_callback(store.release_slot)
         self._futures.append(translated_future(fut, store.location.url_of(key), "uploading"))
 
@@ -128,7 +128,7 @@ class CompositeUpload(PartedUpload):
     async def _merge(self, key: str, sources: list[str]) -> None:
         store = self._store
         try:
-            await store.fs._merge(store.path(key), [store.path(s) for s in sources])
+            await store._fs._merge(store.path(key), [store.path(s) for s in sources])
         except Exception as exc:
             raise translate(exc, url=store.location.url_of(key), action="composing") from exc
 
@@ -149,7 +149,7 @@ class CompositeUpload(PartedUpload):
             return
         store = self._store
         try:
-            store.fs.rm([store.path(k) for k in keys])
+            store._fs.rm([store.path(k) for k in keys])
         except Exception:
             logger.debug("could not delete the pieces of %s", self.key, exc_info=True)
 

@@ -65,7 +65,7 @@ class GcsStore(GenericStore):
         try:
             with self.preflight_bound(timeout):
                 answer = self.run_coro(
-                    self.fs._call(
+                    self._fs._call(
                         "GET", f"b/{{}}/iam/testPermissions?{query}", bucket, json_out=True
                     ),
                     timeout=timeout + PREFLIGHT_GRACE,
@@ -102,7 +102,7 @@ class GcsStore(GenericStore):
 
     def _copy_inside(self, src: ObjectStore, key: str, size: int) -> None:
         """A rewrite inside GCS (gcsfs's ``cp_file``); GCS keeps every object's CRC32C."""
-        self.fs.cp_file(src.path(key), self.path(key))
+        self._fs.cp_file(src.path(key), self.path(key))
 
     def digest(self, key: str) -> tuple[int, str | None]:
         info = self.fresh_info(key)
@@ -114,6 +114,7 @@ class MemoryStore(GenericStore):
     """fsspec's in-process memory store; a lock makes the commit create-only."""
 
     atomic_create = True
+    shared_by_processes = False  # each process has its own
 
     # The memory filesystem's contents are process-global, so its commit lock is too.
     _commit_lock = threading.Lock()
@@ -123,6 +124,6 @@ class MemoryStore(GenericStore):
 
     def create(self, key: str, data: bytes, *, overwrite: bool = False) -> None:
         with self._commit_lock:
-            if not overwrite and self.fs.exists(self.path(key)):
+            if not overwrite and self._fs.exists(self.path(key)):
                 raise FileExistsError(self.location.url_of(key))
-            self.fs.pipe_file(self.path(key), data)
+            self._fs.pipe_file(self.path(key), data)

@@ -36,6 +36,7 @@ class LocalStore(ObjectStore):
     """Writes objects as files under a local directory."""
 
     atomic_create = True  # a hard link of a complete temporary file fails if the name exists
+    shared_by_processes = False  # a path may be node-local (a LocalTier)
 
     def preflight(self, timeout: float) -> None:
         root = self.location.path

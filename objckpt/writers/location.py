@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -26,7 +27,7 @@ from fsspec.asyn import AsyncFileSystem
 from objckpt.errors import ConfigurationError
 from objckpt.writers.retry import RetryPolicy, s3_options
 
-__all__ = ["Location"]
+__all__ = ["Location", "backend_options"]
 
 # The optional dependency each well-known protocol needs, for a helpful ImportError.
 _EXTRAS = {
@@ -147,6 +148,11 @@ class Location:
         name = name.strip("/")
         return dataclasses.replace(self, url=f"{self.url}/{name}", path=f"{self.path}/{name}")
 
+    def parent(self) -> Location:
+        """The location one level up (the directory of a file, the root of a step)."""
+        url, path = self.url.rstrip("/"), self.path.rstrip("/")
+        return dataclasses.replace(self, url=url.rsplit("/", 1)[0], path=path.rsplit("/", 1)[0])
+
     def key_path(self, key: str) -> str:
         """fsspec path of an object named by a key relative to this location.
 
@@ -239,3 +245,47 @@ def _parent_of(path: str, key: str) -> str:
 
 def _inner(key: str) -> str:
     return key[3:] if _is_sibling_key(key) else key
+
+
+# fsspec's own constructor options, which every filesystem accepts.
+_FSSPEC_OPTIONS = frozenset(
+    {"use_listings_cache", "listings_expiry_time", "max_paths", "skip_instance_cache"}
+)
+
+
+def _declared(cls: type) -> set[str]:
+    """Keyword options the constructors along ``cls``'s MRO name, up to fsspec's base."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if klass in (AbstractFileSystem, object) or "__init__" not in vars(klass):
+            continue
+        params = inspect.signature(vars(klass)["__init__"]).parameters.values()
+        names |= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break
+    return names - {"self"}
+
+
+def backend_options(protocol: str) -> frozenset[str] | None:
+    """The storage option names the backend of ``protocol`` takes, or None where
+    that cannot be told.
+
+    Told for S3 (s3fs hands the keywords its constructor does not name to
+    aiobotocore's session, which rejects unknown ones only at the first request,
+    as a bare ``TypeError``), GCS, Azure and memory (whose leftovers fsspec and
+    adlfs drop silently, so a typo'd name is ignored): from their constructors' signatures, so
+    no backend parameter is declared twice. Other backends may pass leftovers on
+    to their HTTP client, so any name may be meant.
+    """
+    if protocol not in ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory"):
+        return None
+    try:
+        cls = fsspec.get_filesystem_class(protocol)
+    except ImportError:
+        return None  # opening the store says which extra to install
+    names = _declared(cls) | _FSSPEC_OPTIONS
+    if protocol in ("s3", "s3a"):
+        from aiobotocore.session import AioSession
+
+        names |= _declared(AioSession)
+    return frozenset(names)

@@ -50,7 +50,7 @@ class S3Store(ObjectStore):
         """Whether multipart uploads ask the store to keep a full-object CRC32C
         (``ChecksumType=FULL_OBJECT``), which :meth:`digest` then reports without
         reading the object: true until the endpoint refuses one."""
-        return _NO_FULL_OBJECT_CRC32C not in vars(self.fs)
+        return _NO_FULL_OBJECT_CRC32C not in vars(self._fs)
 
     def no_full_object_crc32c(self, why: str) -> None:
         """Remember that the endpoint refuses full-object CRC32C uploads (logged once).
@@ -59,7 +59,7 @@ class S3Store(ObjectStore):
         but such objects are read back wherever they are checked (backups, copies).
         """
         first = object()
-        if vars(self.fs).setdefault(_NO_FULL_OBJECT_CRC32C, first) is first:
+        if vars(self._fs).setdefault(_NO_FULL_OBJECT_CRC32C, first) is first:
             logger.warning(
                 "%s does not keep full-object CRC32C checksums of multipart uploads (%s); "
                 "uploading without, so copies and backups of large objects are checked by "
@@ -74,7 +74,7 @@ class S3Store(ObjectStore):
         return bucket, prefix
 
     async def call(self, method: str, **kwargs: Any) -> Any:
-        return await self.fs._call_s3(method, **kwargs)
+        return await self._fs._call_s3(method, **kwargs)
 
     def preflight(self, timeout: float) -> None:
         """Prove, in bounded time and before anything is staged, that a save can succeed.
@@ -127,7 +127,7 @@ class S3Store(ObjectStore):
                 raise FileExistsError(self.location.url_of(key)) from exc
             raise translate(exc, url=self.location.url_of(key), action="committing") from exc
         finally:
-            self.fs.invalidate_cache(self.path(key))
+            self._fs.invalidate_cache(self.path(key))
 
     def put(self, key: str, data: bytes) -> None:
         self.create(key, data, overwrite=True)

@@ -141,9 +141,8 @@ def test_async_round_trip_on_s3_compresses_in_the_workers(s3_bucket: StoreTarget
     dcp.load(got, storage_reader=reader)
     _assert_equal(got, state)
     # The workers recorded what they applied: floats grouped then zstd, the rest zstd.
-    fs = reader.fs
-    (index,) = [p for p in fs.ls(reader.location.path) if "/__index_0." in p]
-    doc = json.loads(fs.cat_file(index))
+    (index,) = [k for k in reader.store.listing() if k.startswith("__index_0.")]
+    doc = json.loads(reader.store.read(index))
     assert sorted(doc["transforms"]) == [[ZSTD], [ZSTD, BYTEGROUP]]
     assert reader.manifest is not None
     raw = sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor))

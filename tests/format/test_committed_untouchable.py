@@ -165,8 +165,7 @@ def test_cp_overwrite_leaves_no_object_only_the_replaced_checkpoint_named(
         named = {o.key for o in read_manifest(store).objects}
         only_replaced = replaced - named
         assert only_replaced, "the two saves name the same objects: nothing to check"
-        left = {k for k in store.fs.find(store.location.path)}
-        there = {k.rsplit("/", 1)[-1] for k in left}
+        there = {o.key for o in store.inventory()}
     finally:
         store.close()
     assert not only_replaced & there, sorted(only_replaced & there)

@@ -15,10 +15,11 @@ import pytest
 
 from objckpt.errors import BucketNotFoundError, StoreError
 from objckpt.format.layout import MANIFEST_KEY
-from objckpt.format.steps import committed_steps, inventory, step_name, steps_of
+from objckpt.format.steps import committed_steps, step_name, steps_of
 from objckpt.testing import FaultProxy
 from objckpt.testing.plugin import StoreTarget
 from objckpt.testing.rules import Rule
+from objckpt.writers import open_store
 from objckpt.writers.location import Location
 
 COMMITTED = (3, 7, 12)
@@ -57,7 +58,7 @@ def test_s3_requests_do_not_grow_with_the_objects_a_step_holds(
     for per_step in (4, 400):  # 4 steps x 400 objects: the recursive listing pages twice
         _fill(fs, root, per_step)
         s3_proxy.clear()
-        found = committed_steps(fs, root)
+        found = committed_steps(open_store(root))
         assert [s.step for s in found] == list(COMMITTED)
         assert all(s.committed and s.url == root.child(step_name(s.step)).url for s in found)
         assert all(s.modified is not None for s in found)
@@ -71,7 +72,9 @@ def test_s3_requests_do_not_grow_with_the_objects_a_step_holds(
     assert large_bytes == small_bytes, (small_bytes, large_bytes)
     # The old way, for contrast: one recursive listing pays for every object.
     s3_proxy.clear()
-    assert [s.step for s in steps_of(inventory(fs, root), root) if s.committed] == list(COMMITTED)
+    assert [s.step for s in steps_of(open_store(root).inventory(), root) if s.committed] == list(
+        COMMITTED
+    )
     assert s3_proxy.count("ListObjectsV2") >= 2
     assert s3_proxy.received_bytes("ListObjectsV2") > 10 * large_bytes
 
@@ -82,11 +85,11 @@ def test_local_and_memory_roots(scheme: str, tmp_path: Any) -> None:
     root = Location.parse(url)
     fs = root.open_fs()
     _fill(fs, root, 3)
-    found = committed_steps(fs, root)
+    found = committed_steps(open_store(root))
     assert [s.step for s in found] == list(COMMITTED)
     assert [s.bytes for s in found] == [len(json.dumps({"step": s}).encode()) for s in COMMITTED]
     # The same answer as the recursive inventory's.
-    listed = [s.step for s in steps_of(inventory(fs, root), root) if s.committed]
+    listed = [s.step for s in steps_of(open_store(root).inventory(), root) if s.committed]
     assert listed == list(COMMITTED)
 
 
@@ -100,7 +103,7 @@ def test_a_failed_head_fails_the_listing_naming_the_manifest(
     _fill(fs, root, 1)
     s3_proxy.add(Rule("HeadObject", action="status", status=403))
     with pytest.raises(StoreError, match=MANIFEST_KEY):
-        committed_steps(fs, root)
+        committed_steps(open_store(root))
     assert s3_proxy.count("HeadObject", faulted=True) >= 1
 
 
@@ -112,22 +115,22 @@ def test_only_objckpt_s_own_step_names_count(tmp_path: Any) -> None:
     _fill(fs, root, 1)
     fs.makedirs(f"{tmp_path}/root/step-00000000005", exist_ok=True)
     fs.pipe_file(f"{tmp_path}/root/step-00000000005/{MANIFEST_KEY}", b"{}")
-    assert [s.step for s in committed_steps(fs, root)] == list(COMMITTED)
+    assert [s.step for s in committed_steps(open_store(root))] == list(COMMITTED)
 
 
 def test_an_empty_or_missing_root_has_no_steps(tmp_path: Any) -> None:
     root = Location.parse(f"file://{tmp_path}/nothing-here")
-    assert committed_steps(root.open_fs(), root) == []
+    assert committed_steps(open_store(root)) == []
 
 
 def test_a_missing_bucket_is_named(s3_proxy: FaultProxy, s3_bucket: StoreTarget) -> None:
     root = Location.parse("s3://no-such-bucket-objckpt/run", s3_proxy.storage_options())
     with pytest.raises(BucketNotFoundError, match="no-such-bucket-objckpt"):
-        committed_steps(root.open_fs(), root)
+        committed_steps(open_store(root))
 
 
 def test_gcs_root(fake_gcs_bucket: StoreTarget) -> None:
     root = Location.parse(fake_gcs_bucket.root, fake_gcs_bucket.storage_options)
     fs = root.open_fs()
     _fill(fs, root, 3)
-    assert [s.step for s in committed_steps(fs, root)] == list(COMMITTED)
+    assert [s.step for s in committed_steps(open_store(root))] == list(COMMITTED)

@@ -19,7 +19,7 @@ from objckpt import CheckpointManager, Location, UploadOptions
 from objckpt.errors import UploadError
 from objckpt.format.layout import MANIFEST_KEY
 from objckpt.format.refs import is_reference
-from objckpt.format.steps import inventory, step_name
+from objckpt.format.steps import step_name
 from objckpt.ops.live_set import live_set
 from objckpt.ops.verify import verify_checkpoint
 from objckpt.testing import FaultProxy, MotoServer, Rule
@@ -255,7 +255,7 @@ def test_the_live_set_reads_an_uncommitted_index_object_once_per_cache(
     cache: dict = {}
     s3_proxy.clear()
     for _ in range(3):
-        objects = inventory(store.fs, store.location)
+        objects = store.inventory()
         live = live_set(store, objects, grace=3600.0, now=time.time(), cache=cache)
         assert any(k.startswith(f"{step_name(1)}/__0_") for k in live.pending), live
     read = [p for p in s3_proxy.paths("GetObject") if f"{step_name(2)}/__index_" in p]

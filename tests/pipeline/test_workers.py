@@ -193,7 +193,7 @@ def test_a_worker_keeps_one_store_per_location_over_one_filesystem(
     there = Location.parse(s3_bucket.url("b"), s3_bucket.storage_options)
     first, second = worker_store(here, opts), worker_store(there, opts)
     assert (first.location.url, second.location.url) == (here.url, there.url)
-    assert first.fs is second.fs  # one client, one connection pool
+    assert first._fs is second._fs  # one client, one connection pool
     assert worker_store(here, opts) is first
     other = worker_store(here, UploadOptions(max_parts_in_flight=3))
-    assert other.fs is not first.fs  # other options: a filesystem of their own
+    assert other._fs is not first._fs  # other options: a filesystem of their own

@@ -24,7 +24,6 @@ from helpers import load, save
 
 from objckpt import Location, RetryPolicy, UploadOptions
 from objckpt.errors import AccessDeniedError, ConfigurationError
-from objckpt.format.steps import inventory
 from objckpt.ops.verify import verify_checkpoint
 from objckpt.testing import FaultProxy, MotoServer
 from objckpt.testing.plugin import StoreTarget
@@ -64,7 +63,7 @@ def test_writers_and_a_reader_with_the_same_settings_share_one_client(
     got = {"w": torch.zeros(64), "step": 0}
     reader = load(got, s3_bucket.url("a"), s3_bucket)
     assert torch.equal(got["w"], state["w"]) and got["step"] == 3
-    assert first.store.fs is second.store.fs is reader.fs
+    assert first.store._fs is second.store._fs is reader.store._fs
     assert len(clients) == 1  # before: one per writer and one per reader (3)
 
 
@@ -213,7 +212,7 @@ def test_saves_on_one_client_count_their_own_requests(
     for t in threads:
         t.join(timeout=300)
     assert not errors and len(writers) == 2
-    assert writers["one"].store.fs is writers["two"].store.fs and len(clients) == 1
+    assert writers["one"].store._fs is writers["two"].store._fs and len(clients) == 1
     for name, writer in writers.items():
         stats = writer.last_manifest.requests if writer.last_manifest else None
         assert stats is not None
@@ -234,7 +233,7 @@ def test_a_shared_client_reads_what_is_stored_now_not_what_it_listed(
     root = Location.parse(s3_bucket.url("run"), s3_bucket.storage_options)
     step = root.child("step-1")
     save({"w": torch.arange(32.0)}, step.url, s3_bucket)
-    assert [o.key for o in inventory(shared_filesystem(root), root)]  # listed, by this client
+    assert [o.key for o in open_store(root).inventory()]  # listed, by this client
     client = moto_server.boto3_client()
     key = f"{step.path.split('/', 1)[1]}/.metadata"
     body = client.get_object(Bucket=s3_bucket.bucket, Key=key)["Body"].read()

@@ -44,8 +44,8 @@ def _upload(store: GcsStore, key: str, data: bytes, chunk: int = 3 * MiB + 7) ->
 
 
 def _names(store: GcsStore) -> list[str]:
-    store.fs.invalidate_cache(store.location.path)
-    return sorted(p.rsplit("/", 1)[-1] for p in store.fs.find(store.location.path))
+    store.forget_listings()
+    return sorted(p.rsplit("/", 1)[-1] for p in store._fs.find(store.location.path))
 
 
 def test_a_large_object_is_composed_from_pieces_and_checked(gcs: StoreTarget) -> None:
@@ -80,14 +80,14 @@ def test_a_damaged_piece_fails_the_object_and_leaves_nothing(
     composite's CRC32C, computed by the server, differs from the one objckpt computed
     while writing; the upload fails naming the object and deletes what it made."""
     store = _store(fake_gcs_bucket, "damaged")
-    real = store.fs._pipe_file
+    real = store._fs._pipe_file
 
     async def flip(path: str, data: bytes, **kw: object) -> object:
         if path.endswith("piece-0-00001"):
             data = bytes([data[0] ^ 1]) + data[1:]
         return await real(path, data, **kw)
 
-    monkeypatch.setattr(store.fs, "_pipe_file", flip)
+    monkeypatch.setattr(store._fs, "_pipe_file", flip)
     data = os.urandom(3 * PART)
     upload = store.begin("bad.distcp", len(data))
     upload.write(data)

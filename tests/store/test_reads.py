@@ -38,8 +38,8 @@ def test_a_416_is_judged_by_its_code_not_its_text(via: StoreTarget, s3_proxy: Fa
     try:
         store.put("empty.json", b"")
         s3_proxy.add(TERSE_416)
-        assert read_bounded(store.fs, store.path("empty.json"), 1000) == b""
-        assert read_ranges(store.fs, [store.path("empty.json")], [0], [10]) == [b""]
+        assert read_bounded(store._fs, store.path("empty.json"), 1000) == b""
+        assert read_ranges(store._fs, [store.path("empty.json")], [0], [10]) == [b""]
     finally:
         store.close()
     assert s3_proxy.count("GetObject", faulted=True) == 2
@@ -71,8 +71,8 @@ def test_an_empty_range_sends_no_request(via: StoreTarget, s3_proxy: FaultProxy)
     try:
         store.put("five.bin", b"01234")
         s3_proxy.clear()
-        assert read_range(store.fs, store.path("five.bin"), 2, 2) == b""
-        assert read_ranges(store.fs, [store.path("five.bin")] * 2, [2, 0], [2, 5]) == [
+        assert read_range(store._fs, store.path("five.bin"), 2, 2) == b""
+        assert read_ranges(store._fs, [store.path("five.bin")] * 2, [2, 0], [2, 5]) == [
             b"",
             b"01234",
         ]

@@ -202,7 +202,7 @@ def test_rgw_refuses_a_range_of_an_empty_object_and_objckpt_reads_it_as_empty(
         client.get_object(Bucket=rgw_bucket.bucket, Key="t/empty", Range="bytes=0-1000")
     store = open_store(Location.parse(rgw_bucket.root, rgw_bucket.storage_options))
     try:
-        assert read_bounded(store.fs, store.path("empty"), 1000) == b""
+        assert read_bounded(store._fs, store.path("empty"), 1000) == b""
     finally:
         store.close()
 

@@ -333,7 +333,7 @@ def test_a_store_refusing_full_object_crc32c_gets_todays_uploads_and_is_asked_on
     loc = Location.parse(s3_bucket.url("plain"), s3_proxy.storage_options())
     data = b"x" * (11 * MiB)
     first = open_store(loc, UploadOptions(part_size=5 * MiB))
-    second = open_store(loc.child("later"), first.options, first.fs)
+    second = first.child("later")
     try:
         with caplog.at_level(logging.WARNING, logger="objckpt.writers"):
             for store, key in ((first, "a.bin"), (first, "b.bin"), (second, "c.bin")):

@@ -328,7 +328,7 @@ def test_a_botocore_without_if_none_match_is_refused_before_the_commit_is_sent(
     store = open_store(Location.parse(s3_bucket.url("c"), s3_proxy.storage_options()))
     try:
         store.create("manifest.json", b"first")
-        members = store.fs._s3.meta.service_model.operation_model("PutObject").input_shape.members
+        members = store._fs._s3.meta.service_model.operation_model("PutObject").input_shape.members
         monkeypatch.delitem(members, "IfNoneMatch")
         monkeypatch.setattr(ParamKwargsHelper, "_kwarg_cache", {})
         puts = s3_proxy.count("PutObject")

@@ -92,10 +92,10 @@ def loads(
     dcp.save(state(rank), storage_writer=objckpt.ObjectStoreWriter(bare, storage_options=options))
     dist.barrier()
     if rank == 0:
-        fs = objckpt.ObjectStoreReader(
+        store = objckpt.ObjectStoreReader(
             bare, storage_options=options, read=objckpt.ReadOptions(broadcast=False)
-        ).fs
-        fs.rm(fs._strip_protocol(f"{bare}/manifest.json"))
+        ).store
+        store.delete("manifest.json")
     dist.barrier()
     try:
         dcp.load(_blank(), storage_reader=objckpt.ObjectStoreReader(bare, storage_options=options))
