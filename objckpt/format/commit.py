@@ -77,8 +77,8 @@ from objckpt.format.manifest import Manifest, ObjectEntry, read_manifest
 from objckpt.format.metadata_stream import MetadataStream
 from objckpt.format.ref_check import require_referenced
 from objckpt.format.refs import is_reference
-from objckpt.format.settle import after_commit, put_manifest, require_present
-from objckpt.format.superseded import delete_superseded_after, previous_objects
+from objckpt.format.settle import finish_commit, put_manifest, require_present
+from objckpt.format.superseded import previous_objects
 from objckpt.writers.accounting import RequestCounter, RequestStats, counting, current_counter
 from objckpt.writers.base import ObjectStore
 from objckpt.writers.checksum import Crc32c
@@ -437,11 +437,9 @@ class InThread(CommitStrategy):
         self._blob = None
         if blob is None:
             raise InternalError("internal: InThread.publish without a prepared .metadata")
-        written = after_commit(
-            store, f"writing {METADATA_KEY}", lambda: store.put(METADATA_KEY, blob)
-        )
-        delete_superseded_after(store, written, self._superseded - named)
-        return written
+        doomed = self._superseded - named
+        write = lambda: store.put(METADATA_KEY, blob)  # noqa: E731
+        return finish_commit(store, f"writing {METADATA_KEY}", write, doomed) is None
 
 
 def commit_sequence(

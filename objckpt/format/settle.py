@@ -10,7 +10,8 @@ grace is shorter than a save (promotions have no deadline) may have deleted earl
 objects; the save must then fail, never commit a manifest that names bytes that
 are gone (after which local retention could delete the only full copy).
 
-**The manifest PUT** (:func:`put_manifest`) can land while its caller sees an
+**The manifest PUT** (:func:`put_manifest`, one case of :func:`create_settled`,
+which an export's index goes through too) can land while its caller sees an
 error: the answer lost on the wire, a retry meeting its own earlier write (412),
 the save's deadline cancelling a request the store had already applied. Reporting
 such a save as failed is as wrong as reporting a failed one as committed, so any
@@ -21,28 +22,38 @@ error of the PUT is settled by reading the manifest back, once, in bounded time:
   an overwrite, our PUT did not land and the original error stands;
 * it is absent: nothing was committed and the original error stands.
 
-**After the manifest**, :func:`after_commit` runs what must follow a commit and
+**After the manifest**, :func:`finish_commit` runs what must follow a commit and
 only a commit (``.metadata`` for stock DCP readers: a fixed name, so no attempt
-may write it before it has won) under a bound of its own, because the manifest
-PUT may have spent the save's deadline. A failure there is logged, never the
-save's outcome: the checkpoint is committed.
+may write it before it has won; then the objects only a replaced checkpoint
+named) under a bound of its own, because the manifest PUT may have spent the
+save's deadline. It is the one implementation of that step for every commit. A
+failure there is logged, never the save's outcome: the checkpoint is committed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Set
 
 from objckpt.errors import CheckpointExistsError, ManifestError, UploadError
-from objckpt.format.layout import MANIFEST_KEY
+from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY
 from objckpt.format.manifest import Manifest, ObjectEntry
+from objckpt.format.superseded import delete_superseded_after
 from objckpt.writers.base import ObjectStore
 from objckpt.writers.checksum import crc32c_of
 from objckpt.writers.deadline import Deadline, bounded_by, current_deadline
 from objckpt.writers.translate import describe
 
-__all__ = ["SETTLE_SECONDS", "after_commit", "put_manifest", "require_present", "settling"]
+__all__ = [
+    "SETTLE_SECONDS",
+    "create_settled",
+    "finish_commit",
+    "manifest_holder",
+    "put_manifest",
+    "require_present",
+    "settling",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -100,15 +111,15 @@ def require_present(store: ObjectStore, entries: Iterable[ObjectEntry]) -> None:
     )
 
 
-def _read_back(store: ObjectStore) -> bytes | None:
-    """The manifest's bytes on the store, or None when it is absent."""
+def _read_back(store: ObjectStore, key: str) -> bytes | None:
+    """``key``'s bytes on the store, or None when it is absent."""
     try:
-        return store.read(MANIFEST_KEY)
+        return store.read(key)
     except FileNotFoundError:
         return None
 
 
-def _holder(data: bytes, url: str) -> str:
+def manifest_holder(data: bytes, url: str) -> str:
     """Who wrote the manifest ``data``, for messages."""
     try:
         return f"attempt {Manifest.from_json_bytes(data, url=url).attempt}"
@@ -121,105 +132,168 @@ def _sums(data: bytes) -> str:
 
 
 def put_manifest(store: ObjectStore, data: bytes, *, overwrite: bool = False) -> None:
-    """Write ``manifest.json`` (create-only unless ``overwrite``): the commit.
+    """Write ``manifest.json`` (create-only unless ``overwrite``): the commit
+    (:func:`create_settled`)."""
+    create_settled(store, MANIFEST_KEY, data, overwrite=overwrite)
 
-    Any error of the PUT is settled by reading the manifest back (see the module
-    docstring); returning means the manifest on the store holds ``data``.
+
+def create_settled(
+    store: ObjectStore,
+    key: str,
+    data: bytes,
+    *,
+    overwrite: bool = False,
+    holder: Callable[[bytes, str], str] = manifest_holder,
+    lost: Callable[[], None] | None = None,
+) -> None:
+    """Write the commit point ``key`` (create-only unless ``overwrite``): every
+    commit's one create-then-settle, the manifest's and an export's index alike.
+
+    Any error of the PUT is settled by reading ``key`` back (see the module
+    docstring); returning means ``key`` on the store holds ``data``.
+
+    Args:
+        holder: Who wrote other bytes found there, for messages (``(bytes, url)``).
+        lost: Called when this call is known not to have committed (another
+            writer's object is there, or the read-back shows the PUT did not land),
+            before raising: what the caller staged for it may go. Never called when
+            the outcome is unknown.
 
     Raises:
-        CheckpointExistsError: Another writer's manifest is there (create-only), or
+        CheckpointExistsError: Another writer's object is there (create-only), or
             the store says one exists and it cannot be read back.
         Exception: The PUT's own error, when the read-back shows it did not land
             (or the read-back fails too: the outcome is then unknown, and logged).
     """
     try:
-        store.create(MANIFEST_KEY, data, overwrite=overwrite)
+        store.create(key, data, overwrite=overwrite)
     except FileExistsError as exc:
-        _settle_exists(store, data, exc)
+        _settle_exists(store, key, data, exc, holder, lost)
     except Exception as exc:
-        if not _landed(store, data, exc, overwrite=overwrite):
+        landed = _landed(store, key, data, exc, overwrite, holder, lost)
+        if landed is False and lost is not None:
+            lost()
+        if not landed:
             raise
 
 
-def _landed(store: ObjectStore, data: bytes, exc: Exception, *, overwrite: bool) -> bool:
-    """After a failed manifest PUT: True when the manifest holds ``data`` (the PUT
-    landed), False when it does not or cannot be read (logged).
+def _landed(
+    store: ObjectStore,
+    key: str,
+    data: bytes,
+    exc: Exception,
+    overwrite: bool,
+    holder: Callable[[bytes, str], str],
+    lost: Callable[[], None] | None,
+) -> bool | None:
+    """After a failed PUT of ``key``: True when it holds ``data`` (the PUT landed),
+    False when it does not, None when it cannot be read (logged).
 
     Raises:
-        CheckpointExistsError: Another writer's manifest is there (create-only).
+        CheckpointExistsError: Another writer's object is there (create-only).
     """
-    url = store.location.url
+    url = store.location.url_of(key)
     try:
         with settling(store):
-            found = _read_back(store)
+            found = _read_back(store, key)
     except Exception as read_exc:
         logger.error(
-            "the manifest PUT of %s failed (%s) and reading it back failed too (%s): "
+            "the PUT of %s failed (%s) and reading it back failed too (%s): "
             "whether it committed is unknown; `objckpt verify %s` tells",
             url,
             describe(exc),
             describe(read_exc),
-            url,
+            store.location.url,
         )
-        return False
+        return None
     if found == data:
         logger.warning(
-            "the manifest PUT of %s failed (%s), yet the manifest holds what it sent "
-            "(%s): the save committed",
+            "the PUT of %s failed (%s), yet the %s holds what it sent (%s): committed",
             url,
             describe(exc),
+            "manifest" if key == MANIFEST_KEY else key,
             _sums(data),
         )
         return True
     if found is not None and not overwrite:
+        if lost is not None:
+            lost()
         raise CheckpointExistsError(
-            f"{url} was committed by {_holder(found, url)} while this save's manifest PUT "
-            f"failed ({describe(exc)}); this save was not committed; the existing "
-            "checkpoint is intact"
+            f"{store.location.url} was committed by {holder(found, url)} while this save's "
+            f"PUT of {url} failed ({describe(exc)}); this save was not committed; the "
+            "existing checkpoint is intact"
         ) from exc
     return False
 
 
-def _settle_exists(store: ObjectStore, data: bytes, exc: FileExistsError) -> None:
-    """The store says the manifest exists: ours (a retried PUT met its own earlier
-    write) returns, anything else raises CheckpointExistsError."""
+def _settle_exists(
+    store: ObjectStore,
+    key: str,
+    data: bytes,
+    exc: FileExistsError,
+    holder: Callable[[bytes, str], str],
+    lost: Callable[[], None] | None,
+) -> None:
+    """The store says ``key`` exists: ours (a retried PUT met its own earlier write)
+    returns, anything else raises CheckpointExistsError."""
     url = store.location.url
     try:
         with settling(store):
-            found = _read_back(store)
+            found = _read_back(store, key)
     except Exception as read_exc:
         raise CheckpointExistsError(
-            f"{url} already has a manifest that cannot be read back ({describe(read_exc)}); "
+            f"{url} already has a {key} that cannot be read back ({describe(read_exc)}); "
             "this save was not committed"
         ) from exc
     if found is None:
         raise CheckpointExistsError(
-            f"{url} was committed concurrently and its manifest cannot be read back "
+            f"{url} was committed concurrently and its {key} cannot be read back "
             "(gone again); this save was not committed"
         ) from exc
     if found != data:
+        if lost is not None:
+            lost()
         raise CheckpointExistsError(
-            f"{url} is already committed by {_holder(found, url)} ({_sums(found)}); this save "
-            f"({_sums(data)}) was not committed; the existing checkpoint is intact"
+            f"{url} is already committed by {holder(found, url)} ({store.location.url_of(key)}: "
+            f"{_sums(found)}); this save ({_sums(data)}) was not committed; the existing "
+            "checkpoint is intact"
         ) from exc
-    logger.info("manifest of %s was already written by this attempt (retried PUT)", url)
+    logger.info("%s of %s was already written by this attempt (retried PUT)", key, url)
 
 
-def after_commit(store: ObjectStore, what: str, work: Callable[[], None]) -> bool:
-    """Run ``work``, which must follow the commit (writing ``.metadata``), under
-    :func:`settling`'s bound. Returns False, having logged why, when it failed:
-    the checkpoint is committed all the same (objckpt's readers need only the
-    manifest), so the save's outcome does not change."""
-    try:
-        with settling(store):
-            work()
-    except Exception as exc:
+def finish_commit(
+    store: ObjectStore,
+    what: str,
+    write: Callable[[], None] | None,
+    superseded: Set[str],
+    *,
+    bound: Deadline | None = None,
+) -> str | None:
+    """Step 4 of every commit (a save's, in its thread or its helper process, a
+    copy's, a promotion's, a backup's): ``write`` the new ``.metadata``, then delete
+    ``superseded``, the objects only the replaced checkpoint named
+    (:func:`~objckpt.format.superseded.delete_superseded_after`), but only once
+    ``.metadata`` is replaced (a replaced one still points at them, as it does when
+    ``write`` is None and the replaced checkpoint had one).
+
+    Runs under ``bound``, else :func:`settling`'s. Returns None when ``.metadata``
+    was written, else why not, having logged it: the checkpoint is committed all the
+    same (objckpt's readers need only the manifest), so the outcome does not change.
+    """
+    reason = None
+    with bounded_by(bound) if bound is not None else settling(store):
+        if write is not None:
+            try:
+                write()
+            except Exception as exc:
+                reason = f"{what} failed: {describe(exc)}"
+        written = reason is None and (write is not None or METADATA_KEY not in superseded)
+        delete_superseded_after(store, written, set(superseded))
+    if reason is not None:
         logger.error(
-            "%s committed, but %s failed (%s): stock DCP readers do not see this checkpoint "
-            "yet and `objckpt verify` reports it; objckpt's readers load it",
+            "%s committed, but %s: stock DCP readers do not see this checkpoint yet and "
+            "`objckpt verify` reports it; objckpt's readers load it",
             store.location.url,
-            what,
-            describe(exc),
+            reason,
         )
-        return False
-    return True
+    return reason

@@ -53,6 +53,7 @@ from objckpt.dcp.storage_reader import ObjectStoreReader
 from objckpt.dcp.storage_writer import ObjectStoreWriter
 from objckpt.errors import CheckpointExistsError, ConfigurationError
 from objckpt.format.layout import new_attempt_id
+from objckpt.format.settle import create_settled
 from objckpt.ops.safetensors_format import (
     DTYPES,
     INDEX_NAME,
@@ -442,53 +443,38 @@ def write_shards(
 def commit_index(
     store: ObjectStore, index: dict[str, Any], attempt: str, shards: Sequence[str]
 ) -> None:
-    """Write the index create-only: the export's commit.
+    """Write the index create-only, settled by read-back: the export's commit, through
+    the one create-then-settle every commit uses
+    (:func:`~objckpt.format.settle.create_settled`).
 
     Raises:
         CheckpointExistsError: Another export committed the destination first (this
             attempt's ``shards`` are deleted before it is raised).
         StoreError: The index could not be written, and reading it back does not
-            show it committed (the shards are deleted when no index is there).
+            show it committed (the shards are deleted when no index is there; kept
+            when the read-back failed too, the outcome then unknown).
     """
-    url = store.location.url_of(INDEX_NAME)
     try:
-        store.create(INDEX_NAME, json.dumps(index, indent=2).encode())
-        return
-    except FileExistsError as exc:
-        winner = _committed_attempt(store)
-        if winner == attempt:
-            logger.info("%s was already written by this export (a retried PUT)", url)
-            return
-        _discard(store, shards)
-        who = (
-            f"another export (attempt {winner})"
-            if winner is not None
-            else "another writer (an index without an objckpt attempt)"
+        create_settled(
+            store,
+            INDEX_NAME,
+            json.dumps(index, indent=2).encode(),
+            holder=_index_holder,
+            lost=lambda: _discard(store, shards),
         )
+    except CheckpointExistsError as exc:
         raise CheckpointExistsError(
-            f"{url} was committed by {who} while this export (attempt {attempt}) ran; "
-            f"this export's {len(shards)} shard(s) were deleted and the committed index "
-            "is intact"
+            f"{exc}; this export (attempt {attempt}) wrote {len(shards)} shard(s), "
+            "deleted again unless the index could not be read"
         ) from exc
-    except Exception:
-        try:  # the PUT may have landed with its answer lost
-            winner = _committed_attempt(store)
-        except Exception:
-            logger.warning("%s: cannot tell whether the index landed; shards kept", url)
-            raise
-        if winner == attempt:
-            logger.info("%s is committed by this export (the PUT's answer was lost)", url)
-            return
-        _discard(store, shards)
-        raise
 
 
-def _committed_attempt(store: ObjectStore) -> str | None:
-    """The attempt whose index is at the destination (None: no index)."""
-    try:
-        return index_attempt(store.read(INDEX_NAME))
-    except FileNotFoundError:
-        return None
+def _index_holder(raw: bytes, url: str) -> str:
+    """Who wrote the index ``raw``, for messages."""
+    winner = index_attempt(raw)
+    if winner == "unknown":
+        return "another writer (an index without an objckpt attempt)"
+    return f"another export (attempt {winner})"
 
 
 def _discard(store: ObjectStore, names: Sequence[str]) -> None:

@@ -98,7 +98,10 @@ def digest_check(
     dst: ObjectStore, entry: ObjectEntry, progress: Progress | None, *, source: str
 ) -> ObjectCheck:
     """Check ``dst``'s copy of ``entry``: the store's own full-object CRC32C when
-    it keeps one (no payload read), else read the object back."""
+    it keeps one (no payload read), else read the object back (a family that never
+    keeps one is read back at once: no HEAD that could only answer "no CRC32C")."""
+    if not dst.keeps_crc32c:
+        return check_object(dst, entry, progress)
     try:
         size, crc = dst.digest(entry.key)
     except FileNotFoundError:

@@ -40,9 +40,9 @@ from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY
 from objckpt.format.manifest import Manifest, ObjectEntry, read_manifest
 from objckpt.format.ref_check import require_referenced
 from objckpt.format.refs import is_reference, referenced_step, require_step_directory
-from objckpt.format.settle import after_commit, put_manifest, require_present
+from objckpt.format.settle import finish_commit, put_manifest, require_present
 from objckpt.format.steps import parse_step
-from objckpt.format.superseded import delete_superseded_after, previous_objects
+from objckpt.format.superseded import previous_objects
 from objckpt.ops.object_check import (
     ObjectCheck,
     Progress,
@@ -435,16 +435,16 @@ def commit_copy(
     require_referenced(dst, refs)
     put_manifest(dst, manifest.to_json_bytes(), overwrite=overwrite)
     metadata = manifest.object(METADATA_KEY)
-    # Without a new .metadata, a replaced one still points at the old objects: keep them.
-    written = METADATA_KEY not in superseded
-    if metadata is not None:
-        copied: list[bool] = []
-        written = after_commit(
-            dst,
-            f"copying {METADATA_KEY}",
-            lambda: copied.append(copy_object(src, dst, metadata, progress)),
-        )
-        server_side += sum(copied)
-    if superseded:
-        delete_superseded_after(dst, written, superseded - {e.key for e in manifest.objects})
-    return server_side
+    copied: list[bool] = []
+
+    def copy_metadata() -> None:
+        assert metadata is not None
+        copied.append(copy_object(src, dst, metadata, progress))
+
+    finish_commit(
+        dst,
+        f"copying {METADATA_KEY}",
+        None if metadata is None else copy_metadata,
+        superseded - {e.key for e in manifest.objects},
+    )
+    return server_side + sum(copied)

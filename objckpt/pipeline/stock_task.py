@@ -59,15 +59,14 @@ from objckpt.format.commit import StockLayout, build_stock, metadata_entry
 from objckpt.format.layout import METADATA_KEY
 from objckpt.format.manifest import ObjectEntry
 from objckpt.format.metadata_stream import MetadataStream
-from objckpt.format.settle import SETTLE_SECONDS
-from objckpt.format.superseded import delete_superseded_after, previous_objects
+from objckpt.format.settle import SETTLE_SECONDS, finish_commit
+from objckpt.format.superseded import previous_objects
 from objckpt.options import UploadOptions
 from objckpt.pipeline.upload_task import worker_store
 from objckpt.writers.accounting import RequestCounter, RequestStats, counting
 from objckpt.writers.checksum import Crc32c
 from objckpt.writers.deadline import Deadline, bounded_by
 from objckpt.writers.location import Location
-from objckpt.writers.translate import describe
 
 __all__ = ["StockLayout", "StockPrepared", "discard_stock", "prepare_stock", "publish_stock"]
 
@@ -270,14 +269,13 @@ def publish_stock(
     blob, superseded = prepared
     seconds = SETTLE_SECONDS if settle is None else settle
     bound = Deadline.start(seconds, f"writing {location.url}'s {METADATA_KEY}")
-    reason = None
-    with bounded_by(bound):  # not settle.after_commit: its bound would replace this one
-        try:
-            store.put(METADATA_KEY, blob)
-        except Exception as exc:
-            reason = f"writing it failed within {seconds:g} s: {describe(exc)}"
-        delete_superseded_after(store, reason is None, superseded - named)
-    return reason
+    return finish_commit(
+        store,
+        f"writing {METADATA_KEY} (within {seconds:g} s)",
+        lambda: store.put(METADATA_KEY, blob),
+        superseded - named,
+        bound=bound,
+    )
 
 
 def discard_stock(attempt: str) -> None:
