@@ -127,11 +127,15 @@ class NodeStore:
             os.close(dir_fd)
         return PendingFile(self, parts, tmp, fd)
 
-    def write_bytes(self, rel: str, data: bytes | memoryview) -> None:
-        """Write ``data`` as ``root/rel``, whole or not at all."""
+    def write_bytes(self, rel: str, data: bytes | memoryview, *, create_only: bool = False) -> None:
+        """Write ``data`` as ``root/rel``, whole or not at all.
+
+        Raises:
+            FileExistsError: ``create_only`` and ``root/rel`` exists (left as it is).
+        """
         with self.create(rel) as f:
             f.write(data)
-            f.commit()
+            f.commit(create_only=create_only)
 
 
 class PendingFile:
@@ -172,9 +176,15 @@ class PendingFile:
             finally:
                 os.close(fd)
 
-    def commit(self) -> None:
+    def commit(self, *, create_only: bool = False) -> None:
         """Rename the file into place and fsync its directory; on failure the
-        temporary file is removed and the error raised."""
+        temporary file is removed and the error raised.
+
+        Args:
+            create_only: Put it in place only if nothing has the name (a hard link,
+                which fails if the name exists, as :class:`~objckpt.writers.local.LocalStore`
+                commits), else raise ``FileExistsError``.
+        """
         try:
             self.seal()
             dir_fd = self._store._open_dir(self._parts[:-1], create=False)
@@ -183,7 +193,12 @@ class PendingFile:
                 with contextlib.suppress(FileNotFoundError):
                     if stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
                         raise self._store._refuse(dir_fd, self._parts[:-1], name)
-                os.rename(self._tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                if create_only:
+                    os.link(self._tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                    self.committed = True
+                    os.unlink(self._tmp, dir_fd=dir_fd)
+                else:
+                    os.rename(self._tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
                 self._gone = self.committed = True
                 os.fsync(dir_fd)
             finally:

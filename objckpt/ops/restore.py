@@ -696,11 +696,14 @@ class Restorer:
         own = os.path.join(tier.path, step_name(step), MANIFEST_KEY)
         into = replica_dir(tier.path, step)
         path = os.path.join(into, MANIFEST_KEY)
-        if os.path.isfile(own) or os.path.isfile(path):
+        if os.path.isfile(own):
             return
-        try:  # the node's one door: no link followed, fsynced, whole or not at all
+        try:  # the node's one door: no link followed, fsynced, whole or not at all, and
+            # create-only: a manifest already there is never replaced
             rel = os.path.relpath(path, tier.path)
-            NodeStore(tier.path).write_bytes(rel, data)
+            NodeStore(tier.path).write_bytes(rel, data, create_only=True)
+        except FileExistsError:
+            logger.debug("step %d's manifest is at %s already", step, path)
         except (OSError, ObjckptError) as exc:  # the load reads it from the store instead
             logger.warning("cannot keep the manifest of step %d at %s: %s", step, path, exc)
 

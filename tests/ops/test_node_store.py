@@ -105,3 +105,29 @@ def test_a_failed_rename_removes_its_temporary_file(tmp_path: Path) -> None:
     with pytest.raises(OSError):
         NodeStore(str(tmp_path)).write_bytes("a.bin", b"x")
     assert _all(tmp_path) == ["a.bin", "a.bin/inside"]
+
+
+def test_a_create_only_write_never_replaces_what_is_there(tmp_path: Path) -> None:
+    """How a restore keeps a manifest it fetched from another node: created once, a
+    second write with other bytes refused, the first intact and no temporary left."""
+    store = NodeStore(str(tmp_path))
+    store.write_bytes("replicas/step-0000000002/manifest.json", b"first", create_only=True)
+    with pytest.raises(FileExistsError):
+        store.write_bytes("replicas/step-0000000002/manifest.json", b"other", create_only=True)
+    assert (tmp_path / "replicas/step-0000000002/manifest.json").read_bytes() == b"first"
+    assert _all(tmp_path) == [
+        "replicas",
+        "replicas/step-0000000002",
+        "replicas/step-0000000002/manifest.json",
+    ]
+    store.write_bytes("replicas/step-0000000002/manifest.json", b"replaced")  # the default
+    assert (tmp_path / "replicas/step-0000000002/manifest.json").read_bytes() == b"replaced"
+
+
+def test_a_create_only_write_refuses_a_link_at_its_name(tmp_path: Path) -> None:
+    (tmp_path / "elsewhere").write_bytes(b"theirs")
+    (tmp_path / "replicas").mkdir()
+    (tmp_path / "replicas" / "manifest.json").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises((LinkRefusedError, FileExistsError)):
+        NodeStore(str(tmp_path)).write_bytes("replicas/manifest.json", b"x", create_only=True)
+    assert (tmp_path / "elsewhere").read_bytes() == b"theirs"
