@@ -11,26 +11,48 @@ the bytes.
 A copy whose directory is a symbolic link is not used at all: the local tier never
 follows a link at a step's name (it neither lists, writes nor deletes through one,
 see :mod:`objckpt.ops.local_disk`), and reading through one would make a step the
-tier does not list load from a directory it does not own.
+tier does not list load from a directory it does not own. Every file is read
+through the node's one door (:class:`~objckpt.writers.node_store.NodeStore`), so a
+link anywhere under the tier, the file's own name included, is refused, not read.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import io
 import logging
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from objckpt.errors import ChecksumMismatchError, SizeMismatchError
+from objckpt.errors import (
+    ChecksumMismatchError,
+    LinkRefusedError,
+    ObjckptError,
+    SizeMismatchError,
+)
 from objckpt.format.dcp_json import StoredItem
 from objckpt.format.layout import MANIFEST_KEY
 from objckpt.format.manifest import Manifest, ObjectEntry
 from objckpt.writers.checksum import Crc32c
 from objckpt.writers.location import Location
+from objckpt.writers.node_store import NodeStore, tier_store
 
 __all__ = ["LocalCopy"]
 
 logger = logging.getLogger(__name__)
+
+
+def _link_refusal(location: Location) -> str | None:
+    """Why the directory ``location`` is not looked in (a link), else None."""
+    store, rel = tier_store(location.path.rstrip("/"))
+    try:
+        store.stat(rel)
+    except LinkRefusedError as exc:
+        return str(exc)
+    except (OSError, ObjckptError):
+        return None
+    return None
 
 
 class LocalCopy:
@@ -50,10 +72,15 @@ class LocalCopy:
 
     def __init__(self, location: Location, store: Location, also: Sequence[Location] = ()) -> None:
         self.location = location
-        #: Every directory looked in, in order (links never: see the module docstring).
-        self._dirs = [location] + [d for d in also if not os.path.islink(d.path.rstrip("/"))]
-        #: Where each key was found (the first directory holding a file of its name).
-        self._paths: dict[str, str] = {}
+        #: Every directory looked in, in order, with the store it is reached through
+        #: (links never: see the module docstring).
+        self._dirs = [
+            (d, tier_store(d.path.rstrip("/"))[0])
+            for d in [location, *(d for d in also if _link_refusal(d) is None)]
+        ]
+        #: Where each key was found (the first directory holding a file of its name):
+        #: the store and the file's path under its root (None: outside it).
+        self._paths: dict[str, tuple[NodeStore, str | None]] = {}
         self.bytes_read = 0
         self._store = store
         #: The manifest's objects (None: no manifest, so nothing local can be
@@ -64,13 +91,13 @@ class LocalCopy:
         #: Files whose bytes were found wrong (not merely unreadable): key -> (the
         #: file, why), over this object's life.
         self.damaged: dict[str, tuple[str, str]] = {}
-        self._linked = os.path.islink(location.path.rstrip("/"))
-        if self._linked:
+        refusal = _link_refusal(location)
+        self._linked = refusal is not None
+        if refusal is not None:
             logger.warning(
-                "local copy %s is a symbolic link (to %s); the local tier does not follow "
-                "links, so every object is read from %s",
+                "local copy %s is not used (%s), so every object is read from %s",
                 location.path,
-                os.path.realpath(location.path),
+                refusal,
                 store.url,
             )
 
@@ -78,9 +105,8 @@ class LocalCopy:
         """The copy's manifest when it is there and parses (else None, logged)."""
         if self._linked:
             return None
-        path = self._key_path(MANIFEST_KEY)
         try:
-            with open(path, "rb") as f:
+            with self._open(MANIFEST_KEY) as f:
                 data = f.read()
             Manifest.from_json_bytes(data, url=self.location.url_of(MANIFEST_KEY))
         except FileNotFoundError:
@@ -100,23 +126,44 @@ class LocalCopy:
         none); what earlier loads found about the copy is forgotten."""
         self._store, self._objects, self._ok, self._paths = store, objects, {}, {}
 
-    def _key_path(self, key: str) -> str:
-        """The file that stands for ``key``: in the first directory holding one."""
-        path = self._paths.get(key)
-        if path is None:
-            path = self.location.key_path(key)
+    def _file(self, key: str) -> tuple[NodeStore, str | None]:
+        """The file that stands for ``key``: in the first directory holding one, as
+        its store and its path under the store's root (None: outside the root)."""
+        where = self._paths.get(key)
+        if where is None:
+            held = [(store, self._rel(d, store, key)) for d, store in self._dirs]
+            where = held[0]
             entry = None if self._objects is None else self._objects.get(key)
-            found = [d.key_path(key) for d in self._dirs if os.path.lexists(d.key_path(key))]
+            found = [(s, rel) for s, rel in held if rel is not None and s.exists(rel)]
             if found:
-                path = found[0]
+                where = found[0]
             if entry is not None:  # the first copy of the manifest's size, when one is
-                for candidate in found:
-                    with contextlib.suppress(OSError):
-                        if os.stat(candidate).st_size == entry.size:
-                            path = candidate
+                for store, rel in found:
+                    with contextlib.suppress(OSError, ObjckptError):
+                        if rel is not None and store.stat(rel).st_size == entry.size:
+                            where = (store, rel)
                             break
-            self._paths[key] = path
-        return path
+            self._paths[key] = where
+        return where
+
+    @staticmethod
+    def _rel(directory: Location, store: NodeStore, key: str) -> str | None:
+        """``key``'s file in ``directory`` relative to ``store``'s root (a reference
+        to a sibling step resolved), None when it leaves the root."""
+        rel = os.path.relpath(directory.key_path(key), store.root)
+        return None if rel == os.pardir or rel.startswith(os.pardir + os.sep) else rel
+
+    def _key_path(self, key: str) -> str:
+        """The file that stands for ``key``, for messages."""
+        store, rel = self._file(key)
+        return self.location.key_path(key) if rel is None else os.path.join(store.root, rel)
+
+    def _open(self, key: str) -> io.BufferedReader:
+        """The file that stands for ``key``, opened through the node's door."""
+        store, rel = self._file(key)
+        if rel is None:
+            raise FileNotFoundError(errno.ENOENT, "outside the local copy", self._key_path(key))
+        return store.open_read(rel)
 
     def holds(self, key: str) -> bool:
         """Whether ``key`` is read from the copy: there, with the manifest's size."""
@@ -126,9 +173,10 @@ class LocalCopy:
         if known is not None:
             return known
         entry = self._objects.get(key)
+        store, rel = self._file(key)
         try:
-            size = os.stat(self._key_path(key)).st_size
-        except OSError:
+            size = None if rel is None else store.stat(rel).st_size
+        except (OSError, ObjckptError):
             size = None
         ok = entry is not None and size == entry.size
         if size is not None and not ok:
@@ -161,7 +209,7 @@ class LocalCopy:
         Raises:
             OSError: The object could not be read.
         """
-        with open(self._key_path(key), "rb") as f:
+        with self._open(key) as f:
             blob = f.read()
         try:
             check(blob)
@@ -177,7 +225,7 @@ class LocalCopy:
         """Bytes ``start``-``end`` of ``key``, each of ``items`` checked when ``verify``;
         None when the span is not usable (then ``key`` is distrusted)."""
         try:
-            with open(self._key_path(key), "rb") as f:
+            with self._open(key) as f:
                 f.seek(start)
                 data = f.read(end - start)
         except OSError as exc:

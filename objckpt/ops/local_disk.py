@@ -48,7 +48,7 @@ from collections.abc import Collection, Iterator
 from typing import Any
 
 from objckpt.dcp.collective import all_gather_object, is_distributed
-from objckpt.errors import ManifestError
+from objckpt.errors import LinkRefusedError, ManifestError, ObjckptError
 from objckpt.format.bounds import DEFAULT_MAX_METADATA_BYTES
 from objckpt.format.layout import (
     MANIFEST_KEY,
@@ -59,8 +59,9 @@ from objckpt.format.layout import (
 )
 from objckpt.format.refs import is_reference, root_key, split_reference
 from objckpt.format.steps import parse_step, step_name
-from objckpt.ops.peers import REPLICAS_DIR, replica_dir
+from objckpt.ops.peers import replica_dir
 from objckpt.ops.tiers import LocalTier
+from objckpt.writers.node_store import REPLICAS_DIR, Entry, NodeStore, tier_store
 
 __all__ = [
     "TierListing",
@@ -102,39 +103,36 @@ class TierListing:
     replicas_present: tuple[int, ...] = ()
 
 
-def _link_target(path: str) -> str:
+def _listed(store: NodeStore, rel: str) -> list[Entry]:
+    """The entries of ``rel`` (none when it is gone)."""
     try:
-        return os.readlink(path)
-    except OSError as exc:
-        return f"? ({exc})"
+        return store.entries(rel)
+    except FileNotFoundError:
+        return []
 
 
-def _list_steps(root: str, links: list[tuple[str, str]]) -> tuple[set[int], list[int]]:
-    """The step directories directly under ``root`` (committed ones, all), without
-    following links (each link found is added to ``links``)."""
+def _list_steps(
+    store: NodeStore, under: str, found: list[Entry], links: list[tuple[str, str]]
+) -> tuple[set[int], list[int]]:
+    """The step directories among ``found``, the entries of ``under`` (committed
+    ones, all), without following links (each link found is added to ``links``)."""
     committed: set[int] = set()
     present: list[int] = []
-    try:
-        with os.scandir(root) as entries:
-            found = sorted(
-                (e.name, e.path, e.is_symlink(), e.is_dir(follow_symlinks=False)) for e in entries
-            )
-    except FileNotFoundError:
-        return committed, present
-    for name, path, link, is_dir in found:
-        step = parse_step(name)
+    for e in found:
+        step = parse_step(e.name)
         if step is None:
             continue
-        if link:
-            links.append((path, _link_target(path)))
+        rel = f"{under}/{e.name}" if under else e.name
+        if e.kind == "link":
+            links.append((os.path.join(store.root, rel), e.target))
             continue
-        if not is_dir:
+        if e.kind != "dir":
             continue
         present.append(step)
         try:
-            if stat.S_ISREG(os.lstat(os.path.join(path, MANIFEST_KEY)).st_mode):
+            if stat.S_ISREG(store.stat(f"{rel}/{MANIFEST_KEY}").st_mode):
                 committed.add(step)
-        except FileNotFoundError:
+        except (FileNotFoundError, LinkRefusedError):
             pass
     return committed, present
 
@@ -144,15 +142,18 @@ def list_tier(root: str) -> TierListing:
     without following links; a listing that fails is reported in the answer, never
     raised (the answer is shared in a collective every rank must reach)."""
     links: list[tuple[str, str]] = []
+    store = NodeStore(root)
     try:
-        committed, present = _list_steps(root, links)
-        replicas = os.path.join(root, REPLICAS_DIR)
-        if os.path.islink(replicas):
-            links.append((replicas, _link_target(replicas)))
-            r_committed: set[int] = set()
-            r_present: list[int] = []
-        else:
-            r_committed, r_present = _list_steps(replicas, links)
+        top = _listed(store, "")
+        committed, present = _list_steps(store, "", top, links)
+        replicas = next((e for e in top if e.name == REPLICAS_DIR), None)
+        r_committed: set[int] = set()
+        r_present: list[int] = []
+        if replicas is not None and replicas.kind == "link":
+            links.append((os.path.join(root, REPLICAS_DIR), replicas.target))
+        elif replicas is not None:
+            found = _listed(store, REPLICAS_DIR)
+            r_committed, r_present = _list_steps(store, REPLICAS_DIR, found, links)
     except Exception as exc:
         return TierListing(root, error=f"{type(exc).__name__}: {exc}")
     return TierListing(
@@ -171,17 +172,15 @@ def step_dir_refusal(path: str) -> str | None:
     A link, or anything that is not a directory, under a step's name is refused: the
     save would write where the tier has no say (see the module docstring).
     """
+    store, rel = tier_store(path)
     try:
-        mode = os.lstat(path).st_mode
+        mode = store.stat(rel).st_mode
     except FileNotFoundError:
         return None
-    except OSError as exc:
+    except LinkRefusedError as exc:
+        return str(exc)
+    except (OSError, ObjckptError) as exc:
         return f"{path} cannot be checked: {exc}"
-    if stat.S_ISLNK(mode):
-        return (
-            f"{path} is a symbolic link to {_link_target(path)}; the local tier never "
-            "writes through a link (remove it, or move the directory back)"
-        )
     if not stat.S_ISDIR(mode):
         return f"{path} exists and is not a directory"
     return None
@@ -198,11 +197,15 @@ def _ours(name: str, beside_ours: bool) -> bool:
 
 
 def _unlink_ours(
-    directory: str, names: list[str], beside_ours: bool, keep: Collection[str] = ()
+    store: NodeStore,
+    directory: str,
+    names: list[str],
+    beside_ours: bool,
+    keep: Collection[str] = (),
 ) -> list[str]:
-    """Unlink the names of ``directory`` that are objckpt's (manifest first) and not
-    in ``keep``; the others' names are returned. A link is unlinked itself, never
-    its target."""
+    """Unlink the names of ``directory`` (under ``store``) that are objckpt's
+    (manifest first) and not in ``keep``; the others' names are returned. A link is
+    unlinked itself, never its target."""
     names = sorted(names, key=lambda n: n != MANIFEST_KEY)
     left = []
     for name in names:
@@ -212,7 +215,7 @@ def _unlink_ours(
             left.append(name)
             continue
         with contextlib.suppress(FileNotFoundError):  # a rank on the same node got it
-            os.unlink(os.path.join(directory, name))
+            store.remove(f"{directory}/{name}")
     return left
 
 
@@ -233,25 +236,25 @@ def delete_local_step(path: str, keep: Collection[str] = ()) -> bool:
     if refusal is not None:
         logger.warning("not deleting local step %s: %s", path, refusal)
         return False
+    store, rel = tier_store(path)
     try:
-        with os.scandir(path) as entries:
-            found = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
+        found = [(e.name, e.kind == "dir") for e in store.entries(rel)]
         files = [n for n, d in found if not d]
         beside = any(n == MANIFEST_KEY or is_objckpt_object(n) for n in files)
-        left = _unlink_ours(path, files, beside, keep)
+        left = _unlink_ours(store, rel, files, beside, keep)
         for name in (n for n, d in found if d):
-            sub = os.path.join(path, name)
+            sub = f"{rel}/{name}"
             if not is_entropy_dir(name):
                 left.append(name + "/")
                 continue
             inside = {k.split("/", 1)[1] for k in keep if k.startswith(name + "/")}
-            with os.scandir(sub) as entries:
-                inner = _unlink_ours(sub, [e.name for e in entries], True, inside)
+            names = [e.name for e in store.entries(sub)]
+            inner = _unlink_ours(store, sub, names, True, inside)
             if inner:
                 left.extend(f"{name}/{n}" for n in inner)
             elif not inside:
                 with contextlib.suppress(FileNotFoundError):
-                    os.rmdir(sub)
+                    store.remove_dir(sub)
         if keep:
             logger.info("local step %s keeps %d file(s) later steps reference", path, len(keep))
             return False
@@ -265,10 +268,10 @@ def delete_local_step(path: str, keep: Collection[str] = ()) -> bool:
             )
             return False
         with contextlib.suppress(FileNotFoundError):
-            os.rmdir(path)
+            store.remove_dir(rel)
     except FileNotFoundError:
         return True
-    except OSError as exc:
+    except (OSError, ObjckptError) as exc:
         logger.warning("cannot delete local step %s: %s", path, exc)
         return False
     return True
@@ -339,9 +342,10 @@ def local_references(root: str, kept: Collection[int]) -> frozenset[str]:
     """Root-relative keys (``step-<N>/<key>``) that the manifests and index objects
     of this node's directories of the ``kept`` steps reference in other steps."""
     out: set[str] = set()
+    store = NodeStore(root)
     for step in kept:
         step_dir = step_name(step)
-        for key in _keys_in(os.path.join(root, step_dir)):
+        for key in _keys_in(store, step_dir):
             if is_reference(key):
                 try:
                     split_reference(key, os.path.join(root, step_dir))
@@ -351,23 +355,20 @@ def local_references(root: str, kept: Collection[int]) -> frozenset[str]:
     return frozenset(out)
 
 
-def _keys_in(path: str) -> Iterator[str]:
-    """The object keys named by the manifest and index objects directly in ``path``
-    (never through a link)."""
+def _keys_in(store: NodeStore, step_dir: str) -> Iterator[str]:
+    """The object keys named by the manifest and index objects directly in the
+    directory ``step_dir`` of ``store`` (never through a link)."""
     try:
-        with os.scandir(path) as entries:
-            names = [e.name for e in entries if e.is_file(follow_symlinks=False)]
+        names = [e.name for e in store.entries(step_dir) if e.kind == "file"]
     except OSError:
         return
     for name in names:
         if name != MANIFEST_KEY and index_rank(name) is None:
             continue
-        file = os.path.join(path, name)
+        file = os.path.join(store.root, step_dir, name)
         try:
-            if os.lstat(file).st_size > DEFAULT_MAX_METADATA_BYTES:
-                raise ValueError(f"larger than {DEFAULT_MAX_METADATA_BYTES} bytes")
-            with open(file, "rb") as f:
-                doc = json.loads(f.read())
+            data = store.read_bytes(f"{step_dir}/{name}", max_bytes=DEFAULT_MAX_METADATA_BYTES)
+            doc = json.loads(data)
         except (OSError, ValueError) as exc:
             logger.warning("local tier: cannot read %s for its references (%s)", file, exc)
             continue

@@ -22,7 +22,6 @@ from __future__ import annotations
 import concurrent.futures
 import datetime
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -51,6 +50,7 @@ from objckpt.pipeline.handle import SaveHandle
 from objckpt.pipeline.workers import WorkerPool
 from objckpt.writers import open_store
 from objckpt.writers.location import Location
+from objckpt.writers.node_store import tier_store
 from objckpt.writers.translate import describe
 
 __all__ = ["LocalTierControl"]
@@ -409,7 +409,8 @@ class LocalTierControl:
         if delete_local_step(where.path, keep):
             logger.info("deleted local step %d at %s", step, where.url)
         replicas = replica_dir(self.tier.location.path, step)
-        if os.path.lexists(replicas) and delete_local_step(replicas):
+        store, rel = tier_store(replicas)
+        if store.exists(rel) and delete_local_step(replicas):
             logger.info("deleted the replicas of local step %d at %s", step, replicas)
 
     # -- errors, status, lifetime -----------------------------------------------------------

@@ -26,7 +26,7 @@ instead of the object store. Both need the same two things, which live here:
   receives and drops), so one side's failure never leaves the other blocked; only
   a dead or stuck peer does, until the group's timeout. A received file is
   checked against its CRC32C before it is renamed into place: a damaged copy is
-  never kept. A received file is written through :mod:`objckpt.ops.node_store`
+  never kept. A received file is written through :mod:`objckpt.writers.node_store`
   (never through a link, fsynced, renamed into place), and every failure, a
   peer's death included, removes the partial files.
 * **A peer's header is untrusted input.** Its length is bounded by
@@ -61,12 +61,24 @@ import torch
 import torch.distributed as dist
 
 from objckpt.dcp.collective import all_gather_object, is_distributed
-from objckpt.errors import ManifestError, ObjckptError, PeerSilentError, PeerWireError
+from objckpt.errors import (
+    LinkRefusedError,
+    ManifestError,
+    ObjckptError,
+    PeerSilentError,
+    PeerWireError,
+)
 from objckpt.format.bounds import DEFAULT_MAX_METADATA_BYTES, load_json
 from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY, is_entropy_dir, is_objckpt_object
 from objckpt.format.steps import parse_step, step_name
-from objckpt.ops.node_store import NodeStore, PendingFile
 from objckpt.writers.checksum import Crc32c
+from objckpt.writers.node_store import (
+    REPLICAS_DIR,
+    Entry,
+    NodeStore,
+    PendingFile,
+    tier_store,
+)
 from objckpt.writers.translate import describe
 
 __all__ = [
@@ -74,7 +86,6 @@ __all__ = [
     "HEADER_LIMIT",
     "MAX_FILES",
     "MAX_FILE_BYTES",
-    "REPLICAS_DIR",
     "FileSpec",
     "Holdings",
     "NodeMap",
@@ -90,8 +101,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: The directory under a tier's path that holds other nodes' files.
-REPLICAS_DIR = "replicas"
 #: Bytes per point-to-point message: what a transfer holds in memory on each side.
 CHUNK = 16 << 20
 #: Most bytes a transfer's header may take (about 15,000 files' entries): checked on
@@ -182,10 +191,9 @@ def _directory_identity(path: str | None) -> str | None:
     if path is None:
         return None
     try:
-        st = os.stat(path)
+        return NodeStore(path).identity()
     except OSError:
         return os.path.abspath(path)
-    return f"{st.st_dev}:{st.st_ino}"
 
 
 def node_map(process_group: Any | None, tier_path: str | None = None) -> NodeMap:
@@ -251,44 +259,39 @@ class Holdings:
     error: str | None = None
 
 
-def files_in(step_dir: str) -> dict[str, int]:
-    """objckpt's objects under ``step_dir`` (and its entropy sub-directories), by key,
-    with sizes; nothing through a link."""
+def files_in(store: NodeStore, step_dir: str) -> dict[str, int]:
+    """objckpt's objects under the step directory ``step_dir`` of ``store`` (and its
+    entropy sub-directories), by key, with sizes; nothing through a link."""
     found: dict[str, int] = {}
-    if os.path.islink(step_dir):
-        return found
     # A file deleted while the directory is scanned (a rank of the node deleting a
     # damaged copy) is skipped alone, never the rest of the directory.
-    for e in _entries(step_dir):
-        with contextlib.suppress(FileNotFoundError):
-            if e.is_file(follow_symlinks=False):
-                if e.name in (MANIFEST_KEY, METADATA_KEY) or is_objckpt_object(e.name):
-                    found[e.name] = e.stat(follow_symlinks=False).st_size
-            elif e.is_dir(follow_symlinks=False) and is_entropy_dir(e.name):
-                for f in _entries(e.path):
-                    with contextlib.suppress(FileNotFoundError):
-                        if f.is_file(follow_symlinks=False) and is_objckpt_object(f.name):
-                            found[f"{e.name}/{f.name}"] = f.stat(follow_symlinks=False).st_size
+    for e in _entries(store, step_dir):
+        if e.kind == "file":
+            if e.name in (MANIFEST_KEY, METADATA_KEY) or is_objckpt_object(e.name):
+                found[e.name] = e.size
+        elif e.kind == "dir" and is_entropy_dir(e.name):
+            for f in _entries(store, f"{step_dir}/{e.name}"):
+                if f.kind == "file" and is_objckpt_object(f.name):
+                    found[f"{e.name}/{f.name}"] = f.size
     return found
 
 
-def _entries(path: str) -> list[os.DirEntry[str]]:
-    """The entries of directory ``path`` (none when it is gone)."""
+def _entries(store: NodeStore, rel: str) -> list[Entry]:
+    """The entries of directory ``rel`` (none when it is gone, or a link)."""
     try:
-        with os.scandir(path) as entries:
-            return list(entries)
-    except FileNotFoundError:
+        return store.entries(rel)
+    except (FileNotFoundError, LinkRefusedError):
         return []
 
 
-def _read_manifest(path: str) -> bytes | None:
+def _read_manifest(store: NodeStore, rel: str) -> bytes | None:
     try:
-        if os.lstat(path).st_size > DEFAULT_MAX_METADATA_BYTES:
-            logger.warning("local tier: %s is too large to be a manifest; ignored", path)
-            return None
-        with open(path, "rb") as f:
-            return f.read()
-    except FileNotFoundError:
+        return store.read_bytes(rel, max_bytes=DEFAULT_MAX_METADATA_BYTES)
+    except ManifestError:
+        path = os.path.join(store.root, rel)
+        logger.warning("local tier: %s is too large to be a manifest; ignored", path)
+        return None
+    except (FileNotFoundError, LinkRefusedError):
         return None
 
 
@@ -298,22 +301,21 @@ def list_holdings(tier_path: str, steps: Iterable[int] | None = None) -> Holding
     wanted = None if steps is None else set(steps)
     objects: dict[int, dict[str, int]] = {}
     manifests: dict[int, bytes] = {}
+    store = NodeStore(tier_path)
     try:
         dirs: list[tuple[int, str]] = []
-        for base in (tier_path, os.path.join(tier_path, REPLICAS_DIR)):
-            if os.path.islink(base):
-                continue
-            with contextlib.suppress(FileNotFoundError), os.scandir(base) as entries:
-                for e in entries:
+        for base in ("", REPLICAS_DIR):
+            with contextlib.suppress(FileNotFoundError, LinkRefusedError):
+                for e in store.entries(base):
                     step = parse_step(e.name)
-                    if step is None or not e.is_dir(follow_symlinks=False):
+                    if step is None or e.kind != "dir":
                         continue
                     if wanted is None or step in wanted:
-                        dirs.append((step, e.path))
+                        dirs.append((step, f"{base}/{e.name}" if base else e.name))
         for step, path in dirs:
-            files = files_in(path)
+            files = files_in(store, path)
             if MANIFEST_KEY in files and step not in manifests:
-                data = _read_manifest(os.path.join(path, MANIFEST_KEY))
+                data = _read_manifest(store, f"{path}/{MANIFEST_KEY}")
                 if data is not None:
                     manifests[step] = data
             files.pop(MANIFEST_KEY, None)
@@ -353,12 +355,19 @@ def rounds(transfers: Sequence[Transfer]) -> list[list[Transfer]]:
 
 @dataclasses.dataclass(frozen=True)
 class FileSpec:
-    """One file on the wire: its key, where the sender reads it, its size and CRC32C."""
+    """One file on the wire: its key, where the sender reads it (``rel`` under
+    ``store``'s root: never through a link), its size and CRC32C."""
 
     key: str
-    path: str
+    store: NodeStore
+    rel: str
     size: int
     crc32c: str
+
+    @property
+    def path(self) -> str:
+        """The file, for messages."""
+        return os.path.join(self.store.root, self.rel)
 
 
 def _chunks(sizes: Sequence[int]) -> Iterator[tuple[int, int, int]]:
@@ -425,17 +434,6 @@ def _safe_key(key: object) -> str:
     return key
 
 
-def _store_of(into: str) -> tuple[NodeStore, str]:
-    """The tier root a receiving directory is checked from, and its path under it: a
-    replica directory ``<tier>/replicas/step-<N>`` from the tier (so a link at
-    ``replicas/`` or at ``step-<N>`` is refused), any other from its parent."""
-    parent, name = os.path.split(os.path.normpath(into))
-    tier, replicas = os.path.split(parent)
-    if replicas == REPLICAS_DIR and parse_step(name) is not None:
-        return NodeStore(tier), f"{REPLICAS_DIR}/{name}"
-    return NodeStore(parent), name
-
-
 def _why(exc: BaseException) -> str:
     """objckpt's own refusals as they are (they name a path and never a secret);
     anything else described."""
@@ -444,7 +442,7 @@ def _why(exc: BaseException) -> str:
 
 class _Incoming:
     """Files being received into one directory: each into a temporary file (through
-    :class:`~objckpt.ops.node_store.NodeStore`: never through a link), checked and
+    :class:`~objckpt.writers.node_store.NodeStore`: never through a link), checked and
     renamed into place at the end; after the first write error the rest is received
     and dropped (the stream must be walked to its end). :meth:`abort` removes every
     file not yet in place: an exchange that fails half-way leaves nothing."""
@@ -453,7 +451,7 @@ class _Incoming:
         self.into = into
         self.header = header
         self.error: str | None = None
-        self._store, self._under = _store_of(into)
+        self._store, self._under = tier_store(into)
         self._pending: dict[int, PendingFile] = {}
         self._crc: dict[int, Crc32c] = {}
         self._got: dict[int, int] = {}
@@ -757,7 +755,7 @@ class PeerGroup:
                         try:
                             f = handles.get(i)
                             if f is None:
-                                f = handles[i] = open(files[i].path, "rb")  # noqa: SIM115
+                                f = handles[i] = files[i].store.open_read(files[i].rel)
                             f.seek(start)
                             if f.readinto(out_mem[:length]) != length:
                                 raise OSError(

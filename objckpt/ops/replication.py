@@ -57,7 +57,7 @@ from typing import Any
 
 from objckpt._torch import group_store
 from objckpt.dcp.collective import broadcast_object, is_distributed
-from objckpt.errors import PeerSilentError
+from objckpt.errors import LinkRefusedError, PeerSilentError
 from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY, index_key, writer_rank
 from objckpt.format.manifest import Manifest
 from objckpt.format.steps import step_name
@@ -65,6 +65,7 @@ from objckpt.ops.peers import FileSpec, NodeMap, PeerGroup, files_in, replica_di
 from objckpt.ops.tiers import LocalTier
 from objckpt.pipeline.handle import SaveHandle
 from objckpt.writers.checksum import Crc32c
+from objckpt.writers.node_store import REPLICAS_DIR, NodeStore
 from objckpt.writers.translate import describe
 
 __all__ = ["PeerReplicator", "start_replication"]
@@ -75,11 +76,11 @@ logger = logging.getLogger(__name__)
 Files = list[FileSpec] | str
 
 
-def _crc_of(path: str) -> tuple[int, str]:
+def _crc_of(store: NodeStore, rel: str) -> tuple[int, str]:
     """Size and CRC32C of a small file (an index object, the manifest)."""
     crc = Crc32c()
     size = 0
-    with open(path, "rb") as f:
+    with store.open_read(rel) as f:
         while chunk := f.read(1 << 20):
             crc.update(chunk)
             size += len(chunk)
@@ -126,6 +127,8 @@ class PeerReplicator:
         on_settled: Callable[[int], None] | None = None,
     ) -> None:
         self._tier = tier
+        #: This rank's tier, reached without following a link.
+        self._store = NodeStore(tier.location.path)
         self._peers = peers
         self._nodes = nodes
         self._rank = rank
@@ -264,22 +267,23 @@ class PeerReplicator:
         """What this rank sends of ``step``: its payload objects (with the CRC32C they
         were written with), its index object, and on the coordinator the manifest and
         ``.metadata``; or why it cannot."""
-        where = os.path.join(self._tier.location.path, step_name(step))
+        store, where = self._store, step_name(step)
         files = [
-            FileSpec(e.key, os.path.join(where, e.key), e.size, e.crc32c) for e in handle.written
+            FileSpec(e.key, store, f"{where}/{e.key}", e.size, e.crc32c) for e in handle.written
         ]
         extra = [index_key(self._rank, handle.attempt)] if handle.attempt else []
         if self._rank == 0:
             extra += [MANIFEST_KEY, METADATA_KEY]
         try:
             for key in extra:
-                path = os.path.join(where, key)
-                if not os.path.isfile(path) or os.path.islink(path):
+                rel = f"{where}/{key}"
+                try:
+                    size, crc = _crc_of(store, rel)
+                except (FileNotFoundError, LinkRefusedError, IsADirectoryError):
                     # None handed out (a rank that wrote nothing) or a stock reader's
                     # file; an index this rank failed to keep cancelled the step.
                     continue
-                size, crc = _crc_of(path)
-                files.append(FileSpec(key, path, size, crc))
+                files.append(FileSpec(key, store, rel, size, crc))
         except OSError as exc:
             return f"cannot read its files of step {step}: {describe(exc)}"
         return files
@@ -290,16 +294,13 @@ class PeerReplicator:
         the manifest; None when it cannot read it."""
         entries: dict[str, tuple[int, str]] | None = None
         if self._rank == 0:
-            for d in (
-                os.path.join(self._tier.location.path, step_name(step)),
-                replica_dir(self._tier.location.path, step),
-            ):
-                path = os.path.join(d, MANIFEST_KEY)
+            for d in (step_name(step), f"{REPLICAS_DIR}/{step_name(step)}"):
+                path = os.path.join(self._store.root, d, MANIFEST_KEY)
                 try:
-                    if os.path.islink(path) or not os.path.isfile(path):
-                        continue
-                    with open(path, "rb") as f:
-                        manifest = Manifest.from_json_bytes(f.read(), url=path)
+                    data = self._store.read_bytes(f"{d}/{MANIFEST_KEY}")
+                    manifest = Manifest.from_json_bytes(data, url=path)
+                except (FileNotFoundError, LinkRefusedError, IsADirectoryError):
+                    continue
                 except (OSError, ValueError) as exc:
                     logger.warning("refill of step %d: cannot read %s: %s", step, path, exc)
                     continue
@@ -318,23 +319,20 @@ class PeerReplicator:
         expected = self._manifest_entries(step)
         if expected is None:
             return f"no manifest of step {step} to check its files against"
-        dirs = [
-            os.path.join(self._tier.location.path, step_name(step)),
-            replica_dir(self._tier.location.path, step),
-        ]
+        store = self._store
         found: dict[str, str] = {}
-        for d in dirs:
-            for key in files_in(d):
+        for d in (step_name(step), f"{REPLICAS_DIR}/{step_name(step)}"):
+            for key in files_in(store, d):
                 ours = writer_rank(key) == self._rank
                 if ours or (self._rank == 0 and key in (MANIFEST_KEY, METADATA_KEY)):
-                    found.setdefault(key, os.path.join(d, key))
+                    found.setdefault(key, f"{d}/{key}")
         specs: list[FileSpec] = []
         try:
-            for key, path in sorted(found.items()):
+            for key, rel in sorted(found.items()):
                 if key in expected:
-                    specs.append(FileSpec(key, path, *expected[key]))
+                    specs.append(FileSpec(key, store, rel, *expected[key]))
                 elif key in (MANIFEST_KEY, METADATA_KEY):  # not listed by the manifest
-                    specs.append(FileSpec(key, path, *_crc_of(path)))
+                    specs.append(FileSpec(key, store, rel, *_crc_of(store, rel)))
         except OSError as exc:
             return f"cannot read its files of step {step}: {describe(exc)}"
         return specs

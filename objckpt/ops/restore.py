@@ -50,6 +50,7 @@ import hashlib
 import logging
 import os
 import pickle
+import stat
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -73,7 +74,6 @@ from objckpt.format.manifest import Manifest
 from objckpt.format.steps import parse_step, step_name
 from objckpt.ops.catalog import StepCatalog, on_rank0
 from objckpt.ops.local_disk import delete_local_step
-from objckpt.ops.node_store import NodeStore
 from objckpt.ops.peers import (
     FileSpec,
     Holdings,
@@ -88,6 +88,7 @@ from objckpt.ops.rollback import Rollback, manifest_digest, read_rollbacks
 from objckpt.ops.tiers import LocalTier
 from objckpt.ops.torch_errors import first_of, size_mismatch, unwrap
 from objckpt.options import ReadOptions
+from objckpt.writers.node_store import REPLICAS_DIR, NodeStore
 from objckpt.writers.retry import RetryPolicy
 
 __all__ = ["PeerFetch", "Restorer"]
@@ -261,8 +262,8 @@ class Restorer:
             inside = os.path.abspath(b.path).startswith(os.path.abspath(tier.path) + os.sep)
             if inside:
                 # Never raised: every rank goes on into the next survey's gather.
-                with contextlib.suppress(OSError):
-                    os.unlink(b.path)
+                with contextlib.suppress(OSError, ObjckptError):
+                    NodeStore(tier.path).remove(os.path.relpath(b.path, tier.path))
                     logger.warning(
                         "deleted %s: this node's copy of %s of step %d is damaged (%s)",
                         b.path,
@@ -334,11 +335,12 @@ class Restorer:
         me = self._peers.group.rank
         if not stale or tier is None or self._peers.nodes.local_of[me] != 0:
             return
+        store = NodeStore(tier.path)
         for step, digest in stale:
             for path in (os.path.join(tier.path, step_name(step)), replica_dir(tier.path, step)):
                 try:
-                    with open(os.path.join(path, MANIFEST_KEY), "rb") as f:
-                        data = f.read()
+                    rel = os.path.relpath(os.path.join(path, MANIFEST_KEY), tier.path)
+                    data = store.read_bytes(rel)
                 except OSError:
                     continue
                 if manifest_digest(data) == digest and delete_local_step(path):
@@ -693,15 +695,15 @@ class Restorer:
         came from another node's): the load reads it there, not from the store."""
         tier = self._catalog.local
         assert tier is not None
-        own = os.path.join(tier.path, step_name(step), MANIFEST_KEY)
-        into = replica_dir(tier.path, step)
-        path = os.path.join(into, MANIFEST_KEY)
-        if os.path.isfile(own):
-            return
+        store = NodeStore(tier.path)
+        path = os.path.join(replica_dir(tier.path, step), MANIFEST_KEY)
+        with contextlib.suppress(OSError):
+            if stat.S_ISREG(store.stat(f"{step_name(step)}/{MANIFEST_KEY}").st_mode):
+                return
         try:  # the node's one door: no link followed, fsynced, whole or not at all, and
             # create-only: a manifest already there is never replaced
             rel = os.path.relpath(path, tier.path)
-            NodeStore(tier.path).write_bytes(rel, data, create_only=True)
+            store.write_bytes(rel, data, create_only=True)
         except FileExistsError:
             logger.debug("step %d's manifest is at %s already", step, path)
         except (OSError, ObjckptError) as exc:  # the load reads it from the store instead
@@ -836,6 +838,8 @@ class PeerFetch:
         self._peers = peers
         self._wire = peers.group.with_tag(PeerGroup.LOAD_TAG)
         self._tier_path = tier_path
+        #: This node's tier, reached without following a link.
+        self._store = NodeStore(tier_path)
         self._views = views
         self._entries = {} if manifest is None else {o.key: o for o in manifest.objects}
         #: What this rank did not receive: the sender's copies, found bad.
@@ -904,13 +908,13 @@ class PeerFetch:
         ]
 
     def _path_of(self, key: str) -> str | None:
-        for base in (
-            os.path.join(self._tier_path, step_name(self.step)),
-            replica_dir(self._tier_path, self.step),
-        ):
-            path = os.path.join(base, key)
-            if os.path.isfile(path) and not os.path.islink(path):
-                return path
+        """Where this node holds ``key`` (relative to the tier): its own step
+        directory, else the replicas; None when neither holds a file of its name."""
+        for base in (step_name(self.step), f"{REPLICAS_DIR}/{step_name(self.step)}"):
+            rel = f"{base}/{key}"
+            with contextlib.suppress(OSError, ObjckptError):
+                if stat.S_ISREG(self._store.stat(rel).st_mode):
+                    return rel
         return None
 
     def fetch(self, planned: Any) -> None:
@@ -933,7 +937,7 @@ class PeerFetch:
                     if path is None:
                         out = (send.dst, f"rank {me} no longer holds {k}")
                         break
-                    files.append(FileSpec(k, path, *specs[k]))
+                    files.append(FileSpec(k, self._store, path, *specs[k]))
                 else:
                     out = (send.dst, files)
             try:

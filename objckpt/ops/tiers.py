@@ -24,8 +24,6 @@ import dataclasses
 import errno
 import logging
 import os
-import shutil
-import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,6 +33,7 @@ from objckpt._removed import LOCAL_TIER, removed_keywords
 from objckpt.errors import ConfigurationError
 from objckpt.ops.retention import RetentionPolicy
 from objckpt.writers.location import Location
+from objckpt.writers.node_store import NodeStore
 from objckpt.writers.translate import causes
 
 __all__ = [
@@ -214,29 +213,14 @@ def state_bytes(state_dict: Mapping[str, Any]) -> int:
     return total
 
 
-def _probe_write(root: str) -> None:
-    """Create and remove one empty file in ``root``: the one test of "can this process
-    write here" that read-only mounts, ACLs and root's immunity to modes all answer
-    truthfully (``os.access`` does not)."""
-    probe = os.path.join(root, f".objckpt-probe.{uuid.uuid4().hex}")
-    with open(probe, "xb"):
-        pass
-    os.unlink(probe)
-
-
 def local_room(tier: LocalTier, need: int) -> str | None:
     """None when this process can write to the local tier and ``need`` bytes (plus
     5 % and the tier's headroom) fit there, else why not (a sentence for the log)."""
     root = tier.location.path
     try:
-        os.makedirs(root, exist_ok=True)
-        _probe_write(root)
+        free = NodeStore(root).probe()
     except OSError as exc:
         return f"local tier {root} is not writable ({exc.strerror or exc})"
-    try:
-        free = shutil.disk_usage(root).free
-    except OSError as exc:
-        return f"local tier {root} is not usable: {exc}"
     wanted = need + need // 20 + tier.min_free_bytes
     if wanted > free:
         return (

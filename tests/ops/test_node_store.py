@@ -1,7 +1,7 @@
 """The one door to a node's disk: no write through a link, nothing half-written left.
 
 A local tier's directory is reachable by users and other tools, so a link may sit
-anywhere under it; :class:`objckpt.ops.node_store.NodeStore` checks every component
+anywhere under it; :class:`objckpt.writers.node_store.NodeStore` checks every component
 under the tier's root without following one, and a write either lands whole under
 its name or leaves nothing (not even its temporary file).
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from objckpt.errors import LinkRefusedError, ObjckptError
-from objckpt.ops.node_store import NodeStore
+from objckpt.writers.node_store import NodeStore
 
 
 def _all(path: Path) -> list[str]:

@@ -62,7 +62,7 @@ def _full_under(part: str) -> Iterator[None]:
     """Writes to files whose path contains ``part`` fail with ENOSPC in this process
     (a disk that filled up), everything else as usual: through ``open`` and through
     the node store's files (how received replicas are written)."""
-    from objckpt.ops.node_store import PendingFile
+    from objckpt.writers.node_store import PendingFile
 
     real = open
     real_write = PendingFile.write
@@ -224,16 +224,19 @@ def peer_dies_mid_transfer(
 @contextlib.contextmanager
 def _unlistable_once(path: str) -> Iterator[None]:
     """The first listing of the directory ``path`` in this process fails with EIO."""
-    real = os.scandir
+    from objckpt.writers.node_store import NodeStore
+
+    real = NodeStore.entries
     failed: list[str] = []
 
-    def scandir(p: Any = ".") -> Any:
-        if not failed and os.path.abspath(os.fspath(p)) == os.path.abspath(path):
+    def entries(store: NodeStore, rel: str = "") -> Any:
+        listed = os.path.join(store.root, rel)
+        if not failed and os.path.abspath(listed) == os.path.abspath(path):
             failed.append(path)
-            raise OSError(errno.EIO, os.strerror(errno.EIO), os.fspath(p))
-        return real(p)
+            raise OSError(errno.EIO, os.strerror(errno.EIO), listed)
+        return real(store, rel)
 
-    with mock.patch("os.scandir", scandir):
+    with mock.patch.object(NodeStore, "entries", entries):
         yield
 
 
@@ -290,17 +293,18 @@ def restart_with_a_failing_sender(
     """Node 1 was lost: its files of step 2 come from node 0's replicas, and every
     read of a replica on node 0's sending side fails (EIO). Every rank loads the
     same fallback: step 1 (durable), bit-exact."""
-    from objckpt.ops import peers
+    from objckpt.writers.node_store import NodeStore
 
-    real = open
+    real = NodeStore.open_read
 
-    def failing(path: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
-        if "/replicas/" in os.fspath(path) and "r" in mode:
-            raise OSError(errno.EIO, os.strerror(errno.EIO), os.fspath(path))
-        return real(path, mode, *args, **kwargs)
+    def failing(store: NodeStore, rel: str) -> Any:
+        path = os.path.join(store.root, rel)
+        if "/replicas/" in path:
+            raise OSError(errno.EIO, os.strerror(errno.EIO), path)
+        return real(store, rel)
 
     if rank // o["per_node"] == 0:
-        peers.open = failing  # type: ignore[attr-defined]
+        NodeStore.open_read = failing  # type: ignore[method-assign]
     restart_and_load(rank, world, init_file, url, o)
 
 

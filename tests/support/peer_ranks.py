@@ -23,6 +23,7 @@ from ranks import init_ranks
 from objckpt.ops import peers
 from objckpt.ops.peers import CHUNK, FileSpec, PeerGroup
 from objckpt.writers.checksum import Crc32c
+from objckpt.writers.node_store import NodeStore
 
 
 def _spec(path: str, key: str) -> FileSpec:
@@ -30,7 +31,7 @@ def _spec(path: str, key: str) -> FileSpec:
         data = f.read()
     crc = Crc32c()
     crc.update(data)
-    return FileSpec(key, path, len(data), crc.hexdigest())
+    return FileSpec(key, NodeStore(os.path.dirname(path)), key, len(data), crc.hexdigest())
 
 
 class _Crafted(Exception):
@@ -58,7 +59,8 @@ def _craft(group: PeerGroup, what: str, rank: int, base: str) -> list[FileSpec] 
         raise _Crafted
 
     group._stream = no_stream  # type: ignore[method-assign]
-    return [FileSpec(f"__{rank}_0.0123456789abcdef.distcp", base, number, "00000000")]
+    key = f"__{rank}_0.0123456789abcdef.distcp"
+    return [FileSpec(key, NodeStore(base), key, number, "00000000")]
 
 
 def swap_files(
@@ -87,7 +89,7 @@ def swap_files(
         files = [_spec(os.path.join(own, k), k) for k in sorted(os.listdir(own))]
         into = (into_of or {}).get(str(rank)) or os.path.join(base, f"into{rank}")
         other = 1 - rank
-        real_open = open
+        real_read = NodeStore.open_read
         what = fault.get(str(rank), "")
         dying = "die" in fault.values()
         crafted = _craft(group, what, rank, base) if ":" in what else None
@@ -103,13 +105,12 @@ def swap_files(
 
             peers._Incoming.write = die_on_second  # type: ignore[method-assign]
 
-        def faulty_open(path: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
-            p = os.fspath(path)
-            if what == "read" and p.startswith(own) and "r" in mode and p.endswith(".distcp"):
+        # A sender reads its files through the node store (never through a link).
+        def faulty_read(store: NodeStore, rel: str) -> Any:
+            p = os.path.join(store.root, rel)
+            if what == "read" and p.startswith(own) and p.endswith(".distcp"):
                 raise OSError(errno.EIO, os.strerror(errno.EIO), p)
-            if what == "full" and p.startswith(into) and ("w" in mode or "x" in mode):
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), p)
-            f = real_open(path, mode, *args, **kwargs)
+            f = real_read(store, rel)
             if what == "read-late" and p.startswith(own) and p.endswith(".distcp"):
                 return _LateFail(f)
             return f
@@ -140,7 +141,7 @@ def swap_files(
         tracemalloc.start()
         try:
             with (
-                mock.patch("builtins.open", faulty_open),
+                mock.patch.object(NodeStore, "open_read", faulty_read),
                 mock.patch("os.open", faulty_os_open),
                 mock.patch("torch.empty", spy(real_empty)),
                 mock.patch("torch.zeros", spy(real_zeros)),
