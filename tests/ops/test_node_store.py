@@ -1,4 +1,4 @@
-"""The one door to a node's disk: no write through a link, nothing half-written left.
+"""The one door to a node's disk: no access through a link, nothing half-written left.
 
 A local tier's directory is reachable by users and other tools, so a link may sit
 anywhere under it; :class:`objckpt.writers.node_store.NodeStore` checks every component
@@ -8,12 +8,13 @@ its name or leaves nothing (not even its temporary file).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-from objckpt.errors import LinkRefusedError, ObjckptError
-from objckpt.writers.node_store import NodeStore
+from objckpt.errors import LinkRefusedError, ManifestError, ObjckptError
+from objckpt.writers.node_store import Entry, NodeStore, tier_store
 
 
 def _all(path: Path) -> list[str]:
@@ -131,3 +132,172 @@ def test_a_create_only_write_refuses_a_link_at_its_name(tmp_path: Path) -> None:
     with pytest.raises((LinkRefusedError, FileExistsError)):
         NodeStore(str(tmp_path)).write_bytes("replicas/manifest.json", b"x", create_only=True)
     assert (tmp_path / "elsewhere").read_bytes() == b"theirs"
+
+
+# -- reads, listings, status and removals: no link followed either ---------------------
+def _tier_with_a_step(tmp_path: Path) -> tuple[Path, Path]:
+    """A tier holding ``replicas/step-0000000001/3f/a.bin`` (and a manifest beside
+    ``3f``), and a directory outside it holding files of the same names."""
+    root = tmp_path / "tier"
+    step = root / "replicas/step-0000000001"
+    (step / "3f").mkdir(parents=True)
+    (step / "3f/a.bin").write_bytes(b"ours")
+    (step / "manifest.json").write_bytes(b"{}")
+    outside = tmp_path / "outside"
+    (outside / "3f").mkdir(parents=True)
+    (outside / "3f/a.bin").write_bytes(b"theirs")
+    (outside / "a.bin").write_bytes(b"theirs")
+    (outside / "manifest.json").write_bytes(b"theirs")
+    return root, outside
+
+
+def _swap_for_link(root: Path, link: str, outside: Path) -> None:
+    """Replace ``root/link`` (a directory) by a link to ``outside``."""
+    path = root / link
+    path.rename(root.parent / f"moved-{path.name}")
+    path.symlink_to(outside, target_is_directory=True)
+
+
+def test_reads_listings_and_status_see_the_tiers_own_files(tmp_path: Path) -> None:
+    root, _ = _tier_with_a_step(tmp_path)
+    store = NodeStore(str(root))
+    assert store.read_bytes("replicas/step-0000000001/3f/a.bin") == b"ours"
+    with store.open_read("replicas/step-0000000001/3f/a.bin") as f:
+        f.seek(1)
+        assert f.read() == b"urs"
+    assert store.entries("replicas/step-0000000001") == [
+        Entry("3f", "dir"),
+        Entry("manifest.json", "file", 2),
+    ]
+    assert [e.name for e in store.entries()] == ["replicas"]
+    assert store.stat("replicas/step-0000000001/3f/a.bin").st_size == 4
+    assert store.exists("replicas/step-0000000001/manifest.json")
+    assert not store.exists("replicas/step-0000000002/manifest.json")
+    with pytest.raises(FileNotFoundError):
+        store.read_bytes("replicas/step-0000000001/b.bin")
+    with pytest.raises(FileNotFoundError):
+        store.entries("replicas/step-0000000002")
+
+
+@pytest.mark.parametrize(
+    "link", ["replicas", "replicas/step-0000000001", "replicas/step-0000000001/3f"]
+)
+def test_a_link_at_any_directory_is_refused_for_reads_listings_and_removals(
+    tmp_path: Path, link: str
+) -> None:
+    root, outside = _tier_with_a_step(tmp_path)
+    _swap_for_link(root, link, outside)
+    before = {p: p.read_bytes() for p in outside.rglob("*") if p.is_file()}
+    store = NodeStore(str(root))
+    deep = "replicas/step-0000000001/3f/a.bin"
+    for call in (
+        lambda: store.read_bytes(deep),
+        lambda: store.open_read(deep),
+        lambda: store.stat(deep),
+        lambda: store.entries("replicas/step-0000000001/3f"),
+        lambda: store.remove(deep),
+        lambda: store.remove_dir("replicas/step-0000000001/3f/x"),
+    ):
+        with pytest.raises(LinkRefusedError, match="symbolic link") as info:
+            call()
+        assert str(root / link) in str(info.value)
+    assert store.exists(deep)  # something is there: a link, refused when used
+    assert {p: p.read_bytes() for p in outside.rglob("*") if p.is_file()} == before
+
+
+def test_a_link_at_the_files_own_name_is_refused_for_reads_and_removed_itself(
+    tmp_path: Path,
+) -> None:
+    root, outside = _tier_with_a_step(tmp_path)
+    name = root / "replicas/step-0000000001/3f/a.bin"
+    name.unlink()
+    name.symlink_to(outside / "a.bin")
+    store = NodeStore(str(root))
+    rel = "replicas/step-0000000001/3f/a.bin"
+    for call in (lambda: store.read_bytes(rel), lambda: store.open_read(rel)):
+        with pytest.raises(LinkRefusedError, match=f"{name} is a symbolic link to {outside}"):
+            call()
+    with pytest.raises(LinkRefusedError):
+        store.stat(rel)
+    assert store.entries("replicas/step-0000000001/3f") == [
+        Entry("a.bin", "link", target=str(outside / "a.bin"))
+    ]
+    store.remove(rel)  # the link goes, never its target
+    assert not name.is_symlink() and (outside / "a.bin").read_bytes() == b"theirs"
+
+
+def test_a_link_swapped_in_after_a_listing_is_refused_at_the_read(tmp_path: Path) -> None:
+    """The check is the open itself (``O_NOFOLLOW`` at every component): a link that
+    appears after the listing that found the file is refused, not read."""
+    root, outside = _tier_with_a_step(tmp_path)
+    store = NodeStore(str(root))
+    assert [e.name for e in store.entries("replicas/step-0000000001")] == ["3f", "manifest.json"]
+    _swap_for_link(root, "replicas/step-0000000001", outside)
+    with pytest.raises(LinkRefusedError):
+        store.read_bytes("replicas/step-0000000001/manifest.json")
+
+
+def test_removals_remove_only_what_they_name(tmp_path: Path) -> None:
+    root, outside = _tier_with_a_step(tmp_path)
+    store = NodeStore(str(root))
+    with pytest.raises(OSError):
+        store.remove_dir("replicas/step-0000000001/3f")  # not empty: kept
+    store.remove("replicas/step-0000000001/3f/a.bin")
+    store.remove_dir("replicas/step-0000000001/3f")
+    assert _all(root) == [
+        "replicas",
+        "replicas/step-0000000001",
+        "replicas/step-0000000001/manifest.json",
+    ]
+    with pytest.raises(FileNotFoundError):
+        store.remove("replicas/step-0000000001/3f/a.bin")
+    assert _all(outside) == ["3f", "3f/a.bin", "a.bin", "manifest.json"]
+
+
+def test_a_read_is_bounded_before_it_is_read_whole(tmp_path: Path) -> None:
+    (tmp_path / "manifest.json").write_bytes(b"x" * 11)
+    store = NodeStore(str(tmp_path))
+    assert store.read_bytes("manifest.json", max_bytes=11) == b"x" * 11
+    with pytest.raises(ManifestError, match="larger than 10 bytes"):
+        store.read_bytes("manifest.json", max_bytes=10)
+
+
+def test_only_regular_files_are_read(tmp_path: Path) -> None:
+    (tmp_path / "d").mkdir()
+    os.mkfifo(tmp_path / "fifo")  # an open would block for a writer: refused at once
+    store = NodeStore(str(tmp_path))
+    with pytest.raises(IsADirectoryError):
+        store.read_bytes("d")
+    with pytest.raises(OSError, match="not a regular file"):
+        store.read_bytes("fifo")
+    assert store.entries() == [Entry("d", "dir"), Entry("fifo", "other")]
+
+
+@pytest.mark.parametrize("rel", ["../tier2/a.bin", "/etc/passwd", "x/../a.bin"])
+def test_a_name_leaving_the_root_is_refused_for_reads_and_removals(
+    tmp_path: Path, rel: str
+) -> None:
+    (tmp_path / "tier").mkdir()
+    (tmp_path / "tier2").mkdir()
+    (tmp_path / "tier2" / "a.bin").write_bytes(b"theirs")
+    store = NodeStore(str(tmp_path / "tier"))
+    for call in (lambda: store.read_bytes(rel), lambda: store.remove(rel), lambda: store.stat(rel)):
+        with pytest.raises(ObjckptError, match="not a plain relative path"):
+            call()
+    assert (tmp_path / "tier2" / "a.bin").read_bytes() == b"theirs"
+
+
+def test_the_probe_leaves_nothing_and_says_the_room(tmp_path: Path) -> None:
+    store = NodeStore(str(tmp_path / "new"))
+    assert store.probe() > 0
+    assert _all(tmp_path / "new") == []
+    assert store.identity() == NodeStore(str(tmp_path / "new" / ".")).identity()
+
+
+def test_a_tier_directory_is_reached_from_the_tier(tmp_path: Path) -> None:
+    tier = str(tmp_path / "tier")
+    assert tier_store(f"{tier}/replicas/step-0000000001") == (
+        NodeStore(tier),
+        "replicas/step-0000000001",
+    )
+    assert tier_store(f"{tier}/step-0000000001/") == (NodeStore(tier), "step-0000000001")
