@@ -247,7 +247,7 @@ class NodeStore:
                 code = errno.EISDIR if stat.S_ISDIR(mode) else errno.EINVAL
                 raise OSError(code, "not a regular file", path)
             os.set_blocking(fd, True)
-            return open(fd, "rb", closefd=True)
+            return os.fdopen(fd, "rb")
         except BaseException:
             os.close(fd)
             raise
