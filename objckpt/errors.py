@@ -39,7 +39,7 @@ exception text at ERROR level, so an error message is as public as a log line.
     ├── RequestFailedError                    an async request failed on some rank
     ├── PeerRankError                         another rank failed this save or load
     ├── PeerWireError (RuntimeError)          a peer sent what objckpt never sends (pair broken)
-    ├── LinkRefusedError (OSError)            a symbolic link where the local tier writes
+    ├── LinkRefusedError (OSError)            a symbolic link under the local tier's root
     ├── SaveSequenceError                     ranks called save() a different number of times
     ├── StepOrderError (ValueError)           a save below the newest step of the run (a rollback)
     └── InternalError (RuntimeError)          a bug in objckpt: a call out of its order
@@ -258,9 +258,10 @@ class PeerWireError(ObjckptError, RuntimeError):
 
 
 class LinkRefusedError(ObjckptError, OSError):
-    """A symbolic link sits where the local tier writes (a directory or a file's name
-    under the tier's root): objckpt never writes through one, since the directory it
-    leads to is not the tier's own. The message names the link and its target."""
+    """A symbolic link sits where the local tier reads, lists, writes or deletes (a
+    directory or a file's name under the tier's root): objckpt never goes through
+    one, since what it leads to is not the tier's own. The message names the link
+    and its target."""
 
 
 class SaveSequenceError(ObjckptError):

@@ -49,7 +49,8 @@ OS_CALLS = frozenset(
 )
 #: Functions of ``os.path`` that look at the disk (not mere string work).
 OS_PATH_CALLS = frozenset(
-    {"exists", "lexists", "isfile", "isdir", "islink", "getsize", "getmtime", "realpath", "samefile"}
+    {"exists", "lexists", "isfile", "isdir", "islink", "getsize", "getmtime", "realpath"}
+    | {"samefile"}
 )
 #: Modules whose every call touches the disk.
 DISK_MODULES = frozenset({"shutil", "glob", "tempfile", "pathlib"})
@@ -96,11 +97,8 @@ def _doors(path: Path) -> list[tuple[int, str]]:
         elif isinstance(node, ast.Call):
             name = _dotted(node.func)
             head, _, last = name.rpartition(".")
-            if name in OPENERS:
-                found.append((node.lineno, name))
-            elif head == "os" and last in OS_CALLS:
-                found.append((node.lineno, name))
-            elif head == "os.path" and last in OS_PATH_CALLS:
+            calls = {"os": OS_CALLS, "os.path": OS_PATH_CALLS}.get(head, frozenset())
+            if name in OPENERS or last in calls:
                 found.append((node.lineno, name))
     return found
 
@@ -117,9 +115,7 @@ def test_nothing_under_ops_or_dcp_reaches_a_nodes_disk_but_through_the_node_stor
 
 def test_every_allowance_is_still_needed() -> None:
     """An allowance whose call went away is removed, so the list stays the truth."""
-    used = {
-        (str(p.relative_to(PACKAGE.parent)), what) for p in _guarded() for _, what in _doors(p)
-    }
+    used = {(str(p.relative_to(PACKAGE.parent)), what) for p in _guarded() for _, what in _doors(p)}
     assert set(ALLOWED) <= used, set(ALLOWED) - used
 
 
