@@ -57,7 +57,7 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 
 from objckpt._torch import group_store
-from objckpt.dcp.collective import broadcast_from_rank0, gather_object, is_distributed
+from objckpt.dcp.collective import Collectives, is_distributed
 from objckpt.dcp.load_planner import LoadPlanner
 from objckpt.dcp.storage_reader import ObjectStoreReader
 from objckpt.errors import (
@@ -71,7 +71,7 @@ from objckpt.errors import (
 from objckpt.format.layout import MANIFEST_KEY, writer_rank
 from objckpt.format.manifest import Manifest
 from objckpt.format.steps import parse_step, step_name
-from objckpt.ops.catalog import StepCatalog, on_rank0
+from objckpt.ops.catalog import StepCatalog
 from objckpt.ops.local_disk import delete_local_step
 from objckpt.ops.node_store import NodeStore
 from objckpt.ops.peers import (
@@ -143,7 +143,7 @@ class Restorer:
     Args:
         catalog: Where steps live (root, local tier, backups) and which exist.
         retry: How every store request is retried.
-        process_group: The group that loads together.
+        collectives: The collectives of the group that loads together (the manager's).
         peers: The job's peers when the local tier keeps replicas on other nodes.
         tier: The local tier (its ``replicas``), when there is one.
     """
@@ -153,14 +153,15 @@ class Restorer:
         catalog: StepCatalog,
         *,
         retry: RetryPolicy,
-        process_group: Any | None = None,
+        collectives: Collectives | None = None,
         peers: Peers | None = None,
         tier: LocalTier | None = None,
     ) -> None:
         self._catalog = catalog
         self._tier = tier
         self._retry = retry
-        self._group = process_group
+        self._collectives = collectives or Collectives()
+        self._group = self._collectives.group
         self._peers = peers
         #: Without a process group: this process's manifests by (step, digest).
         self._posted: dict[tuple[int, str], bytes] = {}
@@ -184,7 +185,7 @@ class Restorer:
             return self._load_from_nodes(state_dict, step, read)
         if step is not None:
             return self._load_step(step, state_dict, read)
-        newest, durable = on_rank0(self._catalog.newest, self._group)
+        newest, durable = self._collectives.from_rank0(self._catalog.newest)
         return self._load_or_durable(state_dict, step, read, newest, durable)
 
     def _load_or_durable(
@@ -296,7 +297,7 @@ class Restorer:
             slim = dataclasses.replace(mine, manifests={})  # the bytes went to the store
             listing = self._post_listing(slim, digests)
         gathered = (
-            gather_object((listing, found or []), self._group)
+            self._collectives.gather_object((listing, found or []))
             if is_distributed()
             else [(listing, found or [])]
         )
@@ -311,7 +312,7 @@ class Restorer:
             finally:
                 self._drop_posted(held, posted)
 
-        newest, durable, from_nodes, refill, stale = broadcast_from_rank0(decide, self._group)
+        newest, durable, from_nodes, refill, stale = self._collectives.from_rank0(decide)
         self._delete_stale(stale)
         self._fetch = None
         self._bad = []
