@@ -18,7 +18,6 @@ import logging
 import threading
 import time
 from collections.abc import Collection
-from typing import TypeVar
 
 from objckpt.dcp.collective import Collectives
 from objckpt.errors import CheckpointNotFoundError, StepOrderError, StoreError
@@ -30,8 +29,6 @@ from objckpt.writers.location import Location
 __all__ = ["StepCatalog"]
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 def _some(value: int | None) -> tuple[int, ...]:
