@@ -147,6 +147,7 @@ class CheckpointManager:
             collectives=self._collectives,
             peers=self._peers,
             tier=local,
+            on_loaded=lambda url, m: self._checkpointer.reuse_memory.loaded(url, m),
         )
         self._durable = DurableSteps(self._catalog, rank=self.rank)
         self.reload()

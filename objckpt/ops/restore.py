@@ -51,7 +51,7 @@ import logging
 import os
 import pickle
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
@@ -186,8 +186,12 @@ class Restorer:
         collectives: Collectives | None = None,
         peers: Peers | None = None,
         tier: LocalTier | None = None,
+        on_loaded: Callable[[str, Manifest], None] | None = None,
     ) -> None:
         self._catalog = catalog
+        #: Told the URL and manifest of each step loaded (the checkpointer's reuse
+        #: memory: a save based on it reads no manifest again).
+        self._on_loaded = on_loaded
         self._tier = tier
         self._retry = retry
         self._collectives = collectives or Collectives()
@@ -843,6 +847,8 @@ class Restorer:
             if inner is exc:
                 raise
             raise inner from exc
+        if self._on_loaded is not None and reader.manifest is not None:
+            self._on_loaded(url, reader.manifest)
         logger.info(
             "loaded %s; this rank's load cost %s%s",
             url,
