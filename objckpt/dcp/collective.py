@@ -16,19 +16,23 @@ associated with device type cpu"), and torch's object collectives move their byt
 through CUDA. :class:`Route` picks, once per process group: CPU tensors when the
 group has a CPU backend (gloo, or ``cpu:gloo,cuda:nccl``); CUDA tensors on the
 current device when it has none and CUDA is there (as DCP's own object collectives
-do); otherwise a gloo side group over the same ranks, created once (a CUDA-only
-backend string on a machine without CUDA, e.g. ``cuda:gloo`` in tests, which
-refuses CPU tensors exactly as NCCL does).
+do); otherwise a gloo side group over the same ranks (a CUDA-only backend string on a
+machine without CUDA, e.g. ``cuda:gloo`` in tests, which refuses CPU tensors
+exactly as NCCL does).
 
-The side groups are the only state kept here: a process-wide map from a process
-group's name to its side group, like torch's own registry of groups (a group is
-process-wide state already, and building a second side group for it would be a
-collective every rank must repeat).
+**State is owned.** :class:`Collectives` is the collectives of one process group,
+built once by what makes them (a checkpointer, a manager, a reader), and it owns
+its side group: built at its first collective that needs one, which every rank
+reaches at the same point, since every rank makes its owner's collectives in the
+same order. Nothing is kept at module level. :func:`side_group` is the one builder
+of a gloo group over a group's ranks: the side groups here and the peers' wire
+(:class:`objckpt.ops.peers.PeerGroup`, with its own timeout) both come from it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import pickle
 import threading
 from collections.abc import Callable, Sequence
@@ -41,25 +45,9 @@ from objckpt._torch import has_cpu_backend
 from objckpt.errors import ObjckptError, PeerRankError
 from objckpt.writers.translate import describe
 
-__all__ = [
-    "Route",
-    "all_gather_object",
-    "all_reduce_max",
-    "any_rank",
-    "broadcast_bytes",
-    "broadcast_from_rank0",
-    "broadcast_object",
-    "fail_together",
-    "from_rank0_if_same",
-    "gather_object",
-    "is_distributed",
-    "route",
-]
+__all__ = ["Collectives", "Route", "is_distributed", "side_group"]
 
 T = TypeVar("T")
-
-_SIDE_GROUPS: dict[str, Any] = {}
-_SIDE_LOCK = threading.Lock()
 
 
 def is_distributed() -> bool:
@@ -76,34 +64,31 @@ class Route:
     side_group: bool = False
 
 
-def route(group: Any | None = None) -> Route:
-    """Where ``group``'s collectives run (the default group when None)."""
-    if has_cpu_backend(group):
-        return Route(group, torch.device("cpu"))
-    if torch.cuda.is_available():
-        return Route(group, torch.device("cuda", torch.cuda.current_device()))
-    return Route(_side_group(group), torch.device("cpu"), side_group=True)
+def side_group(group: Any | None, timeout: float | None = None) -> Any:
+    """A new gloo group over ``group``'s ranks (the default group when None).
 
+    A collective, like any ``new_group``: every rank of ``group`` (of the default
+    group, when None) must call it at the same point.
 
-def _side_group(group: Any | None) -> Any:
-    """A gloo group over ``group``'s ranks, built the first time it is needed.
+    Args:
+        group: The group whose ranks the new one spans.
+        timeout: Seconds its collectives wait (None: torch's default).
 
-    Every rank of ``group`` reaches its first objckpt collective at the same point,
-    so every rank builds the side group at the same point too.
+    Raises:
+        ObjckptError: torch.distributed has no default group.
     """
     pg = group if group is not None else dist.group.WORLD
     if pg is None:
         raise ObjckptError("objckpt's collectives need torch.distributed's default group")
-    name = pg.group_name
-    with _SIDE_LOCK:
-        side = _SIDE_GROUPS.get(name)
-        if side is None:
-            ranks = dist.get_process_group_ranks(pg)
-            side = dist.new_group(
-                ranks=ranks, backend="gloo", use_local_synchronization=group is not None
-            )
-            _SIDE_GROUPS[name] = side
-    return side
+    extra: dict[str, Any] = {}
+    if timeout is not None:
+        extra["timeout"] = datetime.timedelta(seconds=timeout)
+    return dist.new_group(
+        ranks=dist.get_process_group_ranks(pg),
+        backend="gloo",
+        use_local_synchronization=group is not None,
+        **extra,
+    )
 
 
 def _portable(exc: BaseException) -> BaseException:
@@ -115,152 +100,168 @@ def _portable(exc: BaseException) -> BaseException:
     return exc
 
 
-def _global(rank: int, group: Any | None) -> int:
-    return rank if group is None else dist.get_global_rank(group, rank)
+class Collectives:
+    """The collectives objckpt makes on one process group, and the side group they
+    may need.
 
+    Every method is a collective: every rank of the group must call it at the same
+    point. Pickled values are only objckpt's own (rank 0's decisions, item
+    descriptions, what each rank found on its disk).
 
-def broadcast_object(obj: Any, src: int, group: Any | None = None) -> Any:
-    """``obj`` from group rank ``src`` on every rank (a collective).
-
-    Pickled: only for objckpt's own values (rank 0's decisions, item descriptions).
+    Args:
+        group: The process group (None: the default group, looked up at each call).
     """
-    r = route(group)
-    box = [obj]
-    src_global = _global(src, group)
-    dist.broadcast_object_list(box, src=src_global, group=r.group, device=r.device)
-    return box[0]
 
+    def __init__(self, group: Any | None = None) -> None:
+        self.group = group
+        self._side: Any | None = None
+        self._lock = threading.Lock()
 
-def broadcast_bytes(buffer: bytearray, src: int, group: Any | None = None) -> None:
-    """Fill ``buffer`` on every rank with group rank ``src``'s bytes, in place (a collective)."""
-    if not buffer:
-        return
-    r = route(group)
-    host = torch.frombuffer(buffer, dtype=torch.uint8)
-    if r.device.type == "cpu":
-        dist.broadcast(host, src=_global(src, group), group=r.group)
-        return
-    moved = host.to(r.device)
-    dist.broadcast(moved, src=_global(src, group), group=r.group)
-    host.copy_(moved.cpu())
+    def route(self) -> Route:
+        """Where the group's collectives run (its side group is built here, the first
+        time one is needed)."""
+        if has_cpu_backend(self.group):
+            return Route(self.group, torch.device("cpu"))
+        if torch.cuda.is_available():
+            return Route(self.group, torch.device("cuda", torch.cuda.current_device()))
+        with self._lock:
+            if self._side is None:
+                self._side = side_group(self.group)
+        return Route(self._side, torch.device("cpu"), side_group=True)
 
+    @property
+    def rank(self) -> int:
+        """This process's rank in the group (0 without torch.distributed)."""
+        return int(dist.get_rank(self.group)) if is_distributed() else 0
 
-def all_gather_object(obj: Any, group: Any | None = None) -> list[Any]:
-    """Every rank's ``obj``, in group rank order, on every rank (a collective).
+    @property
+    def world(self) -> int:
+        """The group's size (1 without torch.distributed)."""
+        return int(dist.get_world_size(self.group)) if is_distributed() else 1
 
-    Pickled: only for objckpt's own small values (what each rank found on its disk).
-    """
-    r = route(group)
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=r.group)
-    return out
+    def _global(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
+    def broadcast_object(self, obj: Any, src: int) -> Any:
+        """``obj`` from group rank ``src`` on every rank."""
+        r = self.route()
+        box = [obj]
+        dist.broadcast_object_list(box, src=self._global(src), group=r.group, device=r.device)
+        return box[0]
 
-def gather_object(obj: Any, group: Any | None = None) -> list[Any] | None:
-    """Every rank's ``obj`` in group rank order on group rank 0, None on the others
-    (a collective): for answers only rank 0 decides on, so that no rank receives
-    W answers it does not need.
+    def broadcast_bytes(self, buffer: bytearray, src: int) -> None:
+        """Fill ``buffer`` on every rank with group rank ``src``'s bytes, in place."""
+        if not buffer:
+            return
+        r = self.route()
+        host = torch.frombuffer(buffer, dtype=torch.uint8)
+        if r.device.type == "cpu":
+            dist.broadcast(host, src=self._global(src), group=r.group)
+            return
+        moved = host.to(r.device)
+        dist.broadcast(moved, src=self._global(src), group=r.group)
+        host.copy_(moved.cpu())
 
-    Pickled: only for objckpt's own small values.
-    """
-    r = route(group)
-    rank = dist.get_rank(group)
-    out: list[Any] | None = [None] * dist.get_world_size(group) if rank == 0 else None
-    dist.gather_object(obj, out, dst=_global(0, group), group=r.group)
-    return out
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in group rank order, on every rank."""
+        r = self.route()
+        out: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(out, obj, group=r.group)
+        return out
 
+    def gather_object(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` in group rank order on group rank 0, None on the others:
+        for answers only rank 0 decides on, so that no rank receives W answers it does
+        not need."""
+        r = self.route()
+        rank = dist.get_rank(self.group)
+        out: list[Any] | None = [None] * dist.get_world_size(self.group) if rank == 0 else None
+        dist.gather_object(obj, out, dst=self._global(0), group=r.group)
+        return out
 
-def all_reduce_max(values: Sequence[int], group: Any | None = None) -> list[int]:
-    """The element-wise maximum of ``values`` over the group (one all-reduce)."""
-    r = route(group)
-    tensor = torch.tensor(list(values), dtype=torch.int64, device=r.device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=r.group)
-    return [int(v) for v in tensor.tolist()]
+    def all_reduce_max(self, values: Sequence[int]) -> list[int]:
+        """The element-wise maximum of ``values`` over the group (one all-reduce)."""
+        r = self.route()
+        tensor = torch.tensor(list(values), dtype=torch.int64, device=r.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=r.group)
+        return [int(v) for v in tensor.tolist()]
 
+    def from_rank0(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on rank 0 of the group; every rank returns its result (a plain
+        call without torch.distributed).
 
-def broadcast_from_rank0(fn: Callable[[], T], process_group: Any | None = None) -> T:
-    """Run ``fn`` on rank 0 of ``process_group``; every rank returns its result.
+        Raises:
+            Exception: ``fn``'s error, on every rank (rank 0 raises the original).
+        """
+        if not is_distributed():
+            return fn()
+        _, value = self.from_rank0_if_same("", fn)  # one key: every rank takes it
+        return cast(T, value)
 
-    A collective: every rank of the group must call it at the same point.
+    def from_rank0_if_same(self, key: str, fn: Callable[[], T]) -> tuple[bool, T | None]:
+        """``fn()`` run on rank 0 of the group, for the ranks whose ``key`` is rank 0's.
 
-    Raises:
-        Exception: ``fn``'s error, on every rank (rank 0 raises the original).
-    """
-    _, value = from_rank0_if_same("", fn, process_group)  # one key: every rank takes it
-    return cast(T, value)
+        Ranks may name different keys (each loading a checkpoint of its own, say): a
+        rank whose ``key`` differs from rank 0's gets ``(False, None)`` and does the
+        work itself.
 
+        Returns:
+            ``(True, rank 0's result)``, or ``(False, None)`` where rank 0's key differs.
 
-def from_rank0_if_same(
-    key: str, fn: Callable[[], T], process_group: Any | None = None
-) -> tuple[bool, T | None]:
-    """``fn()`` run on rank 0 of ``process_group``, for the ranks whose ``key`` is rank 0's.
-
-    A collective: every rank of the group must call it at the same point. Ranks may
-    name different keys (each loading a checkpoint of its own, say): a rank whose
-    ``key`` differs from rank 0's gets ``(False, None)`` and does the work itself.
-
-    Returns:
-        ``(True, rank 0's result)``, or ``(False, None)`` where rank 0's key differs.
-
-    Raises:
-        Exception: ``fn``'s error, on rank 0 and every rank with the same key.
-    """
-    rank = dist.get_rank(process_group)
-    error: BaseException | None = None
-    payload: Any = None
-    if rank == 0:
-        try:
-            payload = (key, True, fn())
-        except Exception as exc:
-            error = exc
-            payload = (key, False, _portable(exc))
-    src_key, ok, value = broadcast_object(payload, 0, process_group)
-    if error is not None:
-        raise error
-    if src_key != key:
-        return False, None
-    if not ok:
-        raise value
-    return True, value
-
-
-def any_rank(flag: bool, process_group: Any | None = None) -> bool:
-    """Whether ``flag`` is true on any rank of the group (one all-reduce of one int).
-
-    A collective: every rank of the group must call it at the same point.
-    """
-    if not is_distributed():
-        return flag
-    return bool(all_reduce_max([1 if flag else 0], process_group)[0])
-
-
-def fail_together(error: BaseException | None, what: str, group: Any | None = None) -> None:
-    """End a step each rank took on its own with one outcome for the group: when
-    any rank's ``error`` is set, every rank raises (the lowest failing rank's cause
-    named on the others), so no rank goes on into a collective the failed ones will
-    never reach. Without a process group, ``error`` is raised as it is.
-
-    A collective (one all-reduce, and one broadcast only on failure): every rank of
-    the group must call it at the same point.
-
-    Raises:
-        BaseException: this rank's own ``error``.
-        PeerRankError: another rank failed ``what`` (its rank and error named).
-    """
-    if not is_distributed():
+        Raises:
+            Exception: ``fn``'s error, on rank 0 and every rank with the same key.
+        """
+        rank = dist.get_rank(self.group)
+        error: BaseException | None = None
+        payload: Any = None
+        if rank == 0:
+            try:
+                payload = (key, True, fn())
+            except Exception as exc:
+                error = exc
+                payload = (key, False, _portable(exc))
+        src_key, ok, value = self.broadcast_object(payload, 0)
         if error is not None:
             raise error
-        return
-    rank = dist.get_rank(group)
-    world = dist.get_world_size(group)
-    # The lowest failing rank, as the largest (world - rank): a stable choice of whose
-    # cause the others name.
-    top = all_reduce_max([world - rank if error is not None else 0], group)[0]
-    if top == 0:
-        return
-    failed = world - top
-    mine = describe(error) if error is not None and rank == failed else None
-    cause = broadcast_object(mine, failed, group)
-    if error is not None:
-        raise error
-    raise PeerRankError(f"{what} failed on rank {failed}: {cause}", rank=failed)
+        if src_key != key:
+            return False, None
+        if not ok:
+            raise value
+        return True, value
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on any rank of the group (one all-reduce of one
+        int; ``flag`` itself without torch.distributed)."""
+        if not is_distributed():
+            return flag
+        return bool(self.all_reduce_max([1 if flag else 0])[0])
+
+    def fail_together(self, error: BaseException | None, what: str) -> None:
+        """End a step each rank took on its own with one outcome for the group: when
+        any rank's ``error`` is set, every rank raises (the lowest failing rank's
+        cause named on the others), so no rank goes on into a collective the failed
+        ones will never reach. Without torch.distributed, ``error`` is raised as it is.
+
+        One all-reduce, and one broadcast only on failure.
+
+        Raises:
+            BaseException: this rank's own ``error``.
+            PeerRankError: another rank failed ``what`` (its rank and error named).
+        """
+        if not is_distributed():
+            if error is not None:
+                raise error
+            return
+        rank = dist.get_rank(self.group)
+        world = dist.get_world_size(self.group)
+        # The lowest failing rank, as the largest (world - rank): a stable choice of
+        # whose cause the others name.
+        top = self.all_reduce_max([world - rank if error is not None else 0])[0]
+        if top == 0:
+            return
+        failed = world - top
+        mine = describe(error) if error is not None and rank == failed else None
+        cause = self.broadcast_object(mine, failed)
+        if error is not None:
+            raise error
+        raise PeerRankError(f"{what} failed on rank {failed}: {cause}", rank=failed)

@@ -26,11 +26,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-from objckpt.dcp.collective import from_rank0_if_same, is_distributed
+from objckpt.dcp.collective import Collectives, is_distributed
 from objckpt.dcp.local_copy import LocalCopy
 from objckpt.dcp.stock_metadata import load_stock_metadata
 from objckpt.errors import CheckpointNotCommittedError, CheckpointNotFoundError, ManifestError
@@ -98,7 +97,7 @@ def open_checkpoint(
     *,
     local: LocalCopy | None = None,
     broadcast: bool = False,
-    process_group: Any | None = None,
+    collectives: Collectives | None = None,
     allow_stock: bool = True,
     max_bytes: int = DEFAULT_MAX_METADATA_BYTES,
 ) -> Opened:
@@ -108,10 +107,11 @@ def open_checkpoint(
         location: The checkpoint in the store.
         store: The store (called only when the store is asked).
         local: A local copy whose manifest, when readable, is used instead.
-        broadcast: Read on rank 0 of ``process_group`` and send the bytes to the
-            other ranks (a collective: every rank must call it together); a rank
-            opening another URL than rank 0 reads its own.
-        process_group: The group for ``broadcast`` (default: the default group).
+        broadcast: Read on rank 0 of the group and send the bytes to the other
+            ranks (a collective: every rank must call it together); a rank opening
+            another URL than rank 0 reads its own.
+        collectives: The group's collectives for ``broadcast`` (default: the
+            default group's).
         allow_stock: Open a stock DCP checkpoint when that is what is there.
         max_bytes: ``ReadOptions.max_metadata_bytes``: the largest manifest, index
             object or ``.metadata`` accepted, judged before it is fetched.
@@ -133,10 +133,8 @@ def open_checkpoint(
             "broadcast=False reads it on this rank alone)",
             location.url,
         )
-        same, data = from_rank0_if_same(
-            location.url,
-            lambda: _read_manifest(location, store, local, read, max_bytes),
-            process_group,
+        same, data = (collectives or Collectives()).from_rank0_if_same(
+            location.url, lambda: _read_manifest(location, store, local, read, max_bytes)
         )
     if not same:  # no group, or rank 0 opened another checkpoint: read this one here
         data = _read_manifest(location, store, local, read, max_bytes)

@@ -151,6 +151,8 @@ class BaseReader:
         self._limit = limit or ReadOptions().max_metadata_bytes
         self._lock = threading.Lock()  # one read of each object, whichever thread asks first
         self._opened: tuple[Manifest, Metadata, Locator] | None = None
+        #: The base's manifest as the load received it (None: read it from the store).
+        self._given: Manifest | None = None
         self._shards: dict[int, dict[MetadataIndex, StoredItem]] = {}
         self._failed: BaseException | None = None
         self._deadline: Deadline | None = None
@@ -158,6 +160,12 @@ class BaseReader:
         #: Reference key -> what is wrong with the object there (None: it is whole).
         self._objects: dict[str, str | None] = {}
         self._warned: set[str] = set()
+
+    def given(self, manifest: Manifest) -> None:
+        """Take the base's manifest from the load that read it (every rank received
+        it there): no rank reads it again, which at a restart of W ranks would be W
+        GETs of one object. Its index objects and the HEADs are as without it."""
+        self._given = manifest
 
     def remember(self, items: Mapping[Identity, BaseItem]) -> None:
         """Take this rank's items of the base from memory (what it wrote in that
@@ -327,8 +335,10 @@ class BaseReader:
         if self._opened is None:
             base, limit = self._base, self._limit
             url = base.url_of(MANIFEST_KEY)
-            data = self._base_store.read_bounded(MANIFEST_KEY, limit)
-            manifest = Manifest.from_json_bytes(data, url=url, max_bytes=limit)
+            manifest = self._given
+            if manifest is None:
+                data = self._base_store.read_bounded(MANIFEST_KEY, limit)
+                manifest = Manifest.from_json_bytes(data, url=url, max_bytes=limit)
             if manifest.version < 2:
                 raise ManifestError(f"{url} is format {manifest.version}: no item hashes")
             objects = {o.key: o for o in manifest.objects}

@@ -24,7 +24,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
-from objckpt.dcp.collective import broadcast_bytes, broadcast_object
+from objckpt.dcp.collective import Collectives
 from objckpt.errors import ObjckptError
 
 __all__ = ["Sent", "SharedReads", "assign_owners", "exchange_shared"]
@@ -92,7 +92,7 @@ def exchange_shared(
     deliver: Deliver,
     *,
     rank: int,
-    process_group: Any | None,
+    collectives: Collectives,
     batch_bytes: int,
     url: str,
 ) -> None:
@@ -119,7 +119,7 @@ def exchange_shared(
             except Exception as exc:
                 error = error or exc
                 announce = f"{type(exc).__name__}: {exc}"
-        described = broadcast_object(announce, owner, process_group)
+        described = collectives.broadcast_object(announce, owner)
         if isinstance(described, str):
             if owner != rank:
                 error = error or ObjckptError(
@@ -133,7 +133,7 @@ def exchange_shared(
                 raw = bytearray(b"".join(fetched[i][1] for i in batch))
             else:
                 raw = bytearray(total)
-            broadcast_bytes(raw, owner, process_group)  # received in place
+            collectives.broadcast_bytes(raw, owner)  # received in place
             view = memoryview(raw)
             pos = 0
             for i in batch:

@@ -30,14 +30,13 @@ import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
-import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from objckpt._removed import READER, removed_keywords
-from objckpt.dcp.collective import is_distributed
+from objckpt.dcp.collective import Collectives, is_distributed
 from objckpt.dcp.delivery import Delivery, fetch_and_deliver
 from objckpt.dcp.fetch import fetch_ranges
 from objckpt.dcp.local_copy import LocalCopy
@@ -175,7 +174,8 @@ class ObjectStoreReader(StorageReader):
         self._share = self._broadcast
         #: The manifest is still to be read, by the next read_metadata() (see above).
         self._pending = False
-        self._group = process_group
+        #: The group's collectives (the manifest's broadcast, the shared reads).
+        self._collectives = Collectives(process_group)
         #: This load's id, drawn anew for each load (as FileSystemReader's ``load_id``).
         self.load_id = uuid.uuid4().hex
         self._rank = 0
@@ -259,7 +259,7 @@ class ObjectStoreReader(StorageReader):
             lambda: self.store,
             local=self._local_copy,
             broadcast=self._broadcast,
-            process_group=self._group,
+            collectives=self._collectives,
             allow_stock=self.options.allow_stock,
             max_bytes=self.options.max_metadata_bytes,
         )
@@ -336,7 +336,7 @@ class ObjectStoreReader(StorageReader):
             raise self._deferred
         rank = kwargs.get("rank")
         if rank is None:
-            rank = dist.get_rank(self._group) if is_distributed() else 0
+            rank = self._collectives.rank
         self._rank = int(rank)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -406,7 +406,7 @@ class ObjectStoreReader(StorageReader):
                 self._fetch_shared,
                 lambda rs, sent, data: self._deliver_shared(rs, sent, data, planner),
                 rank=self._rank,
-                process_group=self._group,
+                collectives=self._collectives,
                 batch_bytes=self.options.max_in_flight_bytes // 2,
                 url=self.location.url,
             )

@@ -17,33 +17,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection
-from typing import Any, TypeVar
+from collections.abc import Collection
 
-from objckpt.dcp.collective import broadcast_from_rank0, is_distributed
+from objckpt.dcp.collective import Collectives
 from objckpt.errors import CheckpointNotFoundError, StepOrderError, StoreError
 from objckpt.format.steps import StepInfo, step_name
 from objckpt.ops.backup import BackupTarget, committed_steps
 from objckpt.ops.retention import RetentionPolicy
 from objckpt.writers.location import Location
 
-__all__ = ["StepCatalog", "on_rank0"]
+__all__ = ["StepCatalog"]
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 def _some(value: int | None) -> tuple[int, ...]:
     return () if value is None else (value,)
-
-
-def on_rank0(fn: Callable[[], T], process_group: Any | None) -> T:
-    """``fn()`` decided on rank 0 and shared with every rank of the group (a
-    collective when a process group exists; a plain call otherwise)."""
-    if not is_distributed():
-        return fn()
-    return broadcast_from_rank0(fn, process_group)
 
 
 class StepCatalog:
@@ -54,7 +43,8 @@ class StepCatalog:
         retention: Which durable steps to drop.
         local: This rank's local tier root (None without a local tier).
         backups: Backup roots, listed when the primary holds no step.
-        process_group: The group whose rank 0 lists for all.
+        collectives: The collectives of the group whose rank 0 lists for all (the
+            manager's).
     """
 
     def __init__(
@@ -64,13 +54,13 @@ class StepCatalog:
         retention: RetentionPolicy,
         local: Location | None = None,
         backups: tuple[BackupTarget, ...] = (),
-        process_group: Any | None = None,
+        collectives: Collectives | None = None,
     ) -> None:
         self.root = root
         self.retention = retention
         self.local = local
         self.backups = backups
-        self._group = process_group
+        self._collectives = collectives or Collectives()
         self._lock = threading.Lock()
         self._steps: dict[int, StepInfo] = {}
         self._local: dict[int, float] = {}  # committed locally: step -> commit time
@@ -92,7 +82,9 @@ class StepCatalog:
         Raises:
             StoreError: The primary cannot be listed and there is no backup.
         """
-        found, local = on_rank0(lambda: (self._list_primary(), self._list_local()), self._group)
+        found, local = self._collectives.from_rank0(
+            lambda: (self._list_primary(), self._list_local())
+        )
         with self._lock:
             self._steps = {s.step: s for s in found}
             self._local = {s.step: s.modified or time.time() for s in local}

@@ -45,9 +45,8 @@ import os
 import re
 import stat
 from collections.abc import Collection, Iterator
-from typing import Any
 
-from objckpt.dcp.collective import all_gather_object, is_distributed
+from objckpt.dcp.collective import Collectives, is_distributed
 from objckpt.errors import LinkRefusedError, ManifestError, ObjckptError
 from objckpt.format.bounds import DEFAULT_MAX_METADATA_BYTES
 from objckpt.format.layout import (
@@ -277,7 +276,7 @@ def delete_local_step(path: str, keep: Collection[str] = ()) -> bool:
     return True
 
 
-def sweep(tier: LocalTier, durable: Collection[int], process_group: Any | None) -> frozenset[int]:
+def sweep(tier: LocalTier, durable: Collection[int], collectives: Collectives) -> frozenset[int]:
     """At start, every rank together (a collective): delete the step directories that
     can never load, on every node alike.
 
@@ -303,7 +302,7 @@ def sweep(tier: LocalTier, durable: Collection[int], process_group: Any | None) 
             target,
             root,
         )
-    views = all_gather_object(mine, process_group) if is_distributed() else [mine]
+    views = collectives.all_gather_object(mine) if is_distributed() else [mine]
     failed = [(r, v) for r, v in enumerate(views) if v.error is not None]
     if failed:
         for r, v in failed:

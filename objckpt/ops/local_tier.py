@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from objckpt._torch import group_store
-from objckpt.dcp.collective import all_reduce_max, is_distributed
+from objckpt.dcp.collective import Collectives, is_distributed
 from objckpt.format.layout import index_key, index_rank
 from objckpt.format.manifest import Manifest
 from objckpt.format.steps import step_name
@@ -71,7 +71,8 @@ class LocalTierControl:
         catalog: The run's steps (local commits are recorded there).
         upload: Part sizing for the promotions' copies.
         options: Worker counts and the barrier timeout of the saves.
-        rank, world, process_group, distributed: Who saves together.
+        rank, world, distributed: Who saves together.
+        collectives: The collectives of the group that saves together (the manager's).
         on_durable: Coordinator: called with (step, url, manifest) once a promoted
             step's manifest is committed on the root.
         peers: The job's peers (``LocalTier(replicas=)`` >= 2 in a process group):
@@ -87,7 +88,7 @@ class LocalTierControl:
         options: AsyncOptions,
         rank: int,
         world: int,
-        process_group: Any | None,
+        collectives: Collectives,
         distributed: bool,
         on_durable: Callable[[int, str, Manifest], None],
         peers: Peers | None = None,
@@ -96,7 +97,8 @@ class LocalTierControl:
         self._catalog = catalog
         self._rank = rank
         self._world = world
-        self._group = process_group
+        self._collectives = collectives
+        self._group = collectives.group
         self._timeout = options.barrier_timeout
         self._max_waiting = options.max_saves_in_flight
         self._lock = threading.Lock()
@@ -117,7 +119,7 @@ class LocalTierControl:
             upload=upload,
             rank=rank,
             world=world,
-            process_group=process_group,
+            process_group=collectives.group,
             distributed=distributed,
             timeout=options.barrier_timeout,
             on_durable=on_durable,
@@ -207,7 +209,7 @@ class LocalTierControl:
         )
         full = self._replicator is not None and self._replicator.backlog_full()
         if is_distributed():
-            bypass, backlog = all_reduce_max([int(why is not None), int(full)], self._group)
+            bypass, backlog = self._collectives.all_reduce_max([int(why is not None), int(full)])
         else:
             bypass, backlog = int(why is not None), int(full)
         if not bypass:

@@ -34,7 +34,7 @@ from typing import Any
 import torch.distributed as dist
 
 from objckpt._removed import MANAGER, removed_keywords
-from objckpt.dcp.collective import fail_together
+from objckpt.dcp.collective import Collectives
 from objckpt.errors import ConfigurationError
 from objckpt.ops.backup import BackupStatus, BackupTarget
 from objckpt.ops.catalog import StepCatalog
@@ -101,6 +101,9 @@ class CheckpointManager:
         reuse_unchanged: bool = True,
     ) -> None:
         self.process_group = process_group
+        # The manager's collectives (and their side group, if one is needed), lent
+        # to its catalog, restorer, saves and rollbacks.
+        self._collectives = Collectives(process_group)
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(process_group) if distributed else 0
         self.world = dist.get_world_size(process_group) if distributed else 1
@@ -120,7 +123,7 @@ class CheckpointManager:
             )
         except Exception as exc:
             failure = exc
-        fail_together(failure, f"opening the CheckpointManager of {root_url}", process_group)
+        self._collectives.fail_together(failure, f"opening the CheckpointManager of {root_url}")
         self.storage_options = dict(storage_options or {})
         self.local = local
         self._loaded: int | None = None  # the step the last load returned (every rank alike)
@@ -129,21 +132,22 @@ class CheckpointManager:
             retention=self.retention,
             local=local.location if local is not None else None,
             backups=self.backups,
-            process_group=process_group,
+            collectives=self._collectives,
         )
         # Replicas need every rank's node and a gloo group of their own, both made
         # here, on every rank at once (collectives), never from a background thread.
         self._peers = (
-            Peers.start(process_group, local.replication_timeout, os.fspath(local.path))
+            Peers.start(self._collectives, local.replication_timeout, os.fspath(local.path))
             if local is not None and local.replicas > 1 and distributed
             else None
         )
         self._restorer = Restorer(
             self._catalog,
             retry=self.retry,
-            process_group=process_group,
+            collectives=self._collectives,
             peers=self._peers,
             tier=local,
+            on_loaded=lambda url, m: self._checkpointer.reuse_memory.loaded(url, m),
         )
         self._durable = DurableSteps(self._catalog, rank=self.rank)
         self.reload()
@@ -151,7 +155,7 @@ class CheckpointManager:
             # Every rank agrees; the steps committed on any node's tier are the run's
             # local steps (rank 0's own tier may not hold them all: it may run on
             # another node than before, or on a replacement).
-            self._catalog.note_local(sweep(local, self._catalog.durable_steps(), process_group))
+            self._catalog.note_local(sweep(local, self._catalog.durable_steps(), self._collectives))
         # With a step to resume from, the job loads first: the upload workers (an
         # interpreter importing torch each) start once the load is done, not while
         # it runs on the same cores; without one they start now, well before the
@@ -169,7 +173,7 @@ class CheckpointManager:
                 start_workers=self.latest_step() is None,
                 rank=self.rank,
                 world=self.world,
-                process_group=process_group,
+                collectives=self._collectives,
                 distributed=distributed,
                 reuse_unchanged=reuse_unchanged,
                 peers=self._peers,
@@ -177,7 +181,9 @@ class CheckpointManager:
         except Exception as exc:
             failure = exc
         try:
-            fail_together(failure, f"starting the CheckpointManager of {root_url}", process_group)
+            self._collectives.fail_together(
+                failure, f"starting the CheckpointManager of {root_url}"
+            )
         except BaseException:
             if failure is None:  # another rank failed: stop what started here
                 self._saves.close()
@@ -386,7 +392,7 @@ class CheckpointManager:
             ConfigurationError, StoreError: a bad step; a deletion failed (every rank).
         """
         return discard_after(
-            step, self._catalog, self._durable, self._saves, self.local, self.process_group
+            step, self._catalog, self._durable, self._saves, self.local, self._collectives
         )
 
     def gc(self, *, grace: float = DEFAULT_GRACE, dry_run: bool = True) -> GcReport:

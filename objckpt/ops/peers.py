@@ -60,7 +60,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from objckpt.dcp.collective import all_gather_object, is_distributed
+from objckpt.dcp.collective import Collectives, is_distributed, side_group
 from objckpt.errors import (
     LinkRefusedError,
     ManifestError,
@@ -196,14 +196,14 @@ def _directory_identity(path: str | None) -> str | None:
         return os.path.abspath(path)
 
 
-def node_map(process_group: Any | None, tier_path: str | None = None) -> NodeMap:
+def node_map(collectives: Collectives, tier_path: str | None = None) -> NodeMap:
     """Every rank's node (and which ranks of a node share one tier directory, when
-    ``tier_path`` is given), all-gathered (a collective on ``process_group``)."""
+    ``tier_path`` is given), all-gathered (a collective of ``collectives``' group)."""
     if not is_distributed():
         name, _ = _node_identity()
         return NodeMap((name,), (0,), (0,), lister_of=(0,), nonce=secrets.token_hex(8))
     mine = (_node_identity(), _directory_identity(tier_path), secrets.token_hex(8))
-    gathered = all_gather_object(mine, process_group)
+    gathered = collectives.all_gather_object(mine)
     views = [identity for identity, _, _ in gathered]
     first: dict[tuple[str, str | None], int] = {}
     lister_of = tuple(
@@ -555,19 +555,13 @@ class PeerGroup:
     @classmethod
     def create(cls, process_group: Any | None, timeout: float) -> PeerGroup:
         """A gloo group over ``process_group``'s ranks (a collective on every rank of
-        it, like any ``new_group``); None inside without torch.distributed."""
+        it, like any ``new_group``: :func:`~objckpt.dcp.collective.side_group`); None
+        inside without torch.distributed."""
         if not is_distributed():
             return cls(None, timeout)
-        ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
         # The group's collectives (a step's agreement) wait twice a step's bound: the
         # ranks done first wait there for a pair that is slow but within its bound.
-        group = dist.new_group(
-            ranks=ranks,
-            backend="gloo",
-            timeout=datetime.timedelta(seconds=2 * timeout),
-            use_local_synchronization=process_group is not None,
-        )
-        return cls(group, timeout)
+        return cls(side_group(process_group, timeout=2 * timeout), timeout)
 
     @property
     def rank(self) -> int:
@@ -789,8 +783,6 @@ class Peers:
     nodes: NodeMap
 
     @classmethod
-    def start(
-        cls, process_group: Any | None, timeout: float, tier_path: str | None = None
-    ) -> Peers:
-        nodes = node_map(process_group, tier_path)
-        return cls(PeerGroup.create(process_group, timeout), nodes)
+    def start(cls, collectives: Collectives, timeout: float, tier_path: str | None = None) -> Peers:
+        nodes = node_map(collectives, tier_path)
+        return cls(PeerGroup.create(collectives.group, timeout), nodes)

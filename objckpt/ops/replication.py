@@ -56,7 +56,7 @@ from collections.abc import Callable
 from typing import Any
 
 from objckpt._torch import group_store
-from objckpt.dcp.collective import broadcast_object, is_distributed
+from objckpt.dcp.collective import Collectives, is_distributed
 from objckpt.errors import LinkRefusedError, PeerSilentError
 from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY, index_key, writer_rank
 from objckpt.format.manifest import Manifest
@@ -130,6 +130,8 @@ class PeerReplicator:
         #: This rank's tier, reached without following a link.
         self._store = NodeStore(tier.location.path)
         self._peers = peers
+        #: The collectives of the peers' group (gloo: no side group).
+        self._collectives = Collectives(peers.group)
         self._nodes = nodes
         self._rank = rank
         self._max_waiting = max(1, max_waiting)
@@ -165,7 +167,7 @@ class PeerReplicator:
         #: never reads this one's answers.
         self._nonce = uuid.uuid4().hex
         if is_distributed() and peers.group is not None:
-            self._nonce = broadcast_object(self._nonce, 0, peers.group)
+            self._nonce = self._collectives.broadcast_object(self._nonce, 0)
 
     @property
     def active(self) -> bool:
@@ -308,7 +310,7 @@ class PeerReplicator:
                 break
         if not is_distributed() or self._peers.group is None:
             return entries
-        result: dict[str, tuple[int, str]] | None = broadcast_object(entries, 0, self._peers.group)
+        result: dict[str, tuple[int, str]] | None = self._collectives.broadcast_object(entries, 0)
         return result
 
     def _part_files(self, step: int) -> Files:

@@ -52,13 +52,13 @@ import os
 import pickle
 import stat
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
 
 from objckpt._torch import group_store
-from objckpt.dcp.collective import broadcast_from_rank0, gather_object, is_distributed
+from objckpt.dcp.collective import Collectives, is_distributed
 from objckpt.dcp.load_planner import LoadPlanner
 from objckpt.dcp.storage_reader import ObjectStoreReader
 from objckpt.errors import (
@@ -72,7 +72,7 @@ from objckpt.errors import (
 from objckpt.format.layout import MANIFEST_KEY, writer_rank
 from objckpt.format.manifest import Manifest
 from objckpt.format.steps import parse_step, step_name
-from objckpt.ops.catalog import StepCatalog, on_rank0
+from objckpt.ops.catalog import StepCatalog
 from objckpt.ops.local_disk import delete_local_step
 from objckpt.ops.peers import (
     FileSpec,
@@ -122,6 +122,36 @@ class BadCopy:
     path: str | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """Rank 0's answer to "what does this load take?", the same on every rank.
+
+    Attributes:
+        step: The step to load.
+        durable: The newest durable step (None: none).
+        from_nodes: Whether its objects come from the nodes' tiers.
+        refill: Whether its nodes' files go to their replica nodes again after the
+            load (some object is on fewer nodes than the tier's replicas).
+        stale: The copies of discarded steps every node deletes: (step, manifest
+            SHA-256).
+    """
+
+    step: int
+    durable: int | None
+    from_nodes: bool
+    refill: bool = False
+    stale: tuple[tuple[int, str], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chosen:
+    """Rank 0's own part of a load from the nodes (never broadcast): the step's
+    manifest and the holdings its transfers are planned from."""
+
+    manifest: bytes
+    views: list[Holdings]
+
+
 def _holders(step: int, views: list[Holdings]) -> dict[tuple[str, int], list[int]]:
     """The ranks holding each (key, size) of ``step``: one pass over each distinct
     listing (the ranks of a node share their node's), so rank 0's planning costs what
@@ -144,7 +174,7 @@ class Restorer:
     Args:
         catalog: Where steps live (root, local tier, backups) and which exist.
         retry: How every store request is retried.
-        process_group: The group that loads together.
+        collectives: The collectives of the group that loads together (the manager's).
         peers: The job's peers when the local tier keeps replicas on other nodes.
         tier: The local tier (its ``replicas``), when there is one.
     """
@@ -154,14 +184,19 @@ class Restorer:
         catalog: StepCatalog,
         *,
         retry: RetryPolicy,
-        process_group: Any | None = None,
+        collectives: Collectives | None = None,
         peers: Peers | None = None,
         tier: LocalTier | None = None,
+        on_loaded: Callable[[str, Manifest], None] | None = None,
     ) -> None:
         self._catalog = catalog
+        #: Told the URL and manifest of each step loaded (the checkpointer's reuse
+        #: memory: a save based on it reads no manifest again).
+        self._on_loaded = on_loaded
         self._tier = tier
         self._retry = retry
-        self._group = process_group
+        self._collectives = collectives or Collectives()
+        self._group = self._collectives.group
         self._peers = peers
         #: Without a process group: this process's manifests by (step, digest).
         self._posted: dict[tuple[int, str], bytes] = {}
@@ -185,7 +220,7 @@ class Restorer:
             return self._load_from_nodes(state_dict, step, read)
         if step is not None:
             return self._load_step(step, state_dict, read)
-        newest, durable = on_rank0(self._catalog.newest, self._group)
+        newest, durable = self._collectives.from_rank0(self._catalog.newest)
         return self._load_or_durable(state_dict, step, read, newest, durable)
 
     def _load_or_durable(
@@ -297,34 +332,48 @@ class Restorer:
             slim = dataclasses.replace(mine, manifests={})  # the bytes went to the store
             listing = self._post_listing(slim, digests)
         gathered = (
-            gather_object((listing, found or []), self._group)
+            self._collectives.gather_object((listing, found or []))
             if is_distributed()
             else [(listing, found or [])]
         )
-        reports = [] if gathered is None else [b for _, bs in gathered for b in bs]
-        posted = [] if gathered is None else [d for d, _ in gathered]
-        chosen: list[Any] = []  # rank 0: the chosen manifest and views (not broadcast)
-
-        def decide() -> Any:
-            views, held = self._node_listings(posted)
+        # Rank 0 decides before the broadcast, so that what it alone keeps (the chosen
+        # manifest and holdings) stays a local value; its error reaches every rank.
+        decided: Decision | BaseException | None = None
+        chosen: _Chosen | None = None
+        if gathered is not None:
             try:
-                return self._decide(step, views, held, chosen, failed or set(), reports)
-            finally:
-                self._drop_posted(held, posted)
-
-        newest, durable, from_nodes, refill, stale = broadcast_from_rank0(decide, self._group)
-        self._delete_stale(stale)
+                decided, chosen = self._decide_on_rank0(step, gathered, failed or set())
+            except Exception as exc:
+                decided = exc
+        decision: Decision = self._collectives.from_rank0(lambda: _decided(decided))
+        self._delete_stale(list(decision.stale))
         self._fetch = None
         self._bad = []
-        self.refill = newest if refill else None
-        if from_nodes:
+        newest = decision.step
+        self.refill = newest if decision.refill else None
+        if decision.from_nodes:
             parsed, views = None, None
-            if chosen:  # rank 0
-                manifest, views = chosen
-                parsed = Manifest.from_json_bytes(manifest, url=self._catalog.step_url(newest))
-                self._keep_manifest(newest, manifest)
+            if chosen is not None:  # rank 0
+                views = chosen.views
+                parsed = Manifest.from_json_bytes(
+                    chosen.manifest, url=self._catalog.step_url(newest)
+                )
+                self._keep_manifest(newest, chosen.manifest)
             self._fetch = PeerFetch(self._peers, newest, tier.path, views, parsed)
-        return newest, durable, from_nodes
+        return newest, decision.durable, decision.from_nodes
+
+    def _decide_on_rank0(
+        self, step: int | None, gathered: list[Any], failed: set[int]
+    ) -> tuple[Decision, _Chosen | None]:
+        """Rank 0: read the posted listings, decide (:meth:`_decide`), and drop what
+        was posted."""
+        reports = [b for _, bs in gathered for b in bs]
+        posted = [d for d, _ in gathered]
+        views, held = self._node_listings(posted)
+        try:
+            return self._decide(step, views, held, failed, reports)
+        finally:
+            self._drop_posted(held, posted)
 
     def _delete_stale(self, stale: list[tuple[int, str]]) -> None:
         """Every rank, one per node: delete this node's step directories (own and
@@ -475,15 +524,13 @@ class Restorer:
         step: int | None,
         views: list[Holdings],
         held: list[dict[int, str]],
-        chosen: list[Any],
         failed: set[int],
         reports: list[BadCopy],
-    ) -> tuple[int, int | None, bool, bool, list[tuple[int, str]]]:
-        """Rank 0: (step to load, newest durable, whether from the nodes, whether its
-        nodes' files must be replicated again after the load: some object is on fewer
-        nodes than the tier's replicas, and the job runs on as many ranks as saved
-        it, the stale copies every node deletes: (step, manifest SHA-256)); the
-        chosen step's manifest and the holdings to plan from are put in ``chosen``."""
+    ) -> tuple[Decision, _Chosen | None]:
+        """Rank 0: what the load takes (its nodes' files are replicated again after
+        the load when some object is on fewer nodes than the tier's replicas and the
+        job runs on as many ranks as saved it), and, for a load from the nodes, the
+        chosen step's manifest and the holdings to plan from."""
         warned: set[int] = set()  # once per listing: a node's ranks share one
         for r, v in enumerate(views):
             if v.error is not None and id(v) not in warned:
@@ -511,8 +558,8 @@ class Restorer:
             where = _holders(s, holding)  # one pass over the listings, not one per object
             lost = [o for o in manifest.objects if not where.get((o.key, o.size))]
             if not lost:
-                chosen[:] = [data, holding]
-                return s, durable, True, self._thin(manifest, holding, where), stale
+                thin = self._thin(manifest, holding, where)
+                return Decision(s, durable, True, thin, tuple(stale)), _Chosen(data, holding)
             ranks = sorted({r for r in (writer_rank(o.key) for o in lost) if r is not None})
             logger.warning(
                 "step %d is committed on the local tier but no surviving node holds all of "
@@ -524,13 +571,13 @@ class Restorer:
                 "" if durable is None else f"; loading step {durable}, the newest durable one",
             )
         if step is not None:
-            return step, durable, False, False, stale
+            return Decision(step, durable, False, stale=tuple(stale)), None
         if durable is None:
             raise CheckpointNotFoundError(
                 f"no committed step under {self._catalog.root.url} nor whole on the local "
                 f"tiers of the nodes that are left"
             )
-        return durable, durable, False, False, stale
+        return Decision(durable, durable, False, stale=tuple(stale)), None
 
     def _node(self, rank: int) -> str:
         assert self._peers is not None
@@ -802,12 +849,22 @@ class Restorer:
             if inner is exc:
                 raise
             raise inner from exc
+        if self._on_loaded is not None and reader.manifest is not None:
+            self._on_loaded(url, reader.manifest)
         logger.info(
             "loaded %s; this rank's load cost %s%s",
             url,
             reader.requests.summary(),
             f" and {reader.local_bytes_read} bytes from {local}" if local else "",
         )
+
+
+def _decided(decided: Decision | BaseException | None) -> Decision:
+    """Rank 0's decision, or its error raised (inside the broadcast, which sends it on)."""
+    if isinstance(decided, BaseException):
+        raise decided
+    assert decided is not None  # rank 0 decided before the broadcast
+    return decided
 
 
 class PeerFetch:

@@ -41,16 +41,13 @@ import logging
 import os
 import uuid
 from collections.abc import Mapping
-from typing import Any
 
-import torch.distributed as dist
-
-from objckpt.dcp.collective import fail_together, gather_object, is_distributed
+from objckpt.dcp.collective import Collectives, is_distributed
 from objckpt.errors import ManifestError, SaveDeadlineError, StoreError
 from objckpt.format.bounds import DEFAULT_MAX_METADATA_BYTES
 from objckpt.format.manifest import Manifest
 from objckpt.format.steps import step_name
-from objckpt.ops.catalog import StepCatalog, on_rank0
+from objckpt.ops.catalog import StepCatalog
 from objckpt.ops.durable import DurableSteps
 from objckpt.ops.local_disk import delete_local_step, list_tier
 from objckpt.ops.peers import list_holdings, replica_dir
@@ -77,7 +74,7 @@ def discard_after(
     durable: DurableSteps,
     saves: SaveFlow,
     local: LocalTier | None,
-    process_group: Any | None,
+    collectives: Collectives,
 ) -> list[int]:
     """Every rank together: delete the committed steps above ``step`` on the root, the
     copy backups and the local tier; returns the steps discarded, ascending.
@@ -100,7 +97,7 @@ def discard_after(
             )
     except Exception as exc:
         failure = exc
-    fail_together(failure, f"discarding the steps above {step}", process_group)
+    collectives.fail_together(failure, f"discarding the steps above {step}")
     catalog.reload()
     doomed = catalog.above(step)
     held: dict[int, set[bytes]] = {}
@@ -110,13 +107,13 @@ def discard_after(
         unlisted = None
         if mine.error is not None:
             unlisted = StoreError(
-                f"rank {rank_of(process_group)} cannot list its local tier {mine.path} to "
+                f"rank {collectives.rank} cannot list its local tier {mine.path} to "
                 f"discard the steps above {step}: {mine.error}; nothing was discarded "
                 "(call discard_after again)"
             )
-        fail_together(unlisted, f"listing the local tiers above step {step}", process_group)
+        collectives.fail_together(unlisted, f"listing the local tiers above step {step}")
         above = {s: m for s, m in mine.manifests.items() if s > step}
-        views = gather_object(above, process_group) if is_distributed() else [above]
+        views = collectives.gather_object(above) if is_distributed() else [above]
         for view in views or ():
             for s, data in view.items():
                 held.setdefault(s, set()).add(data)
@@ -126,10 +123,10 @@ def discard_after(
             _record(catalog.root, step, held)
         return durable.discard_after(step, timeout=SETTLE_TIMEOUT)
 
-    on_rank0(discard_durable, process_group)
+    collectives.from_rank0(discard_durable)
     if local is not None:
-        error = _discard_local(local, step, rank_of(process_group))
-        fail_together(error, f"discarding the local steps above {step}", process_group)
+        error = _discard_local(local, step, collectives.rank)
+        collectives.fail_together(error, f"discarding the local steps above {step}")
     catalog.forget_after(step)
     catalog.reload()
     left = catalog.above(step)
@@ -148,13 +145,6 @@ def discard_after(
             step,
         )
     return doomed
-
-
-def rank_of(process_group: Any | None) -> int:
-    """This process's rank in ``process_group`` (0 without torch.distributed)."""
-    if not is_distributed():
-        return 0
-    return int(dist.get_rank(process_group))
 
 
 def _discard_local(tier: LocalTier, step: int, rank: int) -> StoreError | None:

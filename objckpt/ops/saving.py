@@ -24,6 +24,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from objckpt.dcp.collective import Collectives
 from objckpt.errors import ConfigurationError
 from objckpt.format.manifest import Manifest
 from objckpt.format.steps import parse_step
@@ -73,7 +74,8 @@ class SaveFlow:
         storage_options, upload, async_options, retry: The checkpointer's.
         start_workers: Start the upload workers now (False: at the first save or
             ``start_workers()``).
-        rank, world, process_group, distributed: Who saves together.
+        rank, world, distributed: Who saves together.
+        collectives: The collectives of the group that saves together (the manager's).
         reuse_unchanged: Each save to the root references the items whose bytes
             equal the latest committed step's (its base, rank 0's choice on every
             rank), which retention and ``delete`` spare until the save ends
@@ -93,7 +95,7 @@ class SaveFlow:
         start_workers: bool,
         rank: int,
         world: int,
-        process_group: Any | None,
+        collectives: Collectives,
         distributed: bool,
         reuse_unchanged: bool = True,
         peers: Peers | None = None,
@@ -105,7 +107,7 @@ class SaveFlow:
         self._catalog = catalog
         self._reuse = reuse_unchanged
         self._durable = durable
-        self._group = process_group
+        self._group = collectives.group
         self._rank = rank
         self.checkpointer = AsyncCheckpointer(
             storage_options=storage_options,
@@ -124,7 +126,7 @@ class SaveFlow:
                 options=self.checkpointer.options,
                 rank=rank,
                 world=world,
-                process_group=process_group,
+                collectives=collectives,
                 distributed=distributed,
                 on_durable=durable.committed,
                 peers=peers,

@@ -49,6 +49,7 @@ from typing import Any
 import torch.distributed as dist
 
 from objckpt._removed import CHECKPOINTER, removed_keywords
+from objckpt.dcp.collective import Collectives
 from objckpt.dcp.serialize import Framer
 from objckpt.errors import ConfigurationError, SaveDeadlineError, SaveSequenceError
 from objckpt.format.manifest import Manifest
@@ -124,6 +125,9 @@ class AsyncCheckpointer:
         self._errors: list[BaseException] = []
         self._checker = concurrent.futures.ThreadPoolExecutor(1, "objckpt-check")
         self._plans = PlanMemory()
+        #: The collectives of each process group this checkpointer saved with (by the
+        #: group's name; None: the default group), each owning its side group.
+        self._collectives: dict[str | None, Collectives] = {}
         #: What this rank wrote in its last committed save: the next save's reuse base
         #: without reading the store (each checkpointer its own).
         self.reuse_memory = ReuseMemory()
@@ -209,7 +213,7 @@ class AsyncCheckpointer:
         request = SaveRequest(
             state_dict,
             url,
-            process_group,
+            self._collectives_of(process_group),
             overwrite,
             user_metadata,
             checkpoint_id,
@@ -255,6 +259,12 @@ class AsyncCheckpointer:
                 queued.distributed,
             )
             return handle
+
+    def _collectives_of(self, process_group: Any | None) -> Collectives:
+        """This checkpointer's collectives of ``process_group``, built at its first save."""
+        name = None if process_group is None else str(process_group.group_name)
+        with self._lock:
+            return self._collectives.setdefault(name, Collectives(process_group))
 
     @property
     def plan_cache_stats(self) -> PlanCacheStats:

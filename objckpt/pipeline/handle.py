@@ -11,6 +11,11 @@ manager's bookkeeping, a local save's promotion). The pipeline then drives the
 two transitions it owns through public methods: :meth:`SaveHandle.record_written`
 (this rank's objects, before the save resolves) and :meth:`SaveHandle.settled`
 (a wait no longer than the save's own bound).
+
+A save has up to three ends: its commit, durable on the primary (a promoted local
+save) and replicated on other nodes (a local tier with replicas). Each is one
+:class:`_End`: the future that reports it, when it was reached and a wait that
+names it, so the three never drift apart.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from objckpt.format.manifest import Manifest, ObjectEntry
 from objckpt.writers.accounting import RequestCounter, RequestStats
@@ -55,6 +60,57 @@ class SaveLifecycle:
     promotion: concurrent.futures.Future[None] | None = None
     replication: concurrent.futures.Future[bool] | None = None
     on_end: tuple[EndHook, ...] = ()
+
+
+class _End:
+    """One end a save reaches: the future that reports it, when it was reached, and a
+    wait that names it when it times out.
+
+    Args:
+        what: The end, as a timeout names it (``"finished"``, ``"durable"``).
+        url: The save's URL, named in a timeout.
+        started: The save's ``time.monotonic()`` start.
+        future: What the wait returns (its result; its error re-raised).
+        timed_by: The future whose success reaches the end (default ``future``); one
+            that returns False has not (a replication that failed).
+    """
+
+    def __init__(
+        self,
+        what: str,
+        url: str,
+        started: float,
+        future: concurrent.futures.Future[Any],
+        timed_by: concurrent.futures.Future[Any] | None = None,
+    ) -> None:
+        self.what = what
+        self.future = future
+        self._url = url
+        self._started = started
+        self._at: float | None = None
+        (timed_by or future).add_done_callback(self._reached)
+
+    def _reached(self, fut: concurrent.futures.Future[Any]) -> None:
+        if not fut.cancelled() and fut.exception() is None and fut.result() is not False:
+            self._at = time.monotonic()
+
+    @property
+    def seconds(self) -> float | None:
+        """Seconds from the save's start to this end (None: not reached)."""
+        return None if self._at is None else self._at - self._started
+
+    def wait(self, timeout: float | None) -> Any:
+        """The end's result, waiting up to ``timeout`` seconds; re-raises its error.
+
+        Raises:
+            TimeoutError: Not reached within ``timeout`` seconds.
+        """
+        try:
+            return self.future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            if self.future.done():  # its own error is a TimeoutError (a barrier's)
+                raise
+            raise TimeoutError(f"save of {self._url} not {self.what} within {timeout} s") from None
 
 
 class SaveHandle:
@@ -93,25 +149,33 @@ class SaveHandle:
         #: ``"primary"`` (the object store) or ``"local"`` (a LocalTier).
         self.tier: Literal["primary", "local"] = lifecycle.tier
         self._ends_by = ends_by
-        self._started = time.monotonic()
-        self._committed_at: float | None = None
+        self._started = started = time.monotonic()
         self._written: tuple[ObjectEntry, ...] = ()
-        self._durable = lifecycle.promotion
-        self._durable_at: float | None = None
-        self._replicated = lifecycle.replication
-        self._replicated_at: float | None = None
-        future.add_done_callback(self._mark_committed)
-        if self._durable is not None:
-            self._durable.add_done_callback(self._mark_durable)
-        if self._replicated is not None:
-            self._replicated.add_done_callback(self._mark_replicated)
-        self._future = self._after(future, lifecycle.on_end) if lifecycle.on_end else future
+        hooks = lifecycle.on_end
+        # What the handle reports: the commit's outcome once the hooks ran. The commit's
+        # time is taken first, so a hook sees it.
+        reported: concurrent.futures.Future[Manifest | None] = (
+            concurrent.futures.Future() if hooks else future
+        )
+        self._commit = _End("finished", url, started, reported, timed_by=future)
+        if hooks:
+            future.add_done_callback(self._relay(reported, hooks))
+        self._future = reported
+        self._durable = (
+            None
+            if lifecycle.promotion is None
+            else _End("durable", url, started, lifecycle.promotion)
+        )
+        self._replicated = (
+            None
+            if lifecycle.replication is None
+            else _End("replicated", url, started, lifecycle.replication)
+        )
 
-    def _after(
-        self, inner: concurrent.futures.Future[Manifest | None], hooks: tuple[EndHook, ...]
-    ) -> concurrent.futures.Future[Manifest | None]:
-        """The future the handle reports: ``inner``'s outcome, once ``hooks`` ran."""
-        outer: concurrent.futures.Future[Manifest | None] = concurrent.futures.Future()
+    def _relay(
+        self, outer: concurrent.futures.Future[Manifest | None], hooks: tuple[EndHook, ...]
+    ) -> Callable[[concurrent.futures.Future[Manifest | None]], None]:
+        """Settles ``outer`` with the commit's outcome, once ``hooks`` ran."""
 
         def relay(f: concurrent.futures.Future[Manifest | None]) -> None:
             exc = f.exception()
@@ -125,8 +189,7 @@ class SaveHandle:
             else:
                 outer.set_result(f.result())
 
-        inner.add_done_callback(relay)
-        return outer
+        return relay
 
     @property
     def ends_by(self) -> float | None:
@@ -143,10 +206,6 @@ class SaveHandle:
         its error is the save's (``result()``)."""
         return True if self._staged is None else self._staged.wait(timeout)
 
-    def _mark_committed(self, fut: concurrent.futures.Future[Any]) -> None:
-        if fut.exception() is None:
-            self._committed_at = time.monotonic()
-
     def record_written(self, objects: tuple[ObjectEntry, ...]) -> None:
         """The pipeline records this rank's objects before the save resolves."""
         self._written = objects
@@ -159,13 +218,9 @@ class SaveHandle:
     @property
     def seconds_to_commit(self) -> float | None:
         """Seconds from ``save`` to the commit of this save's tier (None: not yet)."""
-        return None if self._committed_at is None else self._committed_at - self._started
+        return self._commit.seconds
 
     # -- durability -----------------------------------------------------------------------
-    def _mark_durable(self, fut: concurrent.futures.Future[None]) -> None:
-        if fut.exception() is None:
-            self._durable_at = time.monotonic()
-
     @property
     def will_be_durable(self) -> bool:
         """False for a local save its tier does not promote."""
@@ -185,12 +240,7 @@ class SaveHandle:
         if self._durable is None:
             self.result(timeout)
             return False
-        try:
-            self._durable.result(timeout)
-        except concurrent.futures.TimeoutError:
-            if self._durable.done():
-                raise
-            raise TimeoutError(f"save of {self.url} not durable within {timeout} s") from None
+        self._durable.wait(timeout)
         return True
 
     @property
@@ -198,13 +248,9 @@ class SaveHandle:
         """Seconds from ``save`` to the commit on the primary (None: not durable yet)."""
         if self.tier == "primary":
             return self.seconds_to_commit
-        return None if self._durable_at is None else self._durable_at - self._started
+        return None if self._durable is None else self._durable.seconds
 
     # -- replicas on other nodes ----------------------------------------------------------
-    def _mark_replicated(self, fut: concurrent.futures.Future[bool]) -> None:
-        if not fut.cancelled() and fut.exception() is None and fut.result():
-            self._replicated_at = time.monotonic()
-
     @property
     def will_be_replicated(self) -> bool:
         """Whether other nodes copy this save's files (a local save with
@@ -225,18 +271,14 @@ class SaveHandle:
         if self._replicated is None:
             return False
         try:
-            return bool(self._replicated.result(timeout))
-        except concurrent.futures.TimeoutError:
-            if self._replicated.done():
-                raise
-            raise TimeoutError(f"save of {self.url} not replicated within {timeout} s") from None
+            return bool(self._replicated.wait(timeout))
         except concurrent.futures.CancelledError:
             return False
 
     @property
     def seconds_to_replicated(self) -> float | None:
         """Seconds from ``save`` until other nodes held its files (None: not yet, or never)."""
-        return None if self._replicated_at is None else self._replicated_at - self._started
+        return None if self._replicated is None else self._replicated.seconds
 
     @property
     def requests(self) -> RequestStats:
@@ -263,12 +305,7 @@ class SaveHandle:
         Raises:
             TimeoutError: Not finished within ``timeout`` seconds.
         """
-        try:
-            return self._future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            if self._future.done():  # the save's own error is a TimeoutError (barrier)
-                raise
-            raise TimeoutError(f"save of {self.url} not finished within {timeout} s") from None
+        return cast("Manifest | None", self._commit.wait(timeout))
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The save's error (None if it committed), waiting up to ``timeout`` seconds."""

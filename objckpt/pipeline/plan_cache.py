@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
-from objckpt.dcp.collective import all_reduce_max
+from objckpt.dcp.collective import Collectives
 from objckpt.errors import SaveSequenceError
 from objckpt.format.layout import new_attempt_id
 
@@ -98,7 +98,7 @@ def agree(
     local_hit: bool,
     refused: bool,
     rank: int,
-    process_group: Any | None,
+    collectives: Collectives,
     distributed: bool,
     sequence: int = 0,
     base: int | None = None,
@@ -117,13 +117,13 @@ def agree(
     if not distributed:
         return Agreement(local_hit, proposal, 0 if refused else None, base)
     hi, lo = _attempt_to_ints(proposal)
-    world = dist.get_world_size(process_group)
+    world = dist.get_world_size(collectives.group)
     # MAX over: miss flag, (world - refusing rank) so the lowest refusing rank wins,
     # rank 0's attempt id (every other rank proposes zero), and the save number with
     # its negation (the maximum and the minimum: equal unless ranks are out of step),
     # and rank 0's base step plus one (0: none; every other rank proposes 0).
     chosen = base + 1 if rank == 0 and base is not None else 0
-    miss, refusal, hi, lo, highest, neg_lowest, agreed_base = all_reduce_max(
+    miss, refusal, hi, lo, highest, neg_lowest, agreed_base = collectives.all_reduce_max(
         [
             0 if local_hit else 1,
             world - rank if refused else 0,
@@ -132,8 +132,7 @@ def agree(
             sequence,
             -sequence,
             chosen,
-        ],
-        process_group,
+        ]
     )
     if highest != -neg_lowest:
         raise SaveSequenceError(

@@ -31,6 +31,7 @@ from typing import Any
 from objckpt.dcp.reuse_base import Identity, identity
 from objckpt.dcp.serialize import written_object
 from objckpt.format.dcp_json import StoredItem
+from objckpt.format.manifest import Manifest
 from objckpt.format.refs import split_reference
 from objckpt.format.reused import BaseItem
 from objckpt.pipeline.deferred import DeferredWriter, Pending
@@ -66,6 +67,10 @@ class ReuseMemory:
         #: The last save known committed: (its URL, its items as a later step
         #: references them).
         self._remembered: tuple[str, dict[Identity, BaseItem]] | None = None
+        #: The manifest of the step loaded last (its URL, the manifest every rank
+        #: received from the load): a save based on that step takes it from here
+        #: instead of every rank reading it again (W GETs of one key at a restart).
+        self._loaded: tuple[str, Manifest] | None = None
 
     def wrote(self, url: str, writer: DeferredWriter) -> None:
         """A save to ``url`` was queued with ``writer`` (every rank, each its own)."""
@@ -97,6 +102,19 @@ class ReuseMemory:
             items = None
         with self._lock:
             self._remembered = None if items is None else (_url(url), items)
+
+    def loaded(self, url: str, manifest: Manifest) -> None:
+        """The committed step ``url`` was loaded, its manifest ``manifest``."""
+        with self._lock:
+            self._loaded = (_url(url), manifest)
+
+    def loaded_manifest(self, url: str) -> Manifest | None:
+        """The manifest of the committed step ``url`` when it is the one loaded last
+        (None: read the store)."""
+        with self._lock:
+            if self._loaded is None or self._loaded[0] != _url(url):
+                return None
+            return self._loaded[1]
 
     def recall(self, url: str) -> dict[Identity, BaseItem] | None:
         """This rank's items of the committed step ``url``, when it is the save this

@@ -80,6 +80,8 @@ def _adopt(target: ObjectStoreWriter, base: int | None, rank: int, memory: Reuse
     known = memory.recall(url)
     if known is not None:  # the step this process committed last: only HEADs to make
         reader.remember(known)
+    elif (loaded := memory.loaded_manifest(url)) is not None:  # the step loaded last
+        reader.given(loaded)
     budget = target.upload.deadline
     deadline = Deadline.start(
         None if budget is None else budget * BASE_SHARE,

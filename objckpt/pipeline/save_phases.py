@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
 from objckpt._torch import group_store, save_state_dict_fn
-from objckpt.dcp.collective import broadcast_object
+from objckpt.dcp.collective import Collectives
 from objckpt.dcp.planner import ReplicaSlicingPlanner
 from objckpt.dcp.serialize import Framer
 from objckpt.dcp.storage_writer import ObjectStoreWriter
@@ -68,7 +68,8 @@ class SaveRequest:
 
     state_dict: dict[str, Any]
     url: str
-    process_group: Any | None = None
+    #: The collectives of the group that saves together (its caller's, who owns them).
+    collectives: Collectives = dataclasses.field(default_factory=Collectives)
     overwrite: bool = False
     user_metadata: Mapping[str, Any] | None = None
     #: What DCP's ``StorageMeta.checkpoint_id`` records (default ``url``).
@@ -82,6 +83,11 @@ class SaveRequest:
     exists: bool | None = None
     #: A committed sibling step whose unchanged items are referenced, not uploaded.
     reuse_from: str | None = None
+
+    @property
+    def process_group(self) -> Any | None:
+        """The group that saves together (None: the default group)."""
+        return self.collectives.group
 
     @property
     def asks(self) -> bool:
@@ -163,7 +169,7 @@ def run_save(
             gate = CheckGate(check, store, target, world, res.options.barrier_timeout)
             writer.hold_uploads(gate)
     try:
-        _plan(res, request.url, staged, writer, refusal, process_group, distributed, sequence)
+        _plan(res, request, staged, writer, refusal, distributed, sequence)
     except BaseException:
         if writer is not None:
             writer.settle()
@@ -238,11 +244,10 @@ _NEVER_STATEFUL = (torch.Tensor, dict, list, tuple, int, float, str, bytes)
 
 def _plan(
     res: SaveResources,
-    url: str,
+    request: SaveRequest,
     staged: Staged | None,
     writer: DeferredWriter | None,
     refusal: BaseException | None,
-    process_group: Any,
     distributed: bool,
     sequence: int,
 ) -> None:
@@ -251,6 +256,7 @@ def _plan(
     ``refusal`` is this rank's error from opening or checking the target or from
     staging (``staged`` and ``writer`` are then None).
     """
+    process_group = request.process_group
     rank = dist.get_rank(process_group) if distributed else 0
     world = dist.get_world_size(process_group) if distributed else 1
     cached = None
@@ -266,7 +272,7 @@ def _plan(
                 refusal = exc
     base = proposed_base(writer.target if writer is not None else None)
     agreement = agree_or_raise(
-        url, cached is not None, refusal, process_group, distributed, sequence, base
+        request.url, cached is not None, refusal, request.collectives, distributed, sequence, base
     )
     assert staged is not None and writer is not None  # no rank refused
     writer.target.attach(attempt=agreement.attempt)
@@ -308,7 +314,7 @@ def agree_or_raise(
     url: str,
     hit: bool,
     refusal: BaseException | None,
-    process_group: Any,
+    collectives: Collectives,
     distributed: bool,
     sequence: int = 0,
     base: int | None = None,
@@ -318,14 +324,14 @@ def agree_or_raise(
     when any rank refused: the refusing rank its own error, the others a
     :class:`PeerRankError` naming that rank and its error (one more broadcast, on
     the failure path only). Rank 0's ``base`` step (reuse) comes back to all."""
-    rank = dist.get_rank(process_group) if distributed else 0
-    agreement = agree(hit, refusal is not None, rank, process_group, distributed, sequence, base)
+    rank = dist.get_rank(collectives.group) if distributed else 0
+    agreement = agree(hit, refusal is not None, rank, collectives, distributed, sequence, base)
     refused_by = agreement.refused_by
     if refused_by is None:
         return agreement
     cause = describe(refusal) if refusal is not None else None
     if distributed:
-        cause = broadcast_object(cause, refused_by, process_group)
+        cause = collectives.broadcast_object(cause, refused_by)
     if refusal is not None:
         raise refusal
     raise PeerRankError(

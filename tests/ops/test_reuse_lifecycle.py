@@ -233,6 +233,7 @@ def test_the_local_tier_sweep_keeps_files_a_kept_step_references(tmp_path) -> No
     import torch.distributed.checkpoint as dcp
 
     from objckpt import ObjectStoreWriter
+    from objckpt.dcp.collective import Collectives
     from objckpt.ops.local_disk import sweep
     from objckpt.ops.tiers import LocalTier
     from objckpt.ops.verify import verify_checkpoint
@@ -248,7 +249,7 @@ def test_the_local_tier_sweep_keeps_files_a_kept_step_references(tmp_path) -> No
             p.unlink()
     (local / step_name(3)).mkdir()  # a save a crash left (nothing committed)
     (local / step_name(3) / "__0_0.00000000deadbeef.distcp").write_bytes(b"x")
-    sweep(LocalTier(local), durable=set(), process_group=None)
+    sweep(LocalTier(local), durable=set(), collectives=Collectives())
     assert sorted(p.name for p in local.iterdir()) == [step_name(1), step_name(2)]
     assert [p.name for p in one.iterdir()] == [payload]
     assert verify_checkpoint(Location.parse(f"{root}/{step_name(2)}")).ok

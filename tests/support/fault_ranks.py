@@ -308,7 +308,7 @@ def manager_sparse_on_one_rank(
 
 def collectives_without_cpu_backend(rank: int, world: int, init_file: str) -> None:
     """``cuda:gloo`` refuses CPU tensors as NCCL does: objckpt's collectives still work."""
-    from objckpt.dcp import collective
+    from objckpt.dcp.collective import Collectives
     from objckpt.pipeline.plan_cache import agree
 
     dist.init_process_group(
@@ -321,18 +321,21 @@ def collectives_without_cpu_backend(rank: int, world: int, init_file: str) -> No
             assert "cpu" in str(exc).lower(), exc
         else:
             raise AssertionError("cuda:gloo took a CPU tensor: the test proves nothing")
-        r = collective.route()
+        collectives = Collectives()
+        r = collectives.route()
         assert r.side_group or r.device.type == "cuda", r
-        assert collective.all_reduce_max([rank, -rank]) == [world - 1, 0]
-        got = collective.all_gather_object({"rank": rank, "steps": frozenset({rank})})
+        assert collectives.route().group is r.group  # its side group, built once
+        assert collectives.all_reduce_max([rank, -rank]) == [world - 1, 0]
+        got = collectives.all_gather_object({"rank": rank, "steps": frozenset({rank})})
         assert got == [{"rank": r, "steps": frozenset({r})} for r in range(world)], got
-        assert collective.broadcast_object({"from": rank}, 1) == {"from": 1}
+        assert collectives.broadcast_object({"from": rank}, 1) == {"from": 1}
         buf = bytearray(b"abc" if rank == 0 else 3)
-        collective.broadcast_bytes(buf, 0)
+        collectives.broadcast_bytes(buf, 0)
         assert bytes(buf) == b"abc"
-        assert collective.any_rank(rank == world - 1)
-        assert collective.broadcast_from_rank0(lambda: "decided") == "decided"
-        agreement = agree(True, rank == 1, rank, None, True, sequence=3)
+        assert collectives.any_rank(rank == world - 1)
+        assert collectives.from_rank0(lambda: "decided") == "decided"
+        assert collectives.gather_object(rank) == (list(range(world)) if rank == 0 else None)
+        agreement = agree(True, rank == 1, rank, collectives, True, sequence=3)
         assert agreement.refused_by == 1 and agreement.hit
     finally:
         dist.destroy_process_group()
