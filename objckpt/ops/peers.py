@@ -28,7 +28,8 @@ instead of the object store. Both need the same two things, which live here:
   checked against its CRC32C before it is renamed into place: a damaged copy is
   never kept. A received file is written through :mod:`objckpt.writers.node_store`
   (never through a link, fsynced, renamed into place), and every failure, a
-  peer's death included, removes the partial files.
+  peer's death included, removes the partial files; a sent file is read through
+  it too, so a link swapped in under the tier is refused, never sent.
 * **A peer's header is untrusted input.** Its length is bounded by
   :data:`HEADER_LIMIT` before anything is allocated, and every size it lists by
   :data:`MAX_FILE_BYTES`; a header outside those bounds cannot be read in step (what
