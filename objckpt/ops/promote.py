@@ -3,7 +3,11 @@
 Each rank copies the payload objects it wrote from its local directory to the
 primary root, in worker processes of their own (the training process only waits
 on futures, and the next local save never queues behind a slow upload), every
-object checked against the CRC32C it was written with.
+object checked against the CRC32C it was written with. The local step is read
+through the store layer (:func:`~objckpt.writers.open_store` at its ``file://``
+URL, the door the local save wrote it through), not the node store: that check is
+what makes the read safe, since bytes reached through a link swapped in since the
+save differ from what the save wrote and are refused as damage is.
 Ranks report through the c10d store, as the async commit does (no collective,
 no call from the training loop); the coordinator then copies the index objects,
 checks with one listing that every object the manifest names arrived, and writes
