@@ -369,16 +369,16 @@ def restore_plan(world: int, per_node: int = 8, per_rank: int = 5) -> dict[str, 
     """Rank 0's restore planning with peer replicas (``replicas=2``) at ``world``
     simulated ranks, one node lost: each node's tier holds its ranks' objects
     (``per_rank`` a rank) and node - 1's; one rank per node lists it and the node's
-    ranks share that listing (:meth:`objckpt.ops.restore.Restorer._node_listings`);
+    ranks share that listing (:meth:`objckpt.ops.run.restore.Restorer._node_listings`);
     the check that every object is held somewhere and on enough nodes, as
-    :meth:`objckpt.ops.restore.Restorer._decide` makes it
-    (:func:`objckpt.ops.restore._holders`), beside the per-object scan of every
+    :meth:`objckpt.ops.run.restore.Restorer._decide` makes it
+    (:func:`objckpt.ops.run.restore._holders`), beside the per-object scan of every
     rank's listing that it replaced. Bytes: what rank 0 reads (each node's listing
     once, from the c10d store, and the gather of one digest a rank, padded by torch to
     the largest answer), beside the gather of every rank's listing it replaced."""
 
-    from objckpt.ops.peers import Holdings
-    from objckpt.ops.restore import _holders
+    from objckpt.ops.tier.peers import Holdings
+    from objckpt.ops.run.restore import _holders
 
     step = 2
     nodes = world // per_node

@@ -23,11 +23,11 @@ if TYPE_CHECKING:
     from objckpt.dcp.storage_writer import ObjectStoreWriter
     from objckpt.dcp.transforms import ByteGrouping
     from objckpt.format.manifest import Manifest
-    from objckpt.ops.backup import BackupStatus, BackupTarget
-    from objckpt.ops.config import Config, load_config
-    from objckpt.ops.manager import CheckpointManager
-    from objckpt.ops.retention import RetentionPolicy
-    from objckpt.ops.tiers import LocalTier, TierStatus
+    from objckpt.ops.run.backup import BackupStatus, BackupTarget
+    from objckpt.ops.run.config import Config, load_config
+    from objckpt.ops.run.manager import CheckpointManager
+    from objckpt.ops.maintain.retention import RetentionPolicy
+    from objckpt.ops.tier.tiers import LocalTier, TierStatus
     from objckpt.options import AsyncOptions, ReadOptions, UploadOptions
     from objckpt.pipeline.checkpointer import AsyncCheckpointer, async_save
     from objckpt.pipeline.handle import SaveHandle
@@ -41,25 +41,25 @@ _HOMES = {
     "AsyncCheckpointer": "objckpt.pipeline.checkpointer",
     "AsyncOptions": "objckpt.options",
     "AsyncRequest": "objckpt.pipeline.queue",
-    "BackupStatus": "objckpt.ops.backup",
-    "BackupTarget": "objckpt.ops.backup",
+    "BackupStatus": "objckpt.ops.run.backup",
+    "BackupTarget": "objckpt.ops.run.backup",
     "ByteGrouping": "objckpt.dcp.transforms",
-    "CheckpointManager": "objckpt.ops.manager",
-    "Config": "objckpt.ops.config",
+    "CheckpointManager": "objckpt.ops.run.manager",
+    "Config": "objckpt.ops.run.config",
     "LoadPlanner": "objckpt.dcp.load_planner",
-    "LocalTier": "objckpt.ops.tiers",
+    "LocalTier": "objckpt.ops.tier.tiers",
     "Location": "objckpt.writers.location",
     "Manifest": "objckpt.format.manifest",
     "ObjectStoreReader": "objckpt.dcp.storage_reader",
     "ObjectStoreWriter": "objckpt.dcp.storage_writer",
     "ReadOptions": "objckpt.options",
-    "RetentionPolicy": "objckpt.ops.retention",
+    "RetentionPolicy": "objckpt.ops.maintain.retention",
     "RetryPolicy": "objckpt.writers.retry",
     "SaveHandle": "objckpt.pipeline.handle",
-    "TierStatus": "objckpt.ops.tiers",
+    "TierStatus": "objckpt.ops.tier.tiers",
     "UploadOptions": "objckpt.options",
     "async_save": "objckpt.pipeline.checkpointer",
-    "load_config": "objckpt.ops.config",
+    "load_config": "objckpt.ops.run.config",
 }
 
 __all__ = [

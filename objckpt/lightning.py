@@ -42,8 +42,8 @@ from objckpt._torch import load_everything
 from objckpt.dcp.storage_reader import ObjectStoreReader
 from objckpt.dcp.storage_writer import ObjectStoreWriter
 from objckpt.errors import ConfigurationError
-from objckpt.ops.gc import delete_step
-from objckpt.ops.torch_errors import unwrap
+from objckpt.ops.maintain.gc import delete_step
+from objckpt.dcp.torch_errors import unwrap
 from objckpt.options import AsyncOptions, ReadOptions, UploadOptions
 from objckpt.pipeline.checkpointer import AsyncCheckpointer
 from objckpt.pipeline.handle import SaveHandle

@@ -228,7 +228,7 @@ class CommandContext:
         """The loaded config file (read on first use), or None without ``--config``.
         Credential values it takes from the environment (``storage.env``) are added to
         the log filter, as ``--storage-option`` ones are."""
-        from objckpt.ops.config import load_config
+        from objckpt.ops.run.config import load_config
 
         config = load_config(self.config_path) if self.config_path else None
         if config is not None and self.redact is not None:
@@ -337,7 +337,7 @@ def _unwrap(exc: BaseException) -> BaseException:
     """The objckpt error torch's ``CheckpointException`` carries, else ``exc``."""
     if not _torch_error(exc):
         return exc
-    from objckpt.ops.torch_errors import unwrap as seen_through
+    from objckpt.dcp.torch_errors import unwrap as seen_through
 
     return seen_through(exc)
 
@@ -433,7 +433,7 @@ def store_command(fn: Callable[..., Any]) -> Callable[..., Any]:
 def _credential_values(options: Any) -> Iterator[str]:
     """The string values of credential-like keys in ``options``, at any depth (for
     the log filter to hide wherever they appear)."""
-    from objckpt.ops.config import credentials_in
+    from objckpt.ops.run.config import credentials_in
 
     return (value for _, value in credentials_in(options) if isinstance(value, str))
 
@@ -447,7 +447,7 @@ def _is_terminal(stream: Any) -> bool:
 
 def committed_manifest(loc: Any) -> Any:
     """The committed manifest at ``loc`` (read once; the command passes it on)."""
-    from objckpt.ops.verify import open_manifest
+    from objckpt.ops.maintain.verify import open_manifest
     from objckpt.writers import open_store
 
     store = open_store(loc)

@@ -42,7 +42,7 @@ def export_command(
     shard_size: str,
 ) -> None:
     """Export the committed checkpoint STEP_URL to DEST_URL (index written last)."""
-    from objckpt.ops.export import export_safetensors
+    from objckpt.ops.convert.export import export_safetensors
 
     source = ctx.storage_options(step_url, "STEP_URL")
     dest = ctx.storage_options(dest_url, "DEST_URL")
@@ -88,7 +88,7 @@ def export_command(
 @store_command
 def import_command(ctx: CommandContext, src_url: str, step_url: str, keys: tuple[str, ...]) -> None:
     """Import the safetensors checkpoint SRC_URL as a DCP checkpoint at STEP_URL."""
-    from objckpt.ops.export import import_safetensors
+    from objckpt.ops.convert.export import import_safetensors
 
     count = import_safetensors(
         src_url,

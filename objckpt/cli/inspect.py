@@ -6,7 +6,7 @@ backup trails, and with ``--local`` which steps this node's local tier holds.
 ``info`` summarises one committed checkpoint from its manifest, without loading it,
 including how many of its bytes it stores itself and how many it reuses from earlier
 steps (references, :mod:`objckpt.format.refs`). It decodes the manifest's metadata
-and every index object as a load does (:func:`objckpt.ops.verify.require_loadable`),
+and every index object as a load does (:func:`objckpt.ops.maintain.verify.require_loadable`),
 and refuses, naming the object and the bound, a checkpoint a load would refuse: a
 summary of one that cannot load would be read as a promise that it can.
 """
@@ -148,7 +148,7 @@ def _tier_lag(path: str, steps: list[StepInfo], local: dict[int, StepInfo]) -> d
 
 def _backup_lag(ctx: CommandContext, loc: Location, steps: list[StepInfo]) -> list[dict[str, Any]]:
     """Lag of the config's backups when ``loc`` is the config's root."""
-    from objckpt.ops.backup import committed_steps, lag_of
+    from objckpt.ops.run.backup import committed_steps, lag_of
 
     config = ctx.config
     if config is None or not config.backups or Location.parse(config.root).url != loc.url:
@@ -184,7 +184,7 @@ def info_command(ctx: CommandContext, ckpt: str, tensors: bool) -> None:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from objckpt.format.refs import referenced_step
-    from objckpt.ops.verify import require_loadable
+    from objckpt.ops.maintain.verify import require_loadable
     from objckpt.writers import open_store
 
     loc = ctx.location(ckpt, "CKPT")

@@ -5,9 +5,9 @@
 with CRC32C checks and its manifest last, so a reader never sees half of one.
 
 Steps may reference each other's bytes (reuse, :mod:`objckpt.format.refs`): ``gc``
-and ``rm`` decide over the root's live set (:mod:`objckpt.ops.live_set`), so what a
+and ``rm`` decide over the root's live set (:mod:`objckpt.ops.maintain.live_set`), so what a
 committed step references is never removed, and ``cp`` copies a referencing step
-whole into a step directory (:func:`objckpt.ops.verify.copy_checkpoint`).
+whole into a step directory (:func:`objckpt.ops.maintain.verify.copy_checkpoint`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ __all__ = ["cp_command", "gc_command", "rm_command"]
 def gc_command(ctx: CommandContext, root: str | None, apply: bool, grace: float | None) -> None:
     """Remove what no committed manifest names under ROOT (references included) and
     no young uncommitted index references, and stale multipart uploads."""
-    from objckpt.ops.gc import DEFAULT_GRACE, collect_garbage
+    from objckpt.ops.maintain.gc import DEFAULT_GRACE, collect_garbage
 
     loc = ctx.location(root, "ROOT")
     if grace is None:
@@ -66,7 +66,7 @@ def gc_command(ctx: CommandContext, root: str | None, apply: bool, grace: float 
 def rm_command(ctx: CommandContext, ckpt: str, yes: bool) -> None:
     """Delete the checkpoint CKPT (its manifest first, so it vanishes at once); objects
     of it that later steps reference stay."""
-    from objckpt.ops.gc import delete_step
+    from objckpt.ops.maintain.gc import delete_step
 
     loc = ctx.location(ckpt, "CKPT")
     if not yes and not ctx.as_json:
@@ -89,7 +89,7 @@ def cp_command(ctx: CommandContext, src: str, dst: str, overwrite: bool) -> None
     A step that reuses earlier steps' bytes is copied whole into a step directory
     (DST = <root>/step-N): the objects it references go beside it.
     """
-    from objckpt.ops.verify import copy_checkpoint
+    from objckpt.ops.maintain.verify import copy_checkpoint
 
     src_loc = ctx.location(src, "SRC")
     dst_loc = ctx.location(dst, "DST")

@@ -33,7 +33,7 @@ def verify_command(ctx: CommandContext, ckpt: str) -> None:
     Exits 1 and names each object that fails (both steps for a reused one) or that a
     load would refuse (and the bound it breaks); never loads anything into torch.
     """
-    from objckpt.ops.verify import verify_checkpoint
+    from objckpt.ops.maintain.verify import verify_checkpoint
 
     loc = ctx.location(ckpt, "CKPT")
     manifest = committed_manifest(loc)

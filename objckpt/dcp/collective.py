@@ -26,7 +26,7 @@ its side group: built at its first collective that needs one, which every rank
 reaches at the same point, since every rank makes its owner's collectives in the
 same order. Nothing is kept at module level. :func:`side_group` is the one builder
 of a gloo group over a group's ranks: the side groups here and the peers' wire
-(:class:`objckpt.ops.peers.PeerGroup`, with its own timeout) both come from it.
+(:class:`objckpt.ops.tier.peers.PeerGroup`, with its own timeout) both come from it.
 """
 
 from __future__ import annotations

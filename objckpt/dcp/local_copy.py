@@ -10,7 +10,7 @@ the bytes.
 
 A copy whose directory is a symbolic link is not used at all: the local tier never
 follows a link at a step's name (it neither lists, writes nor deletes through one,
-see :mod:`objckpt.ops.local_disk`), and reading through one would make a step the
+see :mod:`objckpt.ops.tier.local_disk`), and reading through one would make a step the
 tier does not list load from a directory it does not own. Every file is read
 through the node's one door (:class:`~objckpt.writers.node_store.NodeStore`), so a
 link anywhere under the tier, the file's own name included, is refused, not read.

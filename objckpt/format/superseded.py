@@ -8,7 +8,7 @@ later steps of that root may name those very objects as ``../step-<N>/<key>``:
 "only the replaced manifest named them" is then a question about the whole root,
 not about one manifest. This module answers it from one listing of the root and the
 sibling steps' manifests (an overwrite is rare; gc's live set,
-:mod:`objckpt.ops.live_set`, is the same question asked for a whole root).
+:mod:`objckpt.ops.maintain.live_set`, is the same question asked for a whole root).
 
 What is safe when the answer is unknown: keep. A sibling manifest that cannot be
 read, a listing that fails, or a sibling directory holding index objects but no

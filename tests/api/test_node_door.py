@@ -59,7 +59,7 @@ OPENERS = frozenset({"open", "io.open", "io.FileIO", "builtins.open"})
 #: (module, what) -> why it is not a node-tier file.
 ALLOWED = {
     # The user's configuration file: a path the user names, not a file of the tier.
-    ("objckpt/ops/config.py", "open"): "reads the user's config file (load_config)",
+    ("objckpt/ops/run/config.py", "open"): "reads the user's config file (load_config)",
 }
 
 

@@ -97,7 +97,7 @@ def test_gc_is_a_dry_run_unless_asked_everywhere() -> None:
     import inspect
 
     from objckpt import CheckpointManager
-    from objckpt.ops.gc import collect_garbage
+    from objckpt.ops.maintain.gc import collect_garbage
 
     assert inspect.signature(collect_garbage).parameters["dry_run"].default is True
     assert inspect.signature(CheckpointManager.gc).parameters["dry_run"].default is True

@@ -206,7 +206,7 @@ def test_an_unchanged_state_creates_no_payload_object(
 
 def test_the_config_file_turns_reuse_off() -> None:
     from objckpt.errors import ConfigurationError
-    from objckpt.ops.config import parse_config
+    from objckpt.ops.run.config import parse_config
 
     assert parse_config('root = "s3://b/r"').manager_options()["reuse_unchanged"] is True
     off = parse_config('root = "s3://b/r"\nreuse_unchanged = false')
@@ -220,7 +220,7 @@ def test_with_keep_last_1_and_gc_at_zero_grace_step_3_loads_and_verifies(
 ) -> None:
     """The issue's lifecycle check from the save side: retention drops steps 1 and 2,
     gc runs with no grace, and step 3 (whose base bytes step 1 stored) is still whole."""
-    from objckpt.ops.verify import verify_checkpoint
+    from objckpt.ops.maintain.verify import verify_checkpoint
 
     root = s3_bucket.url("k1")
     state = lora_state()

@@ -14,7 +14,7 @@ from ranks import run_ranks
 from objckpt import Location, ObjectStoreReader
 from objckpt.errors import CheckpointNotCommittedError
 from objckpt.format.steps import step_name
-from objckpt.ops.gc import collect_garbage
+from objckpt.ops.maintain.gc import collect_garbage
 from objckpt.testing import FaultProxy, MotoServer
 from objckpt.testing.plugin import StoreTarget
 from objckpt.writers.base import PROBE_KEY

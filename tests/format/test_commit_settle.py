@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from objckpt import Location, RetryPolicy, UploadOptions
 from objckpt.errors import CheckpointExistsError
 from objckpt.format.layout import MANIFEST_KEY
-from objckpt.ops.verify import copy_checkpoint, verify_checkpoint
+from objckpt.ops.maintain.verify import copy_checkpoint, verify_checkpoint
 from objckpt.testing import FaultProxy, MotoServer, Rule
 from objckpt.testing.plugin import StoreTarget
 from objckpt.writers import open_store

@@ -28,7 +28,7 @@ from objckpt.errors import CheckpointExistsError, StoreError
 from objckpt.format.layout import MANIFEST_KEY
 from objckpt.format.manifest import read_manifest
 from objckpt.format.steps import step_name
-from objckpt.ops.verify import copy_checkpoint, verify_checkpoint
+from objckpt.ops.maintain.verify import copy_checkpoint, verify_checkpoint
 from objckpt.options import AsyncOptions
 from objckpt.testing import FaultProxy, MotoServer, Rule
 from objckpt.testing.plugin import StoreTarget

@@ -11,7 +11,7 @@ from objckpt import CheckpointManager, Location, RetentionPolicy, UploadOptions
 from objckpt.errors import CheckpointNotCommittedError, ConfigurationError
 from objckpt.format.layout import MANIFEST_KEY, is_entropy_dir, is_objckpt_payload, payload_key
 from objckpt.format.steps import step_name
-from objckpt.ops.gc import collect_garbage, delete_step
+from objckpt.ops.maintain.gc import collect_garbage, delete_step
 from objckpt.testing.plugin import StoreTarget
 
 SPREAD = UploadOptions(object_size=64 * 1024, prefix_entropy=2)

@@ -20,9 +20,9 @@ from objckpt.cli import main
 from objckpt.errors import BackupError, ChecksumMismatchError, ConfigurationError
 from objckpt.format.layout import MANIFEST_KEY, is_objckpt_payload
 from objckpt.format.steps import StepInfo, step_name
-from objckpt.ops.backup import BackupTarget, lag_of
-from objckpt.ops.gc import delete_step
-from objckpt.ops.verify import copy_checkpoint, verify_checkpoint
+from objckpt.ops.run.backup import BackupTarget, lag_of
+from objckpt.ops.maintain.gc import delete_step
+from objckpt.ops.maintain.verify import copy_checkpoint, verify_checkpoint
 from objckpt.testing import FaultProxy, MotoServer, Rule
 from objckpt.testing.plugin import StoreTarget
 
@@ -41,7 +41,7 @@ def backup_bucket(s3_bucket: StoreTarget, moto_server: MotoServer) -> StoreTarge
 
 
 def _steps(root: str, options: dict) -> list[int]:
-    from objckpt.ops.backup import committed_steps
+    from objckpt.ops.run.backup import committed_steps
 
     return [s.step for s in committed_steps(Location.parse(root, options))]
 

@@ -17,8 +17,8 @@ from objckpt import Location, UploadOptions
 from objckpt.format.layout import METADATA_KEY, is_objckpt_payload
 from objckpt.format.manifest import read_manifest
 from objckpt.format.steps import step_name
-from objckpt.ops.backup import BackupTarget, Replicator
-from objckpt.ops.replica import VerifiedObjects, poll_replica
+from objckpt.ops.run.backup import BackupTarget, Replicator
+from objckpt.ops.run.backup_wait import VerifiedObjects, poll_replica
 from objckpt.testing import FaultProxy, MotoServer, Rule
 from objckpt.testing.plugin import StoreTarget
 from objckpt.writers import open_store

@@ -20,9 +20,9 @@ from objckpt import (
     load_config,
 )
 from objckpt.errors import ConfigurationError
-from objckpt.ops import config as config_module
-from objckpt.ops.backup import BackupTarget
-from objckpt.ops.config import RENAMED_KEYS, TABLES, keys_of, parse_config
+from objckpt.ops.run import config as config_module
+from objckpt.ops.run.backup import BackupTarget
+from objckpt.ops.run.config import RENAMED_KEYS, TABLES, keys_of, parse_config
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -253,7 +253,7 @@ def _tables(data: dict) -> dict[str, dict]:
     }
 
 
-@pytest.mark.parametrize("where", ["objckpt/ops/config.py", "docs/guides/configuration.md"])
+@pytest.mark.parametrize("where", ["objckpt/ops/run/config.py", "docs/guides/configuration.md"])
 def test_each_table_lists_every_field_of_its_option_value(where: str) -> None:
     """Table name <-> options class, key <-> field, both ways: a field added to a class
     (or a key the class lacks) fails here until the schema and the guide say it."""

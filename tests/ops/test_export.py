@@ -18,7 +18,7 @@ from safetensors.torch import load as load_safetensors
 from objckpt import Location, ObjectStoreWriter
 from objckpt.cli import main
 from objckpt.errors import CheckpointExistsError, ConfigurationError, ObjckptError
-from objckpt.ops.export import INDEX_NAME, export_safetensors, parse_size
+from objckpt.ops.convert.export import INDEX_NAME, export_safetensors, parse_size
 from objckpt.testing import FaultProxy, Rule
 from objckpt.testing.plugin import StoreTarget
 
@@ -281,7 +281,7 @@ def test_import_of_a_safetensors_checkpoint_loads_sharded_on_two_ranks(
     imported, then loaded by a 2-rank job into DTensor shards, bit-exact."""
     from safetensors.torch import save as save_safetensors
 
-    from objckpt.ops.export import import_safetensors
+    from objckpt.ops.convert.export import import_safetensors
 
     full = {f"model.{k}": v for k, v in dist_helpers.full_state().items()}
     base = Location.parse(s3_bucket.url("st"), s3_bucket.storage_options)
@@ -302,7 +302,7 @@ def test_import_of_a_safetensors_checkpoint_loads_sharded_on_two_ranks(
 
 def test_export_then_import_round_trips(s3_bucket: StoreTarget) -> None:
     from objckpt import ObjectStoreReader
-    from objckpt.ops.export import import_safetensors
+    from objckpt.ops.convert.export import import_safetensors
 
     state = gpt2_state(layers=1)
     state["mask"] = torch.tensor(True)  # 0-d, bool
@@ -323,7 +323,7 @@ def test_import_reads_an_export_made_before_attempt_ids(s3_bucket: StoreTarget) 
     from safetensors.torch import save as save_safetensors
 
     from objckpt import ObjectStoreReader
-    from objckpt.ops.export import import_safetensors
+    from objckpt.ops.convert.export import import_safetensors
 
     state = gpt2_state(layers=1)
     keys = sorted(state)

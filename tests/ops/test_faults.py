@@ -28,7 +28,7 @@ from objckpt.errors import (
     StoreError,
 )
 from objckpt.format.layout import MANIFEST_KEY, is_objckpt_payload
-from objckpt.ops.gc import collect_garbage
+from objckpt.ops.maintain.gc import collect_garbage
 from objckpt.testing import FaultProxy, MotoServer, Rule
 from objckpt.testing.plugin import StoreTarget
 from objckpt.writers import open_store

@@ -17,7 +17,7 @@ from killed_save import state
 from objckpt import CheckpointManager, Location
 from objckpt.errors import CheckpointNotFoundError, ConfigurationError
 from objckpt.format.steps import step_name
-from objckpt.ops.gc import GcReport, collect_garbage, delete_step
+from objckpt.ops.maintain.gc import GcReport, collect_garbage, delete_step
 from objckpt.testing import FaultProxy, MotoServer, Rule, offline_env
 from objckpt.testing.plugin import StoreTarget
 

@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 
 from objckpt import Location, ObjectStoreReader
 from objckpt.errors import ManifestError, ObjckptError
-from objckpt.ops.export import INDEX_NAME, import_safetensors
+from objckpt.ops.convert.export import INDEX_NAME, import_safetensors
 from objckpt.testing import FaultProxy
 from objckpt.testing.plugin import BUCKET, StoreTarget
 from objckpt.testing.servers import offline_env
@@ -320,7 +320,7 @@ _CHILD = textwrap.dedent(
     resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
     import torch
     from objckpt.errors import ManifestError
-    from objckpt.ops.export import import_safetensors
+    from objckpt.ops.convert.export import import_safetensors
     warnings.filterwarnings("ignore")
     spec = json.loads(sys.argv[1])
     import_safetensors(spec["warm_src"], spec["warm_dest"])  # code paths paged in

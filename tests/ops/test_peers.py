@@ -18,7 +18,7 @@ import pytest
 from ranks import run_ranks
 
 from objckpt.errors import ObjckptError
-from objckpt.ops.peers import NodeMap, Transfer, _safe_key, list_holdings, rounds
+from objckpt.ops.tier.peers import NodeMap, Transfer, _safe_key, list_holdings, rounds
 
 A = "0123456789abcdef"
 

@@ -20,8 +20,8 @@ from objckpt.errors import UploadError
 from objckpt.format.layout import MANIFEST_KEY
 from objckpt.format.refs import is_reference
 from objckpt.format.steps import step_name
-from objckpt.ops.live_set import live_set
-from objckpt.ops.verify import verify_checkpoint
+from objckpt.ops.maintain.live_set import live_set
+from objckpt.ops.maintain.verify import verify_checkpoint
 from objckpt.testing import FaultProxy, MotoServer, Rule
 from objckpt.testing.plugin import StoreTarget
 from objckpt.writers import open_store
@@ -96,8 +96,8 @@ def test_delete_waits_for_the_save_that_uses_the_step_as_its_base(
                 waiting.set()
 
     seen = Seen()
-    logging.getLogger("objckpt.ops.durable").addHandler(seen)
-    logging.getLogger("objckpt.ops.durable").setLevel(logging.INFO)
+    logging.getLogger("objckpt.ops.run.durable").addHandler(seen)
+    logging.getLogger("objckpt.ops.run.durable").setLevel(logging.INFO)
     errors: list[BaseException] = []
     try:
         with CheckpointManager(root, storage_options=via) as mgr:
@@ -130,7 +130,7 @@ def test_delete_waits_for_the_save_that_uses_the_step_as_its_base(
             assert not deleter.is_alive() and not errors, errors
             assert mgr.all_steps() == [2]
     finally:
-        logging.getLogger("objckpt.ops.durable").removeHandler(seen)
+        logging.getLogger("objckpt.ops.run.durable").removeHandler(seen)
     report = verify_checkpoint(Location.parse(f"{root}/{step_name(2)}", s3_bucket.storage_options))
     assert report.ok, report.failures
     got = _blank()

@@ -21,9 +21,9 @@ from objckpt.format.layout import MANIFEST_KEY
 from objckpt.format.manifest import read_manifest
 from objckpt.format.refs import is_reference
 from objckpt.format.steps import step_name
-from objckpt.ops.gc import collect_garbage
-from objckpt.ops.retire import RetireReport, retire_steps
-from objckpt.ops.verify import copy_checkpoint, verify_checkpoint
+from objckpt.ops.maintain.gc import collect_garbage
+from objckpt.ops.maintain.retire import RetireReport, retire_steps
+from objckpt.ops.maintain.verify import copy_checkpoint, verify_checkpoint
 from objckpt.testing import FaultProxy, MotoServer, Rule
 from objckpt.testing.plugin import StoreTarget
 from objckpt.writers import open_store

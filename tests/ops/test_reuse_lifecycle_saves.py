@@ -18,8 +18,8 @@ from objckpt.format.layout import MANIFEST_KEY
 from objckpt.format.manifest import read_manifest
 from objckpt.format.refs import is_reference
 from objckpt.format.steps import step_name
-from objckpt.ops.gc import collect_garbage
-from objckpt.ops.retire import retire_steps
+from objckpt.ops.maintain.gc import collect_garbage
+from objckpt.ops.maintain.retire import retire_steps
 from objckpt.testing import FaultProxy, MotoServer, Rule
 from objckpt.testing.plugin import StoreTarget
 from objckpt.writers import open_store

@@ -18,7 +18,7 @@ from ranks import run_ranks
 from objckpt import CheckpointManager, LocalTier, RetentionPolicy
 from objckpt.errors import StepOrderError
 from objckpt.format.steps import step_name
-from objckpt.ops.backup import committed_steps
+from objckpt.ops.run.backup import committed_steps
 from objckpt.options import AsyncOptions
 from objckpt.testing.plugin import StoreTarget
 from objckpt.writers.location import Location
@@ -101,7 +101,7 @@ def test_a_rollback_record_names_the_discarded_copies_by_attempt_digest_and_time
     from types import SimpleNamespace
     from typing import Any, cast
 
-    from objckpt.ops.rollback import ROLLBACKS_DIR, Rollback, _record, read_rollbacks
+    from objckpt.ops.run.rollback import ROLLBACKS_DIR, Rollback, _record, read_rollbacks
 
     root = Location.parse(str(tmp_path / "root"))
     os.makedirs(root.path)

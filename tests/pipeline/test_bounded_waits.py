@@ -101,7 +101,7 @@ def test_a_wedged_worker_cannot_hold_a_save_in_staging_waves(tmp_path: Path) -> 
             assert not saver.is_alive(), "save() did not return with a wedged worker"
         finally:
             end(stopped)
-        from objckpt.ops.torch_errors import unwrap
+        from objckpt.dcp.torch_errors import unwrap
 
         err = unwrap(outcome[0]) if outcome[0] is not None else None
         assert isinstance(err, SaveDeadlineError), outcome

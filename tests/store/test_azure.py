@@ -24,7 +24,7 @@ from objckpt.errors import AccessDeniedError, BucketNotFoundError, CheckpointExi
 from objckpt.format.commit import commit_checkpoint
 from objckpt.format.layout import MANIFEST_KEY
 from objckpt.format.steps import step_name
-from objckpt.ops.verify import verify_checkpoint
+from objckpt.ops.maintain.verify import verify_checkpoint
 from objckpt.testing import Azurite, FaultProxy, Rule
 from objckpt.testing.azure_operations import azure_operation
 from objckpt.testing.azurite import AZURITE_KEY

@@ -24,7 +24,7 @@ from helpers import load, save
 
 from objckpt import Location, RetryPolicy, UploadOptions
 from objckpt.errors import AccessDeniedError, ConfigurationError
-from objckpt.ops.verify import verify_checkpoint
+from objckpt.ops.maintain.verify import verify_checkpoint
 from objckpt.testing import FaultProxy, MotoServer
 from objckpt.testing.plugin import StoreTarget
 from objckpt.writers import open_store

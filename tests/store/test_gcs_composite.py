@@ -106,7 +106,7 @@ def test_gc_removes_pieces_a_crash_left_in_a_single_checkpoint(
     import torch.distributed.checkpoint as dcp
 
     from objckpt import ObjectStoreWriter
-    from objckpt.ops.gc import collect_garbage
+    from objckpt.ops.maintain.gc import collect_garbage
 
     url = fake_gcs_bucket.url("one")
     dcp.save(

@@ -14,7 +14,7 @@ from helpers import load, save
 
 from objckpt import UploadOptions
 from objckpt.errors import StoreError
-from objckpt.ops.verify import verify_checkpoint
+from objckpt.ops.maintain.verify import verify_checkpoint
 from objckpt.testing import FaultProxy, MotoServer, Rule
 from objckpt.testing.plugin import StoreTarget
 from objckpt.writers import open_store

@@ -36,7 +36,7 @@ from states import stepped_state
 
 from objckpt import CheckpointManager, Location, RetentionPolicy, UploadOptions
 from objckpt.errors import AccessDeniedError, ConfigurationError, StoreError
-from objckpt.ops.gc import collect_garbage
+from objckpt.ops.maintain.gc import collect_garbage
 from objckpt.testing import FaultProxy, Rule
 from objckpt.testing.plugin import StoreTarget
 from objckpt.testing.rgw import RgwServer

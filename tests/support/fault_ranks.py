@@ -362,7 +362,7 @@ def manager_column(
     """CheckpointManager: a constructor that fails on one rank (an option only that
     rank got wrong, a failure starting its save path), and a load whose primary
     fails on one rank (every rank falls back to the backup together)."""
-    from objckpt.ops import manager as manager_module
+    from objckpt.ops.run import manager as manager_module
 
     init_ranks(rank, world, init_file)
     opts = objckpt.AsyncOptions(workers=1, barrier_timeout=BARRIER)
@@ -449,8 +449,8 @@ def replication_column(
     naming the failing rank; the next save replicates."""
     from lost_node_ranks import _full_under
 
-    from objckpt.ops.peers import _Incoming
-    from objckpt.ops.replication import PeerReplicator
+    from objckpt.ops.tier.peers import _Incoming
+    from objckpt.ops.tier.replication import PeerReplicator
 
     os.environ.update(GROUP_RANK=str(rank // 2), LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2")
     init_ranks(rank, world, init_file)

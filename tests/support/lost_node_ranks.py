@@ -194,7 +194,7 @@ def peer_dies_mid_transfer(
     import json
     import time
 
-    from objckpt.ops import peers
+    from objckpt.ops.tier import peers
 
     mesh = _join(rank, world, init_file, o["per_node"])
     if rank == 3:
@@ -313,7 +313,7 @@ def restart_counting_listings(
 ) -> None:
     """``restart_and_load``, each rank writing how many times it listed its node's
     tier for the restore's decision to ``<local>/listings<rank>``."""
-    from objckpt.ops import restore
+    from objckpt.ops.run import restore
 
     real = restore.list_holdings
     calls = []
@@ -334,7 +334,7 @@ def restart_with_a_lost_listing(
     """``restart_and_load`` while rank 2 (node 1's lister) cannot post its tier
     listing to the group's c10d store: rank 0 finds it missing at once, node 1 counts
     as unable to list, and every rank goes on to the same load."""
-    from objckpt.ops import restore
+    from objckpt.ops.run import restore
 
     real = restore.group_store
 

@@ -1,6 +1,6 @@
 """Rank bodies of the peer wire's tests (module-level, so spawn can import them).
 
-Two gloo ranks exchange files over :class:`objckpt.ops.peers.PeerGroup` at once, as
+Two gloo ranks exchange files over :class:`objckpt.ops.tier.peers.PeerGroup` at once, as
 one replication round does: each sends its own directory's files to the other and
 receives the other's. A rank's ``fault`` breaks its own side only (a file that
 cannot be read, a receiving disk that is full), and every rank records what its
@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from ranks import init_ranks
 
-from objckpt.ops import peers
-from objckpt.ops.peers import CHUNK, FileSpec, PeerGroup
+from objckpt.ops.tier import peers
+from objckpt.ops.tier.peers import CHUNK, FileSpec, PeerGroup
 from objckpt.writers.checksum import Crc32c
 from objckpt.writers.node_store import NodeStore
 

@@ -23,8 +23,8 @@ from lost_node_ranks import _full_under, _join
 
 import objckpt
 from objckpt.format.steps import step_name
-from objckpt.ops.peers import PeerGroup, _Incoming
-from objckpt.ops.replication import PeerReplicator
+from objckpt.ops.tier.peers import PeerGroup, _Incoming
+from objckpt.ops.tier.replication import PeerReplicator
 
 
 def _manager(rank: int, url: str, o: dict[str, Any]) -> objckpt.CheckpointManager:

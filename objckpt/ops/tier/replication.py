@@ -3,7 +3,7 @@
 After a local save commits, every rank sends the files it wrote (its payload
 objects and its index object; the coordinator also the manifest and
 ``.metadata``) to its peer rank on each replica node
-(:meth:`objckpt.ops.peers.NodeMap.rounds_for`), and receives its peers' files
+(:meth:`objckpt.ops.tier.peers.NodeMap.rounds_for`), and receives its peers' files
 into its tier's replica directory. One thread per rank does it, on the peers' own
 gloo group: never on the training thread, never on the training group, never
 through the object store.
@@ -61,8 +61,8 @@ from objckpt.errors import LinkRefusedError, PeerSilentError
 from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY, index_key, writer_rank
 from objckpt.format.manifest import Manifest
 from objckpt.format.steps import step_name
-from objckpt.ops.peers import FileSpec, NodeMap, PeerGroup, files_in, replica_dir
-from objckpt.ops.tiers import LocalTier
+from objckpt.ops.tier.peers import FileSpec, NodeMap, PeerGroup, files_in, replica_dir
+from objckpt.ops.tier.tiers import LocalTier
 from objckpt.pipeline.handle import SaveHandle
 from objckpt.writers.checksum import Crc32c
 from objckpt.writers.node_store import REPLICAS_DIR, NodeStore

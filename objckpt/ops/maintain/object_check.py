@@ -1,6 +1,6 @@
 """One object checked, or copied, against its manifest entry.
 
-The pieces ``verify``, ``cp``, backups and promotion share (:mod:`objckpt.ops.verify`
+The pieces ``verify``, ``cp``, backups and promotion share (:mod:`objckpt.ops.maintain.verify`
 puts them together): stream an object computing its CRC32C, check a copy by the
 store's own full-object CRC32C where it keeps one, copy one object checked on the
 way. An object a step references in a sibling step directory (``../step-<N>/<key>``,
@@ -18,7 +18,7 @@ from objckpt.errors import ChecksumMismatchError, SizeMismatchError
 from objckpt.format.layout import METADATA_KEY
 from objckpt.format.manifest import ObjectEntry
 from objckpt.format.ref_check import stored_where
-from objckpt.ops.referenced import Siblings
+from objckpt.ops.maintain.referenced import Siblings
 from objckpt.writers import ObjectStore
 from objckpt.writers.checksum import Crc32c
 from objckpt.writers.translate import translate

@@ -11,17 +11,17 @@ The glue every training loop writes around DCP, done once and carefully:
 
 Every rank of a process group builds its own manager with the same arguments
 and calls ``save`` together; only the coordinator (rank 0) deletes and makes
-backups (:mod:`objckpt.ops.backup`). ``load`` falls back to the first backup that
+backups (:mod:`objckpt.ops.run.backup`). ``load`` falls back to the first backup that
 holds the step when the primary lacks it or fails verification.
 
 With ``local=LocalTier(...)`` every save commits to node-local disk first and
-every K-th is promoted to the root in the background (:mod:`objckpt.ops.tiers`,
-:mod:`objckpt.ops.promote`); ``load`` then reads each object from this node's
+every K-th is promoted to the root in the background (:mod:`objckpt.ops.tier.tiers`,
+:mod:`objckpt.ops.tier.promote`); ``load`` then reads each object from this node's
 copy when it holds it intact, from the root (then the backups) otherwise.
 
 A facade holding each public method's contract over parts that own their state:
-:mod:`~objckpt.ops.catalog`, :mod:`~objckpt.ops.saving` (with
-:mod:`~objckpt.ops.local_tier`), :mod:`~objckpt.ops.durable`, :mod:`~objckpt.ops.restore`.
+:mod:`~objckpt.ops.run.catalog`, :mod:`~objckpt.ops.run.saving` (with
+:mod:`~objckpt.ops.run.local_tier`), :mod:`~objckpt.ops.run.durable`, :mod:`~objckpt.ops.run.restore`.
 """
 
 from __future__ import annotations
@@ -36,18 +36,18 @@ import torch.distributed as dist
 from objckpt._removed import MANAGER, removed_keywords
 from objckpt.dcp.collective import Collectives
 from objckpt.errors import ConfigurationError
-from objckpt.ops.backup import BackupStatus, BackupTarget
-from objckpt.ops.catalog import StepCatalog
-from objckpt.ops.config import load_config
-from objckpt.ops.durable import DurableSteps
-from objckpt.ops.gc import DEFAULT_GRACE, GcReport, collect_garbage
-from objckpt.ops.local_disk import sweep
-from objckpt.ops.peers import Peers
-from objckpt.ops.restore import Restorer
-from objckpt.ops.retention import RetentionPolicy
-from objckpt.ops.rollback import discard_after
-from objckpt.ops.saving import SaveFlow
-from objckpt.ops.tiers import LocalTier, TierStatus
+from objckpt.ops.run.backup import BackupStatus, BackupTarget
+from objckpt.ops.run.catalog import StepCatalog
+from objckpt.ops.run.config import load_config
+from objckpt.ops.run.durable import DurableSteps
+from objckpt.ops.maintain.gc import DEFAULT_GRACE, GcReport, collect_garbage
+from objckpt.ops.tier.local_disk import sweep
+from objckpt.ops.tier.peers import Peers
+from objckpt.ops.run.restore import Restorer
+from objckpt.ops.maintain.retention import RetentionPolicy
+from objckpt.ops.run.rollback import discard_after
+from objckpt.ops.run.saving import SaveFlow
+from objckpt.ops.tier.tiers import LocalTier, TierStatus
 from objckpt.options import AsyncOptions, ReadOptions, UploadOptions
 from objckpt.pipeline.handle import SaveHandle
 from objckpt.pipeline.lifetime import run_bounded
@@ -68,11 +68,11 @@ class CheckpointManager:
         storage_options: Passed untouched to fsspec.
         retention: Which committed steps to keep
             (:class:`~objckpt.RetentionPolicy`; default: keep every step). One value,
-            as in the config file and on each :class:`~objckpt.ops.backup.BackupTarget`.
+            as in the config file and on each :class:`~objckpt.ops.run.backup.BackupTarget`.
         process_group: The group that saves together (default: the default group).
         upload: Object and part sizing for the upload workers.
         async_options: Workers, saves in flight, barrier timeout, staging budget.
-        backups: Backup roots (URLs or :class:`~objckpt.ops.backup.BackupTarget`);
+        backups: Backup roots (URLs or :class:`~objckpt.ops.run.backup.BackupTarget`);
             each committed step is copied there in the background by rank 0. A
             plain URL on the primary's protocol is reached with ``storage_options``.
         retry: How every store request is retried (:class:`~objckpt.RetryPolicy`).
@@ -193,7 +193,7 @@ class CheckpointManager:
 
     @classmethod
     def from_config(cls, path: str, **overrides: Any) -> CheckpointManager:
-        """A manager built from a TOML config file (see :mod:`objckpt.ops.config`)."""
+        """A manager built from a TOML config file (see :mod:`objckpt.ops.run.config`)."""
         config = load_config(path)
         return cls(config.root, **{**config.manager_options(), **overrides})
 
@@ -386,7 +386,7 @@ class CheckpointManager:
     def discard_after(self, step: int) -> list[int]:
         """Delete every committed step above ``step`` (root, copy backups, local tiers),
         so the steps saved from now on are the newest; returns them, ascending. Every
-        rank calls it together (:mod:`objckpt.ops.rollback`).
+        rank calls it together (:mod:`objckpt.ops.run.rollback`).
 
         Raises:
             ConfigurationError, StoreError: a bad step; a deletion failed (every rank).
@@ -398,7 +398,7 @@ class CheckpointManager:
     def gc(self, *, grace: float = DEFAULT_GRACE, dry_run: bool = True) -> GcReport:
         """Find (and with ``dry_run=False``, remove) objects no committed manifest names
         and open uploads older than ``grace``. A dry run by default, as
-        :func:`~objckpt.ops.gc.collect_garbage` and ``objckpt gc`` (without ``--apply``)."""
+        :func:`~objckpt.ops.maintain.gc.collect_garbage` and ``objckpt gc`` (without ``--apply``)."""
         self._coordinator_only("gc")
         return collect_garbage(self.root, grace=grace, dry_run=dry_run)
 

@@ -58,8 +58,8 @@ from objckpt.format.layout import (
 )
 from objckpt.format.refs import is_reference, root_key, split_reference
 from objckpt.format.steps import parse_step, step_name
-from objckpt.ops.peers import replica_dir
-from objckpt.ops.tiers import LocalTier
+from objckpt.ops.tier.peers import replica_dir
+from objckpt.ops.tier.tiers import LocalTier
 from objckpt.writers.node_store import REPLICAS_DIR, Entry, NodeStore, tier_store
 
 __all__ = [
@@ -88,7 +88,7 @@ class TierListing:
         links: Step names that are symbolic links (never followed), with their targets.
         error: Why the directory could not be listed (None: it was).
         replicas_committed: Steps whose replica directory (other nodes' files,
-            :func:`objckpt.ops.peers.replica_dir`) holds the coordinator's manifest:
+            :func:`objckpt.ops.tier.peers.replica_dir`) holds the coordinator's manifest:
             committed, even when the coordinator's node is gone.
         replicas_present: Every replica step directory (links excluded).
     """

@@ -23,7 +23,7 @@ it. So the discard leaves a **rollback record** on the root before it deletes
 anything, ``<root>/rollbacks/<time>-<id>.json`` (outside every step directory, so
 listings, retention and gc never take it for a step): the step rolled back to, the
 time (UTC, seconds), and the attempt id and SHA-256 of every manifest of a step above
-it that some node held then. A restart (:mod:`objckpt.ops.restore`) never loads a
+it that some node held then. A restart (:mod:`objckpt.ops.run.restore`) never loads a
 node's copy of a step above a record's step whose manifest the record names, or
 that was committed before the record's time. And every rank's local deletion is
 agreed: a rank whose listing or deletion failed (a replica manifest may survive
@@ -47,12 +47,12 @@ from objckpt.errors import ManifestError, SaveDeadlineError, StoreError
 from objckpt.format.bounds import DEFAULT_MAX_METADATA_BYTES
 from objckpt.format.manifest import Manifest
 from objckpt.format.steps import step_name
-from objckpt.ops.catalog import StepCatalog
-from objckpt.ops.durable import DurableSteps
-from objckpt.ops.local_disk import delete_local_step, list_tier
-from objckpt.ops.peers import list_holdings, replica_dir
-from objckpt.ops.saving import SaveFlow
-from objckpt.ops.tiers import LocalTier
+from objckpt.ops.run.catalog import StepCatalog
+from objckpt.ops.run.durable import DurableSteps
+from objckpt.ops.tier.local_disk import delete_local_step, list_tier
+from objckpt.ops.tier.peers import list_holdings, replica_dir
+from objckpt.ops.run.saving import SaveFlow
+from objckpt.ops.tier.tiers import LocalTier
 from objckpt.pipeline.lifetime import run_bounded
 from objckpt.writers import open_store
 from objckpt.writers.location import Location
@@ -149,7 +149,7 @@ def discard_after(
 
 def _discard_local(tier: LocalTier, step: int, rank: int) -> StoreError | None:
     """This rank's local directories of steps above ``step``, committed or not (never
-    through a link; :mod:`objckpt.ops.local_disk`).
+    through a link; :mod:`objckpt.ops.tier.local_disk`).
 
     Returns:
         Why a step above ``step`` may still be committed on this node (its tier

@@ -1,7 +1,7 @@
 """Running the local tier for one manager: where each save goes, and what happens after.
 
-:mod:`objckpt.ops.tiers` holds the values (:class:`~objckpt.LocalTier`,
-:class:`~objckpt.TierStatus`) and the room checks; :mod:`objckpt.ops.promote` copies
+:mod:`objckpt.ops.tier.tiers` holds the values (:class:`~objckpt.LocalTier`,
+:class:`~objckpt.TierStatus`) and the room checks; :mod:`objckpt.ops.tier.promote` copies
 one step to the root. This module holds the bookkeeping between them, per rank:
 
 * before a save: the local tier, or the root directly when any rank's tier is not
@@ -13,7 +13,7 @@ one step to the root. This module holds the bookkeeping between them, per rank:
   is promoted, and local retention keeps what ``LocalTier.retention`` keeps plus every
   step whose promotion is still running;
 * at start: step directories no commit names (a save killed before its local
-  commit) are swept away (:func:`objckpt.ops.local_disk.sweep`, agreed by every
+  commit) are swept away (:func:`objckpt.ops.tier.local_disk.sweep`, agreed by every
   rank; deleting only objckpt's own files, never through a link).
 """
 
@@ -32,12 +32,12 @@ from objckpt.dcp.collective import Collectives, is_distributed
 from objckpt.format.layout import index_key, index_rank
 from objckpt.format.manifest import Manifest
 from objckpt.format.steps import step_name
-from objckpt.ops.catalog import StepCatalog
-from objckpt.ops.local_disk import delete_local_step, list_tier, local_references, step_dir_refusal
-from objckpt.ops.peers import Peers, replica_dir
-from objckpt.ops.promote import Promoter
-from objckpt.ops.replication import start_replication
-from objckpt.ops.tiers import (
+from objckpt.ops.run.catalog import StepCatalog
+from objckpt.ops.tier.local_disk import delete_local_step, list_tier, local_references, step_dir_refusal
+from objckpt.ops.tier.peers import Peers, replica_dir
+from objckpt.ops.tier.promote import Promoter
+from objckpt.ops.tier.replication import start_replication
+from objckpt.ops.tier.tiers import (
     LocalTier,
     TierStatus,
     is_disk_full,
@@ -76,7 +76,7 @@ class LocalTierControl:
         on_durable: Coordinator: called with (step, url, manifest) once a promoted
             step's manifest is committed on the root.
         peers: The job's peers (``LocalTier(replicas=)`` >= 2 in a process group):
-            each local step is replicated to other nodes (:mod:`objckpt.ops.replication`).
+            each local step is replicated to other nodes (:mod:`objckpt.ops.tier.replication`).
     """
 
     def __init__(

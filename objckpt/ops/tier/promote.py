@@ -12,7 +12,7 @@ Ranks report through the c10d store, as the async commit does (no collective,
 no call from the training loop); the coordinator then copies the index objects,
 checks with one listing that every object the manifest names arrived, and writes
 the very manifest the local tier holds, create-only, then ``.metadata``
-(:func:`~objckpt.ops.verify.commit_copy`, as ``objckpt cp`` commits). Until that
+(:func:`~objckpt.ops.maintain.verify.commit_copy`, as ``objckpt cp`` commits). Until that
 PUT, nothing of the step is visible on the primary: a
 promotion killed half-way leaves the previous durable step as the newest and
 objects ``objckpt gc`` removes, while the local tier still holds the new step.
@@ -39,7 +39,7 @@ from objckpt.errors import CheckpointExistsError, UploadError
 from objckpt.format.layout import is_objckpt_payload
 from objckpt.format.manifest import Manifest, ObjectEntry
 from objckpt.format.steps import step_name
-from objckpt.ops.verify import commit_copy, copy_object
+from objckpt.ops.maintain.verify import commit_copy, copy_object
 from objckpt.options import UploadOptions
 from objckpt.pipeline.finalize import RankExchange
 from objckpt.pipeline.handle import SaveHandle

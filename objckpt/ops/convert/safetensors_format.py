@@ -14,7 +14,7 @@ any name there; only the index's name is fixed, and it is the export's commit
 .safetensors``) read the same way.
 
 This module holds the naming, the header encoding and the reading of a source to
-import, which trusts nothing in it; writing and committing are :mod:`objckpt.ops.export`'s.
+import, which trusts nothing in it; writing and committing are :mod:`objckpt.ops.convert.export`'s.
 
 **Reading a safetensors source without trusting it: the index, each header, each tensor.**
 

@@ -31,7 +31,7 @@ import torch
 
 from objckpt._removed import LOCAL_TIER, removed_keywords
 from objckpt.errors import ConfigurationError
-from objckpt.ops.retention import RetentionPolicy
+from objckpt.ops.maintain.retention import RetentionPolicy
 from objckpt.writers.location import Location
 from objckpt.writers.node_store import NodeStore
 from objckpt.writers.translate import causes
@@ -92,7 +92,7 @@ class LocalTier:
             warning) instead of failing.
         replicas: How many nodes hold each node's files of a local step (1: only
             its own). With R >= 2, after a local save commits, every node sends its
-            files to R - 1 other nodes (:mod:`objckpt.ops.peers`), off the training
+            files to R - 1 other nodes (:mod:`objckpt.ops.tier.peers`), off the training
             thread, so a restart after losing a node resumes from the newest local
             step, taking that node's part from a peer instead of falling back to
             the newest durable step. A node is what torchrun says (``GROUP_RANK``,

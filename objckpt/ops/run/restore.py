@@ -14,7 +14,7 @@ same place.
 With ``LocalTier(replicas=)`` a node's files of a local step are on other nodes
 too, so a step no longer needs every node's own disk. One rank of each node lists
 what the node's tier holds (its own step directories and its replicas of other
-nodes' files, :func:`~objckpt.ops.peers.list_holdings`), rank 0 reads each node's
+nodes' files, :func:`~objckpt.ops.tier.peers.list_holdings`), rank 0 reads each node's
 listing once, lends it to the node's ranks, and picks the newest step whose
 every object some surviving rank holds, or the newest durable one, warning
 which ranks' files no node holds. During the load, each rank whose plan reads
@@ -27,7 +27,7 @@ The newest step wins only if its holders agree. A node that was away while the
 run was rolled back (:func:`~objckpt.CheckpointManager.discard_after`) returns with
 its old copy of a discarded step, perhaps beside a new step of the same number.
 So rank 0 compares every node's manifest of a step (attempt id and digest) with
-the others' and with the root's rollback records (:mod:`objckpt.ops.rollback`): a
+the others' and with the root's rollback records (:mod:`objckpt.ops.run.rollback`): a
 copy a record discards is never loaded, it is named in a warning and deleted on its
 node; two copies that disagree with no record to tell them apart make the step
 unusable (the load falls back to the next step down).
@@ -72,9 +72,9 @@ from objckpt.errors import (
 from objckpt.format.layout import MANIFEST_KEY, writer_rank
 from objckpt.format.manifest import Manifest
 from objckpt.format.steps import parse_step, step_name
-from objckpt.ops.catalog import StepCatalog
-from objckpt.ops.local_disk import delete_local_step
-from objckpt.ops.peers import (
+from objckpt.ops.run.catalog import StepCatalog
+from objckpt.ops.tier.local_disk import delete_local_step
+from objckpt.ops.tier.peers import (
     FileSpec,
     Holdings,
     PeerGroup,
@@ -84,9 +84,9 @@ from objckpt.ops.peers import (
     replica_dir,
     rounds,
 )
-from objckpt.ops.rollback import Rollback, manifest_digest, read_rollbacks
-from objckpt.ops.tiers import LocalTier
-from objckpt.ops.torch_errors import first_of, size_mismatch, unwrap
+from objckpt.ops.run.rollback import Rollback, manifest_digest, read_rollbacks
+from objckpt.ops.tier.tiers import LocalTier
+from objckpt.dcp.torch_errors import first_of, size_mismatch, unwrap
 from objckpt.options import ReadOptions
 from objckpt.writers.node_store import REPLICAS_DIR, NodeStore
 from objckpt.writers.retry import RetryPolicy
@@ -460,7 +460,7 @@ class Restorer:
     # rank 0 reads each node's listing once and lends it to every rank of the node.
     def _lists_for_node(self) -> bool:
         """Whether this rank lists its tier: the lowest rank of its node whose tier
-        is the same directory (:attr:`~objckpt.ops.peers.NodeMap.lister_of`)."""
+        is the same directory (:attr:`~objckpt.ops.tier.peers.NodeMap.lister_of`)."""
         assert self._peers is not None
         nodes, me = self._peers.nodes, self._peers.group.rank
         return not nodes.lister_of or nodes.lister_of[me] == me
@@ -873,7 +873,7 @@ class PeerFetch:
     Rank 0 plans (:meth:`schedule`, from every rank's holdings and what each rank's
     load plan reads); every rank walks the plan in ``read_data`` (:meth:`fetch`):
     rounds in which each rank sends at most one stream and receives at most one
-    (:func:`objckpt.ops.peers.rounds`), so every pair of a round moves at once.
+    (:func:`objckpt.ops.tier.peers.rounds`), so every pair of a round moves at once.
 
     Args:
         peers: The job's peers.

@@ -1,6 +1,6 @@
 """Waiting for a replicated backup: polls that read each object at most once.
 
-Why a module of its own: a ``replicated`` backup target (:mod:`objckpt.ops.backup`)
+Why a module of its own: a ``replicated`` backup target (:mod:`objckpt.ops.run.backup`)
 is filled by the store (S3 Cross-Region Replication, a GCS transfer job), and
 objckpt only checks it, poll after poll, until the step's manifest and every object
 it names are there and match. Each object is checked by the full-object CRC32C the
@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 
 from objckpt.errors import BackupError
 from objckpt.format.manifest import Manifest, ObjectEntry
-from objckpt.ops.verify import check_replica
+from objckpt.ops.maintain.verify import check_replica
 from objckpt.writers import ObjectStore, open_store
 from objckpt.writers.location import Location
 

@@ -11,7 +11,7 @@ period is spared, because a save in flight looks exactly like that until it
 commits; so are multipart uploads opened less than the grace period ago.
 With reuse, a step's manifest may name objects another step directory stores
 (:mod:`objckpt.format.refs`): what is garbage is then decided over the whole root,
-from its live set (:mod:`objckpt.ops.live_set`): every object any committed manifest
+from its live set (:mod:`objckpt.ops.maintain.live_set`): every object any committed manifest
 names, wherever it is stored, and every object an uncommitted index object younger
 than the grace references (a reusing save of another process, in flight). A step
 directory left without a manifest but holding objects later steps reference is no
@@ -42,8 +42,8 @@ from objckpt.errors import CheckpointNotFoundError, ConfigurationError, Manifest
 from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY, is_entropy_dir, is_objckpt_object
 from objckpt.format.manifest import read_manifest
 from objckpt.format.steps import ObjectInfo, parse_step, step_name
-from objckpt.ops.live_set import DEFAULT_GRACE, live_set
-from objckpt.ops.retire import delete_keys, parent_root, prune_dir, retire_steps
+from objckpt.ops.maintain.live_set import DEFAULT_GRACE, live_set
+from objckpt.ops.maintain.retire import delete_keys, parent_root, prune_dir, retire_steps
 from objckpt.writers import ObjectStore, OpenUpload, open_store
 from objckpt.writers.location import Location
 
@@ -217,7 +217,7 @@ def delete_step(location: Location, store: ObjectStore | None = None) -> int:
 
     Returns the number of objects removed. Open multipart uploads under it are
     aborted too. A step directory of a root (``<root>/step-<N>``) is retired over
-    the root's live set (:func:`objckpt.ops.retire.retire_steps`): its objects that
+    the root's live set (:func:`objckpt.ops.maintain.retire.retire_steps`): its objects that
     other committed steps reference stay.
 
     Raises:

@@ -88,10 +88,10 @@ from typing import Any
 
 from objckpt._removed import replacement
 from objckpt.errors import ConfigurationError
-from objckpt.ops.backup import BackupTarget
-from objckpt.ops.gc import DEFAULT_GRACE
-from objckpt.ops.retention import RetentionPolicy
-from objckpt.ops.tiers import LocalTier
+from objckpt.ops.run.backup import BackupTarget
+from objckpt.ops.maintain.gc import DEFAULT_GRACE
+from objckpt.ops.maintain.retention import RetentionPolicy
+from objckpt.ops.tier.tiers import LocalTier
 from objckpt.options import AsyncOptions, UploadOptions
 from objckpt.writers.location import Location
 from objckpt.writers.retry import RetryPolicy

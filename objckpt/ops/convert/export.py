@@ -4,14 +4,14 @@ Export reads the checkpoint's metadata, picks the tensors, cuts them into shards
 key order as ``save_pretrained`` does, and streams each shard to the destination
 (:func:`write_shards`); the index (``model.safetensors.index.json``) is
 written last and create-only, naming shard files that carry the export's attempt id
-(:mod:`objckpt.ops.safetensors_format`). An export that stopped half-way, or lost a
+(:mod:`objckpt.ops.convert.safetensors_format`). An export that stopped half-way, or lost a
 race with another export to the same destination, leaves no index of its own, and
 deletes the shards it wrote: nothing that reads the index mistakes it for a complete
 one, and no committed index ever names bytes another attempt wrote.
 
 Import is the way back: a safetensors directory (sharded or ``model.safetensors``)
 saved as a committed DCP checkpoint. Its source is untrusted input, checked whole
-before anything is read or written (:mod:`objckpt.ops.safetensors_format`), then
+before anything is read or written (:mod:`objckpt.ops.convert.safetensors_format`), then
 read a tensor at a time as the writer asks for each.
 
 **Writing one export** (:func:`write_shards`, :func:`commit_index`): shards streamed
@@ -54,7 +54,7 @@ from objckpt.dcp.storage_writer import ObjectStoreWriter
 from objckpt.errors import CheckpointExistsError, ConfigurationError
 from objckpt.format.layout import new_attempt_id
 from objckpt.format.settle import create_settled
-from objckpt.ops.safetensors_format import (
+from objckpt.ops.convert.safetensors_format import (
     DTYPES,
     INDEX_NAME,
     MAX_HEADER_BYTES,
@@ -68,7 +68,7 @@ from objckpt.ops.safetensors_format import (
     read_tensor,
     shard_name,
 )
-from objckpt.ops.torch_errors import unwrap
+from objckpt.dcp.torch_errors import unwrap
 from objckpt.options import ReadOptions, UploadOptions
 from objckpt.writers import ObjectStore, open_store
 from objckpt.writers.checksum import Crc32c
@@ -287,7 +287,7 @@ def import_safetensors(
     world size loads (DCP reshards whole tensors on load). Returns the tensor count.
 
     The source is untrusted input: the index and every header are checked before
-    anything is read or written (:mod:`objckpt.ops.safetensors_format`), then each
+    anything is read or written (:mod:`objckpt.ops.convert.safetensors_format`), then each
     tensor is read with one ranged GET as the writer asks for it, so memory holds
     about one tensor at a time (plus the writer's part buffers), not the model.
 

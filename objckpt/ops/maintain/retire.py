@@ -4,7 +4,7 @@ A step is deleted in two moves, as it always was: its ``manifest.json`` first (f
 that moment the step is gone for every reader), then its ``.metadata``, then its
 objects. With reuse (:mod:`objckpt.format.refs`) a later step's manifest may name
 objects this step's directory stores, so the third move deletes only what the
-root's live set (:mod:`objckpt.ops.live_set`) does not hold: objects still
+root's live set (:mod:`objckpt.ops.maintain.live_set`) does not hold: objects still
 referenced stay where they are, in a directory that is no step any more (it has no
 manifest, so no listing of steps names it), until the last step referencing them
 goes. That last deletion also removes what it referenced and nothing else needs
@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable
 from objckpt.errors import CheckpointNotFoundError, ConfigurationError
 from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY, is_entropy_dir, is_objckpt_object
 from objckpt.format.steps import ObjectInfo, parse_step, step_name
-from objckpt.ops.live_set import DEFAULT_GRACE, ManifestCache, live_set, step_dir_of
+from objckpt.ops.maintain.live_set import DEFAULT_GRACE, ManifestCache, live_set, step_dir_of
 from objckpt.writers import ObjectStore, open_store
 from objckpt.writers.location import Location
 
@@ -86,7 +86,7 @@ def retire_steps(
 
     Args:
         grace: Seconds an uncommitted index object protects what it references.
-        cache: Manifest keys read before (:data:`objckpt.ops.live_set.ManifestCache`).
+        cache: Manifest keys read before (:data:`objckpt.ops.maintain.live_set.ManifestCache`).
         require: Raise when a step has nothing stored, or holds objects that are not
             objckpt's and no manifest (``rm`` of one step).
 

@@ -43,7 +43,7 @@ from objckpt.format.refs import is_reference, referenced_step, require_step_dire
 from objckpt.format.settle import finish_commit, put_manifest, require_present
 from objckpt.format.steps import parse_step
 from objckpt.format.superseded import previous_objects
-from objckpt.ops.object_check import (
+from objckpt.ops.maintain.object_check import (
     ObjectCheck,
     Progress,
     check_object,
@@ -51,7 +51,7 @@ from objckpt.ops.object_check import (
     digest_check,
     holds_reference,
 )
-from objckpt.ops.referenced import Siblings
+from objckpt.ops.maintain.referenced import Siblings
 from objckpt.options import UploadOptions
 from objckpt.writers import ObjectStore, open_store
 from objckpt.writers.location import Location

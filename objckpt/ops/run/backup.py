@@ -14,7 +14,7 @@ target on one background thread (saves and training never wait for it):
   Replication, a GCS transfer job). objckpt copies nothing; it polls until the
   replica's manifest and objects exist and match, and only then counts the
   step as backed up, reading each object back at most once
-  (:mod:`objckpt.ops.replica`). Deletion there is the replication rules' business.
+  (:mod:`objckpt.ops.run.backup_wait`). Deletion there is the replication rules' business.
 
 Primary retention never deletes a step whose backup is still being made.
 """
@@ -33,10 +33,10 @@ from objckpt.errors import BackupError, ConfigurationError
 from objckpt.format.manifest import Manifest
 from objckpt.format.steps import StepInfo, step_name
 from objckpt.format.steps import committed_steps as list_committed
-from objckpt.ops.gc import delete_step
-from objckpt.ops.replica import VerifiedObjects, await_replica
-from objckpt.ops.retention import RetentionPolicy
-from objckpt.ops.verify import copy_checkpoint, open_manifest
+from objckpt.ops.maintain.gc import delete_step
+from objckpt.ops.run.backup_wait import VerifiedObjects, await_replica
+from objckpt.ops.maintain.retention import RetentionPolicy
+from objckpt.ops.maintain.verify import copy_checkpoint, open_manifest
 from objckpt.writers import open_store
 from objckpt.writers.location import Location
 

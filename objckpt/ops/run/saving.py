@@ -4,12 +4,12 @@
 stage -> agree -> plan or replay -> queue, commit, after the commit), each phase a
 named call; the parts it calls hold state, not the sequence. A save goes to this
 node's local tier when there is one and every rank has room, to the root otherwise
-(:meth:`LocalTierControl.place <objckpt.ops.local_tier.LocalTierControl.place>`
+(:meth:`LocalTierControl.place <objckpt.ops.run.local_tier.LocalTierControl.place>`
 decides, with every rank). What follows the save is handed to its handle when it is
 built (a :class:`~objckpt.pipeline.handle.SaveLifecycle`), so the handle reports it
 done only after that has happened: a local save is recorded, maybe promoted and
-pruned (:mod:`objckpt.ops.local_tier`); a save to the root is recorded, backed up
-and retention applied (:mod:`objckpt.ops.durable`).
+pruned (:mod:`objckpt.ops.run.local_tier`); a save to the root is recorded, backed up
+and retention applied (:mod:`objckpt.ops.run.durable`).
 
 Errors of finished saves and promotions are raised once each, from the training
 loop's next check; a local save that failed because the disk filled up or the tier
@@ -28,12 +28,12 @@ from objckpt.dcp.collective import Collectives
 from objckpt.errors import ConfigurationError
 from objckpt.format.manifest import Manifest
 from objckpt.format.steps import parse_step
-from objckpt.ops.catalog import StepCatalog
-from objckpt.ops.durable import DurableSteps
-from objckpt.ops.local_tier import LocalTierControl
-from objckpt.ops.peers import Peers
-from objckpt.ops.tiers import LocalTier
-from objckpt.ops.torch_errors import unwrap
+from objckpt.ops.run.catalog import StepCatalog
+from objckpt.ops.run.durable import DurableSteps
+from objckpt.ops.run.local_tier import LocalTierControl
+from objckpt.ops.tier.peers import Peers
+from objckpt.ops.tier.tiers import LocalTier
+from objckpt.dcp.torch_errors import unwrap
 from objckpt.options import AsyncOptions, UploadOptions
 from objckpt.pipeline.checkpointer import AsyncCheckpointer
 from objckpt.pipeline.handle import SaveHandle, SaveLifecycle

@@ -1,0 +1,1 @@
+"""Conversion: safetensors exports of committed checkpoints, and imports back."""
