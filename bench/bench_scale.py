@@ -377,8 +377,8 @@ def restore_plan(world: int, per_node: int = 8, per_rank: int = 5) -> dict[str, 
     once, from the c10d store, and the gather of one digest a rank, padded by torch to
     the largest answer), beside the gather of every rank's listing it replaced."""
 
-    from objckpt.ops.tier.peers import Holdings
     from objckpt.ops.run.restore import _holders
+    from objckpt.ops.tier.peers import Holdings
 
     step = 2
     nodes = world // per_node

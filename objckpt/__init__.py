@@ -23,10 +23,10 @@ if TYPE_CHECKING:
     from objckpt.dcp.storage_writer import ObjectStoreWriter
     from objckpt.dcp.transforms import ByteGrouping
     from objckpt.format.manifest import Manifest
+    from objckpt.ops.maintain.retention import RetentionPolicy
     from objckpt.ops.run.backup import BackupStatus, BackupTarget
     from objckpt.ops.run.config import Config, load_config
     from objckpt.ops.run.manager import CheckpointManager
-    from objckpt.ops.maintain.retention import RetentionPolicy
     from objckpt.ops.tier.tiers import LocalTier, TierStatus
     from objckpt.options import AsyncOptions, ReadOptions, UploadOptions
     from objckpt.pipeline.checkpointer import AsyncCheckpointer, async_save

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from objckpt.errors import ConfigurationError
-from objckpt.ops.run.manager import CheckpointManager
 from objckpt.ops.maintain.retention import RetentionPolicy
+from objckpt.ops.run.manager import CheckpointManager
 from objckpt.writers.location import Location
 
 __all__ = ["DemoResult", "SaveRecord", "run_demo"]

@@ -41,9 +41,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 from objckpt._torch import load_everything
 from objckpt.dcp.storage_reader import ObjectStoreReader
 from objckpt.dcp.storage_writer import ObjectStoreWriter
+from objckpt.dcp.torch_errors import unwrap
 from objckpt.errors import ConfigurationError
 from objckpt.ops.maintain.gc import delete_step
-from objckpt.dcp.torch_errors import unwrap
 from objckpt.options import AsyncOptions, ReadOptions, UploadOptions
 from objckpt.pipeline.checkpointer import AsyncCheckpointer
 from objckpt.pipeline.handle import SaveHandle

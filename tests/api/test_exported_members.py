@@ -57,21 +57,35 @@ def test_async_save_is_a_function_not_a_shadowed_module() -> None:
 
 
 def test_layers_import_only_downwards() -> None:
-    """Store < format < dcp < pipeline < ops: no layer imports one above it."""
+    """Store < format < dcp < pipeline < ops: no layer imports one above it; inside
+    ops, its rooms likewise: maintain, convert < tier < run."""
     import ast
     import pathlib
 
     order = ["writers", "format", "dcp", "pipeline", "ops"]
+    rooms = ["maintain", "convert", "tier", "run"]
     root = pathlib.Path(objckpt.__file__).parent
     bad = []
     for level, layer in enumerate(order):
-        for path in (root / layer).glob("*.py"):
+        for path in (root / layer).rglob("*.py"):
+            room = path.parent.name if layer == "ops" else None
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("objckpt."):
                     parts = node.module.split(".")
-                    if parts[1] in order and order.index(parts[1]) > level:
-                        bad.append(f"{layer}/{path.name} imports {node.module}")
+                    where = f"{path.relative_to(root)} imports {node.module}"
+                    if (parts[1] in order and order.index(parts[1]) > level) or (
+                        room in rooms
+                        and parts[1:2] == ["ops"]
+                        and len(parts) > 2
+                        and parts[2] in rooms
+                        and rooms.index(parts[2]) > rooms.index(room)
+                    ):
+                        bad.append(where)
     assert bad == []
+    assert sorted(p.name for p in (root / "ops").iterdir() if p.suffix == ".py") == ["__init__.py"]
+    assert sorted(
+        p.name for p in (root / "ops").iterdir() if p.is_dir() and p.name != "__pycache__"
+    ) == sorted(rooms)
 
 
 def _imported_modules(path: Any, name: str, known: set[str]) -> set[str]:

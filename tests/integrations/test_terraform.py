@@ -21,8 +21,8 @@ from hcl2.utils import SerializationOptions
 from objckpt import CheckpointManager, Location, RetentionPolicy, UploadOptions
 from objckpt.format.layout import payload_key
 from objckpt.format.steps import step_name
-from objckpt.ops.run.config import parse_config
 from objckpt.ops.maintain.verify import copy_checkpoint, verify_checkpoint
+from objckpt.ops.run.config import parse_config
 from objckpt.testing import MotoServer
 from objckpt.testing.proxy import FaultProxy
 from objckpt.writers import open_store

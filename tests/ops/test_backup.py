@@ -20,9 +20,9 @@ from objckpt.cli import main
 from objckpt.errors import BackupError, ChecksumMismatchError, ConfigurationError
 from objckpt.format.layout import MANIFEST_KEY, is_objckpt_payload
 from objckpt.format.steps import StepInfo, step_name
-from objckpt.ops.run.backup import BackupTarget, lag_of
 from objckpt.ops.maintain.gc import delete_step
 from objckpt.ops.maintain.verify import copy_checkpoint, verify_checkpoint
+from objckpt.ops.run.backup import BackupTarget, lag_of
 from objckpt.testing import FaultProxy, MotoServer, Rule
 from objckpt.testing.plugin import StoreTarget
 

@@ -18,7 +18,7 @@ from objckpt.format.layout import METADATA_KEY, is_objckpt_payload
 from objckpt.format.manifest import read_manifest
 from objckpt.format.steps import step_name
 from objckpt.ops.run.backup import BackupTarget, Replicator
-from objckpt.ops.run.backup_wait import VerifiedObjects, poll_replica
+from objckpt.ops.run.backup_wait import VerifiedObjects, poll_backup
 from objckpt.testing import FaultProxy, MotoServer, Rule
 from objckpt.testing.plugin import StoreTarget
 from objckpt.writers import open_store
@@ -149,13 +149,13 @@ def test_a_verified_object_that_changes_is_checked_again(
     try:
         manifest = read_manifest(store)
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            assert poll_replica(verified, store, manifest, pool) is None
+            assert poll_backup(verified, store, manifest, pool) is None
             assert len(verified) == len(manifest.objects)
             payload = next(e.key for e in manifest.objects if is_objckpt_payload(e.key))
             body = bytearray(client.get_object(Bucket=REPLICA, Key=prefix + payload)["Body"].read())
             body[len(body) // 2] ^= 0xFF  # same size, other bytes: another ETag
             client.put_object(Bucket=REPLICA, Key=prefix + payload, Body=bytes(body))
-            why = poll_replica(verified, store, manifest, pool)
+            why = poll_backup(verified, store, manifest, pool)
     finally:
         store.close()
     assert why is not None and payload in why and "CRC32C" in why

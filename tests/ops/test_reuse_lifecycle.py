@@ -23,10 +23,10 @@ from objckpt import CheckpointManager, Location, ObjectStoreReader
 from objckpt.errors import SizeMismatchError
 from objckpt.format.layout import MANIFEST_KEY
 from objckpt.format.steps import step_name
-from objckpt.ops.run.backup import BackupTarget, Replicator
 from objckpt.ops.maintain.gc import collect_garbage
 from objckpt.ops.maintain.retention import RetentionPolicy
 from objckpt.ops.maintain.retire import retire_steps
+from objckpt.ops.run.backup import BackupTarget, Replicator
 from objckpt.testing import MotoServer
 from objckpt.testing.plugin import StoreTarget
 
@@ -234,9 +234,9 @@ def test_the_local_tier_sweep_keeps_files_a_kept_step_references(tmp_path) -> No
 
     from objckpt import ObjectStoreWriter
     from objckpt.dcp.collective import Collectives
+    from objckpt.ops.maintain.verify import verify_checkpoint
     from objckpt.ops.tier.local_disk import sweep
     from objckpt.ops.tier.tiers import LocalTier
-    from objckpt.ops.maintain.verify import verify_checkpoint
 
     local = tmp_path / "local"
     root = f"file://{local}"

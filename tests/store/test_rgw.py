@@ -52,8 +52,8 @@ from objckpt.errors import CheckpointExistsError, StoreError
 from objckpt.format.layout import MANIFEST_KEY
 from objckpt.format.manifest import read_manifest
 from objckpt.format.steps import step_name
-from objckpt.ops.run.backup import BackupTarget, committed_steps
 from objckpt.ops.maintain.verify import verify_checkpoint
+from objckpt.ops.run.backup import BackupTarget, committed_steps
 from objckpt.testing import FaultProxy, Rule
 from objckpt.testing.plugin import StoreTarget
 from objckpt.testing.rgw import RgwServer, stop_rgw

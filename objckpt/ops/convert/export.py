@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.planner import WriteItem
 
 from objckpt.dcp.storage_reader import ObjectStoreReader
 from objckpt.dcp.storage_writer import ObjectStoreWriter
+from objckpt.dcp.torch_errors import unwrap
 from objckpt.errors import CheckpointExistsError, ConfigurationError
 from objckpt.format.layout import new_attempt_id
 from objckpt.format.settle import create_settled
@@ -68,7 +69,6 @@ from objckpt.ops.convert.safetensors_format import (
     read_tensor,
     shard_name,
 )
-from objckpt.dcp.torch_errors import unwrap
 from objckpt.options import ReadOptions, UploadOptions
 from objckpt.writers import ObjectStore, open_store
 from objckpt.writers.checksum import Crc32c

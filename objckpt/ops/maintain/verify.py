@@ -61,8 +61,8 @@ __all__ = [
     "ObjectCheck",
     "Refusal",
     "VerifyReport",
+    "check_backup_copy",
     "check_loadable",
-    "check_replica",
     "commit_copy",
     "copy_checkpoint",
     "copy_object",
@@ -266,25 +266,25 @@ class CopyReport:
     streamed: int
 
 
-def check_replica(
-    replica: Location, manifest: Manifest, *, parallel: int = 4
+def check_backup_copy(
+    backup: Location, manifest: Manifest, *, parallel: int = 4
 ) -> tuple[ObjectCheck, ...] | str:
-    """Whether ``replica`` holds the checkpoint ``manifest`` describes, object by
+    """Whether ``backup`` holds the checkpoint ``manifest`` describes, object by
     object: a store-kept CRC32C where there is one, else the bytes read back.
 
     Returns the checks, or a string saying why there is nothing to check yet
     (no manifest, a different attempt).
     """
-    store = open_store(replica)
+    store = open_store(backup)
     try:
         try:
             theirs = read_manifest(store)
         except FileNotFoundError:
-            return f"no {MANIFEST_KEY} at {replica.url} yet"
+            return f"no {MANIFEST_KEY} at {backup.url} yet"
         except ManifestError as exc:
-            return f"{replica.url}: {exc}"
+            return f"{backup.url}: {exc}"
         if theirs.attempt != manifest.attempt:
-            return f"{replica.url} holds attempt {theirs.attempt}, not {manifest.attempt}"
+            return f"{backup.url} holds attempt {theirs.attempt}, not {manifest.attempt}"
         with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
             return tuple(
                 pool.map(

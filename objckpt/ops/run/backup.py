@@ -34,9 +34,9 @@ from objckpt.format.manifest import Manifest
 from objckpt.format.steps import StepInfo, step_name
 from objckpt.format.steps import committed_steps as list_committed
 from objckpt.ops.maintain.gc import delete_step
-from objckpt.ops.run.backup_wait import VerifiedObjects, await_replica
 from objckpt.ops.maintain.retention import RetentionPolicy
 from objckpt.ops.maintain.verify import copy_checkpoint, open_manifest
+from objckpt.ops.run.backup_wait import VerifiedObjects, await_backup
 from objckpt.writers import open_store
 from objckpt.writers.location import Location
 
@@ -247,7 +247,7 @@ class Replicator:
                         report = copy_checkpoint(source, dest, manifest=manifest)
                         how = f"{report.server_side} server-side, {report.streamed} streamed"
                     else:
-                        await_replica(
+                        await_backup(
                             state.verified,
                             dest,
                             manifest,

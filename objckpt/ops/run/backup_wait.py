@@ -1,4 +1,5 @@
-"""Waiting for a replicated backup: polls that read each object at most once.
+"""Waiting for a backup the store fills itself (bucket replication): polls that read
+each object at most once.
 
 Why a module of its own: a ``replicated`` backup target (:mod:`objckpt.ops.run.backup`)
 is filled by the store (S3 Cross-Region Replication, a GCS transfer job), and
@@ -25,11 +26,11 @@ from collections.abc import Iterable, Sequence
 
 from objckpt.errors import BackupError
 from objckpt.format.manifest import Manifest, ObjectEntry
-from objckpt.ops.maintain.verify import check_replica
+from objckpt.ops.maintain.verify import check_backup_copy
 from objckpt.writers import ObjectStore, open_store
 from objckpt.writers.location import Location
 
-__all__ = ["VerifiedObjects", "await_replica", "poll_replica"]
+__all__ = ["VerifiedObjects", "await_backup", "poll_backup"]
 
 #: What a check found for one object: the store's (size, tag) and the manifest
 #: entry's (size, CRC32C) it matched.
@@ -96,7 +97,7 @@ class VerifiedObjects:
         return len(self._seen)
 
 
-def poll_replica(
+def poll_backup(
     verified: VerifiedObjects,
     store: ObjectStore,
     manifest: Manifest,
@@ -108,7 +109,7 @@ def poll_replica(
     dest = store.location
     known = verified.unchanged(store, manifest.objects, pool)
     rest = tuple(e for e in manifest.objects if e.key not in known)
-    found = check_replica(dest, dataclasses.replace(manifest, objects=rest))
+    found = check_backup_copy(dest, dataclasses.replace(manifest, objects=rest))
     if isinstance(found, str):
         return found
     good = {c.key for c in found if c.problem is None}
@@ -117,7 +118,7 @@ def poll_replica(
     return f"{dest.url_of(bad[0].key)}: {bad[0].problem}" if bad else None
 
 
-def await_replica(
+def await_backup(
     verified: VerifiedObjects,
     dest: Location,
     manifest: Manifest,
@@ -136,7 +137,7 @@ def await_replica(
     try:
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             while True:
-                why = poll_replica(verified, store, manifest, pool)
+                why = poll_backup(verified, store, manifest, pool)
                 if why is None:
                     verified.keep_only(store, manifest.objects)
                     return

@@ -22,8 +22,8 @@ from collections.abc import Collection
 from objckpt.dcp.collective import Collectives
 from objckpt.errors import CheckpointNotFoundError, StepOrderError, StoreError
 from objckpt.format.steps import StepInfo, step_name
-from objckpt.ops.run.backup import BackupTarget, committed_steps
 from objckpt.ops.maintain.retention import RetentionPolicy
+from objckpt.ops.run.backup import BackupTarget, committed_steps
 from objckpt.writers.location import Location
 
 __all__ = ["StepCatalog"]

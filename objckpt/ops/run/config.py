@@ -88,9 +88,9 @@ from typing import Any
 
 from objckpt._removed import replacement
 from objckpt.errors import ConfigurationError
-from objckpt.ops.run.backup import BackupTarget
 from objckpt.ops.maintain.gc import DEFAULT_GRACE
 from objckpt.ops.maintain.retention import RetentionPolicy
+from objckpt.ops.run.backup import BackupTarget
 from objckpt.ops.tier.tiers import LocalTier
 from objckpt.options import AsyncOptions, UploadOptions
 from objckpt.writers.location import Location

@@ -19,11 +19,11 @@ from collections.abc import Callable
 from objckpt.errors import BackupError, CheckpointNotFoundError, SaveDeadlineError
 from objckpt.format.manifest import Manifest
 from objckpt.format.steps import StepInfo, step_name
-from objckpt.ops.run.backup import BackupStatus, Replicator, committed_steps
-from objckpt.ops.run.catalog import StepCatalog
 from objckpt.ops.maintain.gc import delete_step
 from objckpt.ops.maintain.live_set import ManifestCache
 from objckpt.ops.maintain.retire import retire_steps
+from objckpt.ops.run.backup import BackupStatus, Replicator, committed_steps
+from objckpt.ops.run.catalog import StepCatalog
 
 __all__ = ["DurableSteps"]
 

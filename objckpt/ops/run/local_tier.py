@@ -33,7 +33,12 @@ from objckpt.format.layout import index_key, index_rank
 from objckpt.format.manifest import Manifest
 from objckpt.format.steps import step_name
 from objckpt.ops.run.catalog import StepCatalog
-from objckpt.ops.tier.local_disk import delete_local_step, list_tier, local_references, step_dir_refusal
+from objckpt.ops.tier.local_disk import (
+    delete_local_step,
+    list_tier,
+    local_references,
+    step_dir_refusal,
+)
 from objckpt.ops.tier.peers import Peers, replica_dir
 from objckpt.ops.tier.promote import Promoter
 from objckpt.ops.tier.replication import start_replication

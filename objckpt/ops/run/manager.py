@@ -21,7 +21,8 @@ copy when it holds it intact, from the root (then the backups) otherwise.
 
 A facade holding each public method's contract over parts that own their state:
 :mod:`~objckpt.ops.run.catalog`, :mod:`~objckpt.ops.run.saving` (with
-:mod:`~objckpt.ops.run.local_tier`), :mod:`~objckpt.ops.run.durable`, :mod:`~objckpt.ops.run.restore`.
+:mod:`~objckpt.ops.run.local_tier`), :mod:`~objckpt.ops.run.durable`,
+:mod:`~objckpt.ops.run.restore`.
 """
 
 from __future__ import annotations
@@ -36,17 +37,17 @@ import torch.distributed as dist
 from objckpt._removed import MANAGER, removed_keywords
 from objckpt.dcp.collective import Collectives
 from objckpt.errors import ConfigurationError
+from objckpt.ops.maintain.gc import DEFAULT_GRACE, GcReport, collect_garbage
+from objckpt.ops.maintain.retention import RetentionPolicy
 from objckpt.ops.run.backup import BackupStatus, BackupTarget
 from objckpt.ops.run.catalog import StepCatalog
 from objckpt.ops.run.config import load_config
 from objckpt.ops.run.durable import DurableSteps
-from objckpt.ops.maintain.gc import DEFAULT_GRACE, GcReport, collect_garbage
-from objckpt.ops.tier.local_disk import sweep
-from objckpt.ops.tier.peers import Peers
 from objckpt.ops.run.restore import Restorer
-from objckpt.ops.maintain.retention import RetentionPolicy
 from objckpt.ops.run.rollback import discard_after
 from objckpt.ops.run.saving import SaveFlow
+from objckpt.ops.tier.local_disk import sweep
+from objckpt.ops.tier.peers import Peers
 from objckpt.ops.tier.tiers import LocalTier, TierStatus
 from objckpt.options import AsyncOptions, ReadOptions, UploadOptions
 from objckpt.pipeline.handle import SaveHandle
@@ -398,7 +399,8 @@ class CheckpointManager:
     def gc(self, *, grace: float = DEFAULT_GRACE, dry_run: bool = True) -> GcReport:
         """Find (and with ``dry_run=False``, remove) objects no committed manifest names
         and open uploads older than ``grace``. A dry run by default, as
-        :func:`~objckpt.ops.maintain.gc.collect_garbage` and ``objckpt gc`` (without ``--apply``)."""
+        :func:`~objckpt.ops.maintain.gc.collect_garbage` and ``objckpt gc`` (without
+        ``--apply``)."""
         self._coordinator_only("gc")
         return collect_garbage(self.root, grace=grace, dry_run=dry_run)
 

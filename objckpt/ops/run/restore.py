@@ -61,6 +61,7 @@ from objckpt._torch import group_store
 from objckpt.dcp.collective import Collectives, is_distributed
 from objckpt.dcp.load_planner import LoadPlanner
 from objckpt.dcp.storage_reader import ObjectStoreReader
+from objckpt.dcp.torch_errors import first_of, size_mismatch, unwrap
 from objckpt.errors import (
     CheckpointNotFoundError,
     IntegrityError,
@@ -73,6 +74,7 @@ from objckpt.format.layout import MANIFEST_KEY, writer_rank
 from objckpt.format.manifest import Manifest
 from objckpt.format.steps import parse_step, step_name
 from objckpt.ops.run.catalog import StepCatalog
+from objckpt.ops.run.rollback import Rollback, manifest_digest, read_rollbacks
 from objckpt.ops.tier.local_disk import delete_local_step
 from objckpt.ops.tier.peers import (
     FileSpec,
@@ -84,9 +86,7 @@ from objckpt.ops.tier.peers import (
     replica_dir,
     rounds,
 )
-from objckpt.ops.run.rollback import Rollback, manifest_digest, read_rollbacks
 from objckpt.ops.tier.tiers import LocalTier
-from objckpt.dcp.torch_errors import first_of, size_mismatch, unwrap
 from objckpt.options import ReadOptions
 from objckpt.writers.node_store import REPLICAS_DIR, NodeStore
 from objckpt.writers.retry import RetryPolicy

@@ -49,9 +49,9 @@ from objckpt.format.manifest import Manifest
 from objckpt.format.steps import step_name
 from objckpt.ops.run.catalog import StepCatalog
 from objckpt.ops.run.durable import DurableSteps
+from objckpt.ops.run.saving import SaveFlow
 from objckpt.ops.tier.local_disk import delete_local_step, list_tier
 from objckpt.ops.tier.peers import list_holdings, replica_dir
-from objckpt.ops.run.saving import SaveFlow
 from objckpt.ops.tier.tiers import LocalTier
 from objckpt.pipeline.lifetime import run_bounded
 from objckpt.writers import open_store

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from objckpt.dcp.collective import Collectives
+from objckpt.dcp.torch_errors import unwrap
 from objckpt.errors import ConfigurationError
 from objckpt.format.manifest import Manifest
 from objckpt.format.steps import parse_step
@@ -33,7 +34,6 @@ from objckpt.ops.run.durable import DurableSteps
 from objckpt.ops.run.local_tier import LocalTierControl
 from objckpt.ops.tier.peers import Peers
 from objckpt.ops.tier.tiers import LocalTier
-from objckpt.dcp.torch_errors import unwrap
 from objckpt.options import AsyncOptions, UploadOptions
 from objckpt.pipeline.checkpointer import AsyncCheckpointer
 from objckpt.pipeline.handle import SaveHandle, SaveLifecycle
