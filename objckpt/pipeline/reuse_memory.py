@@ -80,6 +80,7 @@ class ReuseMemory:
             self._queued.move_to_end(_url(url))
             while len(self._queued) > _QUEUED_MAX:
                 self._queued.popitem(last=False)
+            self._drop_loaded(url)  # a save to the loaded step replaces its manifest
 
     def forget(self, url: str) -> None:
         """The save to ``url`` ended without committing (or is no base): drop it."""
@@ -87,6 +88,7 @@ class ReuseMemory:
             self._queued.pop(_url(url), None)
             if self._remembered is not None and self._remembered[0] == _url(url):
                 self._remembered = None
+            self._drop_loaded(url)
 
     def committed(self, url: str) -> None:
         """The save queued for ``url`` committed (its handle said so on this rank): its
@@ -102,6 +104,12 @@ class ReuseMemory:
             items = None
         with self._lock:
             self._remembered = None if items is None else (_url(url), items)
+            self._drop_loaded(url)
+
+    def _drop_loaded(self, url: str) -> None:
+        """Under the lock: forget the loaded manifest when ``url`` is its step."""
+        if self._loaded is not None and self._loaded[0] == _url(url):
+            self._loaded = None
 
     def loaded(self, url: str, manifest: Manifest) -> None:
         """The committed step ``url`` was loaded, its manifest ``manifest``."""

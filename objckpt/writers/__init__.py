@@ -66,5 +66,5 @@ def open_store(
             :meth:`~objckpt.writers.clients.ClientCache.filesystem`).
     """
     family = store_family(location.protocol)
-    fs = (clients or PROCESS_CLIENTS).filesystem(location, scope)
+    fs = (clients if clients is not None else PROCESS_CLIENTS).filesystem(location, scope)
     return family(location, options or UploadOptions(), fs)

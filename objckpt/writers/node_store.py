@@ -96,6 +96,14 @@ class Entry:
     target: str = ""
 
 
+def _is_link(dir_fd: int, name: str) -> bool:
+    """Whether ``name`` in ``dir_fd`` is a symbolic link now (False if it is gone)."""
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
 def _link_target(dir_fd: int, name: str) -> str:
     try:
         return os.readlink(name, dir_fd=dir_fd)
@@ -144,7 +152,9 @@ class NodeStore:
                 try:
                     inner = os.open(part, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
                 except OSError as exc:
-                    if exc.errno == errno.ELOOP:  # became a link after the check
+                    # Became a link after the check: Linux answers a link opened with
+                    # O_DIRECTORY | O_NOFOLLOW with ENOTDIR, others with ELOOP.
+                    if exc.errno in (errno.ELOOP, errno.ENOTDIR) and _is_link(fd, part):
                         raise self._refuse(fd, parts[:i], part) from exc
                     raise
                 os.close(fd)
@@ -410,12 +420,15 @@ class PendingFile:
                         raise self._store._refuse(dir_fd, self._parts[:-1], name)
                 if create_only:
                     os.link(self._tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-                    self.committed = True
-                    os.unlink(self._tmp, dir_fd=dir_fd)
+                    self.committed = True  # in place: what follows cannot undo it
+                    try:
+                        os.unlink(self._tmp, dir_fd=dir_fd)
+                    except OSError as exc:
+                        logger.warning("local tier: cannot remove %s: %s", self._tmp, exc)
                 else:
                     os.rename(self._tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
                 self._gone = self.committed = True
-                os.fsync(dir_fd)
+                os.fsync(dir_fd)  # a failure says the name may not survive a crash
             finally:
                 os.close(dir_fd)
         except BaseException:

@@ -301,3 +301,26 @@ def test_a_tier_directory_is_reached_from_the_tier(tmp_path: Path) -> None:
         "replicas/step-0000000001",
     )
     assert tier_store(f"{tier}/step-0000000001/") == (NodeStore(tier), "step-0000000001")
+
+
+def test_a_link_swapped_in_between_the_check_and_the_open_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The race itself: the component's check still sees the directory that was there
+    (``os.stat`` answers from before the swap, once), then the ``O_NOFOLLOW`` open
+    meets the link. It is refused as a link, naming it, and nothing outside is read."""
+    root, outside = _tier_with_a_step(tmp_path)
+    store = NodeStore(str(root))
+    _swap_for_link(root, "replicas/step-0000000001", outside)
+    real = os.stat
+    stale = {"step-0000000001": real(root.parent / "moved-step-0000000001")}
+
+    def before_the_swap(path: object, *args: object, **kwargs: object) -> os.stat_result:
+        if isinstance(path, str) and path in stale:
+            return stale.pop(path)
+        return real(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "stat", before_the_swap)
+    with pytest.raises(LinkRefusedError, match="step-0000000001"):
+        store.read_bytes("replicas/step-0000000001/manifest.json")
+    assert not stale, "the check never looked at the swapped directory"
