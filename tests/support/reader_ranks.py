@@ -92,10 +92,9 @@ def loads(
     dcp.save(state(rank), storage_writer=objckpt.ObjectStoreWriter(bare, storage_options=options))
     dist.barrier()
     if rank == 0:
-        store = objckpt.ObjectStoreReader(
+        objckpt.ObjectStoreReader(
             bare, storage_options=options, read=objckpt.ReadOptions(broadcast=False)
-        ).store
-        store.delete("manifest.json")
+        ).store.delete("manifest.json")
     dist.barrier()
     try:
         dcp.load(_blank(), storage_reader=objckpt.ObjectStoreReader(bare, storage_options=options))
