@@ -462,15 +462,8 @@ class ObjectStore(abc.ABC):
             StoreError: The listing failed (translated, naming the location).
         """
         root = self.location
-        self._fs.invalidate_cache(root.path)
-        try:
-            found = self._fs.find(root.path, detail=True)
-        except FileNotFoundError:
-            found = {}
-        except Exception as exc:
-            raise translate(exc, url=root.url, action="listing", missing_is_bucket=True) from exc
+        found = self._listed(self._fs.find, {})
         if not found:
-            self.require_bucket()
             return []
         prefix = root.path.rstrip("/") + "/"
         out = []
@@ -492,21 +485,34 @@ class ObjectStore(abc.ABC):
             BucketNotFoundError: The listing was empty and the bucket does not exist.
             StoreError: The listing failed (translated, naming the location).
         """
-        root = self.location
-        self._fs.invalidate_cache(root.path)
-        try:
-            listed = self._fs.ls(root.path, detail=True)
-        except FileNotFoundError:
-            listed = []
-        except Exception as exc:
-            raise translate(exc, url=root.url, action="listing", missing_is_bucket=True) from exc
-        if not listed:
-            self.require_bucket()
+        listed = self._listed(self._fs.ls, [])
         return [
             str(e.get("name", "")).rstrip("/").rsplit("/", 1)[-1]
             for e in listed
             if e.get("type") == "directory"
         ]
+
+    def _listed(self, how: Callable[..., Any], empty: Any) -> Any:
+        """``how`` (the client's ``find`` or ``ls``) of the location afresh, with
+        details; ``empty`` where nothing is there, once :meth:`require_bucket` has
+        said the bucket exists (an empty answer must not hide a misspelt bucket).
+
+        Raises:
+            BucketNotFoundError: Nothing listed and the bucket does not exist.
+            StoreError: The listing failed (translated, naming the location).
+        """
+        root = self.location
+        self._fs.invalidate_cache(root.path)
+        try:
+            found = how(root.path, detail=True)
+        except FileNotFoundError:
+            found = empty
+        except Exception as exc:
+            raise translate(exc, url=root.url, action="listing", missing_is_bucket=True) from exc
+        if not found:
+            self.require_bucket()
+            return empty
+        return found
 
     def require_bucket(self) -> None:
         """Raise when the location's bucket does not exist (one request; object

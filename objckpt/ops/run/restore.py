@@ -232,12 +232,8 @@ class Restorer:
         durable: int | None,
     ) -> int:
         try:
-            try:
-                return self._load_step(newest, state_dict, read)
-            finally:
-                self._fetch = None
+            return self._load_newest(newest, state_dict, read)
         except _SOURCE_FAILED as exc:
-            self.refill = None
             if step is not None:
                 raise
             if durable is None or durable == newest:
@@ -250,6 +246,17 @@ class Restorer:
                 durable,
             )
             return self._load_step(durable, state_dict, read)
+
+    def _load_newest(self, step: int, state_dict: dict[str, Any], read: ReadOptions | None) -> int:
+        """Load ``step``, the newest decided on; its peers' transfers end with it, and a
+        failed load refills nothing."""
+        try:
+            return self._load_step(step, state_dict, read)
+        except _SOURCE_FAILED:
+            self.refill = None
+            raise
+        finally:
+            self._fetch = None
 
     # -- with replicas on other nodes -------------------------------------------------------
     def _load_from_nodes(
@@ -269,12 +276,8 @@ class Restorer:
             if not from_nodes or attempt + 1 == SURVEYS:
                 return self._load_or_durable(state_dict, step, read, newest, durable)
             try:
-                try:
-                    return self._load_step(newest, state_dict, read)
-                finally:
-                    self._fetch = None
+                return self._load_newest(newest, state_dict, read)
             except _SOURCE_FAILED as exc:
-                self.refill = None
                 failed.add(newest)
                 found = self._take_bad(newest)
                 logger.warning(
