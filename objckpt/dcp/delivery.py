@@ -9,15 +9,33 @@ on non-tensor values, so it is handed a re-pickling of what ``weights_only=True`
 accepted, never the stored bytes, unless ``ReadOptions.trust_pickles``.
 
 Fetching and copying overlap: the next batch is fetched while one is delivered.
+
+**Bytes land where they belong.** Before a batch is fetched, :meth:`Delivery.place`
+asks the planner for each read's target and lays the range's bytes out
+(:class:`Placed`): a framed tensor read whole into a CPU target of its dtype and
+shape, contiguous, gets its raw bytes written straight into the target's memory as
+they arrive; frames, gaps and every other item go to scratch. Its CRC32C is then
+computed over the frame and the target's memory (once per byte, as before) and
+checked before the planner is told the tensor is loaded; its frame is compared
+byte for byte as :func:`~objckpt.dcp.serialize.unframe` does, and an unexpected one
+is reassembled and read the general way. The copy a load made from fetched bytes
+into the target (one pass over every byte, page faults of the fetched buffer
+included) is gone. A load that fails (a checksum, a store error) may leave targets
+partly written, as any DCP load that raises part-way does.
 """
 
 from __future__ import annotations
 
+import bisect
+import collections
 import concurrent.futures
 import contextvars
+import dataclasses
 import io
+import itertools
+import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -26,6 +44,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 from objckpt._torch import narrow
 from objckpt.dcp.read_plan import Range
 from objckpt.dcp.serialize import Framer, unframe
+from objckpt.dcp.serialize import tensor_bytes as memory_of
 from objckpt.errors import ChecksumMismatchError, SizeMismatchError, StateDictError
 from objckpt.format.bounds import FRAME_SLACK, MAX_INT, tensor_bytes
 from objckpt.format.chunk_runs import chunk_of
@@ -35,8 +54,11 @@ from objckpt.format.ref_check import stored_where
 from objckpt.options import ReadOptions
 from objckpt.writers.checksum import Crc32c
 from objckpt.writers.location import Location
+from objckpt.writers.reads import SpanSink
 
-__all__ = ["Delivery", "fetch_and_deliver"]
+__all__ = ["Delivery", "Placed", "fetch_and_deliver"]
+
+P = TypeVar("P")
 
 #: The most a transformed non-tensor value may decode to (its dtype and shape bound
 #: nothing; a stock checkpoint does not even record its size before the transforms).
@@ -45,24 +67,106 @@ MAX_UNDECLARED = 1024**3
 
 def fetch_and_deliver(
     batches: list[list[Range]],
-    fetch: Callable[[list[Range]], list[bytes]],
-    deliver: Callable[[Range, bytes], None],
+    place: Callable[[list[Range]], list[P]],
+    fetch: Callable[[list[Range], list[P]], None],
+    deliver: Callable[[Range, P], None],
 ) -> None:
     """Fetch and deliver ``batches`` in order, the next batch prefetched while one is
-    delivered (so two batches at most are held at once)."""
+    delivered (so two batches at most are held at once). ``place`` runs on this
+    thread (it may ask the planner for targets), ``fetch`` on the prefetch thread."""
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="objckpt-read") as prefetch:
         # Each fetch runs in a copy of this context, so its requests are counted.
-        def submit(batch: list[Range]) -> concurrent.futures.Future[list[bytes]]:
-            return prefetch.submit(contextvars.copy_context().run, fetch, batch)
+        def submit(batch: list[Range]) -> tuple[concurrent.futures.Future[None], list[P]]:
+            placed = place(batch)
+            return prefetch.submit(contextvars.copy_context().run, fetch, batch, placed), placed
 
         pending = submit(batches[0]) if batches else None
         for n in range(len(batches)):
             assert pending is not None
-            buffers = pending.result()
+            done, placed = pending
+            done.result()
             if n + 1 < len(batches):
                 pending = submit(batches[n + 1])
-            for rng, buf in zip(batches[n], buffers, strict=True):
-                deliver(rng, buf)
+            for rng, where in zip(batches[n], placed, strict=True):
+                deliver(rng, where)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Direct:
+    """A read whose tensor bytes land in its target: where they lie in the object."""
+
+    target: torch.Tensor
+    start: int
+    end: int
+    head: bytes
+    tail: bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Placed:
+    """Where a range's bytes landed: scratch, and the targets of its direct reads.
+
+    Args:
+        start: The range's first byte in its object.
+        scratch: The range's bytes outside direct targets, in order.
+        direct: The direct reads, by their position in the range's reads.
+        targets: Targets the planner gave for reads that are not direct.
+        ends: Where each direct span ends in the object, in order.
+        before: How many direct bytes lie before each of those ends.
+    """
+
+    start: int
+    scratch: memoryview
+    direct: dict[int, _Direct] = dataclasses.field(default_factory=dict)
+    targets: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    ends: tuple[int, ...] = ()
+    before: tuple[int, ...] = ()
+
+    @classmethod
+    def plain(cls, start: int, data: bytes | bytearray | memoryview) -> Placed:
+        """A range whose bytes are all in ``data`` (a peer's, the local copy's)."""
+        return cls(start, memoryview(data))
+
+    def sink(self) -> SpanSink:
+        """The range laid out: scratch between the direct targets' memory."""
+        views, at, used = [], self.start, 0
+        for d in sorted(self.direct.values(), key=lambda d: d.start):
+            views.append(self.scratch[used : used + d.start - at])
+            used += d.start - at
+            views.append(memory_of(d.target))
+            at = d.end
+        views.append(self.scratch[used:])
+        return SpanSink(views)
+
+    def scratch_of(self, offset: int, length: int) -> memoryview:
+        """Bytes ``[offset, offset + length)`` of the object, lying in scratch."""
+        n = bisect.bisect_right(self.ends, offset)
+        at = offset - self.start - (self.before[n - 1] if n else 0)
+        return self.scratch[at : at + length]
+
+
+class DirectTargets:
+    """The target memory one load writes straight into, so that no two direct reads
+    of the load (in this batch or the one being checked) ever share bytes: each
+    read's checksum is computed over its target after the fetch."""
+
+    def __init__(self) -> None:
+        self._spans: list[tuple[int, int]] = []
+
+    def claim(self, target: torch.Tensor) -> bool:
+        start = target.data_ptr()
+        end = start + target.numel() * target.element_size()
+        n = bisect.bisect_left(self._spans, (start, end))
+        if (n and self._spans[n - 1][1] > start) or (
+            n < len(self._spans) and self._spans[n][0] < end
+        ):
+            return False
+        self._spans.insert(n, (start, end))
+        return True
+
+
+#: Tensors smaller than this are copied from scratch (placing them costs more).
+DIRECT_ABOVE = 64 * 1024
 
 
 class Delivery:
@@ -79,10 +183,74 @@ class Delivery:
         #: Tensor frames, to read framed tensors without torch.load.
         self._framer = Framer()
 
+    def place(
+        self,
+        rng: Range,
+        planner: LoadPlanner,
+        metadata: Metadata,
+        claimed: DirectTargets,
+    ) -> Placed:
+        """Lay ``rng``'s bytes out before it is fetched: each framed tensor read whole
+        into a CPU target of its dtype and shape, contiguous and not shared with
+        another direct read, straight into that target; the rest into scratch."""
+        shared = collections.Counter((it.relative_path, it.offset) for _, it in rng.reads)
+        direct: dict[int, _Direct] = {}
+        targets: dict[int, torch.Tensor] = {}
+        for n, (req, item) in enumerate(rng.reads):
+            found = self._direct_frame(req, item, metadata)
+            if found is None or shared[(item.relative_path, item.offset)] > 1:
+                continue
+            head, tail, dtype, shape = found
+            target = planner.resolve_tensor(req).detach()
+            targets[n] = target
+            if (
+                target.device.type == "cpu"
+                and target.dtype == dtype
+                and tuple(target.size()) == shape
+                and target.is_contiguous()
+                and not target.is_conj()
+                and not target.is_neg()
+                and claimed.claim(target)
+            ):
+                start = item.offset + len(head)
+                direct[n] = _Direct(
+                    target, start, item.offset + item.length - len(tail), head, tail
+                )
+                del targets[n]
+        spans = sorted((d.start, d.end) for d in direct.values())
+        held = sum(end - start for start, end in spans)
+        scratch = torch.empty(rng.end - rng.start - held, dtype=torch.uint8)
+        before = list(itertools.accumulate(end - start for start, end in spans))
+        ends = tuple(end for _, end in spans)
+        return Placed(rng.start, memory_of(scratch), direct, targets, ends, tuple(before))
+
+    def _direct_frame(
+        self, req: ReadItem, item: StoredItem, metadata: Metadata
+    ) -> tuple[bytes, bytes, torch.dtype, tuple[int, ...]] | None:
+        """The frame of a tensor item ``req`` reads whole, when one can be placed."""
+        if req.type != LoadItemType.TENSOR or item.transform_descriptors:
+            return None
+        md = metadata.state_dict_metadata.get(req.storage_index.fqn)
+        if not isinstance(md, TensorStorageMetadata):
+            return None
+        chunk = chunk_of(md, req.storage_index)
+        if chunk is None:
+            return None
+        dtype, shape = md.properties.dtype, tuple(chunk.sizes)
+        if any(req.storage_offsets) or tuple(req.lengths) != shape:
+            return None
+        frame = self._framer.frame_for(dtype, shape)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if frame is None or nbytes < DIRECT_ABOVE:
+            return None
+        if item.length != len(frame[0]) + nbytes + len(frame[1]):
+            return None
+        return frame[0], frame[1], dtype, shape
+
     def deliver(
         self,
         rng: Range,
-        buf: bytes | memoryview,
+        placed: Placed,
         planner: LoadPlanner,
         metadata: Metadata,
         location: Location,
@@ -91,7 +259,7 @@ class Delivery:
 
         Args:
             rng: The range and the reads it serves.
-            buf: The range's bytes.
+            placed: Where the range's bytes landed.
             planner: DCP's load planner.
             metadata: The checkpoint's DCP metadata (stored chunks' dtypes and shapes).
             location: The checkpoint, for messages.
@@ -100,20 +268,24 @@ class Delivery:
             ChecksumMismatchError: An item's CRC32C differs from the manifest's.
             StateDictError: A value is not plain, or a slice's shape is not the target's.
         """
-        view = memoryview(buf)
-        for req, item in rng.reads:
-            data = view[item.offset - rng.start : item.offset - rng.start + item.length]
-            if self.options.verify and item.crc32c is not None and not rng.verified:
-                crc = Crc32c()
-                crc.update(data)
-                if crc.hexdigest() != item.crc32c:
-                    raise ChecksumMismatchError(
-                        f"{location.url_of(item.relative_path)}"
-                        f"{stored_where(location, item.relative_path)}: "
-                        f"CRC32C of {req.storage_index.fqn!r} "
-                        f"(bytes {item.offset}-{item.offset + item.length}) is {crc.hexdigest()}, "
-                        f"the manifest says {item.crc32c}; the object is corrupt"
-                    )
+        check = self.options.verify and not rng.verified
+        for n, (req, item) in enumerate(rng.reads):
+            d = placed.direct.get(n)
+            if d is not None:
+                head = placed.scratch_of(item.offset, len(d.head))
+                tail = placed.scratch_of(d.end, len(d.tail))
+                body = memory_of(d.target)
+                if check and item.crc32c is not None:
+                    self._check(item, req, location, head, body, tail)
+                if head == d.head and tail == d.tail:
+                    planner.commit_tensor(req, d.target)
+                    continue
+                # Not the frame this torch writes: reassembled, read the general way.
+                data = memoryview(bytes(head) + bytes(body) + bytes(tail))
+            else:
+                data = placed.scratch_of(item.offset, item.length)
+                if check and item.crc32c is not None:
+                    self._check(item, req, location, data)
             if item.transform_descriptors:
                 data = self._decoded(data, req, item, metadata, location)
             if req.type == LoadItemType.BYTE_IO:
@@ -124,7 +296,9 @@ class Delivery:
             if tensor is None:
                 tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
             tensor = narrow(tensor, req.storage_offsets, req.lengths)
-            target = planner.resolve_tensor(req).detach()
+            target = placed.targets.get(n)
+            if target is None:
+                target = d.target if d is not None else planner.resolve_tensor(req).detach()
             if target.size() != tensor.size():
                 raise StateDictError(
                     f"{req.storage_index.fqn!r}: checkpoint slice has shape "
@@ -133,6 +307,20 @@ class Delivery:
                 )
             target.copy_(tensor)
             planner.commit_tensor(req, target)
+
+    @staticmethod
+    def _check(item: StoredItem, req: ReadItem, location: Location, *parts: memoryview) -> None:
+        crc = Crc32c()
+        for part in parts:
+            crc.update(part)
+        if crc.hexdigest() != item.crc32c:
+            raise ChecksumMismatchError(
+                f"{location.url_of(item.relative_path)}"
+                f"{stored_where(location, item.relative_path)}: "
+                f"CRC32C of {req.storage_index.fqn!r} "
+                f"(bytes {item.offset}-{item.offset + item.length}) is {crc.hexdigest()}, "
+                f"the manifest says {item.crc32c}; the object is corrupt"
+            )
 
     def _decoded(
         self,

@@ -1,8 +1,11 @@
 """The bytes of planned ranges: from the local copy where it holds them intact, else the store.
 
-Store reads go through fsspec's ``cat_ranges``, all ranges of a batch at once
-(:func:`~objckpt.writers.reads.read_ranges`: a range past an object's end reads
-as empty, whatever the store answers), and
+Each range is read into the memory its :class:`~objckpt.writers.reads.SpanSink`
+lays out (scratch, and tensors' own memory where their bytes fall: see
+:mod:`objckpt.dcp.delivery`). Store reads go through
+:meth:`~objckpt.writers.base.ObjectStore.read_ranges_into`, all ranges of a batch
+at once (a range past an object's end reads as empty, whatever the store
+answers), and
 a range larger than ``ReadOptions.range_size`` is split into pieces fetched in
 parallel. A response cut off mid-body is retried as its own request by the store's
 retry layer (a store without one gets its batch retried whole). A piece missing
@@ -22,6 +25,7 @@ from objckpt.format.ref_check import stored_where
 from objckpt.options import ReadOptions
 from objckpt.writers.base import ObjectStore
 from objckpt.writers.location import Location
+from objckpt.writers.reads import SpanSink
 from objckpt.writers.translate import translate
 
 __all__ = ["fetch_ranges"]
@@ -29,53 +33,56 @@ __all__ = ["fetch_ranges"]
 
 def fetch_ranges(
     batch: list[Range],
+    sinks: list[SpanSink],
     location: Location,
     store: Callable[[], ObjectStore],
     local: LocalCopy | None,
     options: ReadOptions,
-) -> list[bytes]:
-    """Every range of a batch, in order: from the local copy what it holds intact
+) -> None:
+    """Every range of a batch into its sink: from the local copy what it holds intact
     (those ranges marked verified when ``options.verify``), the rest from the store.
 
     Raises:
         SizeMismatchError: An object is missing from the store or shorter than planned.
         StoreError: The store failed.
     """
-    if local is None:
-        return _fetch_remote(batch, location, store, options)
-    out: list[bytes | None] = [None] * len(batch)
+    remote = []
     for n, rng in enumerate(batch):
-        if local.holds(rng.key):
-            out[n] = local.read_span(rng.key, rng.start, rng.end, rng.stored(), options.verify)
-            if out[n] is not None:
+        if local is not None and local.holds(rng.key):
+            data = local.read_span(rng.key, rng.start, rng.end, rng.stored(), options.verify)
+            if data is not None:
+                sinks[n].write(0, data)
                 rng.verified = options.verify
-    remote = [n for n, data in enumerate(out) if data is None]
+                continue
+        remote.append(n)
     if remote:
-        fetched = _fetch_remote([batch[n] for n in remote], location, store, options)
-        for n, data in zip(remote, fetched, strict=True):
-            out[n] = data
-    return [d for d in out if d is not None]
+        _fetch_remote(
+            [batch[n] for n in remote], [sinks[n] for n in remote], location, store, options
+        )
 
 
 def _fetch_remote(
     batch: list[Range],
+    sinks: list[SpanSink],
     location: Location,
     store: Callable[[], ObjectStore],
     options: ReadOptions,
-) -> list[bytes]:
+) -> None:
     """Fetch every range of a batch concurrently; big ranges in parallel pieces."""
-    keys, starts, ends, owner = [], [], [], []
+    keys, starts, ends, owner, pieces = [], [], [], [], []
     step = options.range_size
     for n, rng in enumerate(batch):
         for start in range(rng.start, rng.end, step) if rng.end > rng.start else [rng.start]:
+            end = min(start + step, rng.end)
             keys.append(rng.key)
             starts.append(start)
-            ends.append(min(start + step, rng.end))
+            ends.append(end)
             owner.append(n)
+            pieces.append(sinks[n].window(start - rng.start, end - start))
     # One retry layer: each request retries itself (body included) on S3 and GCS;
     # other stores get the whole batch retried.
-    return store().retrying(
-        lambda: _fetch_once(batch, location, store(), keys, starts, ends, owner),
+    store().retrying(
+        lambda: _fetch_once(batch, location, store(), keys, starts, ends, owner, pieces),
         f"reading {len(keys)} ranges of {location.url}",
     )
 
@@ -88,26 +95,24 @@ def _fetch_once(
     starts: list[int],
     ends: list[int],
     owner: list[int],
-) -> list[bytes]:
+    pieces: list[SpanSink],
+) -> None:
     try:
-        pieces = store.read_ranges(keys, starts, ends)
+        got = store.read_ranges_into(keys, starts, ends, pieces)
     except Exception as exc:
         raise translate(exc, url=location.url, action="reading") from exc
-    out: list[list[bytes]] = [[] for _ in batch]
-    for n, piece, start, end in zip(owner, pieces, starts, ends, strict=True):
-        if isinstance(piece, BaseException):
+    for n, answer, start, end in zip(owner, got, starts, ends, strict=True):
+        if isinstance(answer, BaseException):
             url = location.url_of(batch[n].key)
-            if isinstance(piece, FileNotFoundError):
+            if isinstance(answer, FileNotFoundError):
                 raise SizeMismatchError(
                     f"{url} is missing{stored_where(location, batch[n].key)}, but the "
                     f"manifest of {location.url} lists it"
-                ) from piece
-            raise translate(piece, url=url, action="reading") from piece
-        if len(piece) != end - start:
+                ) from answer
+            raise translate(answer, url=url, action="reading") from answer
+        if answer != end - start:
             raise SizeMismatchError(
                 f"{location.url_of(batch[n].key)}{stored_where(location, batch[n].key)} is "
-                f"shorter than the manifest says (bytes {start}-{end} requested, "
-                f"{len(piece)} returned)"
+                f"{'shorter' if answer < end - start else 'longer'} than the manifest says "
+                f"(bytes {start}-{end} requested, {answer} returned)"
             )
-        out[n].append(piece)
-    return [p[0] if len(p) == 1 else b"".join(p) for p in out]

@@ -81,7 +81,7 @@ class Sent:
     raw_length: int | None = None
 
 
-Fetch = Callable[[list[MetadataIndex]], list[tuple[Sent, bytes]]]
+Fetch = Callable[[list[MetadataIndex]], list[tuple[Sent, bytes | memoryview]]]
 Deliver = Callable[[list[ReadItem], Sent, memoryview], None]
 
 
@@ -110,7 +110,7 @@ def exchange_shared(
     error: BaseException | None = None
     for owner in sorted(by_owner):
         indices = by_owner[owner]
-        fetched: list[tuple[Sent, bytes]] = []
+        fetched: list[tuple[Sent, bytes | memoryview]] = []
         announce: Any = None
         if owner == rank:
             try:

@@ -37,7 +37,7 @@ from torch.futures import Future
 
 from objckpt._removed import READER, removed_keywords
 from objckpt.dcp.collective import Collectives, is_distributed
-from objckpt.dcp.delivery import Delivery, fetch_and_deliver
+from objckpt.dcp.delivery import Delivery, DirectTargets, Placed, fetch_and_deliver
 from objckpt.dcp.fetch import fetch_ranges
 from objckpt.dcp.local_copy import LocalCopy
 from objckpt.dcp.manifest_source import open_checkpoint
@@ -420,24 +420,33 @@ class ObjectStoreReader(StorageReader):
         self._locate(r.storage_index for r in reads)
         located = [(r, self._index.item_at(r.storage_index)) for r in reads]
         ranges = plan_ranges(located, self.options)
+        claimed = DirectTargets()
         fetch_and_deliver(
             list(batches(ranges, self.options.max_in_flight_bytes)),
+            lambda batch: [
+                self._delivery.place(rng, planner, self._metadata, claimed) for rng in batch
+            ],
             self._fetch,
-            lambda rng, buf: self._deliver(rng, buf, planner),
+            lambda rng, placed: self._deliver(rng, placed, planner),
         )
 
     def _locate(self, indices: Iterable[MetadataIndex]) -> None:
         self.metadata_bytes_fetched += self._index.locate(indices)
 
-    def _fetch(self, batch: list[Range]) -> list[bytes]:
-        return fetch_ranges(
-            batch, self.location, lambda: self.store, self._local_copy, self.options
+    def _fetch(self, batch: list[Range], placed: list[Placed]) -> None:
+        fetch_ranges(
+            batch,
+            [p.sink() for p in placed],
+            self.location,
+            lambda: self.store,
+            self._local_copy,
+            self.options,
         )
 
-    def _deliver(self, rng: Range, buf: bytes | memoryview, planner: LoadPlanner) -> None:
-        self._delivery.deliver(rng, buf, planner, self._metadata, self.location)
+    def _deliver(self, rng: Range, placed: Placed, planner: LoadPlanner) -> None:
+        self._delivery.deliver(rng, placed, planner, self._metadata, self.location)
 
-    def _fetch_shared(self, indices: list[MetadataIndex]) -> list[tuple[Sent, bytes]]:
+    def _fetch_shared(self, indices: list[MetadataIndex]) -> list[tuple[Sent, bytes | memoryview]]:
         """Owner: the whole stored items this rank shares with the others."""
         self._locate(indices)
         items = [self._index.item_at(idx) for idx in indices]
@@ -446,9 +455,11 @@ class ObjectStoreReader(StorageReader):
         ranges = [
             Range(it.relative_path, it.offset, it.offset + it.length, [], [it]) for it in items
         ]
-        out: list[tuple[Sent, bytes]] = []
+        out: list[tuple[Sent, bytes | memoryview]] = []
         for batch in batches(ranges, self.options.max_in_flight_bytes):
-            for rng, data in zip(batch, self._fetch(batch), strict=True):
+            placed = [Placed.plain(r.start, bytearray(r.end - r.start)) for r in batch]
+            self._fetch(batch, placed)
+            for rng, data in zip(batch, (p.scratch for p in placed), strict=True):
                 it = rng.items[0]
                 sent = Sent(
                     rng.key, rng.end - rng.start, it.crc32c, it.transform_descriptors, it.raw_length
@@ -468,4 +479,5 @@ class ObjectStoreReader(StorageReader):
             transform_descriptors=sent.transforms,
             raw_length=sent.raw_length,
         )
-        self._deliver(Range(sent.key, 0, sent.length, [(r, item) for r in reads]), data, planner)
+        rng = Range(sent.key, 0, sent.length, [(r, item) for r in reads])
+        self._deliver(rng, Placed.plain(0, data), planner)

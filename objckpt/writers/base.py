@@ -70,7 +70,14 @@ from objckpt.options import UploadOptions
 from objckpt.writers.checksum import BytesLike, Crc32c, crc32c_of
 from objckpt.writers.deadline import Deadline, bounded_by, current_deadline
 from objckpt.writers.location import Location
-from objckpt.writers.reads import read_bounded, read_range, read_ranges, read_whole
+from objckpt.writers.reads import (
+    SpanSink,
+    read_bounded,
+    read_range,
+    read_ranges,
+    read_ranges_into,
+    read_whole,
+)
 from objckpt.writers.throttle import AimdLimit
 from objckpt.writers.translate import precondition_failed, translate
 
@@ -417,6 +424,19 @@ class ObjectStore(abc.ABC):
         """:meth:`read_range` of each ``(key, start, end)``, concurrently where the
         client can; a failed range's exception takes its place in the answer."""
         return read_ranges(self._fs, [self.path(k) for k in keys], starts, ends)
+
+    def read_ranges_into(
+        self,
+        keys: Sequence[str],
+        starts: Sequence[int],
+        ends: Sequence[int],
+        sinks: Sequence[SpanSink],
+    ) -> list[int | BaseException]:
+        """:meth:`read_ranges` written into ``sinks`` (one per range, each as long
+        as its range): how many bytes each answer had (a longer answer is counted,
+        not written past its sink), or the range's exception in its place. Families
+        that can stream a body write each chunk once, as it arrives."""
+        return read_ranges_into(self._fs, [self.path(k) for k in keys], starts, ends, sinks)
 
     @contextlib.contextmanager
     def open_read(self, key: str, block_size: int) -> Iterator[IO[bytes]]:

@@ -11,7 +11,9 @@ is small enough to hold): a body cut off after its 200 is then retried like a
 refused request, by the one retry layer, instead of by a second loop around the
 whole read that multiplied the attempts. s3fs reads such bodies whole anyway, from
 a :class:`_ReadBody` now. A large whole-object GET (a streamed download) keeps its
-streaming body.
+streaming body. A load's payload ranges are streamed instead, each chunk copied
+once into the memory the reader gave (:meth:`RetryingS3FileSystem.cat_ranges_into`),
+again one retried attempt per ranged GET, its body included.
 
 Two more overrides, for store options: ``_exists`` of a bare bucket under
 ``requester_pays=True`` is a one-key listing (s3fs first asks HeadBucket and
@@ -29,13 +31,16 @@ which :meth:`RetryingS3FileSystem.close_connections` closes
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from fsspec.asyn import sync_wrapper
+from fsspec.asyn import _run_coros_in_chunks, sync_wrapper
 from s3fs import S3FileSystem
+from s3fs.core import version_id_kw
 
 from objckpt.errors import ConfigurationError
+from objckpt.writers.reads import SpanSink
 from objckpt.writers.retry import RetryingFileSystem
 from objckpt.writers.translate import status_code
 
@@ -83,6 +88,13 @@ class RetryingS3FileSystem(RetryingFileSystem, S3FileSystem):
     retries = 1  # s3fs's own retry loop: one try; call_with_retries retries instead
 
     async def _call_s3(self, method: str, *akwarglist: Any, **kwargs: Any) -> Any:
+        call = self._get_and_read if method == "get_object" else super()._call_s3
+        return await self._call_via(call, method, *akwarglist, **kwargs)
+
+    async def _call_via(
+        self, call: Callable[..., Awaitable[Any]], method: str, *akwarglist: Any, **kwargs: Any
+    ) -> Any:
+        """``call(method, ...)`` as one retried request, its parameters checked."""
         # Only the names, not ``kwargs``: tenacity's retry state forms reference cycles
         # that live until a garbage collection, and a closure over ``kwargs`` would keep
         # each request's Body (a 16 MiB part) alive with them (measured: ~10 parts per
@@ -96,7 +108,6 @@ class RetryingS3FileSystem(RetryingFileSystem, S3FileSystem):
         for name in _MUST_BE_SENT.get(method, ()):
             if name in kwargs:
                 await self._require_parameter(method, name)
-        call = self._get_and_read if method == "get_object" else super()._call_s3
         try:
             return await self._retried(call, what, method, *akwarglist, **kwargs)
         except PermissionError as exc:
@@ -154,6 +165,52 @@ class RetryingS3FileSystem(RetryingFileSystem, S3FileSystem):
             body.close()
         return {**resp, "Body": _ReadBody(bytes(data))}
 
+    async def _cat_file_into(self, path: str, start: int, end: int, sink: SpanSink) -> int:
+        """Bytes ``[start, end)`` of ``path`` written into ``sink`` as they arrive:
+        how many the answer had. One retried attempt per GET, its body included."""
+        if end <= start:
+            return 0
+        bucket, key, version = self.split_path(path)
+
+        async def get_into(method: str, **kwargs: Any) -> dict[str, Any]:
+            resp = await S3FileSystem._call_s3(self, method, **kwargs)
+            body = resp["Body"]
+            try:  # the answer as the request counter reads it
+                return {"ContentLength": await _stream_into(body, sink)}
+            finally:
+                body.close()
+
+        answer = await self._call_via(
+            get_into,
+            "get_object",
+            Bucket=bucket,
+            Key=key,
+            Range=f"bytes={start}-{end - 1}",
+            **version_id_kw(version),
+        )
+        return int(answer["ContentLength"])
+
+    async def _cat_ranges_into(
+        self,
+        paths: Sequence[str],
+        starts: Sequence[int],
+        ends: Sequence[int],
+        sinks: Sequence[SpanSink],
+    ) -> list[int | BaseException]:
+        """:meth:`_cat_file_into` of each range, concurrently (as many at once as
+        fsspec's ``cat_ranges``); a failed range's exception takes its place."""
+        coros = [
+            self._cat_file_into(p, s, e, k)
+            for p, s, e, k in zip(paths, starts, ends, sinks, strict=True)
+        ]
+        return list(
+            await _run_coros_in_chunks(
+                coros, batch_size=self.batch_size, nofiles=True, return_exceptions=True
+            )
+        )
+
+    cat_ranges_into = sync_wrapper(_cat_ranges_into)
+
     async def close_connections(self) -> None:
         """Close this filesystem's client and its connections now, on its loop (s3fs
         closes them only when the filesystem is garbage collected); a later request
@@ -178,3 +235,28 @@ class RetryingS3FileSystem(RetryingFileSystem, S3FileSystem):
         host = parts.hostname or ""
         port = f":{parts.port}" if parts.port else ""
         return f"{parts.scheme}://{host}{port}" if parts.scheme else url.split("?")[0]
+
+
+async def _stream_into(body: Any, sink: SpanSink) -> int:
+    """An answer's body written into ``sink`` chunk by chunk as aiohttp received
+    them (each chunk copied once; none joined first): how many bytes it had (those
+    past the sink's end counted, not written). Another HTTP backend's body is read
+    whole and copied in. A body cut short raises (aiohttp checks Content-Length),
+    and the retry layer asks again."""
+    content = getattr(getattr(body, "raw_stream", None), "content", None)
+    readchunk = getattr(content, "readchunk", None)
+    if readchunk is None:
+        data = await body.read()
+        sink.write(0, memoryview(data)[: len(sink)])
+        return len(data)
+    at = 0
+    while True:
+        chunk, end_of_http_chunk = await readchunk()
+        if not chunk:
+            if end_of_http_chunk:
+                continue
+            return at
+        room = len(sink) - at
+        if room > 0:
+            sink.write(at, chunk if len(chunk) <= room else memoryview(chunk)[:room])
+        at += len(chunk)

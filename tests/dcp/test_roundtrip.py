@@ -154,14 +154,14 @@ def test_bytes_fetched_and_not_yet_copied_stay_within_max_in_flight_bytes(
     held = [0, 0, 0]  # bytes now, peak, batches
     real_fetch, real_deliver = Reader._fetch, Reader._deliver
 
-    def fetch(self: Reader, batch: list) -> list[bytes]:  # type: ignore[type-arg]
+    def fetch(self: Reader, batch: list, placed: list) -> None:  # type: ignore[type-arg]
         with lock:
             held[0] += sum(r.end - r.start for r in batch)
             held[1], held[2] = max(held[1], held[0]), held[2] + 1
-        return real_fetch(self, batch)
+        real_fetch(self, batch, placed)
 
-    def deliver(self: Reader, rng, buf, planner) -> None:  # type: ignore[no-untyped-def]
-        real_deliver(self, rng, buf, planner)
+    def deliver(self: Reader, rng, placed, planner) -> None:  # type: ignore[no-untyped-def]
+        real_deliver(self, rng, placed, planner)
         with lock:
             held[0] -= rng.end - rng.start
 
