@@ -10,11 +10,13 @@ accepted, never the stored bytes, unless ``ReadOptions.trust_pickles``.
 
 Fetching and copying overlap: the next batch is fetched while one is delivered.
 
-**Bytes land where they belong.** Before a batch is fetched, :meth:`Delivery.place`
-asks the planner for each read's target and lays the range's bytes out
-(:class:`Placed`): a framed tensor read whole into a CPU target of its dtype and
-shape, contiguous, gets its raw bytes written straight into the target's memory as
-they arrive; frames, gaps and every other item go to scratch. Its CRC32C is then
+**Bytes land where they belong.** Before a load's first fetch, :class:`LoadTargets`
+resolves every tensor read's target once, where the planner is DCP's own (its
+targets are views of the state dict, its commit a no-op); before each batch,
+:meth:`Delivery.place` lays the range's bytes out (:class:`Placed`): a framed tensor
+read whole into a plain CPU tensor of its dtype and shape, contiguous, whose memory
+no other read of the load targets, gets its raw bytes written straight into that
+memory as they arrive; frames, gaps and every other item go to scratch. Its CRC32C is then
 computed over the frame and the target's memory (once per byte, as before) and
 checked before the planner is told the tensor is loaded; its frame is compared
 byte for byte as :func:`~objckpt.dcp.serialize.unframe` does, and an unexpected one
@@ -27,7 +29,6 @@ partly written, as any DCP load that raises part-way does.
 from __future__ import annotations
 
 import bisect
-import collections
 import concurrent.futures
 import contextvars
 import dataclasses
@@ -38,6 +39,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
@@ -56,7 +58,7 @@ from objckpt.writers.checksum import Crc32c
 from objckpt.writers.location import Location
 from objckpt.writers.reads import SpanSink
 
-__all__ = ["Delivery", "Placed", "fetch_and_deliver"]
+__all__ = ["Delivery", "LoadTargets", "Placed", "fetch_and_deliver"]
 
 P = TypeVar("P")
 
@@ -110,7 +112,6 @@ class Placed:
         start: The range's first byte in its object.
         scratch: The range's bytes outside direct targets, in order.
         direct: The direct reads, by their position in the range's reads.
-        targets: Targets the planner gave for reads that are not direct.
         ends: Where each direct span ends in the object, in order.
         before: How many direct bytes lie before each of those ends.
     """
@@ -118,7 +119,6 @@ class Placed:
     start: int
     scratch: memoryview
     direct: dict[int, _Direct] = dataclasses.field(default_factory=dict)
-    targets: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     ends: tuple[int, ...] = ()
     before: tuple[int, ...] = ()
 
@@ -145,24 +145,98 @@ class Placed:
         return self.scratch[at : at + length]
 
 
-class DirectTargets:
-    """The target memory one load writes straight into, so that no two direct reads
-    of the load (in this batch or the one being checked) ever share bytes: each
-    read's checksum is computed over its target after the fetch."""
+class LoadTargets:
+    """Every tensor target of one load, resolved once, and which may take bytes directly.
 
-    def __init__(self) -> None:
-        self._spans: list[tuple[int, int]] = []
+    Bytes fetched into a target are checked there after the fetch, so a direct
+    target must be memory no other read of the load writes: not a view shared by
+    two names (tied weights), not overlapping another target, in this batch or any
+    other. And the planner must be DCP's own (``resolve_tensor`` a view of the state
+    dict, ``commit_tensor`` a no-op), whose targets can be resolved before the fetch
+    and are the memory the state dict holds; a planner that stages through buffers
+    of its own (as torch's ``LoadPlanner`` contract allows) gets every read copied,
+    resolved and committed one by one as DCP's readers do.
 
-    def claim(self, target: torch.Tensor) -> bool:
-        start = target.data_ptr()
-        end = start + target.numel() * target.element_size()
-        n = bisect.bisect_left(self._spans, (start, end))
-        if (n and self._spans[n - 1][1] > start) or (
-            n < len(self._spans) and self._spans[n][0] < end
+    Args:
+        planner: The load's planner.
+        reads: Every read of the load this rank fetches itself.
+    """
+
+    def __init__(self, planner: LoadPlanner, reads: list[ReadItem]) -> None:
+        self.planner = planner
+        self._targets: dict[int, torch.Tensor] = {}
+        self._exclusive: set[int] = set()
+        if not _stock(planner):
+            return
+        spans: list[tuple[int, int, int]] = []
+        for req in reads:
+            if req.type != LoadItemType.TENSOR:
+                continue
+            target = planner.resolve_tensor(req).detach()
+            self._targets[id(req)] = target
+            span = _span(target)
+            if span is not None:
+                spans.append((*span, id(req)))
+        shared = _overlapping([(a, b) for a, b, _ in spans])
+        self._exclusive = {ident for n, (_, _, ident) in enumerate(spans) if n not in shared}
+
+    def target(self, req: ReadItem) -> torch.Tensor:
+        """``req``'s target (resolved once per load where the planner is DCP's own)."""
+        found = self._targets.get(id(req))
+        return found if found is not None else self.planner.resolve_tensor(req).detach()
+
+    def direct(self, req: ReadItem) -> torch.Tensor | None:
+        """``req``'s target where bytes may be fetched straight into it: DCP's own
+        planner, a plain dense CPU tensor, memory no other read of the load targets."""
+        if id(req) not in self._exclusive:
+            return None
+        target = self._targets[id(req)]
+        if (
+            type(target) is torch.Tensor
+            and target.device.type == "cpu"
+            and target.is_contiguous()
+            and not target.is_conj()
+            and not target.is_neg()
         ):
-            return False
-        self._spans.insert(n, (start, end))
-        return True
+            return target
+        return None
+
+
+def _stock(planner: LoadPlanner) -> bool:
+    """Whether ``planner`` resolves and commits tensors as DCP's default planner does."""
+    cls = type(planner)
+    return isinstance(planner, DefaultLoadPlanner) and all(
+        getattr(cls, name) is getattr(DefaultLoadPlanner, name)
+        for name in ("resolve_tensor", "commit_tensor", "lookup_tensor", "transform_tensor")
+    )
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """The bytes ``tensor`` may touch, ``[first, last + 1)``; None for no memory (empty,
+    or a tensor subclass without storage of its own, whose ``data_ptr`` is 0)."""
+    if tensor.numel() == 0 or type(tensor) is not torch.Tensor or tensor.device.type != "cpu":
+        return None
+    start = tensor.data_ptr()
+    if start == 0:
+        return None
+    extent = 1 + sum((n - 1) * abs(st) for n, st in zip(tensor.shape, tensor.stride(), strict=True))
+    return start, start + extent * tensor.element_size()
+
+
+def _overlapping(spans: list[tuple[int, int]]) -> set[int]:
+    """The positions in ``spans`` of those that share a byte with another."""
+    order = sorted(range(len(spans)), key=lambda n: spans[n])
+    out: set[int] = set()
+    reach, holder = -1, -1  # the furthest end so far, and whose
+    for k, n in enumerate(order):
+        start, end = spans[n]
+        if start < reach:
+            out.update((n, holder))
+        if k + 1 < len(order) and spans[order[k + 1]][0] < end:
+            out.add(n)
+        if end > reach:
+            reach, holder = end, n
+    return out
 
 
 #: Tensors smaller than this are copied from scratch (placing them costs more).
@@ -183,46 +257,33 @@ class Delivery:
         #: Tensor frames, to read framed tensors without torch.load.
         self._framer = Framer()
 
-    def place(
-        self,
-        rng: Range,
-        planner: LoadPlanner,
-        metadata: Metadata,
-        claimed: DirectTargets,
-    ) -> Placed:
+    def place(self, rng: Range, targets: LoadTargets, metadata: Metadata) -> Placed:
         """Lay ``rng``'s bytes out before it is fetched: each framed tensor read whole
-        into a CPU target of its dtype and shape, contiguous and not shared with
-        another direct read, straight into that target; the rest into scratch."""
-        shared = collections.Counter((it.relative_path, it.offset) for _, it in rng.reads)
+        into a target :meth:`LoadTargets.direct` allows, of its dtype and shape, and
+        sharing no stored byte with another read of the range, straight into that
+        target; the rest into scratch."""
+        items = [(it.offset, it.offset + it.length) for _, it in rng.reads]
+        crossed = _overlapping(items)  # the same item read twice, or items overlapping
         direct: dict[int, _Direct] = {}
-        targets: dict[int, torch.Tensor] = {}
         for n, (req, item) in enumerate(rng.reads):
+            if n in crossed:
+                continue
             found = self._direct_frame(req, item, metadata)
-            if found is None or shared[(item.relative_path, item.offset)] > 1:
+            target = targets.direct(req) if found is not None else None
+            if found is None or target is None:
                 continue
             head, tail, dtype, shape = found
-            target = planner.resolve_tensor(req).detach()
-            targets[n] = target
-            if (
-                target.device.type == "cpu"
-                and target.dtype == dtype
-                and tuple(target.size()) == shape
-                and target.is_contiguous()
-                and not target.is_conj()
-                and not target.is_neg()
-                and claimed.claim(target)
-            ):
+            if target.dtype == dtype and tuple(target.size()) == shape:
                 start = item.offset + len(head)
                 direct[n] = _Direct(
                     target, start, item.offset + item.length - len(tail), head, tail
                 )
-                del targets[n]
         spans = sorted((d.start, d.end) for d in direct.values())
         held = sum(end - start for start, end in spans)
         scratch = torch.empty(rng.end - rng.start - held, dtype=torch.uint8)
         before = list(itertools.accumulate(end - start for start, end in spans))
         ends = tuple(end for _, end in spans)
-        return Placed(rng.start, memory_of(scratch), direct, targets, ends, tuple(before))
+        return Placed(rng.start, memory_of(scratch), direct, ends, tuple(before))
 
     def _direct_frame(
         self, req: ReadItem, item: StoredItem, metadata: Metadata
@@ -251,16 +312,16 @@ class Delivery:
         self,
         rng: Range,
         placed: Placed,
-        planner: LoadPlanner,
+        targets: LoadTargets,
         metadata: Metadata,
         location: Location,
     ) -> None:
-        """Check each item ``rng`` serves and hand it to ``planner``.
+        """Check each item ``rng`` serves and hand it to the load's planner.
 
         Args:
             rng: The range and the reads it serves.
             placed: Where the range's bytes landed.
-            planner: DCP's load planner.
+            targets: The load's planner and its targets.
             metadata: The checkpoint's DCP metadata (stored chunks' dtypes and shapes).
             location: The checkpoint, for messages.
 
@@ -269,6 +330,7 @@ class Delivery:
             StateDictError: A value is not plain, or a slice's shape is not the target's.
         """
         check = self.options.verify and not rng.verified
+        planner = targets.planner
         for n, (req, item) in enumerate(rng.reads):
             d = placed.direct.get(n)
             if d is not None:
@@ -296,9 +358,7 @@ class Delivery:
             if tensor is None:
                 tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
             tensor = narrow(tensor, req.storage_offsets, req.lengths)
-            target = placed.targets.get(n)
-            if target is None:
-                target = d.target if d is not None else planner.resolve_tensor(req).detach()
+            target = d.target if d is not None else targets.target(req)
             if target.size() != tensor.size():
                 raise StateDictError(
                     f"{req.storage_index.fqn!r}: checkpoint slice has shape "

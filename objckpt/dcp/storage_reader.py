@@ -37,7 +37,7 @@ from torch.futures import Future
 
 from objckpt._removed import READER, removed_keywords
 from objckpt.dcp.collective import Collectives, is_distributed
-from objckpt.dcp.delivery import Delivery, DirectTargets, Placed, fetch_and_deliver
+from objckpt.dcp.delivery import Delivery, LoadTargets, Placed, fetch_and_deliver
 from objckpt.dcp.fetch import fetch_ranges
 from objckpt.dcp.local_copy import LocalCopy
 from objckpt.dcp.manifest_source import open_checkpoint
@@ -420,14 +420,12 @@ class ObjectStoreReader(StorageReader):
         self._locate(r.storage_index for r in reads)
         located = [(r, self._index.item_at(r.storage_index)) for r in reads]
         ranges = plan_ranges(located, self.options)
-        claimed = DirectTargets()
+        targets = LoadTargets(planner, reads)
         fetch_and_deliver(
             list(batches(ranges, self.options.max_in_flight_bytes)),
-            lambda batch: [
-                self._delivery.place(rng, planner, self._metadata, claimed) for rng in batch
-            ],
+            lambda batch: [self._delivery.place(rng, targets, self._metadata) for rng in batch],
             self._fetch,
-            lambda rng, placed: self._deliver(rng, placed, planner),
+            lambda rng, placed: self._deliver(rng, placed, targets),
         )
 
     def _locate(self, indices: Iterable[MetadataIndex]) -> None:
@@ -443,8 +441,8 @@ class ObjectStoreReader(StorageReader):
             self.options,
         )
 
-    def _deliver(self, rng: Range, placed: Placed, planner: LoadPlanner) -> None:
-        self._delivery.deliver(rng, placed, planner, self._metadata, self.location)
+    def _deliver(self, rng: Range, placed: Placed, targets: LoadTargets) -> None:
+        self._delivery.deliver(rng, placed, targets, self._metadata, self.location)
 
     def _fetch_shared(self, indices: list[MetadataIndex]) -> list[tuple[Sent, bytes | memoryview]]:
         """Owner: the whole stored items this rank shares with the others."""
@@ -480,4 +478,4 @@ class ObjectStoreReader(StorageReader):
             raw_length=sent.raw_length,
         )
         rng = Range(sent.key, 0, sent.length, [(r, item) for r in reads])
-        self._deliver(rng, Placed.plain(0, data), planner)
+        self._deliver(rng, Placed.plain(0, data), LoadTargets(planner, []))

@@ -140,7 +140,11 @@ class LocalUpload(ObjectUpload):
 
     def abort(self) -> None:
         if self._file is not None:
-            self._file.close()
+            # Closing flushes what the file still buffers, which fails the way the
+            # write that led here failed (a full disk): the error being raised is
+            # the caller's, and the file goes anyway (the descriptor is closed).
+            with contextlib.suppress(OSError):
+                self._file.close()
             self._file = None
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._path)

@@ -164,11 +164,11 @@ class SpanSink:
 
     def write(self, pos: int, data: bytes | bytearray | memoryview) -> None:
         """Copy ``data`` to bytes ``[pos, pos + len(data))`` of this sink."""
-        if pos < 0 or pos + len(data) > self.length:
-            raise ValueError(f"{len(data)} bytes at {pos} overrun a sink of {self.length}")
         src = memoryview(data)
         if src.format != "B" or src.ndim != 1:
             src = src.cast("B")
+        if pos < 0 or pos + len(src) > self.length:
+            raise ValueError(f"{len(src)} bytes at {pos} overrun a sink of {self.length}")
         at = self._offset + pos
         n = bisect.bisect_right(self._ends, at)
         done = 0

@@ -35,6 +35,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
+import aiohttp
 from fsspec.asyn import _run_coros_in_chunks, sync_wrapper
 from s3fs import S3FileSystem
 from s3fs.core import version_id_kw
@@ -242,21 +243,24 @@ async def _stream_into(body: Any, sink: SpanSink) -> int:
     them (each chunk copied once; none joined first): how many bytes it had (those
     past the sink's end counted, not written). Another HTTP backend's body is read
     whole and copied in. A body cut short raises (aiohttp checks Content-Length),
-    and the retry layer asks again."""
-    content = getattr(getattr(body, "raw_stream", None), "content", None)
-    readchunk = getattr(content, "readchunk", None)
-    if readchunk is None:
+    and the retry layer asks again; one longer than the sink is not read on (the
+    count says it was longer)."""
+    raw = getattr(body, "raw_stream", None)
+    if not isinstance(raw, aiohttp.ClientResponse):  # httpx: its .content raises unread
         data = await body.read()
         sink.write(0, memoryview(data)[: len(sink)])
         return len(data)
     at = 0
     while True:
-        chunk, end_of_http_chunk = await readchunk()
+        chunk, end_of_http_chunk = await raw.content.readchunk()
         if not chunk:
             if end_of_http_chunk:
                 continue
             return at
         room = len(sink) - at
-        if room > 0:
-            sink.write(at, chunk if len(chunk) <= room else memoryview(chunk)[:room])
+        if room < len(chunk):
+            # Longer than asked (a store that ignored the Range): counted, not read on.
+            sink.write(at, memoryview(chunk)[: max(room, 0)])
+            return at + len(chunk)
+        sink.write(at, chunk)
         at += len(chunk)
