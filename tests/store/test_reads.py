@@ -20,7 +20,7 @@ from objckpt.format.layout import MANIFEST_KEY
 from objckpt.testing import FaultProxy, Rule
 from objckpt.testing.plugin import StoreTarget
 from objckpt.writers import open_store
-from objckpt.writers.reads import read_bounded, read_range, read_ranges
+from objckpt.writers.reads import SpanSink, read_bounded, read_range, read_ranges
 
 #: 416 InvalidRange with a message that does not say "range" (RGW sends none at all).
 TERSE_416 = Rule("GetObject", action="status", status=416, code="InvalidRange")
@@ -79,3 +79,38 @@ def test_an_empty_range_sends_no_request(via: StoreTarget, s3_proxy: FaultProxy)
     finally:
         store.close()
     assert s3_proxy.count("GetObject") == 1
+
+
+def test_ranges_read_into_sinks_count_what_each_answer_had(
+    via: StoreTarget, s3_proxy: FaultProxy, tmp_path
+) -> None:
+    """``read_ranges_into`` on S3 (streamed) and on a file:// store (read whole, then
+    copied): bytes land in the sink's buffers across their edges, a range past the
+    end counts as empty, a missing object is its error, an empty range sends no
+    request, and an answer longer than its sink is counted, not written past it."""
+    for url, options in ((via.url("into"), via.storage_options), (f"file://{tmp_path}/into", {})):
+        store = open_store(Location.parse(url, options))
+        try:
+            store.put("ten.bin", b"0123456789")
+            s3_proxy.clear()
+            a, b, short = bytearray(3), bytearray(4), bytearray(2)
+            got = store.read_ranges_into(
+                ["ten.bin", "ten.bin", "ten.bin", "gone.bin", "ten.bin"],
+                [2, 12, 4, 0, 0],
+                [9, 14, 4, 4, 4],
+                [
+                    SpanSink([memoryview(a), memoryview(b)]),
+                    SpanSink([memoryview(bytearray(2))]),
+                    SpanSink([]),
+                    SpanSink([memoryview(bytearray(4))]),
+                    SpanSink([memoryview(short)]),
+                ],
+            )
+            assert got[:3] == [7, 0, 0], got
+            assert isinstance(got[3], FileNotFoundError), got
+            assert got[4] == 4 and bytes(short) == b"01", got
+            assert bytes(a + b) == b"2345678"
+            if url.startswith("s3://"):
+                assert s3_proxy.count("GetObject") == 4  # the empty range asked nothing
+        finally:
+            store.close()
