@@ -74,7 +74,7 @@ test: lint iac docs-check azurite rgw
 # async, manager, planners, metadata, extensions, reuse, Lightning, the peers' wire, one
 # lost node and one silent peer (point-to-point on gloo and the c10d store's
 # compare-and-set across releases; the rest of those files runs on the pinned release).
-TORCH_TESTS := tests/dcp/test_roundtrip.py tests/dcp/test_interop.py \
+TORCH_TESTS := tests/dcp/test_roundtrip.py tests/dcp/test_interop.py tests/dcp/test_direct_reads.py \
 	tests/distributed/test_distributed.py tests/pipeline/test_async.py \
 	tests/ops/test_manager.py tests/dcp/test_load_planner.py \
 	tests/pipeline/test_metadata_stream.py tests/dcp/test_extensions.py tests/dcp/test_reuse.py \
