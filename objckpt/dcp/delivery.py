@@ -289,15 +289,10 @@ class Delivery:
         self, req: ReadItem, item: StoredItem, metadata: Metadata
     ) -> tuple[bytes, bytes, torch.dtype, tuple[int, ...]] | None:
         """The frame of a tensor item ``req`` reads whole, when one can be placed."""
-        if req.type != LoadItemType.TENSOR or item.transform_descriptors:
+        stored = None if item.transform_descriptors else _stored_chunk(req, metadata)
+        if req.type != LoadItemType.TENSOR or stored is None:
             return None
-        md = metadata.state_dict_metadata.get(req.storage_index.fqn)
-        if not isinstance(md, TensorStorageMetadata):
-            return None
-        chunk = chunk_of(md, req.storage_index)
-        if chunk is None:
-            return None
-        dtype, shape = md.properties.dtype, tuple(chunk.sizes)
+        dtype, shape = stored
         if any(req.storage_offsets) or tuple(req.lengths) != shape:
             return None
         frame = self._framer.frame_for(dtype, shape)
@@ -446,12 +441,18 @@ class Delivery:
     def _unframed(self, data: memoryview, req: ReadItem, metadata: Metadata) -> torch.Tensor | None:
         """The stored chunk as a view of ``data`` when it is framed as objckpt writes
         tensors (:func:`~objckpt.dcp.serialize.unframe`): no unpickling, no copy."""
-        md = metadata.state_dict_metadata.get(req.storage_index.fqn)
-        if not isinstance(md, TensorStorageMetadata):
+        stored = _stored_chunk(req, metadata)
+        if stored is None:
             return None
-        # By position (one chunk built), not a map of the tensor's W chunks.
-        chunk = chunk_of(md, req.storage_index)
-        if chunk is None:
-            return None
-        dtype, shape = md.properties.dtype, tuple(chunk.sizes)
+        dtype, shape = stored
         return unframe(data, self._framer.frame_for(dtype, shape), dtype, shape)
+
+
+def _stored_chunk(req: ReadItem, metadata: Metadata) -> tuple[torch.dtype, tuple[int, ...]] | None:
+    """The dtype and shape of the stored chunk ``req`` reads, where the metadata has it."""
+    md = metadata.state_dict_metadata.get(req.storage_index.fqn)
+    if not isinstance(md, TensorStorageMetadata):
+        return None
+    # By position (one chunk built), not a map of the tensor's W chunks.
+    chunk = chunk_of(md, req.storage_index)
+    return None if chunk is None else (md.properties.dtype, tuple(chunk.sizes))

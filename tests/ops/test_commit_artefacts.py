@@ -69,17 +69,22 @@ def _loads(url: str, target: StoreTarget, step: int) -> None:
     assert verify_checkpoint(Location.parse(url, target.storage_options)).ok
 
 
-def test_a_backup_whose_manifest_answer_is_lost_is_settled_as_backed_up(
-    s3_bucket: StoreTarget, backup: StoreTarget, s3_proxy: FaultProxy
-) -> None:
-    s3_proxy.add(_lost(1))
-    with CheckpointManager(
+def _backed_up(s3_bucket: StoreTarget, backup: StoreTarget) -> CheckpointManager:
+    """A manager saving to ``s3_bucket`` directly, backing up to ``backup``."""
+    return CheckpointManager(
         s3_bucket.url("run"),
         storage_options=s3_bucket.storage_options,
         async_options=OPTS,
         retry=FAST,
         backups=[BackupTarget(backup.url("run"), backup.storage_options)],
-    ) as mgr:
+    )
+
+
+def test_a_backup_whose_manifest_answer_is_lost_is_settled_as_backed_up(
+    s3_bucket: StoreTarget, backup: StoreTarget, s3_proxy: FaultProxy
+) -> None:
+    s3_proxy.add(_lost(1))
+    with _backed_up(s3_bucket, backup) as mgr:
         mgr.save(1, _state(1)).result()
         mgr.wait_for_backups(timeout=60)
         (status,) = mgr.backup_status()
@@ -97,13 +102,7 @@ def test_a_backup_meeting_another_writers_manifest_is_refused_and_leaves_it(
     other = f"{backup.url('run')}/{step_name(1)}"
     where = f"{step_name(1)}/{MANIFEST_KEY}"
     s3_proxy.add(Rule("PutObject", key_contains=where, action="hold", stall=30, times=1))
-    with CheckpointManager(
-        s3_bucket.url("run"),
-        storage_options=s3_bucket.storage_options,
-        async_options=OPTS,
-        retry=FAST,
-        backups=[BackupTarget(backup.url("run"), backup.storage_options)],
-    ) as mgr:
+    with _backed_up(s3_bucket, backup) as mgr:
         mgr.save(1, _state(1)).result()
         s3_proxy.wait_for("PutObject", faulted=True)
         save(_state(9), other, backup)  # the hold rule is spent: this one goes through
