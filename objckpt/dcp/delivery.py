@@ -169,14 +169,21 @@ class LoadTargets:
         if not _stock(planner):
             return
         spans: list[tuple[int, int, int]] = []
+        opaque = False
         for req in reads:
             if req.type != LoadItemType.TENSOR:
                 continue
             target = planner.resolve_tensor(req).detach()
             self._targets[id(req)] = target
-            span = _span(target)
+            try:
+                span = _span(target)
+            except _Opaque:
+                opaque = True  # its memory may be any other target's: none is placed
+                continue
             if span is not None:
                 spans.append((*span, id(req)))
+        if opaque:
+            return
         shared = _overlapping([(a, b) for a, b, _ in spans])
         self._exclusive = {ident for n, (_, _, ident) in enumerate(spans) if n not in shared}
 
@@ -211,14 +218,26 @@ def _stock(planner: LoadPlanner) -> bool:
     )
 
 
+class _Opaque(Exception):
+    """A target whose memory cannot be seen (a wrapper subclass: its bytes are in
+    tensors it holds, its own ``data_ptr`` 0 or refused)."""
+
+
 def _span(tensor: torch.Tensor) -> tuple[int, int] | None:
-    """The bytes ``tensor`` may touch, ``[first, last + 1)``; None for no memory (empty,
-    or a tensor subclass without storage of its own, whose ``data_ptr`` is 0)."""
-    if tensor.numel() == 0 or type(tensor) is not torch.Tensor or tensor.device.type != "cpu":
+    """The bytes ``tensor`` may touch, ``[first, last + 1)``; None for no host memory
+    (empty, or not on the CPU).
+
+    Raises:
+        _Opaque: Its memory cannot be seen.
+    """
+    if tensor.numel() == 0 or tensor.device.type != "cpu":
         return None
-    start = tensor.data_ptr()
+    try:
+        start = tensor.data_ptr()
+    except RuntimeError as exc:  # "Cannot access data pointer of Tensor that doesn't have storage"
+        raise _Opaque from exc
     if start == 0:
-        return None
+        raise _Opaque
     extent = 1 + sum((n - 1) * abs(st) for n, st in zip(tensor.shape, tensor.stride(), strict=True))
     return start, start + extent * tensor.element_size()
 
@@ -278,6 +297,10 @@ class Delivery:
                 direct[n] = _Direct(
                     target, start, item.offset + item.length - len(tail), head, tail
                 )
+                # Bytes written behind torch's back: the version counter moves as a
+                # copy_ would move it, so what watches it (a save's deferred copy,
+                # autograd) sees the tensor changed, before any byte lands.
+                torch.autograd.graph.increment_version(target)
         spans = sorted((d.start, d.end) for d in direct.values())
         held = sum(end - start for start, end in spans)
         scratch = torch.empty(rng.end - rng.start - held, dtype=torch.uint8)

@@ -102,12 +102,14 @@ class LocalUpload(ObjectUpload):
         self._store = store
         self._path = store.path(key)
         self._file: BinaryIO | None = None
+        self._created = False  # abort removes the file only if this upload made it
 
     def _open(self) -> BinaryIO:
         if self._file is None:
             try:
                 os.makedirs(os.path.dirname(self._path), exist_ok=True)
                 self._file = open(self._path, "xb")  # noqa: SIM115 - closed in close()/abort()
+                self._created = True
             except Exception as exc:
                 raise translate(
                     exc, url=self._store.location.url_of(self.key), action="writing"
@@ -146,5 +148,6 @@ class LocalUpload(ObjectUpload):
             with contextlib.suppress(OSError):
                 self._file.close()
             self._file = None
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._path)
+        if self._created:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._path)

@@ -257,3 +257,34 @@ def test_names_sharing_memory_load_without_a_false_checksum_error(s3_bucket: Sto
     load({"a": shared[:100], "b": shared}, url, s3_bucket)
     assert torch.equal(shared[100:], state["b"][100:])
     assert torch.equal(shared[:100], state["a"]) or torch.equal(shared[:100], state["b"][:100])
+
+
+class _Marked(torch.Tensor):
+    """A plain subclass: its own storage (``as_subclass``), kept through ``detach``."""
+
+
+def test_a_subclass_view_of_a_placed_tensor_counts_as_sharing_its_memory(
+    s3_bucket: StoreTarget,
+) -> None:
+    """A subclass viewing a large target's memory (``as_subclass``) is copied into
+    after the fetch: the large target is not placed, so it is never checked over
+    bytes the subclass's copy wrote (a false checksum error when the two differ)."""
+    state = {"a": torch.randn(4 * DIRECT), "b": torch.randn(4 * DIRECT)}
+    url = s3_bucket.url("subclass-view")
+    save(state, url, s3_bucket)
+    shared = torch.zeros(4 * DIRECT)
+    load({"a": shared.as_subclass(_Marked), "b": shared}, url, s3_bucket)
+    assert torch.equal(shared, state["a"]) or torch.equal(shared, state["b"])
+
+
+def test_a_placed_tensor_counts_as_changed(s3_bucket: StoreTarget) -> None:
+    """Bytes written straight into a target move its version counter, as ``copy_``
+    does: what watches the counter (a save's deferred copy, autograd) sees the load."""
+    state = {"w": torch.randn(4 * DIRECT)}
+    url = s3_bucket.url("versions")
+    save(state, url, s3_bucket)
+    got = {"w": torch.zeros(4 * DIRECT)}
+    before = got["w"]._version
+    load(got, url, s3_bucket)
+    assert got["w"]._version > before
+    assert torch.equal(got["w"], state["w"])

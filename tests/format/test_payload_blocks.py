@@ -46,3 +46,5 @@ def test_an_item_written_in_blocks_records_the_checksums_of_its_whole_bytes(trac
     assert xxh3 == item_digest([whole])[1]
     assert bytes(upload.got) == whole
     assert upload.writes == 2 + 4  # head, tail, and the body in four blocks
+    if not tracks:  # the object's CRC32C is the writer's own, block by block
+        assert writer.record().crc32c == format_crc(crc32c_of(whole))

@@ -167,3 +167,22 @@ def test_a_503_storm_is_ridden_out_and_the_save_commits(
         assert mgr.load(got, step=1) == 1
     assert_state_equal(got, _state(6, mib=11))
     assert faulted >= 2, "the storm should have hit the save"
+
+
+def test_an_upload_aborted_after_meeting_an_existing_file_leaves_that_file(tmp_path) -> None:
+    """A file:// upload whose create-only open meets a file already there fails, and
+    its abort removes nothing: the file is not the upload's."""
+    from objckpt import Location
+    from objckpt.errors import StoreError
+    from objckpt.writers import open_store
+
+    store = open_store(Location.parse(f"file://{tmp_path}/root"))
+    try:
+        store.put("taken.bin", b"someone else's")
+        upload = store.begin("taken.bin", 4)
+        with pytest.raises(StoreError):
+            upload.write(b"mine")
+        upload.abort()
+        assert (tmp_path / "root" / "taken.bin").read_bytes() == b"someone else's"
+    finally:
+        store.close()
