@@ -12,7 +12,12 @@ The steps, in this order, whichever strategy runs them:
 
 A checkpoint exists if and only if its manifest exists. Everything else the save
 wrote is invisible until then, so a crash at any earlier moment leaves the previous
-state of the URL untouched.
+state of the URL untouched. The outcome is therefore decided at step 3, and a
+distributed save tells the other ranks there (:func:`commit_sequence`'s
+``committed``), before step 4: at 8,192 ranks ``.metadata`` is 1.2 GB, and no rank
+should wait for its upload to learn what the manifest already says. Rank 0's save
+completes after step 4, so a stock reader finds ``.metadata`` once rank 0's save
+has completed (a failed step 4 is logged, and the step stays committed).
 
 Nothing a committed manifest names may be written by another attempt. Payload and
 index names carry the attempt id; ``.metadata`` has a fixed name, so it is written
@@ -453,6 +458,7 @@ def commit_sequence(
     user: Mapping[str, Any] | None,
     requests: RequestStats | None,
     base: str | None,
+    committed: Callable[[Manifest], None] | None = None,
 ) -> Manifest:
     """Steps 2 to 4 once every rank's index object (step 1) is on the store, as
     ``reports`` say: the one implementation of the commit's order (the module doc).
@@ -460,6 +466,9 @@ def commit_sequence(
     Args:
         requests: The ranks' requests and step 1's, for the manifest (None: not counted).
         base: The URL of the step this save reused items of (``reuse_from``), or None.
+        committed: Called once the manifest is committed, before step 4: the save's
+            outcome is decided there, so the other ranks learn it without waiting for
+            ``.metadata`` (1.2 GB at 8,192 ranks) to be written.
 
     Raises:
         CheckpointExistsError: Another attempt committed this URL first.
@@ -484,6 +493,8 @@ def commit_sequence(
     except BaseException:
         strategy.discard()
         raise
+    if committed is not None:
+        committed(manifest)
     strategy.publish(frozenset(o.key for o in manifest.objects))
     return manifest
 
@@ -510,6 +521,7 @@ def commit_checkpoint(
     user: Mapping[str, Any] | None = None,
     checkpoint_id: str | os.PathLike[str] | None = None,
     base: str | None = None,
+    committed: Callable[[Manifest], None] | None = None,
 ) -> Manifest:
     """The whole commit in this thread (:class:`InThread`) from every rank's write
     results: the index objects, then the manifest, then ``.metadata``; returns the
@@ -520,6 +532,7 @@ def commit_checkpoint(
         checkpoint_id: What DCP's ``StorageMeta.checkpoint_id`` records (the id as
             the caller gave it; the store URL when None).
         base: The URL of the step this save reused items of (``reuse_from``), or None.
+        committed: Called once the manifest is committed (:func:`commit_sequence`).
 
     Raises:
         CheckpointExistsError: Another attempt committed this URL first.
@@ -571,6 +584,7 @@ def commit_checkpoint(
         user=user,
         requests=ranks_requests + commit_counter.snapshot() if counted else None,
         base=base,
+        committed=committed,
     )
 
 

@@ -216,21 +216,43 @@ class Committer:
         # came at most barrier_timeout before this one (see RankExchange.outcome):
         # the outcome is published before then.
         commit_by = time.monotonic() + self._timeout + 30
+        published: list[Manifest] = []
+
+        def committed(manifest: Manifest) -> None:  # decided by the manifest: tell them now
+            exchange.publish_outcome(None)
+            published.append(manifest)
+
         try:
             reports = exchange.gather()
             if split:
-                manifest = self._helper.commit(writer, reports, world, commit_by)
+                manifest = self._helper.commit(writer, reports, world, commit_by, committed)
             else:
-                manifest = self._commit(writer, reports, world)
+                manifest = self._commit(writer, reports, world, committed)
+        except Exception as exc:
+            if not published:
+                exchange.publish_outcome(describe(exc))
+                raise
+            # Step 4 logs its own failures; anything else after the commit is logged
+            # too: the save is committed, as every other rank was told.
+            logger.error(
+                "%s committed, but rank 0 failed after it: %s",
+                writer.target.location.url,
+                describe(exc),
+            )
+            manifest = published[0]
         except BaseException as exc:
-            exchange.publish_outcome(describe(exc))
+            if not published:
+                exchange.publish_outcome(describe(exc))
             raise
-        exchange.publish_outcome(None)
         self._after_commit(writer, manifest)
         return manifest
 
     def _commit(
-        self, writer: DeferredWriter, results: list[list[WriteResult]], world: int
+        self,
+        writer: DeferredWriter,
+        results: list[list[WriteResult]],
+        world: int,
+        committed: Callable[[Manifest], None] | None = None,
     ) -> Manifest:
         if writer.metadata is None or writer.rank_plan is None:
             raise InternalError("internal: commit without DCP metadata on the coordinator")
@@ -245,6 +267,7 @@ class Committer:
             user=target.user_metadata,
             checkpoint_id=target.checkpoint_id,
             base=target.reuse_from,
+            committed=committed,
         )
         target.close()
         return manifest

@@ -9,9 +9,10 @@ records, then (on its commit thread; the steps of :mod:`objckpt.format.commit`):
 3. writes the manifest (one listing, the create-only PUT settled by read-back):
    the plan's :class:`~objckpt.format.commit.Layout`, built once per global
    plan, completed with this save's writers and keys;
-4. asks the helper to write ``.metadata`` and delete what an overwrite replaced
-   (:func:`~objckpt.pipeline.stock_task.publish_stock`); the save completes once
-   it did (or failed: logged, the checkpoint stays committed, as in-thread).
+4. tells the other ranks the save committed, then asks the helper to write
+   ``.metadata`` and delete what an overwrite replaced
+   (:func:`~objckpt.pipeline.stock_task.publish_stock`); rank 0's save completes
+   once it did (or failed: logged, the checkpoint stays committed, as in-thread).
 
 These are the steps of :func:`~objckpt.format.commit.commit_sequence`, the one
 implementation of the commit's order; :class:`InHelper` is its helper-process
@@ -40,7 +41,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
@@ -174,6 +175,7 @@ class CommitHelper:
         reports: Sequence[RankReport],
         world: int,
         commit_by: float | None = None,
+        committed: Callable[[Manifest], None] | None = None,
     ) -> Manifest:
         """Commit the save ``reports`` describe (see the module doc) through
         :func:`~objckpt.format.commit.commit_sequence` with :class:`InHelper`.
@@ -181,6 +183,7 @@ class CommitHelper:
         Args:
             commit_by: The ``time.monotonic()`` by which the outcome must be
                 published (the other ranks stop waiting then); None: no bound.
+            committed: Called once the manifest is committed, before step 4.
         """
         if writer.metadata is None or writer.rank_plan is None:
             raise InternalError("internal: commit without DCP metadata on the coordinator")
@@ -196,6 +199,7 @@ class CommitHelper:
             user=target.user_metadata,
             requests=sum((r.requests for r in reports), RequestStats()),
             base=target.reuse_from,
+            committed=committed,
         )
         target.close()
         return manifest

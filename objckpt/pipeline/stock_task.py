@@ -7,7 +7,7 @@ rank's items is done here, in a long-lived helper process of rank 0
 commit from reports and again after it died or was stopped; unlike the upload
 workers it imports torch, for DCP's classes):
 
-1. :func:`prepare_stock` (before the manifest): fetch every index object, check each
+1. :func:`prepare_stock` (before the manifest), built whole: fetch every index object, check each
    against the size and CRC32C its rank reported, decode it against the plan's
    layout, and from the items build which rank wrote each chunk (the manifest's
    ``writer`` columns) and DCP's ``.metadata`` pickle for stock readers (~153 MB at
@@ -33,10 +33,13 @@ layout and every rank's digest equal those of the last ``.metadata`` built here,
 the new one is that pickle with the old attempt id replaced by the new one (same
 length: every name keeps its length) and a new ending
 (:meth:`~objckpt.format.metadata_stream.MetadataStream.tail`), and the writer columns
-and ``raw_bytes`` are the last save's: the index objects are still fetched and
-checked against their ranks' reports, but not decoded. At 8,192 ranks that is the
-difference between decoding ten million items and pickling them again (87-102
-CPU-s, 1.2 GB) and two copies of the bytes (see ``docs/guides/at-scale.md``). A
+and ``raw_bytes`` are the last save's. The index objects are then not read at all
+(8,192 GETs, 790 MB at 8,192 ranks): nothing is decoded from them, each rank wrote
+its own and reported its size and CRC32C, and the commit's listing (step 3) finds
+each with that size before the manifest names it; a reader checks its CRC32C. At
+8,192 ranks that is the difference between reading and decoding ten million items
+and pickling them again (87-102 CPU-s, 1.2 GB) and two copies of the bytes (see
+``docs/guides/at-scale.md``). A
 changed digest (an item reused or compressed differently, a new plan), an attempt
 id found where no name could hold it, or a restarted helper builds it whole, as
 before, and keeps it as the next template. Both give the same bytes
@@ -124,19 +127,22 @@ def prepare_stock(
         ManifestError: An index does not match the plan's layout.
     """
     store = worker_store(location, options)
-    with counting(RequestCounter()) as counter, bounded_by(deadline):
-        blobs = _fetch(store, indexes)
-        superseded = previous_objects(store) if overwrite else set()
     key = _template_key(layout, indexes, digests)
+    with _LOCK:
+        template = _TEMPLATE[0] if _TEMPLATE else None
     with _no_cyclic_gc():
-        with _LOCK:
-            template = _TEMPLATE[0] if _TEMPLATE else None
         blob = _from_template(template, key, attempt, layout)
-        if template is not None and blob is not None:
-            with _LOCK:
-                _PREPARED[attempt] = (blob, superseded)
-            entry = metadata_entry(blob)
-            return StockPrepared(template.writers, entry, counter.snapshot(), template.raw)
+    with counting(RequestCounter()) as counter, bounded_by(deadline):
+        # From the template the index objects are not read: only a whole build
+        # decodes them, and the commit's listing finds each with its rank's size.
+        blobs = _fetch(store, indexes) if blob is None else []
+        superseded = previous_objects(store) if overwrite else set()
+    if template is not None and blob is not None:
+        with _LOCK:
+            _PREPARED[attempt] = (blob, superseded)
+        entry = metadata_entry(blob)
+        return StockPrepared(template.writers, entry, counter.snapshot(), template.raw)
+    with _no_cyclic_gc():
         return _prepare(location, attempt, layout, indexes, blobs, superseded, counter, key)
 
 

@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
+from typing import Any
 
 import pytest
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -21,6 +22,7 @@ from objckpt.format.manifest import ObjectEntry
 from objckpt.options import UploadOptions
 from objckpt.pipeline import stock_task
 from objckpt.pipeline.coordinator import CommitHelper
+from objckpt.testing.plugin import StoreTarget
 from objckpt.writers.checksum import Crc32c
 from objckpt.writers.location import Location
 
@@ -213,3 +215,70 @@ def _metadata(world: int) -> Metadata:
         TensorProperties(dtype=torch.float32), torch.Size([4 * world, 8]), chunks
     )
     return Metadata({"w": md}, planner_data={"w": ("w",)})
+
+
+@pytest.fixture(params=["moto", "rgw"])
+def s3_target(request: pytest.FixtureRequest) -> StoreTarget:
+    """An S3 bucket on moto and on Ceph RGW (the listing's answer is the store's)."""
+    return request.getfixturevalue("s3_bucket" if request.param == "moto" else "rgw_bucket")
+
+
+def test_a_save_renamed_from_the_template_reads_no_index_and_the_listing_still_refuses_a_lost_one(
+    s3_target: StoreTarget, helper: CommitHelper
+) -> None:
+    """#46: a later save of a plan takes its ``.metadata`` from the template, so the
+    helper reads none of the W index objects (8,192 GETs at 8,192 ranks; unfixed it
+    read every one on every save). Their check is the commit's listing: an index
+    object lost before the commit is still refused, by name, and nothing commits."""
+    from commit_strategies import commit_via, one_value_save
+
+    from objckpt.format.layout import MANIFEST_KEY
+    from objckpt.writers import open_store
+
+    def at(step: str) -> Any:
+        return open_store(
+            Location.parse(s3_target.url(step), s3_target.storage_options), UploadOptions()
+        )
+
+    gets = []
+    plan = None  # one global plan for every save (DCP's plan cache keeps it)
+    for n, step in enumerate(("step-1", "step-2")):
+        store, attempt = at(step), f"{n + 1}" * 16
+        metadata, results = one_value_save(store, attempt, b"value")
+        plan = metadata = plan or metadata
+        manifest = commit_via(
+            "helper",
+            store,
+            metadata,
+            results,
+            attempt=attempt,
+            world_size=1,
+            overwrite=False,
+            helper=helper,
+        )
+        assert manifest.requests is not None
+        gets.append(manifest.requests.requests.get("GET", 0))
+        assert store.read(".metadata")
+    assert gets == [1, 0]  # the first save built .metadata whole from its one index
+
+    store, attempt = at("step-3"), "3" * 16
+    _, results = one_value_save(store, attempt, b"value")
+
+    def lose_index(reports: Any) -> None:
+        store.delete(reports[0].index.key)
+
+    with pytest.raises(
+        UploadError, match=r"missing \(__index_0\.3{16}\.json\).*nothing was committed"
+    ):
+        commit_via(
+            "helper",
+            store,
+            metadata,
+            results,
+            attempt=attempt,
+            world_size=1,
+            overwrite=False,
+            helper=helper,
+            before_commit=lose_index,
+        )
+    assert not store.exists(MANIFEST_KEY)

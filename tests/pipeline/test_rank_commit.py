@@ -418,3 +418,50 @@ def test_a_stock_dcp_reader_loads_each_save_whose_metadata_came_from_the_templat
     with pytest.raises(CheckpointException, match=r"never-saved/\.metadata|metadata is not None"):
         reader = FsspecReader(s3_bucket.url("never-saved"), **s3_bucket.storage_options)
         dcp_load({"step": 0}, storage_reader=reader, no_dist=True)
+
+
+def test_the_other_ranks_learn_the_commit_before_rank_0_writes_metadata(
+    s3_bucket: StoreTarget, s3_proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """#46: the outcome is decided by the manifest, so the other ranks are told there,
+    not after rank 0 wrote ``.metadata`` (1.2 GB at 8,192 ranks; unfixed, every rank
+    waited for its upload). Rank 0's ``.metadata`` PUT is held: rank 1's save returns
+    committed meanwhile, the manifest there and ``.metadata`` not yet; rank 0's returns
+    once its PUT was let go, ``.metadata`` written."""
+    import threading
+    import time
+
+    url = s3_bucket.url("step")
+    prefix = url.split("://", 1)[1].split("/", 1)[1]
+    s3_proxy.add(
+        Rule(operation="PutObject", key_contains=f"{prefix}/.metadata", action="hold", stall=600)
+    )
+    out = tmp_path / "out"
+    args = ("save_while_metadata_held", 2, str(tmp_path / "init"), url)
+    failures: list[BaseException] = []
+
+    def ranks() -> None:
+        try:
+            run_ranks(rank_commit_ranks, *args, s3_proxy.storage_options(), str(out))
+        except BaseException as exc:
+            failures.append(exc)
+
+    thread = threading.Thread(target=ranks)
+    thread.start()
+    try:
+        s3_proxy.wait_for("PutObject", faulted=True, timeout=240)  # rank 0 is at step 4
+        rank1 = tmp_path / "out.rank1.json"
+        bound = time.monotonic() + 120
+        while not rank1.exists() and time.monotonic() < bound and thread.is_alive():
+            time.sleep(0.05)  # an event in another process: its file
+    finally:
+        s3_proxy.release()  # rank 0's PUT goes on: it lands within its settle bound
+        thread.join(timeout=300)
+    assert not failures, failures
+    records = [json.loads((tmp_path / f"out.rank{r}.json").read_text()) for r in range(2)]
+    assert records[1] == {"outcome": "committed", "manifest": True, "metadata": False}
+    # Unfixed, rank 1 heard nothing until rank 0 gave its held PUT up (the settle
+    # bound), so that .metadata was never written.
+    assert records[0] == {"outcome": "committed", "manifest": True, "metadata": True}, (
+        "rank 1 was told the outcome only after rank 0's .metadata step had ended"
+    )

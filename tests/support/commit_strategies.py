@@ -40,10 +40,18 @@ def commit_via(
     user: Mapping[str, Any] | None = None,
     checkpoint_id: str | os.PathLike[str] | None = None,
     base: str | None = None,
+    helper: CommitHelper | None = None,
+    before_commit: Any = None,
 ) -> Manifest:
     """Commit ``results`` (one list per rank) as ``commit_checkpoint`` does, through
     ``strategy``: ``"in-thread"`` or ``"helper"`` (each rank's index object written as
-    the rank would, then rank 0's helper process builds and writes ``.metadata``)."""
+    the rank would, then rank 0's helper process builds and writes ``.metadata``).
+
+    Args:
+        helper: The helper to commit through, kept open (None: a fresh one, closed
+            after): a helper that committed a plan before renames its ``.metadata``.
+        before_commit: Called with the ranks' reports once their index objects are
+            written, before the helper commits (helper strategy only)."""
     if strategy == "in-thread":
         return commit_checkpoint(
             store,
@@ -76,11 +84,15 @@ def commit_via(
         rank_plan=SimpleNamespace(attempt=attempt),
         deadline=None,
     )
-    helper = CommitHelper()
-    try:
+    if before_commit is not None:
+        before_commit(reports)
+    if helper is not None:
         return helper.commit(writer, reports, world_size)  # type: ignore[arg-type]
+    fresh = CommitHelper()
+    try:
+        return fresh.commit(writer, reports, world_size)  # type: ignore[arg-type]
     finally:
-        helper.close(timeout=30)
+        fresh.close(timeout=30)
 
 
 def one_value_save(store: ObjectStore, attempt: str, value: bytes) -> tuple[Metadata, list]:

@@ -63,3 +63,36 @@ def save_each(
         with open(f"{out}.rank{rank}.json", "w") as f:
             json.dump(record, f)
         dist.destroy_process_group()
+
+
+def save_while_metadata_held(
+    rank: int, world: int, init_file: str, url: str, options: dict[str, Any], out: str
+) -> None:
+    """One async save to ``url``; each rank writes ``<out>.rank<r>.json`` once its save
+    returned: its outcome, and whether ``manifest.json`` and ``.metadata`` were on
+    the store then (the test holds rank 0's ``.metadata`` PUT meanwhile)."""
+    import fsspec
+
+    mesh = init_ranks(rank, world, init_file)
+    record: dict[str, Any] = {}
+    try:
+        state = {
+            "model": {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full_state().items()},
+            "step": 3,
+        }
+        opts = objckpt.AsyncOptions(workers=1, barrier_timeout=60)
+        with objckpt.AsyncCheckpointer(storage_options=options, async_options=opts) as ckpt:
+            try:
+                ckpt.save(state, url).result(timeout=300)
+                record["outcome"] = "committed"
+            except objckpt.errors.ObjckptError as exc:
+                record["outcome"] = f"{type(exc).__name__}: {exc}"
+            fs = fsspec.filesystem("s3", skip_instance_cache=True, **options)
+            path = url.split("://", 1)[1]
+            record["manifest"] = fs.exists(f"{path}/manifest.json")
+            record["metadata"] = fs.exists(f"{path}/.metadata")
+            with open(f"{out}.rank{rank}.json", "w") as f:
+                json.dump(record, f)
+            dist.barrier()  # rank 0 returns only once the test released its PUT
+    finally:
+        dist.destroy_process_group()
