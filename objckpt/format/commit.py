@@ -360,7 +360,7 @@ def build_stock(
     return stream.end(layout.storage_meta, metadata.version), writers, raw
 
 
-def metadata_entry(blob: bytes) -> ObjectEntry:
+def metadata_entry(blob: bytes | bytearray) -> ObjectEntry:
     """``.metadata``'s entry in the manifest's object list."""
     crc = Crc32c()
     crc.update(blob)

@@ -363,10 +363,13 @@ class ObjectStore(abc.ABC):
     def begin(self, key: str, size_hint: int) -> ObjectUpload:
         """Start writing the object ``key`` of about ``size_hint`` bytes."""
 
-    def put(self, key: str, data: bytes) -> None:
-        """Write a small object in one request (overwriting is allowed)."""
+    def put(self, key: str, data: bytes | bytearray) -> None:
+        """Write a small object in one request (overwriting is allowed); ``data`` may be
+        a ``bytearray`` (the commit helper's ``.metadata``, built in place). fsspec's
+        ``pipe_file`` takes bytes (adlfs fails on a ``bytearray``): copied here, not by
+        the stores that write it themselves (S3, local)."""
         try:
-            self._fs.pipe_file(self.path(key), data)
+            self._fs.pipe_file(self.path(key), bytes(data))
         except Exception as exc:
             raise translate(exc, url=self.location.url_of(key), action="writing") from exc
 

@@ -57,7 +57,7 @@ class LocalStore(ObjectStore):
     def begin(self, key: str, size_hint: int) -> ObjectUpload:
         return LocalUpload(self, key)
 
-    def _write_tmp(self, key: str, data: bytes) -> str:
+    def _write_tmp(self, key: str, data: bytes | bytearray) -> str:
         os.makedirs(self.location.path, exist_ok=True)
         tmp = self.path(f".{key}.{uuid.uuid4().hex}.tmp")
         with open(tmp, "xb") as f:
@@ -66,7 +66,7 @@ class LocalStore(ObjectStore):
             os.fsync(f.fileno())
         return tmp
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes | bytearray) -> None:
         try:
             tmp = self._write_tmp(key, data)
             os.replace(tmp, self.path(key))

@@ -130,7 +130,7 @@ class S3Store(ObjectStore):
     def begin(self, key: str, size_hint: int) -> ObjectUpload:
         return S3Upload(self, key, self.options.part_size_for(size_hint))
 
-    def create(self, key: str, data: bytes, *, overwrite: bool = False) -> None:
+    def create(self, key: str, data: bytes | bytearray, *, overwrite: bool = False) -> None:
         bucket, obj = self.bucket_key(key)
         extra = {} if overwrite else {"IfNoneMatch": "*"}
         extra["ChecksumCRC32C"] = to_base64(crc32c_of(data))
@@ -145,7 +145,7 @@ class S3Store(ObjectStore):
         finally:
             self._fs.invalidate_cache(self.path(key))
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes | bytearray) -> None:
         self.create(key, data, overwrite=True)
 
     server_side_copy = True
