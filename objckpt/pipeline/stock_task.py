@@ -48,7 +48,6 @@ before, and keeps it as the next template. Both give the same bytes
 
 from __future__ import annotations
 
-import array
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -88,14 +87,13 @@ class _Template:
 
     key: tuple[str, tuple[tuple[int, str], ...]]
     attempt: str
-    body: bytes  # the pickle without its tail (StorageMeta, version, the end)
+    #: The pickle without its tail (StorageMeta, version, the end). A ``bytearray``:
+    #: its ``replace`` gives a bytearray the new tail extends in place (a realloc),
+    #: where bytes would be copied whole (1.2 GB at 8,192 ranks) to append it.
+    body: bytearray
     version: Any
     writers: dict[str, Any]
     raw: int
-    #: Where ``attempt``'s bytes sit in ``body``, left to right, as ``bytes.replace``
-    #: finds them: found once here, so a save overwrites them instead of searching
-    #: 1.2 GB again (most of a later save's CPU at 8,192 ranks).
-    at: array.array[int] = dataclasses.field(default_factory=lambda: array.array("q"))
 
 
 #: This helper's template (one: the helper serves one checkpointer).
@@ -173,13 +171,8 @@ def _from_template(
         return None
     if template.key != key or len(template.attempt) != len(attempt):
         return None
-    body, tail = template.body, MetadataStream.tail(layout.storage_meta, template.version)
-    blob = bytearray(len(body) + len(tail))  # one copy of 1.2 GB, no search, no join
-    blob[: len(body)] = body
-    blob[len(body) :] = tail
-    new, width = attempt.encode(), len(attempt)
-    for at in template.at:
-        blob[at : at + width] = new
+    blob = template.body.replace(template.attempt.encode(), attempt.encode())
+    blob.extend(MetadataStream.tail(layout.storage_meta, template.version))
     return blob
 
 
@@ -229,17 +222,13 @@ def _keep_template(
     tail = MetadataStream.tail(layout.storage_meta, version)
     if not blob.endswith(tail):
         return  # another version field than the layout's: build the next one whole
-    body = blob[: len(blob) - len(tail)]
-    head = body[: body.find(b"storage_data")]
-    if attempt.encode() in head:  # a tensor's name holds the attempt id: never rename it
-        return
-    at = array.array("q")
-    name, start = attempt.encode(), body.find(attempt.encode())
-    while start >= 0:
-        at.append(start)
-        start = body.find(name, start + len(name))
+    end = len(blob) - len(tail)
+    names = blob.find(b"storage_data", 0, end)
+    if blob.find(attempt.encode(), 0, names if names >= 0 else end - 1) >= 0:
+        return  # a tensor's name holds the attempt id: never rename it
+    body = memoryview(blob)[:end]
     with _LOCK:
-        _TEMPLATE[:] = [_Template(key, attempt, body, version, dict(writers), raw, at)]
+        _TEMPLATE[:] = [_Template(key, attempt, bytearray(body), version, dict(writers), raw)]
 
 
 def _fetch(store: Any, indexes: list[tuple[int, ObjectEntry]]) -> list[bytes]:
