@@ -21,7 +21,8 @@ What may grow with W is decided here, once:
   the commit (``require_present``: one request, at most linear bytes), and the index
   objects are one per rank, each written once (by whichever rank writes it: each rank
   its own since #27 item 2) and, on an async save, read back once by rank 0's commit
-  helper to build ``.metadata`` off the training process; the rest of its requests and
+  helper to build ``.metadata`` off the training process (the first save of a plan,
+  as here; a later one renames the last ``.metadata`` and reads none); the rest of its requests and
   bytes are flat;
 * rank 0 on a load: it GETs the manifest (at most linear) and broadcasts it; the rest
   is flat;
