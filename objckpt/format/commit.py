@@ -494,7 +494,12 @@ def commit_sequence(
         strategy.discard()
         raise
     if committed is not None:
-        committed(manifest)
+        try:
+            committed(manifest)
+        except Exception as exc:  # committed all the same: step 4 still runs
+            logger.error(
+                "%s committed, but telling the other ranks failed: %s", store.location.url, exc
+            )
     strategy.publish(frozenset(o.key for o in manifest.objects))
     return manifest
 

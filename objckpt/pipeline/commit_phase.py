@@ -219,8 +219,8 @@ class Committer:
         published: list[Manifest] = []
 
         def committed(manifest: Manifest) -> None:  # decided by the manifest: tell them now
+            published.append(manifest)  # first: no error is published after a None may have been
             exchange.publish_outcome(None)
-            published.append(manifest)
 
         try:
             reports = exchange.gather()

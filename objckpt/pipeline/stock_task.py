@@ -33,10 +33,12 @@ layout and every rank's digest equal those of the last ``.metadata`` built here,
 the new one is that pickle with the old attempt id replaced by the new one (same
 length: every name keeps its length) and a new ending
 (:meth:`~objckpt.format.metadata_stream.MetadataStream.tail`), and the writer columns
-and ``raw_bytes`` are the last save's. The index objects are then not read at all
-(8,192 GETs, 790 MB at 8,192 ranks): nothing is decoded from them, each rank wrote
-its own and reported its size and CRC32C, and the commit's listing (step 3) finds
-each with that size before the manifest names it; a reader checks its CRC32C. At
+and ``raw_bytes`` are the last save's. On a store that verifies each PUT against
+its CRC32C (:attr:`~objckpt.writers.base.ObjectStore.verifies_writes`: S3) the index
+objects are then not read at all (8,192 GETs, 790 MB at 8,192 ranks): nothing is
+decoded from them, each rank's PUT was checked against the CRC32C it reported, and
+the commit's listing (step 3) finds each with its size before the manifest names
+it; elsewhere they are still read back and checked, not decoded. At
 8,192 ranks that is the difference between reading and decoding ten million items
 and pickling them again (87-102 CPU-s, 1.2 GB) and two copies of the bytes (see
 ``docs/guides/at-scale.md``). A
@@ -136,9 +138,12 @@ def prepare_stock(
     with _no_cyclic_gc():
         blob = _from_template(template, key, attempt, layout)
     with counting(RequestCounter()) as counter, bounded_by(deadline):
-        # From the template the index objects are not read: only a whole build
-        # decodes them, and the commit's listing finds each with its rank's size.
-        blobs = _fetch(store, indexes) if blob is None else []
+        # From the template the index objects are not decoded. Where the store
+        # verified each rank's PUT against its CRC32C they are not read either: the
+        # commit's listing finds each with its rank's size. Elsewhere the read-back
+        # is what proves their bytes.
+        read = blob is None or not store.verifies_writes
+        blobs = _fetch(store, indexes) if read else []
         superseded = previous_objects(store) if overwrite else set()
     if template is not None and blob is not None:
         with _LOCK:

@@ -227,6 +227,10 @@ class ObjectStore(abc.ABC):
     #: ``digest`` can return the full-object CRC32C the store computed itself (for
     #: objects where it kept one); False: it always returns None.
     keeps_crc32c: ClassVar[bool] = False
+    #: ``put`` and ``create`` send the bytes' CRC32C and the store refuses a write
+    #: whose bytes differ (S3's ``x-amz-checksum-crc32c``): what was acknowledged is
+    #: what was sent, with no read-back. False: only a read-back proves it.
+    verifies_writes: ClassVar[bool] = False
     #: ``open_uploads`` lists unfinished multipart uploads (S3); False: an
     #: unfinished upload leaves nothing listable, and ``open_uploads`` is empty.
     lists_open_uploads: ClassVar[bool] = False

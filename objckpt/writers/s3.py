@@ -45,6 +45,7 @@ class S3Store(ObjectStore):
 
     atomic_create = True  # If-None-Match: * on PutObject
     keeps_crc32c = True  # x-amz-checksum-crc32c, where the endpoint keeps it
+    verifies_writes = True  # ChecksumCRC32C on every PutObject (create, put)
     lists_open_uploads = True  # ListMultipartUploads
 
     @property

@@ -14,6 +14,7 @@ import types
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
@@ -69,7 +70,11 @@ def _save(world: int) -> tuple[Any, list[list[WriteResult]]]:
     return metadata, results
 
 
-def _writer(tmp_path: Path, metadata: Any) -> Any:
+def _close_fails() -> None:
+    raise RuntimeError("closing the store failed")
+
+
+def _writer(tmp_path: Path, metadata: Any, close: Any = lambda: None) -> Any:
     store = open_store(Location.parse(f"file://{tmp_path}/step"), UploadOptions())
     target = types.SimpleNamespace(
         store=store,
@@ -79,7 +84,7 @@ def _writer(tmp_path: Path, metadata: Any) -> Any:
         overwrite=False,
         reuse_from=None,
         user_metadata={},
-        close=lambda: None,
+        close=close,
     )
     rank_plan = types.SimpleNamespace(attempt=ATTEMPT, rank=0)
     return types.SimpleNamespace(
@@ -93,7 +98,7 @@ def _commit(
     """Every rank's report (``fault`` on rank FAULTY), rank 0's commit, then each
     waiting rank's outcome: (rank 0's error, the others' outcomes, the c10d store)."""
     metadata, results = _save(WORLD)
-    writer = _writer(tmp_path, metadata)
+    writer = _writer(tmp_path, metadata, _close_fails if fault == "after" else lambda: None)
     store = dist.HashStore()
     exchanges = [
         RankExchange(store, ATTEMPT, r, WORLD, timeout, writer.target.location.url)
@@ -155,4 +160,19 @@ def test_a_refused_commit_fails_the_save_on_every_rank_and_leaves_the_winner(
     assert len(outcomes) == WORLD - 1 and set(outcomes) == {describe(error)}
     assert "already committed" in describe(error)
     assert (tmp_path / "step" / MANIFEST_KEY).read_bytes() == b'{"attempt": "another"}'
+    assert store.num_keys() == 0
+
+
+def test_a_failure_after_the_commit_leaves_every_rank_committed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The manifest decides: once it is committed (and the other ranks told), a
+    failure of rank 0 after it (here: closing the store) is logged, and rank 0 returns
+    the manifest like every other rank (unfixed, it published the error to every rank
+    while the checkpoint stood committed)."""
+    error, outcomes, store = _commit(tmp_path, "after")
+    assert error is None
+    assert outcomes == [None] * (WORLD - 1)
+    assert (tmp_path / "step" / MANIFEST_KEY).exists()
+    assert "rank 0 failed after it: RuntimeError: closing the store failed" in caplog.text
     assert store.num_keys() == 0

@@ -451,13 +451,17 @@ def test_the_other_ranks_learn_the_commit_before_rank_0_writes_metadata(
     try:
         s3_proxy.wait_for("PutObject", faulted=True, timeout=240)  # rank 0 is at step 4
         rank1 = tmp_path / "out.rank1.json"
-        bound = time.monotonic() + 120
+        # Well inside rank 0's settle bound (60 s), past which it gives the PUT up
+        # and (unfixed) only then told rank 1.
+        bound = time.monotonic() + 40
         while not rank1.exists() and time.monotonic() < bound and thread.is_alive():
             time.sleep(0.05)  # an event in another process: its file
+        told_while_held = rank1.exists()
     finally:
         s3_proxy.release()  # rank 0's PUT goes on: it lands within its settle bound
         thread.join(timeout=300)
     assert not failures, failures
+    assert told_while_held, "rank 1 heard nothing while rank 0's .metadata PUT was held"
     records = [json.loads((tmp_path / f"out.rank{r}.json").read_text()) for r in range(2)]
     assert records[1] == {"outcome": "committed", "manifest": True, "metadata": False}
     # Unfixed, rank 1 heard nothing until rank 0 gave its held PUT up (the settle
