@@ -48,6 +48,7 @@ import crc32c
 from objckpt.testing.rules import Rule, RuleState, Seen
 from objckpt.testing.s3_operations import s3_operation
 from objckpt.testing.servers import s3_test_options
+from objckpt.testing.throttle import PartitionModel
 from objckpt.testing.tls import TestCertificate
 from objckpt.writers.clients import PROCESS_CLIENTS
 
@@ -76,6 +77,10 @@ class FaultProxy:
         virtual_host: The domain of virtual-hosted requests (``localhost``: a
             request for ``b.localhost`` is bucket ``b``'s), so their operations are
             named as path-style ones are; the request goes upstream unchanged.
+        throttle: S3's request-rate partitions, modelled
+            (:class:`~objckpt.testing.throttle.PartitionModel`): an object request
+            its partition refuses is answered 503 SlowDown (``Seen.fault`` is
+            ``"throttle"``) before rules apply (None: no limit).
     """
 
     def __init__(
@@ -88,6 +93,7 @@ class FaultProxy:
         ] = s3_operation,
         tls: TestCertificate | None = None,
         virtual_host: str | None = None,
+        throttle: PartitionModel | None = None,
     ) -> None:
         parts = urllib.parse.urlsplit(upstream)
         if parts.scheme != "http" or not parts.hostname:
@@ -95,6 +101,7 @@ class FaultProxy:
         self.upstream = (parts.hostname, parts.port or 80)
         self.operation_of = operation_of
         self.virtual_host = virtual_host
+        self.throttle = throttle
         self._tls = tls
         self._seed = seed
         self._lock = threading.Lock()
@@ -375,6 +382,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self, split: urllib.parse.SplitResult, headers: dict[str, str], operation: str
     ) -> None:
         body = self._body()
+        if self._throttled(split.path):
+            self.proxy._record(Seen(operation, self.command, split.path, "throttle", len(body)))
+            self._fault(Rule(status=503))
+            return
         rule = self.proxy._decide(operation, self.path, headers)  # path and query
         fault = None if rule is None else rule.action
         decoded = self.headers.get("x-amz-decoded-content-length")
@@ -438,6 +449,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         if not head:
             self.wfile.write(payload)
+
+    def _throttled(self, path: str) -> bool:
+        """Whether the partition model refuses this object request (its key's
+        partition is over its rate)."""
+        model = self.proxy.throttle
+        key = self._path_style(path).lstrip("/").partition("/")[2]
+        if model is None or not key:
+            return False
+        return not model.admit(urllib.parse.unquote(key), self.command in ("PUT", "POST", "DELETE"))
 
     def _forward(
         self, split: urllib.parse.SplitResult, headers: dict[str, str], body: bytes

@@ -35,6 +35,7 @@ SMOKE: dict[str, list[str]] = {
     "bench_cuda.py": [],  # says "no CUDA device" and exits 0 where there is none
     "bench_faults.py": [],
     "bench_gcs.py": [],
+    "bench_prefixes.py": [],  # throttled through the partition model at tiny rates
     "bench_reuse.py": [],
     "bench_scale.py": ["--commit-worlds", "64"],  # rank 0's commit (scale_commit.py)
     "bench_sync.py": [],

@@ -1,0 +1,179 @@
+"""Requests per prefix: a simulated large job's saves and restore through S3's
+per-partition request rates, modelled (#46).
+
+S3 serves 3,500 PUT/COPY/POST/DELETE and 5,500 GET/HEAD per second per partitioned
+prefix and splits a busy key range gradually, answering 503 SlowDown meanwhile. This
+bench puts :class:`objckpt.testing.throttle.PartitionModel` (the rates scaled down by
+``--scale`` so two cores can drive them) in front of moto through the fault proxy, and
+writes, step after step, the payload objects ``--ranks`` ranks would write (``--objects``
+each, tiny: the request count is what is measured), then reads the last step back as a
+restore would, from ``--threads`` client threads through objckpt's own ``ObjectStore``
+(its retries ride SlowDown out). Key layouts compared:
+
+* ``step``: objckpt's default, ``<root>/step-N/__<rank>_<i>.<attempt>.distcp``;
+* ``entropy``: ``UploadOptions(prefix_entropy=1)``, ``<root>/step-N/<h>/__…``;
+* ``spread``: ``<root>/<h>/step-N/__…``, a prefix that persists across steps. objckpt
+  does not offer it (step discovery, retention, gc and stock readers assume a step is
+  one directory); it is here to show what such a layout would buy.
+
+Each save's writes run inside a save deadline, as a save's uploads do (SlowDown is
+waited out until it); the restore's reads run under the default ``RetryPolicy``, as a
+load's do, whose ``attempts`` count 503 answers: a read that meets SlowDown six times
+gives up (counted in "gave up"). Per layout and step: seconds, requests answered 503
+(throttled), reads given up, partitions after the step, and the most requests one
+partition served in one second. Results go to
+``bench/results/prefixes-<date>-0mib.json`` and a table to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import hashlib
+import logging
+import os
+import time
+import uuid
+import warnings
+from typing import Any
+
+import smoke
+from record import write_record
+
+from objckpt import Location, UploadOptions
+from objckpt.errors import StoreError
+from objckpt.format.layout import payload_key
+from objckpt.format.steps import step_name
+from objckpt.testing import FaultProxy
+from objckpt.testing.servers import offline_env, start_moto_server
+from objckpt.testing.throttle import PartitionModel, PrefixRates
+from objckpt.writers import open_store
+from objckpt.writers.deadline import Deadline, bounded_by
+
+log = logging.getLogger("bench")
+BUCKET = "bench-prefixes"
+LAYOUTS = ("step", "entropy", "spread")
+
+
+def key_of(layout: str, step: int, rank: int, index: int, attempt: str) -> str:
+    """The key, under the root, of one payload object in ``layout``."""
+    if layout == "step":
+        return f"{step_name(step)}/{payload_key(rank, index, attempt)}"
+    if layout == "entropy":
+        return f"{step_name(step)}/{payload_key(rank, index, attempt, 1)}"
+    name = payload_key(rank, index, attempt)
+    digit = hashlib.blake2s(f"{rank}".encode(), digest_size=8).hexdigest()[0]
+    return f"{digit}/{step_name(step)}/{name}"
+
+
+def run_layout(proxy: FaultProxy, model: PartitionModel, layout: str, args: Any) -> dict[str, Any]:
+    """Every step's writes, then the last step read back; per step and the restore."""
+    root = f"s3://{BUCKET}/{layout}"
+    store = open_store(Location.parse(root, proxy.storage_options()), UploadOptions())
+    rows: list[dict[str, Any]] = []
+    keys: list[str] = []
+
+    def measured(label: str, work: Any, items: list[str]) -> dict[str, Any]:
+        refused, splits = model.refused, model.splits
+        t0 = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(args.threads) as pool:
+            failed = sum(not ok for ok in pool.map(work, items))
+        return {
+            "what": label,
+            "requests": len(items),
+            "seconds": time.perf_counter() - t0,
+            "throttled": model.refused - refused,
+            "gave_up": failed,
+            "splits": model.splits - splits,
+            "partitions": len(model.partitions),
+        }
+
+    payload = b"x" * 64
+
+    def save(key: str) -> bool:
+        # As a save's uploads do: inside its deadline, where SlowDown is waited out.
+        with bounded_by(Deadline.start(args.deadline, f"saving {root}")):
+            store.put(key, payload)
+        return True
+
+    def restore(key: str) -> bool:
+        # As a load's reads do: the default RetryPolicy, whose `attempts` count 503s.
+        try:
+            store.read(key)
+        except StoreError as exc:
+            log.debug("gave up on %s: %s", key, exc)
+            return False
+        return True
+
+    for step in range(1, args.steps + 1):
+        attempt = uuid.uuid4().hex[:16]
+        keys = [
+            key_of(layout, step, r, i, attempt)
+            for r in range(args.ranks)
+            for i in range(args.objects)
+        ]
+        rows.append(measured(f"save {step}", save, keys))
+        log.info("%s %s", layout, rows[-1])
+    rows.append(measured("restore", restore, keys))
+    log.info("%s %s", layout, rows[-1])
+    return {"layout": layout, "rows": rows, "peak_per_partition_per_s": model.peak_per_second()}
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    lines = [
+        "| layout | what | requests | seconds | throttled (503) | gave up | partitions after |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for result in results:
+        for row in result["rows"]:
+            lines.append(
+                f"| {result['layout']} | {row['what']} | {row['requests']} "
+                f"| {row['seconds']:.1f} | {row['throttled']} | {row['gave_up']} "
+                f"| {row['partitions']} |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--ranks", type=int, default=256)
+    parser.add_argument("--objects", type=int, default=2, help="payload objects per rank")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=32, help="client threads (the job)")
+    parser.add_argument("--scale", type=float, default=0.01, help="of S3's documented rates")
+    parser.add_argument("--split-after", type=float, default=2.0)
+    parser.add_argument("--deadline", type=float, default=600.0, help="each save's, seconds")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--out", default="bench/results")
+    smoke.add_argument(parser)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    smoke.apply(args, ranks=4, objects=4, steps=2, threads=4, scale=0.003, split_after=0.5)
+    logging.getLogger("objckpt").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    os.environ.update(offline_env())
+    rates = PrefixRates(scale=args.scale, split_after=args.split_after)
+    server = start_moto_server()
+    results = []
+    try:
+        server.boto3_client().create_bucket(Bucket=BUCKET)
+        for layout in args.layouts.split(","):
+            model = PartitionModel(rates)  # each layout on a fresh bucket's partitions
+            with FaultProxy(server.endpoint_url, throttle=model) as proxy:
+                results.append(run_layout(proxy, model, layout, args))
+    finally:
+        server.stop()
+    print(table(results))
+    fields = {
+        "rates": {"writes": rates.writes * rates.scale, "reads": rates.reads * rates.scale},
+        "split_after_s": rates.split_after,
+        "ranks": args.ranks,
+        "objects_per_rank": args.objects,
+        "threads": args.threads,
+        "results": results,
+    }
+    print(write_record(args.out, "prefixes", 0, fields))
+
+
+if __name__ == "__main__":
+    main()

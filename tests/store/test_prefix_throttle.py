@@ -1,0 +1,113 @@
+"""The model of S3's request-rate partitions (objckpt/testing/throttle.py, #46).
+
+The model's rules on a hand-stepped clock (no sleeps), then one save through the
+fault proxy in front of moto with the model on: the store's 503 SlowDown answers are
+ridden out, counted as throttled, and the save commits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from objckpt.testing import FaultProxy
+from objckpt.testing.plugin import StoreTarget
+from objckpt.testing.servers import MotoServer
+from objckpt.testing.throttle import PartitionModel, PrefixRates
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _model(**kw: float) -> tuple[PartitionModel, Clock]:
+    clock = Clock()
+    rates = PrefixRates(writes=10, reads=20, burst=1.0, split_after=2.0, fanout=4, **kw)
+    return PartitionModel(rates, clock), clock
+
+
+def test_a_partition_serves_its_rate_and_refuses_the_rest() -> None:
+    model, clock = _model()
+    served = [model.admit(f"run/step-1/__{i}_0", write=True) for i in range(15)]
+    assert served == [True] * 10 + [False] * 5  # a second's worth held, then refused
+    clock.now = 0.5  # half a second refills half the writes
+    assert [model.admit("run/step-1/x", write=True) for _ in range(6)] == [True] * 5 + [False]
+    assert all(model.admit(f"run/step-1/__{i}_0", write=False) for i in range(20))  # reads apart
+
+
+def test_a_partition_that_keeps_refusing_splits_where_its_keys_are() -> None:
+    model, clock = _model()
+    keys = [f"run/step-1/__{rank}_0" for rank in range(100, 200)]
+    for second in range(4):
+        clock.now = float(second)
+        for key in keys:
+            model.admit(key, write=True)
+    assert model.splits == 1
+    lows = model.partitions
+    assert len(lows) == 4 and lows[0] == ""
+    assert all(low.startswith("run/step-1/__1") for low in lows[1:]), lows
+
+
+def test_a_quiet_second_ends_the_streak_before_a_split() -> None:
+    model, clock = _model()
+    for second in (0.0, 1.5, 3.0, 4.5):  # each burst refused, a quiet second between
+        clock.now = second
+        for i in range(30):
+            model.admit(f"k{i}", write=True)
+    assert model.splits == 0 and model.refused > 0
+
+
+def test_the_next_step_s_keys_meet_one_partition_however_the_last_step_split() -> None:
+    """Why a fresh step directory throttles again: its keys sort after every key of the
+    step before, so they all fall into the last range; keys under prefixes that
+    persist across steps fall into ranges split already."""
+    model, clock = _model()
+    step1 = [f"run/step-1/{h:x}/__{r}_0" for h in range(16) for r in range(8)]
+    for second in range(6):
+        clock.now = float(second)
+        for key in step1:
+            model.admit(key, write=True)
+    lows = model.partitions
+    assert len(lows) > 4
+    step2 = [f"run/step-2/{h:x}/__{r}_0" for h in range(16) for r in range(8)]
+    assert {max(i for i, low in enumerate(lows) if low <= k) for k in step2} == {len(lows) - 1}
+    spread = [f"run/{h:x}/step-2/__{r}_0" for h in range(16) for r in range(8)]
+    spread_model, spread_clock = _model()
+    for second in range(6):
+        spread_clock.now = float(second)
+        for key in [f"run/{h:x}/step-1/__{r}_0" for h in range(16) for r in range(8)]:
+            spread_model.admit(key, write=True)
+    spread_lows = spread_model.partitions
+    landed = {max(i for i, low in enumerate(spread_lows) if low <= k) for k in spread}
+    assert len(landed) > 1
+
+
+def test_rates_that_cannot_work_are_refused() -> None:
+    with pytest.raises(ValueError, match="positive"):
+        PrefixRates(scale=0)
+    with pytest.raises(ValueError, match="fanout"):
+        PrefixRates(fanout=1)
+
+
+def test_a_save_through_the_throttling_proxy_rides_out_slowdown_and_commits(
+    moto_server: MotoServer, s3_bucket: StoreTarget
+) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    import objckpt
+
+    model = PartitionModel(PrefixRates(scale=1 / 1000, burst=1.0, split_after=1.0))  # 3.5 PUT/s
+    with FaultProxy(moto_server.endpoint_url, throttle=model) as proxy:
+        state = {f"t{i}": torch.full((64,), float(i)) for i in range(8)}
+        options = proxy.storage_options()
+        url = s3_bucket.url("step-1")
+        dcp.save(state, storage_writer=objckpt.ObjectStoreWriter(url, storage_options=options))
+        got = {k: torch.zeros_like(v) for k, v in state.items()}
+        dcp.load(got, storage_reader=objckpt.ObjectStoreReader(url, storage_options=options))
+    assert all(torch.equal(got[k], state[k]) for k in state)
+    assert model.refused > 0 and proxy.count("PutObject", faulted=True) > 0
+    assert {s.fault for s in proxy.seen if s.fault} == {"throttle"}
