@@ -7,6 +7,8 @@ ridden out, counted as throttled, and the save commits.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -100,9 +102,12 @@ def test_a_save_through_the_throttling_proxy_rides_out_slowdown_and_commits(
 
     import objckpt
 
-    # Two writes a second (a save's writes come within milliseconds of each other, so
-    # its second is refused however loaded the machine); reads are not limited here.
-    model = PartitionModel(PrefixRates(writes=2.0, reads=1e6, burst=1.0, split_after=60.0))
+    # The model's clock moves 0.25 s per request, whatever the machine's load: with
+    # two writes a second and a bucket of one, each write admitted is followed by
+    # one refused (reads are not limited here).
+    ticks = itertools.count()
+    rates = PrefixRates(writes=2.0, reads=1e6, burst=0.5, split_after=1e6)
+    model = PartitionModel(rates, clock=lambda: next(ticks) / 4)
     with FaultProxy(moto_server.endpoint_url, throttle=model) as proxy:
         state = {f"t{i}": torch.full((64,), float(i)) for i in range(8)}
         options = proxy.storage_options()
