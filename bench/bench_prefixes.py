@@ -139,10 +139,12 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=256)
     parser.add_argument("--objects", type=int, default=2, help="payload objects per rank")
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=32, help="client threads (the job)")
+    parser.add_argument("--threads", type=int, default=16, help="client threads (the job)")
     parser.add_argument("--scale", type=float, default=0.01, help="of S3's documented rates")
     parser.add_argument("--split-after", type=float, default=2.0)
-    parser.add_argument("--deadline", type=float, default=600.0, help="each save's, seconds")
+    parser.add_argument(
+        "--deadline", type=float, default=600.0, help="seconds each write may take, as in a save"
+    )
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--out", default="bench/results")
     smoke.add_argument(parser)

@@ -382,12 +382,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self, split: urllib.parse.SplitResult, headers: dict[str, str], operation: str
     ) -> None:
         body = self._body()
-        if self._throttled(split.path):
-            self.proxy._record(Seen(operation, self.command, split.path, "throttle", len(body)))
-            self._fault(Rule(status=503))
-            return
-        rule = self.proxy._decide(operation, self.path, headers)  # path and query
-        fault = None if rule is None else rule.action
+        throttled = self._throttled(split.path)
+        rule = None if throttled else self.proxy._decide(operation, self.path, headers)
+        fault = "throttle" if throttled else None if rule is None else rule.action
         decoded = self.headers.get("x-amz-decoded-content-length")
         sent = int(decoded) if decoded else len(body)
         amz = tuple(
@@ -401,6 +398,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.proxy._record(
             Seen(operation, self.command, split.path, fault, sent, amz, crc_ok, host)
         )
+        if throttled:
+            self._fault(Rule(status=503))
+            return
         if rule is not None and rule.before_upstream and rule.action in ("stall", "hold"):
             self._wait(rule)
             rule = None

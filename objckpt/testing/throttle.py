@@ -18,9 +18,13 @@ What this shows and the real service also does: a new step's keys sort after eve
 key of the step before, so they all fall into the last range and wait for it to split
 again, whatever digits follow the step's directory; keys spread over prefixes that
 persist across steps land in ranges that were split already. What it leaves out: S3
-also merges idle partitions, splits on its own schedule (minutes, not a fixed
-``split_after``) and scales reads and writes together; the rates here are a scaled
-model, not a measurement of any store.
+also merges idle partitions and splits on its own schedule (minutes, not a fixed
+``split_after``), by load rather than by the distinct keys seen lately; the model
+keeps separate read and write budgets per partition, as AWS states its figures
+(whether S3 shares them is not documented); requests without a key (listings, a
+bulk ``DeleteObjects``) are not limited. The rates are a scaled model, not a
+measurement of any store. (Not to be confused with :mod:`objckpt.writers.throttle`,
+the client's own upload concurrency, which backs off when a store answers SlowDown.)
 """
 
 from __future__ import annotations
@@ -130,8 +134,8 @@ class PartitionModel:
         self.splits = 0
         self.refused = 0
         self.admitted = 0
-        #: (partition's low key, whole second) -> requests admitted then.
-        self._per_second: dict[tuple[str, int], int] = {}
+        #: (partition, whole second) -> requests admitted then.
+        self._per_second: dict[tuple[int, int], int] = {}
 
     def admit(self, key: str, write: bool) -> bool:
         """Whether ``key``'s request is served now (False: answer 503 SlowDown)."""
@@ -141,7 +145,7 @@ class PartitionModel:
             ok = part.admit(key, write, now)
             if ok:
                 self.admitted += 1
-                slot = (part.low, int(now))
+                slot = (id(part), int(now))
                 self._per_second[slot] = self._per_second.get(slot, 0) + 1
             else:
                 self.refused += 1
@@ -151,7 +155,8 @@ class PartitionModel:
 
     def _split(self, part: _Partition, now: float) -> None:
         cuts = part.cuts()
-        if not cuts:
+        if not cuts:  # one hot key: nothing to split it by; start the streak again
+            part.refusing_since = None
             return
         index = self._parts.index(part)
         fresh = [_Partition(low, self.rates, now) for low in [part.low, *cuts]]
@@ -166,6 +171,7 @@ class PartitionModel:
             return list(self._lows)
 
     def peak_per_second(self) -> int:
-        """The most requests one partition served in one whole second."""
+        """The most requests one partition served in one whole second (up to its rate
+        plus its burst: the bucket starts full)."""
         with self._lock:
             return max(self._per_second.values(), default=0)

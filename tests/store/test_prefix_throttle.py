@@ -67,25 +67,26 @@ def test_the_next_step_s_keys_meet_one_partition_however_the_last_step_split() -
     """Why a fresh step directory throttles again: its keys sort after every key of the
     step before, so they all fall into the last range; keys under prefixes that
     persist across steps fall into ranges split already."""
-    model, clock = _model()
-    step1 = [f"run/step-1/{h:x}/__{r}_0" for h in range(16) for r in range(8)]
-    for second in range(6):
-        clock.now = float(second)
-        for key in step1:
-            model.admit(key, write=True)
-    lows = model.partitions
-    assert len(lows) > 4
-    step2 = [f"run/step-2/{h:x}/__{r}_0" for h in range(16) for r in range(8)]
-    assert {max(i for i, low in enumerate(lows) if low <= k) for k in step2} == {len(lows) - 1}
-    spread = [f"run/{h:x}/step-2/__{r}_0" for h in range(16) for r in range(8)]
-    spread_model, spread_clock = _model()
-    for second in range(6):
-        spread_clock.now = float(second)
-        for key in [f"run/{h:x}/step-1/__{r}_0" for h in range(16) for r in range(8)]:
-            spread_model.admit(key, write=True)
-    spread_lows = spread_model.partitions
-    landed = {max(i for i, low in enumerate(spread_lows) if low <= k) for k in spread}
-    assert len(landed) > 1
+
+    def two_steps(key: str) -> tuple[PartitionModel, int, int]:
+        """Step 1's keys for 6 s, then step 2's for 6 s: the model, each step's refusals."""
+        model, clock = _model()
+        refused = []
+        for step in (1, 2):
+            before = model.refused
+            keys = [key.format(step=step, h=f"{h:x}", r=r) for h in range(16) for r in range(8)]
+            for second in range(6 * (step - 1), 6 * step):
+                clock.now = float(second)
+                for k in keys:
+                    model.admit(k, write=True)
+            refused.append(model.refused - before)
+        return model, refused[0], refused[1]
+
+    per_step, first, again = two_steps("run/step-{step}/{h}/__{r}_0")
+    _, spread_first, spread_again = two_steps("run/{h}/step-{step}/__{r}_0")
+    assert per_step.splits > 1  # step 1 was split, and step 2 had to be split again:
+    assert again >= first * 0.5, (first, again)  # a fresh directory throttled about as much
+    assert spread_again < spread_first * 0.5, (spread_first, spread_again)  # but not this
 
 
 def test_rates_that_cannot_work_are_refused() -> None:
@@ -102,9 +103,10 @@ def test_a_save_through_the_throttling_proxy_rides_out_slowdown_and_commits(
 
     import objckpt
 
-    # The model's clock moves 0.25 s per request, whatever the machine's load: with
-    # two writes a second and a bucket of one, each write admitted is followed by
-    # one refused (reads are not limited here).
+    # The model's clock moves 0.25 s per request with a key, whatever the machine's
+    # load: two writes a second and a bucket of one make a write refused when the
+    # request before it was an admitted write, as a save's PUTs of payload, index,
+    # manifest and .metadata follow each other (reads are not limited here).
     ticks = itertools.count()
     rates = PrefixRates(writes=2.0, reads=1e6, burst=0.5, split_after=1e6)
     model = PartitionModel(rates, clock=lambda: next(ticks) / 4)
