@@ -453,6 +453,7 @@ def main() -> None:
         layers=8,
         real_tensors=100,
         restore_worlds="64",
+        plan_memory_worlds="64",
     )
     rows = []
     for world in (int(w) for w in args.worlds.split(",") if w):
@@ -469,6 +470,9 @@ def main() -> None:
         functools.partial(simulate, layers=args.layers),
         args.commit_dcp_plan_up_to,
     )
+    plan_memory = scale_commit.plan_memory(
+        args.plan_memory_worlds, functools.partial(simulate, layers=args.layers)
+    )
     restores = [restore_plan(int(w)) for w in args.restore_worlds.split(",") if w]
     real = real_save(args.real_tensors)
     fields = {
@@ -476,6 +480,7 @@ def main() -> None:
         "rows": rows,
         "real_w1": real,
         "commit": commits,
+        "plan_memory": plan_memory,
         "restore": restores,
     }
     path = write_record(args.out, args.name, 0, fields)
@@ -488,6 +493,11 @@ def main() -> None:
         f"\nreal W=1 save of {real['tensors']} tensors: manifest + index {ours / 1e3:.0f} kB, "
         f"DCP .metadata {real['dcp_metadata'] / 1e3:.0f} kB ({ours / real['dcp_metadata']:.2f}x)"
     )
+    for r in plan_memory:
+        print(
+            f"\nplan cache at W={r['world']}: the global Metadata is {r['objects']:,} objects "
+            f"({r['gc_tracked']:,} tracked by the garbage collector), {r['bytes'] / 2**30:.2f} GiB"
+        )
     for r in restores:
         print(
             f"\nrestore planning at W={r['world']}: {r['seconds']:.3f} s "

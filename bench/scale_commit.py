@@ -372,12 +372,58 @@ def measure_commit(
     return row
 
 
+def footprint(root: Any) -> dict[str, int]:
+    """What keeping ``root`` costs: every object reachable from it once (shared ones
+    once; types, modules and functions are not counted), their ``sys.getsizeof`` bytes,
+    and how many of them the cyclic garbage collector tracks (each collection of the
+    oldest generation walks them)."""
+    import sys
+    import types as pytypes
+
+    skip = (type, pytypes.ModuleType, pytypes.FunctionType, pytypes.BuiltinFunctionType)
+    seen: set[int] = set()
+    stack = [root]
+    objects = size = tracked = 0
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, skip):
+            continue
+        seen.add(id(obj))
+        objects += 1
+        size += sys.getsizeof(obj)
+        if gc.is_tracked(obj):
+            tracked += 1
+            stack.extend(gc.get_referents(obj))
+    return {"objects": objects, "bytes": size, "gc_tracked": tracked}
+
+
+def plan_memory(worlds: str, simulate: Callable[[int], Any]) -> list[dict[str, Any]]:
+    """What rank 0's plan cache keeps at each of ``worlds``: the global ``Metadata`` of
+    the plan (``CachedPlan.metadata``), measured by :func:`footprint`."""
+    rows = []
+    for world in (int(w) for w in worlds.split(",") if w):
+        meta, items = simulate(world)
+        del items
+        gc.collect()
+        t0 = time.process_time()
+        row = {"world": world, **footprint(meta), "measure_cpu_s": time.process_time() - t0}
+        del meta
+        log.info("plan cache at W=%d: %s", world, json.dumps(row))
+        rows.append(row)
+    return rows
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--commit-worlds", default="", help="world sizes of rank 0's commit measurement"
     )
     parser.add_argument(
         "--commit-before-up-to", type=int, default=8192, help="largest W measured the old way"
+    )
+    parser.add_argument(
+        "--plan-memory-worlds",
+        default="",
+        help="world sizes at which to measure what rank 0's plan cache keeps",
     )
     parser.add_argument(
         "--commit-dcp-plan-up-to",
