@@ -249,78 +249,67 @@ def test_a_save_from_the_template_reads_index_objects_only_where_puts_are_unveri
         )
 
     verified = at("probe").verifies_writes
-    gets = []
     plan = None  # one global plan for every save (DCP's plan cache keeps it)
-    for n, step in enumerate(("step-1", "step-2")):
-        store, attempt = at(step), f"{n + 1}" * 16
+
+    def save(step: str, attempt: str, before_commit: Any = None) -> Any:
+        """One save of the plan under ``step``, committed through the one helper."""
+        nonlocal plan
+        store = at(step)
         metadata, results = one_value_save(store, attempt, b"value")
-        plan = metadata = plan or metadata
-        manifest = commit_via(
+        plan = plan or metadata
+        return store, commit_via(
             "helper",
             store,
-            metadata,
+            plan,
             results,
             attempt=attempt,
             world_size=1,
             overwrite=False,
             helper=helper,
+            before_commit=before_commit,
         )
+
+    gets = []
+    for n, step in enumerate(("step-1", "step-2")):
+        attempt = f"{n + 1}" * 16
+        store, manifest = save(step, attempt)
         assert manifest.requests is not None
         gets.append(manifest.requests.requests.get("GET", 0))
         written = pickle.loads(store.read(".metadata"))  # built in place: a bytearray
         assert written.storage_meta.save_id == attempt
-        assert {i.relative_path for i in written.storage_data.values()} == {
-            f"__0_0.{attempt}.distcp"
-        }
+        names = {i.relative_path for i in written.storage_data.values()}
+        assert names == {f"__0_0.{attempt}.distcp"}
     if verified:  # the first save built .metadata whole from its one index
         assert gets == [1, 0]
     elif "GET" in manifest.requests.requests:  # counted on GCS, not on Azure
         assert gets == [1, 1]
 
-    store, attempt = at("step-3"), "3" * 16
-    _, results = one_value_save(store, attempt, b"value")
+    def refused(step: str, attempt: str, change: Any, reason: str) -> None:
+        """A save whose index object ``change`` alters before the commit fails with
+        ``reason``, and nothing is committed."""
+        store = at(step)
 
-    def lose_index(reports: Any) -> None:
-        store.delete(reports[0].index.key)
+        def before_commit(reports: Any) -> None:
+            change(store, reports[0].index.key)
 
-    refusal = (
-        r"missing \(__index_0\.3{16}\.json\).*nothing was committed"
-        if verified
-        else r"__index_0\.3{16}\.json is gone before the commit"
+        with pytest.raises(UploadError, match=reason):
+            save(step, attempt, before_commit)
+        assert not store.exists(MANIFEST_KEY)
+
+    def lose(store: Any, key: str) -> None:
+        store.delete(key)
+
+    lost = r"__index_0\.3{16}\.json"
+    refused(
+        "step-3",
+        "3" * 16,
+        lose,
+        rf"missing \({lost}\).*nothing was committed" if verified else rf"{lost} is gone before",
     )
-    with pytest.raises(UploadError, match=refusal):
-        commit_via(
-            "helper",
-            store,
-            metadata,
-            results,
-            attempt=attempt,
-            world_size=1,
-            overwrite=False,
-            helper=helper,
-            before_commit=lose_index,
-        )
-    assert not store.exists(MANIFEST_KEY)
     if verified:
         return
-    store, attempt = at("step-4"), "4" * 16
-    _, results = one_value_save(store, attempt, b"value")
 
-    def change_index(reports: Any) -> None:
-        key = reports[0].index.key
-        data = store.read(key)
-        store.put(key, data.replace(b"4444", b"5555", 1))  # the same size, other bytes
+    def alter(store: Any, key: str) -> None:  # the same size, other bytes
+        store.put(key, store.read(key).replace(b"4444", b"5555", 1))
 
-    with pytest.raises(UploadError, match=r"__index_0\.4{16}\.json holds .* its rank wrote"):
-        commit_via(
-            "helper",
-            store,
-            metadata,
-            results,
-            attempt=attempt,
-            world_size=1,
-            overwrite=False,
-            helper=helper,
-            before_commit=change_index,
-        )
-    assert not store.exists(MANIFEST_KEY)
+    refused("step-4", "4" * 16, alter, r"__index_0\.4{16}\.json holds .* its rank wrote")
