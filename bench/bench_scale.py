@@ -494,9 +494,13 @@ def main() -> None:
         f"DCP .metadata {real['dcp_metadata'] / 1e3:.0f} kB ({ours / real['dcp_metadata']:.2f}x)"
     )
     for r in plan_memory:
+        kept = r["kept"]
         print(
-            f"\nplan cache at W={r['world']}: the global Metadata is {r['objects']:,} objects "
-            f"({r['gc_tracked']:,} tracked by the garbage collector), {r['bytes'] / 2**30:.2f} GiB"
+            f"\nplan cache at W={r['world']}: DCP's global Metadata is {r['objects']:,} objects "
+            f"({r['gc_tracked']:,} tracked by the garbage collector), {r['bytes'] / 2**30:.2f} "
+            f"GiB; the plan kept once its layout is built ({r['layout_cpu_s']:.2f} CPU-s) is "
+            f"{kept['objects']:,} objects ({kept['gc_tracked']:,} tracked), "
+            f"{kept['bytes'] / 2**20:.1f} MiB"
         )
     for r in restores:
         print(

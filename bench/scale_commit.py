@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
 from objckpt.format.commit import (
+    GlobalPlan,
     RankReport,
     commit_checkpoint,
     requests_result,
@@ -200,14 +201,15 @@ def measure_after(
         # uploads run (commit_phase); timed apart from the commit, which finds it kept.
         gc.collect()
         t0, w0 = time.process_time(), time.perf_counter()
-        helper.prepare_layout(meta)
+        plan = GlobalPlan(meta)
+        helper.prepare_layout(plan)
         row["layout_cpu_s"] = time.process_time() - t0
-        assert helper._layout is not None and helper._layout[0] is meta, "no layout was built"
+        assert not plan.holds_metadata, "no layout was built"
         row["layout_wall_s"] = time.perf_counter() - w0
         saves = (("first save of the plan", reports, ATTEMPT), ("later save", renamed, LATER))
         for n, (label, sent, attempt) in enumerate(saves):
             url_dir = f"{tmp}/step{n}"
-            row["saves"].append(_one_save(helper, meta, sent, url_dir, label, attempt))
+            row["saves"].append(_one_save(helper, plan, sent, url_dir, label, attempt))
         posted = row["saves"][0].pop("bytes")["posted"]
         row["saves"][1].pop("bytes")
         row["c10d_bytes_per_rank_max"] = max(posted)
@@ -245,7 +247,7 @@ def _noop() -> None:
 
 def _one_save(
     helper: CommitHelper,
-    meta: Any,
+    plan: GlobalPlan,
     reports: list[RankReport],
     url_dir: str,
     label: str,
@@ -262,7 +264,7 @@ def _one_save(
             ex.post(True, reports[r])
     target = open_store(Location.parse(f"file://{url_dir}"), UploadOptions())
     writer = types.SimpleNamespace(
-        metadata=meta,
+        global_plan=plan,
         rank_plan=types.SimpleNamespace(attempt=attempt, rank=0),
         deadline=None,
         target=types.SimpleNamespace(
@@ -398,8 +400,10 @@ def footprint(root: Any) -> dict[str, int]:
 
 
 def plan_memory(worlds: str, simulate: Callable[[int], Any]) -> list[dict[str, Any]]:
-    """What rank 0's plan cache keeps at each of ``worlds``: the global ``Metadata`` of
-    the plan (``CachedPlan.metadata``), measured by :func:`footprint`."""
+    """What rank 0's plan cache keeps at each of ``worlds``, measured by
+    :func:`footprint`: DCP's global ``Metadata`` of the plan (what it kept before #46,
+    the row's top-level figures) and the :class:`~objckpt.format.commit.GlobalPlan`
+    once its layout is built (``kept``: what it keeps now), with the layout's CPU."""
     rows = []
     for world in (int(w) for w in worlds.split(",") if w):
         meta, items = simulate(world)
@@ -407,7 +411,15 @@ def plan_memory(worlds: str, simulate: Callable[[int], Any]) -> list[dict[str, A
         gc.collect()
         t0 = time.process_time()
         row = {"world": world, **footprint(meta), "measure_cpu_s": time.process_time() - t0}
+        plan = GlobalPlan(meta)
         del meta
+        t0 = time.process_time()
+        plan.layout()
+        row["layout_cpu_s"] = time.process_time() - t0
+        assert not plan.holds_metadata, "the plan kept DCP's Metadata"
+        gc.collect()
+        row["kept"] = footprint(plan)
+        del plan
         log.info("plan cache at W=%d: %s", world, json.dumps(row))
         rows.append(row)
     return rows

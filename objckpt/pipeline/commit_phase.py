@@ -172,8 +172,8 @@ class Committer:
         if refusal is not None:  # nothing was uploaded; no rank gathers
             self._release(staged)
             raise refusal
-        if split and writer.target.rank == 0 and writer.metadata is not None:
-            self._helper.prepare_layout(writer.metadata)  # while the uploads run
+        if split and writer.target.rank == 0 and writer.global_plan is not None:
+            self._helper.prepare_layout(writer.global_plan)  # while the uploads run
         results, error = _collect(writer, self._workers)
         error = queueing_error or error
         self._release(staged)
@@ -254,12 +254,12 @@ class Committer:
         world: int,
         committed: Callable[[Manifest], None] | None = None,
     ) -> Manifest:
-        if writer.metadata is None or writer.rank_plan is None:
+        if writer.global_plan is None or writer.rank_plan is None:
             raise InternalError("internal: commit without DCP metadata on the coordinator")
         target = writer.target
         manifest = commit_checkpoint(
             target.store,
-            writer.metadata,
+            writer.global_plan.metadata(),
             results,
             attempt=writer.rank_plan.attempt,
             world_size=world,

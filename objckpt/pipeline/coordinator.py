@@ -45,12 +45,10 @@ from collections.abc import Callable, Sequence
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import Metadata
-
 from objckpt.errors import InternalError, UploadError
 from objckpt.format.commit import (
     CommitStrategy,
-    Layout,
+    GlobalPlan,
     Prepared,
     RankReport,
     StockLayout,
@@ -88,7 +86,6 @@ class CommitHelper:
         self._pool: WorkerPool | None = None
         self._lock = threading.Lock()
         self._closed = False
-        self._layout: tuple[Metadata, Layout] | None = None
 
     def start(self) -> None:
         """Start the helper process in the background (rank 0, before its first
@@ -147,27 +144,20 @@ class CommitHelper:
         pool = self._pool
         return pool is not None and bool(pool.terminate([future], reason))
 
-    def prepare_layout(self, metadata: Metadata) -> None:
+    @staticmethod
+    def prepare_layout(plan: GlobalPlan) -> None:
         """Build the plan's layout now, while the uploads run, so that the first save
         of a plan does not build it inside the commit, where every rank waits for the
-        outcome (O(chunks): 0.26-0.45 CPU-s at 1,024 ranks; later saves keep it).
+        outcome (O(chunks): 0.26-0.45 CPU-s at 1,024 ranks; later saves of the plan
+        keep it, and no longer DCP's ``Metadata``).
 
         A failure here is logged and left to the commit, which builds the layout
         again inside the rank exchange and so reports the error to every rank.
         """
         try:
-            self.layout(metadata)
+            plan.layout()
         except Exception as exc:
             logger.warning("building the plan's layout before the commit failed: %s", exc)
-
-    def layout(self, metadata: Metadata) -> Layout:
-        """The plan's layout: kept while saves reuse the same global metadata."""
-        cached = self._layout
-        if cached is not None and cached[0] is metadata:
-            return cached[1]
-        layout = Layout.of(metadata)
-        self._layout = (metadata, layout)
-        return layout
 
     def commit(
         self,
@@ -185,7 +175,7 @@ class CommitHelper:
                 published (the other ranks stop waiting then); None: no bound.
             committed: Called once the manifest is committed, before step 4.
         """
-        if writer.metadata is None or writer.rank_plan is None:
+        if writer.global_plan is None or writer.rank_plan is None:
             raise InternalError("internal: commit without DCP metadata on the coordinator")
         target = writer.target
         attempt = writer.rank_plan.attempt
@@ -297,10 +287,10 @@ class InHelper(CommitStrategy):
         reports: Sequence[RankReport],
         commit_by: float | None,
     ) -> None:
-        assert writer.metadata is not None and writer.rank_plan is not None
+        assert writer.global_plan is not None and writer.rank_plan is not None
         self._helper = helper
         self._writer = writer
-        self._metadata = writer.metadata
+        self._plan = writer.global_plan
         self._attempt = writer.rank_plan.attempt
         self._keys = [None if r.index is None else r.index.key for r in reports]
         self._indexes = [(rank, r.index) for rank, r in enumerate(reports) if r.index is not None]
@@ -310,14 +300,14 @@ class InHelper(CommitStrategy):
     def prepare(self) -> Prepared:
         writer, target = self._writer, self._writer.target
         store = target.store
-        layout = self._helper.layout(self._metadata)
+        layout = self._plan.layout()
         storage_meta = save_storage_meta(
-            self._metadata, store.location.url, target.checkpoint_id, self._attempt
+            self._plan.storage_meta, store.location.url, target.checkpoint_id, self._attempt
         )
         stock = StockLayout(
             layout.for_save(True, self._keys, storage_meta),
             layout.properties,
-            self._metadata.planner_data,
+            self._plan.planner_data,
             storage_meta,
             layout.token,
         )

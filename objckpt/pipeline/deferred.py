@@ -4,8 +4,9 @@ DCP's ``dcp.save`` runs plan -> write -> finish on the caller's thread and expec
 ``write_data`` to return the bytes' locations. An async save cannot wait for the
 uploads there, so this writer hands each payload object to the upload workers,
 returns placeholder results (the real ones travel through the c10d store later,
-see :mod:`objckpt.pipeline.finalize`), and keeps DCP's metadata for the commit
-that the background thread makes.
+see :mod:`objckpt.pipeline.finalize`), and keeps the global plan
+(:class:`~objckpt.format.commit.GlobalPlan`) for the commit that the background
+thread makes.
 
 It wraps an :class:`~objckpt.ObjectStoreWriter` rather than subclassing it: the
 plain writer keeps its one job (a synchronous save) and the pieces an async save
@@ -32,6 +33,7 @@ from objckpt.dcp.plan import ObjectPlan, RankPlan, assign_objects, estimate_size
 from objckpt.dcp.serialize import Framer, PayloadRecord, resolve_bytes_items, serialized_tensor
 from objckpt.dcp.storage_writer import ObjectStoreWriter
 from objckpt.errors import ConfigurationError, InternalError, StateDictError, UploadError
+from objckpt.format.commit import GlobalPlan
 from objckpt.format.layout import payload_key
 from objckpt.pipeline.stage import Staged, Wave
 from objckpt.pipeline.target_check import CheckGate
@@ -75,7 +77,8 @@ class DeferredWriter(StorageWriter):
         self.pending: list[Pending] = []
         self.items: list[Any] = []
         self.rank_plan: RankPlan | None = None
-        self.metadata: Metadata | None = None
+        #: The global plan (coordinator only): DCP's metadata, for the commit.
+        self.global_plan: GlobalPlan | None = None
         self.final_plan: SavePlan | None = None
         #: Bounds this save's requests, in the workers and at the commit.
         self.deadline: Deadline | None = None
@@ -265,20 +268,20 @@ class DeferredWriter(StorageWriter):
         return refusal
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        self.metadata = metadata  # committed later, by the background thread
+        self.global_plan = GlobalPlan(metadata)  # committed later, by the background thread
 
     def replay(
         self,
         plan: SavePlan,
         planner: SavePlanner,
-        metadata: Metadata | None,
+        global_plan: GlobalPlan | None,
         *,
         set_up: Callable[[], None],
         later: bool,
     ) -> None:
         """Queue the uploads of a cached final plan (the structure is unchanged).
 
-        ``metadata`` is the cached global metadata (None on ranks other than the
+        ``global_plan`` is the cached global plan (None on ranks other than the
         coordinator, which never see it). ``set_up`` readies ``planner`` on the new
         staged state; with ``later`` both it and the queueing may wait for
         :meth:`queue_deferred` (see :meth:`_queue_after`)."""
@@ -288,7 +291,7 @@ class DeferredWriter(StorageWriter):
         rank_plan = RankPlan(rank=self.target.rank, attempt=attempt)
         plan = dataclasses.replace(plan, storage_data=rank_plan)
         self._queue_after(plan, planner, later=later, set_up=set_up)
-        self.metadata = metadata
+        self.global_plan = global_plan
 
     def settle(self) -> None:
         """Wait for every queued upload to end, whatever its outcome."""

@@ -48,7 +48,7 @@ from objckpt.errors import (
 )
 from objckpt.writers.accounting import current_counter
 from objckpt.writers.deadline import Deadline, current_deadline
-from objckpt.writers.transient import answer_of, is_throttle, is_transient
+from objckpt.writers.transient import answer_of, asks_to_slow_down, is_throttle, is_transient
 from objckpt.writers.translate import describe
 
 __all__ = [
@@ -82,9 +82,13 @@ class RetryPolicy:
             saves with ``UploadOptions(deadline=None)``); None: no bound but
             ``attempts``. Each attempt is cut at what is left, whatever ``timeout``
             says, so a silent endpoint fails in this time with
-            :class:`~objckpt.errors.RequestDeadlineError`. Inside a save with a
-            deadline, that deadline bounds each request instead, and transient
-            failures are retried until it (``attempts`` does not apply there).
+            :class:`~objckpt.errors.RequestDeadlineError`. Under it, answers that
+            ask for fewer requests by name (S3's ``SlowDown``, a 429) do not use
+            up ``attempts``: a restore at scale meets the same per-prefix limits
+            a save does, and is waited out until this bound (a bare 503 still
+            counts). Inside a save with a deadline, that deadline bounds each
+            request instead, and transient failures are retried until it
+            (``attempts`` does not apply there).
         give_up_after: Seconds one request keeps being retried after its first
             failure; a failure that repeats for longer is taken as persistent and
             raised (:class:`~objckpt.errors.StoreRefusedError` naming what the
@@ -231,8 +235,9 @@ async def call_with_retries(
     before it (``attempts`` does not apply): an outage of a few seconds costs those
     seconds, not the save. Anywhere else (reads, listings, deletes, a save without a
     deadline) at most ``policy.attempts`` tries are made, all within
-    ``policy.request_deadline``. Everywhere, a failure that keeps repeating for
-    ``policy.give_up_after`` seconds is persistent: raised as
+    ``policy.request_deadline``; answers asking for fewer requests by name (SlowDown,
+    429) are not counted among them where that bound is set. Everywhere, a failure
+    that keeps repeating for ``policy.give_up_after`` seconds is persistent: raised as
     :class:`~objckpt.errors.StoreRefusedError` (the store answered) or
     :class:`~objckpt.errors.StoreUnreachableError` (it did not), with the answer, the
     attempts and the time in the message, as are exhausted ``attempts``. Each attempt is
@@ -251,6 +256,8 @@ async def call_with_retries(
     body = kwargs.get("Body")
     sent = len(body) if isinstance(body, (bytes, bytearray, memoryview, Sized)) else 0
     attempt = 0
+    #: Attempts answered "slow down" by name, waited out under a bound (not counted).
+    slowed = 0
     first_failure: float | None = None
     started = time.monotonic()
     last: BaseException | None = None
@@ -293,7 +300,9 @@ async def call_with_retries(
                     o.throttled()
             if not is_transient(exc):
                 raise
-            if not until_deadline and attempt >= policy.attempts:
+            if deadline is not None and asks_to_slow_down(exc):
+                slowed += 1
+            if not until_deadline and attempt - slowed >= policy.attempts:
                 since = now - (first_failure if first_failure is not None else started)
                 raise _given_up(what(), exc, attempt, since, "attempts") from exc
             wait = _backoff(policy, attempt)
@@ -307,7 +316,13 @@ async def call_with_retries(
             if deadline is not None and deadline.remaining() <= wait:
                 # The next attempt could not start in time: fail now, naming why.
                 raise deadline.error(what(), attempt, describe(exc), answer_of(exc)) from exc
-            _log_retry(what, exc, attempt, None if until_deadline else policy.attempts)
+            if until_deadline:
+                until = ", until the save's deadline"
+            elif deadline is not None and asks_to_slow_down(exc):
+                until = ", asked to slow down: until RetryPolicy.request_deadline"
+            else:
+                until = f" of {policy.attempts + slowed}"
+            _log_retry(what, exc, attempt, until)
             await asyncio.sleep(wait)
             continue
         if counter is not None:
@@ -387,13 +402,9 @@ def _given_up(what: str, exc: BaseException, attempts: int, seconds: float, why:
     )
 
 
-def _log_retry(what: Callable[[], str], exc: BaseException, attempt: int, of: int | None) -> None:
+def _log_retry(what: Callable[[], str], exc: BaseException, attempt: int, until: str) -> None:
     logger.info(
-        "retrying %s after %s (attempt %d%s)",
-        what(),
-        type(exc).__name__,
-        attempt + 1,
-        f" of {of}" if of is not None else ", until the save's deadline",
+        "retrying %s after %s (attempt %d%s)", what(), type(exc).__name__, attempt + 1, until
     )
 
 

@@ -93,6 +93,17 @@ def is_throttle(exc: BaseException) -> bool:
     return any(isinstance(e, OSError) and e.errno == errno.EBUSY for e in causes(exc))
 
 
+def asks_to_slow_down(exc: BaseException) -> bool:
+    """A throttling answer that says so (S3's ``SlowDown`` code, a 429, or s3fs's
+    EBUSY mapping of SlowDown), as opposed to a bare 503, which a load balancer or a
+    failing proxy gives as well: only the first is a store asking for fewer requests
+    for as long as it needs."""
+    code, status = _service_answer(exc)
+    if code is not None or status is not None:
+        return code in _THROTTLE_CODES or status == 429
+    return any(isinstance(e, OSError) and e.errno == errno.EBUSY for e in causes(exc))
+
+
 def is_transient(exc: BaseException) -> bool:
     """Whether retrying the same request may succeed (by type, code and status only)."""
     chain = causes(exc)

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from torch.distributed.checkpoint.storage import WriteResult
 
 from objckpt.errors import BarrierTimeoutError, CheckpointExistsError, UploadError
+from objckpt.format.commit import GlobalPlan
 from objckpt.format.dcp_json import StoredItem
 from objckpt.format.layout import MANIFEST_KEY
 from objckpt.options import UploadOptions
@@ -88,7 +89,7 @@ def _writer(tmp_path: Path, metadata: Any, close: Any = lambda: None) -> Any:
     )
     rank_plan = types.SimpleNamespace(attempt=ATTEMPT, rank=0)
     return types.SimpleNamespace(
-        metadata=metadata, rank_plan=rank_plan, deadline=None, target=target
+        global_plan=GlobalPlan(metadata), rank_plan=rank_plan, deadline=None, target=target
     )
 
 

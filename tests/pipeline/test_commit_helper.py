@@ -19,6 +19,7 @@ import pytest
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from objckpt.errors import UploadError
+from objckpt.format.commit import GlobalPlan, Layout
 from objckpt.format.manifest import ObjectEntry
 from objckpt.options import UploadOptions
 from objckpt.pipeline import stock_task
@@ -144,12 +145,12 @@ def test_rank_0_builds_a_new_plan_s_layout_before_it_waits_for_the_uploads(
     let the uploads go and before it waits for them; the commit then finds it kept."""
     from types import SimpleNamespace
 
-    from objckpt.pipeline import commit_phase, coordinator
+    from objckpt.pipeline import commit_phase
 
     layouts: list[object] = []
-    real = coordinator.Layout.of
+    real = Layout.of
 
-    def counting(metadata: Metadata) -> coordinator.Layout:
+    def counting(metadata: Metadata) -> Layout:
         layouts.append(metadata)
         return real(metadata)
 
@@ -159,26 +160,26 @@ def test_rank_0_builds_a_new_plan_s_layout_before_it_waits_for_the_uploads(
         steps.append(f"collect with {len(layouts)} layout(s)")
         raise _Stop
 
-    monkeypatch.setattr(coordinator.Layout, "of", counting)
+    monkeypatch.setattr(Layout, "of", counting)
     monkeypatch.setattr(commit_phase, "splits_commit", lambda location, world: split)
     monkeypatch.setattr(commit_phase, "_collect", collect)
     committer = commit_phase.Committer(lambda staged: None, 30.0, None, lambda exc: None)
     monkeypatch.setattr(committer._helper, "start", lambda: None)  # no process needed
     metadata = _metadata(4)
+    plan = GlobalPlan(metadata)
     writer = SimpleNamespace(
         target=SimpleNamespace(location=Location.parse("s3://b/x"), rank=rank),
-        metadata=metadata,
+        global_plan=plan,
         queue_deferred=lambda: steps.append("queue") and None,
         pass_gate=lambda: steps.append("gate") and None,
     )
     with pytest.raises(_Stop):
         committer._finish(writer, None, None, 4, None, True)  # type: ignore[arg-type]
     assert steps == ["queue", "gate", f"collect with {int(built)} layout(s)"]
+    assert plan.holds_metadata is not built  # a built layout lets DCP's Metadata go
     if built:
-        assert committer._helper.layout(metadata) is committer._helper.layout(metadata)
+        assert plan.layout() is plan.layout()
         assert layouts == [metadata]  # kept: the commit does not build it again
-        committer._helper.layout(_metadata(4))
-        assert len(layouts) == 2  # another plan's metadata gets its own
 
 
 def test_a_layout_that_fails_early_is_left_to_the_commit(
@@ -188,16 +189,15 @@ def test_a_layout_that_fails_early_is_left_to_the_commit(
     again inside the exchange, where the error reaches every rank."""
     from objckpt.pipeline import coordinator
 
-    def broken(metadata: Metadata) -> coordinator.Layout:
+    def broken(plan: GlobalPlan) -> Any:
         raise ValueError("bad plan")
 
-    monkeypatch.setattr(coordinator.Layout, "of", broken)
-    helper = CommitHelper()
+    monkeypatch.setattr(coordinator.GlobalPlan, "layout", broken)
+    plan = GlobalPlan(_metadata(2))
     with caplog.at_level(logging.WARNING, logger="objckpt.pipeline.coordinator"):
-        helper.prepare_layout(_metadata(2))
+        CommitHelper.prepare_layout(plan)
     assert "building the plan's layout before the commit failed: bad plan" in caplog.text
-    with pytest.raises(ValueError, match="bad plan"):
-        helper.layout(_metadata(2))
+    assert plan.holds_metadata  # the commit still has what it needs to build it
 
 
 def _metadata(world: int) -> Metadata:
@@ -256,7 +256,7 @@ def test_a_save_from_the_template_reads_index_objects_only_where_puts_are_unveri
         nonlocal plan
         store = at(step)
         metadata, results = one_value_save(store, attempt, b"value")
-        plan = plan or metadata
+        plan = plan or GlobalPlan(metadata)
         return store, commit_via(
             "helper",
             store,

@@ -9,6 +9,7 @@ from botocore.exceptions import ClientError
 
 from objckpt.errors import AccessDeniedError, StoreError
 from objckpt.writers.retry import is_throttle, is_transient
+from objckpt.writers.transient import asks_to_slow_down
 from objckpt.writers.translate import translate
 
 
@@ -56,21 +57,27 @@ def test_not_transient(exc: BaseException) -> None:
 
 
 @pytest.mark.parametrize(
-    ("exc", "throttle"),
+    ("exc", "throttle", "asks"),
     [
-        (_client_error("SlowDown", 503), True),
-        (_client_error("ServiceUnavailable", 503), True),
-        (_client_error("InternalError", 500), False),
-        (_wrapped(_client_error("SlowDown", 503), OSError(errno.EBUSY, "SlowDown")), True),
-        (OSError(errno.EBUSY, "busy"), True),  # s3fs's SlowDown without its cause
-        (ConnectionResetError(), False),
-        (_cut_body(), False),  # a body cut short (aiohttp's code=400 is no answer)
-        (TimeoutError(), False),
+        (_client_error("SlowDown", 503), True, True),
+        (_client_error("TooManyRequests", 429), True, True),
+        # A 503 that does not name throttling (a load balancer's, a failing proxy's):
+        # concurrency backs off, but it uses up attempts like any other failure.
+        (_client_error("ServiceUnavailable", 503), True, False),
+        (_client_error("InternalError", 500), False, False),
+        (_wrapped(_client_error("SlowDown", 503), OSError(errno.EBUSY, "SlowDown")), True, True),
+        (OSError(errno.EBUSY, "busy"), True, True),  # s3fs's SlowDown without its cause
+        (ConnectionResetError(), False, False),
+        (_cut_body(), False, False),  # a body cut short (aiohttp's code=400 is no answer)
+        (TimeoutError(), False, False),
     ],
 )
-def test_transient(exc: BaseException, throttle: bool) -> None:
+def test_transient(exc: BaseException, throttle: bool, asks: bool) -> None:
+    """``asks``: the store asks for fewer requests by name, so a read waits it out
+    until its ``request_deadline`` instead of counting it among ``attempts``."""
     assert is_transient(exc)
     assert is_throttle(exc) is throttle
+    assert asks_to_slow_down(exc) is asks
 
 
 @pytest.mark.parametrize(

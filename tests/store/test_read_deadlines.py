@@ -25,7 +25,7 @@ import objckpt
 from objckpt import RetryPolicy, UploadOptions
 from objckpt.cli import main
 from objckpt.cli.common import EXIT_ERROR
-from objckpt.errors import RequestDeadlineError, SaveDeadlineError
+from objckpt.errors import RequestDeadlineError, SaveDeadlineError, StoreRefusedError
 from objckpt.format.layout import MANIFEST_KEY
 from objckpt.testing import FaultProxy, Rule
 from objckpt.testing.plugin import StoreTarget
@@ -49,7 +49,7 @@ def _via(options: dict) -> StoreTarget:
 
 
 @pytest.mark.parametrize("what", [MANIFEST_KEY, ".distcp"])
-def test_every_get_answered_503_costs_attempts_gets_not_attempts_squared(
+def test_every_get_answered_500_costs_attempts_gets_not_attempts_squared(
     s3_bucket: StoreTarget, s3_proxy: FaultProxy, what: str
 ) -> None:
     """The manifest (read whole) and a payload range (read in a batch) each get
@@ -57,12 +57,51 @@ def test_every_get_answered_503_costs_attempts_gets_not_attempts_squared(
     url = s3_bucket.url("ckpt")
     save(counting_state(), url, s3_bucket)
     via = _via(s3_proxy.storage_options())
-    s3_proxy.add(Rule("GetObject", key_contains=what, action="status", status=503))
+    s3_proxy.add(Rule("GetObject", key_contains=what, action="status", status=500))
     with pytest.raises(BaseException) as info:
         load(empty_like_state(counting_state()), url, via, retry=FAST)
     assert url in str(carried(info.value))  # the load's error names the checkpoint
     gets = [s for s in s3_proxy.seen if s.operation == "GetObject" and what in s.path]
     assert len(gets) == FAST.attempts, [s.path for s in gets]
+
+
+@pytest.mark.parametrize("what", [MANIFEST_KEY, ".distcp"])
+def test_a_load_waits_out_slow_down_past_its_attempts(
+    s3_bucket: StoreTarget, s3_proxy: FaultProxy, what: str
+) -> None:
+    """#46: a restore at scale meets the per-prefix limits a save does. GETs answered
+    503 SlowDown (S3 asking for fewer requests, by name) three times as often as
+    ``attempts`` allows are waited out, and the load succeeds (unfixed, it failed
+    after ``attempts`` answers, a few seconds into a storm)."""
+    url = s3_bucket.url("ckpt")
+    state = counting_state()
+    save(state, url, s3_bucket)
+    refusals = 3 * FAST.attempts
+    s3_proxy.add(Rule("GetObject", key_contains=what, status=503, times=refusals))
+    got = empty_like_state(state)
+    load(got, url, _via(s3_proxy.storage_options()), retry=FAST)
+    assert_state_equal(got, state)
+    assert s3_proxy.count("GetObject", faulted=True) == refusals
+
+
+def test_a_load_answered_slow_down_forever_fails_at_its_request_deadline(
+    s3_bucket: StoreTarget, s3_proxy: FaultProxy
+) -> None:
+    """Waiting out SlowDown is bounded by ``request_deadline``: past it the load fails
+    with :class:`StoreRefusedError` naming the object, what the store answered and
+    the option."""
+    url = s3_bucket.url("ckpt")
+    save(counting_state(), url, s3_bucket)
+    s3_proxy.add(Rule("GetObject", key_contains=MANIFEST_KEY, status=503))
+    with pytest.raises(BaseException) as info:
+        load(
+            empty_like_state(counting_state()), url, _via(s3_proxy.storage_options()), retry=SILENT
+        )
+    err = carried(info.value)
+    assert isinstance(err, StoreRefusedError), repr(err)
+    for named in (MANIFEST_KEY, "HTTP 503 SlowDown", "RetryPolicy.request_deadline"):
+        assert named in str(err), str(err)
+    assert s3_proxy.count("GetObject", faulted=True) > SILENT.attempts
 
 
 def test_a_body_cut_off_every_time_is_retried_attempts_times(

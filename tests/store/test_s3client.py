@@ -59,14 +59,14 @@ def test_open_fs_builds_the_subclass_and_leaves_s3fs_alone(s3_bucket: StoreTarge
 def test_a_failing_request_is_tried_exactly_policy_attempts_times(
     s3_bucket: StoreTarget, s3_proxy: FaultProxy, attempts: int
 ) -> None:
-    """One retry loop: with every GET answered 503, the proxy sees ``attempts`` GETs,
+    """One retry loop: with every GET answered 500, the proxy sees ``attempts`` GETs,
     not ``attempts`` times s3fs's own 5 or botocore's. (A *reset* connection is
     also resent once by aiohttp itself, per RFC 9112, below every SDK layer.)"""
     policy = RetryPolicy(attempts=attempts, base_delay=0.01, max_delay=0.05, timeout=5)
     fs = Location.parse(s3_bucket.root, s3_proxy.storage_options(), policy).open_fs(fresh=True)
     path = s3_bucket.root.removeprefix("s3://") + "/obj"
     fs.pipe_file(path, b"payload")
-    s3_proxy.add(Rule("GetObject", action="status", status=503))
+    s3_proxy.add(Rule("GetObject", action="status", status=500))
     with pytest.raises(OSError):
         fs.cat_file(path)
     assert s3_proxy.count("GetObject") == attempts

@@ -17,7 +17,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.storage import WriteResult
 
-from objckpt.format.commit import commit_checkpoint, write_rank_index
+from objckpt.format.commit import GlobalPlan, commit_checkpoint, write_rank_index
 from objckpt.format.manifest import Manifest
 from objckpt.options import UploadOptions
 from objckpt.pipeline.coordinator import CommitHelper
@@ -31,7 +31,7 @@ STRATEGIES = ("in-thread", "helper")
 def commit_via(
     strategy: str,
     store: ObjectStore,
-    metadata: Metadata,
+    metadata: Metadata | GlobalPlan,
     results: Iterable[Iterable[WriteResult]],
     *,
     attempt: str,
@@ -48,14 +48,17 @@ def commit_via(
     the rank would, then rank 0's helper process builds and writes ``.metadata``).
 
     Args:
+        metadata: The global plan's metadata, or a :class:`GlobalPlan` kept across
+            saves (its layout is what a later save of the plan reuses).
         helper: The helper to commit through, kept open (None: a fresh one, closed
             after): a helper that committed a plan before renames its ``.metadata``.
         before_commit: Called with the ranks' reports once their index objects are
             written, before the helper commits (helper strategy only)."""
+    plan = metadata if isinstance(metadata, GlobalPlan) else GlobalPlan(metadata)
     if strategy == "in-thread":
         return commit_checkpoint(
             store,
-            metadata,
+            plan.metadata(),
             results,
             attempt=attempt,
             world_size=world_size,
@@ -80,7 +83,7 @@ def commit_via(
     )
     writer = SimpleNamespace(
         target=target,
-        metadata=metadata,
+        global_plan=plan,
         rank_plan=SimpleNamespace(attempt=attempt),
         deadline=None,
     )

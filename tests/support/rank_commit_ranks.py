@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -10,6 +11,7 @@ from typing import Any
 import torch.distributed as dist
 from dist_helpers import full_state
 from ranks import init_ranks
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import objckpt
@@ -26,12 +28,20 @@ def save_each(
 ) -> None:
     """An async save to each of ``urls`` in turn; each rank records in
     ``<out>.rank<r>.json`` each outcome (``"committed"`` or the error), the c10d
-    store's key count once every rank is done with that save, and how many commit
-    helper processes it runs. Rank 0 cannot start a process during save number
-    ``no_helper_for`` (its ``sys.executable`` is a missing file then)."""
+    store's key count once every rank is done with that save, how many commit
+    helper processes it runs, its plan-cache hits, and how many DCP ``Metadata``
+    objects it holds then (rank 0's plan cache keeps the layout instead, #46). Rank 0
+    cannot start a process during save number ``no_helper_for`` (its
+    ``sys.executable`` is a missing file then)."""
     mesh = init_ranks(rank, world, init_file)
     store = dist.distributed_c10d._get_default_store()
-    record: dict[str, list[Any]] = {"outcomes": [], "keys": [], "helpers": []}
+    record: dict[str, list[Any]] = {
+        "outcomes": [],
+        "keys": [],
+        "helpers": [],
+        "hits": [],
+        "metadata": [],
+    }
     try:
         state = {
             "model": {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full_state().items()},
@@ -58,6 +68,9 @@ def save_each(
                 dist.barrier()  # every rank is done with this save's keys
                 record["keys"].append(store.num_keys())
                 record["helpers"].append(len(ckpt._committer._helper.pids()))
+                record["hits"].append(ckpt.plan_cache_stats.hits)
+                gc.collect()
+                record["metadata"].append(sum(isinstance(o, Metadata) for o in gc.get_objects()))
                 dist.barrier()  # counted before any rank starts the next save
     finally:
         with open(f"{out}.rank{rank}.json", "w") as f:
