@@ -228,9 +228,11 @@ class Committer:
                 manifest = self._helper.commit(writer, reports, world, commit_by, committed)
             else:
                 manifest = self._commit(writer, reports, world, committed)
-        except Exception as exc:
+        except BaseException as exc:
             if not published:
                 exchange.publish_outcome(describe(exc))
+                raise
+            if not isinstance(exc, Exception):  # an interrupt: the save stays committed
                 raise
             # Step 4 logs its own failures; anything else after the commit is logged
             # too: the save is committed, as every other rank was told.
@@ -240,10 +242,6 @@ class Committer:
                 describe(exc),
             )
             manifest = published[0]
-        except BaseException as exc:
-            if not published:
-                exchange.publish_outcome(describe(exc))
-            raise
         self._after_commit(writer, manifest)
         return manifest
 

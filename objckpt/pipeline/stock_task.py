@@ -143,9 +143,10 @@ def prepare_stock(
         # commit's listing finds each with its rank's size. Elsewhere the read-back
         # is what proves their bytes.
         read = blob is None or not store.verifies_writes
-        blobs = _fetch(store, indexes) if read else []
+        blobs = _fetch(store, indexes) if read else []  # _fetch checks each against its report
         superseded = previous_objects(store) if overwrite else set()
-    if template is not None and blob is not None:
+    if blob is not None:  # from the template (blobs, if read, were only the proof)
+        assert template is not None
         with _LOCK:
             _PREPARED[attempt] = (blob, superseded)
         entry = metadata_entry(blob)
