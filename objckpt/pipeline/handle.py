@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -62,6 +63,12 @@ class SaveLifecycle:
     on_end: tuple[EndHook, ...] = ()
 
 
+def _reached(at: list[float], fut: concurrent.futures.Future[Any]) -> None:
+    """Record in ``at`` when ``fut`` succeeded (a replication that returned False did not)."""
+    if not fut.cancelled() and fut.exception() is None and fut.result() is not False:
+        at.append(time.monotonic())
+
+
 class _End:
     """One end a save reaches: the future that reports it, when it was reached, and a
     wait that names it when it times out.
@@ -87,17 +94,16 @@ class _End:
         self.future = future
         self._url = url
         self._started = started
-        self._at: float | None = None
-        (timed_by or future).add_done_callback(self._reached)
-
-    def _reached(self, fut: concurrent.futures.Future[Any]) -> None:
-        if not fut.cancelled() and fut.exception() is None and fut.result() is not False:
-            self._at = time.monotonic()
+        self._at: list[float] = []  # when it was reached (empty: not yet)
+        # A future keeps its callbacks: a bound method of this end would make a
+        # cycle (end -> future -> callback -> end) holding the result (the manifest)
+        # until a full collection of the cyclic garbage collector.
+        (timed_by or future).add_done_callback(functools.partial(_reached, self._at))
 
     @property
     def seconds(self) -> float | None:
         """Seconds from the save's start to this end (None: not reached)."""
-        return None if self._at is None else self._at - self._started
+        return self._at[0] - self._started if self._at else None
 
     def wait(self, timeout: float | None) -> Any:
         """The end's result, waiting up to ``timeout`` seconds; re-raises its error.

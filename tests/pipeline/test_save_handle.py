@@ -74,3 +74,31 @@ def test_settled_never_waits_past_the_handles_own_bound() -> None:
     assert time.monotonic() - started < 5.0
     future.set_result(None)
     assert handle.settled() is True
+
+
+def test_a_finished_handle_and_its_result_are_freed_without_the_cyclic_collector() -> None:
+    """A handle's ends kept a bound method of themselves in their future's callbacks:
+    a reference cycle that held the committed manifest (30,000 objects at 10,000
+    tensors) until the next full collection of the cyclic garbage collector, which
+    each save then set off. Freed by reference counting now, once the caller lets go."""
+    import gc
+    import weakref
+
+    class Result:  # stands for the manifest (a plain object a weak reference can follow)
+        pass
+
+    future: concurrent.futures.Future[Manifest | None] = concurrent.futures.Future()
+    handle = SaveHandle("file:///tmp/x", future, lifecycle=SaveLifecycle())
+    result = Result()
+    gone = weakref.ref(result)
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        future.set_result(result)  # type: ignore[arg-type]
+        assert handle.result() is result
+        assert handle.seconds_to_commit is not None  # the end recorded when it was reached
+        del handle, future, result
+        assert gone() is None, "the finished save's result is held by a reference cycle"
+    finally:
+        if was:
+            gc.enable()
