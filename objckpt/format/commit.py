@@ -283,9 +283,10 @@ class GlobalPlan:
     of the training process. A commit from the ranks' index objects needs only the
     plan's :class:`Layout` (the manifest's columns, O(tensors) with regular sharding),
     so once the layout is built the ``Metadata`` is let go. A commit from write
-    results (:func:`commit_checkpoint`, in this thread) needs the ``Metadata``: it is
-    kept until a layout is built, and rebuilt from the layout after that, as step 2
-    rebuilds it from the same document (O(chunks), as that commit's encoding is).
+    results (:func:`commit_checkpoint`, in this thread: one rank, a node-local tier)
+    needs the ``Metadata``: it is kept until a layout is built, and rebuilt from the
+    layout if one asks for it after that (then kept again, so that a checkpointer
+    whose saves alternate between the two rebuilds it once, not per save).
 
     Built once per global plan (DCP's ``finish``) and shared by the saves that
     replay the plan; thread-safe, since a save's commit thread builds the layout
@@ -315,15 +316,18 @@ class GlobalPlan:
             return self._layout
 
     def metadata(self) -> Metadata:
-        """DCP's ``Metadata`` of the plan: kept, or rebuilt from the layout."""
+        """DCP's ``Metadata`` of the plan: kept, or rebuilt from the layout (and kept)."""
         with self._lock:
-            metadata, layout = self._metadata, self._layout
-        if metadata is not None:
-            return metadata
-        assert layout is not None
-        # The placeholder names rank 0 as every entry's writer: decoding wants it indexed.
-        doc = {**layout.placeholder, "index": ["(rank 0)"]}
-        return plan_metadata(doc, layout.properties, self.planner_data, self.storage_meta)
+            if self._metadata is None:
+                layout = self._layout
+                assert layout is not None
+                # The placeholder names rank 0 as every entry's writer: decoding wants
+                # it indexed.
+                doc = {**layout.placeholder, "index": ["(rank 0)"]}
+                self._metadata = plan_metadata(
+                    doc, layout.properties, self.planner_data, self.storage_meta
+                )
+            return self._metadata
 
 
 def plan_metadata(

@@ -24,7 +24,7 @@ import ssl
 from objckpt.errors import RequestDeadlineError, SaveDeadlineError, StoreRefusedError
 from objckpt.writers.translate import causes, service_error
 
-__all__ = ["answer_of", "is_throttle", "is_transient"]
+__all__ = ["answer_of", "asks_to_slow_down", "is_throttle", "is_transient"]
 
 _TRANSIENT_ERRNOS = {errno.EBUSY, errno.EREMOTEIO, errno.ETIMEDOUT, errno.ECONNRESET, errno.EAGAIN}
 _TRANSIENT_NAMES = {
@@ -55,7 +55,14 @@ _TRANSIENT_NAMES = {
 # anything else the service answered is permanent. Never read from message text: a
 # ValueError naming step-0000005030 is not a 503.
 _THROTTLE_CODES = frozenset(
-    {"SlowDown", "Throttling", "ThrottlingException", "TooManyRequests", "RequestLimitExceeded"}
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "TooManyRequests",
+        "RequestLimitExceeded",
+        "ServerBusy",  # Azure Blob's throttling answer (503)
+    }
 )
 _TRANSIENT_CODES = _THROTTLE_CODES | {"ServiceUnavailable", "InternalError", "RequestTimeout"}
 _THROTTLE_STATUS = frozenset({429, 503})
@@ -94,14 +101,14 @@ def is_throttle(exc: BaseException) -> bool:
 
 
 def asks_to_slow_down(exc: BaseException) -> bool:
-    """A throttling answer that says so (S3's ``SlowDown`` code, a 429, or s3fs's
-    EBUSY mapping of SlowDown), as opposed to a bare 503, which a load balancer or a
+    """A throttling answer that says so (S3's ``SlowDown`` code, Azure's ``ServerBusy``,
+    a 429), as opposed to a bare 503, which a load balancer or a
     failing proxy gives as well: only the first is a store asking for fewer requests
     for as long as it needs."""
     code, status = _service_answer(exc)
-    if code is not None or status is not None:
-        return code in _THROTTLE_CODES or status == 429
-    return any(isinstance(e, OSError) and e.errno == errno.EBUSY for e in causes(exc))
+    # Without the service's answer it is not known to be one: s3fs maps a bare 503,
+    # ServiceUnavailable and a 409 to EBUSY as well as SlowDown (it counts).
+    return code in _THROTTLE_CODES or status == 429
 
 
 def is_transient(exc: BaseException) -> bool:

@@ -61,12 +61,14 @@ def test_not_transient(exc: BaseException) -> None:
     [
         (_client_error("SlowDown", 503), True, True),
         (_client_error("TooManyRequests", 429), True, True),
+        (_client_error("ServerBusy", 503), True, True),  # Azure Blob's throttling
         # A 503 that does not name throttling (a load balancer's, a failing proxy's):
         # concurrency backs off, but it uses up attempts like any other failure.
         (_client_error("ServiceUnavailable", 503), True, False),
         (_client_error("InternalError", 500), False, False),
         (_wrapped(_client_error("SlowDown", 503), OSError(errno.EBUSY, "SlowDown")), True, True),
-        (OSError(errno.EBUSY, "busy"), True, True),  # s3fs's SlowDown without its cause
+        # s3fs's EBUSY without its cause: SlowDown, or a bare 503, or a 409: it counts.
+        (OSError(errno.EBUSY, "busy"), True, False),
         (ConnectionResetError(), False, False),
         (_cut_body(), False, False),  # a body cut short (aiohttp's code=400 is no answer)
         (TimeoutError(), False, False),
