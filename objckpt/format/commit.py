@@ -90,6 +90,7 @@ from objckpt.writers.base import ObjectStore
 from objckpt.writers.checksum import Crc32c
 
 __all__ = [
+    "IN_THREAD_TEMPLATE_BYTES",
     "REQUESTS_FQN",
     "CommitStrategy",
     "GlobalPlan",
@@ -98,6 +99,7 @@ __all__ = [
     "Prepared",
     "RankReport",
     "StockLayout",
+    "StockTemplate",
     "build_stock",
     "commit_checkpoint",
     "commit_manifest",
@@ -117,6 +119,11 @@ logger = logging.getLogger(__name__)
 # The DCP metadata format version DCP's own writers stamp.
 _DCP_VERSION = "1.0.0"
 
+
+#: The largest ``.metadata`` an in-thread commit keeps as its plan's template: a
+#: one-rank job's (2 MB at 10,000 tensors), not a node-local tier's at thousands of
+#: ranks (1.2 GB at 8,192), which rank 0's training process would hold between saves.
+IN_THREAD_TEMPLATE_BYTES = 64 << 20
 
 #: A rank's write results end with one entry under this name that carries the
 #: rank's request counts (not an item: the coordinator sums them for the manifest).
@@ -297,6 +304,11 @@ class GlobalPlan:
         self._lock = threading.Lock()
         self._metadata: Metadata | None = metadata
         self._layout: Layout | None = None
+        #: Names this plan in a template's key (:class:`StockTemplate`).
+        self.token = uuid.uuid4().hex
+        #: The last ``.metadata`` an in-thread commit of this plan built whole, kept
+        #: where it is small (:data:`IN_THREAD_TEMPLATE_BYTES`).
+        self.stock = StockTemplate()
         #: DCP's flatten mapping and ``StorageMeta``, as the plan recorded them.
         self.planner_data = metadata.planner_data
         self.storage_meta = metadata.storage_meta
@@ -383,6 +395,79 @@ class StockLayout:
     storage_meta: StorageMeta
     #: The :attr:`Layout.token` it came from ("": none, never a template's).
     token: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kept:
+    """The last ``.metadata`` built whole, and what a save must share with it."""
+
+    key: Any
+    attempt: str
+    #: The pickle without its tail (StorageMeta, version, the end). A ``bytearray``:
+    #: its ``replace`` gives a bytearray the new tail extends in place (a realloc),
+    #: where bytes would be copied whole (1.2 GB at 8,192 ranks) to append it.
+    body: bytearray
+    version: Any
+    writers: dict[str, Any]
+    raw: int
+
+
+class StockTemplate:
+    """The last ``.metadata`` built whole for one plan, kept so that a later save of
+    the plan with the same items renames it instead of building it (#46; the
+    template's full story is :mod:`objckpt.pipeline.stock_task`'s, whose helper
+    process keeps one; an in-thread commit keeps its own in the plan).
+
+    ``key`` is what a save must share with the template: the plan and every writing
+    rank's :func:`stock_digest`. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: _Kept | None = None
+
+    def clear(self) -> None:
+        """Forget the template (before a new one of up to 1 GB is built beside it)."""
+        with self._lock:
+            self._kept = None
+
+    def renamed(
+        self, key: Any, attempt: str, storage_meta: StorageMeta
+    ) -> tuple[bytearray, dict[str, Any], int] | None:
+        """``.metadata`` of the save ``attempt`` with its writers and ``raw_bytes``,
+        from the template, or None when it does not apply."""
+        with self._lock:
+            kept = self._kept
+        if key is None or kept is None or kept.key != key or len(kept.attempt) != len(attempt):
+            return None
+        blob = kept.body.replace(kept.attempt.encode(), attempt.encode())
+        blob.extend(MetadataStream.tail(storage_meta, kept.version))
+        return blob, kept.writers, kept.raw
+
+    def keep(
+        self,
+        key: Any,
+        attempt: str,
+        layout: StockLayout,
+        blob: bytes | bytearray,
+        writers: Mapping[str, Any],
+        raw: int,
+    ) -> None:
+        """Keep ``blob`` (just built whole for ``attempt``) as the template under
+        ``key``, when its tail is the one :meth:`MetadataStream.tail` writes and the
+        attempt id appears only in names (None key: nothing is kept)."""
+        if key is None:
+            return
+        version = layout.doc.get("version")
+        tail = MetadataStream.tail(layout.storage_meta, version)
+        if not blob.endswith(tail):
+            return  # another version field than the layout's: build the next one whole
+        end = len(blob) - len(tail)
+        names = blob.find(b"storage_data", 0, end)
+        if blob.find(attempt.encode(), 0, names if names >= 0 else end - 1) >= 0:
+            return  # a tensor's name holds the attempt id: never rename it
+        body = bytearray(memoryview(blob)[:end])
+        with self._lock:
+            self._kept = _Kept(key, attempt, body, version, dict(writers), raw)
 
 
 def build_stock(
@@ -490,13 +575,15 @@ class InThread(CommitStrategy):
         shards: Sequence[IndexShard],
         attempt: str,
         overwrite: bool,
+        template: tuple[StockTemplate, Any] | None = None,
     ) -> None:
         self._store = store
         self._layout = layout
+        self._template = template  # (the plan's template, this save's key), or None
         self._shards = list(shards)
         self._attempt = attempt
         self._overwrite = overwrite
-        self._blob: bytes | None = None
+        self._blob: bytes | bytearray | None = None
         self._superseded: set[str] = set()
 
     def prepare(self) -> Prepared:
@@ -505,7 +592,20 @@ class InThread(CommitStrategy):
         indexes = [(s.rank, _entry(s)) for s in self._shards]
         blobs = [s.data for s in self._shards]
         self._shards = []
-        blob, _, _ = build_stock(self._layout, self._attempt, indexes, blobs, store.location.url)
+        template, key = self._template or (None, None)
+        renamed = None
+        if template is not None:
+            renamed = template.renamed(key, self._attempt, self._layout.storage_meta)
+        if renamed is not None:  # the last save's, renamed: the same items
+            blob: bytes | bytearray = renamed[0]
+        else:
+            if template is not None:
+                template.clear()
+            blob, writers, raw = build_stock(
+                self._layout, self._attempt, indexes, blobs, store.location.url
+            )
+            if template is not None and len(blob) <= IN_THREAD_TEMPLATE_BYTES:
+                template.keep(key, self._attempt, self._layout, blob, writers, raw)
         self._blob = blob
         return Prepared(self._layout.doc, metadata_entry(blob), RequestStats())
 
@@ -605,6 +705,7 @@ def commit_checkpoint(
     checkpoint_id: str | os.PathLike[str] | None = None,
     base: str | None = None,
     committed: Callable[[Manifest], None] | None = None,
+    plan: GlobalPlan | None = None,
 ) -> Manifest:
     """The whole commit in this thread (:class:`InThread`) from every rank's write
     results: the index objects, then the manifest, then ``.metadata``; returns the
@@ -616,6 +717,10 @@ def commit_checkpoint(
             the caller gave it; the store URL when None).
         base: The URL of the step this save reused items of (``reuse_from``), or None.
         committed: Called once the manifest is committed (:func:`commit_sequence`).
+        plan: The global plan ``metadata`` is of, kept across saves (None: a save
+            of its own): a later save of it whose ranks' items are the same renames
+            the last ``.metadata`` instead of building it (``GlobalPlan.stock``;
+            the same bytes, at 10,000 tensors about half of this commit's CPU).
 
     Raises:
         CheckpointExistsError: Another attempt committed this URL first.
@@ -659,9 +764,13 @@ def commit_checkpoint(
         for rank, k in enumerate(doc["index"])
     ]
     stock = StockLayout(doc, _properties(metadata), metadata.planner_data, storage_meta)
+    template = None
+    if plan is not None:
+        digests = tuple((r, stock_digest(items, attempt)) for r, items in enumerate(by_rank))
+        template = (plan.stock, (plan.token, digests))
     return commit_sequence(
         store,
-        InThread(store, stock, shards, attempt, overwrite),
+        InThread(store, stock, shards, attempt, overwrite, template),
         reports,
         attempt=attempt,
         world_size=world_size,

@@ -266,6 +266,7 @@ class Committer:
             checkpoint_id=target.checkpoint_id,
             base=target.reuse_from,
             committed=committed,
+            plan=writer.global_plan,
         )
         target.close()
         return manifest

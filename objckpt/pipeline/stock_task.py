@@ -45,7 +45,9 @@ and pickling them again (87-102 CPU-s, 1.2 GB) and two copies of the bytes (see
 changed digest (an item reused or compressed differently, a new plan), an attempt
 id found where no name could hold it, or a restarted helper builds it whole, as
 before, and keeps it as the next template. Both give the same bytes
-(``tests/pipeline/test_stock_template.py``).
+(``tests/pipeline/test_rank_commit.py``). The template itself is
+:class:`~objckpt.format.commit.StockTemplate`; an in-thread commit (one rank, a
+node-local tier) keeps its own in the plan (``GlobalPlan.stock``), where it is small.
 """
 
 from __future__ import annotations
@@ -60,10 +62,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from objckpt.errors import UploadError
-from objckpt.format.commit import StockLayout, build_stock, metadata_entry
+from objckpt.format.commit import StockLayout, StockTemplate, build_stock, metadata_entry
 from objckpt.format.layout import METADATA_KEY
 from objckpt.format.manifest import ObjectEntry
-from objckpt.format.metadata_stream import MetadataStream
 from objckpt.format.settle import SETTLE_SECONDS, finish_commit
 from objckpt.format.superseded import previous_objects
 from objckpt.options import UploadOptions
@@ -83,23 +84,8 @@ _PREPARED: dict[str, tuple[bytes | bytearray, set[str]]] = {}
 _FETCHERS = 16
 
 
-@dataclasses.dataclass(frozen=True)
-class _Template:
-    """The last ``.metadata`` built whole here, and what a save must share with it."""
-
-    key: tuple[str, tuple[tuple[int, str], ...]]
-    attempt: str
-    #: The pickle without its tail (StorageMeta, version, the end). A ``bytearray``:
-    #: its ``replace`` gives a bytearray the new tail extends in place (a realloc),
-    #: where bytes would be copied whole (1.2 GB at 8,192 ranks) to append it.
-    body: bytearray
-    version: Any
-    writers: dict[str, Any]
-    raw: int
-
-
 #: This helper's template (one: the helper serves one checkpointer).
-_TEMPLATE: list[_Template] = []
+_TEMPLATE = StockTemplate()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,24 +119,21 @@ def prepare_stock(
     """
     store = worker_store(location, options)
     key = _template_key(layout, indexes, digests)
-    with _LOCK:
-        template = _TEMPLATE[0] if _TEMPLATE else None
     with _no_cyclic_gc():
-        blob = _from_template(template, key, attempt, layout)
+        renamed = _TEMPLATE.renamed(key, attempt, layout.storage_meta)
     with counting(RequestCounter()) as counter, bounded_by(deadline):
         # From the template the index objects are not decoded. Where the store
         # verified each rank's PUT against its CRC32C they are not read either: the
         # commit's listing finds each with its rank's size. Elsewhere the read-back
         # is what proves their bytes.
-        read = blob is None or not store.verifies_writes
+        read = renamed is None or not store.verifies_writes
         blobs = _fetch(store, indexes) if read else []  # _fetch checks each against its report
         superseded = previous_objects(store) if overwrite else set()
-    if blob is not None:  # from the template (blobs, if read, were only the proof)
-        assert template is not None
+    if renamed is not None:  # from the template (blobs, if read, were only the proof)
+        blob, writers, raw = renamed
         with _LOCK:
             _PREPARED[attempt] = (blob, superseded)
-        entry = metadata_entry(blob)
-        return StockPrepared(template.writers, entry, counter.snapshot(), template.raw)
+        return StockPrepared(writers, metadata_entry(blob), counter.snapshot(), raw)
     with _no_cyclic_gc():
         return _prepare(location, attempt, layout, indexes, blobs, superseded, counter, key)
 
@@ -167,19 +150,6 @@ def _template_key(
             return None
         pairs.append((rank, digest))
     return layout.token, tuple(pairs)
-
-
-def _from_template(
-    template: _Template | None, key: Any, attempt: str, layout: StockLayout
-) -> bytearray | None:
-    """``.metadata`` of this save from ``template``, or None when it does not apply."""
-    if key is None or template is None:
-        return None
-    if template.key != key or len(template.attempt) != len(attempt):
-        return None
-    blob = template.body.replace(template.attempt.encode(), attempt.encode())
-    blob.extend(MetadataStream.tail(layout.storage_meta, template.version))
-    return blob
 
 
 @contextlib.contextmanager
@@ -209,32 +179,12 @@ def _prepare(
 ) -> StockPrepared:
     """:func:`prepare_stock` once the index objects are fetched: built whole, and
     kept as the template under ``key`` (None: not kept)."""
-    with _LOCK:
-        _TEMPLATE.clear()  # a stale template is not kept beside a new pickle of 1 GB
+    _TEMPLATE.clear()  # a stale template is not kept beside a new pickle of 1 GB
     blob, writers, raw = build_stock(layout, attempt, indexes, blobs, location.url)
     with _LOCK:
         _PREPARED[attempt] = (blob, superseded)
-    if key is not None:
-        _keep_template(key, attempt, layout, blob, writers, raw)
+    _TEMPLATE.keep(key, attempt, layout, blob, writers, raw)
     return StockPrepared(writers, metadata_entry(blob), counter.snapshot(), raw)
-
-
-def _keep_template(
-    key: Any, attempt: str, layout: StockLayout, blob: bytes, writers: Any, raw: int
-) -> None:
-    """Keep ``blob`` as the next save's template when its tail is the one
-    :meth:`MetadataStream.tail` writes and the attempt id appears only in names."""
-    version = layout.doc.get("version")
-    tail = MetadataStream.tail(layout.storage_meta, version)
-    if not blob.endswith(tail):
-        return  # another version field than the layout's: build the next one whole
-    end = len(blob) - len(tail)
-    names = blob.find(b"storage_data", 0, end)
-    if blob.find(attempt.encode(), 0, names if names >= 0 else end - 1) >= 0:
-        return  # a tensor's name holds the attempt id: never rename it
-    body = memoryview(blob)[:end]
-    with _LOCK:
-        _TEMPLATE[:] = [_Template(key, attempt, bytearray(body), version, dict(writers), raw)]
 
 
 def _fetch(store: Any, indexes: list[tuple[int, ObjectEntry]]) -> list[bytes]:

@@ -492,3 +492,59 @@ def test_the_other_ranks_learn_the_commit_before_rank_0_writes_metadata(
     assert records[0] == {"outcome": "committed", "manifest": True, "metadata": True}, (
         "rank 1 was told the outcome only after rank 0's .metadata step had ended"
     )
+
+
+def test_a_one_rank_job_renames_its_plan_s_last_metadata_instead_of_building_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """#47: a one-rank job commits in its own thread, and every save decoded its index
+    object and pickled every item into ``.metadata`` again (0.4-0.6 CPU-s a save at
+    10,000 tensors, beside training). A later save of the plan with the same items
+    renames the last one instead: the same bytes a whole build gives (the same save
+    built whole once the template is cleared), and torch's own reader loads it."""
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import load as dcp_load
+
+    import objckpt
+    from objckpt.format import commit
+
+    built: list[str] = []
+    real = commit.build_stock
+
+    def counted(layout: Any, attempt: str, *args: Any, **kwargs: Any) -> Any:
+        built.append(attempt)
+        return real(layout, attempt, *args, **kwargs)
+
+    monkeypatch.setattr(commit, "build_stock", counted)
+    state = {f"w{n}": torch.arange(1000, dtype=torch.float32) * (n + 1) for n in range(20)}
+    state["step"] = "seven"  # a value saved as bytes
+    blobs, attempts = [], []
+    with objckpt.AsyncCheckpointer() as ckpt:
+        for n in range(5):
+            if n == 3:  # the same save once more, built whole
+                cached = ckpt._plans.cached
+                assert cached is not None and cached.global_plan is not None
+                cached.global_plan.stock.clear()
+            if n == 4:  # an item of another length: the same plan, other items
+                state["step"] = "seven" * 1000
+            manifest = ckpt.save(state, f"file://{tmp_path}/step-{n}").result()
+            assert manifest is not None
+            attempts.append(manifest.attempt)
+            blobs.append((tmp_path / f"step-{n}" / ".metadata").read_bytes())
+    # Unfixed: all five were built whole.
+    assert built == [attempts[0], attempts[3], attempts[4]], (built, attempts)
+    assert ckpt.plan_cache_stats.hits == 4
+
+    def body(blob: bytes) -> bytes:  # all but the tail: StorageMeta (its URL), version
+        return blob[: blob.rindex(b"storage_meta")]
+
+    assert body(blobs[2]).replace(attempts[2].encode(), attempts[3].encode()) == body(blobs[3])
+    for n, step in ((2, "seven"), (4, "seven" * 1000)):
+        got: dict[str, Any] = {k: torch.zeros(1000) for k in state if k != "step"}
+        got["step"] = ""
+        dcp_load(got, storage_reader=FileSystemReader(str(tmp_path / f"step-{n}")), no_dist=True)
+        assert got["step"] == step
+        for k, v in state.items():
+            if k != "step":
+                assert torch.equal(got[k], v), (n, k)
