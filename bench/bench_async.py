@@ -109,6 +109,31 @@ def copy_limit(state: dict[str, torch.Tensor], repeats: int) -> list[float]:
     return out
 
 
+class _CommitCpu:
+    """The CPU each in-thread commit of this process spends (``time.thread_time`` of
+    ``commit_checkpoint``, on the save's commit thread): what a one-rank job's commit
+    costs beside training (#47), apart from the workers' uploads."""
+
+    def __init__(self) -> None:
+        from objckpt.pipeline import commit_phase
+
+        self._module = commit_phase
+        self._real = commit_phase.commit_checkpoint
+        self.seconds: list[float] = []
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.thread_time()
+            try:
+                return self._real(*args, **kwargs)
+            finally:
+                self.seconds.append(time.thread_time() - t0)
+
+        commit_phase.commit_checkpoint = timed  # type: ignore[assignment]
+
+    def close(self) -> None:
+        self._module.commit_checkpoint = self._real  # type: ignore[assignment]
+
+
 def _async_series(
     state: dict[str, torch.Tensor],
     storage_options: dict[str, Any],
@@ -120,6 +145,7 @@ def _async_series(
 ) -> dict[str, Any]:
     """``saves`` saves through one checkpointer: stall, commit and peak memory of each."""
     stalls, commits, peaks = [], [], []
+    commit_cpu = _CommitCpu()
     with objckpt.AsyncCheckpointer(storage_options=storage_options, async_options=options) as ckpt:
         for i in range(saves):
             with PeakMemory({server_pid}) as mem:
@@ -138,9 +164,11 @@ def _async_series(
                 peaks[-1] / MiB,
             )
         cache = ckpt.plan_cache_stats
+    commit_cpu.close()
     return {
         "stall": stalls,
         "commit": commits,
+        "commit_thread_cpu": commit_cpu.seconds,
         "peak_extra_bytes": peaks,
         "plan_cache": {"hits": cache.hits, "misses": cache.misses},
     }
@@ -349,6 +377,7 @@ def main() -> None:
         "objckpt_stall_later_s": med(a["stall"][later]),
         "objckpt_stall_first_s": a["stall"][0],
         "objckpt_commit_s": med(a["commit"][later]),
+        "objckpt_commit_thread_cpu_later_s": med(a["commit_thread_cpu"][later]),
         "objckpt_sync_s": med(res["objckpt_sync"]) if res["objckpt_sync"] else float("nan"),
         "peak_extra_over_state": max(a["peak_extra_bytes"]) / res["bytes"],
         "peak_growth_last_vs_second": a["peak_extra_bytes"][-1] / a["peak_extra_bytes"][1],
