@@ -76,27 +76,48 @@ def test_settled_never_waits_past_the_handles_own_bound() -> None:
     assert handle.settled() is True
 
 
-def test_a_finished_handle_and_its_result_are_freed_without_the_cyclic_collector() -> None:
+@pytest.mark.parametrize("kind", ["primary", "hooks", "local"])
+def test_a_finished_handle_and_its_result_are_freed_without_the_cyclic_collector(
+    kind: str,
+) -> None:
     """A handle's ends kept a bound method of themselves in their future's callbacks:
     a reference cycle that held the committed manifest (30,000 objects at 10,000
     tensors) until the next full collection of the cyclic garbage collector, which
-    each save then set off. Freed by reference counting now, once the caller lets go."""
+    each save then set off. Freed by reference counting now, once the caller lets go:
+    a save to the primary, one with end hooks (the manager's), and a local one with a
+    promotion and a replication."""
     import gc
     import weakref
 
     class Result:  # stands for the manifest (a plain object a weak reference can follow)
         pass
 
+    seen: list[BaseException | None] = []
+    lifecycle = {
+        "primary": SaveLifecycle(),
+        "hooks": SaveLifecycle(on_end=(lambda h, exc: seen.append(exc),)),
+        "local": SaveLifecycle(
+            tier="local",
+            promotion=concurrent.futures.Future(),
+            replication=concurrent.futures.Future(),
+        ),
+    }[kind]
     future: concurrent.futures.Future[Manifest | None] = concurrent.futures.Future()
-    handle = SaveHandle("file:///tmp/x", future, lifecycle=SaveLifecycle())
+    handle = SaveHandle("file:///tmp/x", future, lifecycle=lifecycle)
     result = Result()
     gone = weakref.ref(result)
     was = gc.isenabled()
     gc.disable()
     try:
         future.set_result(result)  # type: ignore[arg-type]
+        if lifecycle.promotion is not None and lifecycle.replication is not None:
+            lifecycle.promotion.set_result(None)
+            lifecycle.replication.set_result(True)
+            assert handle.seconds_to_durable is not None
         assert handle.result() is result
+        assert seen == ([None] if kind == "hooks" else [])
         assert handle.seconds_to_commit is not None  # the end recorded when it was reached
+        del lifecycle
         del handle, future, result
         assert gone() is None, "the finished save's result is held by a reference cycle"
     finally:
