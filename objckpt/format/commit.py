@@ -425,6 +425,11 @@ class StockTemplate:
         self._lock = threading.Lock()
         self._kept: _Kept | None = None
 
+    @property
+    def holds(self) -> bool:
+        """Whether a template is kept (a save's key is worth computing)."""
+        return self._kept is not None
+
     def clear(self) -> None:
         """Forget the template (before a new one of up to 1 GB is built beside it)."""
         with self._lock:
@@ -575,11 +580,13 @@ class InThread(CommitStrategy):
         shards: Sequence[IndexShard],
         attempt: str,
         overwrite: bool,
-        template: tuple[StockTemplate, Any] | None = None,
+        template: tuple[StockTemplate, Callable[[], Any]] | None = None,
     ) -> None:
         self._store = store
         self._layout = layout
-        self._template = template  # (the plan's template, this save's key), or None
+        # (the plan's template, what computes this save's key: O(items), so only
+        # where a template is kept or one will be), or None
+        self._template = template
         self._shards = list(shards)
         self._attempt = attempt
         self._overwrite = overwrite
@@ -592,9 +599,10 @@ class InThread(CommitStrategy):
         indexes = [(s.rank, _entry(s)) for s in self._shards]
         blobs = [s.data for s in self._shards]
         self._shards = []
-        template, key = self._template or (None, None)
-        renamed = None
-        if template is not None:
+        template, make_key = self._template or (None, None)
+        key, renamed = None, None
+        if template is not None and make_key is not None and template.holds:
+            key = make_key()
             renamed = template.renamed(key, self._attempt, self._layout.storage_meta)
         if renamed is not None:  # the last save's, renamed: the same items
             blob: bytes | bytearray = renamed[0]
@@ -604,7 +612,9 @@ class InThread(CommitStrategy):
             blob, writers, raw = build_stock(
                 self._layout, self._attempt, indexes, blobs, store.location.url
             )
-            if template is not None and len(blob) <= IN_THREAD_TEMPLATE_BYTES:
+            small = len(blob) <= IN_THREAD_TEMPLATE_BYTES
+            if template is not None and make_key is not None and small:
+                key = make_key() if key is None else key
                 template.keep(key, self._attempt, self._layout, blob, writers, raw)
         self._blob = blob
         return Prepared(self._layout.doc, metadata_entry(blob), RequestStats())
@@ -766,8 +776,12 @@ def commit_checkpoint(
     stock = StockLayout(doc, _properties(metadata), metadata.planner_data, storage_meta)
     template = None
     if plan is not None:
-        digests = tuple((r, stock_digest(items, attempt)) for r, items in enumerate(by_rank))
-        template = (plan.stock, (plan.token, digests))
+        token = plan.token
+
+        def key() -> tuple[str, tuple[tuple[int, str], ...]]:
+            return token, tuple((r, stock_digest(it, attempt)) for r, it in enumerate(by_rank))
+
+        template = (plan.stock, key)
     return commit_sequence(
         store,
         InThread(store, stock, shards, attempt, overwrite, template),
