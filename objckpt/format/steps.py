@@ -36,6 +36,7 @@ from objckpt.writers.location import Location
 __all__ = [
     "ObjectInfo",
     "StepInfo",
+    "StepPlaces",
     "committed_steps",
     "parse_step",
     "step_name",
@@ -67,6 +68,51 @@ def parse_step(name: str) -> int | None:
     """The step number of a directory name, or None if it is not a step directory."""
     m = _STEP.fullmatch(name.rstrip("/").rsplit("/", 1)[-1])
     return int(m.group(1)) if m else None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlaces:
+    """Every directory one step of a run is written to, derived once per save.
+
+    Why one value: a manager's save of step N touches up to four roots (the local
+    tier, the primary, each backup target), and each part of the save (placing it,
+    its commit, the promotion, the backups) used to derive its own directory from the
+    step number. Built once (:meth:`of`, by the run's step catalog) and handed down,
+    every part names the same directories, and no part needs to know the roots.
+
+    Attributes:
+        step: The step.
+        root: Its directory on the primary root (what DCP records as the checkpoint id).
+        local: Its directory on this node's local tier (None: the run has none).
+        backups: Its directory on each backup target, in the targets' order.
+    """
+
+    step: int
+    root: Location
+    local: Location | None = None
+    backups: tuple[Location, ...] = ()
+
+    @classmethod
+    def of(
+        cls,
+        step: int,
+        root: Location,
+        *,
+        local: Location | None = None,
+        backups: Iterable[Location] = (),
+    ) -> StepPlaces:
+        """Step ``step``'s directories under ``root``, ``local`` and each of ``backups``.
+
+        Raises:
+            ConfigurationError: ``step`` is not a non-negative int.
+        """
+        name = step_name(step)
+        return cls(
+            step,
+            root.child(name),
+            None if local is None else local.child(name),
+            tuple(b.child(name) for b in backups),
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -184,7 +184,7 @@ class Committer:
             if error is not None:
                 raise error
             manifest = self._commit(writer, [results], world)
-            self._after_commit(writer, manifest)
+            self._after_commit(writer, handle, manifest)
             return manifest
         exchange = exchange_for(writer, process_group, world, self._timeout)
         report: Any = results
@@ -201,7 +201,7 @@ class Committer:
                 error = exc
         exchange.post(error is None, report if error is None else describe(error))
         if rank_plan.rank == 0:
-            return self._coordinate(writer, exchange, world, split)
+            return self._coordinate(writer, handle, exchange, world, split)
         if error is not None:
             raise error
         outcome = exchange.outcome()
@@ -210,7 +210,12 @@ class Committer:
         return None
 
     def _coordinate(
-        self, writer: DeferredWriter, exchange: RankExchange, world: int, split: bool
+        self,
+        writer: DeferredWriter,
+        handle: SaveHandle,
+        exchange: RankExchange,
+        world: int,
+        split: bool,
     ) -> Manifest:
         # The other ranks wait 2 * barrier_timeout + 30 s from their reports, which
         # came at most barrier_timeout before this one (see RankExchange.outcome):
@@ -242,7 +247,7 @@ class Committer:
                 describe(exc),
             )
             manifest = published[0]
-        self._after_commit(writer, manifest)
+        self._after_commit(writer, handle, manifest)
         return manifest
 
     def _commit(
@@ -271,16 +276,17 @@ class Committer:
         target.close()
         return manifest
 
-    def _after_commit(self, writer: DeferredWriter, manifest: Manifest) -> None:
-        """The commit hook, once every rank can learn that the save committed: its
-        error is logged, never the save's outcome (the checkpoint is committed)."""
-        if self._on_commit is None:
-            return
-        url = writer.target.location.url
-        try:
-            self._on_commit(url, manifest)
-        except Exception:
-            logger.exception("the on-commit hook failed after %s committed", url)
+    def _after_commit(self, writer: DeferredWriter, handle: SaveHandle, manifest: Manifest) -> None:
+        """The commit hooks (the checkpointer's, then the save's own), once every rank
+        can learn that the save committed: an error is logged, never the save's
+        outcome (the checkpoint is committed)."""
+        if self._on_commit is not None:
+            url = writer.target.location.url
+            try:
+                self._on_commit(url, manifest)
+            except Exception:
+                logger.exception("the on-commit hook failed after %s committed", url)
+        handle.run_commit_hook(manifest)
 
 
 def splits_commit(location: Location, world: int) -> bool:

@@ -8,9 +8,10 @@ Its whole lifecycle is given when it is built, so no other module reaches inside
 it: the time bound the pipeline guarantees (``ends_by``) and what the caller runs
 when the save ends, before the handle reports it (a :class:`SaveLifecycle`: the
 manager's bookkeeping, a local save's promotion). The pipeline then drives the
-two transitions it owns through public methods: :meth:`SaveHandle.record_written`
-(this rank's objects, before the save resolves) and :meth:`SaveHandle.settled`
-(a wait no longer than the save's own bound).
+transitions it owns through public methods: :meth:`SaveHandle.record_written`
+(this rank's objects, before the save resolves), :meth:`SaveHandle.run_commit_hook`
+(the coordinator's, once committed) and :meth:`SaveHandle.settled` (a wait no
+longer than the save's own bound).
 
 A save has up to three ends: its commit, durable on the primary (a promoted local
 save) and replicated on other nodes (a local tier with replicas). Each is one
@@ -55,12 +56,17 @@ class SaveLifecycle:
         on_end: Run in order when the save ends, before the handle reports it, so
             whoever waits on the handle sees what they recorded (the manager's step
             lists). A hook's own failure is logged, never the save's outcome.
+        on_commit: Run on the coordinator (rank 0) once the save's manifest is
+            committed, with that manifest, on the commit's thread (what the manager
+            does for the whole job: record the step, back it up, apply retention).
+            Its failure is logged, never the save's outcome.
     """
 
     tier: Literal["primary", "local"] = "primary"
     promotion: concurrent.futures.Future[None] | None = None
     replication: concurrent.futures.Future[bool] | None = None
     on_end: tuple[EndHook, ...] = ()
+    on_commit: Callable[[Manifest], None] | None = None
 
 
 def _reached(at: list[float], fut: concurrent.futures.Future[Any]) -> None:
@@ -155,6 +161,7 @@ class SaveHandle:
         #: ``"primary"`` (the object store) or ``"local"`` (a LocalTier).
         self.tier: Literal["primary", "local"] = lifecycle.tier
         self._ends_by = ends_by
+        self._on_commit = lifecycle.on_commit
         self._started = started = time.monotonic()
         self._written: tuple[ObjectEntry, ...] = ()
         hooks = lifecycle.on_end
@@ -177,6 +184,16 @@ class SaveHandle:
             if lifecycle.replication is None
             else _End("replicated", url, started, lifecycle.replication)
         )
+
+    def run_commit_hook(self, manifest: Manifest) -> None:
+        """Coordinator, the commit's thread: the save committed ``manifest``; run the
+        lifecycle's ``on_commit`` (its failure is logged: the step is committed)."""
+        if self._on_commit is None:
+            return
+        try:
+            self._on_commit(manifest)
+        except Exception:
+            logger.exception("the on-commit hook failed after %s committed", self.url)
 
     def _relay(
         self, outer: concurrent.futures.Future[Manifest | None], hooks: tuple[EndHook, ...]

@@ -16,7 +16,7 @@ from helpers import save
 from objckpt import Location, UploadOptions
 from objckpt.format.layout import METADATA_KEY, is_objckpt_payload
 from objckpt.format.manifest import read_manifest
-from objckpt.format.steps import step_name
+from objckpt.format.steps import StepPlaces, step_name
 from objckpt.ops.run.backup import BackupTarget, Replicator
 from objckpt.ops.run.backup_wait import VerifiedObjects, poll_backup
 from objckpt.testing import FaultProxy, MotoServer, Rule
@@ -62,12 +62,15 @@ def _replicate(client, src: str, key: str) -> None:
         client.put_object(Bucket=REPLICA, Key=key, Body=body)
 
 
-def _replicator(s3_bucket: StoreTarget, proxy: FaultProxy) -> Replicator:
+def _replicator(s3_bucket: StoreTarget, proxy: FaultProxy) -> tuple[Replicator, StepPlaces]:
+    """A replicator of the bucket's ``run`` root to one replicated target, and step 1's
+    directories there."""
     target = BackupTarget(
         f"s3://{REPLICA}/t/run", proxy.storage_options(), mode="replicated", replica_timeout=60
     )
     primary = Location.parse(s3_bucket.url("run"), s3_bucket.storage_options)
-    return Replicator(primary, [target], poll_interval=0.01)
+    step = StepPlaces.of(1, primary, backups=[target.location])
+    return Replicator(primary, [target], poll_interval=0.01), step
 
 
 def _payload_gets(proxy: FaultProxy) -> list[str]:
@@ -88,9 +91,9 @@ def test_a_replica_keeping_full_object_crc32c_is_checked_without_reading_multipa
     assert len(multipart) == 1
     for key in keys:
         _replicate(client, s3_bucket.bucket, key)
-    replicator = _replicator(s3_bucket, s3_proxy)
+    replicator, step_1 = _replicator(s3_bucket, s3_proxy)
     try:
-        replicator.submit(1)
+        replicator.submit(step_1)
         replicator.wait(timeout=120)
     finally:
         replicator.close()
@@ -115,9 +118,9 @@ def test_a_second_poll_reads_no_payload_object_the_first_one_verified(
     # Each poll looks for .metadata once (a HEAD); the rule only counts those.
     looks = Rule(operation="HeadObject", key_contains=late, action="stall", stall=0)
     s3_proxy.add(looks)
-    replicator = _replicator(s3_bucket, s3_proxy)
+    replicator, step_1 = _replicator(s3_bucket, s3_proxy)
     try:
-        replicator.submit(1)
+        replicator.submit(step_1)
         s3_proxy.wait_for(None, faulted=True, count=2)  # poll 2 began: poll 1 is over
         assert _payload_gets(s3_proxy), "the first poll read the payloads back"
         s3_proxy.clear()

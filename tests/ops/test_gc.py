@@ -29,13 +29,17 @@ def _open_uploads(moto_server: MotoServer, bucket: str) -> list[dict]:
 
 
 def _upload_parts(moto_server: MotoServer, bucket: str) -> dict[str, int]:
+    """Parts of each upload still open. An upload listed open may complete before its
+    ListParts (the save runs on while the test looks): it is open no more, and left out."""
     client = moto_server.boto3_client()
-    return {
-        u["Key"]: len(
-            client.list_parts(Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"]).get("Parts", [])
-        )
-        for u in _open_uploads(moto_server, bucket)
-    }
+    parts = {}
+    for u in _open_uploads(moto_server, bucket):
+        try:
+            listed = client.list_parts(Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"])
+        except client.exceptions.NoSuchUpload:
+            continue
+        parts[u["Key"]] = len(listed.get("Parts", []))
+    return parts
 
 
 def _open_uploads_all_have_parts(moto_server: MotoServer, bucket: str) -> bool:

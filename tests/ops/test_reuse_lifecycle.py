@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from objckpt import CheckpointManager, Location, ObjectStoreReader
 from objckpt.errors import SizeMismatchError
 from objckpt.format.layout import MANIFEST_KEY
-from objckpt.format.steps import step_name
+from objckpt.format.steps import StepPlaces, step_name
 from objckpt.ops.maintain.gc import collect_garbage
 from objckpt.ops.maintain.retention import RetentionPolicy
 from objckpt.ops.maintain.retire import retire_steps
@@ -192,11 +192,13 @@ def test_a_backup_of_a_referencing_step_is_whole_without_the_primary(
     root = _chain(s3_bucket, "primary")
     opts = s3_bucket.storage_options
     backup = s3_bucket.url("backup")
-    replicator = Replicator(
-        Location.parse(root, opts), [BackupTarget(backup, opts, retention=RetentionPolicy())]
+    primary, target = (
+        Location.parse(root, opts),
+        BackupTarget(backup, opts, retention=RetentionPolicy()),
     )
+    replicator = Replicator(primary, [target])
     try:
-        replicator.submit(3).result(timeout=120)
+        replicator.submit(StepPlaces.of(3, primary, backups=[target.location])).result(timeout=120)
         replicator.wait(timeout=120)
     finally:
         replicator.close()

@@ -29,9 +29,9 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from objckpt.errors import BackupError, ConfigurationError
+from objckpt.errors import BackupError, ConfigurationError, InternalError
 from objckpt.format.manifest import Manifest
-from objckpt.format.steps import StepInfo, step_name
+from objckpt.format.steps import StepInfo, StepPlaces
 from objckpt.format.steps import committed_steps as list_committed
 from objckpt.ops.maintain.gc import delete_step
 from objckpt.ops.maintain.retention import RetentionPolicy
@@ -153,7 +153,9 @@ class Replicator:
     """Brings backup targets up to date with a primary root, one step at a time.
 
     Owned by the coordinator's :class:`~objckpt.CheckpointManager`; usable alone
-    (``submit(step)`` after a step commits, ``wait()``, ``status()``).
+    (``submit(places)`` after a step commits, ``wait()``, ``status()``). Each step
+    arrives with its directories (a :class:`~objckpt.format.steps.StepPlaces` whose
+    ``backups`` are in the targets' order), so the replicator derives none.
 
     Args:
         primary: The primary root.
@@ -217,20 +219,29 @@ class Replicator:
             return frozenset(self._pending)
 
     def submit(
-        self, step: int, manifest: Manifest | None = None
+        self, places: StepPlaces, manifest: Manifest | None = None
     ) -> concurrent.futures.Future[None]:
-        """Back ``step`` up to every target, in the background."""
+        """Back ``places.root`` up to every target (``places.backups``), in the background.
+
+        Raises:
+            BackupError: The replicator is closed.
+            InternalError: ``places`` does not name one directory per target.
+        """
+        if len(places.backups) != len(self._states):
+            raise InternalError(
+                f"internal: step {places.step} names {len(places.backups)} backup "
+                f"directories for {len(self._states)} backup targets"
+            )
         with self._lock:
             if self._closed:
                 raise BackupError("the replicator is closed")
-            self._pending.add(step)
-            fut = self._pool.submit(self._replicate, step, manifest)
+            self._pending.add(places.step)
+            fut = self._pool.submit(self._replicate, places, manifest)
             self._futures.append(fut)
         return fut
 
-    def _replicate(self, step: int, manifest: Manifest | None) -> None:
-        name = step_name(step)
-        source = self.primary.child(name)
+    def _replicate(self, places: StepPlaces, manifest: Manifest | None) -> None:
+        step, source = places.step, places.root
         try:
             if manifest is None:
                 store = open_store(source)
@@ -238,9 +249,8 @@ class Replicator:
                     manifest = open_manifest(store)
                 finally:
                     store.close()
-            for state in self._states:
+            for state, dest in zip(self._states, places.backups, strict=True):
                 target = state.target
-                dest = target.location.child(name)
                 started = time.monotonic()
                 try:
                     if target.mode == "copy":
@@ -292,7 +302,7 @@ class Replicator:
         try:
             steps = committed_steps(root)
             for old in policy.to_delete(steps, time.time()):
-                delete_step(root.child(step_name(old)))
+                delete_step(StepPlaces.of(old, root).root)
                 with self._lock:
                     state.steps.discard(old)
                 logger.info("backup retention deleted step %d from %s", old, root.url)

@@ -21,7 +21,7 @@ from collections.abc import Collection
 
 from objckpt.dcp.collective import Collectives
 from objckpt.errors import CheckpointNotFoundError, StepOrderError, StoreError
-from objckpt.format.steps import StepInfo, step_name
+from objckpt.format.steps import StepInfo, StepPlaces
 from objckpt.ops.maintain.retention import RetentionPolicy
 from objckpt.ops.run.backup import BackupTarget, committed_steps
 from objckpt.writers.location import Location
@@ -69,7 +69,7 @@ class StepCatalog:
         self._on_nodes: dict[int, float] = {}
         self._finished: list[int] = []
         # The newest step committed at the last listing or started by a save since: the
-        # order check's bound. Made only from the broadcast listing and the save() calls,
+        # order check's bound. Made only from the broadcast listing and the begin() calls,
         # which every rank makes alike, so every rank refuses the same saves.
         self._high: int | None = None
 
@@ -169,14 +169,20 @@ class StepCatalog:
             steps = set(self._steps) if durable else set(self._steps) | set(self._local)
         return max(steps) if steps else None
 
+    def places(self, step: int) -> StepPlaces:
+        """Every directory of ``step``: the root's, this rank's local tier's, each
+        backup's (the one place a step's directories are derived for a run)."""
+        return StepPlaces.of(
+            step, self.root, local=self.local, backups=(t.location for t in self.backups)
+        )
+
     def step_url(self, step: int) -> str:
-        return self.root.child(step_name(step)).url
+        return self.places(step).root.url
 
     def local_step_url(self, step: int) -> str | None:
         """This rank's local copy of ``step`` (None without a local tier)."""
-        if self.local is None:
-            return None
-        return self.local.child(step_name(step)).url
+        local = self.places(step).local
+        return None if local is None else local.url
 
     # -- changes ----------------------------------------------------------------------------
     def add(self, info: StepInfo) -> None:
@@ -211,11 +217,12 @@ class StepCatalog:
             done, self._finished = self._finished, []
         return sorted(done)
 
-    def add_durable(self, step: int) -> None:
+    def add_durable(self, places: StepPlaces) -> None:
         """Non-coordinator ranks learn of a commit on the root, and of retention, here
         (the coordinator deletes what retention drops)."""
+        step = places.step
         with self._lock:
-            self._steps[step] = StepInfo(step, self.step_url(step), True, 0, 0, time.time())
+            self._steps[step] = StepInfo(step, places.root.url, True, 0, 0, time.time())
             for old in self.retention.to_delete(list(self._steps.values()), time.time()):
                 self._steps.pop(old, None)
 
@@ -224,23 +231,27 @@ class StepCatalog:
         with self._lock:
             self._steps.pop(step, None)
 
-    def check_order(self, step: int, *, loaded: int | None) -> None:
-        """Refuse a save of ``step`` below the newest step of the run (every rank alike).
+    def begin(self, step: int, *, loaded: int | None) -> StepPlaces:
+        """Every rank, a save of ``step`` starts: refuse it below the newest step of the
+        run, else count it as started (later saves must not go below it) and return
+        its directories, the one value the save's parts receive.
 
         Retention ranks steps by number and a restart resumes from the newest, so a
         lower step, saved after a rollback, would be deleted by retention or never
-        resumed from.
+        resumed from. Every rank refuses or starts alike: the bound is made only from
+        the broadcast listing and the ``begin`` calls, which every rank makes alike.
 
         Raises:
             ConfigurationError: ``step`` is not an int >= 0.
             StepOrderError: ``step`` is below the newest step committed or saved (the
                 message names both and the way out).
         """
-        step_name(step)  # a step that is no step at all is refused as such first
+        places = self.places(step)  # a step that is no step at all is refused as such first
         with self._lock:
             high = self._high
-        if high is None or step >= high:
-            return
+            if high is None or step >= high:
+                self._high = step
+                return places
         base = loaded if loaded is not None and loaded < step else None
         back = f"discard_after({base})" if base is not None else "discard_after(<the step loaded>)"
         lost = ""
@@ -252,11 +263,6 @@ class StepCatalog:
             f"a run rolled back, call CheckpointManager.{back} on every rank first (it "
             f"deletes the committed steps above it), or save a step above {high}"
         )
-
-    def started(self, step: int) -> None:
-        """Every rank: a save of ``step`` started (later saves must not go below it)."""
-        with self._lock:
-            self._high = max((step, *_some(self._high)))
 
     def forget_after(self, step: int) -> None:
         """Every rank: the steps above ``step`` were discarded (see

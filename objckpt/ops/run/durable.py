@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from objckpt.errors import BackupError, CheckpointNotFoundError, SaveDeadlineError
 from objckpt.format.manifest import Manifest
-from objckpt.format.steps import StepInfo, step_name
+from objckpt.format.steps import StepInfo, StepPlaces
 from objckpt.ops.maintain.gc import delete_step
 from objckpt.ops.maintain.live_set import ManifestCache
 from objckpt.ops.maintain.retire import retire_steps
@@ -70,17 +70,20 @@ class DurableSteps:
         self._replicator.scan()
         latest = self._catalog.latest()
         if latest is not None and self._replicator.lacking(latest):
-            self._replicator.submit(latest)
+            self._replicator.submit(self._catalog.places(latest))
 
-    def committed(self, step: int, url: str, manifest: Manifest) -> None:
-        """Coordinator, background thread: record the step, back it up, then apply
-        retention."""
-        info = StepInfo(step, url, True, len(manifest.objects), manifest.total_bytes, time.time())
+    def committed(self, places: StepPlaces, manifest: Manifest) -> None:
+        """Coordinator, background thread: the step committed on the root
+        (``places.root``); record it, back it up, then apply retention."""
+        step = places.step
+        info = StepInfo(
+            step, places.root.url, True, len(manifest.objects), manifest.total_bytes, time.time()
+        )
         if manifest.requests is not None:
             logger.info("step %d committed; the save cost %s", step, manifest.requests.summary())
         self._catalog.add(info)
         if self._replicator is not None:
-            self._replicator.submit(step, manifest)
+            self._replicator.submit(places, manifest)
         self.apply_retention()
 
     def _after_backup(self, step: int) -> None:
@@ -194,7 +197,7 @@ class DurableSteps:
                     continue
                 listed = committed_steps(target.location)
                 for s in sorted((i.step for i in listed if i.step > step), reverse=True):
-                    delete_step(target.location.child(step_name(s)))
+                    delete_step(StepPlaces.of(s, target.location).root)
                     logger.info("deleted step %d from the backup %s", s, target.url)
             self._replicator.scan()
         return doomed

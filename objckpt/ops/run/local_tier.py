@@ -31,7 +31,7 @@ from objckpt._torch import group_store
 from objckpt.dcp.collective import Collectives, is_distributed
 from objckpt.format.layout import index_key, index_rank
 from objckpt.format.manifest import Manifest
-from objckpt.format.steps import step_name
+from objckpt.format.steps import StepPlaces, step_name
 from objckpt.ops.run.catalog import StepCatalog
 from objckpt.ops.tier.local_disk import (
     delete_local_step,
@@ -54,7 +54,6 @@ from objckpt.options import AsyncOptions, UploadOptions
 from objckpt.pipeline.handle import SaveHandle
 from objckpt.pipeline.workers import WorkerPool
 from objckpt.writers import open_store
-from objckpt.writers.location import Location
 from objckpt.writers.node_store import tier_store
 from objckpt.writers.translate import describe
 
@@ -78,7 +77,7 @@ class LocalTierControl:
         options: Worker counts and the barrier timeout of the saves.
         rank, world, distributed: Who saves together.
         collectives: The collectives of the group that saves together (the manager's).
-        on_durable: Coordinator: called with (step, url, manifest) once a promoted
+        on_durable: Coordinator: called with (places, manifest) once a promoted
             step's manifest is committed on the root.
         peers: The job's peers (``LocalTier(replicas=)`` >= 2 in a process group):
             each local step is replicated to other nodes (:mod:`objckpt.ops.tier.replication`).
@@ -95,7 +94,7 @@ class LocalTierControl:
         world: int,
         collectives: Collectives,
         distributed: bool,
-        on_durable: Callable[[int, str, Manifest], None],
+        on_durable: Callable[[StepPlaces, Manifest], None],
         peers: Peers | None = None,
     ) -> None:
         self.tier = tier
@@ -118,8 +117,6 @@ class LocalTierControl:
         self._last_error: str | None = None  # the last promotion's failure
         self._pool = WorkerPool(options.workers, slots=options.uploads_per_worker, name="promotion")
         self._promoter = Promoter(
-            tier.location,
-            catalog.root,
             submit=self._pool.submit,
             upload=upload,
             rank=rank,
@@ -143,26 +140,24 @@ class LocalTierControl:
             )
         )
 
-    def _url(self, step: int) -> str:
-        return self.tier.location.child(step_name(step)).url
-
     # -- a save -----------------------------------------------------------------------------
     def place(
-        self, step: int, state_dict: Mapping[str, Any], promote: bool | None
+        self, places: StepPlaces, state_dict: Mapping[str, Any], promote: bool | None
     ) -> (
-        tuple[str, concurrent.futures.Future[None] | None, concurrent.futures.Future[bool] | None]
-        | None
+        tuple[concurrent.futures.Future[None] | None, concurrent.futures.Future[bool] | None] | None
     ):
-        """Where a save of ``step`` goes on this tier: this rank's URL, the future that
-        ends once it is durable when it is picked for promotion, and the one that
-        ends with whether other nodes hold it when the tier has replicas; None when
-        the save must bypass the tier (decided with every rank: one all-reduce).
+        """Whether a save of ``places.step`` goes to this tier (``places.local``): the
+        future that ends once it is durable when it is picked for promotion, and the
+        one that ends with whether other nodes hold it when the tier has replicas;
+        None when the save must bypass the tier (decided with every rank: one
+        all-reduce).
 
         A promotion picked here is running from now on (spared by local retention):
         the save's end settles it (:meth:`after_save`), or :meth:`abandon` when the
         save never started."""
-        url, backlog = self._target(step, state_dict)
-        if url is None:
+        step = places.step
+        bypass, backlog = self._target(places, state_dict)
+        if bypass:
             return None
         replication: concurrent.futures.Future[bool] | None = None
         if self._replicator is not None:
@@ -177,12 +172,12 @@ class LocalTierControl:
             else:  # every rank, in save order: the order the steps are exchanged in
                 self._replicator.reserve(step, replication)
         if not self._pick(promote):  # every rank counts, whatever follows
-            return url, None, replication
+            return None, replication
         promotion: concurrent.futures.Future[None] = concurrent.futures.Future()
         with self._lock:
             self._to_promote.add(step)
             self._promotions.append(promotion)
-        return url, promotion, replication
+        return promotion, replication
 
     def abandon(
         self,
@@ -203,13 +198,14 @@ class LocalTierControl:
             self._promotions = [p for p in self._promotions if p is not promotion]
         promotion.cancel()
 
-    def _target(self, step: int, state_dict: Mapping[str, Any]) -> tuple[str | None, bool]:
-        """This rank's local URL for ``step``, or None when the save must bypass the
-        local tier, and whether ``max_saves_in_flight`` steps already wait to replicate on
-        some rank (both decided with every rank: one all-reduce)."""
+    def _target(self, places: StepPlaces, state_dict: Mapping[str, Any]) -> tuple[bool, bool]:
+        """Whether the save of ``places.step`` must bypass the local tier, and whether
+        ``max_saves_in_flight`` steps already wait to replicate on some rank (both
+        decided with every rank: one all-reduce)."""
+        assert places.local is not None  # the catalog of a run with a local tier
         why = (
             self._degraded
-            or step_dir_refusal(self.tier.location.child(step_name(step)).path)
+            or step_dir_refusal(places.local.path)
             or local_room(self.tier, state_bytes(state_dict))
         )
         full = self._replicator is not None and self._replicator.backlog_full()
@@ -219,15 +215,18 @@ class LocalTierControl:
             bypass, backlog = int(why is not None), int(full)
         if not bypass:
             self._last_bypass = None
-            return self._url(step), bool(backlog)
+            return False, bool(backlog)
         why = why or "another rank's local tier cannot take this save"
         # Warned when the reason changes, not at every save while it lasts.
         log = logger.info if why == self._last_bypass else logger.warning
         log(
-            "step %d goes to %s directly, not the local tier: %s", step, self._catalog.root.url, why
+            "step %d goes to %s directly, not the local tier: %s",
+            places.step,
+            self._catalog.root.url,
+            why,
         )
         self._last_bypass = why
-        return None, False
+        return True, False
 
     def _pick(self, promote: bool | None) -> bool:
         """Count a save to the local tier and say whether it is promoted (every
@@ -240,7 +239,7 @@ class LocalTierControl:
 
     def after_save(
         self,
-        step: int,
+        places: StepPlaces,
         handle: SaveHandle,
         exc: BaseException | None,
         promotion: concurrent.futures.Future[None] | None,
@@ -249,6 +248,7 @@ class LocalTierControl:
         """A local save ended (before its handle reports it done): record it, keep
         this rank's index object, start its replication and promotion, apply local
         retention."""
+        step = places.step
         if exc is not None:
             if replication is not None and self._replicator is not None:
                 self._replicator.cancel(step, f"its save of step {step} failed: {describe(exc)}")
@@ -267,7 +267,7 @@ class LocalTierControl:
                     self._to_promote.discard(step)
                 promotion.set_exception(exc)
             return
-        index_error = self._keep_own_index(step, handle)
+        index_error = self._keep_own_index(places, handle)
         self._catalog.add_local(step)
         if replication is not None and self._replicator is not None:
             # Settled on every rank, whatever failed here: the step walks its exchanges
@@ -278,12 +278,12 @@ class LocalTierControl:
                 self._replicator.cancel(step, index_error)
         if promotion is not None:
             try:
-                running = self._promoter.submit(step, handle)
+                running = self._promoter.submit(places, handle)
             except BaseException as err:  # closed while saving
-                self._promotion_ended(step, handle, promotion, err)
+                self._promotion_ended(places, handle, promotion, err)
             else:
                 running.add_done_callback(
-                    lambda f: self._promotion_ended(step, handle, promotion, f.exception())
+                    lambda f: self._promotion_ended(places, handle, promotion, f.exception())
                 )
         self._apply_retention()
 
@@ -306,12 +306,14 @@ class LocalTierControl:
     def _index_key(self, attempt: str | None, rank: int) -> str:
         return f"objckpt/{attempt}/local-index/rank{rank}"
 
-    def hand_out_index(self, url: str, manifest: Manifest) -> None:
+    def hand_out_index(self, places: StepPlaces, manifest: Manifest) -> None:
         """Coordinator, before the local commit's outcome is published: post each
         rank's index object for it to keep on its own disk."""
+        assert places.local is not None  # the save went to the local tier
+        logger.info("step %d committed on the local tier %s", places.step, places.local.url)
         if not is_distributed() or self._world == 1:
             return
-        local = open_store(Location.parse(url))
+        local = open_store(places.local)
         blobs: dict[int, bytes] = {}
         for entry in manifest.objects:
             rank = index_rank(entry.key)
@@ -325,7 +327,7 @@ class LocalTierControl:
         for rank in range(1, self._world):
             store.set(self._index_key(manifest.attempt, rank), blobs.get(rank, b""))
 
-    def _keep_own_index(self, step: int, handle: SaveHandle) -> str | None:
+    def _keep_own_index(self, places: StepPlaces, handle: SaveHandle) -> str | None:
         """Non-coordinator, after the local commit: write this rank's index object.
 
         Returns why it is not on this node's disk (None: it is, or this rank needs
@@ -333,6 +335,7 @@ class LocalTierControl:
         coordinator's is lost, so it is not reported replicated."""
         if self._rank == 0 or self._world == 1:
             return None
+        step = places.step
         store = group_store(self._group)
         key = self._index_key(handle.attempt, self._rank)
         try:
@@ -344,7 +347,8 @@ class LocalTierControl:
             return f"its index object of step {step} was not handed out: {describe(exc)}"
         if not blob or handle.attempt is None:
             return None
-        local = open_store(Location.parse(self._url(step)))
+        assert places.local is not None  # the save went to the local tier
+        local = open_store(places.local)
         key = index_key(self._rank, handle.attempt)
         try:
             if not local.exists(key):  # else a directory shared with the coordinator
@@ -357,17 +361,18 @@ class LocalTierControl:
     # -- promotion and retention ------------------------------------------------------------
     def _promotion_ended(
         self,
-        step: int,
+        places: StepPlaces,
         handle: SaveHandle,
         promotion: concurrent.futures.Future[None],
         exc: BaseException | None,
     ) -> None:
+        step = places.step
         with self._lock:
             self._to_promote.discard(step)
             if exc is not None:
                 self._errors.append(exc)
         if exc is None and self._rank != 0:  # the coordinator recorded it on commit
-            self._catalog.add_durable(step)
+            self._catalog.add_durable(places)
         if exc is not None:
             promotion.set_exception(exc)
         else:
@@ -410,7 +415,8 @@ class LocalTierControl:
         """Delete this rank's directory of ``step``: objckpt's own files, the manifest
         first (a half-deleted step is never taken for committed), never through a link;
         the files ``referenced`` (root-relative keys) by kept steps stay."""
-        where = self.tier.location.child(step_name(step))
+        where = self._catalog.places(step).local
+        assert where is not None  # the catalog of a run with a local tier
         prefix = step_name(step) + "/"
         keep = {k[len(prefix) :] for k in referenced if k.startswith(prefix)}
         if delete_local_step(where.path, keep):

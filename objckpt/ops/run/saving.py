@@ -27,8 +27,7 @@ from typing import Any
 from objckpt.dcp.collective import Collectives
 from objckpt.dcp.torch_errors import unwrap
 from objckpt.errors import ConfigurationError
-from objckpt.format.manifest import Manifest
-from objckpt.format.steps import parse_step
+from objckpt.format.steps import StepPlaces
 from objckpt.ops.run.catalog import StepCatalog
 from objckpt.ops.run.durable import DurableSteps
 from objckpt.ops.run.local_tier import LocalTierControl
@@ -49,7 +48,7 @@ class Where:
     """Where one save goes, as every rank agreed.
 
     Attributes:
-        url: This rank's target: its local tier's step directory, or the root's.
+        places: The step's directories (built once, by the catalog).
         local: Whether the save goes to the local tier.
         promotion: A local save picked for promotion: ends once it is durable.
         replication: A local save other nodes copy: ends with whether they hold it.
@@ -57,11 +56,17 @@ class Where:
             references (None: it uploads everything).
     """
 
-    url: str
+    places: StepPlaces
     local: bool
     promotion: concurrent.futures.Future[None] | None = None
     replication: concurrent.futures.Future[bool] | None = None
-    base: int | None = None
+    base: StepPlaces | None = None
+
+    @property
+    def url(self) -> str:
+        """This rank's target: its local tier's step directory, or the root's."""
+        local = self.places.local
+        return local.url if self.local and local is not None else self.places.root.url
 
 
 class SaveFlow:
@@ -113,7 +118,6 @@ class SaveFlow:
             storage_options=storage_options,
             upload=upload,
             async_options=async_options,
-            on_commit=self._on_commit,
             retry=retry,
             start_workers=start_workers,
         )
@@ -145,13 +149,18 @@ class SaveFlow:
 
         One manager save, top to bottom, each phase a named call:
 
-        1. order: a step below the run's newest is refused (every rank alike);
+        1. order and places: a step below the run's newest is refused (every rank
+           alike), else the step's directories are derived, once
+           (:meth:`StepCatalog.begin`): every later phase receives that
+           :class:`~objckpt.format.steps.StepPlaces` and derives none;
         2. where it goes: the local tier or the root (:meth:`_where`);
         3. stage -> agree -> plan or replay -> queue: ``AsyncCheckpointer.save``
            (:func:`objckpt.pipeline.save_phases.run_save`), on the caller's thread;
         4. commit: in the background (:mod:`objckpt.pipeline.commit_phase`); the
-           coordinator then records the step (:meth:`_on_commit`): on the root it
-           is backed up and retention applied (:meth:`DurableSteps.committed`);
+           coordinator then runs the save's commit hook (:meth:`_after_save` names
+           it): a step on the root is recorded, backed up and retention applied
+           (:meth:`DurableSteps.committed`); a local one hands out the ranks'
+           index objects (:meth:`LocalTierControl.hand_out_index`);
         5. after the commit, on every rank, before the handle reports it
            (:meth:`_after_save` names it): a save to the root releases its base and
            is recorded (:meth:`_after_root_save`); a local save is recorded, promoted
@@ -159,72 +168,66 @@ class SaveFlow:
 
         ``loaded`` is the step the manager's last load returned (named by a refusal).
         """
-        self._catalog.check_order(step, loaded=loaded)
+        places = self._catalog.begin(step, loaded=loaded)  # every rank alike
+        where = self._where(places, state_dict, promote)
+        self.checkpointer.start_workers()  # no load came first
+        release = None if where.base is None else self._durable.hold_base(where.base.step)
         try:
-            step_url = self._catalog.step_url(step)  # what DCP records, wherever it goes
-            where = self._where(step, step_url, state_dict, promote)
-            self.checkpointer.start_workers()  # no load came first
-            release = self._durable.hold_base(where.base) if where.base is not None else None
-            try:
-                return self.checkpointer.save(
-                    state_dict,
-                    where.url,
-                    process_group=self._group,
-                    user_metadata=user_metadata,
-                    checkpoint_id=step_url,
-                    exists=self._committed(step, local=where.local),
-                    reuse_from=None if where.base is None else self._catalog.step_url(where.base),
-                    lifecycle=self._after_save(step, where, release),
-                )
-            except BaseException as exc:  # nothing was queued: undo what _where started
-                if release is not None:
-                    release()
-                if where.local and self.local is not None:
-                    self.local.abandon(step, where.promotion, where.replication)
-                inner = unwrap(exc)
-                if inner is exc:
-                    raise
-                raise inner from exc
-        finally:
-            # Every rank alike, even when a failure after the agreement raised here
-            # on this rank only: the ranks' order checks must stay the same.
-            self._catalog.started(step)
+            return self.checkpointer.save(
+                state_dict,
+                where.url,
+                process_group=self._group,
+                user_metadata=user_metadata,
+                checkpoint_id=places.root.url,  # what DCP records, wherever it goes
+                exists=self._committed(where),
+                reuse_from=None if where.base is None else where.base.root.url,
+                lifecycle=self._after_save(where, release),
+            )
+        except BaseException as exc:  # nothing was queued: undo what _where started
+            if release is not None:
+                release()
+            if where.local and self.local is not None:
+                self.local.abandon(step, where.promotion, where.replication)
+            inner = unwrap(exc)
+            if inner is exc:
+                raise
+            raise inner from exc
 
     def _where(
-        self, step: int, step_url: str, state_dict: Mapping[str, Any], promote: bool | None
+        self, places: StepPlaces, state_dict: Mapping[str, Any], promote: bool | None
     ) -> Where:
-        """Where the save of ``step`` goes (every rank alike: one all-reduce with a
-        local tier), whether a local save is promoted, and a root save's base."""
+        """Where the save of ``places.step`` goes (every rank alike: one all-reduce with
+        a local tier), whether a local save is promoted, and a root save's base."""
         if self.local is not None:
-            local = self.local.place(step, state_dict, promote)
+            local = self.local.place(places, state_dict, promote)
             if local is not None:
-                url, promotion, replication = local
-                return Where(url, local=True, promotion=promotion, replication=replication)
-        return Where(step_url, local=False, base=self._base(step))
+                promotion, replication = local
+                return Where(places, local=True, promotion=promotion, replication=replication)
+        return Where(places, local=False, base=self._base(places.step))
 
-    def _after_save(
-        self, step: int, where: Where, release: Callable[[], None] | None
-    ) -> SaveLifecycle:
-        """What runs when the save ends, in order, before its handle reports it."""
+    def _after_save(self, where: Where, release: Callable[[], None] | None) -> SaveLifecycle:
+        """What runs when the save commits (the coordinator) and when it ends (every
+        rank), in order, before its handle reports it."""
         local = self.local
         if where.local and local is not None:
             return SaveLifecycle(
                 tier="local",
                 promotion=where.promotion,
                 replication=where.replication,
+                on_commit=lambda manifest: local.hand_out_index(where.places, manifest),
                 on_end=(
                     lambda h, exc: local.after_save(
-                        step, h, exc, where.promotion, where.replication
+                        where.places, h, exc, where.promotion, where.replication
                     ),
                 ),
             )
         return SaveLifecycle(
-            on_end=(lambda h, exc: self._after_root_save(step, where, release, h, exc),)
+            on_commit=lambda manifest: self._durable.committed(where.places, manifest),
+            on_end=(lambda h, exc: self._after_root_save(where, release, h, exc),),
         )
 
     def _after_root_save(
         self,
-        step: int,
         where: Where,
         release: Callable[[], None] | None,
         handle: SaveHandle,
@@ -246,11 +249,11 @@ class SaveFlow:
                         self.checkpointer.reuse_memory.forget(where.url)
             finally:
                 if exc is None:
-                    self._catalog.finished(step)
+                    self._catalog.finished(where.places.step)
                     if self._rank != 0:  # the coordinator recorded it at its commit
-                        self._catalog.add_durable(step)
+                        self._catalog.add_durable(where.places)
 
-    def _base(self, step: int) -> int | None:
+    def _base(self, step: int) -> StepPlaces | None:
         """The step a save of ``step`` to the root reuses from: the newest step
         committed on the root below it (None: reuse is off, or there is none).
         Saves to the local tier upload everything (their base would be on another
@@ -263,9 +266,9 @@ class SaveFlow:
         if not self._reuse or self._rank != 0:
             return None
         latest = self._catalog.latest(durable=True)
-        return latest if latest is not None and latest < step else None
+        return self._catalog.places(latest) if latest is not None and latest < step else None
 
-    def _committed(self, step: int, *, local: bool) -> bool:
+    def _committed(self, where: Where) -> bool:
         """Whether ``step`` is committed where this save goes, from the step catalog
         (listed at start, kept up to date): no request in ``save()``. Rank 0 decides,
         as it decides every multi-rank question (its True refuses the save on every
@@ -273,19 +276,8 @@ class SaveFlow:
         to the create-only manifest."""
         if self._rank != 0:
             return False
-        steps = self._catalog.local_steps() if local else self._catalog.durable_steps()
-        return step in steps
-
-    def _on_commit(self, url: str, manifest: Manifest) -> None:
-        """Coordinator, background thread: a save committed (locally or on the root)."""
-        step = parse_step(url)
-        if step is None:
-            return
-        if self.local is not None and url == self._catalog.local_step_url(step):
-            logger.info("step %d committed on the local tier %s", step, url)
-            self.local.hand_out_index(url, manifest)
-            return  # recorded when its handle ends, on every rank
-        self._durable.committed(step, url, manifest)
+        steps = self._catalog.local_steps() if where.local else self._catalog.durable_steps()
+        return where.places.step in steps
 
     # -- errors -----------------------------------------------------------------------------
     def settle(self) -> None:

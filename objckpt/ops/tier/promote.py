@@ -38,7 +38,7 @@ from objckpt._torch import group_store
 from objckpt.errors import CheckpointExistsError, UploadError
 from objckpt.format.layout import is_objckpt_payload
 from objckpt.format.manifest import Manifest, ObjectEntry
-from objckpt.format.steps import step_name
+from objckpt.format.steps import StepPlaces
 from objckpt.ops.maintain.verify import commit_copy, copy_object
 from objckpt.options import UploadOptions
 from objckpt.pipeline.finalize import RankExchange
@@ -57,22 +57,21 @@ logger = logging.getLogger(__name__)
 class Promoter:
     """Promotes local steps of one rank, one step at a time, in order.
 
+    Each step arrives with its directories (a :class:`~objckpt.format.steps.StepPlaces`:
+    ``local`` is copied to ``root``), so the promoter derives none.
+
     Args:
-        local: This rank's local tier root.
-        primary: The primary root.
         submit: Runs a function in a promotion worker process (``WorkerPool.submit``).
         upload: Part sizing for the copies.
         rank, world, process_group: Who promotes together (``process_group`` None
             and ``world`` 1: a single process).
         timeout: Seconds the coordinator waits for every rank's report.
-        on_durable: Coordinator: called with (step, url, manifest) once the
-            primary's manifest is committed.
+        on_durable: Coordinator: called with (places, manifest) once the primary's
+            manifest is committed.
     """
 
     def __init__(
         self,
-        local: Location,
-        primary: Location,
         *,
         submit: Callable[..., concurrent.futures.Future[Any]],
         upload: UploadOptions,
@@ -81,10 +80,8 @@ class Promoter:
         process_group: Any | None,
         distributed: bool,
         timeout: float,
-        on_durable: Callable[[int, str, Manifest], None] | None = None,
+        on_durable: Callable[[StepPlaces, Manifest], None] | None = None,
     ) -> None:
-        self.local = local
-        self.primary = primary
         self._submit = submit
         self._upload = upload
         self._rank = rank
@@ -97,29 +94,29 @@ class Promoter:
         self._lock = threading.Lock()
         self._running: dict[int, concurrent.futures.Future[None]] = {}
 
-    def submit(self, step: int, handle: SaveHandle) -> concurrent.futures.Future[None]:
-        """Promote ``step`` once its local save (``handle``) has committed."""
+    def submit(self, places: StepPlaces, handle: SaveHandle) -> concurrent.futures.Future[None]:
+        """Promote ``places.step`` once its local save (``handle``) has committed."""
         with self._lock:
-            fut = self._pool.submit(self._promote, step, handle)
-            self._running[step] = fut
-        fut.add_done_callback(lambda f: self._done(step, f))
+            fut = self._pool.submit(self._promote, places, handle)
+            self._running[places.step] = fut
+        fut.add_done_callback(lambda f: self._done(places, f))
         return fut
 
-    def _done(self, step: int, fut: concurrent.futures.Future[None]) -> None:
+    def _done(self, places: StepPlaces, fut: concurrent.futures.Future[None]) -> None:
         with self._lock:
-            self._running.pop(step, None)
+            self._running.pop(places.step, None)
         exc = fut.exception()
         if exc is not None:
-            logger.error("promotion of step %d to %s failed: %s", step, self.primary.url, exc)
+            logger.error("promotion of step %d to %s failed: %s", places.step, places.root.url, exc)
 
     def running(self) -> tuple[int, ...]:
         with self._lock:
             return tuple(sorted(self._running))
 
-    def _promote(self, step: int, handle: SaveHandle) -> None:
+    def _promote(self, places: StepPlaces, handle: SaveHandle) -> None:
         started = time.monotonic()
-        name = step_name(step)
-        src, dst = self.local.child(name), self.primary.child(name)
+        step, src, dst = places.step, places.local, places.root
+        assert src is not None  # a local step
         manifest = handle.result()  # committed locally (the coordinator's copy)
         error: BaseException | None = None
         stats = RequestStats()
@@ -135,9 +132,9 @@ class Promoter:
             if error is not None:
                 raise error
             assert manifest is not None
-            self._commit(step, src, dst, manifest)
+            self._commit(places, src, manifest)
         else:
-            self._agree(step, handle, src, dst, manifest, error)
+            self._agree(places, handle, src, manifest, error)
         logger.info(
             "step %d promoted to %s in %.2f s (this rank: %d objects, %s)",
             step,
@@ -149,10 +146,9 @@ class Promoter:
 
     def _agree(
         self,
-        step: int,
+        places: StepPlaces,
         handle: SaveHandle,
         src: Location,
-        dst: Location,
         manifest: Manifest | None,
         error: BaseException | None,
     ) -> None:
@@ -162,7 +158,7 @@ class Promoter:
             self._rank,
             self._world,
             self._timeout,
-            f"{dst.url} (promotion from the local tier)",
+            f"{places.root.url} (promotion from the local tier)",
         )
         exchange.post(error is None, None if error is None else describe(error))
         if self._rank != 0:
@@ -175,33 +171,33 @@ class Promoter:
         try:
             exchange.gather()
             assert manifest is not None
-            self._commit(step, src, dst, manifest)
+            self._commit(places, src, manifest)
         except BaseException as exc:
             exchange.publish_outcome(describe(exc))
             raise
         exchange.publish_outcome(None)
 
-    def _commit(self, step: int, src: Location, dst: Location, manifest: Manifest) -> None:
+    def _commit(self, places: StepPlaces, src: Location, manifest: Manifest) -> None:
         """Coordinator: the index objects (W of them, 16 at a time), one listing that
         every object the manifest names is on the primary (the ranks copied the
         payload; a ``gc`` with a short grace may have deleted some since), the
         manifest create-only, then ``.metadata`` (a fixed name: written before the
         commit it would change an already committed root step's)."""
         index = tuple(e for e in manifest.objects if not is_objckpt_payload(e.key))
-        src_store, dst_store = open_store(src), open_store(dst, self._upload)
+        src_store, dst_store = open_store(src), open_store(places.root, self._upload)
         try:
             commit_copy(
                 src_store, dst_store, manifest, None, min(16, len(index)), False, objects=index
             )
         except CheckpointExistsError as exc:
             raise CheckpointExistsError(
-                f"{exc}; the local step {step} was not promoted ({self.local.url} keeps it)"
+                f"{exc}; the local step {places.step} was not promoted ({src.url} keeps it)"
             ) from exc
         finally:
             src_store.close()
             dst_store.close()
         if self._on_durable is not None:
-            self._on_durable(step, dst.url, manifest)
+            self._on_durable(places, manifest)
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for the promotions submitted so far (errors stay with their handles)."""
