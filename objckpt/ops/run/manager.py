@@ -349,13 +349,13 @@ class CheckpointManager:
             if self._saves.local is not None:
                 # A load's transfers and replication share the peers' group: one at a time.
                 self._saves.local.wait_replications()
-            self._loaded = self._restorer.load(state_dict, step, read)
-            refill = self._restorer.refill
-            if refill is not None and self._saves.local is not None:
+            loaded = self._restorer.load(state_dict, step, read)
+            self._loaded = loaded.step
+            if loaded.refill and self._saves.local is not None:
                 # Every rank alike (rank 0 decided): its nodes' files go to their replica
                 # nodes again, in the background, so the next node loss is covered too.
-                self._saves.local.refill(refill)
-            return self._loaded
+                self._saves.local.refill(loaded.step)
+            return loaded.step
         finally:
             self._checkpointer.start_workers()
 

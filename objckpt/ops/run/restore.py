@@ -74,6 +74,15 @@ from objckpt.format.layout import MANIFEST_KEY, writer_rank
 from objckpt.format.manifest import Manifest
 from objckpt.format.steps import parse_step, step_name
 from objckpt.ops.run.catalog import StepCatalog
+from objckpt.ops.run.restore_plan import (
+    BadCopy,
+    Decision,
+    Plan,
+    Survey,
+    copies_needed,
+    decide,
+    holders_of,
+)
 from objckpt.ops.run.rollback import Rollback, manifest_digest, read_rollbacks
 from objckpt.ops.tier.local_disk import delete_local_step
 from objckpt.ops.tier.peers import (
@@ -91,7 +100,7 @@ from objckpt.options import ReadOptions
 from objckpt.writers.node_store import REPLICAS_DIR, NodeStore
 from objckpt.writers.retry import RetryPolicy
 
-__all__ = ["PeerFetch", "Restorer"]
+__all__ = ["Loaded", "PeerFetch", "Restorer"]
 
 logger = logging.getLogger(__name__)
 
@@ -104,68 +113,18 @@ SURVEYS = 3
 
 
 @dataclasses.dataclass(frozen=True)
-class BadCopy:
-    """A copy of a step's objects a rank found unusable during a load.
+class Loaded:
+    """What one load took.
 
     Attributes:
-        step: The step.
-        rank: The rank holding the copy (its node's ranks hold it alike).
-        keys: The objects.
-        why: What was wrong (a CRC32C mismatch, a failed read on the sender).
-        path: The damaged file on the holder's node, when the finder is on it.
+        step: The step loaded.
+        refill: It came from the nodes while some of its files were on fewer nodes
+            than the tier's replicas: its nodes' files go to their replica nodes again
+            (the same on every rank: rank 0 decided).
     """
 
     step: int
-    rank: int
-    keys: tuple[str, ...]
-    why: str
-    path: str | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    """Rank 0's answer to "what does this load take?", the same on every rank.
-
-    Attributes:
-        step: The step to load.
-        durable: The newest durable step (None: none).
-        from_nodes: Whether its objects come from the nodes' tiers.
-        refill: Whether its nodes' files go to their replica nodes again after the
-            load (some object is on fewer nodes than the tier's replicas).
-        stale: The copies of discarded steps every node deletes: (step, manifest
-            SHA-256).
-    """
-
-    step: int
-    durable: int | None
-    from_nodes: bool
     refill: bool = False
-    stale: tuple[tuple[int, str], ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class _Chosen:
-    """Rank 0's own part of a load from the nodes (never broadcast): the step's
-    manifest and the holdings its transfers are planned from."""
-
-    manifest: bytes
-    views: list[Holdings]
-
-
-def _holders(step: int, views: list[Holdings]) -> dict[tuple[str, int], list[int]]:
-    """The ranks holding each (key, size) of ``step``: one pass over each distinct
-    listing (the ranks of a node share their node's), so rank 0's planning costs what
-    the listings hold, not objects x ranks."""
-    sharing: dict[int, list[int]] = {}  # a node's ranks share one listing (one pass each)
-    for r, v in enumerate(views):
-        sharing.setdefault(id(v), []).append(r)
-    where: dict[tuple[str, int], list[int]] = {}
-    for ranks in sharing.values():
-        for key, size in views[ranks[0]].objects.get(step, {}).items():
-            where.setdefault((key, size), []).extend(ranks)
-    for holders in where.values():
-        holders.sort()
-    return where
 
 
 class Restorer:
@@ -207,21 +166,25 @@ class Restorer:
         #: During one load: the copies this rank found bad since the last decision.
         self._bad: list[BadCopy] = []
         #: Rank 0, during one load: (step, node, key) of the copies found bad.
-        self._excluded: set[tuple[int, int, str]] = set()
-        #: The step the last load took from the nodes while some of its files were on
-        #: fewer nodes than the tier's replicas (to replicate again; None: none).
-        self.refill: int | None = None
+        self._excluded: frozenset[tuple[int, int, str]] = frozenset()
+        #: During one load: the step decided on from the nodes while some of its files
+        #: were on fewer nodes than the tier's replicas (None: none, or its load failed).
+        self._refill: int | None = None
 
-    def load(self, state_dict: dict[str, Any], step: int | None, read: ReadOptions | None) -> int:
+    def load(
+        self, state_dict: dict[str, Any], step: int | None, read: ReadOptions | None
+    ) -> Loaded:
         """Load ``step`` (the newest on any tier when None, falling back to the newest
-        durable one) into ``state_dict`` in place; returns the step loaded."""
-        self.refill = None
+        durable one) into ``state_dict`` in place; returns what was loaded."""
+        self._refill = None
         if self._peers is not None:
-            return self._load_from_nodes(state_dict, step, read)
-        if step is not None:
-            return self._load_step(step, state_dict, read)
-        newest, durable = self._collectives.from_rank0(self._catalog.newest)
-        return self._load_or_durable(state_dict, step, read, newest, durable)
+            loaded = self._load_from_nodes(state_dict, step, read)
+        elif step is not None:
+            loaded = self._load_step(step, state_dict, read)
+        else:
+            newest, durable = self._collectives.from_rank0(self._catalog.newest)
+            loaded = self._load_or_durable(state_dict, step, read, newest, durable)
+        return Loaded(loaded, refill=self._refill == loaded)
 
     def _load_or_durable(
         self,
@@ -253,7 +216,7 @@ class Restorer:
         try:
             return self._load_step(step, state_dict, read)
         except _SOURCE_FAILED:
-            self.refill = None
+            self._refill = None
             raise
         finally:
             self._fetch = None
@@ -266,7 +229,7 @@ class Restorer:
         decided again without the copies found bad, at most :data:`SURVEYS` times.
         Every rank walks the same: the decision is rank 0's and the load's failure
         is every rank's (torch's read phase)."""
-        self._excluded = set()
+        self._excluded = frozenset()
         self._bad = []
         failed: set[int] = set()
         found: list[BadCopy] = []
@@ -342,10 +305,11 @@ class Restorer:
         # Rank 0 decides before the broadcast, so that what it alone keeps (the chosen
         # manifest and holdings) stays a local value; its error reaches every rank.
         decided: Decision | BaseException | None = None
-        chosen: _Chosen | None = None
+        plan: Plan | None = None
         if gathered is not None:
             try:
-                decided, chosen = self._decide_on_rank0(step, gathered, failed or set())
+                plan = self._decide_on_rank0(step, gathered, failed or set())
+                decided = plan.decision
             except Exception as exc:
                 decided = exc
         decision: Decision = self._collectives.from_rank0(lambda: _decided(decided))
@@ -353,30 +317,61 @@ class Restorer:
         self._fetch = None
         self._bad = []
         newest = decision.step
-        self.refill = newest if decision.refill else None
+        self._refill = newest if decision.refill else None
         if decision.from_nodes:
             parsed, views = None, None
-            if chosen is not None:  # rank 0
-                views = chosen.views
-                parsed = Manifest.from_json_bytes(
-                    chosen.manifest, url=self._catalog.step_url(newest)
-                )
-                self._keep_manifest(newest, chosen.manifest)
+            if plan is not None and plan.manifest is not None:  # rank 0
+                views = list(plan.views or ())
+                parsed = Manifest.from_json_bytes(plan.manifest, url=self._catalog.step_url(newest))
+                self._keep_manifest(newest, plan.manifest)
             self._fetch = PeerFetch(self._peers, newest, tier.path, views, parsed)
         return newest, decision.durable, decision.from_nodes
 
-    def _decide_on_rank0(
-        self, step: int | None, gathered: list[Any], failed: set[int]
-    ) -> tuple[Decision, _Chosen | None]:
-        """Rank 0: read the posted listings, decide (:meth:`_decide`), and drop what
-        was posted."""
-        reports = [b for _, bs in gathered for b in bs]
+    def _decide_on_rank0(self, step: int | None, gathered: list[Any], failed: set[int]) -> Plan:
+        """Rank 0: read everything the decision needs (the posted listings and
+        manifests, the newest durable step, the rollback records), decide
+        (:func:`~objckpt.ops.run.restore_plan.decide`, which reads nothing), log its
+        warnings and drop what was posted."""
+        assert self._peers is not None
+        bad = [b for _, bs in gathered for b in bs]
         posted = [d for d, _ in gathered]
         views, held = self._node_listings(posted)
         try:
-            return self._decide(step, views, held, failed, reports)
+            try:
+                _, durable = self._catalog.newest()
+            except CheckpointNotFoundError:
+                durable = None
+            copies: dict[tuple[int, str], bytes | ManifestError] = {}
+            for key in sorted(copies_needed(step, held, durable, failed, bad)):
+                try:
+                    copies[key] = self._manifest_bytes(*key)
+                except ManifestError as exc:
+                    copies[key] = exc
+            nodes, tier = self._peers.nodes, self._tier
+            plan = decide(
+                Survey(
+                    step=step,
+                    views=views,
+                    held=held,
+                    copies=copies,
+                    durable=durable,
+                    rollbacks=self._rollbacks() if any(held) else [],
+                    failed=frozenset(failed),
+                    bad=bad,
+                    excluded=self._excluded,
+                    nodes=nodes,
+                    replicas=nodes.effective_replicas(tier.replicas, tier.replica_jump)
+                    if tier
+                    else 1,
+                    root=self._catalog.root,
+                )
+            )
         finally:
             self._drop_posted(held, posted)
+        for line in plan.warnings:
+            logger.warning("%s", line)
+        self._excluded = plan.excluded
+        return plan
 
     def _delete_stale(self, stale: list[tuple[int, str]]) -> None:
         """Every rank, one per node: delete this node's step directories (own and
@@ -522,73 +517,6 @@ class Restorer:
             held.append(h)
         return views, held
 
-    def _decide(
-        self,
-        step: int | None,
-        views: list[Holdings],
-        held: list[dict[int, str]],
-        failed: set[int],
-        reports: list[BadCopy],
-    ) -> tuple[Decision, _Chosen | None]:
-        """Rank 0: what the load takes (its nodes' files are replicated again after
-        the load when some object is on fewer nodes than the tier's replicas and the
-        job runs on as many ranks as saved it), and, for a load from the nodes, the
-        chosen step's manifest and the holdings to plan from."""
-        warned: set[int] = set()  # once per listing: a node's ranks share one
-        for r, v in enumerate(views):
-            if v.error is not None and id(v) not in warned:
-                warned.add(id(v))
-                logger.warning("rank %d cannot list its local tier %s: %s", r, v.path, v.error)
-        try:
-            _, durable = self._catalog.newest()
-        except CheckpointNotFoundError:
-            durable = None
-        self._note_bad(reports)
-        views = self._without_excluded(views)
-        stale: list[tuple[int, str]] = []
-        steps = {s for h in held for s in h}
-        candidates = sorted(steps, reverse=True) if step is None else [step]
-        rollbacks = self._rollbacks() if steps else []
-        for s in candidates:
-            if step is None and durable is not None and s <= durable:
-                break
-            if s in failed and not reports:
-                continue  # failed from the nodes, and no copy was found bad: the same again
-            agreed = self._agreed(s, views, held, rollbacks, stale)
-            if agreed is None:
-                continue
-            data, manifest, holding = agreed
-            where = _holders(s, holding)  # one pass over the listings, not one per object
-            lost = [o for o in manifest.objects if not where.get((o.key, o.size))]
-            if not lost:
-                thin = self._thin(manifest, holding, where)
-                return Decision(s, durable, True, thin, tuple(stale)), _Chosen(data, holding)
-            ranks = sorted({r for r in (writer_rank(o.key) for o in lost) if r is not None})
-            logger.warning(
-                "step %d is committed on the local tier but no surviving node holds all of "
-                "it: %d object(s) of rank(s) %s are on no node (their node and every node "
-                "holding their replicas are gone)%s",
-                s,
-                len(lost),
-                ", ".join(map(str, ranks)) or "?",
-                "" if durable is None else f"; loading step {durable}, the newest durable one",
-            )
-        if step is not None:
-            return Decision(step, durable, False, stale=tuple(stale)), None
-        if durable is None:
-            raise CheckpointNotFoundError(
-                f"no committed step under {self._catalog.root.url} nor whole on the local "
-                f"tiers of the nodes that are left"
-            )
-        return Decision(durable, durable, False, stale=tuple(stale)), None
-
-    def _node(self, rank: int) -> str:
-        assert self._peers is not None
-        nodes = self._peers.nodes
-        if rank >= len(nodes.node_of):
-            return f"rank {rank}'s node"
-        return f"node {nodes.names[nodes.node_of[rank]]} (rank {rank})"
-
     def _rollbacks(self) -> list[Rollback]:
         """Rank 0: the root's rollback records (none, with a warning, when they cannot
         be listed: only the holders' agreement is checked then)."""
@@ -602,134 +530,6 @@ class Restorer:
                 exc,
             )
             return []
-
-    def _agreed(
-        self,
-        step: int,
-        views: list[Holdings],
-        held: list[dict[int, str]],
-        rollbacks: list[Rollback],
-        stale: list[tuple[int, str]],
-    ) -> tuple[bytes, Manifest, list[Holdings]] | None:
-        """Rank 0: the one manifest of ``step`` its holders agree on, once every copy
-        a rollback record discards is set aside (added to ``stale``, named in a
-        warning), with the holdings to plan from (the ranks holding a set-aside copy
-        count as holding nothing of ``step``); None when no copy is left, one is
-        unusable, or the copies left disagree."""
-        holders: dict[str, list[int]] = {}
-        for r, h in enumerate(held):
-            if step in h:
-                holders.setdefault(h[step], []).append(r)
-        kept: dict[str, tuple[bytes, Manifest, list[int]]] = {}
-        for digest, ranks in holders.items():
-            try:
-                data = self._manifest_bytes(step, digest)
-                manifest = Manifest.from_json_bytes(data, url=self._catalog.step_url(step))
-            except ManifestError as exc:  # set aside: the other holders may still agree
-                logger.warning(
-                    "step %d: the manifest %s holds is unusable (%s); it is not used",
-                    step,
-                    ", ".join(self._node(r) for r in ranks),
-                    exc,
-                )
-                continue
-            rolled = next((rb for rb in rollbacks if rb.discards(step, data, manifest)), None)
-            if rolled is None:
-                kept[digest] = (data, manifest, ranks)
-                continue
-            named = rolled.names(step, data, manifest)
-            if named:  # recorded by attempt or digest: safe to delete
-                stale.append((step, digest))
-            logger.warning(
-                "step %d (attempt %s, committed %s) on %s was discarded by "
-                "discard_after(%d) at %s: it is not loaded%s",
-                step,
-                manifest.attempt,
-                manifest.created,
-                ", ".join(self._node(r) for r in ranks),
-                rolled.after,
-                rolled.at,
-                ", and is deleted there"
-                if named
-                else " (committed before the rollback by the clocks; kept on disk, since "
-                "two hosts' clocks decide it)",
-            )
-        if len(kept) != 1:
-            if len(kept) > 1:
-                logger.warning(
-                    "step %d: the nodes hold different manifests of it (%s) and no rollback "
-                    "record tells which is current; it is not loaded",
-                    step,
-                    "; ".join(
-                        f"attempt {m.attempt} on {', '.join(self._node(r) for r in ranks)}"
-                        for _, m, ranks in kept.values()
-                    ),
-                )
-            return None
-        data, manifest, _ = next(iter(kept.values()))
-        other = {r for d, ranks in holders.items() if d not in kept for r in ranks}
-        empty: dict[int, Holdings] = {}  # a node's ranks keep sharing one listing
-        holding = [
-            v
-            if r not in other
-            else empty.setdefault(id(v), dataclasses.replace(v, objects={}, manifests={}))
-            for r, v in enumerate(views)
-        ]
-        return data, manifest, holding
-
-    def _note_bad(self, reports: list[BadCopy]) -> None:
-        """Rank 0: warn of each copy found bad, naming its node; it is not planned
-        from again in this load."""
-        assert self._peers is not None
-        nodes = self._peers.nodes
-        for b in reports:
-            node = nodes.node_of[b.rank] if b.rank < len(nodes.node_of) else -1
-            for key in b.keys:
-                self._excluded.add((b.step, node, key))
-            logger.warning(
-                "step %d: the copy of %s on %s is bad (%s)%s; it is not used again",
-                b.step,
-                ", ".join(b.keys),
-                self._node(b.rank),
-                b.why,
-                f", and {b.path} is deleted" if b.path else "",
-            )
-
-    def _without_excluded(self, views: list[Holdings]) -> list[Holdings]:
-        """The holdings less the copies found bad in this load (by node)."""
-        excluded = self._excluded
-        if not excluded or self._peers is None:
-            return views
-        node_of = self._peers.nodes.node_of
-        out = []
-        done: dict[tuple[int, int], Holdings] = {}  # a node's ranks keep sharing one listing
-        for r, v in enumerate(views):
-            node = node_of[r] if r < len(node_of) else -1
-            if (id(v), node) not in done:
-                objects = {
-                    s: {k: n for k, n in held.items() if (s, node, k) not in excluded}
-                    for s, held in v.objects.items()
-                }
-                done[(id(v), node)] = dataclasses.replace(v, objects=objects)
-            out.append(done[(id(v), node)])
-        return out
-
-    def _thin(
-        self, manifest: Manifest, views: list[Holdings], where: dict[tuple[str, int], list[int]]
-    ) -> bool:
-        """Whether some object of the step is held by fewer nodes than the tier's
-        replicas (a node was replaced), when the same ranks can send it again
-        (``where``: the ranks holding each (key, size), :func:`_holders`)."""
-        assert self._peers is not None
-        nodes = self._peers.nodes
-        if manifest.world_size != len(views) or nodes.problem is not None:
-            return False
-        tier = self._tier
-        want = nodes.effective_replicas(tier.replicas, tier.replica_jump) if tier else 1
-        for o in manifest.objects:
-            if len({nodes.node_of[r] for r in where.get((o.key, o.size), ())}) < want:
-                return True
-        return False
 
     def _note_damaged(self, reader: ObjectStoreReader, url: str) -> None:
         """The local copies ``reader`` found damaged, as bad copies of this rank's."""
@@ -911,7 +711,7 @@ class PeerFetch:
         where one holds them all); the same plan for every rank."""
         assert self._views is not None
         held = [v.objects.get(self.step, {}) for v in self._views]
-        where = _holders(self.step, self._views)
+        where = holders_of(self.step, self._views)
 
         def candidates(rank: int, ks: list[str]) -> list[int]:
             """The ranks other than ``rank`` holding every key of ``ks`` intact (found
