@@ -371,13 +371,13 @@ def restore_plan(world: int, per_node: int = 8, per_rank: int = 5) -> dict[str, 
     (``per_rank`` a rank) and node - 1's; one rank per node lists it and the node's
     ranks share that listing (:meth:`objckpt.ops.run.restore.Restorer._node_listings`);
     the check that every object is held somewhere and on enough nodes, as
-    :meth:`objckpt.ops.run.restore.Restorer._decide` makes it
-    (:func:`objckpt.ops.run.restore._holders`), beside the per-object scan of every
+    :func:`objckpt.ops.run.restore_plan.decide` makes it
+    (:func:`objckpt.ops.run.restore_plan.holders_of`), beside the per-object scan of every
     rank's listing that it replaced. Bytes: what rank 0 reads (each node's listing
     once, from the c10d store, and the gather of one digest a rank, padded by torch to
     the largest answer), beside the gather of every rank's listing it replaced."""
 
-    from objckpt.ops.run.restore import _holders
+    from objckpt.ops.run.restore_plan import holders_of
     from objckpt.ops.tier.peers import Holdings
 
     step = 2
@@ -395,7 +395,7 @@ def restore_plan(world: int, per_node: int = 8, per_rank: int = 5) -> dict[str, 
     views = [listings[node_of[r]] for r in range(world)]
     objects = [(k, n) for r in range(world) for k, n in own[r].items()]
     started = time.perf_counter()
-    where = _holders(step, views)
+    where = holders_of(step, views)
     lost = [k for k, n in objects if not where.get((k, n))]
     thin = any(len({node_of[h] for h in where.get((k, n), ())}) < 2 for k, n in objects)
     seconds = time.perf_counter() - started

@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import logging
-
-import pytest
 
 from objckpt import Location
-from objckpt.errors import CheckpointNotFoundError, ManifestError
+from objckpt.errors import CheckpointNotFoundError, InternalError, ManifestError
 from objckpt.format.manifest import Manifest, ObjectEntry
 from objckpt.ops.run.restore_plan import BadCopy, Decision, Survey, copies_needed, decide
 from objckpt.ops.run.rollback import Rollback, manifest_digest
@@ -82,18 +79,16 @@ def _survey(
     )
 
 
-def test_a_step_both_nodes_hold_whole_is_loaded_from_them_without_logging(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
+def test_a_step_both_nodes_hold_whole_is_loaded_from_them() -> None:
     """Each node holds its own ranks' files and the other's (replicas 2): step 5 loads
-    from the nodes, nothing to refill, and the decision logged nothing itself."""
+    from the nodes, nothing to refill; the transfers are planned from every listing."""
     m5 = _manifest("a5")
     every = _keys("a5")
-    with caplog.at_level(logging.DEBUG):
-        plan = decide(_survey({5: (m5, every)}, {5: (m5, every)}))
+    survey = _survey({5: (m5, every)}, {5: (m5, every)})
+    plan = decide(survey)
     assert plan.decision == Decision(5, 3, True, refill=False)
-    assert plan.manifest == m5 and plan.views is not None and plan.warnings == ()
-    assert caplog.records == []
+    assert plan.manifest == m5 and plan.warnings == ()
+    assert plan.views is not None and list(plan.views) == list(survey.views)
 
 
 def test_an_object_on_one_node_only_is_loaded_and_refilled() -> None:
@@ -116,8 +111,8 @@ def test_an_object_no_node_holds_falls_back_to_the_newest_durable_step() -> None
 
 
 def test_holders_that_disagree_load_nothing_of_that_step() -> None:
-    """Two manifests of step 5 and no rollback record: step 5 is not loaded; the newer
-    agreed step below it is not searched past the durable one."""
+    """Two manifests of step 5 and no rollback record: step 5 is not loaded, and the
+    load falls back to the newest durable step."""
     m5a, m5b = _manifest("a5"), _manifest("b5")
     plan = decide(_survey({5: (m5a, _keys("a5"))}, {5: (m5b, _keys("b5"))}))
     assert plan.decision == Decision(3, 3, False)
@@ -157,7 +152,7 @@ def test_a_failed_step_with_nothing_found_bad_is_not_tried_again() -> None:
     assert decide(survey).decision == Decision(3, 3, False)
 
 
-def test_an_unreadable_copy_is_set_aside_and_the_other_holders_agree() -> None:
+def test_the_only_copy_unreadable_falls_back_to_the_newest_durable_step() -> None:
     m5 = _manifest("a5")
     keys = _keys("a5")
     survey = _survey({5: (m5, keys)}, {5: (m5, keys)})
@@ -168,6 +163,86 @@ def test_an_unreadable_copy_is_set_aside_and_the_other_holders_agree() -> None:
     plan = decide(unreadable)
     assert plan.decision == Decision(3, 3, False)
     assert any("unusable (no rank could post it)" in w for w in plan.warnings)
+
+
+def test_an_unreadable_copy_is_set_aside_and_the_other_holders_copy_is_loaded() -> None:
+    """Node a's copy of step 5 cannot be read, node b's (another attempt) can and b holds
+    all of it: step 5 loads from node b, node a's ranks count as holding nothing."""
+    m5a, m5b = _manifest("a5"), _manifest("b5")
+    survey = _survey({5: (m5a, _keys("a5"))}, {5: (m5b, _keys("b5"))})
+    copies = dict(survey.copies)
+    copies[(5, manifest_digest(m5a))] = ManifestError("cut short")
+    plan = decide(dataclasses.replace(survey, copies=copies))
+    assert plan.decision == Decision(5, 3, True, refill=True)
+    assert plan.manifest == m5b
+    assert plan.views is not None
+    assert [dict(v.objects) for v in plan.views[:2]] == [{}, {}]
+    assert set(plan.views[2].objects[5]) == set(_keys("b5"))
+
+
+def test_a_copy_committed_before_a_rollback_and_not_named_is_not_loaded_nor_deleted() -> None:
+    """Both nodes hold step 5 committed before discard_after(4) by the clocks, and the
+    record names no copy of it: not loaded (two clocks decide it), not stale either."""
+    m5 = _manifest("a5", created="2026-12-05T10:00:00Z")
+    record = Rollback(4, "2026-12-05T10:30:00Z", {})
+    plan = decide(_survey({5: (m5, _keys("a5"))}, {5: (m5, _keys("a5"))}, rollbacks=(record,)))
+    assert plan.decision == Decision(3, 3, False, stale=())
+    assert any("kept on disk" in w for w in plan.warnings)
+
+
+def test_a_newer_step_that_cannot_load_falls_back_to_the_next_one_held_whole() -> None:
+    """Step 6's holders disagree; step 5 is whole on both nodes: step 5 loads from them."""
+    m6a, m6b, m5 = _manifest("a6"), _manifest("b6"), _manifest("a5")
+    a = {6: (m6a, _keys("a6")), 5: (m5, _keys("a5"))}
+    b = {6: (m6b, _keys("b6")), 5: (m5, _keys("a5"))}
+    plan = decide(_survey(a, b))
+    assert plan.decision == Decision(5, 3, True, refill=False)
+    assert plan.manifest == m5
+
+
+def test_a_step_asked_for_that_is_not_whole_is_loaded_from_the_store() -> None:
+    m5 = _manifest("a5")
+    plan = decide(_survey({5: (m5, _keys("a5")[:2])}, {}, step=5))
+    assert plan.decision == Decision(5, 3, False)
+    assert any("rank(s) 2, 3" in w for w in plan.warnings)
+
+
+def test_copies_found_bad_in_an_earlier_survey_stay_excluded() -> None:
+    """Node a's copy of rank 3's file was found bad in this load's first survey, and
+    node b lost its: no node holds it now, so the step is not loaded from the nodes."""
+    m5 = _manifest("a5")
+    keys = _keys("a5")
+    survey = _survey({5: (m5, keys)}, {5: (m5, keys[:3])})
+    plan = decide(dataclasses.replace(survey, excluded=frozenset({(5, 0, keys[3])})))
+    assert plan.decision == Decision(3, 3, False)
+    assert plan.excluded == {(5, 0, keys[3])}
+
+
+def test_a_job_on_another_world_size_refills_nothing() -> None:
+    """The step was saved by 2 ranks, the job runs on 4: an object on one node only is
+    loaded, but not replicated again (the ranks that would send it are not the same)."""
+    m5 = Manifest.from_json_bytes(_manifest("a5"), url="u")
+    two = dataclasses.replace(m5, world_size=2).to_json_bytes()
+    keys = _keys("a5")
+    plan = decide(_survey({5: (two, keys)}, {5: (two, keys[1:])}))
+    assert plan.decision == Decision(5, 3, True, refill=False)
+
+
+def test_a_survey_missing_a_copy_it_needs_is_an_internal_error() -> None:
+    """copies_needed and decide never drift apart silently: a copy the decision needs
+    and was not handed is a bug in the caller, raised on every rank."""
+    m5 = _manifest("a5")
+    survey = _survey({5: (m5, _keys("a5"))}, {5: (m5, _keys("a5"))})
+    plan = decide(dataclasses.replace(survey, copies={}))
+    assert isinstance(plan.decision, InternalError)
+    assert "step 5" in str(plan.decision)
+
+
+def test_a_step_that_is_no_step_raises_nothing_in_the_decision() -> None:
+    """An invalid step asked for, held by no node: the decision says to load it from
+    the store (which refuses it there), instead of raising inside the decision."""
+    plan = decide(_survey({}, {}, step=-1))
+    assert plan.decision == Decision(-1, 3, False)
 
 
 def test_nothing_whole_and_nothing_durable_is_an_error_every_rank_raises() -> None:

@@ -10,6 +10,7 @@ fault every rank hears "committed".
 
 from __future__ import annotations
 
+import concurrent.futures
 import types
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from objckpt.format.layout import MANIFEST_KEY
 from objckpt.options import UploadOptions
 from objckpt.pipeline.commit_phase import Committer
 from objckpt.pipeline.finalize import RankExchange
+from objckpt.pipeline.handle import SaveHandle
 from objckpt.writers import open_store
 from objckpt.writers.location import Location
 from objckpt.writers.translate import describe
@@ -113,7 +115,8 @@ def _commit(
     committer = Committer(lambda staged: None, timeout, None, lambda exc: None)
     error: BaseException | None = None
     try:
-        committer._coordinate(writer, exchanges[0], WORLD, split=False)
+        handle = SaveHandle(writer.target.location.url, concurrent.futures.Future())
+        committer._coordinate(writer, handle, exchanges[0], WORLD, split=False)
     except BaseException as exc:
         error = exc
     finally:

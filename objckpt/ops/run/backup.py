@@ -225,12 +225,14 @@ class Replicator:
 
         Raises:
             BackupError: The replicator is closed.
-            InternalError: ``places`` does not name one directory per target.
+            InternalError: ``places`` is not a step under this replicator's primary, or
+                does not name one directory per target.
         """
-        if len(places.backups) != len(self._states):
+        if len(places.backups) != len(self._states) or places.root.parent().url != self.primary.url:
             raise InternalError(
-                f"internal: step {places.step} names {len(places.backups)} backup "
-                f"directories for {len(self._states)} backup targets"
+                f"internal: step {places.step}'s directories ({places.root.url} and "
+                f"{len(places.backups)} backup(s)) are not this replicator's "
+                f"({self.primary.url} and {len(self._states)} backup target(s))"
             )
         with self._lock:
             if self._closed:

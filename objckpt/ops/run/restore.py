@@ -279,7 +279,8 @@ class Restorer:
     ) -> tuple[int, int | None, bool]:
         """Every rank: gather what every tier holds on rank 0, which picks the step to
         load (``step``, or the newest whole on the surviving nodes or durable) and
-        whether its objects come from the nodes (:meth:`_decide`); rank 0 keeps the
+        whether its objects come from the nodes (:meth:`_decide_on_rank0`, which reads,
+        then :func:`~objckpt.ops.run.restore_plan.decide`); rank 0 keeps the
         holdings for the load's transfers. Two collectives.
 
         ``failed``: steps whose load from the nodes failed in this load; ``found``:
@@ -376,7 +377,7 @@ class Restorer:
     def _delete_stale(self, stale: list[tuple[int, str]]) -> None:
         """Every rank, one per node: delete this node's step directories (own and
         replicas) whose manifest is one of ``stale`` ((step, SHA-256): copies of a
-        discarded step, :meth:`_agreed`)."""
+        discarded step, found by :func:`~objckpt.ops.run.restore_plan.decide`)."""
         assert self._peers is not None
         tier = self._catalog.local
         me = self._peers.group.rank

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Mapping, Sequence
 
-from objckpt.errors import CheckpointNotFoundError, ManifestError
+from objckpt.errors import CheckpointNotFoundError, InternalError, ManifestError, ObjckptError
 from objckpt.format.layout import writer_rank
 from objckpt.format.manifest import Manifest
 from objckpt.format.steps import StepPlaces
@@ -114,14 +114,15 @@ class Plan:
 
     Attributes:
         decision: What every rank is told, or the error every rank raises (no step
-            was asked for, none is whole on the nodes left and none is durable).
+            was asked for, none is whole on the nodes left and none is durable; or an
+            internal error: a copy the decision needs was not handed to it).
         manifest: A load from the nodes: the chosen step's manifest bytes.
         views: A load from the nodes: the holdings its transfers are planned from.
         excluded: The copies found bad in this load so far (the next survey's).
         warnings: What the caller logs, in order.
     """
 
-    decision: Decision | CheckpointNotFoundError
+    decision: Decision | ObjckptError
     manifest: bytes | None = None
     views: Sequence[Holdings] | None = None
     excluded: frozenset[tuple[int, int, str]] = frozenset()
@@ -240,16 +241,15 @@ class _Decider:
         for r, h in enumerate(self.s.held):
             if step in h:
                 holders.setdefault(h[step], []).append(r)
-        url = StepPlaces.of(step, self.s.root).root.url
         kept: dict[str, tuple[bytes, Manifest, list[int]]] = {}
         for digest, ranks in holders.items():
             try:
-                data = self.s.copies.get((step, digest))
-                if data is None:
-                    raise ManifestError(f"step {step}: its manifest {digest} was not read")
+                data = self.s.copies[(step, digest)]  # decide() checked that it was read
                 if isinstance(data, ManifestError):
                     raise data
-                manifest = Manifest.from_json_bytes(data, url=url)
+                manifest = Manifest.from_json_bytes(
+                    data, url=StepPlaces.of(step, self.s.root).root.url
+                )
             except ManifestError as exc:  # set aside: the other holders may still agree
                 self.warnings.append(
                     f"step {step}: the manifest {', '.join(self.node(r) for r in ranks)} "
@@ -319,8 +319,16 @@ def decide(survey: Survey) -> Plan:
     ranks as saved it), and, for a load from the nodes, the chosen step's manifest and
     the holdings to plan from. Reads, writes, logs and raises nothing.
     """
-    d = _Decider(survey)
     s = survey
+    unread = copies_needed(s.step, s.held, s.durable, s.failed, s.bad) - set(s.copies)
+    if unread:  # the caller's bug: never a silent fallback to an older step
+        return Plan(
+            InternalError(
+                "internal: the restore's decision was not handed the manifest copies "
+                + ", ".join(f"step {st} {digest}" for st, digest in sorted(unread))
+            )
+        )
+    d = _Decider(survey)
     warned: set[int] = set()  # once per listing: a node's ranks share one
     for r, v in enumerate(s.views):
         if v.error is not None and id(v) not in warned:
@@ -346,7 +354,7 @@ def decide(survey: Survey) -> Plan:
             "are on no node (their node and every node holding their replicas are gone)"
             + ("" if s.durable is None else f"; loading step {s.durable}, the newest durable one")
         )
-    chosen: Decision | CheckpointNotFoundError
+    chosen: Decision | ObjckptError
     if s.step is not None:
         chosen = Decision(s.step, s.durable, False, stale=tuple(d.stale))
     elif s.durable is not None:

@@ -170,9 +170,9 @@ class SaveFlow:
         """
         places = self._catalog.begin(step, loaded=loaded)  # every rank alike
         where = self._where(places, state_dict, promote)
-        self.checkpointer.start_workers()  # no load came first
         release = None if where.base is None else self._durable.hold_base(where.base.step)
         try:
+            self.checkpointer.start_workers()  # no load came first
             return self.checkpointer.save(
                 state_dict,
                 where.url,
@@ -236,7 +236,8 @@ class SaveFlow:
         """A save to the root ended, on every rank: its base is released (retention
         may drop it now), what it wrote is the next save's base once committed, and
         the step is recorded (the coordinator backed it up and applied retention at
-        its commit, :meth:`_on_commit`). Each runs even when one before it failed."""
+        its commit, the save's ``on_commit``: :meth:`DurableSteps.committed`). Each
+        runs even when one before it failed."""
         try:
             if release is not None:
                 release()
@@ -269,7 +270,7 @@ class SaveFlow:
         return self._catalog.places(latest) if latest is not None and latest < step else None
 
     def _committed(self, where: Where) -> bool:
-        """Whether ``step`` is committed where this save goes, from the step catalog
+        """Whether the step is committed where this save goes (``where``), from the step catalog
         (listed at start, kept up to date): no request in ``save()``. Rank 0 decides,
         as it decides every multi-rank question (its True refuses the save on every
         rank); a writer the catalog does not know about loses at the commit instead,
