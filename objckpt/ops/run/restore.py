@@ -564,19 +564,19 @@ class Restorer:
         """Load ``step`` from the root, then each backup: every object from this
         node's local copy first when there is one (its own files, then its replicas
         of other nodes' files)."""
-        local = self._catalog.local_step_url(step)
-        roots = [self._catalog.root] + [b.location for b in self._catalog.backups]
+        places = self._catalog.places(step)
+        local = None if places.local is None else places.local.url
         failures: list[BaseException] = []
-        for i, root in enumerate(roots):
-            url = root.child(step_name(step)).url
+        for i, where in enumerate([places.root, *places.backups]):
+            url = where.url
             fetch = self._fetch if i == 0 and self._fetch is not None else None
             if fetch is not None and fetch.step != step:
                 fetch = None
             try:
-                self._load_from(url, root.storage_options, state_dict, read, local, fetch)
+                self._load_from(url, where.storage_options, state_dict, read, local, fetch)
             except _SOURCE_FAILED as exc:
                 failures.append(exc)
-                if i + 1 < len(roots):
+                if i < len(places.backups):
                     logger.warning(
                         "cannot load step %d from %s (%s); trying its backup", step, url, exc
                     )

@@ -164,12 +164,6 @@ def copies_needed(
     return {(s, d) for h in held for s, d in h.items() if s in steps}
 
 
-def _node(nodes: NodeMap, rank: int) -> str:
-    if rank >= len(nodes.node_of):
-        return f"rank {rank}'s node"
-    return f"node {nodes.names[nodes.node_of[rank]]} (rank {rank})"
-
-
 def holders_of(step: int, views: Sequence[Holdings]) -> dict[tuple[str, int], list[int]]:
     """The ranks holding each (key, size) of ``step``: one pass over each distinct
     listing (the ranks of a node share their node's), so rank 0's planning costs what
@@ -196,7 +190,11 @@ class _Decider:
         self.stale: list[tuple[int, str]] = []
 
     def node(self, rank: int) -> str:
-        return _node(self.s.nodes, rank)
+        """A rank's node, as a warning names it."""
+        nodes = self.s.nodes
+        if rank >= len(nodes.node_of):
+            return f"rank {rank}'s node"
+        return f"node {nodes.names[nodes.node_of[rank]]} (rank {rank})"
 
     def excluded(self) -> frozenset[tuple[int, int, str]]:
         """The copies found bad in this load, with the new reports (each warned of)."""
