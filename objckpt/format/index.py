@@ -150,15 +150,13 @@ def encode_metadata(
 ) -> tuple[dict[str, Any], list[IndexShard]]:
     """The manifest's ``metadata`` (format 2) and the index objects it names."""
     state: dict[str, Any] = {}
-    # Where each chunk stands in its tensor's list, for the index objects' columns: O(chunks),
-    # so built only when there are items to place (a layout alone needs none of it).
+    # Where each chunk stands in its tensor's list, for the index objects' columns, and
+    # which rank wrote it: only for tensors saved in pieces. A tensor saved whole (most
+    # of them, and all of a one-rank job's) has one chunk, found without a table: at
+    # 10,000 tensors the per-tensor tables were 30,000 objects per save, each kept long
+    # enough to count towards a full garbage collection (#47).
     positions: dict[str, dict[tuple[int, ...], int]] = {}
-    if any(items_by_rank):
-        positions = {
-            fqn: {tuple(c.offsets): n for n, c in enumerate(md.chunks)}
-            for fqn, md in metadata.state_dict_metadata.items()
-            if isinstance(md, TensorStorageMetadata)
-        }
+    writer: dict[str, list[int]] = {}
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
             ndim = len(md.size)
@@ -168,7 +166,9 @@ def encode_metadata(
             }
             if md.properties.requires_grad:
                 entry["requires_grad"] = True
-            if not _whole(md):  # a tensor saved in one piece needs no chunk columns
+            if _whole(md):  # a tensor saved in one piece needs no chunk columns
+                entry["writer"] = -1  # until a rank's item names it
+            else:
                 entry["chunks"] = len(md.chunks)
                 # One column per dimension, transposed by zip (C loops, not a Python
                 # loop per chunk and dimension).
@@ -176,16 +176,14 @@ def encode_metadata(
                 sizes = list(zip(*map(_SIZES, md.chunks), strict=True)) or [()] * ndim
                 entry["offsets"] = [columns.pack(offsets[d]) for d in range(ndim)]
                 entry["sizes"] = [columns.pack(sizes[d]) for d in range(ndim)]
+                writer[fqn] = [-1] * len(md.chunks)
+                if any(items_by_rank):  # a layout alone places nothing
+                    positions[fqn] = {tuple(c.offsets): n for n, c in enumerate(md.chunks)}
             state[fqn] = entry
         elif isinstance(md, BytesStorageMetadata):
             state[fqn] = {"type": "bytes"}
         else:
             raise TypeError(f"unsupported storage metadata for {fqn!r}: {type(md).__name__}")
-    writer: dict[str, list[int]] = {
-        fqn: [-1] * len(md.chunks)
-        for fqn, md in metadata.state_dict_metadata.items()
-        if isinstance(md, TensorStorageMetadata)
-    }
     shards: list[IndexShard] = []
     index_keys: list[str | None] = []
     for rank, items in enumerate(items_by_rank):
@@ -197,7 +195,7 @@ def encode_metadata(
         shards.append(IndexShard(rank, key, json.dumps(doc, separators=(",", ":")).encode()))
         index_keys.append(key)
     for fqn, ranks in writer.items():
-        state[fqn]["writer"] = ranks[0] if "chunks" not in state[fqn] else columns.pack(ranks)
+        state[fqn]["writer"] = columns.pack(ranks)
     out: dict[str, Any] = {
         "version": metadata.version,
         "state_dict": state,
@@ -238,6 +236,13 @@ def _encode_paths(planner_data: Any) -> Any:
     }
 
 
+def _unlisted(rank: int, index: MetadataIndex) -> ManifestError:
+    offset = None if index.offset is None else list(index.offset)
+    return ManifestError(
+        f"rank {rank} wrote {index.fqn!r} at {offset}, a chunk DCP's metadata does not list"
+    )
+
+
 def _index_doc(
     items: Mapping[MetadataIndex, StoredItem],
     rank: int,
@@ -264,15 +269,17 @@ def _index_doc(
         if index.offset is None:
             chunk = -1
             state[index.fqn]["writer"] = rank
-        else:
-            try:
-                chunk = positions[index.fqn][tuple(index.offset)]
-            except KeyError:
-                raise ManifestError(
-                    f"rank {rank} wrote {index.fqn!r} at {list(index.offset)}, "
-                    "a chunk DCP's metadata does not list"
-                ) from None
+        elif (chunks := positions.get(index.fqn)) is not None:
+            chunk = chunks.get(tuple(index.offset), -1)
+            if chunk < 0:
+                raise _unlisted(rank, index)
             writer[index.fqn][chunk] = rank
+        else:  # saved whole: its one chunk starts at the origin
+            entry = state.get(index.fqn)
+            if entry is None or "size" not in entry or any(index.offset):
+                raise _unlisted(rank, index)
+            chunk = 0
+            entry["writer"] = rank
         fqn_col.append(fqns.setdefault(index.fqn, len(fqns)))
         chunk_col.append(chunk)
         key_col.append(keys.setdefault(item.relative_path, len(keys)))

@@ -31,8 +31,17 @@ def _dtensor_local(value: torch.Tensor) -> torch.Tensor | None:
     return to_local() if callable(to_local) and hasattr(value, "device_mesh") else None
 
 
-def _mesh_id(mesh: Any) -> Hashable:
-    return (tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), mesh.device_type)
+def _mesh_id(mesh: Any, meshes: dict[int, Hashable]) -> Hashable:
+    """The mesh's ranks, shape and device type, computed once per mesh and scan (an
+    FSDP state dict has thousands of DTensors on one mesh; each id is a torch call)."""
+    known = meshes.get(id(mesh))  # the mesh outlives the scan: its id is stable
+    if known is None:
+        known = meshes[id(mesh)] = (
+            tuple(mesh.mesh.flatten().tolist()),
+            tuple(mesh.mesh.shape),
+            mesh.device_type,
+        )
+    return known
 
 
 def scan(state: Any) -> tuple[tuple[Hashable, ...], list[torch.Tensor], list[str]]:
@@ -42,11 +51,20 @@ def scan(state: Any) -> tuple[tuple[Hashable, ...], list[torch.Tensor], list[str
     The layout is everything DCP's plan depends on, so equal layouts plan alike:
     paths, types, shapes, dtypes, devices, and for DTensors the global shape,
     placements and mesh.
+
+    The layout is one flat tuple: each value's path and type, then what that type
+    adds (a tensor: its dimensions, sizes, dtype and device, and a DTensor its global
+    shape, placements and mesh; a list or tuple: its length). The type says how many
+    fields follow it, so two different state dicts never flatten alike. Flat, because
+    a tuple per tensor (and the ``torch.Size`` in it) is two objects the garbage
+    collector tracks per tensor per save: at 10,000 tensors they set off ~28
+    young-generation collections inside ``save()``, and, kept as the staging set's
+    key, they fed the full collections that landed in the stall (#47).
     """
-    layout: list[Hashable] = []
+    layout: list[Any] = []  # hashable values (types, sizes, dtypes, devices)
     tensors: list[torch.Tensor] = []
     paths: list[str] = []
-    _scan(state, "", layout, tensors, paths)
+    _scan(state, "", layout, tensors, paths, {})
     return tuple(layout), tensors, paths
 
 
@@ -54,13 +72,19 @@ def scan(state: Any) -> tuple[tuple[Hashable, ...], list[torch.Tensor], list[str
 # reference cycle (the function's cell holds the function), which would keep what it
 # closes over (the staged views) alive until a garbage collection.
 def _scan(
-    value: Any, path: str, layout: list[Hashable], tensors: list[torch.Tensor], paths: list[str]
+    value: Any,
+    path: str,
+    layout: list[Any],
+    tensors: list[torch.Tensor],
+    paths: list[str],
+    meshes: dict[int, Hashable],
 ) -> None:
-    if type(value) in _PLAIN and value.layout is torch.strided and not value.is_meta:
+    kind = type(value)
+    if kind in _PLAIN and value.layout is torch.strided and not value.is_meta:
         # The common case, a plain dense tensor, with the fewest reads: the scan runs
-        # on the training thread for every tensor of every save (torch.Size hashes
-        # and compares as the tuple of its sizes).
-        layout.append((path, type(value).__name__, value.shape, value.dtype, value.device))
+        # on the training thread for every tensor of every save.
+        shape = value.shape
+        layout.extend((path, kind, len(shape), *shape, value.dtype, value.device))
         tensors.append(value)
         paths.append(path)
     elif isinstance(value, torch.Tensor):
@@ -84,35 +108,33 @@ def _scan(
                 "materialize it before saving"
             )
         t = value if local is None else local
-        entry: tuple[Hashable, ...] = (
-            path,
-            type(value).__name__,
-            tuple(t.shape),
-            t.dtype,
-            t.device,
-        )
+        shape = t.shape
+        layout.extend((path, kind, len(shape), *shape, t.dtype, t.device))
         if local is not None:  # where the shard sits in the global tensor
             dt = cast(Any, value)
-            entry += (tuple(value.shape), str(dt.placements), _mesh_id(dt.device_mesh))
-        layout.append(entry)
+            whole = value.shape
+            layout.extend((len(whole), *whole, str(dt.placements)))
+            layout.append(_mesh_id(dt.device_mesh, meshes))
         tensors.append(t)
         paths.append(path)
     elif isinstance(value, dict):
+        layout.extend((path, kind, len(value)))
         for k, v in value.items():
             sub = f"{path}.{k}"
             if type(v) in _PLAIN and v.layout is torch.strided and not v.is_meta:
                 # the fast case above, inlined: a call per entry costs as much
-                layout.append((sub, type(v).__name__, v.shape, v.dtype, v.device))
+                shape = v.shape
+                layout.extend((sub, type(v), len(shape), *shape, v.dtype, v.device))
                 tensors.append(v)
                 paths.append(sub)
             else:
-                _scan(v, sub, layout, tensors, paths)
+                _scan(v, sub, layout, tensors, paths, meshes)
     elif isinstance(value, (list, tuple)):
-        layout.append((path, type(value).__name__, len(value)))
+        layout.extend((path, kind, len(value)))
         for i, v in enumerate(value):
-            _scan(v, f"{path}[{i}]", layout, tensors, paths)
+            _scan(v, f"{path}[{i}]", layout, tensors, paths, meshes)
     else:
-        layout.append((path, type(value).__name__))
+        layout.extend((path, kind))
 
 
 def rebuild(state: Any, views: list[torch.Tensor]) -> Any:

@@ -372,3 +372,21 @@ def test_a_manifest_naming_an_unlisted_index_object_is_refused(tmp_path) -> None
     manifest.write_text(json.dumps(doc))
     with pytest.raises(ManifestError, match=f"names index object '{index.name}'"):
         objckpt.ObjectStoreReader(url)
+
+
+@pytest.mark.parametrize(
+    "world, index",
+    [
+        (3, MetadataIndex("layers.0.w", torch.Size([1, 0]))),  # saved in pieces
+        (1, MetadataIndex("layers.0.w", torch.Size([8, 0]))),  # saved whole
+        (1, MetadataIndex("layers.9.w", torch.Size([0, 0]))),  # no such tensor
+        (1, MetadataIndex("step", torch.Size([0]))),  # bytes, named as a tensor chunk
+    ],
+)
+def test_an_item_at_a_chunk_the_metadata_does_not_list_is_refused(
+    world: int, index: MetadataIndex
+) -> None:
+    meta, items = _simulated(world)
+    items[0][index] = StoredItem(f"__0_0.{ATTEMPT}.distcp", 0, 4, "00000000")
+    with pytest.raises(ManifestError, match=f"rank 0 wrote {index.fqn!r} at .* does not list"):
+        encode_metadata(meta, items, ATTEMPT)
