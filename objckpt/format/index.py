@@ -157,6 +157,7 @@ def encode_metadata(
     # enough to count towards a full garbage collection (#47).
     positions: dict[str, dict[tuple[int, ...], int]] = {}
     writer: dict[str, list[int]] = {}
+    placing = any(items_by_rank)  # a layout alone places nothing
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
             ndim = len(md.size)
@@ -177,7 +178,7 @@ def encode_metadata(
                 entry["offsets"] = [columns.pack(offsets[d]) for d in range(ndim)]
                 entry["sizes"] = [columns.pack(sizes[d]) for d in range(ndim)]
                 writer[fqn] = [-1] * len(md.chunks)
-                if any(items_by_rank):  # a layout alone places nothing
+                if placing:
                     positions[fqn] = {tuple(c.offsets): n for n, c in enumerate(md.chunks)}
             state[fqn] = entry
         elif isinstance(md, BytesStorageMetadata):
@@ -266,20 +267,24 @@ def _index_doc(
         else:
             transform_col.append(-1)
             raw_col.append(item.length)
-        if index.offset is None:
+        entry = state.get(index.fqn)
+        if entry is None:
+            raise _unlisted(rank, index)
+        if index.offset is None:  # a non-tensor value
+            if "size" in entry:
+                raise _unlisted(rank, index)
             chunk = -1
-            state[index.fqn]["writer"] = rank
+            entry["writer"] = rank
         elif (chunks := positions.get(index.fqn)) is not None:
             chunk = chunks.get(tuple(index.offset), -1)
             if chunk < 0:
                 raise _unlisted(rank, index)
             writer[index.fqn][chunk] = rank
-        else:  # saved whole: its one chunk starts at the origin
-            entry = state.get(index.fqn)
-            if entry is None or "size" not in entry or any(index.offset):
-                raise _unlisted(rank, index)
-            chunk = 0
+        elif "size" in entry and len(index.offset) == len(entry["size"]) and not any(index.offset):
+            chunk = 0  # saved whole: its one chunk starts at the origin
             entry["writer"] = rank
+        else:
+            raise _unlisted(rank, index)
         fqn_col.append(fqns.setdefault(index.fqn, len(fqns)))
         chunk_col.append(chunk)
         key_col.append(keys.setdefault(item.relative_path, len(keys)))

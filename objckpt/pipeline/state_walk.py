@@ -31,17 +31,15 @@ def _dtensor_local(value: torch.Tensor) -> torch.Tensor | None:
     return to_local() if callable(to_local) and hasattr(value, "device_mesh") else None
 
 
-def _mesh_id(mesh: Any, meshes: dict[int, Hashable]) -> Hashable:
+def _mesh_id(mesh: Any, meshes: dict[int, tuple[Any, Hashable]]) -> Hashable:
     """The mesh's ranks, shape and device type, computed once per mesh and scan (an
-    FSDP state dict has thousands of DTensors on one mesh; each id is a torch call)."""
-    known = meshes.get(id(mesh))  # the mesh outlives the scan: its id is stable
+    FSDP state dict has thousands of DTensors on one mesh; each id is a torch call).
+    The memo keeps each mesh it names, so no id is reused within the scan."""
+    known = meshes.get(id(mesh))
     if known is None:
-        known = meshes[id(mesh)] = (
-            tuple(mesh.mesh.flatten().tolist()),
-            tuple(mesh.mesh.shape),
-            mesh.device_type,
-        )
-    return known
+        key = (tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), mesh.device_type)
+        known = meshes[id(mesh)] = (mesh, key)
+    return known[1]
 
 
 def scan(state: Any) -> tuple[tuple[Hashable, ...], list[torch.Tensor], list[str]]:
@@ -77,7 +75,7 @@ def _scan(
     layout: list[Any],
     tensors: list[torch.Tensor],
     paths: list[str],
-    meshes: dict[int, Hashable],
+    meshes: dict[int, tuple[Any, Hashable]],
 ) -> None:
     kind = type(value)
     if kind in _PLAIN and value.layout is torch.strided and not value.is_meta:

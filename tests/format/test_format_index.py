@@ -381,6 +381,11 @@ def test_a_manifest_naming_an_unlisted_index_object_is_refused(tmp_path) -> None
         (1, MetadataIndex("layers.0.w", torch.Size([8, 0]))),  # saved whole
         (1, MetadataIndex("layers.9.w", torch.Size([0, 0]))),  # no such tensor
         (1, MetadataIndex("step", torch.Size([0]))),  # bytes, named as a tensor chunk
+        (1, MetadataIndex("layers.0.w", torch.Size([0]))),  # too few dimensions
+        (1, MetadataIndex("layers.0.w", torch.Size([]))),
+        (1, MetadataIndex("layers.0.w", torch.Size([0, 0, 0]))),  # too many
+        (1, MetadataIndex("layers.0.w")),  # a tensor, named as a non-tensor value
+        (1, MetadataIndex("nothing")),  # no such value
     ],
 )
 def test_an_item_at_a_chunk_the_metadata_does_not_list_is_refused(

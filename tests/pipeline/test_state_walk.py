@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import gc
 import itertools
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
 import torch
 
 from objckpt.pipeline.state_walk import rebuild, scan
@@ -19,8 +17,8 @@ class _Sub(torch.Tensor):
 
 
 def _states() -> dict[str, Any]:
-    """State dicts that must plan differently, including the pairs a flattened layout
-    could confuse if a field's count were not fixed by what precedes it."""
+    """State dicts that must plan differently, including pairs whose paths agree and
+    only a recorded container length tells apart."""
     t = torch.zeros(6)
     return {
         "base": {"a": t, "b": 1},
@@ -39,8 +37,11 @@ def _states() -> dict[str, Any]:
         "nested dict": {"a": {"x": t}, "b": 1},
         "two in list": {"a": [t, t], "b": 1},
         "list then int": {"a": [t], "b": 1, "c": 2},
-        # a path that looks like a field of the entry before it
-        "key named like a dtype": {"a": t, "torch.float32": 1},
+        # pairs whose paths agree: only a container's length tells them apart
+        "nested b": {"x": {"a": {"b": t}}},
+        "empty a, dotted b": {"x": {"a": {}, "a.b": t}},
+        "list of one": {"x": {"a": [t]}},
+        "empty list, indexed key": {"x": {"a": [], "a[0]": t}},
         "0-d": {"a": torch.zeros(()), "b": 1},
         "1-d of 1": {"a": torch.zeros(1), "b": 1},
     }
@@ -71,27 +72,54 @@ def test_rebuild_puts_each_view_where_its_tensor_was() -> None:
     assert out["step"] == 4
 
 
-@pytest.fixture
-def no_collections() -> Iterator[None]:
-    """Automatic collections off, so the young generation's count is what the scan
-    left allocated (no collection resets it midway)."""
-    was = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
-def test_the_layout_keeps_no_tracked_object_per_tensor(no_collections: None) -> None:
+def test_the_layout_holds_no_tracked_object_per_tensor() -> None:
     # A tuple (and a torch.Size) per tensor in the layout was ~28 young collections per
     # save at 10,000 tensors, and fed the full collections that landed in the stall.
-    state = {f"layer{i}.weight": torch.zeros(2, 2) for i in range(2_000)}
-    before = gc.get_count()[0]
-    layout, tensors, paths = scan(state)
-    kept = gc.get_count()[0] - before
-    assert len(tensors) == len(paths) == 2_000 and len(layout) > 2_000
-    # the three lists, the tuple and a little slack; far below one per tensor
-    assert kept < 50, f"the scan left {kept} tracked objects for 2,000 tensors"
+    state = {
+        "model": {f"layer{i}.weight": torch.zeros(2, 2) for i in range(500)},
+        "optim": [torch.nn.Parameter(torch.zeros(3)) for _ in range(500)],
+        "extra": (torch.zeros(1).as_subclass(_Sub), 7),
+    }
+    layout, tensors, _ = scan(state)
+    assert len(tensors) == 1_001
+    tracked = [x for x in layout if gc.is_tracked(x) and not isinstance(x, type)]
+    assert tracked == [], f"the layout holds {len(tracked)} tracked objects"
+
+
+class _Mesh:
+    def __init__(self, ranks: list[int]) -> None:
+        self.mesh = torch.tensor(ranks)
+        self.device_type = "cpu"
+
+
+class _FakeDTensor(torch.Tensor):
+    """What the scan reads of a DTensor: its local shard, mesh and placements."""
+
+    device_mesh: _Mesh
+    placements: tuple[str, ...]
+
+    def to_local(self) -> torch.Tensor:
+        return self.as_subclass(torch.Tensor)[:2]
+
+
+def _sharded(mesh: _Mesh, placements: tuple[str, ...], rows: int = 4) -> torch.Tensor:
+    d = torch.zeros(rows, 3).as_subclass(_FakeDTensor)
+    d.device_mesh, d.placements = mesh, placements
+    return d
+
+
+def test_dtensors_scan_by_mesh_placements_and_global_shape() -> None:
+    one, other = _Mesh([0, 1]), _Mesh([0, 2])
+    base = {"a": _sharded(one, ("Shard(0)",)), "b": _sharded(one, ("Shard(0)",))}
+    layout, tensors, _ = scan(base)
+    assert [tuple(t.shape) for t in tensors] == [(2, 3), (2, 3)]  # the local shards
+    changes = {
+        "mesh": {"a": _sharded(one, ("Shard(0)",)), "b": _sharded(other, ("Shard(0)",))},
+        "placements": {"a": _sharded(one, ("Shard(0)",)), "b": _sharded(one, ("Replicate()",))},
+        "global shape": {"a": _sharded(one, ("Shard(0)",)), "b": _sharded(one, ("Shard(0)",), 5)},
+        "plain": {"a": _sharded(one, ("Shard(0)",)), "b": torch.zeros(2, 3)},
+    }
+    for name, state in changes.items():
+        assert scan(state)[0] != layout, name
+    again = {"a": _sharded(one, ("Shard(0)",)), "b": _sharded(one, ("Shard(0)",))}
+    assert scan(again)[0] == layout
