@@ -25,6 +25,7 @@ same total bytes sharded over the ranks).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -109,6 +110,23 @@ def copy_limit(state: dict[str, torch.Tensor], repeats: int) -> list[float]:
     return out
 
 
+class _FullCollections:
+    """Full (generation-2) garbage collections in this process, and how many ran
+    inside a span: a save's objects feed them, and one that lands in ``save()`` is
+    part of the stall (~0.2 s at 10,000 tensors here; #47)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        gc.callbacks.append(self._seen)
+
+    def _seen(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and info["generation"] == 2:
+            self.count += 1
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._seen)
+
+
 class _CommitCpu:
     """The CPU each in-thread commit of this process spends (``time.thread_time`` of
     ``commit_checkpoint``, on the save's commit thread): what a one-rank job's commit
@@ -145,15 +163,20 @@ def _async_series(
 ) -> dict[str, Any]:
     """``saves`` saves through one checkpointer: stall, commit and peak memory of each."""
     stalls, commits, peaks = [], [], []
+    in_stall, per_save = [], []
     commit_cpu = _CommitCpu()
+    full = _FullCollections()
     with objckpt.AsyncCheckpointer(storage_options=storage_options, async_options=options) as ckpt:
         for i in range(saves):
             with PeakMemory({server_pid}) as mem:
+                before = full.count
                 t0 = time.perf_counter()
                 handle = ckpt.save(state, f"s3://bench/{name}/step-{i}")
                 stalls.append(time.perf_counter() - t0)
+                in_stall.append(full.count - before)
                 handle.result()
                 commits.append(time.perf_counter() - t0)
+                per_save.append(full.count - before)
             peaks.append(mem.peak - baseline)
             log.info(
                 "%s save %d: stall %.3f s, commit %.2f s, peak +%.0f MiB",
@@ -165,7 +188,10 @@ def _async_series(
             )
         cache = ckpt.plan_cache_stats
     commit_cpu.close()
+    full.close()
     return {
+        "full_collections_in_stall": in_stall,
+        "full_collections_per_save": per_save,
         "stall": stalls,
         "commit": commits,
         "commit_thread_cpu": commit_cpu.seconds,
@@ -378,6 +404,10 @@ def main() -> None:
         "objckpt_stall_first_s": a["stall"][0],
         "objckpt_commit_s": med(a["commit"][later]),
         "objckpt_commit_thread_cpu_later_s": med(a["commit_thread_cpu"][later]),
+        # totals over the later saves (a median would hide one that lands in the stall)
+        "objckpt_full_collections_in_stall_later": sum(a["full_collections_in_stall"][later]),
+        "objckpt_full_collections_per_save_later": sum(a["full_collections_per_save"][later])
+        / max(1, len(a["full_collections_per_save"][later])),
         "objckpt_sync_s": med(res["objckpt_sync"]) if res["objckpt_sync"] else float("nan"),
         "peak_extra_over_state": max(a["peak_extra_bytes"]) / res["bytes"],
         "peak_growth_last_vs_second": a["peak_extra_bytes"][-1] / a["peak_extra_bytes"][1],

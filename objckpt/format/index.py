@@ -267,10 +267,11 @@ def _index_doc(
         else:
             transform_col.append(-1)
             raw_col.append(item.length)
-        entry = state.get(index.fqn)
-        if entry is None:
-            raise _unlisted(rank, index)
         if index.offset is None:  # a non-tensor value
+            try:  # (a rank's own index passes scratch tables that take any name)
+                entry = state[index.fqn]
+            except KeyError:
+                raise _unlisted(rank, index) from None
             if "size" in entry:
                 raise _unlisted(rank, index)
             chunk = -1
@@ -280,7 +281,12 @@ def _index_doc(
             if chunk < 0:
                 raise _unlisted(rank, index)
             writer[index.fqn][chunk] = rank
-        elif "size" in entry and len(index.offset) == len(entry["size"]) and not any(index.offset):
+        elif (
+            (entry := state.get(index.fqn)) is not None
+            and "size" in entry
+            and len(index.offset) == len(entry["size"])
+            and not any(index.offset)
+        ):
             chunk = 0  # saved whole: its one chunk starts at the origin
             entry["writer"] = rank
         else:

@@ -85,6 +85,8 @@ class DeferredWriter(StorageWriter):
         #: Whether every tensor item resolved into a staging segment (so a later
         #: save of this structure may queue its uploads after ``save()`` returns).
         self.all_staged = True
+        #: Whether the plan has non-tensor items (set when it is queued).
+        self.has_bytes = True
         self._deferred: Callable[[], None] | None = None
         #: Rank 0's answer to "already committed?", which this save's uploads wait
         #: for (:meth:`hold_uploads`; None: they need not).
@@ -132,6 +134,7 @@ class DeferredWriter(StorageWriter):
         *,
         later: bool,
         set_up: Callable[[], None] | None = None,
+        has_bytes: bool | None = None,
     ) -> None:
         """Hand the plan's payload objects to the workers, now or (``later``) when
         :meth:`queue_deferred` runs on the commit thread.
@@ -152,7 +155,9 @@ class DeferredWriter(StorageWriter):
         self.deadline = Deadline.start(
             upload.deadline, f"rank {rank_plan.rank} saving {self.target.location.url}"
         )
-        has_bytes = any(i.type == WriteItemType.BYTE_IO for i in self.items)
+        if has_bytes is None:  # a replay knows it from the cached plan
+            has_bytes = any(i.type == WriteItemType.BYTE_IO for i in self.items)
+        self.has_bytes = has_bytes
         later = later and self._staged.wave is None
         if set_up is not None and (has_bytes or not later):
             set_up()
@@ -278,6 +283,7 @@ class DeferredWriter(StorageWriter):
         *,
         set_up: Callable[[], None],
         later: bool,
+        has_bytes: bool,
     ) -> None:
         """Queue the uploads of a cached final plan (the structure is unchanged).
 
@@ -290,7 +296,7 @@ class DeferredWriter(StorageWriter):
             raise InternalError("internal: replay before the attempt was agreed")
         rank_plan = RankPlan(rank=self.target.rank, attempt=attempt)
         plan = dataclasses.replace(plan, storage_data=rank_plan)
-        self._queue_after(plan, planner, later=later, set_up=set_up)
+        self._queue_after(plan, planner, later=later, set_up=set_up, has_bytes=has_bytes)
         self.global_plan = global_plan
 
     def settle(self) -> None:

@@ -53,6 +53,9 @@ class CachedPlan:
     #: Every tensor item resolved into staging memory: a save of this structure may
     #: queue its uploads on the commit thread, after ``save()`` returned.
     queue_later: bool = False
+    #: The plan has non-tensor items, serialized before ``save()`` returns (known
+    #: here so a replay does not look through every item again).
+    has_bytes: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

@@ -300,7 +300,9 @@ def _plan(
     _plan_and_queue(staged.state, writer, planner, process_group, distributed)
     if writer.final_plan is not None:
         queue_later = writer.all_staged and staged.wave is None
-        res.plans.cached = CachedPlan(key, writer.final_plan, writer.global_plan, queue_later)
+        res.plans.cached = CachedPlan(
+            key, writer.final_plan, writer.global_plan, queue_later, writer.has_bytes
+        )
 
 
 def _planner(res: SaveResources, world: int) -> SavePlanner:
@@ -402,7 +404,12 @@ def _replay(
 
     try:
         writer.replay(
-            cached.plan, planner, cached.global_plan, set_up=set_up, later=cached.queue_later
+            cached.plan,
+            planner,
+            cached.global_plan,
+            set_up=set_up,
+            later=cached.queue_later,
+            has_bytes=cached.has_bytes,
         )
     except BaseException as exc:
         on_error(exc)

@@ -189,6 +189,9 @@ class Buffers:
     refs: dict[int, SegmentRef]  # data_ptr of a view -> where it lives
     #: The last foreground copy's moves into ``views``, revalidated by the next one.
     piece_table: PieceTable | None = None
+    #: Whether its sources are on a CUDA device: the same for every state dict of its
+    #: structure (the scan's layout names each tensor's device), so not asked again.
+    cuda: bool = False
 
     @functools.cached_property
     def starts(self) -> list[int]:

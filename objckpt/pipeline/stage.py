@@ -305,8 +305,8 @@ class Stager:
             StagingSpaceError: Not even one wave fits in the staging directory.
         """
         structure, tensors, paths = scan(state_dict)
-        cuda = any(t.is_cuda for t in tensors)
         if self._budget is not None and sum(sizes := _sizes(tensors)) > self._budget:
+            cuda = any(t.is_cuda for t in tensors)
             if (floor := max(sizes)) > self._budget:
                 logger.warning(
                     "staging budget %d bytes is below the largest tensor (%d bytes); "
@@ -318,10 +318,13 @@ class Stager:
             return self._wave(state_dict, structure, sizes, cuda, self._budget)
         buffers = self._take(structure)
         if buffers is None:
+            cuda = any(t.is_cuda for t in tensors)
             try:
                 buffers = self._allocate(tensors)
             except StagingSpaceError as exc:
                 return self._wave(state_dict, structure, _sizes(tensors), cuda, exc.free // 2, exc)
+            buffers.cuda = cuda
+        cuda = buffers.cuda
         if cuda:
             buffers.segment.pin()
         versions = version_counters(tensors) if defer_copy else None
