@@ -166,29 +166,34 @@ def _async_series(
     in_stall, per_save = [], []
     commit_cpu = _CommitCpu()
     full = _FullCollections()
-    with objckpt.AsyncCheckpointer(storage_options=storage_options, async_options=options) as ckpt:
-        for i in range(saves):
-            with PeakMemory({server_pid}) as mem:
-                before = full.count
-                t0 = time.perf_counter()
-                handle = ckpt.save(state, f"s3://bench/{name}/step-{i}")
-                stalls.append(time.perf_counter() - t0)
-                in_stall.append(full.count - before)
-                handle.result()
-                commits.append(time.perf_counter() - t0)
-                per_save.append(full.count - before)
-            peaks.append(mem.peak - baseline)
-            log.info(
-                "%s save %d: stall %.3f s, commit %.2f s, peak +%.0f MiB",
-                name,
-                i,
-                stalls[-1],
-                commits[-1],
-                peaks[-1] / MiB,
-            )
-        cache = ckpt.plan_cache_stats
-    commit_cpu.close()
-    full.close()
+    try:
+        with objckpt.AsyncCheckpointer(
+            storage_options=storage_options, async_options=options
+        ) as ckpt:
+            for i in range(saves):
+                with PeakMemory({server_pid}) as mem:
+                    before = full.count
+                    t0 = time.perf_counter()
+                    handle = ckpt.save(state, f"s3://bench/{name}/step-{i}")
+                    during = full.count
+                    stalls.append(time.perf_counter() - t0)
+                    in_stall.append(during - before)
+                    handle.result()
+                    commits.append(time.perf_counter() - t0)
+                    per_save.append(full.count - before)
+                peaks.append(mem.peak - baseline)
+                log.info(
+                    "%s save %d: stall %.3f s, commit %.2f s, peak +%.0f MiB",
+                    name,
+                    i,
+                    stalls[-1],
+                    commits[-1],
+                    peaks[-1] / MiB,
+                )
+            cache = ckpt.plan_cache_stats
+    finally:
+        commit_cpu.close()
+        full.close()
     return {
         "full_collections_in_stall": in_stall,
         "full_collections_per_save": per_save,
@@ -404,7 +409,8 @@ def main() -> None:
         "objckpt_stall_first_s": a["stall"][0],
         "objckpt_commit_s": med(a["commit"][later]),
         "objckpt_commit_thread_cpu_later_s": med(a["commit_thread_cpu"][later]),
-        # totals over the later saves (a median would hide one that lands in the stall)
+        # inside save(): the total over the later saves (a median would hide one that
+        # lands in the stall); per save: their mean
         "objckpt_full_collections_in_stall_later": sum(a["full_collections_in_stall"][later]),
         "objckpt_full_collections_per_save_later": sum(a["full_collections_per_save"][later])
         / max(1, len(a["full_collections_per_save"][later])),
