@@ -25,7 +25,6 @@ same total bytes sharded over the ranks).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import logging
 import os
@@ -40,6 +39,7 @@ import smoke
 import torch
 import torch.distributed.checkpoint as dcp
 from bench_sync import MiB, nbytes, transformer_state
+from proc_stats import Collections
 from record import write_record
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -110,23 +110,6 @@ def copy_limit(state: dict[str, torch.Tensor], repeats: int) -> list[float]:
     return out
 
 
-class _FullCollections:
-    """Full (generation-2) garbage collections in this process, and how many ran
-    inside a span: a save's objects feed them, and one that lands in ``save()`` is
-    part of the stall (~0.2 s at 10,000 tensors here; #47)."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        gc.callbacks.append(self._seen)
-
-    def _seen(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start" and info["generation"] == 2:
-            self.count += 1
-
-    def close(self) -> None:
-        gc.callbacks.remove(self._seen)
-
-
 class _CommitCpu:
     """The CPU each in-thread commit of this process spends (``time.thread_time`` of
     ``commit_checkpoint``, on the save's commit thread): what a one-rank job's commit
@@ -165,22 +148,24 @@ def _async_series(
     stalls, commits, peaks = [], [], []
     in_stall, per_save = [], []
     commit_cpu = _CommitCpu()
-    full = _FullCollections()
     try:
-        with objckpt.AsyncCheckpointer(
-            storage_options=storage_options, async_options=options
-        ) as ckpt:
+        with (
+            Collections() as gcs,
+            objckpt.AsyncCheckpointer(
+                storage_options=storage_options, async_options=options
+            ) as ckpt,
+        ):
             for i in range(saves):
                 with PeakMemory({server_pid}) as mem:
-                    before = full.count
+                    before = gcs.full
                     t0 = time.perf_counter()
                     handle = ckpt.save(state, f"s3://bench/{name}/step-{i}")
-                    during = full.count
+                    during = gcs.full
                     stalls.append(time.perf_counter() - t0)
                     in_stall.append(during - before)
                     handle.result()
                     commits.append(time.perf_counter() - t0)
-                    per_save.append(full.count - before)
+                    per_save.append(gcs.full - before)
                 peaks.append(mem.peak - baseline)
                 log.info(
                     "%s save %d: stall %.3f s, commit %.2f s, peak +%.0f MiB",
@@ -193,7 +178,6 @@ def _async_series(
             cache = ckpt.plan_cache_stats
     finally:
         commit_cpu.close()
-        full.close()
     return {
         "full_collections_in_stall": in_stall,
         "full_collections_per_save": per_save,

@@ -13,7 +13,6 @@ with METHOD ``objckpt`` or ``s3tc``; prints one JSON object.
 
 from __future__ import annotations
 
-import gc
 import json
 import resource
 import sys
@@ -21,6 +20,7 @@ import time
 
 import torch
 import torch.distributed.checkpoint as dcp
+from proc_stats import Collections
 
 
 def _cpu() -> float:
@@ -33,47 +33,36 @@ def main() -> None:
     method, endpoint, url, state_path, threads = sys.argv[1:6]
     torch.set_num_threads(1)
     state = torch.load(state_path, weights_only=True)
-    collections = [0, 0, 0]
-    gc_cpu = [0.0, 0.0]
-
-    def on_gc(phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            gc_cpu[1] = time.process_time()
-        else:
-            gc_cpu[0] += time.process_time() - gc_cpu[1]
-            collections[info["generation"]] += 1
-
     c0, t0 = _cpu(), time.perf_counter()
-    gc.callbacks.append(on_gc)
-    if method == "objckpt":
-        import objckpt
+    with Collections() as collections:
+        if method == "objckpt":
+            import objckpt
 
-        writer = objckpt.ObjectStoreWriter(url, storage_options={"endpoint_url": endpoint})
-        imported = _cpu()
-        dcp.save(state, storage_writer=writer)
-    else:
-        from s3torchconnector import S3ClientConfig
-        from s3torchconnector._s3client import S3Client
-        from s3torchconnector.dcp import S3StorageWriter
-        from s3torchconnector.dcp.s3_file_system import S3FileSystem
+            writer = objckpt.ObjectStoreWriter(url, storage_options={"endpoint_url": endpoint})
+            imported = _cpu()
+            dcp.save(state, storage_writer=writer)
+        else:
+            from s3torchconnector import S3ClientConfig
+            from s3torchconnector._s3client import S3Client
+            from s3torchconnector.dcp import S3StorageWriter
+            from s3torchconnector.dcp.s3_file_system import S3FileSystem
 
-        imported = _cpu()
-        config = S3ClientConfig(force_path_style=True)
-        w = S3StorageWriter("us-east-1", url, s3client_config=config, thread_count=int(threads))
-        client = S3Client("us-east-1", endpoint=endpoint, s3client_config=config)
-        w.fs = S3FileSystem("us-east-1", s3_client=client)
-        w.path = w.fs.init_path(url)
-        dcp.save(state, storage_writer=w)
-    cpu, wall = _cpu() - c0, time.perf_counter() - t0
-    gc.callbacks.remove(on_gc)
+            imported = _cpu()
+            config = S3ClientConfig(force_path_style=True)
+            w = S3StorageWriter("us-east-1", url, s3client_config=config, thread_count=int(threads))
+            client = S3Client("us-east-1", endpoint=endpoint, s3client_config=config)
+            w.fs = S3FileSystem("us-east-1", s3_client=client)
+            w.path = w.fs.init_path(url)
+            dcp.save(state, storage_writer=w)
+        cpu, wall = _cpu() - c0, time.perf_counter() - t0
     print(
         json.dumps(
             {
                 "cpu_s": cpu,
                 "wall_s": wall,
                 "import_cpu_s": imported - c0,
-                "gc_cpu_s": gc_cpu[0],
-                "gc_collections": collections,
+                "gc_cpu_s": collections.cpu_seconds,
+                "gc_collections": collections.count,
                 "process_cpu_s": _cpu(),
             }
         )

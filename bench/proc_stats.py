@@ -7,6 +7,7 @@ also uses) so that each benchmark module stays one job.
 
 from __future__ import annotations
 
+import gc
 import os
 import statistics
 import threading
@@ -14,9 +15,45 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["TreeRss", "measure"]
+__all__ = ["Collections", "TreeRss", "measure"]
 
 _TICK = os.sysconf("SC_CLK_TCK")
+
+
+class Collections:
+    """Python's garbage collections while open (a ``gc.callbacks`` entry): how many
+    of each generation, and the wall and CPU seconds they took. A full collection
+    walks every object the process holds and holds the GIL meanwhile, so it says why
+    one save's stall or commit differs from another's, where a median hides it."""
+
+    def __init__(self) -> None:
+        self.count = [0, 0, 0]
+        self.seconds = 0.0
+        self.cpu_seconds = 0.0
+        self._started = (0.0, 0.0)
+
+    def __enter__(self) -> Collections:
+        gc.callbacks.append(self._seen)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._seen)
+
+    @property
+    def full(self) -> int:
+        """Full (generation-2) collections so far."""
+        return self.count[2]
+
+    def _seen(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = (time.perf_counter(), time.process_time())
+        else:
+            self.count[info["generation"]] += 1
+            self.seconds += time.perf_counter() - self._started[0]
+            self.cpu_seconds += time.process_time() - self._started[1]
+
+    def summary(self) -> dict[str, Any]:
+        return {"collections": list(self.count), "seconds": self.seconds}
 
 
 def _proc_cpu(pid: int) -> float:

@@ -45,6 +45,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
+from proc_stats import Collections
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
@@ -220,27 +221,6 @@ def measure_after(
     return row
 
 
-class _GcCount:
-    """A ``gc.callbacks`` entry: collections per generation and the seconds they took
-    (a full collection walks every object the process holds, the cached global plan
-    included, so it says why one commit's CPU differs from another's)."""
-
-    def __init__(self) -> None:
-        self.count = [0, 0, 0]
-        self.seconds = 0.0
-        self._t0 = 0.0
-
-    def __call__(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._t0 = time.perf_counter()
-        else:
-            self.count[info["generation"]] += 1
-            self.seconds += time.perf_counter() - self._t0
-
-    def summary(self) -> dict[str, Any]:
-        return {"collections": list(self.count), "seconds": self.seconds}
-
-
 def _noop() -> None:
     return None
 
@@ -280,9 +260,7 @@ def _one_save(
     pid = helper._pool.pids()[0] if helper._pool is not None else 0
     gc.collect()
     h0 = _cpu_of(pid)
-    collections = _GcCount()
-    gc.callbacks.append(collections)
-    try:
+    with Collections() as collections:
         t0, w0 = time.process_time(), time.perf_counter()
         exchange = RankExchange(store, attempt, 0, world, 60.0, url_dir)
         exchange.post(True, reports[0])
@@ -298,8 +276,6 @@ def _one_save(
         cpu, wall = time.process_time() - t0, time.perf_counter() - w0
         finished = time.perf_counter() - g0
         published = told[0]
-    finally:
-        gc.callbacks.remove(collections)
     helper_cpu = _cpu_of(pid) - h0
     assert len(manifest.objects) > world and os.path.exists(f"{url_dir}/.metadata")
     return {
