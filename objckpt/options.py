@@ -48,6 +48,14 @@ class UploadOptions:
             ranks write more than that per second at once (e.g. 512 ranks x 8 parts
             in flight, parts finishing every ~1 s = 4,096 PUT/s) can meet 503s on
             one prefix; 1 digit spreads them over 16 prefixes, 2 over 256.
+        persistent_prefixes: With ``prefix_entropy``, put each payload's hashed
+            prefix in front of the step directory (``<root>/spread-3f/step-<N>/…``)
+            instead of inside it, so the prefixes are the same for every step and
+            the partitions S3 split for earlier steps serve the next one; inside
+            the step, every save starts again on a prefix that did not exist a
+            minute earlier. Only for steps of a root (a ``CheckpointManager``
+            without a local tier, or a ``<root>/step-<N>`` URL); stock DCP readers
+            load such a step from a local filesystem only.
         deadline: Seconds one save's store requests may take in all, from the
             start of its uploads to the commit (None: no bound). A stalled endpoint
             then fails the save in bounded time, with an error naming the rank and
@@ -73,6 +81,7 @@ class UploadOptions:
     object_size: int = 64 * MiB
     max_parts_in_flight: int = 8
     prefix_entropy: int = 0
+    persistent_prefixes: bool = False
     deadline: float | None = 600.0
     preflight_timeout: float = 30.0
     compression: str | None = None
@@ -106,6 +115,18 @@ class UploadOptions:
             "prefix_entropy",
             self.prefix_entropy,
             "an int between 0 (off) and 8 hex digits",
+        )
+        _require(
+            isinstance(self.persistent_prefixes, bool),
+            "persistent_prefixes",
+            self.persistent_prefixes,
+            "True or False",
+        )
+        _require(
+            not self.persistent_prefixes or self.prefix_entropy > 0,
+            "persistent_prefixes",
+            self.persistent_prefixes,
+            "False unless prefix_entropy is set (the digits of the prefixes it keeps)",
         )
         _require(
             self.deadline is None

@@ -71,7 +71,7 @@ from objckpt.writers.accounting import RequestCounter, RequestStats, counting
 from objckpt.writers.checksum import BytesLike
 from objckpt.writers.clients import OwnedClients
 from objckpt.writers.deadline import Deadline, bounded_by
-from objckpt.writers.location import Location
+from objckpt.writers.location import STEP_DIR, Location
 from objckpt.writers.retry import RetryPolicy
 from objckpt.writers.translate import translate
 
@@ -128,6 +128,7 @@ class ObjectStoreWriter(StorageWriter):
         self.checkpoint_id: str | os.PathLike[str] = url
         self.overwrite = overwrite
         self.upload = upload or UploadOptions()
+        _check_spread(self.location, self.upload)
         self.transforms = ItemTransforms(self.upload.compression, _extensions)
         self.preflight_timeout = float(self.upload.preflight_timeout)
         self.user_metadata = dict(user_metadata or {})
@@ -227,6 +228,7 @@ class ObjectStoreWriter(StorageWriter):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             new = Location.parse(checkpoint_id, self.location.storage_options, self.location.retry)
+            _check_spread(new, self.upload)
             if new.protocol != self.location.protocol and self._store is not None:
                 self._close_store()
             self.location = new
@@ -312,7 +314,13 @@ class ObjectStoreWriter(StorageWriter):
         objects = assign_objects(
             items,
             self.upload.object_size,
-            lambda i: payload_key(rank_plan.rank, i, rank_plan.attempt, self.upload.prefix_entropy),
+            lambda i: payload_key(
+                rank_plan.rank,
+                i,
+                rank_plan.attempt,
+                self.upload.prefix_entropy,
+                self.upload.persistent_prefixes,
+            ),
         )
         entries_of, applied = self.transforms.wrap(
             lambda obj: resolve_entries(obj, planner, resolved, position), self.framer
@@ -415,6 +423,18 @@ class ObjectStoreWriter(StorageWriter):
 # referenced, not written, and an object all of whose items are reused is never
 # created. Several objects are in flight at once; any failure aborts its upload and
 # lets the others settle before it is raised.
+
+
+def _check_spread(location: Location, upload: UploadOptions) -> None:
+    """Refuse persistent prefixes for a checkpoint that is no step directory: its
+    spread directories would sit beside it, outside any root's step directories,
+    where nothing (retention, gc, ``rm``) counts them as the checkpoint's."""
+    if upload.persistent_prefixes and not STEP_DIR.fullmatch(location.url.rsplit("/", 1)[-1]):
+        raise ConfigurationError(
+            f"option persistent_prefixes=True needs the checkpoint {location.url} to be a "
+            "step directory of a root (<root>/step-<10 digits>, as a CheckpointManager "
+            "saves): its payloads are stored under <root>/spread-<hex>/"
+        )
 
 
 def _stored(

@@ -82,7 +82,7 @@ from objckpt.format.layout import METADATA_KEY
 from objckpt.format.manifest import Manifest, ObjectEntry, read_manifest
 from objckpt.format.metadata_stream import MetadataStream
 from objckpt.format.ref_check import require_referenced
-from objckpt.format.refs import is_reference
+from objckpt.format.refs import is_reference, stock_path
 from objckpt.format.settle import finish_commit, put_manifest, require_present
 from objckpt.format.superseded import previous_objects
 from objckpt.writers.accounting import RequestCounter, RequestStats, counting, current_counter
@@ -191,14 +191,18 @@ def write_rank_index(
         return RankReport(None, objects, requests())
     shard = encode_rank_index(items, rank, attempt)
     store.put(shard.key, shard.data)
-    return RankReport(_entry(shard), objects, requests(), stock_digest(items, attempt))
+    return RankReport(
+        _entry(shard), objects, requests(), stock_digest(items, attempt, store.location.url)
+    )
 
 
-def stock_digest(items: Mapping[MetadataIndex, StoredItem], attempt: str) -> str:
+def stock_digest(items: Mapping[MetadataIndex, StoredItem], attempt: str, url: str) -> str:
     """xxh3-128 of what a rank's items put into ``.metadata`` and the manifest's
-    ``writer`` columns and ``raw_bytes`` (each item's key, object name with the
-    attempt id blanked, offset, length, transforms, raw length), in plan order: O(its
-    items), on the rank. Not its CRC32Cs and hashes, which change with every value."""
+    ``writer`` columns and ``raw_bytes`` (each item's key, object name as ``.metadata``
+    names it from the checkpoint ``url`` with the attempt id blanked, offset, length,
+    transforms, raw length), in plan order: O(its items), on the rank. Not its
+    CRC32Cs and hashes, which change with every value. A spread key's name holds its
+    step (:func:`~objckpt.format.refs.stock_path`), so no template serves another step."""
     hasher = xxhash.xxh3_128()
     blank = "-" * len(attempt)
     for index, item in items.items():
@@ -208,7 +212,7 @@ def stock_digest(items: Mapping[MetadataIndex, StoredItem], attempt: str) -> str
                     index.fqn,
                     None if index.offset is None else tuple(index.offset),
                     index.index,
-                    item.relative_path.replace(attempt, blank),
+                    stock_path(url, item.relative_path).replace(attempt, blank),
                     item.offset,
                     item.length,
                     item.transform_descriptors,
@@ -513,7 +517,15 @@ def build_stock(
             )
             blobs[n] = b""
             stream.add(
-                (i, storage_info(it.relative_path, it.offset, it.length, it.transform_descriptors))
+                (
+                    i,
+                    storage_info(
+                        stock_path(url, it.relative_path),
+                        it.offset,
+                        it.length,
+                        it.transform_descriptors,
+                    ),
+                )
                 for i, it in items.items()
             )
             # Transformed (compressed) items' lengths before their transforms, as
@@ -779,7 +791,8 @@ def commit_checkpoint(
         token = plan.token
 
         def key() -> tuple[str, tuple[tuple[int, str], ...]]:
-            return token, tuple((r, stock_digest(it, attempt)) for r, it in enumerate(by_rank))
+            url = store.location.url
+            return token, tuple((r, stock_digest(it, attempt, url)) for r, it in enumerate(by_rank))
 
         template = (plan.stock, key)
     return commit_sequence(

@@ -30,6 +30,7 @@ import secrets
 import time
 
 from objckpt.writers.gcs_compose import piece_owner
+from objckpt.writers.location import is_spread_dir, spread_dir
 
 __all__ = [
     "MANIFEST_KEY",
@@ -57,18 +58,25 @@ def new_attempt_id() -> str:
     return f"{int(time.time()) & 0xFFFFFFFF:08x}{secrets.token_hex(4)}"
 
 
-def payload_key(rank: int, index: int, attempt: str, entropy: int = 0) -> str:
+def payload_key(
+    rank: int, index: int, attempt: str, entropy: int = 0, persistent: bool = False
+) -> str:
     """The key of payload object ``index`` of ``rank`` in ``attempt``.
 
     With ``entropy`` > 0 the name goes under a sub-prefix of that many hex digits
     of its hash (``3f/__0_1.<attempt>.distcp``), spreading a large job's PUTs over
     ``16**entropy`` prefixes that S3 can partition separately; the manifest still
-    names every object, so the checkpoint stays one unit under its URL.
+    names every object, so the checkpoint stays one unit under its URL. With
+    ``persistent`` too, the sub-prefix is a spread directory
+    (``spread-3f/__0_1.<attempt>.distcp``), which a step directory stores in front of
+    its own name, so the prefixes are the same for every step of the root
+    (:func:`objckpt.writers.location.placed`).
     """
     name = f"__{rank}_{index}.{attempt}.distcp"
     if entropy <= 0:
         return name
-    return f"{hashlib.blake2s(name.encode(), digest_size=8).hexdigest()[:entropy]}/{name}"
+    digits = hashlib.blake2s(name.encode(), digest_size=8).hexdigest()[:entropy]
+    return f"{spread_dir(digits) if persistent else digits}/{name}"
 
 
 def index_key(rank: int, attempt: str) -> str:
@@ -94,8 +102,10 @@ def writer_rank(key: str) -> int | None:
 
 
 def is_entropy_dir(name: str) -> bool:
-    """Whether a name is a prefix-entropy sub-prefix (1-8 hex digits)."""
-    return bool(_ENTROPY.fullmatch(name.rstrip("/")))
+    """Whether a name is a prefix-entropy sub-prefix of a checkpoint: 1-8 hex digits,
+    or a spread directory (``spread-3f``), which a checkpoint that is no step
+    directory holds inside it (:func:`objckpt.writers.location.placed`)."""
+    return bool(_ENTROPY.fullmatch(name.rstrip("/"))) or is_spread_dir(name)
 
 
 def is_objckpt_payload(name: str) -> bool:

@@ -23,6 +23,7 @@ from objckpt.format.bounds import check_key, load_json
 from objckpt.format.layout import MANIFEST_KEY
 from objckpt.format.refs import is_reference
 from objckpt.writers.accounting import RequestStats
+from objckpt.writers.location import is_spread_key
 
 if TYPE_CHECKING:
     from objckpt.writers.base import ObjectStore
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
 __all__ = [
     "FORMAT",
     "REFERENCES_VERSION",
+    "SPREAD_VERSION",
     "VERSION",
     "Manifest",
     "ObjectEntry",
@@ -45,6 +47,11 @@ VERSION = 2
 #: reuse of unchanged items, #28): an objckpt that predates references refuses it
 #: ("upgrade") instead of looking for those objects inside the step.
 REFERENCES_VERSION = 3
+#: Written for a manifest that names spread keys (``spread-3f/<name>``, stored in
+#: front of the step's directory: ``UploadOptions(persistent_prefixes=True)``): an
+#: objckpt before it would look for those objects inside the step. The newest
+#: version this objckpt reads.
+SPREAD_VERSION = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,10 +95,12 @@ class Manifest:
 
     @property
     def written_version(self) -> int:
-        """The format version this manifest is written with: 3 when it references
-        another step's objects or holds compressed items (``raw_bytes``: readers
-        before version 3 would misread either, and refuse a newer version by name),
-        its own version otherwise."""
+        """The format version this manifest is written with: 4 when it names spread
+        keys, 3 when it references another step's objects or holds compressed items
+        (``raw_bytes``: readers before version 3 would misread either, and refuse a
+        newer version by name), its own version otherwise."""
+        if any(is_spread_key(o.key) for o in self.objects):
+            return max(self.version, SPREAD_VERSION)
         compressed = "raw_bytes" in self.metadata
         if compressed or any(is_reference(o.key) for o in self.objects):
             return max(self.version, REFERENCES_VERSION)
@@ -143,10 +152,10 @@ class Manifest:
         version = doc.get("version")
         if not isinstance(version, int) or isinstance(version, bool) or version < 1:
             raise ManifestError(f"manifest {url} has no valid format version")
-        if version > REFERENCES_VERSION:
+        if version > SPREAD_VERSION:
             raise ManifestError(
                 f"manifest {url} has format version {version}, newer than this objckpt "
-                f"understands ({REFERENCES_VERSION}); upgrade objckpt to load it"
+                f"understands ({SPREAD_VERSION}); upgrade objckpt to load it"
             )
 
         def field(name: str, kind: type | tuple[type, ...]) -> Any:
@@ -174,6 +183,11 @@ class Manifest:
                 raise ManifestError(
                     f"{where}: reference {key!r} in a format-{version} manifest (references "
                     f"need format {REFERENCES_VERSION})"
+                )
+            if is_spread_key(key) and version < SPREAD_VERSION:
+                raise ManifestError(
+                    f"{where}: spread key {key!r} in a format-{version} manifest (spread "
+                    f"keys need format {SPREAD_VERSION})"
                 )
             objects.append(ObjectEntry(key, size, crc))
         manifest = cls(

@@ -30,6 +30,7 @@ from objckpt.errors import UploadError
 from objckpt.format.layout import MANIFEST_KEY
 from objckpt.format.manifest import ObjectEntry
 from objckpt.format.refs import referenced_step, split_reference
+from objckpt.format.settle import listed_sizes
 from objckpt.writers.base import ObjectStore
 from objckpt.writers.location import Location
 
@@ -80,21 +81,24 @@ def require_referenced(
     """
     by_step: dict[str, dict[str, int]] = {}
     for entry in entries:
-        step_dir, inner = split_reference(entry.key, f"manifest of {store.location.url}")
-        by_step.setdefault(step_dir, {})[inner] = entry.size
+        step_dir, _ = split_reference(entry.key, f"manifest of {store.location.url}")
+        by_step.setdefault(step_dir, {})[entry.key] = entry.size
     if by_step and base is not None:
         by_step.setdefault(base, {})
     for step_dir, want in sorted(by_step.items()):
         where = sibling(store.location, step_dir)
-        found = {o.key: o.size for o in store.at(where).inventory()}
-        if step_dir == base and MANIFEST_KEY not in found:
+        manifest = f"../{step_dir}/{MANIFEST_KEY}"
+        found = listed_sizes(store, [*want, *([manifest] if step_dir == base else [])])
+        if step_dir == base and manifest not in found:
             raise UploadError(
                 f"refusing to commit {store.location.url}: it reuses bytes through its base "
                 f"step {where.url}, whose {MANIFEST_KEY} is gone (the step is being deleted "
                 "since this save looked it up); nothing was committed"
             )
-        missing = sorted(k for k in want if k not in found)
-        wrong = sorted(k for k in want if k in found and found[k] != want[k])
+        inner_of = {k: split_reference(k)[1] for k in want}
+        missing = sorted(inner_of[k] for k in want if k not in found)
+        wrong = sorted(inner_of[k] for k in want if k in found and found[k] != want[k])
+        sizes = {inner_of[k]: (found.get(k), want[k]) for k in want}
         if not missing and not wrong:
             continue
         parts = []
@@ -104,7 +108,9 @@ def require_referenced(
                 f"{len(missing)} of the {len(want)} objects it uses there are gone ({named})"
             )
         if wrong:
-            named = ", ".join(f"{k} is {found[k]} bytes, not {want[k]}" for k in wrong[:_NAMED])
+            named = ", ".join(
+                f"{k} is {sizes[k][0]} bytes, not {sizes[k][1]}" for k in wrong[:_NAMED]
+            )
             parts.append(f"{len(wrong)} have another size ({named})")
         # The save's base lookup found each object it references whole (or did
         # not reference it): what is gone now went after that lookup.

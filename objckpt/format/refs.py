@@ -7,7 +7,8 @@ written relative to the referencing step's own directory, one level up into a
 sibling step directory::
 
     ../step-0000000001/__0_0.<attempt>.distcp
-    ../step-0000000001/3f/__0_0.<attempt>.distcp      (with prefix entropy)
+    ../step-0000000001/3f/__0_0.<attempt>.distcp         (with prefix entropy)
+    ../step-0000000001/spread-3f/__0_0.<attempt>.distcp  (with persistent prefixes)
 
 That is the whole grammar: exactly one ``..``, then a step directory name, then a
 key that stays inside that directory. It is what stock DCP readers get in
@@ -18,15 +19,19 @@ promotion, gc's live set) sees the step whole.
 
 Keys are kept as the manifest writes them; :func:`root_key` turns either kind into
 a key relative to the run's root, which is what the live set of a root and the
-objects of a listing are compared in.
+objects of a listing are compared in. A spread key (``spread-3f/<name>``, written
+with ``UploadOptions(persistent_prefixes=True)``) is a step's own object stored in
+front of the step's name (``<root>/spread-3f/step-<N>/<name>``,
+:func:`objckpt.writers.location.placed`); it is no reference, and a reference to it
+names it by its step as any other (the last example above).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 
 from objckpt.errors import ManifestError
+from objckpt.writers.location import STEP_DIR, placed
 
 __all__ = [
     "REFERENCE_PREFIX",
@@ -37,12 +42,11 @@ __all__ = [
     "require_step_directory",
     "root_key",
     "split_reference",
+    "stock_path",
 ]
 
 #: Every reference key starts with this.
 REFERENCE_PREFIX = "../"
-#: ASCII digits only, the whole name (``re.fullmatch``: no trailing newline).
-_STEP_DIR = re.compile(r"step-[0-9]{10,}")
 
 
 def is_reference(key: str) -> bool:
@@ -62,7 +66,7 @@ def split_reference(key: str, where: str = "reference") -> tuple[str, str]:
     if (
         len(parts) < 3
         or parts[0] != ".."
-        or not _STEP_DIR.fullmatch(parts[1])
+        or not STEP_DIR.fullmatch(parts[1])
         or any(p in ("", ".", "..") for p in parts[2:])
         or "\\" in key
         or "\x00" in key
@@ -98,17 +102,31 @@ def reference_key(step_dir: str, key: str) -> str:
 def root_key(step_dir: str, key: str) -> str:
     """``key`` of step directory ``step_dir``'s manifest as a key relative to the
     run's root (``step-0000000002/__0_0.<a>.distcp``, or the referenced step's
-    directory for a reference)."""
+    directory for a reference; a spread key in front of its step's name)."""
     if is_reference(key):
         target, inner = split_reference(key)
-        return f"{target}/{inner}"
-    return f"{step_dir}/{key}"
+        return placed(target, inner)
+    return placed(step_dir, key)
+
+
+def stock_path(url: str, key: str) -> str:
+    """The ``relative_path`` a stock DCP reader opens for ``key`` of the checkpoint at
+    ``url``: the key itself, unless it is stored outside the checkpoint's directory
+    (a reference, or a spread key of a step directory), then ``../`` and its place
+    under the root, which a local filesystem resolves."""
+    if not key.startswith((REFERENCE_PREFIX, "spread-")):
+        return key  # (per item of every save: the common case first)
+    step_dir = url.rstrip("/").rsplit("/", 1)[-1]
+    if not is_reference(key) and not STEP_DIR.fullmatch(step_dir):
+        return key
+    placed_key = root_key(step_dir, key)
+    return key if placed_key == f"{step_dir}/{key}" else REFERENCE_PREFIX + placed_key
 
 
 def is_step_directory(url: str) -> bool:
     """Whether the last segment of ``url`` (a checkpoint's own directory) is a step
     directory name ``step-<10 or more ASCII digits>``."""
-    return _STEP_DIR.fullmatch(url.rstrip("/").rsplit("/", 1)[-1]) is not None
+    return STEP_DIR.fullmatch(url.rstrip("/").rsplit("/", 1)[-1]) is not None
 
 
 def require_step_directory(url: str, keys: Iterable[str], where: str) -> None:

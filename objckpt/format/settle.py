@@ -43,12 +43,14 @@ from objckpt.format.superseded import delete_superseded_after
 from objckpt.writers.base import ObjectStore
 from objckpt.writers.checksum import crc32c_of
 from objckpt.writers.deadline import Deadline, bounded_by, current_deadline
+from objckpt.writers.location import Location
 from objckpt.writers.translate import describe
 
 __all__ = [
     "SETTLE_SECONDS",
     "create_settled",
     "finish_commit",
+    "listed_sizes",
     "manifest_holder",
     "put_manifest",
     "require_present",
@@ -78,9 +80,33 @@ def settling(store: ObjectStore) -> Iterator[None]:
         yield
 
 
+def listed_sizes(store: ObjectStore, keys: Iterable[str]) -> dict[str, int]:
+    """The size of each of ``keys`` (relative to ``store``'s location) that is on the
+    store, from one recursive listing per directory they are stored in
+    (:meth:`~objckpt.writers.location.Location.listing_root`): the checkpoint's own,
+    a referenced sibling step's, each spread directory's share of a step (16 for
+    one digit of persistent prefixes), never a HEAD per object."""
+    here = store.location
+    groups: dict[str, tuple[Location, list[str]]] = {}
+    for key in keys:
+        where = here.listing_root(key)
+        groups.setdefault(where.url, (where, []))[1].append(key)
+    found: dict[str, int] = {}
+    for where, wanted in groups.values():
+        listing = store if where == here else store.at(where)
+        sizes = {o.key: o.size for o in listing.inventory()}
+        base = len(where.path.rstrip("/")) + 1
+        for key in wanted:
+            size = sizes.get(here.key_path(key)[base:])
+            if size is not None:
+                found[key] = size
+    return found
+
+
 def require_present(store: ObjectStore, entries: Iterable[ObjectEntry]) -> None:
-    """Check, with one listing of the checkpoint's directory (no HEAD per object),
-    that every object in ``entries`` is there with its size (object stores only).
+    """Check, with one listing of the checkpoint's directory (no HEAD per object; one
+    more per spread directory, :func:`listed_sizes`), that every object in
+    ``entries`` is there with its size (object stores only).
 
     Raises:
         UploadError: Objects are missing or have another size; the message names
@@ -92,7 +118,7 @@ def require_present(store: ObjectStore, entries: Iterable[ObjectEntry]) -> None:
         # A local path may be node-local (a LocalTier: each rank's objects are on
         # its own node, out of the coordinator's sight); gc runs on object stores.
         return
-    found = {o.key: o.size for o in store.inventory()}
+    found = listed_sizes(store, want)
     missing = sorted(k for k in want if k not in found)
     wrong = sorted(k for k in want if k in found and found[k] != want[k])
     if not missing and not wrong:

@@ -213,7 +213,13 @@ class DeferredWriter(StorageWriter):
         objects = assign_objects(
             items,
             object_size,
-            lambda i: payload_key(rank_plan.rank, i, rank_plan.attempt, upload.prefix_entropy),
+            lambda i: payload_key(
+                rank_plan.rank,
+                i,
+                rank_plan.attempt,
+                upload.prefix_entropy,
+                upload.persistent_prefixes,
+            ),
         )
         base = self.target.base_table(items) if objects else None
         this_wave: list[concurrent.futures.Future[PayloadRecord]] = []

@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import inspect
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
@@ -27,7 +28,21 @@ from fsspec.asyn import AsyncFileSystem
 from objckpt.errors import ConfigurationError
 from objckpt.writers.retry import RetryPolicy, s3_options
 
-__all__ = ["Location", "backend_options"]
+__all__ = [
+    "STEP_DIR",
+    "Location",
+    "backend_options",
+    "is_spread_dir",
+    "is_spread_key",
+    "placed",
+    "spread_dir",
+    "unplaced",
+]
+
+#: A root's step directory name: ``step-`` and 10 or more ASCII digits, the whole
+#: name (``re.fullmatch``: no trailing newline).
+STEP_DIR = re.compile(r"step-[0-9]{10,}")
+_SPREAD_DIR = re.compile(r"spread-[0-9a-f]{1,8}")
 
 # The optional dependency each well-known protocol needs, for a helpful ImportError.
 _EXTRAS = {
@@ -158,13 +173,27 @@ class Location:
 
         A key that starts with one ``../`` (a reference to a sibling step's object,
         validated by :func:`objckpt.format.refs.split_reference` wherever keys are
-        read) is resolved here: object stores do not resolve ``..`` in a path.
+        read) is resolved here: object stores do not resolve ``..`` in a path. So is
+        a spread key of a step directory (``spread-3f/<name>``, :func:`placed`):
+        it is stored under the root, in front of the step's name.
         """
-        return f"{_parent_of(self.path, key)}/{_inner(key)}"
+        return _resolve(self.path, key)
 
     def url_of(self, key: str) -> str:
         """Full URL of an object, for messages."""
-        return f"{_parent_of(self.url, key)}/{_inner(key)}"
+        return _resolve(self.url, key)
+
+    def listing_root(self, key: str) -> Location:
+        """The directory whose (recursive) listing shows the object ``key`` names:
+        this location for its own keys, the sibling step's for a reference, the
+        step's share of a spread directory for a spread key (:func:`placed`)."""
+        url = self.url.rstrip("/")
+        own_spread = is_spread_key(key) and STEP_DIR.fullmatch(url.rsplit("/", 1)[-1])
+        if not key.startswith("../") and not own_spread:
+            return self
+        parent = self.parent()
+        parts = _resolve(url, key)[len(parent.url.rstrip("/")) + 1 :].split("/")
+        return parent.child("/".join(parts[: 2 if is_spread_dir(parts[0]) else 1]))
 
     def open_fs(
         self, *, fresh: bool = False, loop: asyncio.AbstractEventLoop | None = None
@@ -232,19 +261,60 @@ class Location:
         return fs
 
 
-def _is_sibling_key(key: str) -> bool:
-    return key.startswith("../") and ".." not in key[3:].split("/")
+def is_spread_dir(name: str) -> bool:
+    """Whether a name is a spread directory (``spread-`` and 1-8 hex digits)."""
+    return bool(_SPREAD_DIR.fullmatch(name.rstrip("/")))
 
 
-def _parent_of(path: str, key: str) -> str:
-    """``path``, or its parent when ``key`` points into a sibling directory."""
-    if _is_sibling_key(key):
-        return path.rstrip("/").rsplit("/", 1)[0]
-    return path
+def spread_dir(digits: str) -> str:
+    """The spread directory of a payload's hashed prefix ``digits``."""
+    return f"spread-{digits}"
 
 
-def _inner(key: str) -> str:
-    return key[3:] if _is_sibling_key(key) else key
+def is_spread_key(key: str) -> bool:
+    """A step's own spread key: ``spread-<hex>/<name>``, exactly two segments."""
+    head, sep, name = key.partition("/")
+    return bool(sep) and "/" not in name and bool(name) and is_spread_dir(head)
+
+
+def placed(step_dir: str, key: str) -> str:
+    """Where the object ``key`` of step directory ``step_dir`` is stored, relative to
+    the root: ``<step_dir>/<key>``, except a spread key (``spread-3f/<name>``),
+    which goes in front of the step (``spread-3f/<step_dir>/<name>``).
+
+    Why in front: S3 partitions a bucket by key ranges, split where the load is. A
+    new step's keys all sort after the last step's, so under ``<step_dir>/`` every
+    save starts again in one range; under ``spread-3f/`` the ranges split by earlier
+    steps hold the next step's keys too (``docs/guides/at-scale.md``)."""
+    if is_spread_key(key) and STEP_DIR.fullmatch(step_dir):
+        head, _, name = key.partition("/")
+        return f"{head}/{step_dir}/{name}"
+    return f"{step_dir}/{key}"
+
+
+def unplaced(root_key: str) -> tuple[str, str] | None:
+    """``(step directory, key in its manifest)`` of a root-relative key a step stores
+    (:func:`placed`'s inverse), or None outside step directories."""
+    parts = root_key.split("/")
+    if len(parts) >= 2 and STEP_DIR.fullmatch(parts[0]):
+        return parts[0], "/".join(parts[1:])
+    if len(parts) == 3 and is_spread_dir(parts[0]) and STEP_DIR.fullmatch(parts[1]):
+        return parts[1], f"{parts[0]}/{parts[2]}"
+    return None
+
+
+def _resolve(base: str, key: str) -> str:
+    """The path (or URL) of ``key`` relative to the location ``base``: a sibling key
+    (``../<dir>/<key>``) and a step directory's spread key (:func:`placed`) are
+    resolved against ``base``'s parent."""
+    base = base.rstrip("/")
+    if key.startswith("../") and ".." not in key[3:].split("/"):
+        step_dir, _, inner = key[3:].partition("/")
+        return f"{base.rsplit('/', 1)[0]}/{placed(step_dir, inner) if inner else step_dir}"
+    parent, _, name = base.rpartition("/")
+    if parent and is_spread_key(key) and STEP_DIR.fullmatch(name):
+        return f"{parent}/{placed(name, key)}"
+    return f"{base}/{key}"
 
 
 # fsspec's own constructor options, which every filesystem accepts.

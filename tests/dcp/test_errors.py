@@ -161,9 +161,9 @@ def test_gcs_refusals_translate_to_access_denied() -> None:
 
 
 def _newer_manifest(doc: dict) -> dict:
-    from objckpt.format.manifest import REFERENCES_VERSION  # the newest this objckpt reads
+    from objckpt.format.manifest import SPREAD_VERSION  # the newest this objckpt reads
 
-    return {**doc, "version": REFERENCES_VERSION + 1}
+    return {**doc, "version": SPREAD_VERSION + 1}
 
 
 def _schema_broken_manifest(doc: dict) -> dict:

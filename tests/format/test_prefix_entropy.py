@@ -72,3 +72,44 @@ def test_option_and_key_shape() -> None:
     assert payload_key(0, 1, "a" * 16, 3) == spread  # stable
     with pytest.raises(ConfigurationError, match="prefix_entropy=9"):
         UploadOptions(prefix_entropy=9)
+
+
+def test_spread_keys_are_placed_in_front_of_their_step() -> None:
+    """One grammar for where a key is stored (``Location.key_path``, ``root_key``,
+    the live set's ``step_dir_of``, the commit's listings): a spread key of a step
+    directory sits in front of the step, a reference to it by its step, and a
+    checkpoint that is no step directory keeps it inside."""
+    from objckpt.format.refs import reference_key, root_key, stock_path
+    from objckpt.ops.maintain.live_set import step_dir_of
+    from objckpt.writers.location import placed, unplaced
+
+    one, two = step_name(1), step_name(2)
+    name = f"__0_1.{'a' * 16}.distcp"
+    key = payload_key(0, 1, "a" * 16, 2, persistent=True)
+    assert key.startswith("spread-") and key.endswith("/" + name)
+    assert payload_key(0, 1, "a" * 16, 2).split("/")[0] == key.split("/")[0][len("spread-") :]
+    spread = key.split("/")[0]
+    step = Location.parse("s3://b/run").child(two)
+    assert step.key_path(key) == f"b/run/{spread}/{two}/{name}"
+    assert step.url_of(key) == f"s3://b/run/{spread}/{two}/{name}"
+    assert step.listing_root(key).url == f"s3://b/run/{spread}/{two}"
+    ref = reference_key(one, key)
+    assert ref == f"../{one}/{key}"
+    assert step.key_path(ref) == f"b/run/{spread}/{one}/{name}"
+    assert step.listing_root(ref).url == f"s3://b/run/{spread}/{one}"
+    assert step.listing_root(f"../{one}/3f/{name}").url == f"s3://b/run/{one}"
+    assert step.listing_root("3f/" + name) == step
+    assert root_key(two, key) == placed(two, key) == f"{spread}/{two}/{name}"
+    assert root_key(two, ref) == f"{spread}/{one}/{name}"
+    assert unplaced(f"{spread}/{two}/{name}") == (two, key)
+    assert unplaced(f"{two}/3f/{name}") == (two, f"3f/{name}")
+    assert unplaced(f"{spread}/notes/x") is None and unplaced(f"{spread}/{two}/a/b") is None
+    assert step_dir_of(f"{spread}/{two}/{name}") == two and step_dir_of("spread-3/x") is None
+    assert stock_path(step.url, key) == f"../{spread}/{two}/{name}"
+    assert stock_path(step.url, ref) == f"../{spread}/{one}/{name}"
+    assert stock_path(step.url, f"../{one}/{name}") == f"../{one}/{name}"
+    assert stock_path(step.url, "3f/" + name) == "3f/" + name
+    plain = Location.parse("s3://b/ckpt")  # no step directory: the key stays inside
+    assert plain.key_path(key) == f"b/ckpt/{key}" and plain.listing_root(key) == plain
+    assert stock_path(plain.url, key) == key
+    assert is_entropy_dir(spread) and not is_entropy_dir("spread-")

@@ -353,7 +353,7 @@ def _prepare_save(
         indexes.append(
             (rank, ObjectEntry(shard.key, len(shard.data), f"{crc32c_of(shard.data):08x}"))
         )
-        digests.append(stock_digest(renamed, attempt))
+        digests.append(stock_digest(renamed, attempt, url))
     keys: list[str | None] = [e.key for _, e in indexes]
     stock = stock_task.StockLayout(
         layout.for_save(True, keys, storage_meta),

@@ -41,8 +41,8 @@ from collections.abc import Callable
 from objckpt.errors import CheckpointNotFoundError, ConfigurationError, ManifestError
 from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY, is_entropy_dir, is_objckpt_object
 from objckpt.format.manifest import read_manifest
-from objckpt.format.steps import ObjectInfo, parse_step, step_name
-from objckpt.ops.maintain.live_set import DEFAULT_GRACE, live_set
+from objckpt.format.steps import ObjectInfo, step_name
+from objckpt.ops.maintain.live_set import DEFAULT_GRACE, live_set, step_dir_of
 from objckpt.ops.maintain.retire import delete_keys, parent_root, prune_dir, retire_steps
 from objckpt.writers import ObjectStore, OpenUpload, open_store
 from objckpt.writers.location import Location
@@ -151,21 +151,21 @@ def collect_garbage(
         objects = store.inventory()
         live = live_set(store, objects, grace=grace, now=now)
         unreadable = list(live.unreadable)
-        skip_dirs = {step_name(s) + "/" for s in unreadable}
+        skip_dirs = {step_name(s) for s in unreadable}
         own = _own_checkpoint(store, objects)  # None: unreadable, its objects left alone
         kept_for_root = _parent_live(store, grace=grace, now=now)
         garbage: list[ObjectInfo] = []
         spared: list[str] = []
         for obj in objects:
-            head, sep, _ = obj.key.partition("/")
             if obj.key in live:
                 continue  # named by a committed manifest, or by a save in flight
             if kept_for_root is None or obj.key in kept_for_root:
                 continue  # a step directory's objects other steps of its root need
-            in_step = bool(sep) and parse_step(head) is not None
+            step_dir = step_dir_of(obj.key)  # (in front of it too: a spread directory's)
+            in_step = step_dir is not None
             if not in_step and not (own is not None and _in_own_checkpoint(obj.key, own)):
                 continue  # not objckpt's to judge: outside step directories
-            if any(obj.key.startswith(d) for d in skip_dirs):
+            if step_dir in skip_dirs:
                 continue
             if obj.modified is None or now - obj.modified < grace or (in_step and live.partial):
                 spared.append(obj.key)
@@ -181,11 +181,11 @@ def collect_garbage(
             for u in uploads:
                 store.abort_upload(u)
             gone = {o.key for o in garbage}
-            left = {o.key.split("/", 1)[0] for o in objects} - {
-                o.key.split("/", 1)[0] for o in objects if o.key not in gone
+            left = {step_dir_of(o.key) for o in objects} - {
+                step_dir_of(o.key) for o in objects if o.key not in gone
             }
             for name in left:  # step directories emptied by this run
-                if parse_step(name) is not None:
+                if name is not None:
                     prune_dir(store, root.child(name))
         report = GcReport(
             root=root.url,

@@ -37,6 +37,7 @@ from objckpt.format.refs import is_reference, root_key, split_reference
 from objckpt.format.steps import ObjectInfo, parse_step
 from objckpt.options import UploadOptions
 from objckpt.writers import ObjectStore
+from objckpt.writers.location import unplaced
 
 __all__ = [
     "DEFAULT_GRACE",
@@ -98,9 +99,11 @@ class LiveSet:
 
 
 def step_dir_of(key: str) -> str | None:
-    """The step directory a root-relative key is in, or None outside step directories."""
-    head, sep, _ = key.partition("/")
-    return head if sep and parse_step(head) is not None else None
+    """The step directory whose object a root-relative key is (in it, or in front of
+    it in a spread directory: :func:`~objckpt.writers.location.placed`), or None
+    outside step directories."""
+    where = unplaced(key)
+    return None if where is None else where[0]
 
 
 def manifest_keys(step_dir: str, manifest: Manifest) -> frozenset[str]:
@@ -153,7 +156,7 @@ def live_set(
             continue
         named.update(keys)
         for key in keys:
-            if not key.startswith(step_dir + "/"):
+            if step_dir_of(key) != step_dir:
                 referrers.setdefault(key, []).append(step_dir)
     pending: set[str] = set()
     bad_indexes: list[str] = []

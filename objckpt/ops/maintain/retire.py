@@ -37,7 +37,7 @@ from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY, is_entropy_dir, is
 from objckpt.format.steps import ObjectInfo, parse_step, step_name
 from objckpt.ops.maintain.live_set import DEFAULT_GRACE, ManifestCache, live_set, step_dir_of
 from objckpt.writers import ObjectStore, open_store
-from objckpt.writers.location import Location
+from objckpt.writers.location import Location, is_spread_dir, unplaced
 
 __all__ = ["RetireReport", "delete_keys", "parent_root", "prune_dir", "retire_steps"]
 
@@ -199,16 +199,25 @@ def delete_keys(
 
 def prune_dir(store: ObjectStore, location: Location) -> None:
     """Remove an emptied directory on a local filesystem, with the prefix-entropy
-    directories emptied inside it (object stores have none)."""
-    if location.is_local:
-        here = store.at(location)
-        with contextlib.suppress(OSError):
-            here.remove_empty_directories(n for n in here.directories() if is_entropy_dir(n))
+    directories emptied inside it, and a step directory's emptied shares of the
+    root's spread directories (object stores have no directories)."""
+    if not location.is_local:
+        return
+    here = store.at(location)
+    with contextlib.suppress(OSError):
+        here.remove_empty_directories(n for n in here.directories() if is_entropy_dir(n))
+    if parse_step(location.url) is None:
+        return
+    root = location.parent()
+    with contextlib.suppress(OSError):
+        for d in store.at(root).directories():
+            if is_spread_dir(d):  # its share of the step, then the spread dir if empty
+                store.at(root.child(d)).remove_empty_directories([location.url.rsplit("/")[-1]])
 
 
 def _require(root: Location, dirs: list[str], by_dir: dict[str, list[ObjectInfo]]) -> None:
     for d in dirs:
-        names = [o.key.split("/", 1)[1] for o in by_dir.get(d, ())]
+        names = [where[1] for o in by_dir.get(d, ()) if (where := unplaced(o.key)) is not None]
         url = root.child(d).url
         if not names:
             raise CheckpointNotFoundError(f"no checkpoint at {url}")
@@ -231,7 +240,6 @@ def _require(root: Location, dirs: list[str], by_dir: dict[str, list[ObjectInfo]
 
 def _abort_uploads(store: ObjectStore, dirs: list[str]) -> None:
     """Abort the open multipart uploads under the retired step directories."""
-    prefixes = tuple(d + "/" for d in dirs)
     for u in store.open_uploads():
-        if u.key.startswith(prefixes):
+        if step_dir_of(u.key) in dirs:
             store.abort_upload(u)

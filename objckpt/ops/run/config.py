@@ -34,6 +34,7 @@ Schema (every table optional except ``root``)::
     object_size = 67108864                  # target bytes of a payload object
     max_parts_in_flight = 8                 # parts uploading at once per rank
     prefix_entropy = 0                      # hex digits of hashed key prefix (0: off)
+    persistent_prefixes = false             # those prefixes in front of the step
     deadline = 600                          # seconds for one save's requests
     preflight_timeout = 30                  # seconds to prove the bucket writable
     compression = "zstd"                    # or "bytegroup+zstd", "zstd:1", ...

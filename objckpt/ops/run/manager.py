@@ -116,6 +116,14 @@ class CheckpointManager:
                 raise ConfigurationError(
                     f"option local={local!r} is invalid: expected objckpt.LocalTier(path, ...)"
                 )
+            if local is not None and upload is not None and upload.persistent_prefixes:
+                # The node tier keeps each step in one directory of the node's disk
+                # (its replication, promotion and restore walk it), and a promoted
+                # step keeps the keys it was saved with.
+                raise ConfigurationError(
+                    "option persistent_prefixes=True (UploadOptions) is not supported with "
+                    "a local tier (local=LocalTier(...)) yet: use prefix_entropy alone"
+                )
             self.retention = retention or RetentionPolicy()
             self.retry = retry or RetryPolicy()
             self.root = Location.parse(root_url, storage_options, self.retry)

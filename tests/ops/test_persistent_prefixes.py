@@ -1,0 +1,236 @@
+"""Persistent prefixes (#46): a step's payloads in spread directories in front of the
+step (``<root>/spread-3f/step-<N>/…``), and the root still one set of steps for
+load, retention, reuse, gc, backups, ``rm`` and stock DCP readers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import assert_state_equal, empty_like_state
+from helpers import fs_of, load, save
+
+from objckpt import CheckpointManager, LocalTier, Location, RetentionPolicy, UploadOptions
+from objckpt.dcp.storage_writer import ObjectStoreWriter
+from objckpt.errors import ConfigurationError, ManifestError, UploadError
+from objckpt.format.layout import MANIFEST_KEY, is_objckpt_payload
+from objckpt.format.manifest import SPREAD_VERSION, Manifest, ObjectEntry
+from objckpt.format.settle import require_present
+from objckpt.format.steps import step_name
+from objckpt.ops.maintain.gc import collect_garbage, delete_step
+from objckpt.ops.maintain.verify import verify_checkpoint
+from objckpt.testing.plugin import StoreTarget
+from objckpt.writers import open_store
+
+SPREAD = UploadOptions(object_size=64 * 1024, prefix_entropy=1, persistent_prefixes=True)
+
+
+@pytest.fixture(params=["file", "s3"])
+def target(request: pytest.FixtureRequest, tmp_path) -> StoreTarget:
+    if request.param == "file":
+        return StoreTarget(root=f"file://{tmp_path}/root", storage_options={})
+    return request.getfixturevalue("s3_bucket")
+
+
+def _state(seed: int, frozen: float = 7.0) -> dict:
+    state = {f"layer{i}": torch.full((64, 64), float(seed * 100 + i)) for i in range(8)}
+    state["frozen"] = torch.full((128, 128), frozen)
+    return state
+
+
+def _keys(target: StoreTarget, root: str) -> list[str]:
+    """Every object under ``root``, relative to it (what is stored, not what is named)."""
+    where = Location.parse(root, target.storage_options)
+    return sorted(p[len(where.path) + 1 :] for p in fs_of(target).find(where.path))
+
+
+def test_payloads_go_in_front_of_the_step_and_retention_takes_them(target: StoreTarget) -> None:
+    root = target.url("run")
+    with CheckpointManager(
+        root,
+        storage_options=target.storage_options,
+        upload=SPREAD,
+        retention=RetentionPolicy(keep_last=1),
+        reuse_unchanged=False,
+    ) as mgr:
+        mgr.save(1, _state(1)).result()
+        first = _keys(target, root)
+        mgr.save(2, _state(2)).result()
+        got = empty_like_state(_state(0))
+        assert mgr.load(got) == 2
+        assert_state_equal(got, _state(2))
+        assert mgr.all_steps() == [2]
+    one, two = step_name(1), step_name(2)
+    spread_one = [k for k in first if k.startswith("spread-")]
+    assert len({k.split("/")[0] for k in spread_one}) >= 2, first  # over prefixes
+    assert all(k.split("/")[1] == one and is_objckpt_payload(k) for k in spread_one), first
+    assert not any(is_objckpt_payload(k) for k in first if k.startswith(one + "/")), first
+    keys = _keys(target, root)
+    assert not any(one in k for k in keys), keys  # step 1, spread objects and all, retired
+    payloads = [k for k in keys if is_objckpt_payload(k)]
+    assert payloads and all(k.startswith("spread-") and k.split("/")[1] == two for k in payloads), (
+        keys
+    )
+    step = Location.parse(root, target.storage_options).child(two)
+    manifest = json.loads(fs_of(target).cat_file(step.key_path(MANIFEST_KEY)))
+    assert manifest["version"] == SPREAD_VERSION
+    assert all(o["key"].startswith("spread-") for o in manifest["objects"] if "distcp" in o["key"])
+    assert verify_checkpoint(step).ok
+    report = collect_garbage(Location.parse(root, target.storage_options), grace=0, dry_run=False)
+    assert report.deleted == ()
+    assert delete_step(step) == len(keys)
+    assert _keys(target, root) == []
+    if step.is_local:  # and no directory left behind on disk, spread ones included
+        assert fs_of(target).ls(Location.parse(root).path) == []
+
+
+def test_reuse_keeps_referenced_spread_objects_until_the_last_referrer_goes(
+    target: StoreTarget,
+) -> None:
+    root = target.url("run")
+    with CheckpointManager(
+        root,
+        storage_options=target.storage_options,
+        upload=SPREAD,
+        retention=RetentionPolicy(keep_last=1),
+        reuse_unchanged=True,
+    ) as mgr:
+        mgr.save(1, _state(1)).result()
+        mgr.save(2, _state(2)).result()  # "frozen" unchanged: referenced in step 1
+        assert mgr.all_steps() == [2]
+        step = Location.parse(root, target.storage_options).child(step_name(2))
+        refs = [
+            o["key"]
+            for o in json.loads(fs_of(target).cat_file(step.key_path(MANIFEST_KEY)))["objects"]
+            if o["key"].startswith("../")
+        ]
+        assert refs and all(r.startswith(f"../{step_name(1)}/spread-") for r in refs), refs
+        kept = [k for k in _keys(target, root) if step_name(1) in k]
+        assert kept and all(k.startswith("spread-") for k in kept), kept  # only what 2 needs
+        got = empty_like_state(_state(0))
+        assert mgr.load(got) == 2
+        assert_state_equal(got, _state(2))
+        mgr.save(3, _state(3, frozen=8.0)).result()  # nothing of step 1 referenced now
+        assert mgr.all_steps() == [3]
+    keys = _keys(target, root)
+    assert not any(step_name(2) in k for k in keys), keys
+    # What step 2 referenced in step 1 goes once older than the grace (a save in
+    # flight may be about to reference it), as without spread directories.
+    assert [k for k in keys if step_name(1) in k] == kept
+    collect_garbage(Location.parse(root, target.storage_options), grace=0, dry_run=False)
+    keys = _keys(target, root)
+    assert not any(step_name(1) in k for k in keys) and any(step_name(3) in k for k in keys)
+
+
+def test_gc_takes_a_failed_saves_spread_objects_and_nothing_that_is_not_ours(
+    target: StoreTarget,
+) -> None:
+    root = target.url("run")
+    with CheckpointManager(
+        root, storage_options=target.storage_options, upload=SPREAD, reuse_unchanged=False
+    ) as mgr:
+        mgr.save(1, _state(1)).result()
+    fs = fs_of(target)
+    where = Location.parse(root, target.storage_options)
+    stray = f"spread-3/{step_name(9)}/__0_0.{'a' * 16}.distcp"
+    foreign = "spread-3/notes/readme.txt"
+    for key in (stray, foreign):
+        fs.makedirs(where.key_path(key).rsplit("/", 1)[0], exist_ok=True)
+        fs.pipe_file(where.key_path(key), b"x" * 10)
+    report = collect_garbage(where, grace=0, dry_run=False)
+    assert report.deleted == (stray,)
+    keys = _keys(target, root)
+    assert foreign in keys and stray not in keys
+    got = empty_like_state(_state(0))
+    load(got, where.child(step_name(1)).url, target)
+    assert_state_equal(got, _state(1))
+
+
+def test_commit_refuses_a_spread_object_gone_before_it(s3_bucket: StoreTarget) -> None:
+    """The commit's presence check lists each spread directory's share of the step:
+    an object deleted there since it was written fails the commit, named."""
+    url = s3_bucket.url(f"run/{step_name(4)}")
+    save(_state(4), url, s3_bucket, upload=SPREAD)
+    store = open_store(Location.parse(url, s3_bucket.storage_options))
+    try:
+        manifest = Manifest.from_json_bytes(store.read(MANIFEST_KEY), url=url)
+        payloads = [o for o in manifest.objects if is_objckpt_payload(o.key)]
+        require_present(store, payloads)  # all there: passes
+        store.delete_many([payloads[0].key])
+        with pytest.raises(UploadError, match=payloads[0].key.replace(".", r"\.")):
+            require_present(store, payloads)
+        with pytest.raises(UploadError, match="another size"):
+            require_present(store, [ObjectEntry(payloads[1].key, 1, payloads[1].crc32c)])
+    finally:
+        store.close()
+
+
+def test_stock_dcp_reader_loads_a_spread_step_with_references(tmp_path) -> None:
+    """``.metadata`` names each spread or referenced object by its place under the
+    root (``../spread-3/step-…/…``), which a local filesystem resolves."""
+    root = f"file://{tmp_path}/run"
+    with CheckpointManager(root, upload=SPREAD, reuse_unchanged=True) as mgr:
+        mgr.save(1, _state(1)).result()
+        mgr.save(2, _state(2)).result()
+    got = empty_like_state(_state(0))
+    dcp.load(got, storage_reader=dcp.FileSystemReader(str(tmp_path / "run" / step_name(2))))
+    assert_state_equal(got, _state(2))
+
+
+def test_the_option_is_refused_where_it_cannot_hold(tmp_path) -> None:
+    with pytest.raises(ConfigurationError, match="persistent_prefixes=True"):
+        UploadOptions(persistent_prefixes=True)  # no digits to keep
+    with pytest.raises(ConfigurationError, match="persistent_prefixes=1"):
+        UploadOptions(prefix_entropy=1, persistent_prefixes=1)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="step directory of a root"):
+        ObjectStoreWriter(f"file://{tmp_path}/ckpt", upload=SPREAD)
+    writer = ObjectStoreWriter(f"file://{tmp_path}/run/{step_name(1)}", upload=SPREAD)
+    with pytest.raises(ConfigurationError, match="step directory of a root"):
+        writer.reset(f"file://{tmp_path}/elsewhere")
+    with pytest.raises(ConfigurationError, match="local tier"):
+        CheckpointManager(
+            f"file://{tmp_path}/r", upload=SPREAD, local=LocalTier(str(tmp_path / "node"))
+        )
+
+
+def test_an_older_format_with_a_spread_key_is_refused() -> None:
+    doc = {
+        "format": "objckpt.manifest",
+        "version": 3,
+        "attempt": "a" * 16,
+        "created": "2026-12-06T00:00:00+00:00",
+        "world_size": 1,
+        "objects": [
+            {"key": "spread-3/__0_0.aaaaaaaaaaaaaaaa.distcp", "size": 1, "crc32c": "0" * 8}
+        ],
+        "metadata": {},
+    }
+    with pytest.raises(ManifestError, match="spread keys need format 4"):
+        Manifest.from_json_bytes(json.dumps(doc).encode(), url="s3://b/r/step-0000000001")
+
+
+def test_a_backup_keeps_the_spread_layout_and_loads(s3_bucket: StoreTarget, tmp_path) -> None:
+    root, backup = s3_bucket.url("run"), f"file://{tmp_path}/backup"
+    with CheckpointManager(
+        root,
+        storage_options=s3_bucket.storage_options,
+        upload=SPREAD,
+        retention=RetentionPolicy(keep_last=1),
+        backups=[backup],
+    ) as mgr:
+        for step in (1, 2):
+            mgr.save(step, _state(step)).result()
+            mgr.wait_until_finished()
+        mgr.wait_for_backups(timeout=120)
+    target = StoreTarget(root=backup, storage_options={})
+    keys = _keys(target, backup)
+    payloads = [k for k in keys if is_objckpt_payload(k)]
+    assert payloads and all(k.startswith("spread-") for k in payloads), keys
+    got = empty_like_state(_state(0))
+    load(got, f"{backup}/{step_name(2)}", target)
+    assert_state_equal(got, _state(2))
+    assert verify_checkpoint(Location.parse(backup).child(step_name(2))).ok
+    # The backup's retention (the primary's policy) pruned what it emptied on disk.
+    assert not [p for p in (tmp_path / "backup").rglob("*") if p.is_dir() and not any(p.iterdir())]
