@@ -12,9 +12,8 @@ restore would, from ``--threads`` client threads through objckpt's own ``ObjectS
 
 * ``step``: objckpt's default, ``<root>/step-N/__<rank>_<i>.<attempt>.distcp``;
 * ``entropy``: ``UploadOptions(prefix_entropy=1)``, ``<root>/step-N/<h>/__…``;
-* ``spread``: ``<root>/<h>/step-N/__…``, a prefix that persists across steps. objckpt
-  does not offer it (step discovery, retention, gc and stock readers assume a step is
-  one directory); it is here to show what such a layout would buy.
+* ``spread``: ``UploadOptions(prefix_entropy=1, persistent_prefixes=True)``,
+  ``<root>/spread-<h>/step-N/__…``: prefixes that persist across steps.
 
 Each save's writes run inside a save deadline, as a save's uploads do (SlowDown is
 waited out until it); the restore's reads run under the default ``RetryPolicy``, as a
@@ -29,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import hashlib
 import logging
 import os
 import time
@@ -49,6 +47,7 @@ from objckpt.testing.servers import offline_env, start_moto_server
 from objckpt.testing.throttle import PartitionModel, PrefixRates
 from objckpt.writers import open_store
 from objckpt.writers.deadline import Deadline, bounded_by
+from objckpt.writers.location import placed
 
 log = logging.getLogger("bench")
 BUCKET = "bench-prefixes"
@@ -61,9 +60,7 @@ def key_of(layout: str, step: int, rank: int, index: int, attempt: str) -> str:
         return f"{step_name(step)}/{payload_key(rank, index, attempt)}"
     if layout == "entropy":
         return f"{step_name(step)}/{payload_key(rank, index, attempt, 1)}"
-    name = payload_key(rank, index, attempt)
-    digit = hashlib.blake2s(f"{rank}".encode(), digest_size=8).hexdigest()[0]
-    return f"{digit}/{step_name(step)}/{name}"
+    return placed(step_name(step), payload_key(rank, index, attempt, 1, persistent=True))
 
 
 def run_layout(proxy: FaultProxy, model: PartitionModel, layout: str, args: Any) -> dict[str, Any]:

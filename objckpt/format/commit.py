@@ -82,7 +82,7 @@ from objckpt.format.layout import METADATA_KEY
 from objckpt.format.manifest import Manifest, ObjectEntry, read_manifest
 from objckpt.format.metadata_stream import MetadataStream
 from objckpt.format.ref_check import require_referenced
-from objckpt.format.refs import is_reference, stock_path
+from objckpt.format.refs import is_reference, step_token, stock_path
 from objckpt.format.settle import finish_commit, put_manifest, require_present
 from objckpt.format.superseded import previous_objects
 from objckpt.writers.accounting import RequestCounter, RequestStats, counting, current_counter
@@ -202,17 +202,22 @@ def stock_digest(items: Mapping[MetadataIndex, StoredItem], attempt: str, url: s
     names it from the checkpoint ``url`` with the attempt id blanked, offset, length,
     transforms, raw length), in plan order: O(its items), on the rank. Not its
     CRC32Cs and hashes, which change with every value. A spread key's name holds its
-    step (:func:`~objckpt.format.refs.stock_path`), so no template serves another step."""
+    own step (:func:`~objckpt.format.refs.stock_path`), blanked too: the template
+    renames it (:meth:`StockTemplate.renamed`)."""
     hasher = xxhash.xxh3_128()
     blank = "-" * len(attempt)
+    token = step_token(url)
     for index, item in items.items():
+        path = stock_path(url, item.relative_path)
+        if token is not None and token in path:
+            path = path.replace(token, "/" + "-" * (len(token) - 2) + "/")
         hasher.update(
             repr(
                 (
                     index.fqn,
                     None if index.offset is None else tuple(index.offset),
                     index.index,
-                    stock_path(url, item.relative_path).replace(attempt, blank),
+                    path.replace(attempt, blank),
                     item.offset,
                     item.length,
                     item.transform_descriptors,
@@ -414,6 +419,8 @@ class _Kept:
     version: Any
     writers: dict[str, Any]
     raw: int
+    #: ``/<step directory>/`` when the body names it (spread keys' paths), else None.
+    step: str | None = None
 
 
 class StockTemplate:
@@ -440,15 +447,21 @@ class StockTemplate:
             self._kept = None
 
     def renamed(
-        self, key: Any, attempt: str, storage_meta: StorageMeta
+        self, key: Any, attempt: str, storage_meta: StorageMeta, url: str
     ) -> tuple[bytearray, dict[str, Any], int] | None:
-        """``.metadata`` of the save ``attempt`` with its writers and ``raw_bytes``,
-        from the template, or None when it does not apply."""
+        """``.metadata`` of the save ``attempt`` to ``url`` with its writers and
+        ``raw_bytes``, from the template, or None when it does not apply. A template
+        whose paths name its step (spread keys) is renamed to ``url``'s step too."""
         with self._lock:
             kept = self._kept
         if key is None or kept is None or kept.key != key or len(kept.attempt) != len(attempt):
             return None
+        token = step_token(url)
+        if kept.step is not None and (token is None or len(token) != len(kept.step)):
+            return None
         blob = kept.body.replace(kept.attempt.encode(), attempt.encode())
+        if kept.step is not None and token is not None and token != kept.step:
+            blob = blob.replace(kept.step.encode(), token.encode())
         blob.extend(MetadataStream.tail(storage_meta, kept.version))
         return blob, kept.writers, kept.raw
 
@@ -460,6 +473,7 @@ class StockTemplate:
         blob: bytes | bytearray,
         writers: Mapping[str, Any],
         raw: int,
+        url: str,
     ) -> None:
         """Keep ``blob`` (just built whole for ``attempt``) as the template under
         ``key``, when its tail is the one :meth:`MetadataStream.tail` writes and the
@@ -474,9 +488,15 @@ class StockTemplate:
         names = blob.find(b"storage_data", 0, end)
         if blob.find(attempt.encode(), 0, names if names >= 0 else end - 1) >= 0:
             return  # a tensor's name holds the attempt id: never rename it
+        token = step_token(url)
+        step = None
+        if token is not None and blob.find(token.encode(), max(names, 0), end) >= 0:
+            if blob.find(token.encode(), 0, names if names >= 0 else end - 1) >= 0:
+                return  # a tensor's name holds the step's directory name: the same
+            step = token
         body = bytearray(memoryview(blob)[:end])
         with self._lock:
-            self._kept = _Kept(key, attempt, body, version, dict(writers), raw)
+            self._kept = _Kept(key, attempt, body, version, dict(writers), raw, step)
 
 
 def build_stock(
@@ -615,7 +635,9 @@ class InThread(CommitStrategy):
         key, renamed = None, None
         if template is not None and make_key is not None and template.holds:
             key = make_key()
-            renamed = template.renamed(key, self._attempt, self._layout.storage_meta)
+            renamed = template.renamed(
+                key, self._attempt, self._layout.storage_meta, store.location.url
+            )
         if renamed is not None:  # the last save's, renamed: the same items
             blob: bytes | bytearray = renamed[0]
         else:
@@ -627,7 +649,9 @@ class InThread(CommitStrategy):
             small = len(blob) <= IN_THREAD_TEMPLATE_BYTES
             if template is not None and make_key is not None and small:
                 key = make_key() if key is None else key
-                template.keep(key, self._attempt, self._layout, blob, writers, raw)
+                template.keep(
+                    key, self._attempt, self._layout, blob, writers, raw, store.location.url
+                )
         self._blob = blob
         return Prepared(self._layout.doc, metadata_entry(blob), RequestStats())
 

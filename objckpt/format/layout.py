@@ -65,7 +65,8 @@ def payload_key(
 
     With ``entropy`` > 0 the name goes under a sub-prefix of that many hex digits
     of its hash (``3f/__0_1.<attempt>.distcp``), spreading a large job's PUTs over
-    ``16**entropy`` prefixes that S3 can partition separately; the manifest still
+    ``16**entropy`` prefixes that S3 can partition separately (by rank and index,
+    the same in every save); the manifest still
     names every object, so the checkpoint stays one unit under its URL. With
     ``persistent`` too, the sub-prefix is a spread directory
     (``spread-3f/__0_1.<attempt>.distcp``), which a step directory stores in front of
@@ -75,7 +76,9 @@ def payload_key(
     name = f"__{rank}_{index}.{attempt}.distcp"
     if entropy <= 0:
         return name
-    digits = hashlib.blake2s(name.encode(), digest_size=8).hexdigest()[:entropy]
+    # The hash leaves the attempt out: each object keeps its prefix from save to save,
+    # so a later save's .metadata is the last one renamed (commit.StockTemplate).
+    digits = hashlib.blake2s(f"__{rank}_{index}".encode(), digest_size=8).hexdigest()[:entropy]
     return f"{spread_dir(digits) if persistent else digits}/{name}"
 
 

@@ -42,6 +42,7 @@ __all__ = [
     "require_step_directory",
     "root_key",
     "split_reference",
+    "step_token",
     "stock_path",
 ]
 
@@ -121,6 +122,13 @@ def stock_path(url: str, key: str) -> str:
         return key
     placed_key = root_key(step_dir, key)
     return key if placed_key == f"{step_dir}/{key}" else REFERENCE_PREFIX + placed_key
+
+
+def step_token(url: str) -> str | None:
+    """``/<step directory>/`` of the checkpoint at ``url`` when it is a step directory
+    (how its own spread objects' :func:`stock_path` names it), else None."""
+    step_dir = url.rstrip("/").rsplit("/", 1)[-1]
+    return f"/{step_dir}/" if STEP_DIR.fullmatch(step_dir) else None
 
 
 def is_step_directory(url: str) -> bool:

@@ -31,7 +31,7 @@ from collections.abc import Iterable
 from objckpt.errors import ConfigurationError
 from objckpt.format.layout import MANIFEST_KEY
 from objckpt.writers.base import ObjectInfo, ObjectStore
-from objckpt.writers.location import Location
+from objckpt.writers.location import Location, unplaced
 
 __all__ = [
     "ObjectInfo",
@@ -133,16 +133,18 @@ class StepInfo:
 
 
 def steps_of(objects: Iterable[ObjectInfo], root: Location) -> list[StepInfo]:
-    """Step directories found in an inventory, ascending by step."""
-    groups: dict[int, list[ObjectInfo]] = {}
+    """Step directories found in an inventory, ascending by step (each with the
+    objects the root's spread directories hold for it: :func:`unplaced`)."""
+    groups: dict[int, list[tuple[str, ObjectInfo]]] = {}
     for obj in objects:
-        head, sep, _ = obj.key.partition("/")
-        step = parse_step(head) if sep else None
-        if step is not None:
-            groups.setdefault(step, []).append(obj)
+        where = unplaced(obj.key)
+        step = None if where is None else parse_step(where[0])
+        if where is not None and step is not None:
+            groups.setdefault(step, []).append((where[1], obj))
     out = []
-    for step, objs in sorted(groups.items()):
-        names = {o.key.split("/", 1)[1] for o in objs}
+    for step, named in sorted(groups.items()):
+        names = {name for name, _ in named}
+        objs = [o for _, o in named]
         times = [o.modified for o in objs if o.modified is not None]
         out.append(
             StepInfo(

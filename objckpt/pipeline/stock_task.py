@@ -120,7 +120,7 @@ def prepare_stock(
     store = worker_store(location, options)
     key = _template_key(layout, indexes, digests)
     with _no_cyclic_gc():
-        renamed = _TEMPLATE.renamed(key, attempt, layout.storage_meta)
+        renamed = _TEMPLATE.renamed(key, attempt, layout.storage_meta, location.url)
     with counting(RequestCounter()) as counter, bounded_by(deadline):
         # From the template the index objects are not decoded. Where the store
         # verified each rank's PUT against its CRC32C they are not read either: the
@@ -183,7 +183,7 @@ def _prepare(
     blob, writers, raw = build_stock(layout, attempt, indexes, blobs, location.url)
     with _LOCK:
         _PREPARED[attempt] = (blob, superseded)
-    _TEMPLATE.keep(key, attempt, layout, blob, writers, raw)
+    _TEMPLATE.keep(key, attempt, layout, blob, writers, raw, location.url)
     return StockPrepared(writers, metadata_entry(blob), counter.snapshot(), raw)
 
 

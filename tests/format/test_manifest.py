@@ -41,7 +41,7 @@ def _mutate(fn) -> bytes:
     [
         (b"not json", "not valid JSON"),
         (b"[]", "not an objckpt manifest"),
-        (_mutate(lambda d: d.update(version=4)), "newer than this objckpt"),
+        (_mutate(lambda d: d.update(version=5)), "newer than this objckpt"),
         (_mutate(lambda d: d.update(version=0)), "no valid format version"),
         (
             _mutate(lambda d: d["objects"][0].update(key="../../etc/passwd")),

@@ -167,16 +167,33 @@ def test_commit_refuses_a_spread_object_gone_before_it(s3_bucket: StoreTarget) -
         store.close()
 
 
-def test_stock_dcp_reader_loads_a_spread_step_with_references(tmp_path) -> None:
+def test_stock_dcp_reader_loads_a_spread_step_with_references(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``.metadata`` names each spread or referenced object by its place under the
-    root (``../spread-3/step-…/…``), which a local filesystem resolves."""
+    root (``../spread-3/step-…/…``), which a local filesystem resolves; step 3's is
+    step 2's renamed (the same items: own ones and the same references), its own
+    step's name included."""
+    from objckpt.format import commit
+
+    built: list[str] = []
+    real = commit.build_stock
+
+    def counted(layout: object, attempt: str, *args: object, **kwargs: object) -> object:
+        built.append(attempt)
+        return real(layout, attempt, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(commit, "build_stock", counted)
     root = f"file://{tmp_path}/run"
     with CheckpointManager(root, upload=SPREAD, reuse_unchanged=True) as mgr:
-        mgr.save(1, _state(1)).result()
-        mgr.save(2, _state(2)).result()
-    got = empty_like_state(_state(0))
-    dcp.load(got, storage_reader=dcp.FileSystemReader(str(tmp_path / "run" / step_name(2))))
-    assert_state_equal(got, _state(2))
+        for step in (1, 2, 3):
+            mgr.save(step, _state(step)).result()
+    assert len(built) == 2  # steps 1 and 2 (its first references): 3 from the template
+    for step in (2, 3):
+        got = empty_like_state(_state(0))
+        reader = dcp.FileSystemReader(str(tmp_path / "run" / step_name(step)))
+        dcp.load(got, storage_reader=reader)
+        assert_state_equal(got, _state(step))
 
 
 def test_the_option_is_refused_where_it_cannot_hold(tmp_path) -> None:

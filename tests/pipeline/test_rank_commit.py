@@ -410,6 +410,51 @@ def test_a_later_save_of_the_plan_renames_the_last_metadata_instead_of_building_
     assert pickle.loads(blob).storage_data[index].length == changed[1][index].length
 
 
+def test_a_template_of_spread_keys_is_renamed_to_the_next_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With persistent prefixes ``.metadata`` names each payload by its own step
+    (``../spread-3/step-…/…``): a later save of the plan to the next step renames the
+    step's name with the attempt id, giving byte for byte what a whole build of that
+    save gives, so the next step's stock readers open its own objects."""
+    plans, metadata = _plans()
+    by_rank = [
+        {
+            i: dataclasses.replace(s, relative_path=f"spread-3/{s.relative_path}")
+            for i, s in r.items()
+        }
+        for r in _stored(plans)
+    ]
+    layout = Layout.of(metadata)
+    one, two = "step-0000000001", "step-0000000002"
+    stock_task._TEMPLATE.clear()
+    _, first = _prepare_save(tmp_path, one, "1111111111111111", by_rank, metadata, layout)
+    assert f"../spread-3/{one}/".encode() in first
+    built: list[str] = []
+    real_build = stock_task.build_stock
+
+    def counted(layout_: Any, attempt: str, *args: Any) -> Any:
+        built.append(attempt)
+        return real_build(layout_, attempt, *args)
+
+    monkeypatch.setattr(stock_task, "build_stock", counted)
+    fast, fast_blob = _prepare_save(tmp_path, two, "2222222222222222", by_rank, metadata, layout)
+    assert built == []  # from the template
+    stock_task._TEMPLATE.clear()
+    (tmp_path / "again").mkdir()
+    whole, whole_blob = _prepare_save(
+        tmp_path / "again", two, "2222222222222222", by_rank, metadata, layout
+    )
+    assert built == ["2222222222222222"]
+
+    def body(blob: bytes) -> bytes:  # all but the tail: StorageMeta (its URL), version
+        return bytes(blob[: blob.rindex(b"storage_meta")])
+
+    assert body(fast_blob) == body(whole_blob)
+    assert f"/{one}/".encode() not in fast_blob  # unfixed: step 1's paths under step 2
+    assert (fast.writers, fast.raw_bytes) == (whole.writers, whole.raw_bytes)
+
+
 def test_a_stock_dcp_reader_loads_each_save_whose_metadata_came_from_the_template(
     s3_bucket: StoreTarget, tmp_path: Path
 ) -> None:
