@@ -429,11 +429,15 @@ def _check_spread(location: Location, upload: UploadOptions) -> None:
     """Refuse persistent prefixes for a checkpoint that is no step directory: its
     spread directories would sit beside it, outside any root's step directories,
     where nothing (retention, gc, ``rm``) counts them as the checkpoint's."""
-    if upload.persistent_prefixes and not STEP_DIR.fullmatch(location.url.rsplit("/", 1)[-1]):
+    root = location.parent().path.strip("/")
+    top = not root or (not location.is_local and "/" not in root)  # no root but a bucket
+    if upload.persistent_prefixes and (
+        top or not STEP_DIR.fullmatch(location.url.rsplit("/", 1)[-1])
+    ):
         raise ConfigurationError(
             f"option persistent_prefixes=True needs the checkpoint {location.url} to be a "
-            "step directory of a root (<root>/step-<10 digits>, as a CheckpointManager "
-            "saves): its payloads are stored under <root>/spread-<hex>/"
+            "step directory of a root below the bucket (<root>/step-<10 digits>, as a "
+            "CheckpointManager saves): its payloads are stored under <root>/spread-<hex>/"
         )
 
 

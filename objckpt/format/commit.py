@@ -207,10 +207,14 @@ def stock_digest(items: Mapping[MetadataIndex, StoredItem], attempt: str, url: s
     hasher = xxhash.xxh3_128()
     blank = "-" * len(attempt)
     token = step_token(url)
+    paths: dict[str, str] = {}  # (a rank's items share a few objects)
     for index, item in items.items():
-        path = stock_path(url, item.relative_path)
-        if token is not None and token in path:
-            path = path.replace(token, "/" + "-" * (len(token) - 2) + "/")
+        path = paths.get(item.relative_path)
+        if path is None:
+            path = stock_path(url, item.relative_path)
+            if token is not None and token in path:
+                path = path.replace(token, "/" + "-" * (len(token) - 2) + "/")
+            paths[item.relative_path] = path
         hasher.update(
             repr(
                 (
@@ -526,6 +530,16 @@ def build_stock(
     stream = MetadataStream()
     stream.begin(sd_md, layout.planner_data)
     raw = 0
+    paths: dict[str, str] = {}
+
+    def path_of(key: str) -> str:
+        """``key`` as ``.metadata`` names it (each object's worked out once)."""
+        if not key.startswith(("../", "spread-")):
+            return key
+        path = paths.get(key)
+        if path is None:
+            path = paths[key] = stock_path(url, key)
+        return path
 
     def decoded() -> Iterator[tuple[int, Iterable[Any]]]:
         """Each rank's items, one rank at a time (never all of them at once: 10 million
@@ -540,7 +554,7 @@ def build_stock(
                 (
                     i,
                     storage_info(
-                        stock_path(url, it.relative_path),
+                        path_of(it.relative_path),
                         it.offset,
                         it.length,
                         it.transform_descriptors,

@@ -21,9 +21,8 @@ from typing import TYPE_CHECKING, Any
 from objckpt.errors import ManifestError
 from objckpt.format.bounds import check_key, load_json
 from objckpt.format.layout import MANIFEST_KEY
-from objckpt.format.refs import is_reference
+from objckpt.format.refs import is_reference, names_spread
 from objckpt.writers.accounting import RequestStats
-from objckpt.writers.location import is_spread_key
 
 if TYPE_CHECKING:
     from objckpt.writers.base import ObjectStore
@@ -95,11 +94,12 @@ class Manifest:
 
     @property
     def written_version(self) -> int:
-        """The format version this manifest is written with: 4 when it names spread
-        keys, 3 when it references another step's objects or holds compressed items
-        (``raw_bytes``: readers before version 3 would misread either, and refuse a
-        newer version by name), its own version otherwise."""
-        if any(is_spread_key(o.key) for o in self.objects):
+        """The format version this manifest is written with: 4 when it names objects
+        in spread directories (its own or another step's), 3 when it references
+        another step's objects or holds compressed items (``raw_bytes``: readers
+        before version 3 would misread either, and refuse a newer version by name),
+        its own version otherwise."""
+        if any(names_spread(o.key) for o in self.objects):
             return max(self.version, SPREAD_VERSION)
         compressed = "raw_bytes" in self.metadata
         if compressed or any(is_reference(o.key) for o in self.objects):
@@ -184,7 +184,7 @@ class Manifest:
                     f"{where}: reference {key!r} in a format-{version} manifest (references "
                     f"need format {REFERENCES_VERSION})"
                 )
-            if is_spread_key(key) and version < SPREAD_VERSION:
+            if names_spread(key) and version < SPREAD_VERSION:
                 raise ManifestError(
                     f"{where}: spread key {key!r} in a format-{version} manifest (spread "
                     f"keys need format {SPREAD_VERSION})"

@@ -31,12 +31,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from objckpt.errors import ManifestError
-from objckpt.writers.location import STEP_DIR, placed
+from objckpt.writers.location import STEP_DIR, is_spread_key, placed
 
 __all__ = [
     "REFERENCE_PREFIX",
     "is_reference",
     "is_step_directory",
+    "names_spread",
     "reference_key",
     "referenced_step",
     "require_step_directory",
@@ -77,6 +78,14 @@ def split_reference(key: str, where: str = "reference") -> tuple[str, str]:
             f"{where}: reference {key!r} is not ../step-<N>/<object> inside the run's root"
         )
     return parts[1], "/".join(parts[2:])
+
+
+def names_spread(key: str) -> bool:
+    """Whether a manifest key names an object stored in a spread directory: a spread
+    key of the step's own, or a reference to another step's."""
+    if is_reference(key):
+        return is_spread_key(split_reference(key)[1])
+    return is_spread_key(key)
 
 
 def referenced_step(key: str) -> str | None:

@@ -32,7 +32,9 @@ failure there is logged, never the save's outcome: the checkpoint is committed.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import contextvars
 import logging
 from collections.abc import Callable, Iterable, Iterator, Set
 
@@ -63,6 +65,9 @@ logger = logging.getLogger(__name__)
 #: this is left of the save's deadline (the manifest PUT may have spent it all).
 SETTLE_SECONDS = 60.0
 
+#: Listings at once when a check spans several directories (spread directories).
+LISTING_CONCURRENCY = 16
+
 #: At most this many missing objects are named in an error (the count is always given).
 _NAMED = 8
 
@@ -84,22 +89,38 @@ def listed_sizes(store: ObjectStore, keys: Iterable[str]) -> dict[str, int]:
     """The size of each of ``keys`` (relative to ``store``'s location) that is on the
     store, from one recursive listing per directory they are stored in
     (:meth:`~objckpt.writers.location.Location.listing_root`): the checkpoint's own,
-    a referenced sibling step's, each spread directory's share of a step (16 for
-    one digit of persistent prefixes), never a HEAD per object."""
+    a referenced sibling step's, each spread directory's share of a step (up to 16
+    for one digit of persistent prefixes, :data:`LISTING_CONCURRENCY` at a time),
+    never a HEAD per object."""
     here = store.location
     groups: dict[str, tuple[Location, list[str]]] = {}
     for key in keys:
         where = here.listing_root(key)
         groups.setdefault(where.url, (where, []))[1].append(key)
-    found: dict[str, int] = {}
-    for where, wanted in groups.values():
+
+    def listed(where: Location, wanted: list[str]) -> dict[str, int]:
         listing = store if where == here else store.at(where)
         sizes = {o.key: o.size for o in listing.inventory()}
         base = len(where.path.rstrip("/")) + 1
-        for key in wanted:
-            size = sizes.get(here.key_path(key)[base:])
-            if size is not None:
-                found[key] = size
+        return {
+            key: size
+            for key in wanted
+            if (size := sizes.get(here.key_path(key)[base:])) is not None
+        }
+
+    if len(groups) == 1:
+        return listed(*next(iter(groups.values())))
+    # Spread directories: up to 16**digits listings, LISTING_CONCURRENCY at a time, each
+    # in a copy of this context (the save's deadline and request counter hold there).
+    found: dict[str, int] = {}
+    workers = min(LISTING_CONCURRENCY, len(groups))
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="objckpt-list") as pool:
+        futures = [
+            pool.submit(contextvars.copy_context().run, listed, where, wanted)
+            for where, wanted in groups.values()
+        ]
+        for future in futures:
+            found.update(future.result())
     return found
 
 

@@ -359,6 +359,50 @@ class StoreConformance:
         assert isinstance(err, SizeMismatchError), repr(err)
         assert location.url_of(culprit) in str(err), str(err)
 
+    def test_persistent_prefixes_save_load_and_retire_whole(
+        self, store: ObjectStore, store_location: Location
+    ) -> None:
+        """A root's steps saved with persistent prefixes (#46): every payload in a
+        spread directory in front of its step, a step that reuses the other's bytes
+        loads, and retiring both leaves nothing behind on the store."""
+        from objckpt.format.layout import is_objckpt_payload
+        from objckpt.ops.maintain.retire import retire_steps
+
+        root = store_location.child("run")
+        upload = UploadOptions(
+            part_size=self.part_size,
+            object_size=64 * 1024,
+            prefix_entropy=1,
+            persistent_prefixes=True,
+        )
+        one, two = root.child(step_name(1)), root.child(step_name(2))
+        frozen = torch.arange(64 * 1024, dtype=torch.float32)
+        for n, (loc, base) in enumerate(((one, None), (two, one.url)), 1):
+            writer = ObjectStoreWriter(
+                loc.url, storage_options=loc.storage_options, upload=upload, reuse_from=base
+            )
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                state = {"frozen": frozen, "w": torch.full((128, 128), float(n))}
+                dcp.save(state, storage_writer=writer, no_dist=True)
+        keys = [o.key for o in store.at(root).inventory()]
+        payloads = [k for k in keys if is_objckpt_payload(k)]
+        assert payloads and all(k.startswith("spread-") for k in payloads), keys
+        assert {k.split("/")[1] for k in payloads} == {step_name(1), step_name(2)}, keys
+        got = {"frozen": torch.zeros_like(frozen), "w": torch.zeros(128, 128)}
+        reader = ObjectStoreReader(two.url, storage_options=two.storage_options)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(got, storage_reader=reader, no_dist=True)
+        assert torch.equal(got["frozen"], frozen) and torch.equal(
+            got["w"], torch.full((128, 128), 2.0)
+        )
+        report = retire_steps(root, [1], grace=0)
+        assert report.kept and all(k.startswith("spread-") for k in report.kept), report
+        assert any(k.startswith("spread-") for k in report.deleted), report  # step 1's own
+        retire_steps(root, [2], grace=0)
+        assert store.at(root).inventory() == []
+
     @pytest.mark.parametrize("craft", ["index-claims-a-tib", "deep-manifest", "chunk-count"])
     def test_a_crafted_checkpoint_is_refused_naming_the_object(
         self, store: ObjectStore, store_location: Location, craft: str

@@ -4,7 +4,9 @@ load, retention, reuse, gc, backups, ``rm`` and stock DCP readers."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -17,10 +19,13 @@ from objckpt.dcp.storage_writer import ObjectStoreWriter
 from objckpt.errors import ConfigurationError, ManifestError, UploadError
 from objckpt.format.layout import MANIFEST_KEY, is_objckpt_payload
 from objckpt.format.manifest import SPREAD_VERSION, Manifest, ObjectEntry
+from objckpt.format.ref_check import require_referenced
+from objckpt.format.refs import root_key
 from objckpt.format.settle import require_present
 from objckpt.format.steps import step_name
 from objckpt.ops.maintain.gc import collect_garbage, delete_step
-from objckpt.ops.maintain.verify import verify_checkpoint
+from objckpt.ops.maintain.retire import retire_steps
+from objckpt.ops.maintain.verify import copy_checkpoint, verify_checkpoint
 from objckpt.testing.plugin import StoreTarget
 from objckpt.writers import open_store
 
@@ -82,8 +87,11 @@ def test_payloads_go_in_front_of_the_step_and_retention_takes_them(target: Store
     assert report.deleted == ()
     assert delete_step(step) == len(keys)
     assert _keys(target, root) == []
-    if step.is_local:  # and no directory left behind on disk, spread ones included
-        assert fs_of(target).ls(Location.parse(root).path) == []
+    if step.is_local:  # no directory left on disk but the spread ones, emptied
+        fs = fs_of(target)
+        left = fs.ls(Location.parse(root).path, detail=False)
+        assert left and all(p.rsplit("/", 1)[-1].startswith("spread-") for p in left), left
+        assert all(fs.ls(p) == [] for p in left), left
 
 
 def test_reuse_keeps_referenced_spread_objects_until_the_last_referrer_goes(
@@ -108,7 +116,7 @@ def test_reuse_keeps_referenced_spread_objects_until_the_last_referrer_goes(
         ]
         assert refs and all(r.startswith(f"../{step_name(1)}/spread-") for r in refs), refs
         kept = [k for k in _keys(target, root) if step_name(1) in k]
-        assert kept and all(k.startswith("spread-") for k in kept), kept  # only what 2 needs
+        assert kept == sorted(root_key(step_name(2), r) for r in refs)  # only what 2 needs
         got = empty_like_state(_state(0))
         assert mgr.load(got) == 2
         assert_state_equal(got, _state(2))
@@ -159,7 +167,7 @@ def test_commit_refuses_a_spread_object_gone_before_it(s3_bucket: StoreTarget) -
         payloads = [o for o in manifest.objects if is_objckpt_payload(o.key)]
         require_present(store, payloads)  # all there: passes
         store.delete_many([payloads[0].key])
-        with pytest.raises(UploadError, match=payloads[0].key.replace(".", r"\.")):
+        with pytest.raises(UploadError, match=re.escape(payloads[0].key)):
             require_present(store, payloads)
         with pytest.raises(UploadError, match="another size"):
             require_present(store, [ObjectEntry(payloads[1].key, 1, payloads[1].crc32c)])
@@ -203,6 +211,8 @@ def test_the_option_is_refused_where_it_cannot_hold(tmp_path) -> None:
         UploadOptions(prefix_entropy=1, persistent_prefixes=1)  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="step directory of a root"):
         ObjectStoreWriter(f"file://{tmp_path}/ckpt", upload=SPREAD)
+    with pytest.raises(ConfigurationError, match="below the bucket"):
+        ObjectStoreWriter(f"s3://bucket/{step_name(1)}", upload=SPREAD)
     writer = ObjectStoreWriter(f"file://{tmp_path}/run/{step_name(1)}", upload=SPREAD)
     with pytest.raises(ConfigurationError, match="step directory of a root"):
         writer.reset(f"file://{tmp_path}/elsewhere")
@@ -251,3 +261,100 @@ def test_a_backup_keeps_the_spread_layout_and_loads(s3_bucket: StoreTarget, tmp_
     assert verify_checkpoint(Location.parse(backup).child(step_name(2))).ok
     # The backup's retention (the primary's policy) pruned what it emptied on disk.
     assert not [p for p in (tmp_path / "backup").rglob("*") if p.is_dir() and not any(p.iterdir())]
+
+
+def _two_steps(target: StoreTarget) -> tuple[Location, Location]:
+    """Step 1, and step 2 reusing step 1's ``frozen`` (a reference into a spread
+    directory), saved by plain writers."""
+    root = Location.parse(target.url("run"), target.storage_options)
+    one, two = root.child(step_name(1)), root.child(step_name(2))
+    save(_state(1), one.url, target, upload=SPREAD)
+    save(_state(2), two.url, target, upload=SPREAD, reuse_from=one.url)
+    return one, two
+
+
+def test_the_commit_lists_a_referenced_steps_spread_directories(s3_bucket: StoreTarget) -> None:
+    """A reference to another step's spread object is proven present by a listing of
+    that spread directory's share of the step, and the base's manifest by one of
+    the base's directory: either gone fails the commit, named."""
+    one, two = _two_steps(s3_bucket)
+    store = open_store(two, SPREAD)
+    try:
+        manifest = Manifest.from_json_bytes(store.read(MANIFEST_KEY), url=two.url)
+        refs = [o for o in manifest.objects if o.key.startswith("../")]
+        assert refs and all("/spread-" in o.key for o in refs)
+        assert manifest.written_version == SPREAD_VERSION
+        require_referenced(store, refs, base=step_name(1))  # all there: passes
+        base = store.at(one)
+        committed = base.read(MANIFEST_KEY)
+        base.delete_many([MANIFEST_KEY])
+        with pytest.raises(UploadError, match=r"manifest\.json is gone"):
+            require_referenced(store, refs, base=step_name(1))
+        base.put(MANIFEST_KEY, committed)
+        require_referenced(store, refs, base=step_name(1))
+        inner = refs[0].key.split("/", 2)[2]
+        base.delete_many([inner])
+        with pytest.raises(UploadError, match=re.escape(inner)):
+            require_referenced(store, refs, base=step_name(1))
+    finally:
+        store.close()
+
+
+def test_a_manifest_that_only_references_spread_objects_is_format_4(
+    s3_bucket: StoreTarget,
+) -> None:
+    _, two = _two_steps(s3_bucket)
+    store = open_store(two)
+    try:
+        manifest = Manifest.from_json_bytes(store.read(MANIFEST_KEY), url=two.url)
+    finally:
+        store.close()
+    refs = tuple(o for o in manifest.objects if o.key.startswith("../"))
+    only = dataclasses.replace(manifest, objects=refs, metadata={}, version=2)
+    assert only.written_version == SPREAD_VERSION  # unfixed: 3, which older readers misread
+    doc = json.loads(only.to_json_bytes())
+    doc["version"] = 3
+    with pytest.raises(ManifestError, match="spread keys need format 4"):
+        Manifest.from_json_bytes(json.dumps(doc).encode(), url=two.url)
+
+
+def test_gc_of_a_step_directory_never_deletes_through_a_spread_key(
+    s3_bucket: StoreTarget,
+) -> None:
+    """Step 1 retired, step 2 still references its spread object. An object planted
+    at ``<step 1>/spread-…/<name>`` lists as the spread key ``spread-…/<name>``,
+    which the store places at ``spread-…/<step 1>/<name>``: step 2's live object.
+    gc of step 1's directory leaves it alone, and step 2 loads."""
+    one, two = _two_steps(s3_bucket)
+    store = open_store(two)
+    try:
+        manifest = Manifest.from_json_bytes(store.read(MANIFEST_KEY), url=two.url)
+    finally:
+        store.close()
+    inner = next(o.key for o in manifest.objects if o.key.startswith("../")).split("/", 2)[2]
+    retire_steps(one.parent(), [1], grace=0)
+    fs = fs_of(s3_bucket)
+    assert fs.exists(one.key_path(inner))  # kept: step 2 references it
+    fs.pipe_file(f"{one.path}/{inner}", b"planted")
+    collect_garbage(one, grace=0, dry_run=False)
+    assert fs.exists(one.key_path(inner))  # unfixed: deleted through the planted name
+    got = empty_like_state(_state(0))
+    load(got, two.url, s3_bucket)
+    assert_state_equal(got, _state(2))
+
+
+def test_a_copy_keeps_the_steps_name_or_is_refused(s3_bucket: StoreTarget, tmp_path) -> None:
+    """``.metadata`` names a spread step's objects by its step: a copy under another
+    name would send stock readers to another step's objects, so it is refused; a
+    copy into a step directory of the same name (a backup's) loads."""
+    one, _ = _two_steps(s3_bucket)
+    elsewhere = Location.parse(f"file://{tmp_path}/other").child(step_name(9))
+    with pytest.raises(ConfigurationError, match="same name"):
+        copy_checkpoint(one, elsewhere)
+    with pytest.raises(ConfigurationError, match="same name"):
+        copy_checkpoint(one, Location.parse(f"file://{tmp_path}/ckpt"))
+    same = Location.parse(f"file://{tmp_path}/other").child(step_name(1))
+    copy_checkpoint(one, same)
+    got = empty_like_state(_state(0))
+    dcp.load(got, storage_reader=dcp.FileSystemReader(str(tmp_path / "other" / step_name(1))))
+    assert_state_equal(got, _state(1))

@@ -45,7 +45,7 @@ from objckpt.format.steps import ObjectInfo, step_name
 from objckpt.ops.maintain.live_set import DEFAULT_GRACE, live_set, step_dir_of
 from objckpt.ops.maintain.retire import delete_keys, parent_root, prune_dir, retire_steps
 from objckpt.writers import ObjectStore, OpenUpload, open_store
-from objckpt.writers.location import Location
+from objckpt.writers.location import Location, is_spread_key
 
 __all__ = ["DEFAULT_GRACE", "GcReport", "collect_garbage", "delete_step"]
 
@@ -154,6 +154,7 @@ def collect_garbage(
         skip_dirs = {step_name(s) for s in unreadable}
         own = _own_checkpoint(store, objects)  # None: unreadable, its objects left alone
         kept_for_root = _parent_live(store, grace=grace, now=now)
+        step_directory = parent_root(root) is not None
         garbage: list[ObjectInfo] = []
         spared: list[str] = []
         for obj in objects:
@@ -161,6 +162,8 @@ def collect_garbage(
                 continue  # named by a committed manifest, or by a save in flight
             if kept_for_root is None or obj.key in kept_for_root:
                 continue  # a step directory's objects other steps of its root need
+            if step_directory and is_spread_key(obj.key):
+                continue  # in a step directory, the store places this key elsewhere
             step_dir = step_dir_of(obj.key)  # (in front of it too: a spread directory's)
             in_step = step_dir is not None
             if not in_step and not (own is not None and _in_own_checkpoint(obj.key, own)):

@@ -31,7 +31,7 @@ from collections.abc import Iterable, MutableMapping
 
 from objckpt.errors import ManifestError
 from objckpt.format.bounds import DEFAULT_MAX_METADATA_BYTES, load_json
-from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY, index_rank
+from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY, index_rank, is_objckpt_object
 from objckpt.format.manifest import Manifest, read_manifest
 from objckpt.format.refs import is_reference, root_key, split_reference
 from objckpt.format.steps import ObjectInfo, parse_step
@@ -101,9 +101,12 @@ class LiveSet:
 def step_dir_of(key: str) -> str | None:
     """The step directory whose object a root-relative key is (in it, or in front of
     it in a spread directory: :func:`~objckpt.writers.location.placed`), or None
-    outside step directories."""
+    outside step directories (and for anything in a spread directory that is not
+    objckpt's: it is left alone)."""
     where = unplaced(key)
-    return None if where is None else where[0]
+    if where is None or (key.startswith("spread-") and not is_objckpt_object(key)):
+        return None  # only objckpt's payloads are ever stored in a spread directory
+    return where[0]
 
 
 def manifest_keys(step_dir: str, manifest: Manifest) -> frozenset[str]:

@@ -200,7 +200,8 @@ def delete_keys(
 def prune_dir(store: ObjectStore, location: Location) -> None:
     """Remove an emptied directory on a local filesystem, with the prefix-entropy
     directories emptied inside it, and a step directory's emptied shares of the
-    root's spread directories (object stores have no directories)."""
+    root's spread directories (object stores have no directories). The spread
+    directories stay: a save may be about to write into one."""
     if not location.is_local:
         return
     here = store.at(location)
@@ -211,8 +212,10 @@ def prune_dir(store: ObjectStore, location: Location) -> None:
     root = location.parent()
     with contextlib.suppress(OSError):
         for d in store.at(root).directories():
-            if is_spread_dir(d):  # its share of the step, then the spread dir if empty
-                store.at(root.child(d)).remove_empty_directories([location.url.rsplit("/")[-1]])
+            if is_spread_dir(d):  # its share of the step; the spread directory persists
+                store.at(
+                    root.child(f"{d}/{location.url.rsplit('/')[-1]}")
+                ).remove_empty_directories()
 
 
 def _require(root: Location, dirs: list[str], by_dir: dict[str, list[ObjectInfo]]) -> None:

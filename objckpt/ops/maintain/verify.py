@@ -39,7 +39,12 @@ from objckpt.errors import (
 from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY
 from objckpt.format.manifest import Manifest, ObjectEntry, read_manifest
 from objckpt.format.ref_check import require_referenced
-from objckpt.format.refs import is_reference, referenced_step, require_step_directory
+from objckpt.format.refs import (
+    is_reference,
+    names_spread,
+    referenced_step,
+    require_step_directory,
+)
 from objckpt.format.settle import finish_commit, put_manifest, require_present
 from objckpt.format.steps import parse_step
 from objckpt.format.superseded import previous_objects
@@ -359,9 +364,20 @@ def copy_checkpoint(
 
 
 def _require_step_dir(src: Location, dst: Location, manifest: Manifest) -> None:
-    """Refuse to copy a step with references anywhere but into a step directory."""
+    """Refuse to copy a step with references anywhere but into a step directory, and
+    one with spread keys anywhere but into a step directory of the same name: its
+    ``.metadata`` names those objects by their step (``../spread-3f/step-<N>/…``),
+    and a stock reader of the copy would read another step's objects of that name."""
+    name, dst_name = src.url.rsplit("/", 1)[-1], dst.url.rsplit("/", 1)[-1]
+    if dst_name != name and any(names_spread(o.key) for o in manifest.objects):
+        raise ConfigurationError(
+            f"{src.url} was saved with persistent prefixes (UploadOptions("
+            f"persistent_prefixes=True)) and its .metadata names its objects by its step "
+            f"{name}: copy it into a step directory of the same name, e.g. "
+            f"{dst.url.rsplit('/', 1)[0]}/{name}; nothing was copied"
+        )
     steps = sorted({s for o in manifest.objects if (s := referenced_step(o.key)) is not None})
-    if not steps or parse_step(dst.url.rsplit("/", 1)[-1]) is not None:
+    if not steps or parse_step(dst_name) is not None:
         return
     raise ConfigurationError(
         f"{src.url} reuses objects stored by {', '.join(steps)} of its root, and "
