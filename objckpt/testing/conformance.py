@@ -368,6 +368,7 @@ class StoreConformance:
         from objckpt.format.layout import is_objckpt_payload
         from objckpt.ops.maintain.retire import retire_steps
 
+        store.put("beside-the-root", b"x")  # the bucket stays (an empty one is checked)
         root = store_location.child("run")
         upload = UploadOptions(
             part_size=self.part_size,
