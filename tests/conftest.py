@@ -37,6 +37,14 @@ def store(request: pytest.FixtureRequest, tmp_path: Any) -> StoreTarget:
     return request.getfixturevalue("gcs_bucket")
 
 
+@pytest.fixture(params=["file", "s3"])
+def target(request: pytest.FixtureRequest, tmp_path: Any) -> StoreTarget:
+    """A run's store, on the local filesystem and on moto (a module may define its own)."""
+    if request.param == "file":
+        return StoreTarget(root=f"file://{tmp_path}/root", storage_options={})
+    return request.getfixturevalue("s3_bucket")
+
+
 def sample_state(seed: int = 0, big: int = 3 * 1024 * 1024) -> dict[str, Any]:
     """A state dict with several dtypes, a large tensor, a view, and plain values."""
     g = torch.Generator().manual_seed(seed)

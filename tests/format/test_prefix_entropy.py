@@ -17,13 +17,6 @@ from objckpt.testing.plugin import StoreTarget
 SPREAD = UploadOptions(object_size=64 * 1024, prefix_entropy=2)
 
 
-@pytest.fixture(params=["file", "s3"])
-def target(request: pytest.FixtureRequest, tmp_path) -> StoreTarget:
-    if request.param == "file":
-        return StoreTarget(root=f"file://{tmp_path}/root", storage_options={})
-    return request.getfixturevalue("s3_bucket")
-
-
 def _state(seed: int) -> dict:
     return {f"layer{i}": torch.full((64, 64), float(seed * 100 + i)) for i in range(12)}
 

@@ -19,13 +19,6 @@ from objckpt.format.steps import step_name
 from objckpt.testing.plugin import StoreTarget
 
 
-@pytest.fixture(params=["file", "s3"])
-def target(request: pytest.FixtureRequest, tmp_path) -> StoreTarget:
-    if request.param == "file":
-        return StoreTarget(root=f"file://{tmp_path}/root", storage_options={})
-    return request.getfixturevalue("s3_bucket")
-
-
 def _state(step: int) -> dict:
     return {
         "w": torch.full((64, 64), float(step)),

@@ -18,7 +18,7 @@ from objckpt import CheckpointManager, LocalTier, Location, RetentionPolicy, Upl
 from objckpt.dcp.storage_writer import ObjectStoreWriter
 from objckpt.errors import ConfigurationError, ManifestError, UploadError
 from objckpt.format.layout import MANIFEST_KEY, is_objckpt_payload
-from objckpt.format.manifest import SPREAD_VERSION, Manifest, ObjectEntry
+from objckpt.format.manifest import SPREAD_VERSION, Manifest, ObjectEntry, read_manifest
 from objckpt.format.ref_check import require_referenced
 from objckpt.format.refs import root_key
 from objckpt.format.settle import require_present
@@ -30,13 +30,6 @@ from objckpt.testing.plugin import StoreTarget
 from objckpt.writers import open_store
 
 SPREAD = UploadOptions(object_size=64 * 1024, prefix_entropy=1, persistent_prefixes=True)
-
-
-@pytest.fixture(params=["file", "s3"])
-def target(request: pytest.FixtureRequest, tmp_path) -> StoreTarget:
-    if request.param == "file":
-        return StoreTarget(root=f"file://{tmp_path}/root", storage_options={})
-    return request.getfixturevalue("s3_bucket")
 
 
 def _state(seed: int, frozen: float = 7.0) -> dict:
@@ -51,15 +44,19 @@ def _keys(target: StoreTarget, root: str) -> list[str]:
     return sorted(p[len(where.path) + 1 :] for p in fs_of(target).find(where.path))
 
 
-def test_payloads_go_in_front_of_the_step_and_retention_takes_them(target: StoreTarget) -> None:
-    root = target.url("run")
-    with CheckpointManager(
+def _keep_one(target: StoreTarget, root: str, *, reuse: bool) -> CheckpointManager:
+    return CheckpointManager(
         root,
         storage_options=target.storage_options,
         upload=SPREAD,
         retention=RetentionPolicy(keep_last=1),
-        reuse_unchanged=False,
-    ) as mgr:
+        reuse_unchanged=reuse,
+    )
+
+
+def test_payloads_go_in_front_of_the_step_and_retention_takes_them(target: StoreTarget) -> None:
+    root = target.url("run")
+    with _keep_one(target, root, reuse=False) as mgr:
         mgr.save(1, _state(1)).result()
         first = _keys(target, root)
         mgr.save(2, _state(2)).result()
@@ -98,13 +95,7 @@ def test_reuse_keeps_referenced_spread_objects_until_the_last_referrer_goes(
     target: StoreTarget,
 ) -> None:
     root = target.url("run")
-    with CheckpointManager(
-        root,
-        storage_options=target.storage_options,
-        upload=SPREAD,
-        retention=RetentionPolicy(keep_last=1),
-        reuse_unchanged=True,
-    ) as mgr:
+    with _keep_one(target, root, reuse=True) as mgr:
         mgr.save(1, _state(1)).result()
         mgr.save(2, _state(2)).result()  # "frozen" unchanged: referenced in step 1
         assert mgr.all_steps() == [2]
@@ -273,6 +264,14 @@ def _two_steps(target: StoreTarget) -> tuple[Location, Location]:
     return one, two
 
 
+def _manifest(where: Location) -> Manifest:
+    store = open_store(where)
+    try:
+        return read_manifest(store)
+    finally:
+        store.close()
+
+
 def test_the_commit_lists_a_referenced_steps_spread_directories(s3_bucket: StoreTarget) -> None:
     """A reference to another step's spread object is proven present by a listing of
     that spread directory's share of the step, and the base's manifest by one of
@@ -304,11 +303,7 @@ def test_a_manifest_that_only_references_spread_objects_is_format_4(
     s3_bucket: StoreTarget,
 ) -> None:
     _, two = _two_steps(s3_bucket)
-    store = open_store(two)
-    try:
-        manifest = Manifest.from_json_bytes(store.read(MANIFEST_KEY), url=two.url)
-    finally:
-        store.close()
+    manifest = _manifest(two)
     refs = tuple(o for o in manifest.objects if o.key.startswith("../"))
     only = dataclasses.replace(manifest, objects=refs, metadata={}, version=2)
     assert only.written_version == SPREAD_VERSION  # unfixed: 3, which older readers misread
@@ -326,11 +321,7 @@ def test_gc_of_a_step_directory_never_deletes_through_a_spread_key(
     which the store places at ``spread-…/<step 1>/<name>``: step 2's live object.
     gc of step 1's directory leaves it alone, and step 2 loads."""
     one, two = _two_steps(s3_bucket)
-    store = open_store(two)
-    try:
-        manifest = Manifest.from_json_bytes(store.read(MANIFEST_KEY), url=two.url)
-    finally:
-        store.close()
+    manifest = _manifest(two)
     inner = next(o.key for o in manifest.objects if o.key.startswith("../")).split("/", 2)[2]
     retire_steps(one.parent(), [1], grace=0)
     fs = fs_of(s3_bucket)

@@ -36,13 +36,6 @@ from objckpt.testing.plugin import StoreTarget
 MiB = 1024 * 1024
 
 
-@pytest.fixture(params=["file", "s3"])
-def target(request: pytest.FixtureRequest, tmp_path) -> StoreTarget:
-    if request.param == "file":
-        return StoreTarget(root=f"file://{tmp_path}/root", storage_options={})
-    return request.getfixturevalue("s3_bucket")
-
-
 def _snapshot(state):
     if isinstance(state, torch.Tensor):
         return state.clone()
