@@ -149,6 +149,23 @@ def test_manager_on_every_rank(s3_bucket: StoreTarget, tmp_path) -> None:
     assert names == ["step-0000000002", "step-0000000003"]
 
 
+def test_manager_on_every_rank_with_persistent_prefixes(s3_bucket: StoreTarget, tmp_path) -> None:
+    """Two ranks, rank 0's helper process committing: every payload in a spread
+    directory in front of its step, retention takes step 1's, and step 3 loads."""
+    url = s3_bucket.url("spread")
+    _run(dist_helpers.manager_across_ranks_spread, 2, tmp_path, url, s3_bucket.storage_options)
+    fs = fs_of(s3_bucket)
+    root = path_of(s3_bucket, url)
+    keys = sorted(p[len(root) + 1 :] for p in fs.find(root))
+    payloads = [k for k in keys if k.endswith(".distcp")]
+    assert {k.split("/")[1] for k in payloads} == {step_name(2), step_name(3)}, keys
+    assert all(k.startswith("spread-") for k in payloads), keys
+    assert {k.split("/")[0] for k in keys if k.startswith("step-")} == {
+        step_name(2),
+        step_name(3),
+    }
+
+
 def test_coordinator_killed_before_commit(s3_bucket: StoreTarget, tmp_path) -> None:
     """kill -9 of rank 0 between the uploads and the commit: the other rank reports an
     error naming rank 0 in bounded time, the step never becomes visible, the previous

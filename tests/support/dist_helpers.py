@@ -268,6 +268,25 @@ def manager_across_ranks(
     rank: int, world: int, init_file: str, url: str, options: dict[str, Any]
 ) -> None:
     """Every rank saves through its manager; rank 0 alone deletes; all see the same steps."""
+    _managed(rank, world, init_file, url, options, None)
+
+
+def manager_across_ranks_spread(
+    rank: int, world: int, init_file: str, url: str, options: dict[str, Any]
+) -> None:
+    """The same with persistent prefixes: rank 0's helper builds each ``.metadata``."""
+    upload = objckpt.UploadOptions(prefix_entropy=1, persistent_prefixes=True)
+    _managed(rank, world, init_file, url, options, upload)
+
+
+def _managed(
+    rank: int,
+    world: int,
+    init_file: str,
+    url: str,
+    options: dict[str, Any],
+    upload: objckpt.UploadOptions | None,
+) -> None:
     mesh = init_ranks(rank, world, init_file)
     try:
         base = full_state()
@@ -277,6 +296,7 @@ def manager_across_ranks(
             storage_options=options,
             retention=objckpt.RetentionPolicy(keep_last=2),
             async_options=opts,
+            upload=upload,
         ) as mgr:
             for step in (1, 2, 3):
                 state = {
