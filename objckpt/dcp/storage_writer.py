@@ -64,6 +64,7 @@ from objckpt.format.layout import (
 )
 from objckpt.format.manifest import Manifest
 from objckpt.format.payload import PayloadRecord
+from objckpt.format.refs import holds_spread
 from objckpt.format.reused import BaseItem
 from objckpt.options import UploadOptions
 from objckpt.writers import ObjectStore, open_store
@@ -71,7 +72,7 @@ from objckpt.writers.accounting import RequestCounter, RequestStats, counting
 from objckpt.writers.checksum import BytesLike
 from objckpt.writers.clients import OwnedClients
 from objckpt.writers.deadline import Deadline, bounded_by
-from objckpt.writers.location import STEP_DIR, Location
+from objckpt.writers.location import Location
 from objckpt.writers.retry import RetryPolicy
 from objckpt.writers.translate import translate
 
@@ -429,11 +430,7 @@ def _check_spread(location: Location, upload: UploadOptions) -> None:
     """Refuse persistent prefixes for a checkpoint that is no step directory: its
     spread directories would sit beside it, outside any root's step directories,
     where nothing (retention, gc, ``rm``) counts them as the checkpoint's."""
-    root = location.parent().path.strip("/")
-    top = not root or (not location.is_local and "/" not in root)  # no root but a bucket
-    if upload.persistent_prefixes and (
-        top or not STEP_DIR.fullmatch(location.url.rsplit("/", 1)[-1])
-    ):
+    if upload.persistent_prefixes and not holds_spread(location):
         raise ConfigurationError(
             f"option persistent_prefixes=True needs the checkpoint {location.url} to be a "
             "step directory of a root below the bucket (<root>/step-<10 digits>, as a "

@@ -31,10 +31,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from objckpt.errors import ManifestError
-from objckpt.writers.location import STEP_DIR, is_spread_key, placed
+from objckpt.writers.location import STEP_DIR, Location, is_spread_key, placed
 
 __all__ = [
     "REFERENCE_PREFIX",
+    "holds_spread",
     "is_reference",
     "is_step_directory",
     "names_spread",
@@ -131,6 +132,16 @@ def stock_path(url: str, key: str) -> str:
         return key
     placed_key = root_key(step_dir, key)
     return key if placed_key == f"{step_dir}/{key}" else REFERENCE_PREFIX + placed_key
+
+
+def holds_spread(location: Location) -> bool:
+    """Whether spread keys may be placed for a checkpoint at ``location``: a step
+    directory of a root that is more than a bucket (spread directories beside the
+    bucket's top would belong to no root that retention or gc walks)."""
+    if not STEP_DIR.fullmatch(location.url.rstrip("/").rsplit("/", 1)[-1]):
+        return False
+    root = location.parent().path.strip("/")
+    return bool(root) and (location.is_local or location.protocol == "memory" or "/" in root)
 
 
 def step_token(url: str) -> str | None:

@@ -32,9 +32,7 @@ failure there is logged, never the save's outcome: the checkpoint is committed.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
-import contextvars
 import logging
 from collections.abc import Callable, Iterable, Iterator, Set
 
@@ -65,9 +63,6 @@ logger = logging.getLogger(__name__)
 #: this is left of the save's deadline (the manifest PUT may have spent it all).
 SETTLE_SECONDS = 60.0
 
-#: Listings at once when a check spans several directories (spread directories).
-LISTING_CONCURRENCY = 16
-
 #: At most this many missing objects are named in an error (the count is always given).
 _NAMED = 8
 
@@ -90,37 +85,24 @@ def listed_sizes(store: ObjectStore, keys: Iterable[str]) -> dict[str, int]:
     store, from one recursive listing per directory they are stored in
     (:meth:`~objckpt.writers.location.Location.listing_root`): the checkpoint's own,
     a referenced sibling step's, each spread directory's share of a step (up to 16
-    for one digit of persistent prefixes, :data:`LISTING_CONCURRENCY` at a time),
-    never a HEAD per object."""
+    for one digit of persistent prefixes), never a HEAD per object."""
     here = store.location
     groups: dict[str, tuple[Location, list[str]]] = {}
     for key in keys:
         where = here.listing_root(key)
         groups.setdefault(where.url, (where, []))[1].append(key)
 
-    def listed(where: Location, wanted: list[str]) -> dict[str, int]:
+    found: dict[str, int] = {}
+    for where, wanted in groups.values():
+        # One after another: fsspec clients' listing caches are not safe to invalidate
+        # from several threads (each listing clears its parents' entries).
         listing = store if where == here else store.at(where)
         sizes = {o.key: o.size for o in listing.inventory()}
         base = len(where.path.rstrip("/")) + 1
-        return {
-            key: size
-            for key in wanted
-            if (size := sizes.get(here.key_path(key)[base:])) is not None
-        }
-
-    if len(groups) == 1:
-        return listed(*next(iter(groups.values())))
-    # Spread directories: up to 16**digits listings, LISTING_CONCURRENCY at a time, each
-    # in a copy of this context (the save's deadline and request counter hold there).
-    found: dict[str, int] = {}
-    workers = min(LISTING_CONCURRENCY, len(groups))
-    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="objckpt-list") as pool:
-        futures = [
-            pool.submit(contextvars.copy_context().run, listed, where, wanted)
-            for where, wanted in groups.values()
-        ]
-        for future in futures:
-            found.update(future.result())
+        for key in wanted:
+            size = sizes.get(here.key_path(key)[base:])
+            if size is not None:
+                found[key] = size
     return found
 
 

@@ -29,7 +29,7 @@ import re
 from collections.abc import Iterable
 
 from objckpt.errors import ConfigurationError
-from objckpt.format.layout import MANIFEST_KEY
+from objckpt.format.layout import MANIFEST_KEY, is_objckpt_object
 from objckpt.writers.base import ObjectInfo, ObjectStore
 from objckpt.writers.location import Location, unplaced
 
@@ -138,6 +138,8 @@ def steps_of(objects: Iterable[ObjectInfo], root: Location) -> list[StepInfo]:
     groups: dict[int, list[tuple[str, ObjectInfo]]] = {}
     for obj in objects:
         where = unplaced(obj.key)
+        if obj.key.startswith("spread-") and not is_objckpt_object(obj.key):
+            where = None  # only objckpt's payloads are ever stored in a spread directory
         step = None if where is None else parse_step(where[0])
         if where is not None and step is not None:
             groups.setdefault(step, []).append((where[1], obj))

@@ -12,6 +12,7 @@ from helpers import fs_of, load, path_of
 from ranks import run_ranks
 
 from objckpt import Location, ObjectStoreReader
+from objckpt.dcp.stock_metadata import load_stock_metadata
 from objckpt.errors import CheckpointNotCommittedError
 from objckpt.format.steps import step_name
 from objckpt.ops.maintain.gc import collect_garbage
@@ -164,6 +165,13 @@ def test_manager_on_every_rank_with_persistent_prefixes(s3_bucket: StoreTarget, 
         step_name(2),
         step_name(3),
     }
+    # Step 3's .metadata (step 2's renamed by the helper: the same plan) names step 3's
+    # own objects, which a stock reader then opens.
+    for step in (2, 3):
+        data = fs.cat_file(f"{root}/{step_name(step)}/.metadata")
+        paths = {i.relative_path for i in load_stock_metadata(data, url=url).storage_data.values()}
+        assert paths and all(p.startswith("../spread-") for p in paths), paths
+        assert all(f"/{step_name(step)}/" in p for p in paths), (step, paths)
 
 
 def test_coordinator_killed_before_commit(s3_bucket: StoreTarget, tmp_path) -> None:

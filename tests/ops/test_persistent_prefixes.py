@@ -22,7 +22,7 @@ from objckpt.format.manifest import SPREAD_VERSION, Manifest, ObjectEntry, read_
 from objckpt.format.ref_check import require_referenced
 from objckpt.format.refs import root_key
 from objckpt.format.settle import require_present
-from objckpt.format.steps import step_name
+from objckpt.format.steps import step_name, steps_of
 from objckpt.ops.maintain.gc import collect_garbage, delete_step
 from objckpt.ops.maintain.retire import retire_steps
 from objckpt.ops.maintain.verify import copy_checkpoint, verify_checkpoint
@@ -135,13 +135,15 @@ def test_gc_takes_a_failed_saves_spread_objects_and_nothing_that_is_not_ours(
     where = Location.parse(root, target.storage_options)
     stray = f"spread-3/{step_name(9)}/__0_0.{'a' * 16}.distcp"
     foreign = "spread-3/notes/readme.txt"
-    for key in (stray, foreign):
+    beside = f"spread-3/{step_name(42)}/readme.txt"  # not objckpt's: no step 42 either
+    for key in (stray, foreign, beside):
         fs.makedirs(where.key_path(key).rsplit("/", 1)[0], exist_ok=True)
         fs.pipe_file(where.key_path(key), b"x" * 10)
+    assert [s.step for s in steps_of(open_store(where).inventory(), where)] == [1, 9]
     report = collect_garbage(where, grace=0, dry_run=False)
     assert report.deleted == (stray,)
     keys = _keys(target, root)
-    assert foreign in keys and stray not in keys
+    assert foreign in keys and beside in keys and stray not in keys
     got = empty_like_state(_state(0))
     load(got, where.child(step_name(1)).url, target)
     assert_state_equal(got, _state(1))
@@ -204,6 +206,7 @@ def test_the_option_is_refused_where_it_cannot_hold(tmp_path) -> None:
         ObjectStoreWriter(f"file://{tmp_path}/ckpt", upload=SPREAD)
     with pytest.raises(ConfigurationError, match="below the bucket"):
         ObjectStoreWriter(f"s3://bucket/{step_name(1)}", upload=SPREAD)
+    ObjectStoreWriter(f"memory://run/{step_name(1)}", upload=SPREAD)  # no bucket there
     writer = ObjectStoreWriter(f"file://{tmp_path}/run/{step_name(1)}", upload=SPREAD)
     with pytest.raises(ConfigurationError, match="step directory of a root"):
         writer.reset(f"file://{tmp_path}/elsewhere")
@@ -344,6 +347,9 @@ def test_a_copy_keeps_the_steps_name_or_is_refused(s3_bucket: StoreTarget, tmp_p
         copy_checkpoint(one, elsewhere)
     with pytest.raises(ConfigurationError, match="same name"):
         copy_checkpoint(one, Location.parse(f"file://{tmp_path}/ckpt"))
+    top = Location.parse(f"s3://{s3_bucket.bucket}/{step_name(1)}", s3_bucket.storage_options)
+    with pytest.raises(ConfigurationError, match="under a root"):
+        copy_checkpoint(one, top)  # its spread directories would be the bucket's own
     same = Location.parse(f"file://{tmp_path}/other").child(step_name(1))
     copy_checkpoint(one, same)
     got = empty_like_state(_state(0))

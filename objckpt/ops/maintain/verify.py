@@ -40,6 +40,7 @@ from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY
 from objckpt.format.manifest import Manifest, ObjectEntry, read_manifest
 from objckpt.format.ref_check import require_referenced
 from objckpt.format.refs import (
+    holds_spread,
     is_reference,
     names_spread,
     referenced_step,
@@ -369,11 +370,12 @@ def _require_step_dir(src: Location, dst: Location, manifest: Manifest) -> None:
     ``.metadata`` names those objects by their step (``../spread-3f/step-<N>/…``),
     and a stock reader of the copy would read another step's objects of that name."""
     name, dst_name = src.url.rsplit("/", 1)[-1], dst.url.rsplit("/", 1)[-1]
-    if dst_name != name and any(names_spread(o.key) for o in manifest.objects):
+    spread = any(names_spread(o.key) for o in manifest.objects)
+    if spread and (dst_name != name or not holds_spread(dst)):
         raise ConfigurationError(
             f"{src.url} was saved with persistent prefixes (UploadOptions("
             f"persistent_prefixes=True)) and its .metadata names its objects by its step "
-            f"{name}: copy it into a step directory of the same name, e.g. "
+            f"{name}: copy it into a step directory of the same name under a root, e.g. "
             f"{dst.url.rsplit('/', 1)[0]}/{name}; nothing was copied"
         )
     steps = sorted({s for o in manifest.objects if (s := referenced_step(o.key)) is not None})
