@@ -141,7 +141,7 @@ def holds_spread(location: Location) -> bool:
     if not STEP_DIR.fullmatch(location.url.rstrip("/").rsplit("/", 1)[-1]):
         return False
     root = location.parent().path.strip("/")
-    return bool(root) and (location.is_local or location.protocol == "memory" or "/" in root)
+    return bool(root) and (not location.has_bucket or "/" in root)
 
 
 def step_token(url: str) -> str | None:

@@ -154,6 +154,12 @@ class Location:
         return self.protocol in _LOCAL
 
     @property
+    def has_bucket(self) -> bool:
+        """Whether the first path segment is a bucket (or container): object stores,
+        not a filesystem or ``memory://``."""
+        return not self.is_local and self.protocol != "memory"
+
+    @property
     def bucket(self) -> str:
         """The first path segment: the bucket on object stores."""
         return self.path.lstrip("/").split("/", 1)[0]
