@@ -65,6 +65,12 @@ from objckpt.writers.translate import describe
 
 __all__ = ["WEDGED_AFTER", "Committer", "exchange_for", "splits_commit"]
 
+#: Seconds the commit thread is given, past its own bound, to act on it: kill a
+#: wedged worker and fail the save. ``close()`` waits them out before it gives up on
+#: a save and kills every worker, so that a save a wedged worker holds fails with
+#: its own deadline error, not with the closing's kill (both wake at one instant).
+ACT_WITHIN = 10.0
+
 logger = logging.getLogger(__name__)
 
 
@@ -117,7 +123,8 @@ class Committer:
         """The ``time.monotonic()`` by which :meth:`finalize` has settled ``writer``'s
         save (None: the save has no deadline, so its uploads have no bound).
 
-        The uploads end by the deadline plus :data:`WEDGED_AFTER`; then rank 0 gathers
+        The uploads end by the deadline plus :data:`WEDGED_AFTER` (and
+        :data:`ACT_WITHIN` for the thread to act on it); then rank 0 gathers
         (``barrier_timeout``), while the other ranks wait up to twice that plus 30 s
         for rank 0's outcome (see ``RankExchange.outcome``). An on-commit hook that
         never returns is the one thing that can keep the thread past it. (Not
@@ -128,7 +135,7 @@ class Committer:
         if writer.deadline is None:
             return None
         exchange = 2 * self._timeout + 30 if distributed else 0.0
-        return writer.deadline.at + WEDGED_AFTER + exchange
+        return writer.deadline.at + WEDGED_AFTER + exchange + ACT_WITHIN
 
     def finalize(
         self,
@@ -334,7 +341,7 @@ def _collect(
             if error is None:
                 error = UploadError(
                     f"an upload worker died while saving {writer.target.location.url} "
-                    "(killed or out of memory); the save was not committed"
+                    f"(killed or out of memory: {exc}); the save was not committed"
                 )
                 error.__cause__ = exc
             continue

@@ -152,6 +152,42 @@ def test_close_returns_with_a_wedged_worker(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(240)
+def test_close_waits_for_a_commit_thread_slow_to_act_on_its_own_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The commit thread gives a wedged worker until the deadline plus WEDGED_AFTER,
+    then kills it and fails the save; close() used to give up on the save at that
+    same instant, so on a loaded host it returned with the save still pending (and
+    killed the workers itself: the save then failed as "an upload worker died").
+    Here the commit thread acts 2 s late, as on a loaded host: close() must wait for
+    it (ACT_WITHIN) and return with the save failed by its own deadline error."""
+    from objckpt.pipeline.workers import WorkerPool
+
+    kill = WorkerPool.terminate
+    acting = threading.Event()
+
+    def late_kill(self: WorkerPool, futures: Any, reason: str) -> list[int]:
+        acting.set()
+        threading.Event().wait(2.0)  # injected slowness, not a synchronisation
+        return kill(self, futures, reason)
+
+    monkeypatch.setattr(WorkerPool, "terminate", late_kill)
+    url = f"file://{tmp_path}/c"
+    ckpt = AsyncCheckpointer(upload=UploadOptions(deadline=DEADLINE))
+    ckpt.save(_state(), f"{url}-warm").result(timeout=120)
+    stopped = stop_workers(ckpt)
+    try:
+        handle = ckpt.save(_state(1), url)
+        ckpt.close()
+        assert acting.is_set()
+        assert handle.done(), "close() returned before the save it waited for settled"
+        assert isinstance(handle.exception(timeout=0), SaveDeadlineError), handle.exception(0)
+    finally:
+        end(stopped)
+        ckpt.close()
+
+
+@pytest.mark.timeout(240)
 def test_close_abandons_a_save_whose_commit_thread_is_stuck(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
