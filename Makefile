@@ -64,7 +64,7 @@ docs: $(STAMP)
 TC_TESTS := tests/integrations/test_torch_checkpointing.py
 
 test: lint iac docs-check azurite rgw
-	OBJCKPT_REQUIRE_AZURITE=1 OBJCKPT_REQUIRE_RGW=1 $(PY) -m pytest --ignore=$(TC_TESTS)
+	OBJCKPT_REQUIRE_AZURITE=1 OBJCKPT_REQUIRE_RGW=1 $(PY) -m pytest --durations=30 --ignore=$(TC_TESTS)
 
 # The compatibility job, on another torch release: `make test-torch TORCH=2.9.1`. CI
 # runs it on pyproject.toml's floor and on the newest release, beside the full suite
