@@ -164,7 +164,9 @@ class BlockUpload(PartedUpload):
         block_id = base64.b64encode(f"{self._prefix}-{len(self._blocks):06d}".encode()).decode()
         self._blocks.append(block_id)
         store = self._store
-        fut = store.send(self.key, lambda: self._put_block(block_id, data))
+        store.acquire_slot()  # backpressure: at most max_parts_in_flight blocks in memory
+        fut = store.submit_coro(self._put_block(block_id, data))
+        fut.add_done_callback(store.release_slot)
         self._futures.append(
             translated_future(fut, store.location.url_of(self.key), "uploading a block of")
         )

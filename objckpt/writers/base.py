@@ -53,7 +53,6 @@ from __future__ import annotations
 import abc
 import concurrent.futures
 import contextlib
-import contextvars
 import dataclasses
 import datetime
 import logging
@@ -79,7 +78,7 @@ from objckpt.writers.reads import (
     read_ranges_into,
     read_whole,
 )
-from objckpt.writers.throttle import PrefixLimits, request_subject
+from objckpt.writers.throttle import AimdLimit
 from objckpt.writers.translate import precondition_failed, translate
 
 __all__ = [
@@ -246,10 +245,9 @@ class ObjectStore(abc.ABC):
         self.location = location
         self.options = options
         self._fs = fs if fs is not None else location.open_fs(fresh=True)
-        # Bounds concurrent requests and the memory held by their buffers; each
-        # directory's share halves under throttling and grows back (AIMD), told by
-        # the retry layer which directory a throttled request was for.
-        self.limit = PrefixLimits(options.max_parts_in_flight)
+        # Bounds concurrent requests and the memory held by their buffers; halves
+        # under throttling and grows back (AIMD), told by the retry layer.
+        self.limit = AimdLimit(options.max_parts_in_flight)
         observe = getattr(self._fs, "add_observer", None)
         if observe is not None:
             observe(self.limit)
@@ -284,31 +282,11 @@ class ObjectStore(abc.ABC):
                 )
             return self._pool.submit(fn, *args)
 
-    def send(
-        self, key: str, request: Callable[[], Coroutine[Any, Any, Any]] | Callable[[], Any]
-    ) -> concurrent.futures.Future[Any]:
-        """Send one upload request for ``key`` in a slot, and free the slot when it ends.
+    def acquire_slot(self) -> None:
+        self.limit.acquire()
 
-        Waits for the slot first (backpressure: at most ``max_parts_in_flight``
-        requests, and their buffers, in memory; fewer for a directory the store
-        throttles, see :class:`~objckpt.writers.throttle.PrefixLimits`). ``request()``
-        makes the coroutine to run on the filesystem's loop (an async filesystem) or
-        is the blocking call to run on the store's pool; either way the retry layer
-        knows which object, so which directory, a throttling answer is for.
-        """
-        path = self.path(key)
-        self.limit.acquire(path)
-        try:
-            with request_subject(path):  # the loop's task copies this context
-                if self.is_async:
-                    fut = self.submit_coro(request())
-                else:
-                    fut = self.submit_call(contextvars.copy_context().run, request)
-        except BaseException:
-            self.limit.release(path)
-            raise
-        fut.add_done_callback(lambda _: self.limit.release(path))
-        return fut
+    def release_slot(self, _: object = None) -> None:
+        self.limit.release()
 
     def path(self, key: str) -> str:
         return self.location.key_path(key)
@@ -807,13 +785,13 @@ class BufferedUpload(ObjectUpload):
         # change under it. The buffer goes at once, so the copy is the one held.
         data, self._buf = bytes(self._buf), bytearray()
         store, path = self._store, self._store.path(self.key)
-        fs = store._fs
-        fut: concurrent.futures.Future[None] = store.send(
-            self.key,
-            (lambda: fs._pipe_file(path, data))
-            if store.is_async
-            else (lambda: fs.pipe_file(path, data)),
-        )
+        store.acquire_slot()
+        fut: concurrent.futures.Future[None]
+        if store.is_async:
+            fut = store.submit_coro(store._fs._pipe_file(path, data))
+        else:
+            fut = store.submit_call(store._fs.pipe_file, path, data)
+        fut.add_done_callback(store.release_slot)
         return translated_future(fut, store.location.url_of(self.key), "uploading")
 
     def abort(self) -> None:

@@ -83,7 +83,9 @@ class CompositeUpload(PartedUpload):
         with self._lock:
             self._temporary.append(key)
         store = self._store
-        fut = store.send(key, lambda: store._fs._pipe_file(store.path(key), data))
+        store.acquire_slot()  # backpressure: at most max_parts_in_flight pieces in memory
+        fut = store.submit_coro(store._fs._pipe_file(store.path(key), data))
+        fut.add_done_callback(store.release_slot)
         self._futures.append(translated_future(fut, store.location.url_of(key), "uploading"))
 
     def close(self) -> concurrent.futures.Future[None]:

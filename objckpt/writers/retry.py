@@ -48,7 +48,6 @@ from objckpt.errors import (
 )
 from objckpt.writers.accounting import current_counter
 from objckpt.writers.deadline import Deadline, current_deadline
-from objckpt.writers.throttle import current_subject
 from objckpt.writers.transient import answer_of, asks_to_slow_down, is_throttle, is_transient
 from objckpt.writers.translate import describe
 
@@ -144,13 +143,11 @@ class RetryPolicy:
 
 
 class RetryObserver(Protocol):
-    """Told about every request outcome (the upload concurrency limiter is one), and
-    which object the request was for where the caller said
-    (:func:`~objckpt.writers.throttle.request_subject`; None: not said)."""
+    """Told about every request outcome (the upload concurrency limiter is one)."""
 
-    def throttled(self, subject: str | None) -> None: ...
+    def throttled(self) -> None: ...
 
-    def succeeded(self, subject: str | None) -> None: ...
+    def succeeded(self) -> None: ...
 
 
 #: botocore's addressing styles (``config_kwargs={"s3": {"addressing_style": ...}}``).
@@ -300,7 +297,7 @@ async def call_with_retries(
                 counter.record(method, sent=sent, retry=retry, throttled=throttled)
             if throttled:
                 for o in list(observers):
-                    o.throttled(current_subject())
+                    o.throttled()
             if not is_transient(exc):
                 raise
             if deadline is not None and asks_to_slow_down(exc):
@@ -338,7 +335,7 @@ async def call_with_retries(
                 throttled=False,
             )
         for o in list(observers):
-            o.succeeded(current_subject())
+            o.succeeded()
         return out
 
 

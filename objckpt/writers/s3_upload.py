@@ -170,7 +170,9 @@ class S3Upload(ObjectUpload):
             )
         self._crc = crc32c_combine(self._crc, part.crc, part.size)
         self._size += part.size
-        fut = self._store.send(self.key, lambda: self._upload_part(number, part.pieces, part.crc))
+        self._store.acquire_slot()
+        fut = self._store.submit_coro(self._upload_part(number, part.pieces, part.crc))
+        fut.add_done_callback(self._store.release_slot)
         self._parts.append(fut)
 
     async def _upload_part(self, number: int, pieces: list[BytesLike], crc: int) -> dict[str, Any]:
@@ -194,16 +196,17 @@ class S3Upload(ObjectUpload):
             self._held, self._part = None, Part()
             crc = body.crc
             self.crc32c = format_crc(crc)
-            fut = self._store.send(
-                self.key,
-                lambda: self._store.call(
+            self._store.acquire_slot()
+            fut = self._store.submit_coro(
+                self._store.call(
                     "put_object",
                     Bucket=self._bucket,
                     Key=self._obj,
                     Body=StreamedBody(body.pieces),
                     ChecksumCRC32C=to_base64(crc),
-                ),
+                )
             )
+            fut.add_done_callback(self._store.release_slot)
             return translated_future(fut, url, "uploading")
         if self._part.size:
             last, self._part = self._part, Part()

@@ -195,43 +195,17 @@ def test_upload_concurrency_backs_off_under_throttling_and_recovers(
         up = store.begin("big.bin", len(data))
         up.write(data)
         up.close().result()
-        throttled = store.limit.stats(store.path("big.bin"))
+        throttled = store.limit.stats()
         assert throttled.decreases >= 1 and throttled.lowest <= 4, throttled
         s3_proxy.clear()
         up = store.begin("big2.bin", len(data))
         up.write(data)
         up.close().result()
-        assert store.limit.stats(store.path("big2.bin")).limit > throttled.lowest  # grew back
+        assert store.limit.stats().limit > throttled.lowest  # grew back
     finally:
         store.close()
     body = moto_server.boto3_client().get_object(Bucket=via.bucket, Key="t/aimd/big.bin")
     assert body["Body"].read() == data
-
-
-def test_a_throttled_directory_backs_off_alone(via: StoreTarget, s3_proxy: FaultProxy) -> None:
-    """S3 partitions by prefix: 503 SlowDown for the uploads into one directory halve
-    that directory's concurrency only; uploads into another directory of the same
-    save keep all of theirs, and so does the store as a whole (#46). Before, one
-    limit for the whole store halved for every directory."""
-    loc = Location.parse(via.url("prefixes"), via.storage_options, FAST)
-    store = open_store(loc, UploadOptions(part_size=5 * MiB, max_parts_in_flight=8))
-    data = torch.randint(0, 255, (30 * MiB,), dtype=torch.uint8).numpy().tobytes()
-    hot, cold = "spread-0/step-1/__0_0.distcp", "spread-1/step-1/__1_0.distcp"
-    try:
-        s3_proxy.add(
-            Rule("UploadPart", key_contains="spread-0/", times=4, action="status", status=503)
-        )
-        uploads = [store.begin(key, len(data)) for key in (hot, cold)]
-        for up in uploads:
-            up.write(data)
-        for up in uploads:
-            up.close().result()
-        assert s3_proxy.count("UploadPart", faulted=True) == 4
-        assert store.limit.stats(store.path(hot)).decreases >= 1, store.limit.stats(store.path(hot))
-        assert store.limit.stats(store.path(cold)).decreases == 0
-        assert store.limit.stats().decreases == 0  # the store's own limit is untouched
-    finally:
-        store.close()
 
 
 def test_zombie_writer_of_an_old_attempt_never_reaches_the_committed_step(

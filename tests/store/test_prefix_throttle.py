@@ -120,29 +120,3 @@ def test_a_save_through_the_throttling_proxy_rides_out_slowdown_and_commits(
     assert all(torch.equal(got[k], state[k]) for k in state)
     assert model.refused > 0 and proxy.count("PutObject", faulted=True) > 0
     assert {s.fault for s in proxy.seen if s.fault} == {"throttle"}
-
-
-def test_the_client_backs_off_per_directory_within_the_stores_cap() -> None:
-    """objckpt's side (objckpt.writers.throttle.PrefixLimits): a throttled directory
-    halves its own limit, once per burst; a throttle for no known object halves the
-    store's; successes grow each back by about one slot per window."""
-    from objckpt.writers.throttle import PrefixLimits
-
-    limits = PrefixLimits(8, cooldown=0.0)
-    hot, cold = "b/run/spread-0/step-1/__0_0.distcp", "b/run/spread-1/step-1/__1_0.distcp"
-    limits.throttled(hot)
-    limits.throttled("b/run/spread-0/step-1/__2_0.distcp")  # the same directory
-    assert limits.stats(hot).limit == 2.0 and limits.stats(hot).decreases == 2
-    assert limits.stats(cold).limit == 8.0 and limits.stats().limit == 8.0
-    for _ in range(4):
-        limits.succeeded(hot)
-    assert 2.0 < limits.stats(hot).limit < 8.0
-    limits.throttled(None)
-    assert limits.stats().limit == 4.0 and limits.stats(cold).limit == 8.0
-    for _ in range(4):  # the store's 4 slots, in a directory that has 8
-        limits.acquire(cold)
-    for _ in range(4):
-        limits.release(cold)
-    for _ in range(8):  # given back: the whole store's again
-        limits.succeeded(None)
-    assert limits.stats().limit > 4.0
