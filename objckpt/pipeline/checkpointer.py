@@ -54,7 +54,7 @@ from objckpt.dcp.serialize import Framer
 from objckpt.errors import ConfigurationError, SaveDeadlineError, SaveSequenceError
 from objckpt.format.manifest import Manifest
 from objckpt.options import AsyncOptions, UploadOptions
-from objckpt.pipeline.commit_phase import WEDGED_AFTER, Committer
+from objckpt.pipeline.commit_phase import ACT_WITHIN, WEDGED_AFTER, Committer
 from objckpt.pipeline.handle import SaveHandle, SaveLifecycle
 from objckpt.pipeline.lifetime import register, wait_bounded, warn_and_wait
 from objckpt.pipeline.plan_cache import PlanCacheStats, PlanMemory
@@ -293,7 +293,8 @@ class AsyncCheckpointer:
                 rank = dist.get_rank(process_group) if dist.is_initialized() else 0
                 refusal = SaveDeadlineError(
                     f"rank {rank}: the save of {oldest.url} is still running "
-                    f"{WEDGED_AFTER:g} s past its deadline of {self.upload.deadline} s "
+                    f"{WEDGED_AFTER + ACT_WITHIN:g} s past its deadline of "
+                    f"{self.upload.deadline} s "
                     "(UploadOptions.deadline) and the commit's waits, so none of the "
                     f"AsyncOptions.max_saves_in_flight={self.options.max_saves_in_flight} slots is "
                     "free: this save was refused (is an on-commit hook stuck?)"
@@ -354,8 +355,9 @@ class AsyncCheckpointer:
 
         Returns in bounded time when saves have a deadline (``UploadOptions``):
         each save in flight is waited for until its own bound (the deadline, plus
-        ``WEDGED_AFTER`` for a stuck worker, plus the commit's waits); by then a
-        stuck upload has failed its save. A save still running past it (a hung
+        ``WEDGED_AFTER`` for a stuck worker and ``ACT_WITHIN`` for the commit thread
+        to fail its save, plus the commit's waits); by then a stuck upload has failed
+        its save. A save still running past it (a hung
         on-commit hook) is logged as abandoned and the workers are killed.
         """
         if self._closed:

@@ -26,7 +26,8 @@ the error; a rank's own upload error wins over the coordinator's summary of it.
 Every wait here is bounded, so the thread ends by :meth:`Committer.ends_by`: the
 uploads by the save's deadline plus :data:`WEDGED_AFTER` (an upload still
 outstanding then hangs: its workers are killed and the save fails naming the
-objects), the exchange by the barrier timeout. A save without a deadline
+objects; :data:`ACT_WITHIN` more is allowed for that on a loaded host), the exchange
+by the barrier timeout. A save without a deadline
 (``UploadOptions(deadline=None)``) waits for its uploads as long as they take.
 """
 
@@ -63,7 +64,7 @@ from objckpt.writers.deadline import bounded_by
 from objckpt.writers.location import Location
 from objckpt.writers.translate import describe
 
-__all__ = ["WEDGED_AFTER", "Committer", "exchange_for", "splits_commit"]
+__all__ = ["ACT_WITHIN", "WEDGED_AFTER", "Committer", "exchange_for", "splits_commit"]
 
 #: Seconds the commit thread is given, past its own bound, to act on it: kill a
 #: wedged worker and fail the save. ``close()`` waits them out before it gives up on

@@ -159,7 +159,7 @@ def test_close_waits_for_a_commit_thread_slow_to_act_on_its_own_bound(
     then kills it and fails the save; close() used to give up on the save at that
     same instant, so on a loaded host it returned with the save still pending (and
     killed the workers itself: the save then failed as "an upload worker died").
-    Here the commit thread acts 2 s late, as on a loaded host: close() must wait for
+    Here the commit thread acts 5 s late, as on a loaded host: close() must wait for
     it (ACT_WITHIN) and return with the save failed by its own deadline error."""
     from objckpt.pipeline.workers import WorkerPool
 
@@ -168,7 +168,7 @@ def test_close_waits_for_a_commit_thread_slow_to_act_on_its_own_bound(
 
     def late_kill(self: WorkerPool, futures: Any, reason: str) -> list[int]:
         acting.set()
-        threading.Event().wait(2.0)  # injected slowness, not a synchronisation
+        threading.Event().wait(5.0)  # injected slowness, not a synchronisation
         return kill(self, futures, reason)
 
     monkeypatch.setattr(WorkerPool, "terminate", late_kill)
@@ -179,8 +179,8 @@ def test_close_waits_for_a_commit_thread_slow_to_act_on_its_own_bound(
     try:
         handle = ckpt.save(_state(1), url)
         ckpt.close()
-        assert acting.is_set()
         assert handle.done(), "close() returned before the save it waited for settled"
+        assert acting.is_set()
         assert isinstance(handle.exception(timeout=0), SaveDeadlineError), handle.exception(0)
     finally:
         end(stopped)
