@@ -133,7 +133,28 @@ def test_a_wedged_worker_on_rank_1_fails_the_save_on_both_ranks(tmp_path: Path) 
 
 
 @pytest.mark.timeout(240)
-def test_close_returns_with_a_wedged_worker(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kill_delay", [0.0, 5.0])
+def test_close_returns_with_a_wedged_worker_and_its_save_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kill_delay: float
+) -> None:
+    """close() returns in bounded time with a wedged worker (before: never), and the
+    save is failed by its own deadline error by then.
+
+    The commit thread gives a wedged worker until the deadline plus WEDGED_AFTER,
+    then kills it and fails the save; close() used to give up on the save at that
+    same instant, so on a loaded host it returned with the save still pending (and
+    killed the workers itself: the save then failed as "an upload worker died").
+    With ``kill_delay`` the commit thread acts 5 s late, as on a loaded host: close()
+    must wait for it (ACT_WITHIN)."""
+    from objckpt.pipeline.workers import WorkerPool
+
+    kill = WorkerPool.terminate
+
+    def late_kill(self: WorkerPool, futures: Any, reason: str) -> list[int]:
+        threading.Event().wait(kill_delay)  # injected slowness, not a synchronisation
+        return kill(self, futures, reason)
+
+    monkeypatch.setattr(WorkerPool, "terminate", late_kill)
     url = f"file://{tmp_path}/c"
     ckpt = AsyncCheckpointer(upload=UploadOptions(deadline=DEADLINE))
     ckpt.save(_state(), f"{url}-warm").result(timeout=120)
@@ -144,44 +165,9 @@ def test_close_returns_with_a_wedged_worker(tmp_path: Path) -> None:
         closer.start()
         closer.join(timeout=BOUND)  # before the fix: close waits for ever
         assert not closer.is_alive(), "close() did not return with a wedged worker"
-        assert isinstance(handle.exception(timeout=0), SaveDeadlineError)
-        assert all(p.returncode is not None for p in stopped)  # killed and reaped
-    finally:
-        end(stopped)
-        ckpt.close()
-
-
-@pytest.mark.timeout(240)
-def test_close_waits_for_a_commit_thread_slow_to_act_on_its_own_bound(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The commit thread gives a wedged worker until the deadline plus WEDGED_AFTER,
-    then kills it and fails the save; close() used to give up on the save at that
-    same instant, so on a loaded host it returned with the save still pending (and
-    killed the workers itself: the save then failed as "an upload worker died").
-    Here the commit thread acts 5 s late, as on a loaded host: close() must wait for
-    it (ACT_WITHIN) and return with the save failed by its own deadline error."""
-    from objckpt.pipeline.workers import WorkerPool
-
-    kill = WorkerPool.terminate
-    acting = threading.Event()
-
-    def late_kill(self: WorkerPool, futures: Any, reason: str) -> list[int]:
-        acting.set()
-        threading.Event().wait(5.0)  # injected slowness, not a synchronisation
-        return kill(self, futures, reason)
-
-    monkeypatch.setattr(WorkerPool, "terminate", late_kill)
-    url = f"file://{tmp_path}/c"
-    ckpt = AsyncCheckpointer(upload=UploadOptions(deadline=DEADLINE))
-    ckpt.save(_state(), f"{url}-warm").result(timeout=120)
-    stopped = stop_workers(ckpt)
-    try:
-        handle = ckpt.save(_state(1), url)
-        ckpt.close()
         assert handle.done(), "close() returned before the save it waited for settled"
-        assert acting.is_set()
         assert isinstance(handle.exception(timeout=0), SaveDeadlineError), handle.exception(0)
+        assert all(p.returncode is not None for p in stopped)  # killed and reaped
     finally:
         end(stopped)
         ckpt.close()
