@@ -8,6 +8,12 @@ STAMP := $(VENV)/.installed
 IAC_VENV ?= .venv-iac
 IAC_STAMP := $(IAC_VENV)/.installed
 
+# Write bytecode caches even where the machine turns them off (PYTHONDONTWRITEBYTECODE,
+# set on some CI and development machines): the suite starts hundreds of fresh
+# interpreters (ranks, upload and promotion workers, CLI runs), and without caches
+# each one compiles objckpt's sources again. An empty value is Python's "unset".
+export PYTHONDONTWRITEBYTECODE :=
+
 .PHONY: demo test test-torch test-titan test-torch-checkpointing lint iac docs docs-check bench clean azurite rgw
 
 $(STAMP): pyproject.toml constraints.txt

@@ -26,6 +26,11 @@ allocated or requested:
 Each refusal is a :class:`~objckpt.errors.ManifestError` naming the object's URL
 and the numbers involved, the error a reader already falls back on (a backup, the
 next root) as it does for a missing manifest.
+
+The manifest's checks (sizes, JSON, keys) run in torch-free worker interpreters too
+(promotion, the local tier's copies): this module imports torch's DCP metadata
+classes only inside the two checks that take DCP metadata, which run where torch is
+already loaded.
 """
 
 from __future__ import annotations
@@ -34,19 +39,19 @@ import itertools
 import json
 import math
 import re
-from typing import Any
-
-import torch
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorStorageMetadata,
-)
+from typing import TYPE_CHECKING, Any
 
 from objckpt.errors import ManifestError
 from objckpt.format.refs import is_reference, split_reference
 from objckpt.options import ReadOptions
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed.checkpoint.metadata import (
+        Metadata,
+        MetadataIndex,
+        TensorStorageMetadata,
+    )
 
 __all__ = [
     "DEFAULT_MAX_METADATA_BYTES",
@@ -287,6 +292,11 @@ def check_metadata(metadata: Metadata, *, where: str, payload_bytes: int, items:
     Raises:
         ManifestError: A tensor's dimensions, chunk count or chunks do not fit.
     """
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        TensorStorageMetadata,
+    )
+
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, BytesStorageMetadata):
             continue
@@ -365,6 +375,8 @@ def check_item(
     Raises:
         ManifestError: Naming ``where``, the item and the numbers.
     """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     start = check_int(offset, f"{where}: offset of {index.fqn!r}")
     size = check_int(length, f"{where}: length of {index.fqn!r}")
     if start + size > object_size:

@@ -7,9 +7,8 @@ import signal
 import dist_helpers
 import pytest
 import torch
-import torch.multiprocessing as mp
 from helpers import fs_of, load, path_of
-from ranks import run_ranks
+from ranks import run_ranks, start_ranks
 
 from objckpt import Location, ObjectStoreReader
 from objckpt.dcp.stock_metadata import load_stock_metadata
@@ -180,16 +179,14 @@ def test_coordinator_killed_before_commit(s3_bucket: StoreTarget, tmp_path) -> N
     step still loads, and gc removes the orphaned objects."""
     url = s3_bucket.url("coordinator")
     init_file = str(tmp_path / "init-killed-coordinator")
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(
-            target=dist_helpers.async_save_with_killed_coordinator,
-            args=(rank, 2, init_file, url, s3_bucket.storage_options),
-        )
-        for rank in range(2)
-    ]
-    for p in procs:
-        p.start()
+    procs = start_ranks(
+        dist_helpers,
+        "async_save_with_killed_coordinator",
+        2,
+        init_file,
+        url,
+        s3_bucket.storage_options,
+    ).processes
     for p in procs:
         p.join(timeout=240)
     codes = [p.exitcode for p in procs]

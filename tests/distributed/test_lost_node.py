@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import lost_node_ranks
-import torch.multiprocessing as mp
-from ranks import _rank_entry, run_ranks
+from ranks import run_ranks, start_ranks
 
 from objckpt.format.layout import MANIFEST_KEY
 from objckpt.format.steps import step_name
@@ -235,12 +234,8 @@ def test_a_peer_dying_mid_transfer_never_hangs_the_others_and_the_step_stays_loc
     timeout = 10
     options = _options(s3_proxy, local, timeout=timeout)
     url = s3_bucket.url("peer-dies")
-    ctx = mp.start_processes(
-        _rank_entry,
-        args=("lost_node_ranks", "peer_dies_mid_transfer", 4, str(tmp_path / "init"), url, options),
-        nprocs=4,
-        join=False,
-        start_method="spawn",
+    ctx = start_ranks(
+        lost_node_ranks, "peer_dies_mid_transfer", 4, str(tmp_path / "init"), url, options
     )
     for p in ctx.processes:
         p.join(timeout=240)

@@ -197,3 +197,27 @@ def test_a_worker_keeps_one_store_per_location_over_one_filesystem(
     assert worker_store(here, opts) is first
     other = worker_store(here, UploadOptions(max_parts_in_flight=3))
     assert other._fs is not first._fs  # other options: a filesystem of their own
+
+
+def test_promotion_workers_never_import_torch(s3_bucket: StoreTarget, tmp_path: Path) -> None:
+    """A promotion worker unpickles ``promote_object`` and so imports its module:
+    that module must not import torch (before, it lived beside the rank exchange,
+    and every rank's promotion worker loaded torch: seconds of CPU and ~190 MiB)."""
+    from objckpt.format.manifest import ObjectEntry
+    from objckpt.ops.maintain.object_check import promote_object
+    from objckpt.writers.checksum import crc32c_of, format_crc
+
+    data = os.urandom(4096)
+    src = Location.parse(f"file://{tmp_path}/local/step-0000000001")
+    worker_store(src, UploadOptions()).put("0.distcp", data)
+    dst = Location.parse(s3_bucket.url("promoted"), s3_bucket.storage_options)
+    entry = ObjectEntry("0.distcp", len(data), format_crc(crc32c_of(data)))
+    pool = WorkerPool(1, name="promotion")
+    try:
+        stats = pool.submit(promote_object, src, dst, UploadOptions(), entry).result(timeout=60)
+        assert stats.bytes_sent == len(data), stats
+        modules = pool.submit(worker_tasks.loaded_modules).result(timeout=60)
+        assert "torch" not in modules, [m for m in modules if m.startswith("torch")][:5]
+    finally:
+        pool.close()
+    assert worker_store(dst, UploadOptions()).read("0.distcp") == data

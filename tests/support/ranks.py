@@ -1,8 +1,9 @@
 """One launcher for the tests that run real ranks, and the process group each rank joins.
 
-A distributed test names a rank body (a module-level function, so that ``spawn``
-can import it in a fresh interpreter) and runs it on ``world`` processes with
-:func:`run_ranks`; the body calls :func:`init_ranks` first. Every rank-body module
+A distributed test names a rank body (a module-level function, so that a fresh
+rank process can import it by name) and runs it on ``world`` processes with
+:func:`run_ranks` (or :func:`start_ranks`, to watch each rank's exit); the body
+calls :func:`init_ranks` first. Every rank-body module
 used to carry its own copy of the entry point below; one copy keeps the exit path
 (why ``os._exit``, see :func:`_rank_entry`) in one place.
 """
@@ -25,30 +26,80 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from objckpt.testing import offline_env
 
+# What every rank imports before or while its body runs: torch, its distributed
+# checkpoint stack, torch._dynamo (``distribute_tensor`` imports it on first call),
+# objckpt and s3fs cost 6 CPU-seconds a process on the test machine, paid once by the
+# fork server instead of once per rank (a suite starts some hundreds of ranks).
+# Nothing here may read the environment at import time (see start_ranks); gcsfs does,
+# so it is left to the rank.
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "torch.distributed.tensor",
+    "torch.distributed.device_mesh",
+    "torch._dynamo",
+    "objckpt",
+    "s3fs",
+)
+
+
+def start_ranks(
+    module: ModuleType, body: str | Callable[..., object], world: int, *args: Any
+) -> mp.ProcessContext:
+    """Start ``module.body(rank, world, *args)`` on ``world`` processes; do not wait.
+
+    For the tests that read each rank's exit code (a rank killed on purpose, a rank
+    that must not hang): join ``.processes`` with a timeout. :func:`run_ranks` is the
+    common case.
+
+    Why ``forkserver``, not ``spawn``: each rank is forked from a server that has
+    imported :data:`PRELOAD` once, so a rank starts in milliseconds instead of
+    re-importing torch, and is still a fresh process with its own gloo group, state
+    and exit. What the server cannot know is the test's environment at this moment
+    (it keeps the one it started with), so the rank is handed ``os.environ`` and
+    takes it as its own before the body's module is imported.
+    """
+    name = body if isinstance(body, str) else body.__name__
+    mp.set_forkserver_preload(list(PRELOAD))
+    return mp.start_processes(
+        _rank_entry,
+        args=(dict(os.environ), module.__name__, name, world, *args),
+        nprocs=world,
+        join=False,
+        start_method="forkserver",
+    )
+
 
 def run_ranks(
     module: ModuleType, body: str | Callable[..., object], world: int, *args: Any
 ) -> None:
-    """Run ``module.body(rank, world, *args)`` on ``world`` spawned processes and wait.
+    """Run ``module.body(rank, world, *args)`` on ``world`` processes and wait.
 
     ``body`` is the function or its name; it must be a module-level function of
     ``module``. A rank whose body raises fails the call with that rank's traceback
-    (``torch.multiprocessing.spawn`` reports it), so a test's assertions made inside
-    a rank fail the test.
+    (``torch.multiprocessing`` reports it), so a test's assertions made inside a
+    rank fail the test.
     """
-    name = body if isinstance(body, str) else body.__name__
-    mp.spawn(_rank_entry, args=(module.__name__, name, world, *args), nprocs=world, join=True)
+    context = start_ranks(module, body, world, *args)
+    while not context.join():
+        pass
 
 
-def _rank_entry(rank: int, module: str, body: str, world: int, *args: Any) -> None:
-    """Run one rank's body, then leave without interpreter teardown.
+def _rank_entry(
+    rank: int, environ: dict[str, str], module: str, body: str, world: int, *args: Any
+) -> None:
+    """Take the test's environment, run one rank's body, then leave without
+    interpreter teardown.
 
     torch 2.13's gloo worker threads can abort the process while the interpreter
     finalizes ("terminate called without an active exception", SIGABRT; seen once
     in a fresh-clone CI run here), after the body has passed and destroyed its
     process group; that is torch's exit path, not the checkpoint under test. A failing
-    body still raises, and spawn reports its traceback.
+    body still raises, and torch.multiprocessing reports its traceback.
     """
+    os.environ.clear()
+    os.environ.update(environ)
     getattr(importlib.import_module(module), body)(rank, world, *args)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -1,11 +1,16 @@
 """One object checked, or copied, against its manifest entry.
 
-The pieces ``verify``, ``cp``, backups and promotion share (:mod:`objckpt.ops.maintain.verify`
-puts them together): stream an object computing its CRC32C, check a copy by the
-store's own full-object CRC32C where it keeps one, copy one object checked on the
-way. An object a step references in a sibling step directory (``../step-<N>/<key>``,
-:mod:`objckpt.format.refs`) is read and written where it is stored: the store's
-paths resolve the reference (:meth:`objckpt.writers.location.Location.key_path`).
+The pieces ``verify``, ``cp``, backups and promotion share
+(:mod:`objckpt.ops.maintain.verify` puts them together): stream an object computing
+its CRC32C, check a copy by the store's own full-object CRC32C where it keeps one,
+copy one object checked on the way. An object a step references in a sibling step
+directory (``../step-<N>/<key>``, :mod:`objckpt.format.refs`) is read and written
+where it is stored: the store's paths resolve the reference
+(:meth:`objckpt.writers.location.Location.key_path`).
+
+What a promotion worker runs (:func:`promote_object`) is here too: this module never
+imports torch, so neither does the worker interpreter that unpickles that function
+(``tests/pipeline/test_worker_imports.py`` holds it to that).
 """
 
 from __future__ import annotations
@@ -19,11 +24,15 @@ from objckpt.format.layout import METADATA_KEY
 from objckpt.format.manifest import ObjectEntry
 from objckpt.format.ref_check import stored_where
 from objckpt.ops.maintain.referenced import Siblings
+from objckpt.options import UploadOptions
+from objckpt.pipeline.upload_task import worker_store
 from objckpt.writers import ObjectStore
+from objckpt.writers.accounting import RequestCounter, RequestStats, counting
 from objckpt.writers.checksum import Crc32c
+from objckpt.writers.location import Location
 from objckpt.writers.translate import translate
 
-__all__ = ["ObjectCheck", "Progress", "copy_object", "holds_reference"]
+__all__ = ["ObjectCheck", "Progress", "copy_object", "holds_reference", "promote_object"]
 
 _CHUNK = 8 * 1024 * 1024
 Progress = Callable[[int], None]
@@ -158,6 +167,17 @@ def copy_object(
         upload.abort()
         raise
     return False
+
+
+def promote_object(
+    src: Location, dst: Location, options: UploadOptions, entry: ObjectEntry
+) -> RequestStats:
+    """Worker side of a promotion (:mod:`objckpt.ops.tier.promote`): copy one object
+    from the local tier to the primary, checked against ``entry`` while it streams
+    (a damaged local copy is never committed). Returns the requests it cost."""
+    with counting(RequestCounter()) as counter:
+        copy_object(worker_store(src, options), worker_store(dst, options), entry, None)
+    return counter.snapshot()
 
 
 def _check_copy(src: ObjectStore, entry: ObjectEntry, size: int, crc: str) -> None:

@@ -20,9 +20,11 @@ objects ``objckpt gc`` removes, while the local tier still holds the new step.
 Each rank's cost is its own bytes plus a constant number of store keys; the
 coordinator alone reads W keys, as it does for every async commit.
 
-What a promotion worker runs is here too (:func:`promote_object`, one object copied
-and checked): it is the same job's other half, and a worker imports the package
-(torch included) whichever module holds it.
+What a promotion worker runs (one object copied and checked) is
+:func:`~objckpt.ops.maintain.object_check.promote_object`: a worker imports the
+module that holds the function it runs, and this one imports torch (the rank
+exchange); that one does not, so a promotion worker stays a torch-free interpreter
+like the upload workers (seconds of CPU and ~190 MiB less per rank).
 """
 
 from __future__ import annotations
@@ -37,19 +39,19 @@ from typing import Any
 from objckpt._torch import group_store
 from objckpt.errors import CheckpointExistsError, UploadError
 from objckpt.format.layout import is_objckpt_payload
-from objckpt.format.manifest import Manifest, ObjectEntry
+from objckpt.format.manifest import Manifest
 from objckpt.format.steps import StepPlaces
-from objckpt.ops.maintain.verify import commit_copy, copy_object
+from objckpt.ops.maintain.object_check import promote_object
+from objckpt.ops.maintain.verify import commit_copy
 from objckpt.options import UploadOptions
 from objckpt.pipeline.finalize import RankExchange
 from objckpt.pipeline.handle import SaveHandle
-from objckpt.pipeline.upload_task import worker_store
 from objckpt.writers import open_store
-from objckpt.writers.accounting import RequestCounter, RequestStats, counting
+from objckpt.writers.accounting import RequestStats
 from objckpt.writers.location import Location
 from objckpt.writers.translate import describe
 
-__all__ = ["Promoter", "promote_object"]
+__all__ = ["Promoter"]
 
 logger = logging.getLogger(__name__)
 
@@ -207,13 +209,3 @@ class Promoter:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-
-
-def promote_object(
-    src: Location, dst: Location, options: UploadOptions, entry: ObjectEntry
-) -> RequestStats:
-    """Worker side: copy one object from the local tier to the primary, checked
-    against ``entry`` while it streams (a damaged local copy is never committed)."""
-    with counting(RequestCounter()) as counter:
-        copy_object(worker_store(src, options), worker_store(dst, options), entry, None)
-    return counter.snapshot()
