@@ -33,15 +33,24 @@ if [ "$version" = titan ]; then
 else
     { echo "torch==$version"; grep -v '^torch==' constraints.txt; } >"$constraints.new"
 fi
-# The clone's path is part of what the venv was built from: objckpt is installed
-# editable, so a fresh clone elsewhere needs it installed again (no downloads then).
-want=$(cat "$constraints.new" pyproject.toml <(pwd) | sha256sum | cut -d' ' -f1)
-if [ "$(cat "$venv/.installed" 2>/dev/null)" != "$want" ]; then
+# What the venv was built from: its dependencies (the constraints, pyproject.toml) and
+# the clone's path (objckpt is installed editable). A fresh clone elsewhere with the
+# same dependencies only points the editable install at itself (--no-deps: pip then
+# resolves nothing against PyPI, minutes on a slow index); anything else reinstalls.
+deps=$(cat "$constraints.new" pyproject.toml | sha256sum | cut -d' ' -f1)
+here=$(pwd)
+if [ "$(cat "$venv/.installed" 2>/dev/null)" != "$deps" ]; then
     mv "$constraints.new" "$constraints"
     test -x "$venv/bin/python" || python3 -m venv "$venv"
     PIP_CONFIG_FILE=/dev/null "$venv/bin/python" -m pip install --quiet \
         --constraint "$constraints" "${packages[@]}" >&2
-    echo "$want" >"$venv/.installed"
+    echo "$deps" >"$venv/.installed"
+    echo "$here" >"$venv/.clone"
+elif [ "$(cat "$venv/.clone" 2>/dev/null)" != "$here" ]; then
+    rm -f "$constraints.new"
+    PIP_CONFIG_FILE=/dev/null "$venv/bin/python" -m pip install --quiet --no-deps \
+        --constraint "$constraints" --editable . >&2
+    echo "$here" >"$venv/.clone"
 else
     rm -f "$constraints.new"
 fi
