@@ -36,18 +36,21 @@ fi
 # What the venv was built from: its dependencies (the constraints, pyproject.toml) and
 # the clone's path (objckpt is installed editable). A fresh clone elsewhere with the
 # same dependencies only points the editable install at itself (--no-deps: pip then
-# resolves nothing against PyPI, minutes on a slow index); anything else reinstalls.
+# resolves no dependency against PyPI, minutes on a slow index; it still fetches
+# setuptools to build the editable wheel); anything else reinstalls. The markers go
+# before pip runs, so a failed install is never taken for a finished one.
 deps=$(cat "$constraints.new" pyproject.toml | sha256sum | cut -d' ' -f1)
 here=$(pwd)
 if [ "$(cat "$venv/.installed" 2>/dev/null)" != "$deps" ]; then
     mv "$constraints.new" "$constraints"
+    rm -f "$venv/.installed" "$venv/.clone"
     test -x "$venv/bin/python" || python3 -m venv "$venv"
     PIP_CONFIG_FILE=/dev/null "$venv/bin/python" -m pip install --quiet \
         --constraint "$constraints" "${packages[@]}" >&2
     echo "$deps" >"$venv/.installed"
     echo "$here" >"$venv/.clone"
 elif [ "$(cat "$venv/.clone" 2>/dev/null)" != "$here" ]; then
-    rm -f "$constraints.new"
+    rm -f "$constraints.new" "$venv/.clone"
     PIP_CONFIG_FILE=/dev/null "$venv/bin/python" -m pip install --quiet --no-deps \
         --constraint "$constraints" --editable . >&2
     echo "$here" >"$venv/.clone"

@@ -205,7 +205,10 @@ def test_promotion_workers_never_import_torch(s3_bucket: StoreTarget, tmp_path: 
     and every rank's promotion worker loaded torch: seconds of CPU and ~190 MiB)."""
     from objckpt.format.manifest import ObjectEntry
     from objckpt.ops.maintain.object_check import promote_object
+    from objckpt.ops.tier import promote
     from objckpt.writers.checksum import crc32c_of, format_crc
+
+    assert promote.promote_object is promote_object  # what the Promoter submits
 
     data = os.urandom(4096)
     src = Location.parse(f"file://{tmp_path}/local/step-0000000001")

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import importlib
 import logging
+import multiprocessing.connection
 import os
 import sys
+import threading
 import warnings
 from collections.abc import Callable
 from types import ModuleType
@@ -28,10 +30,13 @@ from objckpt.testing import offline_env
 
 # What every rank imports before or while its body runs: torch, its distributed
 # checkpoint stack, torch._dynamo (``distribute_tensor`` imports it on first call),
-# objckpt and s3fs cost 6 CPU-seconds a process on the test machine, paid once by the
-# fork server instead of once per rank (a suite starts some hundreds of ranks).
-# Nothing here may read the environment at import time (see start_ranks); gcsfs does,
-# so it is left to the rank.
+# objckpt's writer, reader, checkpointer and manager, and s3fs cost about 6 CPU-s a
+# process on the test machine, paid once by the fork server instead of once per rank
+# (a suite starts some hundreds of ranks). Some of these read the environment when
+# imported (torch: TORCH_LOGS; fsspec: FSSPEC_*; OpenMP: OMP_*): the server keeps the
+# environment of the first test that started ranks, so a test that needs one of those
+# set in its ranks must not rely on the preload (none does). gcsfs reads its probe
+# switch at import, so it is left to the rank.
 PRELOAD = (
     "torch",
     "torch.distributed",
@@ -39,8 +44,12 @@ PRELOAD = (
     "torch.distributed.tensor",
     "torch.distributed.device_mesh",
     "torch._dynamo",
-    "objckpt",
     "s3fs",
+    "objckpt.testing",
+    "objckpt.dcp.storage_writer",
+    "objckpt.dcp.storage_reader",
+    "objckpt.pipeline.checkpointer",
+    "objckpt.ops.run.manager",
 )
 
 
@@ -100,10 +109,22 @@ def _rank_entry(
     """
     os.environ.clear()
     os.environ.update(environ)
+    threading.Thread(target=_exit_with_the_test, daemon=True).start()
     getattr(importlib.import_module(module), body)(rank, world, *args)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _exit_with_the_test() -> None:
+    """Exit once the test's process is gone. A spawned rank died with its parent
+    (torch asks the kernel for a signal then); a forked one's parent is the fork
+    server, which outlives a killed pytest, so the rank watches the test's end of
+    the pipe it was started through instead."""
+    parent = mp.parent_process()
+    if parent is not None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(1)
 
 
 def init_ranks(rank: int, world: int, init_file: str) -> Any:

@@ -10,7 +10,8 @@ where it is stored: the store's paths resolve the reference
 
 What a promotion worker runs (:func:`promote_object`) is here too: this module never
 imports torch, so neither does the worker interpreter that unpickles that function
-(``tests/pipeline/test_worker_imports.py`` holds it to that).
+(``tests/pipeline/test_workers.py::test_promotion_workers_never_import_torch``
+holds it to that).
 """
 
 from __future__ import annotations
