@@ -43,7 +43,8 @@ cluster by :mod:`objckpt.testing.rgw`), a real S3 implementation: no reset API, 
 run gets a new bucket; ranged GETs cost what they read, unlike moto's.
 
 Usage: ``python bench/bench_throughput.py [--size-mib 256] [--repeats 3] [--cold-runs 5]
-[--only cold,sync,s3tc,boto3,fsspec,async,dcp_async] [--fresh-clients] [--server rgw]``
+[--only cold,sync,s3tc,boto3,fsspec,async,dcp_async] [--fresh-clients] [--server rgw]
+[--equal-tensors 16]``
 Results go to ``bench/results/throughput-<date>-<size>mib.json`` and a table to stdout.
 """
 
@@ -88,6 +89,7 @@ def run(
     only: tuple[str, ...] = GROUPS,
     fresh_clients: bool = False,
     kind: str = "moto",
+    equal_tensors: int = 0,
 ) -> dict[str, Any]:
     os.environ.update(offline_env())
     torch.set_num_threads(1)
@@ -103,13 +105,22 @@ def run(
         else:
             server = start_moto_server()
         stack.callback(server.stop)
-        state = transformer_state(size_mib)
+        state = (
+            equal_state(size_mib, equal_tensors) if equal_tensors else transformer_state(size_mib)
+        )
         gib = nbytes(state) / 2**30
         out = _run_all(server, state, gib, repeats, s3tc_threads, only)
         out["server"] = kind
         if "cold" in only:
             out["cold"] = run_cold(server, state, cold_runs, s3tc_threads)
         return out
+
+
+def equal_state(size_mib: int, tensors: int) -> dict[str, torch.Tensor]:
+    """``tensors`` fp32 tensors of equal size: the per-byte cost with little per-tensor
+    work (16 of 16 MiB is the shape #47's independent measurement used)."""
+    numel = size_mib * MiB // 4 // tensors
+    return {f"t{i}": torch.randn(numel) for i in range(tensors)}
 
 
 def _run_all(
@@ -427,6 +438,12 @@ def main() -> None:
     parser.add_argument(
         "--server", choices=("moto", "rgw"), default="moto", help="the S3 server to run against"
     )
+    parser.add_argument(
+        "--equal-tensors",
+        type=int,
+        default=0,
+        help="a state of this many equal fp32 tensors instead of the transformer-shaped one",
+    )
     parser.add_argument("--tag", default="", help="suffix of the results file name")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     smoke.add_argument(parser)
@@ -446,8 +463,14 @@ def main() -> None:
         only,
         args.fresh_clients,
         args.server,
+        args.equal_tensors,
     )
-    fields = {"repeats": args.repeats, "only": list(only), "fresh_clients": args.fresh_clients}
+    fields = {
+        "repeats": args.repeats,
+        "only": list(only),
+        "fresh_clients": args.fresh_clients,
+        "equal_tensors": args.equal_tensors,
+    }
     name = (
         "throughput"
         + ("-rgw" if args.server == "rgw" else "")

@@ -37,7 +37,9 @@ class UploadOptions:
     Attributes:
         part_size: Bytes per multipart part. Objects up to twice this go up in one
             request; larger ones as multipart uploads. Grown automatically so an
-            object never needs more than 10,000 parts.
+            object never needs more than 10,000 parts. An object's last part may be
+            up to 5 MiB larger: a shorter tail goes up with it, not as a request of
+            its own.
         object_size: Target size of a payload object. Small tensors are packed
             together up to this size; a larger tensor gets an object of its own.
             Moderate objects keep ranged reads cheap and let uploads run in parallel.
@@ -162,8 +164,9 @@ class ReadOptions:
 
     Attributes:
         verify: Check every item's CRC32C against the manifest.
-        range_size: Largest single ranged GET; bigger spans are split so they
-            download in parallel.
+        range_size: Size of a ranged GET; bigger spans are split so they
+            download in parallel. A span's last GET may be up to a quarter
+            larger: a shorter tail is read with it, not as a request of its own.
         coalesce_gap: Ranges of one object closer than this are fetched as one.
         max_in_flight_bytes: Bytes fetched but not yet copied into tensors: half
             for the batch being copied, half for the next one being fetched (a

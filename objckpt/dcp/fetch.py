@@ -61,6 +61,20 @@ def fetch_ranges(
         )
 
 
+def pieces_of(start: int, end: int, step: int) -> list[tuple[int, int]]:
+    """``[start, end)`` in ranged GETs of ``step`` bytes, but for the last: a tail under
+    a quarter of ``step`` is read with the piece before it. A tensor is its frame and
+    its bytes, so one of 16 MiB spans 16 MiB and ~1.5 KiB; cut at 16 MiB, each such
+    tensor cost a second request for those few KiB, whose fixed cost buys no
+    parallelism (#47)."""
+    pieces = []
+    while end - start > step + step // 4:
+        pieces.append((start, start + step))
+        start += step
+    pieces.append((start, end))
+    return pieces
+
+
 def _fetch_remote(
     batch: list[Range],
     sinks: list[SpanSink],
@@ -70,10 +84,8 @@ def _fetch_remote(
 ) -> None:
     """Fetch every range of a batch concurrently; big ranges in parallel pieces."""
     keys, starts, ends, owner, pieces = [], [], [], [], []
-    step = options.range_size
     for n, rng in enumerate(batch):
-        for start in range(rng.start, rng.end, step) if rng.end > rng.start else [rng.start]:
-            end = min(start + step, rng.end)
+        for start, end in pieces_of(rng.start, rng.end, options.range_size):
             keys.append(rng.key)
             starts.append(start)
             ends.append(end)

@@ -114,3 +114,29 @@ def test_ranges_read_into_sinks_count_what_each_answer_had(
                 assert s3_proxy.count("GetObject") == 4  # the empty range asked nothing
         finally:
             store.close()
+
+
+@pytest.mark.parametrize(
+    ("mib", "gets"),
+    [(16, 1), (40, 3)],
+    ids=["a-frames-tail-rides-along", "a-long-tail-is-its-own-get"],
+)
+def test_a_tensor_is_read_in_range_size_gets_without_a_tail_of_a_few_kib(
+    via: StoreTarget, s3_proxy: FaultProxy, mib: int, gets: int
+) -> None:
+    """A 16 MiB tensor is stored with its frame, 16 MiB and ~1.5 KiB, and was read
+    as a 16 MiB GET and a GET of the frame's few KiB (#47): now a tail under a
+    quarter of ``range_size`` is read with the piece before it. At 40 MiB the
+    pieces are 16, 16 and 8 MiB and a bit: a tail that big is still its own GET."""
+    state = {"w": torch.randn(mib * 1024 * 1024 // 4)}
+    url = via.url(f"t{mib}")
+    save(state, url, via)
+    before = len(_payload_gets(s3_proxy))
+    got = empty_like_state(state)
+    load(got, url, via)
+    assert_state_equal(got, state)
+    assert len(_payload_gets(s3_proxy)) - before == gets
+
+
+def _payload_gets(proxy: FaultProxy) -> list[str]:
+    return [p for p in proxy.paths("GetObject") if p.endswith(".distcp")]
