@@ -21,6 +21,9 @@ __all__ = ["AsyncOptions", "ReadOptions", "UploadOptions"]
 MiB = 1024 * 1024
 S3_MIN_PART = 5 * MiB
 S3_MAX_PART = 5 * 1024 * MiB
+#: A part's worth of bytes this short at an object's end goes up with the part before
+#: it, not as a request of its own (S3's smallest part but the last, for every store).
+SHORT_TAIL = S3_MIN_PART
 MAX_PARTS = 10_000
 
 

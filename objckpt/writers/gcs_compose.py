@@ -65,8 +65,8 @@ def piece_owner(name: str) -> str | None:
 class CompositeUpload(PartedUpload):
     """One large GCS object, uploaded as concurrent pieces and composed on close."""
 
-    def __init__(self, store: GcsStore, key: str, part_size: int) -> None:
-        super().__init__(key, part_size)
+    def __init__(self, store: GcsStore, key: str, part_size: int, size_hint: int = 0) -> None:
+        super().__init__(key, part_size, size_hint)
         self._store = store
         self._pieces: list[str] = []
         self._sizes: list[int] = []
@@ -75,8 +75,7 @@ class CompositeUpload(PartedUpload):
         self._lock = threading.Lock()
         self._closed = False
 
-    def _flush_part(self) -> None:
-        data = self._take_part()
+    def _flush_part(self, data: bytes) -> None:
         key = piece_key(self.key, 0, len(self._pieces))
         self._pieces.append(key)
         self._sizes.append(len(data))
@@ -90,8 +89,7 @@ class CompositeUpload(PartedUpload):
 
     def close(self) -> concurrent.futures.Future[None]:
         self._closed = True
-        if self._buf or not self._pieces:
-            self._flush_part()
+        self._send_last()
         self.crc32c = self._crc.hexdigest()
         return self._store.submit_call(self._finish)
 
@@ -154,7 +152,7 @@ class CompositeUpload(PartedUpload):
             logger.debug("could not delete the pieces of %s", self.key, exc_info=True)
 
     def abort(self) -> None:
-        self._buf = bytearray()
+        self._drop_unsent()
         for fut in self._futures:  # pieces still uploading would otherwise land later
             fut.exception()
         with self._lock:

@@ -32,7 +32,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from objckpt.errors import UploadError
-from objckpt.options import MAX_PARTS, S3_MAX_PART, S3_MIN_PART
+from objckpt.options import MAX_PARTS, S3_MAX_PART, SHORT_TAIL
 from objckpt.writers.accounting import RequestCounter, counting, current_counter
 from objckpt.writers.base import ObjectUpload, translated_future
 from objckpt.writers.checksum import BytesLike, crc32c_combine, crc32c_of, format_crc, to_base64
@@ -127,7 +127,7 @@ class S3Upload(ObjectUpload):
         # overflow it by a few KiB (three 16 MiB tensors make 48 MiB + 4.6 KiB): sent
         # at once, the last full part leaves a tail of a few KiB, one more request per
         # object. Near the hinted end the part waits, and close() sends the tail with it.
-        if self._size_hint - self._filled < S3_MIN_PART:
+        if self._size_hint - self._filled < SHORT_TAIL:
             self._held = full
         else:
             self._send(full)
@@ -223,7 +223,7 @@ class S3Upload(ObjectUpload):
         last, self._part = self._part, Part()
         if self._held is not None:
             held, self._held = self._held, None
-            if last.size < S3_MIN_PART and held.size + last.size <= S3_MAX_PART:
+            if last.size < SHORT_TAIL and held.size + last.size <= S3_MAX_PART:
                 last = held + last  # a short tail rides with the part before it
             else:
                 self._send(held)

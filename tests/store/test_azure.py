@@ -10,6 +10,7 @@ object that becomes visible whole or not at all.
 from __future__ import annotations
 
 import json
+import os
 import logging
 
 import pytest
@@ -166,14 +167,14 @@ def test_a_large_object_is_staged_blocks_and_visible_only_once_committed(
     proxy.add(Rule("PutBlock", action="hold", before_upstream=False, stall=120))
     location = Location.parse(target.url("big"), target.storage_options)
     store = open_store(location, UploadOptions(part_size=5 * MiB, max_parts_in_flight=4))
-    data = torch.randn(4 * MiB, generator=torch.Generator().manual_seed(9)).numpy().tobytes()
+    data = torch.randn(5 * MiB, generator=torch.Generator().manual_seed(9)).numpy().tobytes()
     try:
         upload = store.begin("big.bin", len(data))
         assert isinstance(upload, BlockUpload)
         for at in range(0, len(data), MiB):
             upload.write(data[at : at + MiB])
         done = upload.close()
-        proxy.wait_for("PutBlock", count=4)  # 16 MiB in 5 MiB parts
+        proxy.wait_for("PutBlock", count=4)  # 20 MiB in 5 MiB parts
         proxy.wait_idle()  # each has landed; its answer is held
         assert proxy.peak_open("PutBlock") == 4
         assert _names(azurite, target.bucket, "t/big/") == []
@@ -189,6 +190,31 @@ def test_a_large_object_is_staged_blocks_and_visible_only_once_committed(
     assert _names(azurite, target.bucket, "t/big/") == ["t/big/big.bin"]
     with azurite.blob_service_client() as client:
         blob = client.get_blob_client(target.bucket, "t/big/big.bin")
+        assert blob.download_blob().readall() == data
+
+
+@pytest.mark.parametrize(("tail", "blocks"), [(4_731, 3), (5 * MiB, 4)], ids=["short", "long"])
+def test_a_short_tail_is_staged_with_the_last_full_block(
+    az_container: StoreTarget, azurite: Azurite, tail: int, blocks: int
+) -> None:
+    """A payload object a few KiB past a multiple of the part size (its tensors'
+    frames) made a block of those few KiB: one more Put Block (#47). The tail now
+    goes up with the last full block; a tail of 5 MiB or more is still a block."""
+    location = Location.parse(az_container.url("tail"), az_container.storage_options)
+    store = open_store(location, UploadOptions(part_size=5 * MiB))
+    data = os.urandom(3 * 5 * MiB + tail)
+    try:
+        upload = store.begin("t.bin", len(data))
+        assert isinstance(upload, BlockUpload)
+        for at in range(0, len(data), 3 * MiB):
+            upload.write(data[at : at + 3 * MiB])
+        upload.close().result(timeout=120)
+    finally:
+        store.close()
+    with azurite.blob_service_client() as client:
+        blob = client.get_blob_client(az_container.bucket, "t/tail/t.bin")
+        sizes = [b.size for b in blob.get_block_list("committed")[0]]
+        assert sizes == [5 * MiB] * (blocks - 1) + [len(data) - 5 * MiB * (blocks - 1)]
         assert blob.download_blob().readall() == data
 
 

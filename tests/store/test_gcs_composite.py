@@ -49,7 +49,7 @@ def _names(store: GcsStore) -> list[str]:
 
 
 def test_a_large_object_is_composed_from_pieces_and_checked(gcs: StoreTarget) -> None:
-    data = os.urandom(3 * PART + 123_456)  # 4 pieces
+    data = os.urandom(3 * PART + 123_456)  # 3 pieces, the last with the tail
     store = _store(gcs, "composite")
     upload = _upload(store, "big.distcp", data)
     crc = Crc32c()
@@ -58,6 +58,22 @@ def test_a_large_object_is_composed_from_pieces_and_checked(gcs: StoreTarget) ->
     assert store.read("big.distcp") == data
     assert store.digest("big.distcp") == (len(data), crc.hexdigest())  # GCS's own CRC32C
     assert _names(store) == ["big.distcp"]  # the pieces are gone
+
+
+@pytest.mark.parametrize(("tail", "pieces"), [(4_731, 3), (PART, 4)], ids=["short", "long"])
+def test_a_short_tail_is_composed_with_the_last_full_piece(
+    gcs: StoreTarget, tail: int, pieces: int
+) -> None:
+    """A payload object a few KiB past a multiple of the part size (its tensors'
+    frames) made a piece of those few KiB: one more upload, compose source and
+    delete (#47). The tail now goes up with the last full piece; a tail of 5 MiB or
+    more is still a piece of its own."""
+    data = os.urandom(3 * PART + tail)
+    store = _store(gcs, "tail")
+    upload = _upload(store, "t.distcp", data)
+    assert len(upload._pieces) == pieces
+    assert store.read("t.distcp") == data
+    assert _names(store) == ["t.distcp"]
 
 
 def test_objects_up_to_two_parts_go_up_in_one_request(gcs: StoreTarget) -> None:
