@@ -10,8 +10,8 @@ object that becomes visible whole or not at all.
 from __future__ import annotations
 
 import json
-import os
 import logging
+import os
 
 import pytest
 import torch
