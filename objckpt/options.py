@@ -21,8 +21,8 @@ __all__ = ["AsyncOptions", "ReadOptions", "UploadOptions"]
 MiB = 1024 * 1024
 S3_MIN_PART = 5 * MiB
 S3_MAX_PART = 5 * 1024 * MiB
-#: A part's worth of bytes this short at an object's end goes up with the part before
-#: it, not as a request of its own (S3's smallest part but the last, for every store).
+#: An object whose size hint leaves a tail this short past its last full part gets
+#: parts a little larger, so the tail is not a request of its own (part_size_for).
 SHORT_TAIL = S3_MIN_PART
 MAX_PARTS = 10_000
 
@@ -40,9 +40,9 @@ class UploadOptions:
     Attributes:
         part_size: Bytes per multipart part. Objects up to twice this go up in one
             request; larger ones as multipart uploads. Grown automatically so an
-            object never needs more than 10,000 parts. An object's last part may be
-            up to 5 MiB larger: a shorter tail goes up with it, not as a request of
-            its own.
+            object never needs more than 10,000 parts, and a little where an
+            object's size would leave a last part under 5 MiB, so those bytes are
+            not a request of their own (parts stay equal, the last no larger).
         object_size: Target size of a payload object. Small tensors are packed
             together up to this size; a larger tensor gets an object of its own.
             Moderate objects keep ranged reads cheap and let uploads run in parallel.
@@ -154,10 +154,26 @@ class UploadOptions:
         )
 
     def part_size_for(self, size_hint: int) -> int:
-        """The part size for an object of about ``size_hint`` bytes (<= 10,000 parts)."""
+        """The part size for an object of about ``size_hint`` bytes (<= 10,000 parts).
+
+        A payload object is packed to ``object_size`` and its tensors' frames overflow
+        a multiple of ``part_size`` by a little (three 16 MiB tensors make 48 MiB and
+        4.6 KiB): cut at ``part_size``, it ends in a part of those few KiB, one more
+        request per object (#47). Where the hint leaves a tail under ``SHORT_TAIL``,
+        the parts grow (to whole MiB, with a MiB to spare for the hint's estimate of
+        the frames) so that as many parts cover the object. Every part but the last
+        is still the same size and the last no larger, which S3-compatible stores
+        that demand equal parts (Cloudflare R2) accept; a larger last part they
+        refuse.
+        """
         needed = -(-size_hint // (MAX_PARTS - 100))  # keep headroom for the estimate
         needed = -(-needed // MiB) * MiB
-        return min(max(self.part_size, needed), S3_MAX_PART)
+        part = min(max(self.part_size, needed), S3_MAX_PART)
+        full, tail = divmod(size_hint, part)
+        if full >= 2 and 0 < tail < SHORT_TAIL:
+            grown = -(-(size_hint + MiB) // full)
+            part = min(-(-grown // MiB) * MiB, S3_MAX_PART)
+        return part
 
 
 @removed_keywords(READ_OPTIONS)

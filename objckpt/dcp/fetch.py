@@ -5,13 +5,13 @@ lays out (scratch, and tensors' own memory where their bytes fall: see
 :mod:`objckpt.dcp.delivery`). Store reads go through
 :meth:`~objckpt.writers.base.ObjectStore.read_ranges_into`, all ranges of a batch
 at once (a range past an object's end reads as empty, whatever the store
-answers), and
-a range larger than ``ReadOptions.range_size`` is split into pieces fetched in
-parallel. A response cut off mid-body is retried as its own request by the store's
-retry layer (a store without one gets its batch retried whole). A piece missing
-or shorter than the manifest says is a :class:`SizeMismatchError` naming the
-object (and, for bytes the step reuses from an earlier step, both steps): the
-manifest lists it, so the store lost it.
+answers), and a range larger than ``ReadOptions.range_size`` is split into pieces
+fetched in parallel (:func:`pieces_of`: the last may be up to a quarter larger).
+A response cut off mid-body is retried as its own request by the store's retry
+layer (a store without one gets its batch retried whole). A piece missing or
+shorter than the manifest says is a :class:`SizeMismatchError` naming the object
+(and, for bytes the step reuses from an earlier step, both steps): the manifest
+lists it, so the store lost it.
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ def fetch_ranges(
 
 
 def pieces_of(start: int, end: int, step: int) -> list[tuple[int, int]]:
-    """``[start, end)`` in ranged GETs of ``step`` bytes, but for the last: a tail under
-    a quarter of ``step`` is read with the piece before it. A tensor is its frame and
+    """``[start, end)`` in ranged GETs of ``step`` bytes, but for the last: a tail of
+    at most a quarter of ``step`` is read with the piece before it. A tensor is its frame and
     its bytes, so one of 16 MiB spans 16 MiB and ~1.5 KiB; cut at 16 MiB, each such
     tensor cost a second request for those few KiB, whose fixed cost buys no
     parallelism (#47)."""

@@ -129,7 +129,7 @@ class AzureStore(ObjectStore):
         blocks committed with one block list (:class:`BlockUpload`)."""
         part = self.options.part_size_for(size_hint)
         if size_hint > 2 * part and self.is_async:
-            return BlockUpload(self, key, part, size_hint)
+            return BlockUpload(self, key, part)
         return BufferedUpload(self, key, size_hint)
 
     def create(self, key: str, data: bytes, *, overwrite: bool = False) -> None:
@@ -151,15 +151,16 @@ class BlockUpload(PartedUpload):
     other's blocks.
     """
 
-    def __init__(self, store: AzureStore, key: str, part_size: int, size_hint: int = 0) -> None:
-        super().__init__(key, part_size, size_hint)
+    def __init__(self, store: AzureStore, key: str, part_size: int) -> None:
+        super().__init__(key, part_size)
         self._store = store
         self._prefix = uuid.uuid4().hex[:16]
         self._blocks: list[str] = []
         self._futures: list[concurrent.futures.Future[None]] = []
         self._committing = False
 
-    def _flush_part(self, data: bytes) -> None:
+    def _flush_part(self) -> None:
+        data = self._take_part()
         block_id = base64.b64encode(f"{self._prefix}-{len(self._blocks):06d}".encode()).decode()
         self._blocks.append(block_id)
         store = self._store
@@ -182,7 +183,8 @@ class BlockUpload(PartedUpload):
             return await client.commit_block_list(list(self._blocks), metadata=_BLOB_METADATA)
 
     def close(self) -> concurrent.futures.Future[None]:
-        self._send_last()
+        if self._buf or not self._blocks:
+            self._flush_part()
         self.crc32c = self._crc.hexdigest()
         return self._store.submit_call(self._finish)
 
@@ -207,7 +209,7 @@ class BlockUpload(PartedUpload):
         """Wait out blocks still in flight; staged blocks expire on their own (the
         module docstring). A block list whose answer was lost may have landed: the
         blob is deleted then."""
-        self._drop_unsent()
+        self._buf = bytearray()
         for fut in self._futures:
             fut.exception()
         if self._committing:

@@ -66,7 +66,7 @@ from fsspec.asyn import AsyncFileSystem, FSTimeoutError, sync
 
 import objckpt.writers.retry as retry
 from objckpt.errors import BucketNotFoundError
-from objckpt.options import SHORT_TAIL, UploadOptions
+from objckpt.options import UploadOptions
 from objckpt.writers.checksum import BytesLike, Crc32c, crc32c_of
 from objckpt.writers.deadline import Deadline, bounded_by, current_deadline
 from objckpt.writers.location import Location
@@ -728,25 +728,17 @@ class ObjectStore(abc.ABC):
 
 class PartedUpload(ObjectUpload):
     """An upload that cuts its bytes into parts of ``part_size`` and sends each part as
-    it fills (:meth:`_flush_part`; the last full part waits for a short tail to join
-    it, :meth:`_send_last` at close), feeding the whole object's CRC32C on the way:
+    it fills (:meth:`_flush_part`), feeding the whole object's CRC32C on the way:
     the write side shared by stores whose large objects are parts committed in one
     request at the end (Azure's staged blocks, GCS's composed pieces)."""
 
     tracks_crc32c = True
 
-    def __init__(self, key: str, part_size: int, size_hint: int = 0) -> None:
+    def __init__(self, key: str, part_size: int) -> None:
         super().__init__(key)
         self._part_size = part_size
-        self._size_hint = size_hint
         self._buf = bytearray()
         self._crc = Crc32c()
-        # A full part the size hint puts near the object's end (every full part, when
-        # no size is known) waits here, so a short tail joins it (S3Upload does the
-        # same and says why): one request fewer per object.
-        self._held: bytes | None = None
-        self._filled = 0  # bytes in full parts so far, held or sent
-        self._parts_sent = 0
 
     def write(self, data: BytesLike) -> int:
         crc = crc32c_of(data)
@@ -757,7 +749,7 @@ class PartedUpload(ObjectUpload):
             self._buf += view[:room]
             view = view[room:]
             if len(self._buf) == self._part_size:
-                self._part_full(self._take_part())
+                self._flush_part()
         return crc
 
     def _take_part(self) -> bytes:
@@ -765,39 +757,9 @@ class PartedUpload(ObjectUpload):
         data, self._buf = bytes(self._buf), bytearray()
         return data
 
-    def _part_full(self, data: bytes) -> None:
-        self._filled += len(data)
-        if self._held is not None:
-            held, self._held = self._held, None
-            self._send(held)
-        if self._size_hint - self._filled < SHORT_TAIL:
-            self._held = data
-        else:
-            self._send(data)
-
-    def _send_last(self) -> None:
-        """Send what is left at close: the held part with a short tail joined to it (or
-        each alone), and an empty part for an object with no bytes at all."""
-        tail = self._take_part()
-        held, self._held = self._held, None
-        if held is not None and len(tail) < SHORT_TAIL:
-            tail, held = held + tail, None
-        if held is not None:
-            self._send(held)
-        if tail or not self._parts_sent:
-            self._send(tail)
-
-    def _send(self, data: bytes) -> None:
-        self._parts_sent += 1
-        self._flush_part(data)
-
-    def _drop_unsent(self) -> None:
-        """Forget the bytes not sent (an abort)."""
-        self._buf, self._held = bytearray(), None
-
     @abc.abstractmethod
-    def _flush_part(self, data: bytes) -> None:
-        """Send ``data`` as the next part."""
+    def _flush_part(self) -> None:
+        """Send :meth:`_take_part`'s bytes as the next part."""
 
 
 class BufferedUpload(ObjectUpload):

@@ -65,8 +65,8 @@ def piece_owner(name: str) -> str | None:
 class CompositeUpload(PartedUpload):
     """One large GCS object, uploaded as concurrent pieces and composed on close."""
 
-    def __init__(self, store: GcsStore, key: str, part_size: int, size_hint: int = 0) -> None:
-        super().__init__(key, part_size, size_hint)
+    def __init__(self, store: GcsStore, key: str, part_size: int) -> None:
+        super().__init__(key, part_size)
         self._store = store
         self._pieces: list[str] = []
         self._sizes: list[int] = []
@@ -75,7 +75,8 @@ class CompositeUpload(PartedUpload):
         self._lock = threading.Lock()
         self._closed = False
 
-    def _flush_part(self, data: bytes) -> None:
+    def _flush_part(self) -> None:
+        data = self._take_part()
         key = piece_key(self.key, 0, len(self._pieces))
         self._pieces.append(key)
         self._sizes.append(len(data))
@@ -89,7 +90,8 @@ class CompositeUpload(PartedUpload):
 
     def close(self) -> concurrent.futures.Future[None]:
         self._closed = True
-        self._send_last()
+        if self._buf or not self._pieces:
+            self._flush_part()
         self.crc32c = self._crc.hexdigest()
         return self._store.submit_call(self._finish)
 
@@ -152,7 +154,7 @@ class CompositeUpload(PartedUpload):
             logger.debug("could not delete the pieces of %s", self.key, exc_info=True)
 
     def abort(self) -> None:
-        self._drop_unsent()
+        self._buf = bytearray()
         for fut in self._futures:  # pieces still uploading would otherwise land later
             fut.exception()
         with self._lock:

@@ -91,7 +91,7 @@ class GcsStore(GenericStore):
         composite uploads (:mod:`objckpt.writers.gcs_compose`)."""
         part = self.options.part_size_for(size_hint)
         if size_hint > 2 * part and self.is_async:
-            return CompositeUpload(self, key, part, size_hint)
+            return CompositeUpload(self, key, part)
         return BufferedUpload(self, key, size_hint)
 
     def create(self, key: str, data: bytes, *, overwrite: bool = False) -> None:

@@ -129,7 +129,7 @@ class S3Store(ObjectStore):
             raise translate(exc, url=url, action=doing[0]) from exc
 
     def begin(self, key: str, size_hint: int) -> ObjectUpload:
-        return S3Upload(self, key, self.options.part_size_for(size_hint), size_hint)
+        return S3Upload(self, key, self.options.part_size_for(size_hint))
 
     def create(self, key: str, data: bytes | bytearray, *, overwrite: bool = False) -> None:
         bucket, obj = self.bucket_key(key)

@@ -32,7 +32,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from objckpt.errors import UploadError
-from objckpt.options import MAX_PARTS, S3_MAX_PART, SHORT_TAIL
+from objckpt.options import MAX_PARTS
 from objckpt.writers.accounting import RequestCounter, counting, current_counter
 from objckpt.writers.base import ObjectUpload, translated_future
 from objckpt.writers.checksum import BytesLike, crc32c_combine, crc32c_of, format_crc, to_base64
@@ -65,19 +65,15 @@ class S3Upload(ObjectUpload):
 
     tracks_crc32c = True
 
-    def __init__(self, store: S3Store, key: str, part_size: int, size_hint: int = 0) -> None:
+    def __init__(self, store: S3Store, key: str, part_size: int) -> None:
         super().__init__(key)
         self._store = store
         self._bucket, self._obj = store.bucket_key(key)
         self._part_size = part_size
-        self._size_hint = size_hint
         self._part = Part()
-        # A full part waits here while what follows it may still end the object:
-        # the first one until a second shows the object needs multipart (objects up
-        # to two parts go up in a single request), and one that the size hint puts
-        # near the object's end, so a short tail joins it (see _part_full).
+        # The first full part waits here until a second one shows the object needs
+        # multipart; objects up to two parts go up in a single request.
         self._held: Part | None = None
-        self._filled = 0  # bytes in full parts so far, held or sent
         self._upload_id: str | None = None
         self._parts: list[concurrent.futures.Future[dict[str, Any]]] = []
         self._crc = 0  # of the parts sent so far, combined
@@ -114,23 +110,15 @@ class S3Upload(ObjectUpload):
         return crc
 
     def _part_full(self, full: Part) -> None:
-        self._filled += full.size
         if self._upload_id is None and self._held is None:
             self._held = full
             return
         if self._upload_id is None:
+            assert self._held is not None
             self._start_multipart()
-        if self._held is not None:
             held, self._held = self._held, None
             self._send(held)
-        # Payload objects are packed to a target size and their tensors' frames
-        # overflow it by a few KiB (three 16 MiB tensors make 48 MiB + 4.6 KiB): sent
-        # at once, the last full part leaves a tail of a few KiB, one more request per
-        # object. Near the hinted end the part waits, and close() sends the tail with it.
-        if self._size_hint - self._filled < SHORT_TAIL:
-            self._held = full
-        else:
-            self._send(full)
+        self._send(full)
 
     def _start_multipart(self) -> None:
         # Its own tally (still counted into the save's) says whether a try failed.
@@ -220,14 +208,8 @@ class S3Upload(ObjectUpload):
             )
             fut.add_done_callback(self._store.release_slot)
             return translated_future(fut, url, "uploading")
-        last, self._part = self._part, Part()
-        if self._held is not None:
-            held, self._held = self._held, None
-            if last.size < SHORT_TAIL and held.size + last.size <= S3_MAX_PART:
-                last = held + last  # a short tail rides with the part before it
-            else:
-                self._send(held)
-        if last.size:
+        if self._part.size:
+            last, self._part = self._part, Part()
             self._send(last)
         self.crc32c = format_crc(self._crc)
         return translated_future(self._store.submit_coro(self._complete()), url, "uploading")

@@ -194,14 +194,15 @@ def test_a_large_object_is_staged_blocks_and_visible_only_once_committed(
 
 
 @pytest.mark.parametrize(("tail", "blocks"), [(4_731, 3), (5 * MiB, 4)], ids=["short", "long"])
-def test_a_short_tail_is_staged_with_the_last_full_block(
+def test_a_short_tail_is_no_block_of_its_own(
     az_container: StoreTarget, azurite: Azurite, tail: int, blocks: int
 ) -> None:
     """A payload object a few KiB past a multiple of the part size (its tensors'
-    frames) made a block of those few KiB: one more Put Block (#47). The tail now
-    goes up with the last full block; a tail of 5 MiB or more is still a block."""
+    frames) made a block of those few KiB: one more Put Block (#47). Its blocks now
+    grow a little so as many cover it; a tail of 5 MiB or more is still a block."""
     location = Location.parse(az_container.url("tail"), az_container.storage_options)
-    store = open_store(location, UploadOptions(part_size=5 * MiB))
+    options = UploadOptions(part_size=5 * MiB)
+    store = open_store(location, options)
     data = os.urandom(3 * 5 * MiB + tail)
     try:
         upload = store.begin("t.bin", len(data))
@@ -214,7 +215,8 @@ def test_a_short_tail_is_staged_with_the_last_full_block(
     with azurite.blob_service_client() as client:
         blob = client.get_blob_client(az_container.bucket, "t/tail/t.bin")
         sizes = [b.size for b in blob.get_block_list("committed")[0]]
-        assert sizes == [5 * MiB] * (blocks - 1) + [len(data) - 5 * MiB * (blocks - 1)]
+        part = options.part_size_for(len(data))
+        assert sizes == [part] * (blocks - 1) + [len(data) - part * (blocks - 1)]
         assert blob.download_blob().readall() == data
 
 
