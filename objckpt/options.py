@@ -159,18 +159,20 @@ class UploadOptions:
         A payload object is packed to ``object_size`` and its tensors' frames overflow
         a multiple of ``part_size`` by a little (three 16 MiB tensors make 48 MiB and
         4.6 KiB): cut at ``part_size``, it ends in a part of those few KiB, one more
-        request per object (#47). Where the hint leaves a tail under ``SHORT_TAIL``,
-        the parts grow (to whole MiB, with a MiB to spare for the hint's estimate of
-        the frames) so that as many parts cover the object. Every part but the last
-        is still the same size and the last no larger, which S3-compatible stores
-        that demand equal parts (Cloudflare R2) accept; a larger last part they
-        refuse.
+        request per object (#47). Where the hint leaves a tail under ``SHORT_TAIL``
+        past three or more full parts, the parts grow (to whole MiB, with a MiB to
+        spare for the hint's estimate of the frames) so that as many parts cover
+        the object. Every part but the last is still the same size and the last no
+        larger, which S3-compatible stores that demand equal parts (Cloudflare R2)
+        accept; a larger last part they refuse.
         """
         needed = -(-size_hint // (MAX_PARTS - 100))  # keep headroom for the estimate
         needed = -(-needed // MiB) * MiB
         part = min(max(self.part_size, needed), S3_MAX_PART)
         full, tail = divmod(size_hint, part)
-        if full >= 2 and 0 < tail < SHORT_TAIL:
+        # Not at two full parts: grown, they would be two parts, and an object of two
+        # parts goes up as one PUT (S3Upload): another kind of upload, left as it was.
+        if full >= 3 and 0 < tail < SHORT_TAIL:
             grown = -(-(size_hint + MiB) // full)
             part = min(-(-grown // MiB) * MiB, S3_MAX_PART)
         return part
