@@ -41,8 +41,9 @@ class UploadOptions:
         part_size: Bytes per multipart part. Objects up to twice this go up in one
             request; larger ones as multipart uploads. Grown automatically so an
             object never needs more than 10,000 parts, and a little where an
-            object's size would leave a last part under 5 MiB, so those bytes are
-            not a request of their own (parts stay equal, the last no larger).
+            object of three or more parts would end in one under 5 MiB, so those
+            bytes are not a request of their own (parts stay equal, the last no
+            larger).
         object_size: Target size of a payload object. Small tensors are packed
             together up to this size; a larger tensor gets an object of its own.
             Moderate objects keep ranged reads cheap and let uploads run in parallel.
