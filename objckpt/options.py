@@ -21,6 +21,8 @@ __all__ = ["AsyncOptions", "ReadOptions", "UploadOptions"]
 MiB = 1024 * 1024
 S3_MIN_PART = 5 * MiB
 S3_MAX_PART = 5 * 1024 * MiB
+#: S3's largest object in one PutObject; larger ones must go multipart.
+S3_MAX_PUT = 5 * 1024 * MiB
 #: An object whose size hint leaves a tail this short past its last full part gets
 #: parts a little larger, so the tail is not a request of its own (part_size_for).
 SHORT_TAIL = S3_MIN_PART
@@ -38,8 +40,9 @@ class UploadOptions:
     """How payload bytes are cut into objects and parts.
 
     Attributes:
-        part_size: Bytes per multipart part. Objects up to twice this go up in one
-            request; larger ones as multipart uploads. Grown automatically so an
+        part_size: Bytes per multipart part. Objects up to twice this (and at most
+            5 GiB, S3's largest PUT) go up in one request; larger ones as multipart
+            uploads. Azure's blocks stop at its 4,000 MiB limit. Grown automatically so an
             object never needs more than 10,000 parts, and a little where an
             object of three or more parts would end in one under 5 MiB, so those
             bytes are not a request of their own (parts stay equal, the last no

@@ -62,6 +62,10 @@ __all__ = ["AzureStore", "BlockUpload"]
 
 logger = logging.getLogger(__name__)
 
+#: Azure's largest block (Put Block, service versions 2019-12-12 and later):
+#: 4,000 MiB, below S3's largest part.
+MAX_BLOCK = 4000 * 1024 * 1024
+
 #: What adlfs writes on every blob it creates (it tells blobs from its directory markers).
 _BLOB_METADATA = {"is_directory": "false"}
 
@@ -126,8 +130,9 @@ class AzureStore(ObjectStore):
 
     def begin(self, key: str, size_hint: int) -> ObjectUpload:
         """Objects up to two parts go up in one Put Blob; larger ones as staged
-        blocks committed with one block list (:class:`BlockUpload`)."""
-        part = self.options.part_size_for(size_hint)
+        blocks committed with one block list (:class:`BlockUpload`), each block at
+        most :data:`MAX_BLOCK` (``part_size`` may be up to S3's 5 GiB)."""
+        part = min(self.options.part_size_for(size_hint), MAX_BLOCK)
         if size_hint > 2 * part and self.is_async:
             return BlockUpload(self, key, part)
         return BufferedUpload(self, key, size_hint)

@@ -32,7 +32,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from objckpt.errors import UploadError
-from objckpt.options import MAX_PARTS
+from objckpt.options import MAX_PARTS, S3_MAX_PUT
 from objckpt.writers.accounting import RequestCounter, counting, current_counter
 from objckpt.writers.base import ObjectUpload, translated_future
 from objckpt.writers.checksum import BytesLike, crc32c_combine, crc32c_of, format_crc, to_base64
@@ -49,7 +49,8 @@ logger = logging.getLogger(__name__)
 
 
 class S3Upload(ObjectUpload):
-    """One object: a single PUT when it fits in two parts, else a multipart upload.
+    """One object: a single PUT when it fits in two parts (and in S3's 5 GiB limit of
+    one PUT), else a multipart upload.
 
     Every request carries the CRC32C of its body (``x-amz-checksum-crc32c``), so S3
     verifies each part in transit; the object's CRC32C is combined from the parts'
@@ -189,8 +190,12 @@ class S3Upload(ObjectUpload):
         return {"PartNumber": number, "ETag": out["ETag"], "ChecksumCRC32C": checksum}
 
     def close(self) -> concurrent.futures.Future[None]:
-        self._done = True
         url = self._store.location.url_of(self.key)
+        if self._held is not None and self._held.size + self._part.size > S3_MAX_PUT:
+            # Two parts past S3's single-PUT limit (parts above 2.5 GiB) go multipart.
+            self._start_multipart()
+            held, self._held = self._held, None
+            self._send(held)
         if self._upload_id is None:
             body = self._part if self._held is None else self._held + self._part
             self._held, self._part = None, Part()
@@ -212,7 +217,12 @@ class S3Upload(ObjectUpload):
             last, self._part = self._part, Part()
             self._send(last)
         self.crc32c = format_crc(self._crc)
-        return translated_future(self._store.submit_coro(self._complete()), url, "uploading")
+        fut = self._store.submit_coro(self._complete())
+        # Only now does the completion own the upload (it aborts it on failure): a
+        # close that failed before here (the last part refused, no slot) leaves the
+        # upload to abort(), which the caller calls.
+        self._done = True
+        return translated_future(fut, url, "uploading")
 
     async def _complete(self) -> None:
         whole = (

@@ -30,6 +30,7 @@ from objckpt.testing import Azurite, FaultProxy, Rule
 from objckpt.testing.azure_operations import azure_operation
 from objckpt.testing.azurite import AZURITE_KEY
 from objckpt.testing.plugin import StoreTarget
+from objckpt.writers import azure as azure_writers
 from objckpt.writers import open_store, store_family
 from objckpt.writers.azure import AzureStore, BlockUpload
 
@@ -217,6 +218,30 @@ def test_a_short_tail_is_no_block_of_its_own(
         sizes = [b.size for b in blob.get_block_list("committed")[0]]
         part = options.part_size_for(len(data))
         assert sizes == [part] * (blocks - 1) + [len(data) - part * (blocks - 1)]
+        assert blob.download_blob().readall() == data
+
+
+def test_blocks_stay_within_azures_largest_block(
+    az_container: StoreTarget, azurite: Azurite, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``part_size`` may be up to S3's 5 GiB part, but Azure's Put Block takes at most
+    4,000 MiB: a store's blocks are cut at the smaller (the limit is lowered here so
+    that a test can reach it)."""
+    monkeypatch.setattr(azure_writers, "MAX_BLOCK", 6 * MiB)
+    location = Location.parse(az_container.url("cap"), az_container.storage_options)
+    store = open_store(location, UploadOptions(part_size=8 * MiB))
+    data = os.urandom(20 * MiB)
+    try:
+        upload = store.begin("c.bin", len(data))
+        assert isinstance(upload, BlockUpload)
+        upload.write(data)
+        upload.close().result(timeout=120)
+    finally:
+        store.close()
+    with azurite.blob_service_client() as client:
+        blob = client.get_blob_client(az_container.bucket, "t/cap/c.bin")
+        sizes = [b.size for b in blob.get_block_list("committed")[0]]
+        assert sizes == [6 * MiB] * 3 + [2 * MiB]
         assert blob.download_blob().readall() == data
 
 

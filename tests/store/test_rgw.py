@@ -50,7 +50,7 @@ from objckpt import (
     UploadOptions,
 )
 from objckpt.cli import main
-from objckpt.errors import CheckpointExistsError, StoreError
+from objckpt.errors import CheckpointExistsError, StoreError, UploadError
 from objckpt.format.layout import MANIFEST_KEY
 from objckpt.format.manifest import read_manifest
 from objckpt.format.steps import step_name
@@ -61,6 +61,7 @@ from objckpt.testing.plugin import StoreTarget
 from objckpt.testing.rgw import RgwServer, stop_rgw
 from objckpt.testing.servers import offline_env
 from objckpt.writers import open_store
+from objckpt.writers import s3_upload as s3_writers
 from objckpt.writers.checksum import crc32c_of
 from objckpt.writers.s3 import S3Store
 from objckpt.writers.s3_settle import landed
@@ -389,6 +390,68 @@ def test_a_short_tail_is_no_part_of_its_own_where_the_size_is_known(
     assert head["ETag"].strip('"') == f"{hashlib.md5(md5s).hexdigest()}-{parts}"
     body = client.get_object(Bucket=s3_target.bucket, Key=key)["Body"].read()
     assert body == data
+
+
+def _uploads_open(target: StoreTarget) -> list[dict[str, Any]]:
+    client = s3_client(target.storage_options)
+    return list(client.list_multipart_uploads(Bucket=target.bucket).get("Uploads", []))
+
+
+def test_a_close_refused_at_its_last_part_leaves_no_upload_open(
+    s3_target: StoreTarget, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``close()`` sends the last part before it completes the upload. Where that
+    last part is refused before it is sent (here: one part past the limit on parts,
+    which a stream of unknown size can reach), the caller's ``abort()`` must still
+    abort the upload: it used to do nothing, as ``close()`` had marked the upload
+    finished first, and the upload's parts stayed billed until ``objckpt gc``."""
+    monkeypatch.setattr(s3_writers, "MAX_PARTS", 3)
+    store = open_store(Location.parse(s3_target.url("last"), s3_target.storage_options), PARTS)
+    try:
+        upload = store.begin("obj.bin", 0)  # no size known: parts of part_size
+        upload.write(os.urandom(3 * 5 * MiB + 1000))  # three parts sent, a fourth to come
+        assert len(_uploads_open(s3_target)) == 1
+        with pytest.raises(UploadError, match="more than 3 parts"):
+            upload.close()
+        upload.abort()
+        assert not store.exists("obj.bin")
+    finally:
+        store.close()
+    assert _uploads_open(s3_target) == []
+
+
+def test_two_parts_past_s3s_single_put_limit_go_multipart(
+    s3_target: StoreTarget, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An object of up to two parts goes up in one PutObject, but S3 takes at most
+    5 GiB in one PUT: at a ``part_size`` above 2.5 GiB two parts can pass it. Such an
+    object goes multipart (the limit is lowered here so that a test can reach it)."""
+    monkeypatch.setattr(s3_writers, "S3_MAX_PUT", 8 * MiB)
+    store = open_store(Location.parse(s3_target.url("big"), s3_target.storage_options), PARTS)
+    data = {"under": os.urandom(7 * MiB), "over": os.urandom(9 * MiB)}
+    try:
+        for name, body in data.items():
+            upload = store.begin(name, len(body))
+            upload.write(body)
+            upload.close().result(timeout=120)
+    finally:
+        store.close()
+    client = s3_client(s3_target.storage_options)
+    prefix = s3_target.url("big").removeprefix(f"s3://{s3_target.bucket}/")
+    etags = {
+        name: client.head_object(Bucket=s3_target.bucket, Key=f"{prefix}/{name}")["ETag"]
+        for name in data
+    }
+    assert etags["under"].strip('"') == hashlib.md5(data["under"]).hexdigest()  # one PUT
+    md5s = (
+        hashlib.md5(data["over"][: 5 * MiB]).digest()
+        + hashlib.md5(data["over"][5 * MiB :]).digest()
+    )
+    assert etags["over"].strip('"') == f"{hashlib.md5(md5s).hexdigest()}-2"
+    for name, body in data.items():
+        got = client.get_object(Bucket=s3_target.bucket, Key=f"{prefix}/{name}")["Body"].read()
+        assert got == body
+    assert _uploads_open(s3_target) == []
 
 
 def test_an_upload_ended_behind_objckpts_back_fails_naming_it_without_a_gc_warning(
