@@ -48,7 +48,9 @@ class UploadOptions:
             bytes are not a request of their own (parts stay equal, the last no
             larger).
         object_size: Target size of a payload object. Small tensors are packed
-            together up to this size; a larger tensor gets an object of its own.
+            together up to this many bytes of their own (their frames, a KiB or
+            two each, not counted: four 16 MiB tensors fill a 64 MiB object); a
+            tensor of half this or more gets an object of its own.
             Moderate objects keep ranged reads cheap and let uploads run in parallel.
         max_parts_in_flight: Parts (or small objects) uploading at once per writer; also
             bounds the memory held by part buffers to ``max_parts_in_flight * part_size``.

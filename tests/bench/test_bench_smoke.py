@@ -39,7 +39,9 @@ SMOKE: dict[str, list[str]] = {
     "bench_reuse.py": [],
     "bench_scale.py": ["--commit-worlds", "64"],  # rank 0's commit (scale_commit.py)
     "bench_sync.py": [],
-    "bench_throughput.py": [],  # the cold group runs cold_save.py per save
+    # The cold group runs cold_save.py per save. The equal-tensor state, as its
+    # default one (bench_sync's transformer_state) is smoke-run by bench_async.py.
+    "bench_throughput.py": ["--equal-tensors", "4"],
     "bench_tiers.py": [],
     "bench_transport.py": [],  # objckpt's side only where obstore is missing
     "titan_run.py": [],  # skipped (a logged line) where torchtitan is missing

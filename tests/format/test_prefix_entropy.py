@@ -18,7 +18,8 @@ SPREAD = UploadOptions(object_size=64 * 1024, prefix_entropy=2)
 
 
 def _state(seed: int) -> dict:
-    return {f"layer{i}": torch.full((64, 64), float(seed * 100 + i)) for i in range(12)}
+    # 16 KiB tensors, four to a 64 KiB object: four objects to spread
+    return {f"layer{i}": torch.full((64, 64), float(seed * 100 + i)) for i in range(16)}
 
 
 def test_keys_spread_over_prefixes_and_the_step_stays_one_unit(target: StoreTarget) -> None:

@@ -51,6 +51,25 @@ def test_large_objects_go_multipart_small_ones_single(
     assert not client.list_multipart_uploads(Bucket="objckpt-test").get("Uploads")
 
 
+def test_tensors_fill_object_size_without_counting_their_frames(
+    s3_bucket: StoreTarget, moto_server: MotoServer
+) -> None:
+    """Tensors are packed up to ``object_size`` of their own bytes: four tensors of a
+    quarter of it make one object. Counting each tensor's frame (a KiB or so) against
+    it left the fourth for the next object, one object (a Create and a Complete) more
+    per three tensors (#47)."""
+    gen = torch.Generator().manual_seed(3)
+    state = {f"t{i}": torch.randn(5 * MiB // 4, generator=gen) for i in range(8)}  # 5 MiB each
+    url = s3_bucket.url("fill")
+    save(state, url, s3_bucket, upload=UploadOptions(part_size=5 * MiB, object_size=20 * MiB))
+    payload = {k: v for k, v in _objects(moto_server, "t/fill/").items() if is_objckpt_payload(k)}
+    assert len(payload) == 2
+    assert all(20 * MiB < v["Size"] < 20 * MiB + 16 * 1024 for v in payload.values())
+    got = {k: torch.zeros_like(v) for k, v in state.items()}
+    load(got, url, s3_bucket)
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+
+
 class _FailOn(DefaultSavePlanner):
     """Fails while serializing one tensor, after earlier parts are in flight."""
 
