@@ -44,9 +44,9 @@ class UploadOptions:
             5 GiB, S3's largest PUT) go up in one request; larger ones as multipart
             uploads. Azure's blocks stop at its 4,000 MiB limit. Grown automatically so an
             object never needs more than 10,000 parts, and a little where an
-            object of three or more parts would end in one under 5 MiB, so those
+            object of two or more parts would end in one under 5 MiB, so those
             bytes are not a request of their own (parts stay equal, the last no
-            larger).
+            larger; two parts go up in one request).
         object_size: Target size of a payload object. Small tensors are packed
             together up to this many bytes of their own (their frames, a KiB or
             two each, not counted: four 16 MiB tensors fill a 64 MiB object); a
@@ -166,19 +166,20 @@ class UploadOptions:
         a multiple of ``part_size`` by a little (three 16 MiB tensors make 48 MiB and
         4.6 KiB): cut at ``part_size``, it ends in a part of those few KiB, one more
         request per object (#47). Where the hint leaves a tail under ``SHORT_TAIL``
-        past three or more full parts, the parts grow (to whole MiB, with a MiB to
+        past two or more full parts, the parts grow (to whole MiB, with a MiB to
         spare for the hint's estimate of the frames) so that as many parts cover
         the object. Every part but the last is still the same size and the last no
         larger, which S3-compatible stores that demand equal parts (Cloudflare R2)
-        accept; a larger last part they refuse.
+        accept; a larger last part they refuse. Two full parts and a short tail
+        grow into two parts, which an S3 upload sends as one PUT: one request where
+        a Create, three parts and a Complete went (a tensor of exactly twice
+        ``part_size``, a 4096x4096 bf16 matrix at the default, in an object of its own).
         """
         needed = -(-size_hint // (MAX_PARTS - 100))  # keep headroom for the estimate
         needed = -(-needed // MiB) * MiB
         part = min(max(self.part_size, needed), S3_MAX_PART)
         full, tail = divmod(size_hint, part)
-        # Not at two full parts: grown, they would be two parts, and an object of two
-        # parts goes up as one PUT (S3Upload): another kind of upload, left as it was.
-        if full >= 3 and 0 < tail < SHORT_TAIL:
+        if full >= 2 and 0 < tail < SHORT_TAIL:
             grown = -(-(size_hint + MiB) // full)
             part = min(-(-grown // MiB) * MiB, S3_MAX_PART)
         return part

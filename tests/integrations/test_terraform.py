@@ -479,7 +479,7 @@ def _lifecycle(proxy: FaultProxy, moto: MotoServer, tmp_path: Path) -> None:
     for bucket in ("iam-primary", "iam-backup"):
         client.create_bucket(Bucket=bucket)
     parts = UploadOptions(part_size=5 * 1024 * 1024)
-    state = {"big": torch.arange(3 * 1024 * 1024, dtype=torch.float32), "s": torch.ones(3)}
+    state = {"big": torch.arange(4 * 1024 * 1024, dtype=torch.float32), "s": torch.ones(3)}
     with CheckpointManager(
         "s3://iam-primary/run",
         storage_options=opts,

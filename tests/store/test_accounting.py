@@ -17,7 +17,7 @@ PARTS = UploadOptions(part_size=5 * MiB, object_size=16 * MiB)
 
 def _state() -> dict:
     g = torch.Generator().manual_seed(1)
-    return {"big": torch.randn(3 * MiB, generator=g), "small": torch.ones(10), "step": 4}
+    return {"big": torch.randn(4 * MiB, generator=g), "small": torch.ones(10), "step": 4}
 
 
 def _target(proxy: FaultProxy, s3_bucket: StoreTarget) -> StoreTarget:
@@ -58,7 +58,7 @@ def test_an_async_save_counts_its_workers_requests_and_the_load_its_own(
     # This rank did everything: its own count is the total plus the manifest and .metadata PUTs.
     assert handle.requests.requests["PUT"] == total.requests["PUT"] + 2
     s3_proxy.clear()
-    state = {"big": torch.zeros(3 * MiB), "small": torch.zeros(10), "step": 0}
+    state = {"big": torch.zeros(4 * MiB), "small": torch.zeros(10), "step": 0}
     reader = load(state, f"{target.root}/{step_name(1)}", target)
     assert reader.requests.requests["GET"] == s3_proxy.count("GetObject")
     assert reader.requests.bytes_received == s3_proxy.received_bytes("GetObject")

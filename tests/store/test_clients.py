@@ -194,7 +194,7 @@ def test_saves_on_one_client_count_their_own_requests(
     target = _through(s3_proxy, s3_bucket)
     parts = UploadOptions(part_size=5 * MiB, object_size=16 * MiB)
     states = {
-        "one": {"big": torch.ones(3 * MiB), "small": torch.ones(7)},
+        "one": {"big": torch.ones(4 * MiB), "small": torch.ones(7)},
         "two": {"big": torch.ones(4 * MiB), "a": torch.ones(3), "b": torch.ones(5)},
     }
     writers = {}

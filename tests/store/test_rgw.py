@@ -180,7 +180,7 @@ def test_rgw_keeps_no_checksum_and_objckpt_reports_none(
         )
     store = open_store(Location.parse(rgw_bucket.root, rgw_bucket.storage_options), PARTS)
     try:
-        data = os.urandom(11 * MiB)
+        data = os.urandom(16 * MiB)
         with caplog.at_level(logging.WARNING, logger="objckpt.writers"):
             upload = store.begin("multi.bin", len(data))
             upload.write(data)
@@ -235,9 +235,9 @@ def test_over_tls_objckpt_sends_what_rgw_accepts_where_the_sdk_default_is_refuse
         storage_options=rgw_server.storage_options(https=True),
         bucket=rgw_bucket.bucket,
     )
-    state: dict[str, Any] = {"w": torch.randn(3 * MiB), "step": 1}  # 12 MiB: three parts
+    state: dict[str, Any] = {"w": torch.randn(4 * MiB), "step": 1}  # 16 MiB: three parts
     save(state, target.url("tls"), target, upload=PARTS)
-    got: dict[str, Any] = {"w": torch.zeros(3 * MiB), "step": 0}
+    got: dict[str, Any] = {"w": torch.zeros(4 * MiB), "step": 0}
     load(got, target.url("tls"), target)
     assert_state_equal(got, state)
 
@@ -311,11 +311,11 @@ def test_a_complete_whose_answer_was_lost_is_answered_again_by_rgw(
     proxy.add(
         Rule(operation="CompleteMultipartUpload", action="reset", before_upstream=False, times=1)
     )
-    state = {"big": torch.randn(3 * MiB)}
+    state = {"big": torch.randn(4 * MiB)}
     save(state, target.url("c"), target, upload=PARTS)
     assert proxy.count("CompleteMultipartUpload") == 2
     assert not [p for p in proxy.paths("AbortMultipartUpload") if ".distcp" in p]
-    got = {"big": torch.zeros(3 * MiB)}
+    got = {"big": torch.zeros(4 * MiB)}
     load(got, rgw_bucket.url("c"), rgw_bucket)
     assert torch.equal(got["big"], state["big"])
     assert _open_uploads(rgw_server, rgw_bucket.bucket) == []
@@ -336,7 +336,7 @@ def test_a_create_multipart_whose_answer_was_lost_leaves_no_upload_open(
             times=1,
         )
     )
-    state = {"big": torch.randn(3 * MiB)}
+    state = {"big": torch.randn(4 * MiB)}
     save(state, target.url("c"), target, upload=PARTS)
     assert len([p for p in proxy.paths("CreateMultipartUpload") if ".distcp" in p]) == 2
     assert len([p for p in proxy.paths("AbortMultipartUpload") if ".distcp" in p]) == 1
@@ -350,25 +350,28 @@ def s3_target(request: pytest.FixtureRequest) -> StoreTarget:
 
 
 @pytest.mark.parametrize(
-    ("tail", "hint", "parts"),
+    ("full", "tail", "hint", "parts"),
     [
-        (4_731, "exact", 3),  # three 16 MiB tensors' frames past a packed object's size
-        (5 * MiB, "exact", 4),  # a tail S3 takes as a part of its own stays one
-        (4_731, "unknown", 4),  # torch_checkpointing's streams: no size known up front
+        (3, 4_731, "exact", 3),  # three 16 MiB tensors' frames past a packed object's size
+        (3, 5 * MiB, "exact", 4),  # a tail S3 takes as a part of its own stays one
+        (3, 4_731, "unknown", 4),  # torch_checkpointing's streams: no size known up front
+        (2, 1_577, "exact", 1),  # a 32 MiB tensor's frame: two parts grown, so one PUT
     ],
-    ids=["short-tail", "long-tail", "short-tail-no-hint"],
+    ids=["short-tail", "long-tail", "short-tail-no-hint", "two-parts-short-tail"],
 )
 def test_a_short_tail_is_no_part_of_its_own_where_the_size_is_known(
-    s3_target: StoreTarget, tail: int, hint: str, parts: int
+    s3_target: StoreTarget, full: int, tail: int, hint: str, parts: int
 ) -> None:
     """A payload object a few KiB past a multiple of the part size used to end in a
     part of those few KiB: one more request per object (#47). Where the upload knows
     the object's size, its parts grow a little so as many parts cover it. Every part
     but the last stays the same size and the last no larger: some S3-compatible
-    stores (Cloudflare R2) refuse any other layout. Without a size there is no
+    stores (Cloudflare R2) refuse any other layout. Two parts grown are an object
+    of up to two parts, which goes up in one PUT (a tensor of exactly twice the part
+    size took a Create, three parts and a Complete). Without a size there is no
     knowing where the object ends, and the tail is a part."""
     store = open_store(Location.parse(s3_target.url("tail"), s3_target.storage_options), PARTS)
-    data = os.urandom(3 * 5 * MiB + tail)
+    data = os.urandom(full * 5 * MiB + tail)
     size_hint = len(data) if hint == "exact" else 0
     try:
         upload = store.begin("obj.bin", size_hint)
@@ -381,13 +384,16 @@ def test_a_short_tail_is_no_part_of_its_own_where_the_size_is_known(
     key = s3_target.url("tail").removeprefix(f"s3://{s3_target.bucket}/") + "/obj.bin"
     # A multipart ETag is the MD5 of the parts' MD5s, "-" and the count (RGW 16.2
     # ignores HeadObject's PartNumber, so the parts' sizes are read from this).
-    part = PARTS.part_size_for(size_hint)
-    cuts = [*range(0, len(data), part), len(data)]
-    assert len(cuts) - 1 == parts
-    assert cuts[-1] - cuts[-2] <= part  # the last part is no larger than the others
-    md5s = b"".join(hashlib.md5(data[a:b]).digest() for a, b in itertools.pairwise(cuts))
     head = client.head_object(Bucket=s3_target.bucket, Key=key)
-    assert head["ETag"].strip('"') == f"{hashlib.md5(md5s).hexdigest()}-{parts}"
+    if parts == 1:  # one PutObject: the ETag is the body's MD5
+        assert head["ETag"].strip('"') == hashlib.md5(data).hexdigest()
+    else:
+        part = PARTS.part_size_for(size_hint)
+        cuts = [*range(0, len(data), part), len(data)]
+        assert len(cuts) - 1 == parts
+        assert cuts[-1] - cuts[-2] <= part  # the last part is no larger than the others
+        md5s = b"".join(hashlib.md5(data[a:b]).digest() for a, b in itertools.pairwise(cuts))
+        assert head["ETag"].strip('"') == f"{hashlib.md5(md5s).hexdigest()}-{parts}"
     body = client.get_object(Bucket=s3_target.bucket, Key=key)["Body"].read()
     assert body == data
 

@@ -97,8 +97,8 @@ def test_a_complete_refused_for_good_is_not_mistaken_for_a_landed_object(
     )
     store = open_store(Location.parse(s3_bucket.url("c"), s3_proxy.storage_options()), PARTS)
     try:
-        upload = store.begin("obj.bin", 12 * MiB)
-        upload.write(bytes(12 * MiB))
+        upload = store.begin("obj.bin", 16 * MiB)
+        upload.write(bytes(16 * MiB))
         with pytest.raises(StoreError, match=r"s3://objckpt-test/t/c/obj\.bin"):
             upload.close().result(timeout=60)
         assert not store.exists("obj.bin")

@@ -263,7 +263,7 @@ def test_sync_save_sends_tensors_from_their_own_memory(
             owners.extend(v.obj.owner for v in self._views if hasattr(v.obj, "owner"))
 
     monkeypatch.setattr(s3_writers, "StreamedBody", Recording)
-    state = {"big": torch.randn(3 * MiB), "small": torch.randn(1000)}  # 12 MiB: multipart
+    state = {"big": torch.randn(4 * MiB), "small": torch.randn(1000)}  # 16 MiB: multipart
     url = s3_bucket.url("sync-views")
     save(state, url, s3_bucket, upload=UploadOptions(part_size=5 * MiB))
     sent_from = {t.data_ptr() for t in owners}
@@ -321,7 +321,7 @@ def test_multipart_uploads_keep_a_full_object_crc32c_that_digest_reports(
         UploadOptions(part_size=5 * MiB),
     )
     try:
-        data = bytes(range(256)) * (12 * MiB // 256) + b"tail"
+        data = bytes(range(256)) * (16 * MiB // 256) + b"tail"
         upload = store.begin("obj.bin", len(data))
         upload.write(data)
         upload.close().result(timeout=60)
@@ -352,7 +352,7 @@ def test_a_store_refusing_full_object_crc32c_gets_todays_uploads_and_is_asked_on
         Rule(operation="CreateMultipartUpload", status=400, code="InvalidArgument", times=1)
     )
     loc = Location.parse(s3_bucket.url("plain"), s3_proxy.storage_options())
-    data = b"x" * (11 * MiB)
+    data = b"x" * (16 * MiB)
     first = open_store(loc, UploadOptions(part_size=5 * MiB))
     second = first.child("later")
     try:

@@ -56,7 +56,7 @@ def _requester_pays_bucket(proxy: FaultProxy) -> None:
 
 def _state(step: int) -> dict[str, Any]:
     """Big enough for a multipart upload (12 MiB in 5 MiB parts)."""
-    return {**stepped_state(step), "big": torch.full((3 * MiB,), float(step))}
+    return {**stepped_state(step), "big": torch.full((4 * MiB,), float(step))}
 
 
 # -- requester pays ------------------------------------------------------------------------
@@ -77,7 +77,7 @@ def test_requester_pays_is_sent_on_every_request_of_save_load_list_and_gc(
         manager.save(2, _state(2)).result(timeout=120)
         manager.wait_until_finished()
         assert manager.all_steps() == [2]
-        got = {**stepped_state(0), "big": torch.zeros(3 * MiB)}
+        got = {**stepped_state(0), "big": torch.zeros(4 * MiB)}
         assert manager.load(got) == 2
         assert_state_equal(got, _state(2))
     # An upload left open by a crashed save, for gc to find and abort.
@@ -137,7 +137,7 @@ def _virtual(proxy: FaultProxy, endpoint: str, style: str) -> dict[str, Any]:
 def _round_trip(target: StoreTarget) -> None:
     """A multipart save, its commit, a listing and a load."""
     save(_state(1), target.url("c"), target, upload=PARTS)
-    got = {**stepped_state(0), "big": torch.zeros(3 * MiB)}
+    got = {**stepped_state(0), "big": torch.zeros(4 * MiB)}
     load(got, target.url("c"), target)
     assert_state_equal(got, _state(1))
 
@@ -242,7 +242,7 @@ def test_with_the_ca_bundle_async_saves_and_loads_over_tls(
         monkeypatch.setenv("AWS_CA_BUNDLE", ca)
     with CheckpointManager(s3_bucket.root, storage_options=options, upload=PARTS) as manager:
         manager.save(1, _state(1)).result(timeout=120)
-        got = {**stepped_state(0), "big": torch.zeros(3 * MiB)}
+        got = {**stepped_state(0), "big": torch.zeros(4 * MiB)}
         assert manager.load(got) == 1
     assert_state_equal(got, _state(1))
     assert {"UploadPart", "PutObject", "GetObject"} <= tls_proxy.operations()
@@ -292,7 +292,7 @@ def test_directory_bucket_listed_out_of_order_with_session_auth(s3_proxy: FaultP
             manager.save(step, _state(step)).result(timeout=120)
         manager.wait_until_finished()
         assert manager.all_steps() == [2, 3] and manager.latest_step() == 3
-        got = {**stepped_state(0), "big": torch.zeros(3 * MiB)}
+        got = {**stepped_state(0), "big": torch.zeros(4 * MiB)}
         assert manager.load(got) == 3
         assert_state_equal(got, _state(3))
     for key in ("t/step-0000000004/__0_0.a.distcp", "t/step-0000000004/__0_0.b.distcp"):
