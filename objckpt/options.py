@@ -163,8 +163,8 @@ class UploadOptions:
         """The part size for an object of about ``size_hint`` bytes (<= 10,000 parts).
 
         A payload object is packed to ``object_size`` and its tensors' frames overflow
-        a multiple of ``part_size`` by a little (three 16 MiB tensors make 48 MiB and
-        4.6 KiB): cut at ``part_size``, it ends in a part of those few KiB, one more
+        a multiple of ``part_size`` by a little (four 16 MiB tensors make 64 MiB and
+        6 KiB): cut at ``part_size``, it ends in a part of those few KiB, one more
         request per object (#47). Where the hint leaves a tail under ``SHORT_TAIL``
         past two or more full parts, the parts grow (to whole MiB, with a MiB to
         spare for the hint's estimate of the frames) so that as many parts cover

@@ -59,7 +59,12 @@ def _content_size(item: WriteItem) -> int:
     return numel * item.tensor_data.properties.dtype.itemsize
 
 
-def assign_objects(items: list[WriteItem], object_size: int, key_of: KeyFn) -> list[ObjectPlan]:
+def assign_objects(
+    items: list[WriteItem],
+    object_size: int,
+    key_of: KeyFn,
+    footprint: Callable[[int], int] | None = None,
+) -> list[ObjectPlan]:
     """Pack ``items`` into objects of about ``object_size`` bytes.
 
     Items at least half an object big get their own object; the rest are packed
@@ -69,7 +74,9 @@ def assign_objects(items: list[WriteItem], object_size: int, key_of: KeyFn) -> l
     each left the fourth for the next object (#47: an object of three parts in
     place of four, a Create and a Complete more per 48 MiB instead of per 64 MiB).
     Byte items go first so a state dict that cannot be serialized fails before
-    any tensor bytes are uploaded.
+    any tensor bytes are uploaded. ``footprint``: what an item of so many bytes
+    takes where its object must fit whole (a staging wave, whose views are
+    aligned), counted in place of its bytes.
     """
     ordered = [i for i in items if i.type == WriteItemType.BYTE_IO]
     ordered += [i for i in items if i.type != WriteItemType.BYTE_IO]
@@ -88,7 +95,7 @@ def assign_objects(items: list[WriteItem], object_size: int, key_of: KeyFn) -> l
         if size >= object_size // 2:
             objects.append(ObjectPlan(key_of(len(objects)), (item,), size))
             continue
-        content = _content_size(item)
+        content = _content_size(item) if footprint is None else footprint(_content_size(item))
         if current and current_content + content > object_size:
             flush()
         current.append(item)

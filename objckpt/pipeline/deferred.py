@@ -35,6 +35,7 @@ from objckpt.dcp.storage_writer import ObjectStoreWriter
 from objckpt.errors import ConfigurationError, InternalError, StateDictError, UploadError
 from objckpt.format.commit import GlobalPlan
 from objckpt.format.layout import payload_key
+from objckpt.pipeline.segment import aligned
 from objckpt.pipeline.stage import Staged, Wave
 from objckpt.pipeline.target_check import CheckGate
 from objckpt.pipeline.upload_task import FramedRef, SegmentRef, upload_object
@@ -206,7 +207,8 @@ class DeferredWriter(StorageWriter):
         position = {id(item): n for n, item in enumerate(items)}
         staged = self._staged
         wave = staged.wave
-        # In waves, no packed object may be larger than a wave.
+        # In waves, no packed object may be larger than a wave, counted as the wave
+        # counts (each view aligned).
         object_size = upload.object_size
         if wave is not None:
             object_size = min(object_size, wave.capacity)
@@ -220,6 +222,7 @@ class DeferredWriter(StorageWriter):
                 upload.prefix_entropy,
                 upload.persistent_prefixes,
             ),
+            footprint=None if wave is None else aligned,
         )
         base = self.target.base_table(items) if objects else None
         this_wave: list[concurrent.futures.Future[PayloadRecord]] = []

@@ -222,7 +222,7 @@ class StoreConformance:
         store.delete_many([])
 
     # -- streamed uploads ------------------------------------------------------------------
-    @pytest.mark.parametrize("size", [0, 100, 2 * MiB + 3, 11 * MiB + 7])
+    @pytest.mark.parametrize("size", [0, 100, 2 * MiB + 3, 16 * MiB + 7])
     def test_an_upload_stores_exactly_its_bytes(self, store: ObjectStore, size: int) -> None:
         data = os.urandom(size)
         self._upload(store, "obj.bin", data)

@@ -133,7 +133,10 @@ class AzureStore(ObjectStore):
         blocks committed with one block list (:class:`BlockUpload`), each block at
         most :data:`MAX_BLOCK` (``part_size`` may be up to S3's 5 GiB)."""
         part = min(self.options.part_size_for(size_hint), MAX_BLOCK)
-        if size_hint > 2 * part and self.is_async:
+        # Two parts by ``part_size``, not by the grown part: grown past a short tail,
+        # two parts would be one buffered request, which the SDK sends in small
+        # blocks or chunks, one at a time, where parts went in parallel.
+        if size_hint > 2 * self.options.part_size and self.is_async:
             return BlockUpload(self, key, part)
         return BufferedUpload(self, key, size_hint)
 

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from objckpt.errors import BucketNotFoundError
+from objckpt.options import S3_MAX_PUT
 from objckpt.writers.base import (
     PREFLIGHT_GRACE,
     PROBE_KEY,
@@ -159,7 +160,7 @@ class S3Store(ObjectStore):
         bucket, obj = self.bucket_key(key)
         source = {"Bucket": s_bucket, "Key": s_key}
         part = self.options.part_size_for(size)
-        if size <= 2 * part:
+        if size <= min(2 * part, S3_MAX_PUT):
             self.run_coro(
                 self.call(
                     "copy_object",

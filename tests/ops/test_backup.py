@@ -164,7 +164,7 @@ def test_server_side_copy_uses_part_copies_and_refuses_a_corrupt_source(
 ) -> None:
     opts = s3_bucket.storage_options
     root = s3_bucket.url("run")
-    big = {"w": torch.arange(3 * 1024 * 1024, dtype=torch.float32)}  # 12 MiB: 3 parts of 5
+    big = {"w": torch.arange(4 * 1024 * 1024, dtype=torch.float32)}  # 16 MiB: 3 parts of 6
     with CheckpointManager(root, storage_options=opts) as mgr:
         mgr.save(1, big)
         mgr.wait_until_finished()

@@ -34,10 +34,10 @@ def replica_bucket(s3_bucket: StoreTarget, moto_server: MotoServer) -> str:
 
 
 def _save_step(s3_bucket: StoreTarget, step: int) -> str:
-    """A committed step with a multipart payload (12 MiB in 5 MiB parts) and small
+    """A committed step with a multipart payload (16 MiB in 6 MiB parts) and small
     objects; returns the step's key prefix."""
     g = torch.Generator().manual_seed(step)
-    state = {"big": torch.randn(3 * MiB, generator=g), "small": torch.randn(100, generator=g)}
+    state = {"big": torch.randn(4 * MiB, generator=g), "small": torch.randn(100, generator=g)}
     save(
         state,
         s3_bucket.url(f"run/{step_name(step)}"),

@@ -41,7 +41,7 @@ PARTS = UploadOptions(part_size=5 * MiB, object_size=64 * MiB)
 UNBOUNDED = dataclasses.replace(PARTS, deadline=None)
 
 
-def _state(seed: int, mib: int = 12) -> dict:
+def _state(seed: int, mib: int = 16) -> dict:
     g = torch.Generator().manual_seed(seed)
     return {
         "w": torch.randn(mib * MiB // 4, generator=g),

@@ -142,6 +142,22 @@ def test_staging_budget_stages_in_waves(target: StoreTarget, caplog) -> None:
         assert ckpt.plan_cache_stats.hits == 1
 
 
+def test_a_wave_holds_a_packed_object_of_tensors_whose_views_are_padded(tmp_path) -> None:
+    """Objects are packed up to ``object_size`` of their tensors' bytes, and in waves
+    up to a wave's capacity; a wave aligns each view (to 64 bytes), so tensors of
+    4,100 bytes take 4,160 in it. Packed by their bytes alone, 255 of them made an
+    object that no empty wave could hold, and the save failed with an internal
+    error; packed as the wave counts them, 252 make one."""
+    g = torch.Generator().manual_seed(5)
+    state = {f"p{i}": torch.randn(1025, generator=g) for i in range(300)}  # 4,100 bytes each
+    url = f"file://{tmp_path}/c"
+    with AsyncCheckpointer(async_options=AsyncOptions(staging_budget=MiB)) as ckpt:
+        assert ckpt.save(state, url).result(timeout=120) is not None
+    got = empty_like_state(state)
+    load(got, url, StoreTarget(root=url, storage_options={}))
+    assert_state_equal(got, state)
+
+
 def test_staging_budget_below_the_largest_tensor_grows_to_fit(tmp_path, caplog) -> None:
     state = {"huge": torch.randn(MiB), "small": torch.ones(10)}  # 4 MiB tensor
     opts = AsyncOptions(staging_budget=MiB)

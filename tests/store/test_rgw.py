@@ -61,6 +61,7 @@ from objckpt.testing.plugin import StoreTarget
 from objckpt.testing.rgw import RgwServer, stop_rgw
 from objckpt.testing.servers import offline_env
 from objckpt.writers import open_store
+from objckpt.writers import s3 as s3_store_module
 from objckpt.writers import s3_upload as s3_writers
 from objckpt.writers.checksum import crc32c_of
 from objckpt.writers.s3 import S3Store
@@ -457,6 +458,32 @@ def test_two_parts_past_s3s_single_put_limit_go_multipart(
     for name, body in data.items():
         got = client.get_object(Bucket=s3_target.bucket, Key=f"{prefix}/{name}")["Body"].read()
         assert got == body
+    assert _uploads_open(s3_target) == []
+
+
+def test_a_copy_past_s3s_single_copy_limit_goes_in_part_copies(
+    s3_target: StoreTarget, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy inside S3 is one CopyObject up to two parts, but CopyObject, like a PUT,
+    stops at 5 GiB: past it the copy goes in UploadPartCopy ranges (the limit is
+    lowered here so that a test can reach it)."""
+    monkeypatch.setattr(s3_store_module, "S3_MAX_PUT", 8 * MiB)
+    data = os.urandom(9 * MiB)
+    src = open_store(Location.parse(s3_target.url("src"), s3_target.storage_options), PARTS)
+    dst = open_store(Location.parse(s3_target.url("dst"), s3_target.storage_options), PARTS)
+    try:
+        upload = src.begin("obj.bin", len(data))
+        upload.write(data)
+        upload.close().result(timeout=120)
+        assert dst.copy_from(src, "obj.bin", len(data))
+        assert dst.read("obj.bin") == data
+    finally:
+        src.close()
+        dst.close()
+    client = s3_client(s3_target.storage_options)
+    prefix = s3_target.url("dst").removeprefix(f"s3://{s3_target.bucket}/")
+    etag = client.head_object(Bucket=s3_target.bucket, Key=f"{prefix}/obj.bin")["ETag"]
+    assert etag.strip('"').endswith("-2")  # two part copies, not one CopyObject
     assert _uploads_open(s3_target) == []
 
 

@@ -55,7 +55,7 @@ def _requester_pays_bucket(proxy: FaultProxy) -> None:
 
 
 def _state(step: int) -> dict[str, Any]:
-    """Big enough for a multipart upload (12 MiB in 5 MiB parts)."""
+    """Big enough for a multipart upload (16 MiB in 5 MiB parts, grown to 6)."""
     return {**stepped_state(step), "big": torch.full((4 * MiB,), float(step))}
 
 

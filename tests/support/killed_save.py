@@ -19,9 +19,9 @@ MiB = 1024 * 1024
 
 
 def state(step: int, tensors: int) -> dict:
-    """``tensors`` fp32 tensors of 12 MiB: each one object, uploaded in 5 MiB parts."""
+    """``tensors`` fp32 tensors of 16 MiB: each one object, uploaded in 6 MiB parts."""
     g = torch.Generator().manual_seed(step)
-    return {f"t{i}": torch.randn(12 * MiB // 4, generator=g) for i in range(tensors)}
+    return {f"t{i}": torch.randn(16 * MiB // 4, generator=g) for i in range(tensors)}
 
 
 def main() -> None:
