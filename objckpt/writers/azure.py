@@ -132,12 +132,9 @@ class AzureStore(ObjectStore):
         """Objects up to two parts go up in one Put Blob; larger ones as staged
         blocks committed with one block list (:class:`BlockUpload`), each block at
         most :data:`MAX_BLOCK` (``part_size`` may be up to S3's 5 GiB)."""
-        part = min(self.options.part_size_for(size_hint), MAX_BLOCK)
-        # Two parts by ``part_size``, not by the grown part: grown past a short tail,
-        # two parts would be one buffered request, which the SDK sends in small
-        # blocks or chunks, one at a time, where parts went in parallel.
-        if size_hint > 2 * self.options.part_size and self.is_async:
-            return BlockUpload(self, key, part)
+        part = self.parted_part_size(size_hint)
+        if part is not None:
+            return BlockUpload(self, key, min(part, MAX_BLOCK))
         return BufferedUpload(self, key, size_hint)
 
     def create(self, key: str, data: bytes, *, overwrite: bool = False) -> None:

@@ -291,6 +291,17 @@ class ObjectStore(abc.ABC):
     def path(self, key: str) -> str:
         return self.location.key_path(key)
 
+    def parted_part_size(self, size_hint: int) -> int | None:
+        """The part size where an object of about ``size_hint`` bytes goes up in
+        parallel parts committed at the end (Azure's blocks, GCS's pieces); None
+        where it is buffered and sent in one request: up to twice ``part_size``, the
+        option and not the grown part (grown past a short tail, two parts would be
+        one buffered request, which the SDKs send in small blocks or chunks, one at
+        a time), or where the filesystem is not async."""
+        if size_hint > 2 * self.options.part_size and self.is_async:
+            return self.options.part_size_for(size_hint)
+        return None
+
     def preflight_bound(self, timeout: float) -> contextlib.AbstractContextManager[Any]:
         """Bound the preflight's requests by ``timeout`` (within the save's deadline),
         in the retry layer: a store that keeps answering 503 then fails with what it

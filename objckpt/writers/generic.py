@@ -89,11 +89,8 @@ class GcsStore(GenericStore):
     def begin(self, key: str, size_hint: int) -> ObjectUpload:
         """Objects up to two parts go up in one request; larger ones as parallel
         composite uploads (:mod:`objckpt.writers.gcs_compose`)."""
-        part = self.options.part_size_for(size_hint)
-        # Two parts by ``part_size``, not by the grown part: grown past a short tail,
-        # two parts would be one buffered request, which the SDK sends in small
-        # blocks or chunks, one at a time, where parts went in parallel.
-        if size_hint > 2 * self.options.part_size and self.is_async:
+        part = self.parted_part_size(size_hint)
+        if part is not None:
             return CompositeUpload(self, key, part)
         return BufferedUpload(self, key, size_hint)
 

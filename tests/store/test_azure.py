@@ -194,6 +194,13 @@ def test_a_large_object_is_staged_blocks_and_visible_only_once_committed(
         assert blob.download_blob().readall() == data
 
 
+def _committed(azurite: Azurite, container: str, name: str) -> tuple[list[int], bytes]:
+    """A blob's committed block sizes, in order, and its bytes."""
+    with azurite.blob_service_client() as client:
+        blob = client.get_blob_client(container, name)
+        return [b.size for b in blob.get_block_list("committed")[0]], blob.download_blob().readall()
+
+
 @pytest.mark.parametrize(("tail", "blocks"), [(4_731, 3), (5 * MiB, 4)], ids=["short", "long"])
 def test_a_short_tail_is_no_block_of_its_own(
     az_container: StoreTarget, azurite: Azurite, tail: int, blocks: int
@@ -213,12 +220,10 @@ def test_a_short_tail_is_no_block_of_its_own(
         upload.close().result(timeout=120)
     finally:
         store.close()
-    with azurite.blob_service_client() as client:
-        blob = client.get_blob_client(az_container.bucket, "t/tail/t.bin")
-        sizes = [b.size for b in blob.get_block_list("committed")[0]]
-        part = options.part_size_for(len(data))
-        assert sizes == [part] * (blocks - 1) + [len(data) - part * (blocks - 1)]
-        assert blob.download_blob().readall() == data
+    sizes, stored = _committed(azurite, az_container.bucket, "t/tail/t.bin")
+    part = options.part_size_for(len(data))
+    assert sizes == [part] * (blocks - 1) + [len(data) - part * (blocks - 1)]
+    assert stored == data
 
 
 def test_blocks_stay_within_azures_largest_block(
@@ -238,11 +243,9 @@ def test_blocks_stay_within_azures_largest_block(
         upload.close().result(timeout=120)
     finally:
         store.close()
-    with azurite.blob_service_client() as client:
-        blob = client.get_blob_client(az_container.bucket, "t/cap/c.bin")
-        sizes = [b.size for b in blob.get_block_list("committed")[0]]
-        assert sizes == [6 * MiB] * 3 + [2 * MiB]
-        assert blob.download_blob().readall() == data
+    sizes, stored = _committed(azurite, az_container.bucket, "t/cap/c.bin")
+    assert sizes == [6 * MiB] * 3 + [2 * MiB]
+    assert stored == data
 
 
 def test_the_cli_demo_ls_verify_and_gc_on_az(
