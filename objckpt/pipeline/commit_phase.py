@@ -54,7 +54,7 @@ from objckpt.format.commit import (
 from objckpt.format.manifest import Manifest
 from objckpt.pipeline.coordinator import CommitHelper
 from objckpt.pipeline.deferred import DeferredWriter
-from objckpt.pipeline.finalize import RankExchange
+from objckpt.pipeline.finalize import COMMIT_SECONDS, RankExchange, outcome_wait
 from objckpt.pipeline.handle import SaveHandle
 from objckpt.pipeline.stage import Staged
 from objckpt.pipeline.workers import WEDGED_AFTER, WorkerPool
@@ -135,7 +135,7 @@ class Committer:
         """
         if writer.deadline is None:
             return None
-        exchange = 2 * self._timeout + 30 if distributed else 0.0
+        exchange = outcome_wait(self._timeout) if distributed else 0.0
         return writer.deadline.at + WEDGED_AFTER + exchange + ACT_WITHIN
 
     def finalize(
@@ -225,10 +225,10 @@ class Committer:
         world: int,
         split: bool,
     ) -> Manifest:
-        # The other ranks wait 2 * barrier_timeout + 30 s from their reports, which
-        # came at most barrier_timeout before this one (see RankExchange.outcome):
-        # the outcome is published before then.
-        commit_by = time.monotonic() + self._timeout + 30
+        # The other ranks wait outcome_wait(barrier_timeout) from their reports, which
+        # came at most barrier_timeout before this one: the outcome is published
+        # before then.
+        commit_by = time.monotonic() + self._timeout + COMMIT_SECONDS
         published: list[Manifest] = []
 
         def committed(manifest: Manifest) -> None:  # decided by the manifest: tell them now

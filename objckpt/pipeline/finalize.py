@@ -30,6 +30,17 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+#: Seconds rank 0 is given for the commit itself (manifest, ``.metadata``) once every
+#: rank's report is in: the other ranks wait :func:`outcome_wait` for its outcome.
+COMMIT_SECONDS = 30.0
+
+
+def outcome_wait(barrier_timeout: float) -> float:
+    """How long a rank waits from its report for rank 0's outcome: the slowest rank's
+    report may come ``barrier_timeout`` after this one's, rank 0 may wait
+    ``barrier_timeout`` for it, then commits in :data:`COMMIT_SECONDS`."""
+    return 2 * barrier_timeout + COMMIT_SECONDS
+
 
 def _wait(store: Any, keys: list[str], timeout: float, what: str, label: str | None = None) -> None:
     try:
@@ -125,7 +136,7 @@ class RankExchange:
         key = f"{self._prefix}/outcome"
         try:
             # Rank 0 itself waits up to `timeout` for the slowest rank, then commits.
-            _wait(self._store, [key], 2 * self.timeout + 30, f"commit of {self.url}", "rank0")
+            _wait(self._store, [key], outcome_wait(self.timeout), f"commit of {self.url}", "rank0")
         except BaseException:
             self._tidy_own()
             raise

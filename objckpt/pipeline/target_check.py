@@ -44,6 +44,7 @@ from typing import Any
 
 from objckpt.dcp.storage_writer import ObjectStoreWriter
 from objckpt.errors import BarrierTimeoutError, PeerRankError
+from objckpt.pipeline.finalize import outcome_wait
 from objckpt.pipeline.workers import WEDGED_AFTER
 from objckpt.writers.accounting import RequestCounter
 from objckpt.writers.clients import OwnedClients
@@ -106,7 +107,7 @@ class CheckGate:
         target: This rank's writer for the save.
         world: The ranks that save together.
         barrier_timeout: How long other ranks wait for the answer when the save has
-            no deadline (``2 * barrier_timeout + 30`` seconds, as for the commit).
+            no deadline (:func:`~objckpt.pipeline.finalize.outcome_wait`, as for the commit).
     """
 
     def __init__(
@@ -169,7 +170,7 @@ class CheckGate:
             return None
         store, key = self._store, self._key()
         if deadline is None:
-            wait = 2 * self._barrier_timeout + 30
+            wait = outcome_wait(self._barrier_timeout)
         else:
             wait = max(1.0, deadline.remaining() + WEDGED_AFTER)
         try:

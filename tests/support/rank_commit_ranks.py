@@ -48,9 +48,11 @@ def save_each(
             "step": 3,
         }
         opts = objckpt.AsyncOptions(workers=1, barrier_timeout=30)
-        upload = objckpt.UploadOptions(deadline=20.0)  # retries end by then
+        upload = objckpt.UploadOptions(deadline=20.0)
+        # A lasting refusal ends its request in 3 s (the default window is 60 s).
+        retry = objckpt.RetryPolicy(base_delay=0.05, max_delay=0.5, give_up_after=3.0)
         with objckpt.AsyncCheckpointer(
-            storage_options=options, upload=upload, async_options=opts
+            storage_options=options, upload=upload, retry=retry, async_options=opts
         ) as ckpt:
             ckpt.start_workers()
             ckpt._pool.wait_ready(120)  # the upload workers up before any start fails
