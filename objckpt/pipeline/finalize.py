@@ -22,10 +22,12 @@ from objckpt._torch import group_store
 from objckpt.errors import BarrierTimeoutError, RequestFailedError, UploadError
 
 __all__ = [
+    "COMMIT_SECONDS",
     "BarrierTimeoutError",
     "RankExchange",
     "RequestFailedError",
     "StoreBarrier",
+    "outcome_wait",
 ]
 
 logger = logging.getLogger(__name__)

@@ -45,6 +45,16 @@ def _proxy_rules(proxy: FaultProxy, root: str) -> None:
             operation="CreateMultipartUpload",
             status=500,
         ),
+        # Rank 2's payload writes held past rank 0's barrier_timeout, then forwarded.
+        *(
+            Rule(
+                key_contains=f"{prefix}/upload-late/__2_",
+                operation=op,
+                action="stall",
+                stall=fault_ranks.LATE,
+            )
+            for op in ("PutObject", "UploadPart", "CreateMultipartUpload")
+        ),
         Rule(key_contains=f"{prefix}/index-put-fails/__index_", operation="PutObject", status=500),
         Rule(
             key_contains=f"{prefix}/commit-fails/manifest.json", operation="PutObject", status=500
@@ -149,6 +159,12 @@ def test_a_fault_on_one_rank_is_every_ranks_outcome(
     problems = _check(found, cells)
     if _committed_bytes(s3_bucket, base) != before:
         problems.append("the committed base step changed")
+    if "upload-late" in found and len(found["upload-late"]) == WORLD:
+        # Rank 0 gave up waiting for rank 2, alive and still uploading: the path a
+        # refusal took while it was retried for longer than barrier_timeout.
+        said = found["upload-late"][0]["error"]
+        if f"within {fault_ranks.BARRIER:g} s" not in said:
+            problems.append(f"upload-late: rank 0 did not time out on rank 2's report: {said}")
     for cell, _ in cells:
         logger.info("%s %s: %s", name, cell, [(r["outcome"], r["type"]) for r in found[cell]])
     assert problems == []

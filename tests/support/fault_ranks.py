@@ -42,6 +42,7 @@ ASYNC_CELLS = [
     ("replay-fails-r2", 2),
     ("planning-fails", 1),
     ("upload-fails", 2),
+    ("upload-late", 2),
     ("index-put-fails", 0),
     ("worker-killed", 3),
     ("commit-fails", 0),
@@ -87,10 +88,17 @@ SUCCEEDS = {
 }
 DEADLINE = 20.0
 BARRIER = 15.0
-#: A refusal that lasts ends the request in seconds, not in the default 60 s window:
-#: the cells test that every rank ends the same way, not how long the window is
-#: (tests/store/test_persistent_errors.py does). The deadline stays the outer bound.
+#: A refusal that lasts ends its request in seconds (``give_up_after``), not in the
+#: default 60 s window: the refusal cells (``upload-fails``, ``index-put-fails``,
+#: ``commit-fails``) test that every rank ends the same way when one rank's request is
+#: refused, not how long the window is (tests/store/test_persistent_errors.py does).
+#: ``upload-late`` keeps the path the refusals took under the default window: a rank
+#: alive but still uploading when rank 0's ``barrier_timeout`` ends, which reports
+#: after rank 0 gave up on it.
 RETRY = objckpt.RetryPolicy(base_delay=0.05, max_delay=0.5, give_up_after=3.0)
+#: How long ``upload-late`` holds rank 2's payload writes: past rank 0's wait for the
+#: reports (``BARRIER`` from its own), within the save's deadline.
+LATE = BARRIER + 4
 
 
 def everything(world: int) -> dict[str, torch.Tensor]:
