@@ -80,6 +80,9 @@ test: lint iac docs-check azurite rgw
 # async, manager, planners, metadata, extensions, reuse, Lightning, the peers' wire, one
 # lost node and one silent peer (point-to-point on gloo and the c10d store's
 # compare-and-set across releases; the rest of those files runs on the pinned release).
+# Deselected: the killed coordinator (40 s, most of it the survivor waiting out
+# outcome_wait; the same store-wait timeout is reached, per release, by
+# test_async_save_names_a_rank_that_never_reports).
 TORCH_TESTS := tests/dcp/test_roundtrip.py tests/dcp/test_interop.py tests/dcp/test_direct_reads.py \
 	tests/distributed/test_distributed.py tests/pipeline/test_async.py \
 	tests/ops/test_manager.py tests/dcp/test_load_planner.py \
@@ -88,7 +91,8 @@ TORCH_TESTS := tests/dcp/test_roundtrip.py tests/dcp/test_interop.py tests/dcp/t
 	tests/pipeline/test_rank_commit.py tests/api/test_private_torch.py \
 	tests/ops/test_peers.py \
 	tests/distributed/test_lost_node.py::test_a_node_lost_between_promotions_resumes_from_the_newest_local_step_from_peers \
-	tests/distributed/test_replication.py::test_a_silent_rank_is_named_and_turns_replication_off_on_every_rank
+	tests/distributed/test_replication.py::test_a_silent_rank_is_named_and_turns_replication_off_on_every_rank \
+	--deselect tests/distributed/test_distributed.py::test_coordinator_killed_before_commit
 
 test-torch:
 	@test -n "$(TORCH)" || { echo "usage: make test-torch TORCH=2.9.1" >&2; exit 2; }
