@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 from conftest import assert_state_equal, empty_like_state
-from helpers import carried, load, save
+from helpers import SHORT_WINDOW, carried, load, save
 
 from objckpt import CheckpointManager, RetryPolicy, UploadOptions
 from objckpt.errors import StoreRefusedError, StoreUnreachableError
@@ -24,7 +24,7 @@ from objckpt.testing.plugin import StoreTarget
 MiB = 1024 * 1024
 PARTS = UploadOptions(part_size=5 * MiB, object_size=64 * MiB)
 #: The default policy with a short window, so a test of the window costs seconds.
-SHORT = RetryPolicy(base_delay=0.05, max_delay=0.5, give_up_after=3.0)
+SHORT = SHORT_WINDOW
 
 
 def _state(seed: int, mib: int = 12) -> dict:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from helpers import SHORT_WINDOW
 from ranks import init_ranks
 from simulated_room import simulated_room
 
@@ -95,7 +96,7 @@ BARRIER = 15.0
 #: ``upload-late`` keeps the path the refusals took under the default window: a rank
 #: alive but still uploading when rank 0's ``barrier_timeout`` ends, which reports
 #: after rank 0 gave up on it.
-RETRY = objckpt.RetryPolicy(base_delay=0.05, max_delay=0.5, give_up_after=3.0)
+RETRY = SHORT_WINDOW
 #: How long ``upload-late`` holds rank 2's payload writes: past rank 0's wait for the
 #: reports (``BARRIER`` from its own), within the save's deadline.
 LATE = BARRIER + 4

@@ -14,6 +14,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 import objckpt
 from objckpt.testing.plugin import StoreTarget
 
+#: The default policy with a 3 s window: a refusal that lasts ends its request in
+#: seconds, for tests whose subject is not the window's length (60 s by default).
+SHORT_WINDOW = objckpt.RetryPolicy(base_delay=0.05, max_delay=0.5, give_up_after=3.0)
+
 
 def carried(exc: BaseException) -> BaseException:
     """The error torch's CheckpointException carries (rank 0's), or ``exc`` itself."""

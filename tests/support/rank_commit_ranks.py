@@ -10,6 +10,7 @@ from typing import Any
 
 import torch.distributed as dist
 from dist_helpers import full_state
+from helpers import SHORT_WINDOW
 from ranks import init_ranks
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.tensor import Shard, distribute_tensor
@@ -49,10 +50,8 @@ def save_each(
         }
         opts = objckpt.AsyncOptions(workers=1, barrier_timeout=30)
         upload = objckpt.UploadOptions(deadline=20.0)
-        # A lasting refusal ends its request in 3 s (the default window is 60 s).
-        retry = objckpt.RetryPolicy(base_delay=0.05, max_delay=0.5, give_up_after=3.0)
         with objckpt.AsyncCheckpointer(
-            storage_options=options, upload=upload, retry=retry, async_options=opts
+            storage_options=options, upload=upload, retry=SHORT_WINDOW, async_options=opts
         ) as ckpt:
             ckpt.start_workers()
             ckpt._pool.wait_ready(120)  # the upload workers up before any start fails
