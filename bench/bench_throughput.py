@@ -19,6 +19,14 @@ method allows it), and reports the median of ``--repeats`` runs:
 * ``objckpt_async``: one ``AsyncCheckpointer`` reused; stall = ``save()`` returning,
   commit = ``result()``;
 * ``dcp_async``: ``dcp.async_save`` (thread executor) with ``FsspecWriter``;
+* ``floor``: what the load's contract costs at least with the two Python HTTP clients at
+  hand, no objckpt code: the state's bytes in objects of 64 MiB (objckpt's default
+  ``object_size``), read in 16 MiB ranged GETs
+  (all in flight at once) into memory that exists, then a CRC32C pass over every byte.
+  ``floor_load_aiohttp`` receives through aiobotocore and aiohttp, objckpt's transport
+  (each chunk copied into place); ``floor_load_readinto`` through botocore and
+  ``http.client``, whose ``readinto`` receives straight into the destination, one
+  thread per GET (the limit of a receive into the tensor, #47);
 * ``copy_limit``: a plain copy of the state into preallocated memory
   (``bench_async.copy_limit``), the floor for the default async stall;
 * ``objckpt_async_bg`` / ``dcp_async_bg``: the same with the copy in the background
@@ -46,7 +54,7 @@ cluster by :mod:`objckpt.testing.rgw`), a real S3 implementation: no reset API, 
 run gets a new bucket; ranged GETs cost what they read, unlike moto's.
 
 Usage: ``python bench/bench_throughput.py [--size-mib 256] [--repeats 3] [--cold-runs 5]
-[--only cold,sync,s3tc,boto3,fsspec,async,dcp_async] [--fresh-clients] [--server rgw]
+[--only cold,sync,s3tc,boto3,fsspec,async,dcp_async,floor] [--fresh-clients] [--server rgw]
 [--equal-tensors 16]``
 Results go to ``bench/results/throughput-<date>-<size>mib.json`` and a table to stdout.
 """
@@ -81,7 +89,12 @@ from objckpt.testing.servers import offline_env, start_moto_server
 
 log = logging.getLogger("bench")
 MiB = 1024 * 1024
-GROUPS = ("cold", "sync", "s3tc", "boto3", "fsspec", "async", "dcp_async")
+GROUPS = ("cold", "sync", "s3tc", "boto3", "fsspec", "async", "dcp_async", "floor")
+#: Ranged GETs of the transport-floor rows: ReadOptions.range_size's default.
+FLOOR_RANGE = 16 * MiB
+#: GETs in flight in the transport-floor rows: a 256 MiB state's 16 ranges at once, as
+#: objckpt's reader runs them (its ReadOptions.max_in_flight_bytes is 512 MiB).
+FLOOR_IN_FLIGHT = 16
 
 
 def run(
@@ -282,6 +295,11 @@ def _run_all(
                 log.warning("s3torchconnector failed on this server: %s", out["s3tc_error"])
             out["s3tc_thread_count"] = threads
 
+    if "floor" in only:
+        # -- the transport's floor for a load (no objckpt code) ---------------------------------
+        fresh()
+        out.update(transport_floor(server, bucket[0], state, repeats))
+
     if "fsspec" in only:
         # -- fsspec ---------------------------------------------------------------------------
 
@@ -400,6 +418,118 @@ def _run_all(
     return out
 
 
+def transport_floor(
+    server: Any, bucket: str, state: dict[str, torch.Tensor], repeats: int
+) -> dict[str, Any]:
+    """The ``floor`` rows: the state's bytes, stored as objects of objckpt's default
+    ``object_size``, read back as :data:`FLOOR_RANGE` GETs into
+    a buffer that exists, each range then CRC32C'd (objckpt checks every byte), by
+    aiobotocore/aiohttp (objckpt's transport) and by botocore/``http.client``
+    ``readinto`` (a receive straight into the destination). Both checked bit-exact."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    import aiobotocore.session
+    import botocore.session
+    import crc32c
+    from botocore.config import Config
+
+    blob = b"".join(t.numpy().tobytes() for t in state.values())
+    opts = server.storage_options()
+    # Objects of objckpt's default object_size, as its payload objects are (moto copies a
+    # whole object per ranged GET, so one large object would slow its answers down).
+    size = objckpt.UploadOptions().object_size
+    client = server.boto3_client()
+    for at in range(0, len(blob), size):
+        client.put_object(Bucket=bucket, Key=f"floor{at // size}", Body=blob[at : at + size])
+    # (key, start in the object, start in the state, end in the state)
+    ranges = [
+        (
+            f"floor{at // size}",
+            at % size,
+            at,
+            min(at + FLOOR_RANGE, (at // size + 1) * size, len(blob)),
+        )
+        for at in range(0, len(blob), FLOOR_RANGE)
+    ]
+    dest = bytearray(len(blob))  # written below before any timed run: in place
+    view = memoryview(dest)
+    config = Config(max_pool_connections=FLOOR_IN_FLIGHT, retries={"max_attempts": 1})
+    client_args = {
+        "endpoint_url": opts["endpoint_url"],
+        "aws_access_key_id": opts["key"],
+        "aws_secret_access_key": opts["secret"],
+        "region_name": "us-east-1",
+        "config": config,
+    }
+
+    def check_all() -> None:
+        for _, _, start, end in ranges:
+            crc32c.crc32c(view[start:end])
+
+    sync = botocore.session.get_session().create_client("s3", **client_args)
+    pool = ThreadPoolExecutor(FLOOR_IN_FLIGHT)
+
+    def get_into(span: tuple[str, int, int, int]) -> None:
+        key, first, start, end = span
+        asked = f"bytes={first}-{first + end - start - 1}"
+        body = sync.get_object(Bucket=bucket, Key=key, Range=asked)["Body"]
+        # urllib3's own readinto reads into a bytes object and copies; http.client's (its
+        # _fp) receives into the buffer given, as objckpt.writers.s3_direct does.
+        raw = body._raw_stream
+        got = start
+        while got < end:
+            n = raw._fp.readinto(view[got:end])
+            if not n:
+                raise EOFError(f"floor: range {start}-{end} cut at {got}")
+            got += n
+        raw.release_conn()
+
+    def readinto_load() -> None:
+        list(pool.map(get_into, ranges))
+        check_all()
+
+    loop = asyncio.new_event_loop()
+    made = aiobotocore.session.get_session().create_client("s3", **client_args)
+    aio = loop.run_until_complete(made.__aenter__())
+
+    async def get_chunks(key: str, first: int, start: int, end: int) -> None:
+        asked = f"bytes={first}-{first + end - start - 1}"
+        resp = await aio.get_object(Bucket=bucket, Key=key, Range=asked)
+        body, at = resp["Body"], start
+        stream = body.raw_stream  # the aiohttp response, as objckpt reads it
+        while chunk := await stream.content.readany():
+            view[at : at + len(chunk)] = chunk
+            at += len(chunk)
+        body.close()
+        if at != end:
+            raise EOFError(f"floor: range {start}-{end} cut at {at}")
+
+    async def all_chunks() -> None:
+        await asyncio.gather(*(get_chunks(*span) for span in ranges))
+
+    def aiohttp_load() -> None:
+        loop.run_until_complete(all_chunks())
+        check_all()
+
+    rows: dict[str, Any] = {}
+    try:
+        for name, load in (
+            ("floor_load_aiohttp", aiohttp_load),
+            ("floor_load_readinto", readinto_load),
+        ):
+            view[:] = bytes(len(dest))
+            rows[name] = measure(load, lambda: None, repeats, list)
+            if dest != blob:
+                raise RuntimeError(f"{name}: wrong data loaded")
+    finally:
+        loop.run_until_complete(made.__aexit__(None, None, None))
+        loop.close()
+        pool.shutdown()
+        sync.close()
+    return rows
+
+
 def table(res: dict[str, Any]) -> str:
     gib = res["gib"]
     rows = [
@@ -410,6 +540,8 @@ def table(res: dict[str, Any]) -> str:
         ("objckpt, a new writer per save (warm process)", "objckpt_save_new_writer", None),
         ("objckpt, one GET per object (moto diagnostic)", None, "objckpt_load_whole_objects"),
         ("boto3 managed upload", "boto3_save", None),
+        ("floor: aiohttp ranged GETs + CRC32C, into existing memory", None, "floor_load_aiohttp"),
+        ("floor: http.client readinto + CRC32C, into existing memory", None, "floor_load_readinto"),
         ("torch FsspecWriter/Reader", "fsspec_save", "fsspec_load"),
         ("objckpt async (commit / stall)", "objckpt_async", None),
         ("dcp.async_save thread (commit / stall)", "dcp_async", None),

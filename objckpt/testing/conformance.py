@@ -74,6 +74,7 @@ from objckpt.format.steps import committed_steps, step_name
 from objckpt.options import UploadOptions
 from objckpt.writers import ObjectStore, open_store
 from objckpt.writers.location import Location
+from objckpt.writers.reads import SpanSink
 
 __all__ = ["StoreConformance"]
 
@@ -201,6 +202,39 @@ class StoreConformance:
         store.put("streamed.bin", data)
         with store.open_read("streamed.bin", block_size=MiB // 4) as f:
             assert f.read() == data
+
+    def test_large_ranges_land_in_their_sinks(self, store: ObjectStore) -> None:
+        """A load's ranges of a MiB and more, read into the memory the reader lays out
+        (S3 receives them into it, the others copy their answers in): bytes land across
+        the buffers' edges, a range the object ends inside counts what it had, one past
+        the end counts none, a missing object is its error, and an answer longer than
+        its sink is counted, not written past it (the next read on the store is whole)."""
+        data = os.urandom(3 * MiB + 7)
+        store.put("big.bin", data)
+        first, second = bytearray(MiB - 1), bytearray(5)
+        third = bytearray(2 * MiB + 3 - len(first) - len(second))
+        tail, past, gone = bytearray(2 * MiB), bytearray(2 * MiB), bytearray(2 * MiB)
+        short, guard = bytearray(MiB), bytearray(8)
+        got = store.read_ranges_into(
+            ["big.bin", "big.bin", "big.bin", "missing.bin", "big.bin"],
+            [100, 2 * MiB, len(data), 0, 0],
+            [100 + 2 * MiB + 3, 4 * MiB, len(data) + 2 * MiB, 2 * MiB, 2 * MiB],
+            [
+                SpanSink([memoryview(first), memoryview(second), memoryview(third)]),
+                SpanSink([memoryview(tail)]),
+                SpanSink([memoryview(past)]),
+                SpanSink([memoryview(gone)]),
+                SpanSink([memoryview(short), memoryview(guard)]).window(0, MiB),
+            ],
+        )
+        assert got[:3] == [2 * MiB + 3, MiB + 7, 0], got[:3]
+        assert isinstance(got[3], FileNotFoundError), got[3]
+        assert got[4] == 2 * MiB, got[4]
+        assert bytes(first + second + third) == data[100 : 100 + 2 * MiB + 3]
+        assert bytes(tail[: MiB + 7]) == data[2 * MiB :] and not any(tail[MiB + 7 :])
+        assert not any(past) and not any(gone) and not any(guard)
+        assert bytes(short) == data[:MiB]
+        assert store.read_range("big.bin", 0, len(data)) == data
 
     def test_a_head_tells_size_and_a_tag_that_follows_the_bytes(self, store: ObjectStore) -> None:
         store.put("h.bin", b"first")

@@ -439,12 +439,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.send_header(name, value)
         if not head:
             self.send_header("Content-Length", str(len(payload)))
-        if rule is not None:  # truncate: promise all of it, send half, hang up
+        if rule is not None:  # truncate or cut: promise all of it, send half, hang up
             self.end_headers()
             self.wfile.write(payload[: len(payload) // 2])
             self.wfile.flush()
             self.close_connection = True
-            self._reset()
+            if rule.action == "truncate":
+                self._reset()
             return
         self.end_headers()
         if not head:

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 __all__ = ["ACTIONS", "Rule", "RuleState", "Seen"]
 
-ACTIONS = ("status", "reset", "stall", "hold", "truncate", "reorder", "session")
+ACTIONS = ("status", "reset", "stall", "hold", "truncate", "cut", "reorder", "session")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +30,9 @@ class Rule:
             (hold the request ``stall`` seconds, then forward it), ``hold``
             (hold it until :meth:`~objckpt.testing.FaultProxy.release` or ``stall`` seconds, then
             forward it: a stall the test ends when it has seen what it wanted), ``truncate``
-            (forward, then send half the response body and close), ``reorder`` (forward,
+            (forward, then send half the response body and reset the connection), ``cut``
+            (the same, closed cleanly: a FIN where ``truncate`` sends a RST, which
+            ``http.client`` reads as an end, not an error), ``reorder`` (forward,
             then answer a listing with its entries in reverse order, as S3 Express One
             Zone directory buckets list keys in no particular order), ``session``
             (answer a ``CreateSession`` with made-up session credentials, as S3 Express

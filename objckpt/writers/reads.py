@@ -26,10 +26,10 @@ A load's payload ranges are read *into* memory the caller gives
 own memory), not returned as ``bytes``: every copy of a payload costs ~0.1 to 0.2
 CPU-s per GiB, page faults of fresh buffers included, and a returned body was
 copied three times before it reached a tensor (the HTTP client joining its chunks,
-the pieces of a range joined, the copy into the tensor). Store families whose
-client can stream a body (S3) copy each received chunk once, straight to where it
-belongs; the others read as before and copy the answer in
-(:func:`read_ranges_into`).
+the pieces of a range joined, the copy into the tensor). On S3 a range of a MiB
+or more is received straight into that memory (:mod:`objckpt.writers.s3_direct`)
+and a shorter one streamed, each received chunk copied once to where it belongs;
+the other families read as before and copy the answer in (:func:`read_ranges_into`).
 """
 
 from __future__ import annotations
@@ -161,6 +161,21 @@ class SpanSink:
         inner._views, inner._ends = self._views, self._ends
         inner._offset, inner.length = self._offset + start, length
         return inner
+
+    def views(self) -> list[memoryview]:
+        """This sink's memory, as the writable buffers it spans, in order (for a
+        client that receives into memory instead of handing chunks over)."""
+        out, at, left = [], self._offset, self.length
+        n = bisect.bisect_right(self._ends, at)
+        while left > 0:
+            view = self._views[n]
+            inner = at - (self._ends[n] - len(view))
+            take = min(len(view) - inner, left)
+            out.append(view[inner : inner + take])
+            at += take
+            left -= take
+            n += 1
+        return out
 
     def write(self, pos: int, data: bytes | bytearray | memoryview) -> None:
         """Copy ``data`` to bytes ``[pos, pos + len(data))`` of this sink."""

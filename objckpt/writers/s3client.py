@@ -11,9 +11,11 @@ is small enough to hold): a body cut off after its 200 is then retried like a
 refused request, by the one retry layer, instead of by a second loop around the
 whole read that multiplied the attempts. s3fs reads such bodies whole anyway, from
 a :class:`_ReadBody` now. A large whole-object GET (a streamed download) keeps its
-streaming body. A load's payload ranges are streamed instead, each chunk copied
-once into the memory the reader gave (:meth:`RetryingS3FileSystem.cat_ranges_into`),
-again one retried attempt per ranged GET, its body included.
+streaming body. A load's payload ranges go into the memory the reader gave
+(:meth:`RetryingS3FileSystem.cat_ranges_into`), again one retried attempt per ranged
+GET, its body included: ranges of a MiB and more are received into it by a
+synchronous mirror of this client (:mod:`objckpt.writers.s3_direct`: no copy), shorter
+ones streamed through aiohttp, each chunk copied once.
 
 Two more overrides, for store options: ``_exists`` of a bare bucket under
 ``requester_pays=True`` is a one-key listing (s3fs first asks HeadBucket and
@@ -31,6 +33,7 @@ which :meth:`RetryingS3FileSystem.close_connections` closes
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
@@ -43,9 +46,12 @@ from s3fs.core import version_id_kw
 from objckpt.errors import ConfigurationError
 from objckpt.writers.reads import SpanSink
 from objckpt.writers.retry import RetryingFileSystem
+from objckpt.writers.s3_direct import DIRECT_FROM, DirectGets, mirrorable
 from objckpt.writers.translate import status_code
 
 __all__ = ["REQUESTER_PAYS_HINT", "RetryingS3FileSystem"]
+
+logger = logging.getLogger(__name__)
 
 #: Said with an S3 AccessDenied answer when requests carry no ``RequestPayer``.
 REQUESTER_PAYS_HINT = (
@@ -87,6 +93,12 @@ class RetryingS3FileSystem(RetryingFileSystem, S3FileSystem):
     save's deadline (``retry_policy=`` besides s3fs's own options)."""
 
     retries = 1  # s3fs's own retry loop: one try; call_with_retries retries instead
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: Large ranges' receiver (:meth:`_direct_gets`), and whether there is none.
+        self._direct: DirectGets | None = None
+        self._no_direct = False
 
     async def _call_s3(self, method: str, *akwarglist: Any, **kwargs: Any) -> Any:
         call = self._get_and_read if method == "get_object" else super()._call_s3
@@ -172,8 +184,12 @@ class RetryingS3FileSystem(RetryingFileSystem, S3FileSystem):
         if end <= start:
             return 0
         bucket, key, version = self.split_path(path)
+        direct = await self._direct_gets() if end - start >= DIRECT_FROM else None
 
         async def get_into(method: str, **kwargs: Any) -> dict[str, Any]:
+            if direct is not None:  # received straight into the sink
+                asked = self._get_s3_method_kwargs(direct.client.get_object, **kwargs)
+                return {"ContentLength": await direct.get_into(asked, sink)}
             resp = await S3FileSystem._call_s3(self, method, **kwargs)
             body = resp["Body"]
             try:  # the answer as the request counter reads it
@@ -212,10 +228,40 @@ class RetryingS3FileSystem(RetryingFileSystem, S3FileSystem):
 
     cat_ranges_into = sync_wrapper(_cat_ranges_into)
 
+    async def _direct_gets(self) -> DirectGets | None:
+        """The synchronous mirror of this filesystem's client that receives large
+        ranges into their sinks (:mod:`objckpt.writers.s3_direct`), built on first
+        use; None where it would not send what this client sends
+        (:func:`~objckpt.writers.s3_direct.mirrorable`, said once in the log) or
+        could not be built (logged: loads go on through aiohttp)."""
+        if self._direct is not None or self._no_direct:
+            return self._direct
+        await self.set_session()
+        if self._direct is not None or self._no_direct:  # built while this waited
+            return self._direct
+        why = mirrorable(self._s3, self.storage_options, bool(self.cache_regions))
+        if why is not None:
+            logger.info("S3 ranges are received through aiohttp (copied once): %s", why)
+            self._no_direct = True
+            return None
+        endpoint = (self.client_kwargs or {}).get("endpoint_url") or self.endpoint_url
+        try:
+            self._direct = DirectGets.build(self._s3, endpoint, self.retry_policy.timeout)
+        except Exception:
+            logger.warning(
+                "cannot receive S3 ranges into memory directly; loads go through aiohttp",
+                exc_info=True,
+            )
+            self._no_direct = True
+        return self._direct
+
     async def close_connections(self) -> None:
         """Close this filesystem's client and its connections now, on its loop (s3fs
         closes them only when the filesystem is garbage collected); a later request
         would open a new client."""
+        direct, self._direct, self._no_direct = self._direct, None, False
+        if direct is not None:
+            direct.close()
         creator = getattr(self, "_s3creator", None)
         self._s3 = None
         if creator is not None:
