@@ -20,8 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import json
+import os
 import ssl
+import subprocess
+import sys
 import threading
+import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -409,3 +414,75 @@ def test_no_mirror_where_it_would_not_send_what_the_client_sends(
     finally:
         sync(fs.loop, fs.close_connections)
     assert why in caplog.text, caplog.text
+
+
+#: Run in a fresh process (no other test's connections come and go): a large range
+#: received directly, then the filesystem's connections closed; prints the TCP
+#: connections to the store's port open after the read and after the close.
+_CLOSE_SCRIPT = """
+import json, os, sys
+from fsspec.asyn import sync
+from objckpt import Location
+from objckpt.writers import open_store
+from objckpt.writers.reads import SpanSink
+
+def connected(port):
+    inodes = set()
+    for name in ("tcp", "tcp6"):
+        with open(f"/proc/self/net/{name}") as f:
+            for line in list(f)[1:]:
+                cols = line.split()
+                if int(cols[2].rsplit(":", 1)[1], 16) == port and cols[3] == "01":
+                    inodes.add(cols[9])
+    ours = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:[") and target[8:-1] in inodes:
+            ours.add(fd)
+    return len(ours)
+
+options, url, port = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+store = open_store(Location.parse(url, options))
+store.put("big.bin", os.urandom(4 << 20))
+fs = store._fs
+sync(fs.loop, fs.close_connections)  # the PUT's connections: not what is counted
+sink = SpanSink([memoryview(bytearray(3 << 20))])
+out = store.read_ranges_into(["big.bin"], [0], [3 << 20], [sink])
+assert out == [3 << 20], out
+mirror = fs._direct  # held here: closed by close_connections, not by collection
+assert mirror is not None
+read = connected(port)
+sync(fs.loop, fs.close_connections)
+print(json.dumps({"after_read": read, "after_close": connected(port)}))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/net"), reason="needs /proc")
+def test_closing_the_filesystem_closes_the_mirrors_connections(
+    s3_bucket: StoreTarget, s3_proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """The proxy keeps connections alive as a real store does (moto closes each one
+    itself): after a direct GET the mirror holds one, and ``close_connections``
+    (which a checkpointer's close and the process's client cache call) closes it."""
+    script = tmp_path / "close.py"
+    script.write_text(_CLOSE_SCRIPT)
+    port = urllib.parse.urlsplit(s3_proxy.endpoint_url).port
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            json.dumps(s3_proxy.storage_options()),
+            s3_bucket.url("closed"),
+            str(port),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["after_read"] >= 1, seen  # kept alive: the count can see it
+    assert seen["after_close"] == 0, seen
