@@ -177,6 +177,12 @@ class SpanSink:
             n += 1
         return out
 
+    def fill(self, answer: bytes | bytearray | memoryview) -> int:
+        """A whole answer copied in from the start: its length (what does not fit is
+        counted, not written: the caller compares the count with what it asked)."""
+        self.write(0, memoryview(answer)[: self.length])
+        return len(answer)
+
     def write(self, pos: int, data: bytes | bytearray | memoryview) -> None:
         """Copy ``data`` to bytes ``[pos, pos + len(data))`` of this sink."""
         src = memoryview(data)
@@ -213,6 +219,5 @@ def read_ranges_into(
         if isinstance(piece, BaseException):
             out.append(piece)
             continue
-        sink.write(0, memoryview(piece)[: len(sink)])
-        out.append(len(piece))
+        out.append(sink.fill(piece))
     return out

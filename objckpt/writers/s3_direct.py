@@ -293,9 +293,7 @@ class DirectGets:
         body = resp["Body"]
         raw = getattr(body, "_raw_stream", None)  # urllib3's response
         if raw is None:  # a botocore that hides it: read whole, copied in
-            data = body.read()
-            sink.write(0, memoryview(data)[: len(sink)])
-            return len(data)
+            return sink.fill(body.read())
         if not attempt.attach(raw):
             raw.close()
             raise asyncio.CancelledError

@@ -293,9 +293,7 @@ async def _stream_into(body: Any, sink: SpanSink) -> int:
     count says it was longer)."""
     raw = getattr(body, "raw_stream", None)
     if not isinstance(raw, aiohttp.ClientResponse):  # httpx: its .content raises unread
-        data = await body.read()
-        sink.write(0, memoryview(data)[: len(sink)])
-        return len(data)
+        return sink.fill(await body.read())
     at = 0
     while True:
         chunk, end_of_http_chunk = await raw.content.readchunk()
