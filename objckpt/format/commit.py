@@ -3,12 +3,14 @@
 The steps, in this order, whichever strategy runs them:
 
 1. the index objects, one per writing rank (``__index_<rank>.<attempt>.json``);
-2. ``.metadata`` (DCP's pickle, for stock readers) prepared, not yet written, and the
-   manifest's ``metadata`` document, both from those index objects;
+2. the manifest's ``metadata`` document, and ``.metadata`` (DCP's pickle, for stock
+   readers) prepared, not yet written, where the strategy builds it before the
+   commit (the manifest then names it with its size and CRC32C);
 3. one listing checks that every object the manifest names is there, then
    ``manifest.json`` is written create-only: the commit point (any error of that PUT
    is settled by reading it back, :mod:`objckpt.format.settle`);
-4. ``.metadata`` is written, then what only a replaced checkpoint named is deleted.
+4. ``.metadata`` is written (built now where step 2 did not), then what only a
+   replaced checkpoint named is deleted.
 
 A checkpoint exists if and only if its manifest exists. Everything else the save
 wrote is invisible until then, so a crash at any earlier moment leaves the previous
@@ -27,17 +29,23 @@ Until that one PUT lands, a stock reader sees no ``.metadata`` (a new URL) or th
 previous checkpoint's, whose objects are all still there (an overwrite deletes what
 only the replaced manifest named after ``.metadata`` is replaced, never before).
 
-Why two strategies (:class:`CommitStrategy`): steps 2 and 4 cost O(items), 9.8
-million entries at 8,192 ranks. :class:`InThread` runs them in the committing
-process itself, from the write results it holds: what a synchronous ``dcp.save``
-and a store only this process reaches (``file://`` that may be node-local,
-``memory://``) need. The helper-process strategy
-(:mod:`objckpt.pipeline.coordinator`) runs them in rank 0's commit helper, from
-the index objects every rank wrote itself, so an async save's commit does not hold
-the training process. Both decode the same index bytes with the same code
+Why two strategies (:class:`CommitStrategy`): ``.metadata`` costs O(items), 9.8
+million entries at 8,192 ranks. :class:`InThread` builds it in the committing
+process itself, before the commit, from the write results it holds: what a
+synchronous ``dcp.save`` and a store only this process reaches (``file://`` that
+may be node-local, ``memory://``) need. The helper-process strategy
+(:mod:`objckpt.pipeline.coordinator`) builds it in rank 0's commit helper from the
+index objects every rank wrote itself, so an async save's commit does not hold the
+training process, and after the commit unless the last one can be renamed (its
+template): the manifest's ``writer`` columns come from the global plan
+(:attr:`Layout.writers`), each rank having checked that its index places what the
+plan gave it (:func:`write_rank_index`), so no rank waits for ten million items to
+be decoded to learn the outcome. Both decode the same index bytes with the same code
 (:func:`build_stock`) into the same ``.metadata`` pickle
 (:mod:`objckpt.format.metadata_stream`): where a checkpoint was saved does not change
-its bytes. :func:`commit_sequence` is the one place the steps' order is written.
+its bytes. A manifest names ``.metadata`` only where it was built before the commit;
+either way ``.metadata`` is replaced, never deleted, by a later overwrite's step 4.
+:func:`commit_sequence` is the one place the steps' order is written.
 """
 
 from __future__ import annotations
@@ -67,7 +75,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from objckpt._torch import storage_info
 from objckpt._version import __version__
-from objckpt.errors import InternalError, StoreError
+from objckpt.errors import InternalError, ManifestError, StoreError
 from objckpt.format.dcp_json import StoredItem, encode_storage_meta
 from objckpt.format.index import (
     IndexShard,
@@ -168,6 +176,9 @@ class RankReport:
     #: between two saves, and ``.metadata`` differs only by the attempt id and the
     #: save's ``StorageMeta``.
     stock_digest: str | None = None
+    #: The length before their transforms of its items stored transformed (the
+    #: manifest's ``raw_bytes`` is the ranks' sum; 0: none is).
+    raw_bytes: int = 0
 
 
 def write_rank_index(
@@ -176,24 +187,58 @@ def write_rank_index(
     rank: int,
     attempt: str,
     requests: Callable[[], RequestStats],
+    planned: Iterable[MetadataIndex],
 ) -> RankReport:
-    """Step 1 on one rank (the helper-process strategy): encode and PUT this rank's
-    index object; its report (``requests`` is read after the PUT, so it counts it).
+    """Step 1 on one rank (the helper-process strategy): check that the rank's write
+    results place exactly the items its plan gave it (``planned``), then encode and
+    PUT this rank's index object; its report (``requests`` is read after the PUT, so
+    it counts it).
+
+    The check is what lets the manifest take each chunk's writer from the global plan
+    (:attr:`Layout.writers`) instead of decoding every rank's index before the commit
+    (ten million items at 8,192 ranks): each rank proves its own index places what
+    the plan says it wrote, O(its items), before any rank reports.
 
     Raises:
-        ManifestError: An item has no chunk position.
+        ManifestError: An item has no chunk position, or the results place other
+            items than ``planned``.
         StoreError: The PUT failed (the save must fail on every rank).
     """
     results = list(results)
     items = {wr.index: wr.storage_data for wr in results if isinstance(wr.storage_data, StoredItem)}
+    _require_planned(items.keys(), planned, rank)
     objects = written_objects(results)
     if not items:
         return RankReport(None, objects, requests())
     shard = encode_rank_index(items, rank, attempt)
     store.put(shard.key, shard.data)
-    return RankReport(
-        _entry(shard), objects, requests(), stock_digest(items, attempt, store.location.url)
-    )
+    raw = sum(it.raw_length or 0 for it in items.values() if it.transform_descriptors)
+    digest = stock_digest(items, attempt, store.location.url)
+    return RankReport(_entry(shard), objects, requests(), digest, raw)
+
+
+def _require_planned(
+    stored: Iterable[MetadataIndex], planned: Iterable[MetadataIndex], rank: int
+) -> None:
+    """Raise ManifestError unless ``stored`` and ``planned`` are the same items
+    (their fqn, offsets and chunk position, which is what places them)."""
+
+    def keys(indexes: Iterable[MetadataIndex]) -> set[tuple[Any, ...]]:
+        return {(i.fqn, None if i.offset is None else tuple(i.offset), i.index) for i in indexes}
+
+    have, want = keys(stored), keys(planned)
+    if have != want:
+        lost, extra = sorted(want - have, key=repr), sorted(have - want, key=repr)
+        raise ManifestError(
+            f"rank {rank}'s write results place {len(have)} items, its plan {len(want)}: "
+            + "; ".join(
+                f"{what} {', '.join(repr(k[0]) + f' chunk {k[2]}' for k in ks[:3])}"
+                + (f" and {len(ks) - 3} more" if len(ks) > 3 else "")
+                for what, ks in (("not stored:", lost), ("not planned:", extra))
+                if ks
+            )
+            + "; nothing is committed"
+        )
 
 
 def stock_digest(items: Mapping[MetadataIndex, StoredItem], attempt: str, url: str) -> str:
@@ -273,15 +318,27 @@ class Layout:
     #: Names this layout (one per global plan): two saves with the same token and the
     #: same :attr:`RankReport.stock_digest` on every rank have the same items.
     token: str = ""
+    #: Each entry's ``writer`` (:func:`~objckpt.format.index.writer_columns`) as the
+    #: global plan assigns items to ranks, which every rank checks its own index
+    #: against before it reports (:func:`write_rank_index`); None: the plan's
+    #: per-rank items were not given.
+    writers: dict[str, Any] | None = None
 
     @classmethod
-    def of(cls, metadata: Metadata) -> Layout:
+    def of(
+        cls, metadata: Metadata, planned: Sequence[Iterable[MetadataIndex]] | None = None
+    ) -> Layout:
+        """The layout of ``metadata``'s plan; with ``planned`` (each rank's planned
+        items, by rank) its writers too. Both O(chunks), once per global plan."""
         doc = layout_doc(dataclasses.replace(metadata, version=_DCP_VERSION), "0" * 16)
         state = {
             fqn: entry if "writer" in entry else {**entry, "writer": 0}
             for fqn, entry in doc["state_dict"].items()
         }
-        return cls(doc, {**doc, "state_dict": state}, _properties(metadata), uuid.uuid4().hex)
+        writers = None if planned is None else writer_columns(doc, enumerate(planned))
+        return cls(
+            doc, {**doc, "state_dict": state}, _properties(metadata), uuid.uuid4().hex, writers
+        )
 
     def for_save(
         self, placeholder: bool, index_keys: Sequence[str | None], storage_meta: StorageMeta
@@ -313,9 +370,15 @@ class GlobalPlan:
     while the next save may already hold the plan.
     """
 
-    def __init__(self, metadata: Metadata) -> None:
+    def __init__(
+        self, metadata: Metadata, results: Sequence[Iterable[WriteResult]] | None = None
+    ) -> None:
         self._lock = threading.Lock()
         self._metadata: Metadata | None = metadata
+        #: Each rank's write results as DCP gathered them for ``finish`` (on an async
+        #: save, placeholders naming its planned items), until the layout takes the
+        #: writers from them (None: not given; the helper strategy cannot commit).
+        self._results = results
         self._layout: Layout | None = None
         #: Names this plan in a template's key (:class:`StockTemplate`).
         self.token = uuid.uuid4().hex
@@ -336,8 +399,14 @@ class GlobalPlan:
         with self._lock:
             if self._layout is None:
                 assert self._metadata is not None
-                self._layout = Layout.of(self._metadata)
-                self._metadata = None
+                planned = None
+                if self._results is not None:
+                    planned = [
+                        (wr.index for wr in rank if wr.index.fqn != REQUESTS_FQN)
+                        for rank in self._results
+                    ]
+                self._layout = Layout.of(self._metadata, planned)
+                self._metadata, self._results = None, None
             return self._layout
 
     def metadata(self) -> Metadata:
@@ -421,8 +490,6 @@ class _Kept:
     #: where bytes would be copied whole (1.2 GB at 8,192 ranks) to append it.
     body: bytearray
     version: Any
-    writers: dict[str, Any]
-    raw: int
     #: ``/<step directory>/`` when the body names it (spread keys' paths), else None.
     step: str | None = None
 
@@ -452,9 +519,9 @@ class StockTemplate:
 
     def renamed(
         self, key: Any, attempt: str, storage_meta: StorageMeta, url: str
-    ) -> tuple[bytearray, dict[str, Any], int] | None:
-        """``.metadata`` of the save ``attempt`` to ``url`` with its writers and
-        ``raw_bytes``, from the template, or None when it does not apply. A template
+    ) -> bytearray | None:
+        """``.metadata`` of the save ``attempt`` to ``url`` from the template, or None
+        when it does not apply. A template
         whose paths name its step (spread keys) is renamed to ``url``'s step too."""
         with self._lock:
             kept = self._kept
@@ -467,7 +534,7 @@ class StockTemplate:
         if kept.step is not None and token is not None and token != kept.step:
             blob = blob.replace(kept.step.encode(), token.encode())
         blob.extend(MetadataStream.tail(storage_meta, kept.version))
-        return blob, kept.writers, kept.raw
+        return blob
 
     def keep(
         self,
@@ -475,8 +542,6 @@ class StockTemplate:
         attempt: str,
         layout: StockLayout,
         blob: bytes | bytearray,
-        writers: Mapping[str, Any],
-        raw: int,
         url: str,
     ) -> None:
         """Keep ``blob`` (just built whole for ``attempt``) as the template under
@@ -500,7 +565,7 @@ class StockTemplate:
             step = token
         body = bytearray(memoryview(blob)[:end])
         with self._lock:
-            self._kept = _Kept(key, attempt, body, version, dict(writers), raw, step)
+            self._kept = _Kept(key, attempt, body, version, step)
 
 
 def build_stock(
@@ -509,15 +574,15 @@ def build_stock(
     indexes: Sequence[tuple[int, ObjectEntry]],
     blobs: list[bytes],
     url: str,
-) -> tuple[bytes, dict[str, Any], int]:
-    """Step 2, the same code in both strategies: DCP's ``.metadata`` pickle, each
-    entry's ``writer`` for the manifest, and its ``raw_bytes``, from the index objects
-    (``blobs[n]`` is the bytes of ``indexes[n]``, a (rank, entry) pair; each is
-    released once decoded).
+) -> tuple[bytes, dict[str, Any]]:
+    """``.metadata``, the same code in both strategies: DCP's pickle and each entry's
+    ``writer`` as the index objects place the items (``blobs[n]`` is the bytes of
+    ``indexes[n]``, a (rank, entry) pair; each is released once decoded). The helper
+    compares those writers with the manifest's (the plan's) before it writes it.
 
     Raises:
         ManifestError: An index does not match the plan's layout, or a chunk of the
-            plan is in no rank's index (a rank's items went missing: never commit).
+            plan is in no rank's index (a rank's items went missing).
     """
     # The index objects are decoded against the plan's chunks, and each item's key
     # holds its chunk's offsets (in memory: the stream writes them again per batch).
@@ -529,7 +594,6 @@ def build_stock(
     # the chunks and one rank's items are alive at once (metadata_stream's doc).
     stream = MetadataStream()
     stream.begin(sd_md, layout.planner_data)
-    raw = 0
     paths: dict[str, str] = {}
 
     def path_of(key: str) -> str:
@@ -544,7 +608,6 @@ def build_stock(
     def decoded() -> Iterator[tuple[int, Iterable[Any]]]:
         """Each rank's items, one rank at a time (never all of them at once: 10 million
         at 8,192 ranks), into ``.metadata`` on the way."""
-        nonlocal raw
         for n, (rank, entry) in enumerate(indexes):
             items = decode_index(
                 blobs[n], rank=rank, attempt=attempt, metadata=metadata, url=entry.key
@@ -562,13 +625,10 @@ def build_stock(
                 )
                 for i, it in items.items()
             )
-            # Transformed (compressed) items' lengths before their transforms, as
-            # encode_metadata sums them into the manifest (a reader's budget).
-            raw += sum(it.raw_length or 0 for it in items.values() if it.transform_descriptors)
             yield rank, items.keys()
 
     writers = writer_columns(layout.doc, decoded())
-    return stream.end(layout.storage_meta, metadata.version), writers, raw
+    return stream.end(layout.storage_meta, metadata.version), writers
 
 
 def metadata_entry(blob: bytes | bytearray) -> ObjectEntry:
@@ -584,12 +644,14 @@ class Prepared:
 
     Attributes:
         doc: The manifest's ``metadata`` document.
-        metadata: ``.metadata``'s entry (the pickle stays with the strategy until step 4).
+        metadata: ``.metadata``'s entry (the pickle stays with the strategy until
+            step 4), or None where the strategy builds it only after the commit (the
+            manifest then does not name it; see :class:`CommitStrategy`).
         requests: The store requests step 2 made, for the manifest's totals.
     """
 
     doc: dict[str, Any]
-    metadata: ObjectEntry
+    metadata: ObjectEntry | None
     requests: RequestStats
 
 
@@ -602,8 +664,9 @@ class CommitStrategy(abc.ABC):
 
     @abc.abstractmethod
     def prepare(self) -> Prepared:
-        """Step 2: build ``.metadata`` (kept, not written) and the manifest's document
-        from the index objects; with ``overwrite``, read what the replaced manifest named."""
+        """Step 2: the manifest's document and ``.metadata`` (kept, not written), or
+        none where it is built after the commit; with ``overwrite``, read what the
+        replaced manifest named."""
 
     @abc.abstractmethod
     def discard(self) -> None:
@@ -611,9 +674,10 @@ class CommitStrategy(abc.ABC):
 
     @abc.abstractmethod
     def publish(self, named: frozenset[str]) -> bool:
-        """Step 4, after the commit: write ``.metadata``, then delete what only the
-        replaced checkpoint named (not in ``named``, the new manifest's keys). Whether
-        ``.metadata`` was written; a failure is logged (the save stays committed)."""
+        """Step 4, after the commit: write ``.metadata`` (built now where
+        :meth:`prepare` did not), then delete what only the replaced checkpoint named
+        (not in ``named``, the new manifest's keys). Whether ``.metadata`` was
+        written; a failure is logged (the save stays committed)."""
 
 
 class InThread(CommitStrategy):
@@ -653,19 +717,15 @@ class InThread(CommitStrategy):
                 key, self._attempt, self._layout.storage_meta, store.location.url
             )
         if renamed is not None:  # the last save's, renamed: the same items
-            blob: bytes | bytearray = renamed[0]
+            blob: bytes | bytearray = renamed
         else:
             if template is not None:
                 template.clear()
-            blob, writers, raw = build_stock(
-                self._layout, self._attempt, indexes, blobs, store.location.url
-            )
+            blob, _ = build_stock(self._layout, self._attempt, indexes, blobs, store.location.url)
             small = len(blob) <= IN_THREAD_TEMPLATE_BYTES
             if template is not None and make_key is not None and small:
                 key = make_key() if key is None else key
-                template.keep(
-                    key, self._attempt, self._layout, blob, writers, raw, store.location.url
-                )
+                template.keep(key, self._attempt, self._layout, blob, store.location.url)
         self._blob = blob
         return Prepared(self._layout.doc, metadata_entry(blob), RequestStats())
 
@@ -712,7 +772,8 @@ def commit_sequence(
     prepared = strategy.prepare()
     objects = {o.key: o for r in reports for o in r.objects}
     objects.update((r.index.key, r.index) for r in reports if r.index is not None)
-    objects[METADATA_KEY] = prepared.metadata
+    if prepared.metadata is not None:
+        objects[METADATA_KEY] = prepared.metadata
     try:
         manifest = commit_manifest(
             store,
@@ -735,7 +796,8 @@ def commit_sequence(
             logger.error(
                 "%s committed, but telling the other ranks failed: %s", store.location.url, exc
             )
-    strategy.publish(frozenset(o.key for o in manifest.objects))
+    # .metadata is replaced by step 4, never deleted as superseded, named or not.
+    strategy.publish(frozenset(o.key for o in manifest.objects) | {METADATA_KEY})
     return manifest
 
 

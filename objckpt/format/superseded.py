@@ -109,7 +109,8 @@ def delete_superseded_after(store: ObjectStore, written: bool, keys: set[str]) -
     are kept, and that is logged."""
     # Another step's objects (references) are never this step's to delete; nor are
     # its own objects that later steps of its root reference (#28).
-    keys = {k for k in keys - {MANIFEST_KEY} if not is_reference(k)}
+    # .metadata is replaced, never deleted, whether a manifest names it or not (#46).
+    keys = {k for k in keys - {MANIFEST_KEY, METADATA_KEY} if not is_reference(k)}
     if written:
         _delete_superseded(store, keys - referenced_by_siblings(store, keys))
     elif keys:

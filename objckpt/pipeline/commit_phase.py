@@ -8,9 +8,10 @@ call of the training loop is needed for a save to finish::
                  build its layout) -> wait for the uploads
                  -> free the staging set -> PUT its own index object
                  post a small report (c10d store, keyed by the save's attempt)
-    rank 0:      gather the reports (timeout) -> its commit helper process builds
-                 .metadata from the index objects -> manifest -> the helper writes
-                 .metadata (pipeline/coordinator.py) -> publish the outcome
+    rank 0:      gather the reports (timeout) -> manifest (the plan's writers;
+                 .metadata's entry where the helper renamed its template) ->
+                 publish the outcome -> its commit helper process writes .metadata,
+                 built from the index objects where not renamed (pipeline/coordinator.py)
     others:      wait for rank 0's outcome (timeout)
 
 That split needs a store every process reaches alike (:func:`splits_commit`); on a
@@ -204,6 +205,7 @@ class Committer:
                     rank_plan.rank,
                     rank_plan.attempt,
                     lambda: writer.target.requests,
+                    (i.index for i in writer.items),
                 )
             except BaseException as exc:
                 error = exc

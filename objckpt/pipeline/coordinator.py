@@ -4,15 +4,20 @@ Every rank wrote its own index object (the commit's step 1) before it reported.
 Rank 0's training process gathers W small :class:`~objckpt.format.commit.RankReport`
 records, then (on its commit thread; the steps of :mod:`objckpt.format.commit`):
 
-2. asks its commit helper process to prepare ``.metadata`` and the chunk writers
-   from the index objects the ranks wrote (:func:`~objckpt.pipeline.stock_task.prepare_stock`);
+2. asks its commit helper process to prepare the commit
+   (:func:`~objckpt.pipeline.stock_task.prepare_stock`): rename the last
+   ``.metadata`` of the plan where every rank's items are the same, read back the
+   index objects where the store does not verify PUTs, read what an overwrite
+   replaces; nothing is decoded there;
 3. writes the manifest (one listing, the create-only PUT settled by read-back):
    the plan's :class:`~objckpt.format.commit.Layout`, built once per global
-   plan, completed with this save's writers and keys;
+   plan with each chunk's writer from the plan, completed with this save's index
+   keys and the ranks' ``raw_bytes``, naming ``.metadata`` where step 2 renamed it;
 4. tells the other ranks the save committed, then asks the helper to write
-   ``.metadata`` and delete what an overwrite replaced
-   (:func:`~objckpt.pipeline.stock_task.publish_stock`); rank 0's save completes
-   once it did (or failed: logged, the checkpoint stays committed, as in-thread).
+   ``.metadata``, built whole from the index objects first where step 2 renamed none
+   (:func:`~objckpt.pipeline.stock_task.publish_stock`), and delete what an
+   overwrite replaced; rank 0's save completes once it did (or failed: logged, the
+   checkpoint stays committed, as in-thread).
 
 These are the steps of :func:`~objckpt.format.commit.commit_sequence`, the one
 implementation of the commit's order; :class:`InHelper` is its helper-process
@@ -23,11 +28,11 @@ starts a fresh one). Step 2 ends by the earlier of two bounds: ``commit_by``, th
 time by which rank 0 must publish the outcome before the other ranks stop waiting
 for it, less :data:`MANIFEST_RESERVE` for the manifest; and the save's deadline plus
 :data:`~objckpt.pipeline.workers.WEDGED_AFTER` (the helper's reads end by then) plus
-:data:`CPU_ALLOWANCE` for its decoding and pickling. Then the save fails, nothing
-committed. Step 4 gets the settle bound
-(:data:`~objckpt.format.settle.SETTLE_SECONDS`, less when ``commit_by`` is nearer)
-inside the helper and that plus ``WEDGED_AFTER`` here; past it the helper is
-stopped, so nothing it does lands after the save's handle completed.
+:data:`CPU_ALLOWANCE`. Then the save fails, nothing committed. Step 4 gets the settle
+bound (:data:`~objckpt.format.settle.SETTLE_SECONDS`) for the PUT, or step 2's bound
+where it builds ``.metadata`` first, each less when ``commit_by`` is nearer, inside
+the helper, and that plus ``WEDGED_AFTER`` here; past it the helper is stopped, so
+nothing it does lands after the save's handle completed.
 
 Stopping the helper stops every commit it holds: with ``max_saves_in_flight > 1`` another
 save's step 2 fails (that save fails on every rank, nothing committed) and a
@@ -201,18 +206,29 @@ class CommitHelper:
         attempt: str,
         named: frozenset[str],
         commit_by: float | None = None,
+        deadline: Deadline | None = None,
+        writers: dict[str, Any] | None = None,
     ) -> bool:
-        """Step 4, after the commit: the helper writes ``.metadata`` and deletes what
-        an overwrite replaced, within the settle bound, and so that the outcome is
-        still published by ``commit_by`` (past it the helper is stopped). Whether
+        """Step 4, after the commit: the helper writes ``.metadata`` (built whole first
+        when ``writers``, the manifest's, are given: no template applied) and deletes
+        what an overwrite replaced. Bounded so that rank 0's save still ends in time
+        (past the bound the helper is stopped): the settle bound for the PUT, and for
+        a build the bound step 2 had when it built it before the commit
+        (:func:`prepare_bound`); neither later than ``commit_by``. Whether
         ``.metadata`` was written; when not, logged here (the save stays committed)."""
-        settle = SETTLE_SECONDS
-        if commit_by is not None:
-            settle = max(0.0, min(settle, commit_by - time.monotonic() - WEDGED_AFTER))
+        now = time.monotonic()
+        if writers is None:
+            settle = SETTLE_SECONDS
+            if commit_by is not None:
+                settle = max(0.0, min(settle, commit_by - now - WEDGED_AFTER))
+        else:
+            until, _ = prepare_bound(deadline, commit_by)
+            settle = SETTLE_SECONDS + CPU_ALLOWANCE if until is None else until - now
+            settle = max(0.0, settle - WEDGED_AFTER)
         reason: str | None = "it was not asked to"
         try:
             future = self._submit(
-                stock_task.publish_stock, location, options, attempt, named, settle
+                stock_task.publish_stock, location, options, attempt, named, settle, writers
             )
             try:
                 reason = future.result(timeout=settle + WEDGED_AFTER)
@@ -295,12 +311,17 @@ class InHelper(CommitStrategy):
         self._keys = [None if r.index is None else r.index.key for r in reports]
         self._indexes = [(rank, r.index) for rank, r in enumerate(reports) if r.index is not None]
         self._digests = [r.stock_digest for r in reports if r.index is not None]
+        self._raw_bytes = sum(r.raw_bytes for r in reports)
         self._commit_by = commit_by
+        #: Whether ``.metadata`` is built after the commit (no template applied).
+        self._whole = False
 
     def prepare(self) -> Prepared:
         writer, target = self._writer, self._writer.target
         store = target.store
         layout = self._plan.layout()
+        if layout.writers is None:
+            raise InternalError("internal: a commit from reports without the plan's writers")
         storage_meta = save_storage_meta(
             self._plan.storage_meta, store.location.url, target.checkpoint_id, self._attempt
         )
@@ -311,7 +332,7 @@ class InHelper(CommitStrategy):
             storage_meta,
             layout.token,
         )
-        what = f"preparing {store.location.url}'s .metadata from {len(self._indexes)} index objects"
+        what = f"preparing {store.location.url}'s commit ({len(self._indexes)} index objects)"
         until, limit = prepare_bound(writer.deadline, self._commit_by)
         prepared: stock_task.StockPrepared = self._helper.bounded(
             self._helper._submit(
@@ -330,11 +351,12 @@ class InHelper(CommitStrategy):
             what,
             self._attempt,
         )
+        self._whole = prepared.metadata is None
         doc = with_writers(
             layout.for_save(False, self._keys, storage_meta),
-            prepared.writers,
+            layout.writers,
             self._keys,
-            prepared.raw_bytes,
+            self._raw_bytes,
         )
         return Prepared(doc, prepared.metadata, prepared.requests)
 
@@ -343,8 +365,15 @@ class InHelper(CommitStrategy):
 
     def publish(self, named: frozenset[str]) -> bool:
         target = self._writer.target
+        layout = self._plan.layout()
         return self._helper.publish(
-            target.store.location, target.upload, self._attempt, named, self._commit_by
+            target.store.location,
+            target.upload,
+            self._attempt,
+            named,
+            self._commit_by,
+            self._writer.deadline,
+            layout.writers if self._whole else None,
         )
 
 

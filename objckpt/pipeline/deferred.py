@@ -282,7 +282,9 @@ class DeferredWriter(StorageWriter):
         return refusal
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        self.global_plan = GlobalPlan(metadata)  # committed later, by the background thread
+        # Committed later, by the background thread; each rank's placeholders name the
+        # items the plan gave it, which the manifest's writer columns come from.
+        self.global_plan = GlobalPlan(metadata, results)
 
     def replay(
         self,

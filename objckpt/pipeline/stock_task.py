@@ -7,20 +7,24 @@ rank's items is done here, in a long-lived helper process of rank 0
 commit from reports and again after it died or was stopped; unlike the upload
 workers it imports torch, for DCP's classes):
 
-1. :func:`prepare_stock` (before the manifest), built whole: fetch every index object, check each
-   against the size and CRC32C its rank reported, decode it against the plan's
-   layout, and from the items build which rank wrote each chunk (the manifest's
-   ``writer`` columns) and DCP's ``.metadata`` pickle for stock readers (~153 MB at
-   1,024 ranks), written as the index objects are decoded: the commit's step 2,
-   :func:`objckpt.format.commit.build_stock`, the code the in-thread commit runs. The
-   pickle stays here; its size and CRC32C go back for the manifest's object list.
-   With ``overwrite``, it also reads the manifest being replaced (what to delete once
-   ``.metadata`` is replaced).
-2. :func:`publish_stock` (after the manifest committed): PUT ``.metadata``, then
-   delete the objects only the replaced checkpoint named, exactly as
-   ``format/commit.py``'s ``InThread`` does, within the settle bound; a failure leaves
-   the save committed (the training process logs it). :func:`discard_stock`
-   forgets a prepared pickle whose manifest was never written.
+1. :func:`prepare_stock` (before the manifest): with ``overwrite``, read the manifest
+   being replaced (what to delete once ``.metadata`` is replaced); on a store that
+   does not verify PUTs against their CRC32C, fetch every index object and check it
+   against the size and CRC32C its rank reported; and where the template applies
+   (below), rename it: the manifest then names ``.metadata`` with its size and
+   CRC32C. Otherwise nothing is built before the commit: the manifest's ``writer``
+   columns come from the global plan (each rank checked its own index against it),
+   so the outcome never waits for ten million items to be decoded.
+2. :func:`publish_stock` (after the manifest committed): where nothing was renamed,
+   build ``.metadata`` whole (fetch the index objects not read yet, decode each
+   against the plan's layout, write DCP's pickle as they are decoded:
+   :func:`objckpt.format.commit.build_stock`, the code the in-thread commit runs,
+   ~153 MB at 1,024 ranks) and check that the index objects place every chunk on the
+   rank the manifest says; then PUT it, then delete the objects only the replaced
+   checkpoint named, exactly as ``format/commit.py``'s ``InThread`` does, within its
+   bound; a failure leaves the save committed without ``.metadata`` (the training
+   process logs it). :func:`discard_stock` forgets what a commit that never
+   happened prepared.
 
 State kept here lives only in the helper process, by attempt id.
 
@@ -32,10 +36,10 @@ id). Each rank reports a digest of what its items put into ``.metadata``
 layout and every rank's digest equal those of the last ``.metadata`` built here,
 the new one is that pickle with the old attempt id replaced by the new one (same
 length: every name keeps its length) and a new ending
-(:meth:`~objckpt.format.metadata_stream.MetadataStream.tail`), and the writer columns
-and ``raw_bytes`` are the last save's. On a store that verifies each PUT against
-its CRC32C (:attr:`~objckpt.writers.base.ObjectStore.verifies_writes`: S3) the index
-objects are then not read at all (8,192 GETs, 790 MB at 8,192 ranks): nothing is
+(:meth:`~objckpt.format.metadata_stream.MetadataStream.tail`). On a store that
+verifies each PUT against its CRC32C
+(:attr:`~objckpt.writers.base.ObjectStore.verifies_writes`: S3) the index objects
+are then not read at all (8,192 GETs, 790 MB at 8,192 ranks): nothing is
 decoded from them, each rank's PUT was checked against the CRC32C it reported, and
 the commit's listing (step 3) finds each with its size before the manifest names
 it; elsewhere they are still read back and checked, not decoded. At
@@ -43,8 +47,8 @@ it; elsewhere they are still read back and checked, not decoded. At
 and pickling them again (87-102 CPU-s, 1.2 GB) and two copies of the bytes (see
 ``docs/guides/at-scale.md``). A
 changed digest (an item reused or compressed differently, a new plan), an attempt
-id found where no name could hold it, or a restarted helper builds it whole, as
-before, and keeps it as the next template. Both give the same bytes
+id found where no name could hold it, or a restarted helper builds it whole after
+the commit, and keeps it as the next template. Both give the same bytes
 (``tests/pipeline/test_rank_commit.py``). The template itself is
 :class:`~objckpt.format.commit.StockTemplate`; an in-thread commit (one rank, a
 node-local tier) keeps its own in the plan (``GlobalPlan.stock``), where it is small.
@@ -61,7 +65,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from objckpt.errors import UploadError
+from objckpt.errors import ManifestError, UploadError
 from objckpt.format.commit import StockLayout, StockTemplate, build_stock, metadata_entry
 from objckpt.format.layout import METADATA_KEY
 from objckpt.format.manifest import ObjectEntry
@@ -79,9 +83,27 @@ __all__ = ["StockLayout", "StockPrepared", "discard_stock", "prepare_stock", "pu
 logger = logging.getLogger(__name__)
 
 _LOCK = threading.Lock()
-#: attempt -> (the .metadata pickle, what the replaced manifest named)
-_PREPARED: dict[str, tuple[bytes | bytearray, set[str]]] = {}
 _FETCHERS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class _Held:
+    """What :func:`prepare_stock` keeps for :func:`publish_stock`, by attempt id."""
+
+    #: The ``.metadata`` renamed from the template, or None: built after the commit.
+    blob: bytes | bytearray | None
+    #: What the replaced manifest named (with ``overwrite``).
+    superseded: set[str]
+    #: What a build after the commit needs: the layout, the ranks' index entries,
+    #: their bytes where they were read back before the commit (None: read then),
+    #: and the template key to keep the result under.
+    layout: StockLayout | None = None
+    indexes: list[tuple[int, ObjectEntry]] = dataclasses.field(default_factory=list)
+    blobs: list[bytes] | None = None
+    key: Any = None
+
+
+_PREPARED: dict[str, _Held] = {}
 
 
 #: This helper's template (one: the helper serves one checkpointer).
@@ -90,13 +112,11 @@ _TEMPLATE = StockTemplate()
 
 @dataclasses.dataclass(frozen=True)
 class StockPrepared:
-    """:func:`prepare_stock`'s answer: the manifest's writers and ``.metadata`` entry."""
+    """:func:`prepare_stock`'s answer: ``.metadata``'s entry for the manifest (None:
+    it is built after the commit, and the manifest does not name it)."""
 
-    writers: dict[str, Any]
-    metadata: ObjectEntry
+    metadata: ObjectEntry | None
     requests: RequestStats
-    #: The manifest's ``raw_bytes`` (0: no item is stored transformed).
-    raw_bytes: int = 0
 
 
 def prepare_stock(
@@ -111,31 +131,31 @@ def prepare_stock(
 ) -> StockPrepared:
     """Helper side, before the commit (see module doc); ``indexes`` are (rank, entry)
     as the ranks reported them, ``digests`` their ranks' ``stock_digest`` (the
-    template's test; None: build it whole).
+    template's test; None: built whole, after the commit).
 
     Raises:
-        UploadError: An index object is missing or differs from its rank's report.
-        ManifestError: An index does not match the plan's layout.
+        UploadError: An index object is missing or differs from its rank's report
+            (read back on a store that does not verify PUTs).
     """
     store = worker_store(location, options)
     key = _template_key(layout, indexes, digests)
     with _no_cyclic_gc():
         renamed = _TEMPLATE.renamed(key, attempt, layout.storage_meta, location.url)
     with counting(RequestCounter()) as counter, bounded_by(deadline):
-        # From the template the index objects are not decoded. Where the store
-        # verified each rank's PUT against its CRC32C they are not read either: the
-        # commit's listing finds each with its rank's size. Elsewhere the read-back
-        # is what proves their bytes.
-        read = renamed is None or not store.verifies_writes
-        blobs = _fetch(store, indexes) if read else []  # _fetch checks each against its report
+        # Where the store verified each rank's PUT against its CRC32C the index
+        # objects are not read before the commit: its listing finds each with its
+        # rank's size. Elsewhere the read-back is what proves their bytes (and a
+        # build after the commit decodes the bytes read here).
+        blobs = None if store.verifies_writes else _fetch(store, indexes)
         superseded = previous_objects(store) if overwrite else set()
     if renamed is not None:  # from the template (blobs, if read, were only the proof)
-        blob, writers, raw = renamed
-        with _LOCK:
-            _PREPARED[attempt] = (blob, superseded)
-        return StockPrepared(writers, metadata_entry(blob), counter.snapshot(), raw)
-    with _no_cyclic_gc():
-        return _prepare(location, attempt, layout, indexes, blobs, superseded, counter, key)
+        held = _Held(renamed, superseded)
+    else:
+        held = _Held(None, superseded, layout, list(indexes), blobs, key)
+    with _LOCK:
+        _PREPARED[attempt] = held
+    entry = None if held.blob is None else metadata_entry(held.blob)
+    return StockPrepared(entry, counter.snapshot())
 
 
 def _template_key(
@@ -167,24 +187,25 @@ def _no_cyclic_gc() -> Iterator[None]:
             gc.enable()
 
 
-def _prepare(
-    location: Location,
-    attempt: str,
-    layout: StockLayout,
-    indexes: list[tuple[int, ObjectEntry]],
-    blobs: list[bytes],
-    superseded: set[str],
-    counter: RequestCounter,
-    key: Any = None,
-) -> StockPrepared:
-    """:func:`prepare_stock` once the index objects are fetched: built whole, and
-    kept as the template under ``key`` (None: not kept)."""
+def _build(
+    store: Any, held: _Held, attempt: str, url: str, writers: dict[str, Any] | None
+) -> bytes:
+    """``.metadata`` built whole after the commit from the index objects (read now
+    where they were not before it), checked against the manifest's ``writers`` (the
+    plan's), and kept as the template."""
+    assert held.layout is not None
+    blobs = held.blobs if held.blobs is not None else _fetch(store, held.indexes)
     _TEMPLATE.clear()  # a stale template is not kept beside a new pickle of 1 GB
-    blob, writers, raw = build_stock(layout, attempt, indexes, blobs, location.url)
-    with _LOCK:
-        _PREPARED[attempt] = (blob, superseded)
-    _TEMPLATE.keep(key, attempt, layout, blob, writers, raw, location.url)
-    return StockPrepared(writers, metadata_entry(blob), counter.snapshot(), raw)
+    with _no_cyclic_gc():
+        blob, placed = build_stock(held.layout, attempt, held.indexes, blobs, url)
+    if writers is not None and placed != writers:
+        wrong = sorted(f for f in writers if placed.get(f) != writers[f])
+        raise ManifestError(
+            f"the index objects place {len(wrong)} entries on other ranks than the "
+            f"manifest (the global plan) does, {wrong[:3]!r} first: not written"
+        )
+    _TEMPLATE.keep(held.key, attempt, held.layout, blob, url)
+    return blob
 
 
 def _fetch(store: Any, indexes: list[tuple[int, ObjectEntry]]) -> list[bytes]:
@@ -222,25 +243,35 @@ def publish_stock(
     attempt: str,
     named: frozenset[str],
     settle: float | None = None,
+    writers: dict[str, Any] | None = None,
 ) -> str | None:
-    """Helper side, after the commit: write the prepared ``.metadata``, then delete
-    what only the replaced checkpoint named (not in ``named``, the new manifest's
-    keys), all within ``settle`` seconds (None: the settle bound). Returns None once
-    ``.metadata`` is written, else why not (the training process logs it: this
-    process has no logging configured)."""
+    """Helper side, after the commit: write the prepared ``.metadata`` (built whole
+    now where :func:`prepare_stock` did not rename the template, its writers checked
+    against the manifest's ``writers``), then delete what only the replaced
+    checkpoint named (not in ``named``, the new manifest's keys), all within
+    ``settle`` seconds (None: the settle bound). Returns None once ``.metadata`` is
+    written, else why not (the training process logs it: this process has no
+    logging configured)."""
     with _LOCK:
-        prepared = _PREPARED.pop(attempt, None)
-    if prepared is None:
+        held = _PREPARED.pop(attempt, None)
+    if held is None:
         return f"the helper holds no {METADATA_KEY} for attempt {attempt} (it was restarted)"
     store = worker_store(location, options)
-    blob, superseded = prepared
     seconds = SETTLE_SECONDS if settle is None else settle
     bound = Deadline.start(seconds, f"writing {location.url}'s {METADATA_KEY}")
+
+    def write() -> None:
+        blob = held.blob
+        if blob is None:
+            blob = _build(store, held, attempt, location.url, writers)
+        store.put(METADATA_KEY, blob)
+
+    what = "writing" if held.blob is not None else "building and writing"
     return finish_commit(
         store,
-        f"writing {METADATA_KEY} (within {seconds:g} s)",
-        lambda: store.put(METADATA_KEY, blob),
-        superseded - named,
+        f"{what} {METADATA_KEY} (within {seconds:g} s)",
+        write,
+        held.superseded - named,
         bound=bound,
     )
 

@@ -150,9 +150,9 @@ def test_rank_0_builds_a_new_plan_s_layout_before_it_waits_for_the_uploads(
     layouts: list[object] = []
     real = Layout.of
 
-    def counting(metadata: Metadata) -> Layout:
+    def counting(metadata: Metadata, *args: Any) -> Layout:
         layouts.append(metadata)
-        return real(metadata)
+        return real(metadata, *args)
 
     steps: list[str] = []
 
@@ -256,7 +256,7 @@ def test_a_save_from_the_template_reads_index_objects_only_where_puts_are_unveri
         nonlocal plan
         store = at(step)
         metadata, results = one_value_save(store, attempt, b"value")
-        plan = plan or GlobalPlan(metadata)
+        plan = plan or GlobalPlan(metadata, results)
         return store, commit_via(
             "helper",
             store,
@@ -269,18 +269,22 @@ def test_a_save_from_the_template_reads_index_objects_only_where_puts_are_unveri
             before_commit=before_commit,
         )
 
-    gets = []
+    gets, named = [], []
     for n, step in enumerate(("step-1", "step-2")):
         attempt = f"{n + 1}" * 16
         store, manifest = save(step, attempt)
         assert manifest.requests is not None
         gets.append(manifest.requests.requests.get("GET", 0))
+        named.append(manifest.object(".metadata") is not None)
         written = pickle.loads(store.read(".metadata"))  # built in place: a bytearray
         assert written.storage_meta.save_id == attempt
         names = {i.relative_path for i in written.storage_data.values()}
         assert names == {f"__0_0.{attempt}.distcp"}
-    if verified:  # the first save built .metadata whole from its one index
-        assert gets == [1, 0]
+    # The first save builds .metadata after its commit (the manifest does not name
+    # it), the second renames the template before it (named with its CRC32C).
+    assert named == [False, True]
+    if verified:  # neither read its index before the commit (unfixed: [1, 0])
+        assert gets == [0, 0]
     elif "GET" in manifest.requests.requests:  # counted on GCS, not on Azure
         assert gets == [1, 1]
 
@@ -313,3 +317,58 @@ def test_a_save_from_the_template_reads_index_objects_only_where_puts_are_unveri
         store.put(key, store.read(key).replace(b"4444", b"5555", 1))
 
     refused("step-4", "4" * 16, alter, r"__index_0\.4{16}\.json holds .* its rank wrote")
+
+
+def test_a_step_whose_metadata_came_after_its_commit_verifies_copies_and_survives_overwrite(
+    tmp_path: Path, helper: CommitHelper
+) -> None:
+    """#46: a save committed through the helper with no template builds ``.metadata``
+    after its manifest, which does not name it. ``objckpt verify`` passes it, reports
+    one left by another attempt and a missing one by name; a copy carries it; an
+    overwrite whose manifest does not name it keeps the new one (the replaced
+    manifest named ``.metadata``, and it is replaced, never deleted as superseded)."""
+    from commit_strategies import commit_via, one_value_save
+
+    from objckpt.ops.maintain.verify import copy_checkpoint, verify_checkpoint
+    from objckpt.writers import open_store
+
+    def store_at(where: str) -> Any:
+        return open_store(Location.parse(f"file://{tmp_path}/{where}"), UploadOptions())
+
+    src = store_at("src/step-1")
+    attempt = "1" * 16
+    metadata, results = one_value_save(src, attempt, b"value")
+    manifest = commit_via(
+        "in-thread", src, metadata, results, attempt=attempt, world_size=1, overwrite=False
+    )
+    assert manifest.object(".metadata") is not None  # built in-thread: named
+    attempt = "2" * 16
+    metadata, results = one_value_save(src, attempt, b"other")
+    manifest = commit_via(
+        "helper",
+        src,
+        metadata,
+        results,
+        attempt=attempt,
+        world_size=1,
+        overwrite=True,
+        helper=helper,
+    )
+    assert manifest.object(".metadata") is None  # built after the commit: not named
+    written = pickle.loads(src.read(".metadata"))  # the overwrite's, not deleted after
+    assert written.storage_meta.save_id == attempt
+    assert verify_checkpoint(src.location).ok
+
+    copy_checkpoint(src.location, Location.parse(f"file://{tmp_path}/dst/step-1"))
+    assert store_at("dst/step-1").read(".metadata") == src.read(".metadata")
+    assert verify_checkpoint(Location.parse(f"file://{tmp_path}/dst/step-1")).ok
+
+    src.put(".metadata", src.read(".metadata").replace(attempt.encode(), b"3" * 16))
+    report = verify_checkpoint(src.location)
+    assert [(c.key, c.problem) for c in report.failures] == [
+        (".metadata", f"does not name this checkpoint's attempt {attempt}: another save's")
+    ]
+    src.delete(".metadata")
+    (failure,) = verify_checkpoint(src.location).failures
+    assert failure.key == ".metadata" and failure.problem is not None
+    assert failure.problem.startswith("missing: the save writes it after its commit")

@@ -48,6 +48,7 @@ from objckpt.testing import FaultProxy
 from objckpt.testing.plugin import StoreTarget
 from objckpt.testing.rules import Rule
 from objckpt.writers import open_store
+from objckpt.writers.accounting import RequestStats
 from objckpt.writers.checksum import Crc32c, crc32c_of
 from objckpt.writers.location import Location
 
@@ -126,9 +127,11 @@ def test_an_item_without_its_chunk_position_is_refused_naming_it() -> None:
 
 
 def test_the_helper_rebuilds_the_coordinator_s_manifest_and_metadata(tmp_path: Path) -> None:
-    """From the index objects alone (as stored), the commit helper gives the manifest's
-    writers (the whole document then equals the coordinator's) and a ``.metadata``
-    that unpickles to what the coordinator pickled."""
+    """The manifest's writers from the global plan (which rank each plan gives each
+    item) make the whole document equal the coordinator's, which took them from the
+    write results; with no template the helper prepares no ``.metadata`` before the
+    commit (#46) and builds it after, from the index objects alone (as stored), to a
+    pickle that unpickles to what the coordinator pickled."""
     plans, metadata = _plans()
     by_rank = _stored(plans)
     url = f"file://{tmp_path}/ckpt"
@@ -152,7 +155,8 @@ def test_the_helper_rebuilds_the_coordinator_s_manifest_and_metadata(tmp_path: P
         crc.update(shard.data)
         indexes.append((rank, ObjectEntry(shard.key, len(shard.data), crc.hexdigest())))
     keys: list[str | None] = [e.key for _, e in indexes]
-    layout = Layout.of(metadata)
+    layout = Layout.of(metadata, [[i.index for i in p.items] for p in plans])
+    assert layout.writers is not None
     prepared = stock_task.prepare_stock(
         Location.parse(url),
         UploadOptions(),
@@ -167,24 +171,85 @@ def test_the_helper_rebuilds_the_coordinator_s_manifest_and_metadata(tmp_path: P
         indexes,
         False,
     )
-    doc = with_writers(
-        layout.for_save(False, keys, storage_meta), prepared.writers, keys, prepared.raw_bytes
-    )
+    assert prepared.metadata is None  # built after the commit: the manifest names none
+    raw = sum(s.raw_length or 0 for r in by_rank for s in r.values() if s.transform_descriptors)
+    doc = with_writers(layout.for_save(False, keys, storage_meta), layout.writers, keys, raw)
     assert doc == before_doc and doc["raw_bytes"] == 300
     assert list(doc["state_dict"]["w"]) == list(before_doc["state_dict"]["w"])  # key order
-    assert (
-        stock_task.publish_stock(Location.parse(url), UploadOptions(), ATTEMPT, frozenset()) is None
+    assert not (tmp_path / "ckpt" / ".metadata").exists()
+    location = Location.parse(url)
+    published = stock_task.publish_stock(
+        location, UploadOptions(), ATTEMPT, frozenset(), None, layout.writers
     )
+    assert published is None
     blob = (tmp_path / "ckpt" / ".metadata").read_bytes()
-    crc = Crc32c()
-    crc.update(blob)
-    assert (prepared.metadata.size, prepared.metadata.crc32c) == (len(blob), crc.hexdigest())
     assert pickle.loads(blob) == pickle.loads(pickle.dumps(before_stock))
 
 
+def test_index_objects_that_place_chunks_elsewhere_than_the_plan_get_no_metadata(
+    tmp_path: Path,
+) -> None:
+    """The build after the commit checks that the index objects place every chunk on
+    the rank the manifest (the plan) says: where they do not, ``.metadata`` is not
+    written (a stock reader would read the wrong rank's bytes) and the reason names
+    the entries."""
+    plans, metadata = _plans()
+    by_rank = _stored(plans)
+    url = f"file://{tmp_path}/ckpt"
+    storage_meta = save_storage_meta(metadata.storage_meta, url, None, ATTEMPT)
+    (tmp_path / "ckpt").mkdir()
+    indexes = []
+    for rank, items in enumerate(by_rank):
+        shard = encode_rank_index(items, rank, ATTEMPT)
+        (tmp_path / "ckpt" / shard.key).write_bytes(shard.data)
+        indexes.append(
+            (rank, ObjectEntry(shard.key, len(shard.data), f"{crc32c_of(shard.data):08x}"))
+        )
+    keys: list[str | None] = [e.key for _, e in indexes]
+    layout = Layout.of(metadata, [[i.index for i in p.items] for p in plans])
+    assert layout.writers is not None
+    swapped = dict(layout.writers, u=[0, 0])  # the plan gave 'u' to rank 1
+    stock = stock_task.StockLayout(
+        layout.for_save(True, keys, storage_meta),
+        layout.properties,
+        metadata.planner_data,
+        storage_meta,
+    )
+    location = Location.parse(url)
+    stock_task.prepare_stock(location, UploadOptions(), None, ATTEMPT, stock, indexes, False)
+    reason = stock_task.publish_stock(
+        location, UploadOptions(), ATTEMPT, frozenset(), None, swapped
+    )
+    assert reason is not None and "place 1 entries on other ranks" in reason and "'u'" in reason
+    assert not (tmp_path / "ckpt" / ".metadata").exists()
+
+
+def test_a_rank_whose_results_are_not_its_plan_reports_no_index(tmp_path: Path) -> None:
+    """Each rank checks that its write results place exactly the items its plan gave
+    it before it writes its index (the manifest's writers come from the plan, not from
+    decoding every index): a lost item fails the save there, naming the rank and the
+    item, and nothing is written."""
+    from objckpt.format.commit import write_rank_index
+    from objckpt.writers import open_store
+
+    plans, _ = _plans()
+    by_rank = _stored(plans)
+    store = open_store(Location.parse(f"file://{tmp_path}/ckpt"), UploadOptions())
+    results = [WriteResult(i, s.length, s) for i, s in by_rank[1].items()]
+    planned = [i.index for i in plans[1].items]
+    report = write_rank_index(store, results, 1, ATTEMPT, RequestStats, planned)
+    assert report.index is not None
+    lost = next(r for r in results if r.index.fqn == "u")
+    with pytest.raises(ManifestError, match=r"rank 1's write results place .*not stored: 'u'"):
+        write_rank_index(
+            store, [r for r in results if r is not lost], 1, "2" * 16, RequestStats, planned
+        )
+    assert not list((tmp_path / "ckpt").glob("__index_1.2222*"))
+
+
 def test_a_chunk_no_rank_s_index_places_is_refused() -> None:
-    """Writers come from the index objects; a plan chunk none of them places (a rank's
-    items lost on the way) must fail the commit, never become writer -1."""
+    """Writers from the items each rank stored (or was planned to): a plan chunk none
+    of them places (a rank's items lost on the way) is refused, never writer -1."""
     plans, metadata = _plans()
     by_rank = _stored(plans)
     layout = Layout.of(metadata)
@@ -275,8 +340,9 @@ def test_one_rank_commits_in_thread_without_a_helper(
 def test_both_commit_strategies_write_the_same_bytes(tmp_path: Path) -> None:
     """One save committed in-thread and through rank 0's commit helper process: the
     same ``.metadata`` byte for byte, and the same manifest but for its time of
-    creation and request counts (where the work ran), so a checkpoint's bytes do not
-    depend on where it was saved. The same again in-thread from a plan whose layout
+    creation and request counts (where the work ran) and whether it names
+    ``.metadata`` (the helper builds it after the commit), so a checkpoint's bytes do
+    not depend on where it was saved. The same again in-thread from a plan whose layout
     was built (rank 0's plan cache then keeps no DCP ``Metadata`` and rebuilds it)."""
     plans, metadata = _plans()
     by_rank = _stored(plans)
@@ -321,8 +387,14 @@ def test_both_commit_strategies_write_the_same_bytes(tmp_path: Path) -> None:
         )
         doc = json.loads((root / "manifest.json").read_bytes())
         assert doc == json.loads(manifest.to_json_bytes())
-        manifests.append({k: v for k, v in doc.items() if k not in ("created", "requests")})
         blobs.append((root / ".metadata").read_bytes())
+        named = [o for o in doc["objects"] if o["key"] == ".metadata"]
+        # The helper builds .metadata after the commit here (no template yet): the
+        # manifest does not name it (#46); in-thread it is built before and named.
+        assert len(named) == (strategy == "in-thread"), strategy
+        doc["objects"] = [o for o in doc["objects"] if o["key"] != ".metadata"]
+        doc["total_bytes"] -= sum(o["size"] for o in named)
+        manifests.append({k: v for k, v in doc.items() if k not in ("created", "requests")})
     assert blobs[0] == blobs[1] == blobs[2]
     assert manifests[0] == manifests[1] == manifests[2]
     assert pickle.loads(blobs[0]).storage_meta == StorageMeta("run/step", ATTEMPT)
@@ -335,10 +407,11 @@ def _prepare_save(
     by_rank: list[dict[MetadataIndex, StoredItem]],
     metadata: Metadata,
     layout: Layout,
-) -> tuple[stock_task.StockPrepared, bytes]:
-    """One save's step 2 in this process, as the helper runs it: the ranks' index
-    objects under ``step``, then ``prepare_stock`` with their digests; the
-    ``.metadata`` it prepared."""
+) -> tuple[ObjectEntry | None, bytes]:
+    """One save's steps 2 and 4 in this process, as the helper runs them: the ranks'
+    index objects under ``step``, then ``prepare_stock`` with their digests, and
+    ``publish_stock`` where it prepared nothing; the manifest's ``.metadata`` entry
+    (None: built after the commit) and the ``.metadata``."""
     url = f"file://{tmp_path}/{step}"
     (tmp_path / step).mkdir()
     storage_meta = save_storage_meta(metadata.storage_meta, url, None, attempt)
@@ -362,11 +435,18 @@ def _prepare_save(
         storage_meta,
         layout.token,
     )
+    location = Location.parse(url)
     prepared = stock_task.prepare_stock(
-        Location.parse(url), UploadOptions(), None, attempt, stock, indexes, False, digests
+        location, UploadOptions(), None, attempt, stock, indexes, False, digests
     )
-    blob = stock_task._PREPARED.pop(attempt)[0]
-    return prepared, blob
+    if prepared.metadata is not None:  # renamed from the template, before the commit
+        held = stock_task._PREPARED.pop(attempt).blob
+        assert held is not None
+        return prepared.metadata, bytes(held)
+    assert (
+        stock_task.publish_stock(location, UploadOptions(), attempt, frozenset(), None) is None
+    )  # built after the commit
+    return None, (tmp_path / step / ".metadata").read_bytes()
 
 
 def test_a_later_save_of_the_plan_renames_the_last_metadata_instead_of_building_it(
@@ -375,8 +455,7 @@ def test_a_later_save_of_the_plan_renames_the_last_metadata_instead_of_building_
     """Two saves of one plan whose items differ only by their attempt id: the second
     ``.metadata`` is the first with the attempt id and ``StorageMeta`` replaced, not
     decoded and pickled again (#46: 87-102 CPU-s at 8,192 ranks), and byte for byte
-    what building it whole gives, writers and ``raw_bytes`` too. A changed item (its
-    length) builds it whole again."""
+    what building it whole gives. A changed item (its length) builds it whole again."""
     plans, metadata = _plans()
     by_rank = _stored(plans)
     layout = Layout.of(metadata)
@@ -400,7 +479,7 @@ def test_a_later_save_of_the_plan_renames_the_last_metadata_instead_of_building_
     )
     assert built == ["2222222222222222"]
     assert fast_blob.replace(b"/step-2", b"/step-8") == whole_blob  # its URL in StorageMeta
-    assert (fast.writers, fast.raw_bytes) == (whole.writers, whole.raw_bytes)
+    assert fast is not None and whole is None  # named by the manifest only where renamed
     assert pickle.loads(fast_blob).storage_meta.save_id == "2222222222222222"
     changed = [dict(items) for items in by_rank]
     index = next(iter(changed[1]))
@@ -452,7 +531,7 @@ def test_a_template_of_spread_keys_is_renamed_to_the_next_step(
 
     assert body(fast_blob) == body(whole_blob)
     assert f"/{one}/".encode() not in fast_blob  # unfixed: step 1's paths under step 2
-    assert (fast.writers, fast.raw_bytes) == (whole.writers, whole.raw_bytes)
+    assert fast is not None and whole is None
 
 
 def test_a_stock_dcp_reader_loads_each_save_whose_metadata_came_from_the_template(

@@ -54,7 +54,8 @@ def commit_via(
             after): a helper that committed a plan before renames its ``.metadata``.
         before_commit: Called with the ranks' reports once their index objects are
             written, before the helper commits (helper strategy only)."""
-    plan = metadata if isinstance(metadata, GlobalPlan) else GlobalPlan(metadata)
+    results = [list(r) for r in results]
+    plan = metadata if isinstance(metadata, GlobalPlan) else GlobalPlan(metadata, results)
     if strategy == "in-thread":
         return commit_checkpoint(
             store,
@@ -69,7 +70,7 @@ def commit_via(
         )
     assert strategy == "helper", strategy
     reports = [
-        write_rank_index(store, list(r), rank, attempt, RequestStats)
+        write_rank_index(store, r, rank, attempt, RequestStats, planned(r))
         for rank, r in enumerate(results)
     ]
     target = SimpleNamespace(
@@ -96,6 +97,14 @@ def commit_via(
         return fresh.commit(writer, reports, world_size)  # type: ignore[arg-type]
     finally:
         fresh.close(timeout=30)
+
+
+def planned(results: Iterable[WriteResult]) -> list[Any]:
+    """The items a rank's plan gave it, as its write results name them (what a rank's
+    placeholders tell DCP's ``finish``, and the rank checks its index against)."""
+    from objckpt.format.commit import REQUESTS_FQN
+
+    return [wr.index for wr in results if wr.index.fqn != REQUESTS_FQN]
 
 
 def one_value_save(store: ObjectStore, attempt: str, value: bytes) -> tuple[Metadata, list]:

@@ -33,7 +33,14 @@ from objckpt.writers.checksum import Crc32c
 from objckpt.writers.location import Location
 from objckpt.writers.translate import translate
 
-__all__ = ["ObjectCheck", "Progress", "copy_object", "holds_reference", "promote_object"]
+__all__ = [
+    "ObjectCheck",
+    "Progress",
+    "copy_object",
+    "holds_reference",
+    "promote_object",
+    "stream_object",
+]
 
 _CHUNK = 8 * 1024 * 1024
 Progress = Callable[[int], None]
@@ -57,7 +64,7 @@ class ObjectCheck:
     stored_at: str = ""
 
 
-def _stream(
+def stream_object(
     store: ObjectStore, key: str, sink: Callable[[bytes], object], progress: Progress | None
 ) -> tuple[int, str]:
     """Read one object in chunks; returns (size, crc32c)."""
@@ -94,7 +101,7 @@ def check_object(
         return ObjectCheck(entry.key, entry.size, entry.crc32c, size, crc, msg + both, url)
 
     try:
-        size, crc = _stream(where, key, lambda _: None, progress)
+        size, crc = stream_object(where, key, lambda _: None, progress)
     except FileNotFoundError:
         return problem("missing")
     if size != entry.size:
@@ -155,13 +162,13 @@ def copy_object(
         return True
     if entry.key == METADATA_KEY:  # small; written after the commit (replaced on an overwrite)
         chunks: list[bytes] = []
-        size, crc = _stream(src, entry.key, chunks.append, progress)
+        size, crc = stream_object(src, entry.key, chunks.append, progress)
         _check_copy(src, entry, size, crc)
         dst.put(entry.key, b"".join(chunks))
         return False
     upload = dst.begin(entry.key, entry.size)
     try:
-        size, crc = _stream(src, entry.key, upload.write, progress)
+        size, crc = stream_object(src, entry.key, upload.write, progress)
         _check_copy(src, entry, size, crc)
         upload.close().result()
     except BaseException:

@@ -56,6 +56,7 @@ from objckpt.ops.maintain.object_check import (
     copy_object,
     digest_check,
     holds_reference,
+    stream_object,
 )
 from objckpt.ops.maintain.referenced import Siblings
 from objckpt.options import UploadOptions
@@ -242,6 +243,8 @@ def verify_checkpoint(
             checks = list(
                 pool.map(lambda e: check_object(store, e, progress, siblings), manifest.objects)
             )
+        if manifest.object(METADATA_KEY) is None:
+            checks.append(unnamed_metadata_check(store, manifest.attempt, progress))
         bad = {c.key for c in checks if c.problem}  # reported already, for their bytes
         _, refusals = check_loadable(store, manifest, skip=bad, parallel=parallel)
     finally:
@@ -252,6 +255,43 @@ def verify_checkpoint(
         if c.problem:
             logger.error("%s: %s", c.stored_at or location.url_of(c.key), c.problem)
     return VerifyReport(location.url, manifest, tuple(checks), refused)
+
+
+def unnamed_metadata_check(
+    store: ObjectStore, attempt: str, progress: Progress | None = None
+) -> ObjectCheck:
+    """The check of a ``.metadata`` the manifest does not name: one an async save of
+    several ranks built after its commit (#46, :mod:`objckpt.format.commit`). With no
+    size or CRC32C recorded for it, it must be there (stock DCP readers need it) and
+    name the manifest's ``attempt`` (its save id and its objects' names hold it): a
+    ``.metadata`` left by another attempt is reported. Its bytes are never unpickled
+    (bucket contents are untrusted)."""
+    tail = b""
+    found = False
+    needle = attempt.encode()
+
+    def search(chunk: bytes) -> None:
+        nonlocal tail, found
+        if not found:
+            found = needle in tail + chunk[: len(needle)] or needle in chunk
+            tail = chunk[-(len(needle) - 1) :] if len(needle) > 1 else b""
+
+    try:
+        size, crc = stream_object(store, METADATA_KEY, search, progress)
+    except FileNotFoundError:
+        return ObjectCheck(
+            METADATA_KEY,
+            0,
+            "",
+            None,
+            None,
+            "missing: the save writes it after its commit and never did (stock DCP "
+            "readers cannot load this step; objckpt's readers can)",
+        )
+    problem = None
+    if not found:
+        problem = f"does not name this checkpoint's attempt {attempt}: another save's"
+    return ObjectCheck(METADATA_KEY, size, crc, size, crc, problem)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -456,13 +496,17 @@ def commit_copy(
     copied: list[bool] = []
 
     def copy_metadata() -> None:
-        assert metadata is not None
-        copied.append(copy_object(src, dst, metadata, progress))
+        if metadata is not None:
+            copied.append(copy_object(src, dst, metadata, progress))
+        else:  # written after the source's commit, so not named (#46): as it is
+            dst.put(METADATA_KEY, src.read(METADATA_KEY))
+            copied.append(False)
 
+    there = metadata is not None or src.exists(METADATA_KEY)
     finish_commit(
         dst,
         f"copying {METADATA_KEY}",
-        None if metadata is None else copy_metadata,
+        copy_metadata if there else None,
         superseded - {e.key for e in manifest.objects},
     )
     return server_side + sum(copied)
