@@ -242,13 +242,12 @@ def _require_planned(
 
 
 def stock_digest(items: Mapping[MetadataIndex, StoredItem], attempt: str, url: str) -> str:
-    """xxh3-128 of what a rank's items put into ``.metadata`` and the manifest's
-    ``writer`` columns and ``raw_bytes`` (each item's key, object name as ``.metadata``
-    names it from the checkpoint ``url`` with the attempt id blanked, offset, length,
-    transforms, raw length), in plan order: O(its items), on the rank. Not its
-    CRC32Cs and hashes, which change with every value. A spread key's name holds its
-    own step (:func:`~objckpt.format.refs.stock_path`), blanked too: the template
-    renames it (:meth:`StockTemplate.renamed`)."""
+    """xxh3-128 of what a rank's items put into ``.metadata`` (each item's key,
+    object name as ``.metadata`` names it from the checkpoint ``url`` with the attempt
+    id blanked, offset, length, transforms, raw length), in plan order: O(its
+    items), on the rank. Not its CRC32Cs and hashes, which change with every value.
+    A spread key's name holds its own step (:func:`~objckpt.format.refs.stock_path`),
+    blanked too: the template renames it (:meth:`StockTemplate.renamed`)."""
     hasher = xxhash.xxh3_128()
     blank = "-" * len(attempt)
     token = step_token(url)
@@ -365,6 +364,10 @@ class GlobalPlan:
     layout if one asks for it after that (then kept again, so that a checkpointer
     whose saves alternate between the two rebuilds it once, not per save).
 
+    The manifest's writer columns (which rank the plan gives each chunk,
+    :attr:`Layout.writers`) come from DCP's gathered write results, kept until the
+    layout is built or an in-thread commit encodes them (:meth:`note_writers`).
+
     Built once per global plan (DCP's ``finish``) and shared by the saves that
     replay the plan; thread-safe, since a save's commit thread builds the layout
     while the next save may already hold the plan.
@@ -376,9 +379,12 @@ class GlobalPlan:
         self._lock = threading.Lock()
         self._metadata: Metadata | None = metadata
         #: Each rank's write results as DCP gathered them for ``finish`` (on an async
-        #: save, placeholders naming its planned items), until the layout takes the
-        #: writers from them (None: not given; the helper strategy cannot commit).
+        #: save, placeholders naming its planned items), until the writers are taken
+        #: from them (None: not given, or taken).
         self._results = results
+        #: The manifest's writer columns, where an in-thread commit gave them
+        #: (:meth:`note_writers`) before any layout was built.
+        self._writers: dict[str, Any] | None = None
         self._layout: Layout | None = None
         #: Names this plan in a template's key (:class:`StockTemplate`).
         self.token = uuid.uuid4().hex
@@ -405,9 +411,23 @@ class GlobalPlan:
                         (wr.index for wr in rank if wr.index.fqn != REQUESTS_FQN)
                         for rank in self._results
                     ]
-                self._layout = Layout.of(self._metadata, planned)
-                self._metadata, self._results = None, None
+                layout = Layout.of(self._metadata, planned)
+                if layout.writers is None and self._writers is not None:
+                    layout = dataclasses.replace(layout, writers=self._writers)
+                self._layout = layout
+                self._metadata, self._results, self._writers = None, None, None
             return self._layout
+
+    def note_writers(self, writers: Mapping[str, Any]) -> None:
+        """Keep the writer columns an in-thread commit of this plan encoded from every
+        rank's write results, and let the gathered placeholders go: rank 0 would keep
+        W lists of them (about 40 million objects at 8,192 ranks) for as long as the
+        plan is reused. A later commit of the plan through the helper (the plan cache
+        does not key plans by store) takes its writers from these."""
+        with self._lock:
+            if self._layout is None and self._results is not None:
+                self._writers = dict(writers)
+                self._results = None
 
     def metadata(self) -> Metadata:
         """DCP's ``Metadata`` of the plan: kept, or rebuilt from the layout (and kept)."""
@@ -878,6 +898,8 @@ def commit_checkpoint(
     # The index objects' bytes are what each rank's encode_rank_index gives; they are
     # placed here from the global plan, so a planner that leaves DCP's index hints out works.
     doc, shards = encode_metadata(ours, by_rank, attempt)
+    if plan is not None:
+        plan.note_writers({fqn: entry["writer"] for fqn, entry in doc["state_dict"].items()})
     commit_counter = RequestCounter(parent=current_counter())
     with counting(commit_counter):  # step 1
         entries = {e.key: e for e in _put_index(store, shards)}

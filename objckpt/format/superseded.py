@@ -123,11 +123,17 @@ def delete_superseded_after(store: ObjectStore, written: bool, keys: set[str]) -
 
 
 def previous_objects(store: ObjectStore) -> set[str]:
-    """What the manifest an overwrite replaces names (empty when there is none)."""
+    """What the manifest an overwrite replaces names (empty when there is none), and
+    ``.metadata`` where one is there: a manifest need not name it (#46), and a
+    replaced ``.metadata`` points at the replaced objects until it is replaced too
+    (:func:`delete_superseded_after`)."""
     try:
-        return {o.key for o in read_manifest(store).objects}
+        named = {o.key for o in read_manifest(store).objects}
     except (FileNotFoundError, ManifestError):
         return set()
+    if METADATA_KEY not in named and store.exists(METADATA_KEY):
+        named.add(METADATA_KEY)
+    return named
 
 
 def _delete_superseded(store: ObjectStore, keys: set[str]) -> None:

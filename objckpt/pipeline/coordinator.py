@@ -212,29 +212,32 @@ class CommitHelper:
         """Step 4, after the commit: the helper writes ``.metadata`` (built whole first
         when ``writers``, the manifest's, are given: no template applied) and deletes
         what an overwrite replaced. Bounded so that rank 0's save still ends in time
-        (past the bound the helper is stopped): the settle bound for the PUT, and for
-        a build the bound step 2 had when it built it before the commit
-        (:func:`prepare_bound`); neither later than ``commit_by``. Whether
-        ``.metadata`` was written; when not, logged here (the save stays committed)."""
+        (past the bound the helper is stopped): the settle bound for the PUT, no later
+        than ``commit_by`` allows, and where it builds first, everything by the bound
+        step 2 had when it built it before the commit (:func:`prepare_bound`; none
+        without a deadline or ``commit_by``), the PUT's settle bound starting after
+        the build. Whether ``.metadata`` was written; when not, logged here (the save
+        stays committed)."""
         now = time.monotonic()
-        if writers is None:
-            settle = SETTLE_SECONDS
+        until = None  # when a build (writers given) must have ended, PUT included
+        settle = SETTLE_SECONDS
+        if writers is not None:
+            until, _ = prepare_bound(deadline, commit_by)
+            wait = None if until is None else max(0.0, until - now) + WEDGED_AFTER
+        else:
             if commit_by is not None:
                 settle = max(0.0, min(settle, commit_by - now - WEDGED_AFTER))
-        else:
-            until, _ = prepare_bound(deadline, commit_by)
-            settle = SETTLE_SECONDS + CPU_ALLOWANCE if until is None else until - now
-            settle = max(0.0, settle - WEDGED_AFTER)
+            wait = settle + WEDGED_AFTER
         reason: str | None = "it was not asked to"
         try:
             future = self._submit(
-                stock_task.publish_stock, location, options, attempt, named, settle, writers
+                stock_task.publish_stock, location, options, attempt, named, settle, writers, until
             )
             try:
-                reason = future.result(timeout=settle + WEDGED_AFTER)
+                reason = future.result(timeout=wait)
             except concurrent.futures.TimeoutError:
                 self._terminate(future, f"writing {location.url}'s .metadata took too long")
-                reason = f"no answer within {settle + WEDGED_AFTER:g} s; the helper was stopped"
+                reason = f"no answer within {wait:g} s; the helper was stopped"
         except Exception as exc:
             reason = str(exc)
         if reason is not None:

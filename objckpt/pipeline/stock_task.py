@@ -62,6 +62,7 @@ import dataclasses
 import gc
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -202,7 +203,9 @@ def _build(
         wrong = sorted(f for f in writers if placed.get(f) != writers[f])
         raise ManifestError(
             f"the index objects place {len(wrong)} entries on other ranks than the "
-            f"manifest (the global plan) does, {wrong[:3]!r} first: not written"
+            f"manifest (the global plan) does, {wrong[:3]!r} first: not written; the "
+            "checkpoint contradicts itself there, and objckpt's readers refuse those "
+            "entries (a defect: please report it)"
         )
     _TEMPLATE.keep(held.key, attempt, held.layout, blob, url)
     return blob
@@ -213,9 +216,7 @@ def _fetch(store: Any, indexes: list[tuple[int, ObjectEntry]]) -> list[bytes]:
         try:
             data = store.read(entry.key)
         except FileNotFoundError:
-            raise UploadError(
-                f"index object {store.location.url_of(entry.key)} is gone before the commit"
-            ) from None
+            raise UploadError(f"index object {store.location.url_of(entry.key)} is gone") from None
         crc = Crc32c()
         crc.update(data)
         if len(data) != entry.size or crc.hexdigest() != entry.crc32c:
@@ -244,26 +245,38 @@ def publish_stock(
     named: frozenset[str],
     settle: float | None = None,
     writers: dict[str, Any] | None = None,
+    until: float | None = None,
 ) -> str | None:
     """Helper side, after the commit: write the prepared ``.metadata`` (built whole
     now where :func:`prepare_stock` did not rename the template, its writers checked
     against the manifest's ``writers``), then delete what only the replaced
-    checkpoint named (not in ``named``, the new manifest's keys), all within
-    ``settle`` seconds (None: the settle bound). Returns None once ``.metadata`` is
-    written, else why not (the training process logs it: this process has no
-    logging configured)."""
+    checkpoint named (not in ``named``, the new manifest's keys). The PUT and the
+    deletes get ``settle`` seconds (None: the settle bound) once ``.metadata`` is
+    ready, and everything ends by ``until`` (a ``time.monotonic()``; None: no bound
+    but that). Returns None once ``.metadata`` is written, else why not (the
+    training process logs it: this process has no logging configured)."""
     with _LOCK:
         held = _PREPARED.pop(attempt, None)
     if held is None:
         return f"the helper holds no {METADATA_KEY} for attempt {attempt} (it was restarted)"
     store = worker_store(location, options)
+    blob, failure = held.blob, None
+    if blob is None:
+        left = None if until is None else max(0.0, until - time.monotonic())
+        try:
+            with bounded_by(Deadline.start(left, f"building {location.url}'s {METADATA_KEY}")):
+                blob = _build(store, held, attempt, location.url, writers)
+        except Exception as exc:  # reported as the step's reason, below
+            failure = exc
     seconds = SETTLE_SECONDS if settle is None else settle
+    if until is not None:
+        seconds = max(0.0, min(seconds, until - time.monotonic()))
     bound = Deadline.start(seconds, f"writing {location.url}'s {METADATA_KEY}")
 
     def write() -> None:
-        blob = held.blob
-        if blob is None:
-            blob = _build(store, held, attempt, location.url, writers)
+        if failure is not None:
+            raise failure
+        assert blob is not None
         store.put(METADATA_KEY, blob)
 
     what = "writing" if held.blob is not None else "building and writing"

@@ -67,7 +67,7 @@ def test_an_index_that_differs_from_its_rank_s_report_fails_the_commit(tmp_path:
 def test_a_missing_index_fails_the_commit_naming_it(tmp_path: Path) -> None:
     (tmp_path / "__index_0.x.json").write_bytes(b"{}")
     indexes = [(0, _entry("__index_0.x.json", b"{}")), (1, _entry("__index_1.x.json", b"{}"))]
-    with pytest.raises(UploadError, match=r"__index_1\.x\.json is gone before the commit"):
+    with pytest.raises(UploadError, match=r"__index_1\.x\.json is gone"):
         _prepare(tmp_path, indexes)
 
 
@@ -308,7 +308,7 @@ def test_a_save_from_the_template_reads_index_objects_only_where_puts_are_unveri
         "step-3",
         "3" * 16,
         lose,
-        rf"missing \({lost}\).*nothing was committed" if verified else rf"{lost} is gone before",
+        rf"missing \({lost}\).*nothing was committed" if verified else rf"{lost} is gone",
     )
     if verified:
         return
@@ -324,8 +324,9 @@ def test_a_step_whose_metadata_came_after_its_commit_verifies_copies_and_survive
 ) -> None:
     """#46: a save committed through the helper with no template builds ``.metadata``
     after its manifest, which does not name it. ``objckpt verify`` passes it, reports
-    one left by another attempt and a missing one by name; a copy carries it; an
-    overwrite whose manifest does not name it keeps the new one (the replaced
+    one left by another attempt and a missing one by name; a copy carries it (onto a
+    step whose manifest named its own too, replacing it) but not another attempt's;
+    an overwrite whose manifest does not name it keeps the new one (the replaced
     manifest named ``.metadata``, and it is replaced, never deleted as superseded)."""
     from commit_strategies import commit_via, one_value_save
 
@@ -362,13 +363,60 @@ def test_a_step_whose_metadata_came_after_its_commit_verifies_copies_and_survive
     copy_checkpoint(src.location, Location.parse(f"file://{tmp_path}/dst/step-1"))
     assert store_at("dst/step-1").read(".metadata") == src.read(".metadata")
     assert verify_checkpoint(Location.parse(f"file://{tmp_path}/dst/step-1")).ok
+    # Over a step whose manifest names its .metadata: replaced, not deleted after.
+    over = store_at("over/step-1")
+    metadata, results = one_value_save(over, "4" * 16, b"older")
+    commit_via(
+        "in-thread", over, metadata, results, attempt="4" * 16, world_size=1, overwrite=False
+    )
+    copy_checkpoint(src.location, over.location, overwrite=True)
+    assert over.read(".metadata") == src.read(".metadata")
+    assert not over.exists("__0_0.4444444444444444.distcp")  # the replaced payload
+    assert verify_checkpoint(over.location).ok
 
     src.put(".metadata", src.read(".metadata").replace(attempt.encode(), b"3" * 16))
     report = verify_checkpoint(src.location)
     assert [(c.key, c.problem) for c in report.failures] == [
         (".metadata", f"does not name this checkpoint's attempt {attempt}: another save's")
     ]
+    copy_checkpoint(src.location, Location.parse(f"file://{tmp_path}/stale/step-1"))
+    assert not store_at("stale/step-1").exists(".metadata")  # another save's: not copied
     src.delete(".metadata")
     (failure,) = verify_checkpoint(src.location).failures
     assert failure.key == ".metadata" and failure.problem is not None
     assert failure.problem.startswith("missing: the save writes it after its commit")
+
+
+def test_a_plan_committed_in_thread_keeps_its_writers_not_dcp_s_results(
+    tmp_path: Path, helper: CommitHelper
+) -> None:
+    """An in-thread commit of a plan keeps the writer columns it encoded and lets DCP's
+    gathered write results go (W lists of them at rank 0 for as long as the plan is
+    reused); a later commit of the same plan through the helper (the plan cache does
+    not key plans by store) still has its writers."""
+    from commit_strategies import commit_via, one_value_save
+
+    from objckpt.format.commit import commit_checkpoint
+    from objckpt.writers import open_store
+
+    first = open_store(Location.parse(f"file://{tmp_path}/a/step-1"), UploadOptions())
+    metadata, results = one_value_save(first, "1" * 16, b"value")
+    plan = GlobalPlan(metadata, results)
+    commit_checkpoint(
+        first, plan.metadata(), results, attempt="1" * 16, world_size=1, overwrite=False, plan=plan
+    )
+    assert plan._results is None  # unfixed: kept for the life of the plan
+    later = open_store(Location.parse(f"file://{tmp_path}/b/step-1"), UploadOptions())
+    _, results = one_value_save(later, "2" * 16, b"other")
+    manifest = commit_via(
+        "helper",
+        later,
+        plan,
+        results,
+        attempt="2" * 16,
+        world_size=1,
+        overwrite=False,
+        helper=helper,
+    )
+    assert manifest.metadata["state_dict"]["step"]["writer"] == 0
+    assert pickle.loads(later.read(".metadata")).storage_meta.save_id == "2" * 16

@@ -489,24 +489,29 @@ def commit_copy(
             dst.location.url,
             len(todo) + len(refs) - len(lacking),
         )
+    metadata = manifest.object(METADATA_KEY)
+    if metadata is None and src.exists(METADATA_KEY):
+        # Written after the source's commit, so not named (#46): copied after this
+        # commit where it names this attempt, against the size and CRC32C of the
+        # read that checked it (here, before the commit: nothing raises after it).
+        check = unnamed_metadata_check(src, manifest.attempt)
+        if check.problem is None:
+            metadata = ObjectEntry(METADATA_KEY, check.size, check.crc32c)
+        else:
+            logger.warning("%s is not copied: %s", src.location.url_of(METADATA_KEY), check.problem)
     require_present(dst, rest)
     require_referenced(dst, refs)
     put_manifest(dst, manifest.to_json_bytes(), overwrite=overwrite)
-    metadata = manifest.object(METADATA_KEY)
     copied: list[bool] = []
 
     def copy_metadata() -> None:
-        if metadata is not None:
-            copied.append(copy_object(src, dst, metadata, progress))
-        else:  # written after the source's commit, so not named (#46): as it is
-            dst.put(METADATA_KEY, src.read(METADATA_KEY))
-            copied.append(False)
+        assert metadata is not None
+        copied.append(copy_object(src, dst, metadata, progress))
 
-    there = metadata is not None or src.exists(METADATA_KEY)
     finish_commit(
         dst,
         f"copying {METADATA_KEY}",
-        copy_metadata if there else None,
+        None if metadata is None else copy_metadata,
         superseded - {e.key for e in manifest.objects},
     )
     return server_side + sum(copied)
