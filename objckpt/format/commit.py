@@ -424,8 +424,9 @@ class GlobalPlan:
         W lists of them (about 40 million objects at 8,192 ranks) for as long as the
         plan is reused. A later commit of the plan through the helper (the plan cache
         does not key plans by store) takes its writers from these."""
-        with self._lock:
-            if self._layout is None and self._results is not None:
+        placed = all(_placed(w) for w in writers.values())
+        with self._lock:  # only a whole set of writers replaces the results
+            if placed and self._layout is None and self._results is not None:
                 self._writers = dict(writers)
                 self._results = None
 
@@ -442,6 +443,21 @@ class GlobalPlan:
                     doc, layout.properties, self.planner_data, self.storage_meta
                 )
             return self._metadata
+
+
+def _placed(writer: Any) -> bool:
+    """Whether a writer column names a rank for every chunk (no -1: unplaced)."""
+    if isinstance(writer, int):
+        return writer >= 0
+    if isinstance(writer, list):
+        return all(isinstance(w, int) and w >= 0 for w in writer)
+    runs = writer.get("runs") if isinstance(writer, dict) else None
+    if not isinstance(runs, list) or len(runs) % 3:
+        return False
+    return all(
+        min(start, start + step * (count - 1)) >= 0
+        for start, step, count in zip(runs[::3], runs[1::3], runs[2::3], strict=True)
+    )
 
 
 def plan_metadata(
@@ -899,7 +915,8 @@ def commit_checkpoint(
     # placed here from the global plan, so a planner that leaves DCP's index hints out works.
     doc, shards = encode_metadata(ours, by_rank, attempt)
     if plan is not None:
-        plan.note_writers({fqn: entry["writer"] for fqn, entry in doc["state_dict"].items()})
+        state = doc["state_dict"]
+        plan.note_writers({fqn: entry.get("writer", -1) for fqn, entry in state.items()})
     commit_counter = RequestCounter(parent=current_counter())
     with counting(commit_counter):  # step 1
         entries = {e.key: e for e in _put_index(store, shards)}

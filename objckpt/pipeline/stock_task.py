@@ -260,18 +260,22 @@ def publish_stock(
     if held is None:
         return f"the helper holds no {METADATA_KEY} for attempt {attempt} (it was restarted)"
     store = worker_store(location, options)
-    blob, failure = held.blob, None
+    blob = held.blob
+    failure: Exception | None = None
     if blob is None:
-        left = None if until is None else max(0.0, until - time.monotonic())
-        try:
-            with bounded_by(Deadline.start(left, f"building {location.url}'s {METADATA_KEY}")):
-                blob = _build(store, held, attempt, location.url, writers)
-        except Exception as exc:  # reported as the step's reason, below
-            failure = exc
+        left = None if until is None else until - time.monotonic()
+        if left is not None and left <= 0:  # nothing built could still be written
+            failure = UploadError(f"no time was left to build {METADATA_KEY} by its bound")
+        else:
+            try:
+                with bounded_by(_after_commit(left, f"building {location.url}'s {METADATA_KEY}")):
+                    blob = _build(store, held, attempt, location.url, writers)
+            except Exception as exc:  # reported as the step's reason, below
+                failure = exc
     seconds = SETTLE_SECONDS if settle is None else settle
     if until is not None:
         seconds = max(0.0, min(seconds, until - time.monotonic()))
-    bound = Deadline.start(seconds, f"writing {location.url}'s {METADATA_KEY}")
+    bound = _after_commit(seconds, f"writing {location.url}'s {METADATA_KEY}")
 
     def write() -> None:
         if failure is not None:
@@ -282,10 +286,22 @@ def publish_stock(
     what = "writing" if held.blob is not None else "building and writing"
     return finish_commit(
         store,
-        f"{what} {METADATA_KEY} (within {seconds:g} s)",
+        f"{what} {METADATA_KEY} (its PUT within {seconds:g} s)",
         write,
         held.superseded - named,
         bound=bound,
+    )
+
+
+def _after_commit(seconds: float | None, who: str) -> Deadline | None:
+    """The bound of a step after the commit (None: none), whose messages say so."""
+    bound = Deadline.start(seconds, who)
+    if bound is None:
+        return None
+    return dataclasses.replace(
+        bound,
+        option="the commit's step 4 bound (barrier_timeout, UploadOptions.deadline)",
+        outcome="the save stays committed without it",
     )
 
 

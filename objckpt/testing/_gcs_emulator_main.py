@@ -128,7 +128,7 @@ def _refused_for_invalid_token(handler: Any) -> Any:
 
 
 _original_read_data = emulator._read_data
-_BOUNDARY = re.compile(r'boundary="?([^";]+)"?')
+_BOUNDARY = re.compile(r';\s*boundary="?([^";\s]+)"?')
 
 
 def _read_data_exactly(request_handler: Any, query: Any) -> Any:
@@ -136,7 +136,8 @@ def _read_data_exactly(request_handler: Any, query: Any) -> Any:
     boundary as bytes (see the module doc); anything else as the emulator reads it."""
     content_type = request_handler.headers.get("Content-Type") or ""
     found = _BOUNDARY.search(content_type)
-    if not content_type.startswith("multipart/related") or found is None:
+    one_request = query.get("uploadType", [None])[0] == "multipart"
+    if not (one_request and content_type.startswith("multipart/related") and found):
         return _original_read_data(request_handler, query)
     raw = emulator._decode_raw_data(emulator._read_raw_data(request_handler), request_handler)
     if not raw:
@@ -166,7 +167,7 @@ def _read_data_exactly(request_handler: Any, query: Any) -> Any:
     return {
         "meta": json.loads(meta),
         "content": content,
-        "content-type": headers.get("content-type", "application/octet-stream").split(";")[0],
+        "content-type": headers.get("content-type", "text/plain").split(";")[0].strip().lower(),
     }
 
 

@@ -273,14 +273,15 @@ class StoreConformance:
         self, store: ObjectStore, ending: bytes
     ) -> None:
         """Every byte comes back where an object, or each part of it, ends in a line
-        break: a server that parses an upload as MIME must not take a trailing CR for
-        its own line break (gcp-storage-emulator did, for one object of random bytes
-        in 256). Through a PUT, a create and a streamed upload of several parts."""
+        break or a part of one: a server that parses an upload as MIME must not take
+        a trailing CR for its own line break (gcp-storage-emulator did, for one object
+        of random bytes in 256: the ``cr`` rows). Through a PUT, a create and a
+        streamed upload of several parts."""
         small = b"--x\r\n" + os.urandom(100) + ending
         store.put("put.bin", small)
         store.create("created.bin", small)
         size = 3 * self.part_size + 4_731
-        data = (ending * (size // len(ending) + 1))[:size]  # every part ends in one
+        data = (ending * (size // len(ending) + 1))[:size]  # each part ends in CR or LF
         self._upload(store, "parts.bin", data)
         assert store.read("put.bin") == small
         assert store.read("created.bin") == small

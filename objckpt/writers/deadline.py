@@ -53,6 +53,8 @@ class Deadline:
             tries within it).
         option: The setting that gave this bound, named in messages (a save's
             preflight is bounded by ``preflight_timeout`` inside the save's deadline).
+        outcome: What a miss means for the save, said in messages (a bound of a
+            step after the commit: the save stays committed).
     """
 
     at: float
@@ -60,6 +62,7 @@ class Deadline:
     who: str
     kind: Literal["save", "request"] = "save"
     option: str = "UploadOptions.deadline"
+    outcome: str = "the save was not committed"
 
     @classmethod
     def start(cls, seconds: float | None, who: str) -> Deadline | None:
@@ -121,17 +124,17 @@ class Deadline:
             if answered is not None:
                 return StoreRefusedError(
                     f"{self.who}: {what} was answered {answered}{tried} within "
-                    f"{self.seconds:g} s ({self.option}){why}; the save was not committed"
+                    f"{self.seconds:g} s ({self.option}){why}; {self.outcome}"
                 )
             return StoreUnreachableError(
                 f"{self.who}: {what} got no answer within {self.seconds:g} s{tried}{why} "
-                f"({self.option}); the save was not committed"
+                f"({self.option}); {self.outcome}"
             )
         outcome = f"; the store answered {answered}" if answered is not None else ""
         return SaveDeadlineError(
             f"{self.who}: {what} was not done within the save's deadline of "
             f"{self.seconds:g} s{tried}{outcome}{why} (UploadOptions.deadline); "
-            "the save was not committed"
+            f"{self.outcome}"
         )
 
 

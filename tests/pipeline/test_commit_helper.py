@@ -381,6 +381,24 @@ def test_a_step_whose_metadata_came_after_its_commit_verifies_copies_and_survive
     ]
     copy_checkpoint(src.location, Location.parse(f"file://{tmp_path}/stale/step-1"))
     assert not store_at("stale/step-1").exists(".metadata")  # another save's: not copied
+    # Over a step whose .metadata is unnamed too, none copied: the replaced .metadata
+    # stays, and so does the payload it points at (for stock readers, until gc).
+    under = store_at("under/step-1")
+    metadata, results = one_value_save(under, "5" * 16, b"under")
+    named = commit_via(
+        "helper",
+        under,
+        metadata,
+        results,
+        attempt="5" * 16,
+        world_size=1,
+        overwrite=False,
+        helper=helper,
+    )
+    assert named.object(".metadata") is None
+    copy_checkpoint(src.location, under.location, overwrite=True)
+    assert pickle.loads(under.read(".metadata")).storage_meta.save_id == "5" * 16
+    assert under.exists("__0_0.5555555555555555.distcp")  # unfixed: deleted under it
     src.delete(".metadata")
     (failure,) = verify_checkpoint(src.location).failures
     assert failure.key == ".metadata" and failure.problem is not None

@@ -224,6 +224,54 @@ def test_index_objects_that_place_chunks_elsewhere_than_the_plan_get_no_metadata
     assert not (tmp_path / "ckpt" / ".metadata").exists()
 
 
+def test_a_build_after_the_commit_past_its_bound_writes_nothing_and_says_so(
+    tmp_path: Path,
+) -> None:
+    """The helper's build of ``.metadata`` after the commit ends by its bound: with no
+    time left it builds nothing (a pickle of up to 1.2 GB that could not be written
+    any more) and writes nothing, and its reason says why."""
+    import time
+
+    plans, metadata = _plans()
+    layout = Layout.of(metadata, [[i.index for i in p.items] for p in plans])
+    url = f"file://{tmp_path}/late"
+    (tmp_path / "late").mkdir()
+    storage_meta = save_storage_meta(metadata.storage_meta, url, None, ATTEMPT)
+    indexes = []
+    for rank, items in enumerate(_stored(plans)):
+        shard = encode_rank_index(items, rank, ATTEMPT)
+        (tmp_path / "late" / shard.key).write_bytes(shard.data)
+        indexes.append(
+            (rank, ObjectEntry(shard.key, len(shard.data), f"{crc32c_of(shard.data):08x}"))
+        )
+    keys: list[str | None] = [e.key for _, e in indexes]
+    stock = stock_task.StockLayout(
+        layout.for_save(True, keys, storage_meta),
+        layout.properties,
+        metadata.planner_data,
+        storage_meta,
+    )
+    location = Location.parse(url)
+    stock_task.prepare_stock(location, UploadOptions(), None, ATTEMPT, stock, indexes, False)
+    built: list[str] = []
+    real = stock_task._build
+    stock_task._build = lambda *a: built.append("built") or real(*a)  # type: ignore[assignment]
+    try:
+        reason = stock_task.publish_stock(
+            location,
+            UploadOptions(),
+            ATTEMPT,
+            frozenset(),
+            None,
+            layout.writers,
+            time.monotonic() - 1,
+        )
+    finally:
+        stock_task._build = real  # type: ignore[assignment]
+    assert reason is not None and "no time was left to build .metadata" in reason
+    assert built == [] and not (tmp_path / "late" / ".metadata").exists()
+
+
 def test_a_rank_whose_results_are_not_its_plan_reports_no_index(tmp_path: Path) -> None:
     """Each rank checks that its write results place exactly the items its plan gave
     it before it writes its index (the manifest's writers come from the plan, not from

@@ -35,6 +35,7 @@ from objckpt.errors import (
     ConfigurationError,
     IntegrityError,
     ManifestError,
+    StoreError,
 )
 from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY
 from objckpt.format.manifest import Manifest, ObjectEntry, read_manifest
@@ -294,6 +295,26 @@ def unnamed_metadata_check(
     return ObjectCheck(METADATA_KEY, size, crc, size, crc, problem)
 
 
+def _unnamed_metadata(src: ObjectStore, attempt: str) -> ObjectEntry | None:
+    """The entry to copy a ``.metadata`` the manifest does not name by (written after
+    the source's commit, #46): its size and CRC32C as the read that checked it found
+    them, where it names ``attempt``; None (logged) where it is not there, names
+    another attempt or cannot be read: a copy is not refused for want of what only
+    stock readers use, and the replaced step's objects then stay for its own."""
+    where = src.location.url_of(METADATA_KEY)
+    try:
+        if not src.exists(METADATA_KEY):
+            return None
+        check = unnamed_metadata_check(src, attempt)
+    except (StoreError, OSError) as exc:
+        logger.warning("%s is not copied: it could not be read (%s)", where, exc)
+        return None
+    if check.problem is not None:
+        logger.warning("%s is not copied: %s", where, check.problem)
+        return None
+    return ObjectEntry(METADATA_KEY, check.size, check.crc32c)
+
+
 @dataclasses.dataclass(frozen=True)
 class CopyReport:
     """What :func:`copy_checkpoint` did.
@@ -490,15 +511,8 @@ def commit_copy(
             len(todo) + len(refs) - len(lacking),
         )
     metadata = manifest.object(METADATA_KEY)
-    if metadata is None and src.exists(METADATA_KEY):
-        # Written after the source's commit, so not named (#46): copied after this
-        # commit where it names this attempt, against the size and CRC32C of the
-        # read that checked it (here, before the commit: nothing raises after it).
-        check = unnamed_metadata_check(src, manifest.attempt)
-        if check.problem is None:
-            metadata = ObjectEntry(METADATA_KEY, check.size, check.crc32c)
-        else:
-            logger.warning("%s is not copied: %s", src.location.url_of(METADATA_KEY), check.problem)
+    if metadata is None:  # checked here, before the commit: nothing raises after it
+        metadata = _unnamed_metadata(src, manifest.attempt)
     require_present(dst, rest)
     require_referenced(dst, refs)
     put_manifest(dst, manifest.to_json_bytes(), overwrite=overwrite)
