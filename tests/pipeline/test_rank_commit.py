@@ -186,6 +186,37 @@ def test_the_helper_rebuilds_the_coordinator_s_manifest_and_metadata(tmp_path: P
     assert pickle.loads(blob) == pickle.loads(pickle.dumps(before_stock))
 
 
+def _prepared_without_template(
+    directory: Path, plans: list[SavePlan], metadata: Metadata
+) -> tuple[Location, Layout]:
+    """Each rank's index object of ``ATTEMPT`` written into ``directory`` (made here),
+    then the helper's step 2 for it with no template (``.metadata`` is left to be built
+    after the commit); the location and the plan's layout, its writers included."""
+    directory.mkdir()
+    indexes = []
+    for rank, items in enumerate(_stored(plans)):
+        shard = encode_rank_index(items, rank, ATTEMPT)
+        (directory / shard.key).write_bytes(shard.data)
+        indexes.append(
+            (rank, ObjectEntry(shard.key, len(shard.data), f"{crc32c_of(shard.data):08x}"))
+        )
+    keys: list[str | None] = [e.key for _, e in indexes]
+    location = Location.parse(f"file://{directory}")
+    storage_meta = save_storage_meta(metadata.storage_meta, location.url, None, ATTEMPT)
+    layout = Layout.of(metadata, [[i.index for i in p.items] for p in plans])
+    stock = stock_task.StockLayout(
+        layout.for_save(True, keys, storage_meta),
+        layout.properties,
+        metadata.planner_data,
+        storage_meta,
+    )
+    prepared = stock_task.prepare_stock(
+        location, UploadOptions(), None, ATTEMPT, stock, indexes, False
+    )
+    assert prepared.metadata is None
+    return location, layout
+
+
 def test_index_objects_that_place_chunks_elsewhere_than_the_plan_get_no_metadata(
     tmp_path: Path,
 ) -> None:
@@ -194,29 +225,9 @@ def test_index_objects_that_place_chunks_elsewhere_than_the_plan_get_no_metadata
     written (a stock reader would read the wrong rank's bytes) and the reason names
     the entries."""
     plans, metadata = _plans()
-    by_rank = _stored(plans)
-    url = f"file://{tmp_path}/ckpt"
-    storage_meta = save_storage_meta(metadata.storage_meta, url, None, ATTEMPT)
-    (tmp_path / "ckpt").mkdir()
-    indexes = []
-    for rank, items in enumerate(by_rank):
-        shard = encode_rank_index(items, rank, ATTEMPT)
-        (tmp_path / "ckpt" / shard.key).write_bytes(shard.data)
-        indexes.append(
-            (rank, ObjectEntry(shard.key, len(shard.data), f"{crc32c_of(shard.data):08x}"))
-        )
-    keys: list[str | None] = [e.key for _, e in indexes]
-    layout = Layout.of(metadata, [[i.index for i in p.items] for p in plans])
+    location, layout = _prepared_without_template(tmp_path / "ckpt", plans, metadata)
     assert layout.writers is not None
     swapped = dict(layout.writers, u=[0, 0])  # the plan gave 'u' to rank 1
-    stock = stock_task.StockLayout(
-        layout.for_save(True, keys, storage_meta),
-        layout.properties,
-        metadata.planner_data,
-        storage_meta,
-    )
-    location = Location.parse(url)
-    stock_task.prepare_stock(location, UploadOptions(), None, ATTEMPT, stock, indexes, False)
     reason = stock_task.publish_stock(
         location, UploadOptions(), ATTEMPT, frozenset(), None, swapped
     )
@@ -233,26 +244,7 @@ def test_a_build_after_the_commit_past_its_bound_writes_nothing_and_says_so(
     import time
 
     plans, metadata = _plans()
-    layout = Layout.of(metadata, [[i.index for i in p.items] for p in plans])
-    url = f"file://{tmp_path}/late"
-    (tmp_path / "late").mkdir()
-    storage_meta = save_storage_meta(metadata.storage_meta, url, None, ATTEMPT)
-    indexes = []
-    for rank, items in enumerate(_stored(plans)):
-        shard = encode_rank_index(items, rank, ATTEMPT)
-        (tmp_path / "late" / shard.key).write_bytes(shard.data)
-        indexes.append(
-            (rank, ObjectEntry(shard.key, len(shard.data), f"{crc32c_of(shard.data):08x}"))
-        )
-    keys: list[str | None] = [e.key for _, e in indexes]
-    stock = stock_task.StockLayout(
-        layout.for_save(True, keys, storage_meta),
-        layout.properties,
-        metadata.planner_data,
-        storage_meta,
-    )
-    location = Location.parse(url)
-    stock_task.prepare_stock(location, UploadOptions(), None, ATTEMPT, stock, indexes, False)
+    location, layout = _prepared_without_template(tmp_path / "late", plans, metadata)
     built: list[str] = []
     real = stock_task._build
     stock_task._build = lambda *a: built.append("built") or real(*a)  # type: ignore[assignment]
