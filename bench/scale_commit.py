@@ -19,7 +19,9 @@ writes into its index, which a rank's own index needs.)
   :class:`~objckpt.pipeline.coordinator.CommitHelper`, whose helper process renames
   the last ``.metadata`` before the manifest, or reads the W index objects and builds
   it after the manifest (the first save of a plan: the outcome is published before).
-  Measured twice: the first save of a plan and a later one. A new plan's layout and
+  Measured three times: the first save of a plan and a later one, both writing
+  ``.metadata`` at every W (``stock_metadata_max_ranks=None``), and a third at the
+  default limit (2,048 ranks: above it no ``.metadata``). A new plan's layout and
   writer columns (O(chunks)) are built by rank 0 while the uploads run, before the
   commit (``layout_cpu_s``, on the save's background thread); both commits find them
   kept.
@@ -74,6 +76,11 @@ log = logging.getLogger("bench")
 ATTEMPT = "6b0000000000beef"
 #: The later save's attempt id (same length, as every attempt id is).
 LATER = "6b0000000001cafe"
+#: The third save's, at the default ``stock_metadata_max_ranks``.
+THIRD = "6b0000000002d00d"
+#: The first two saves write ``.metadata`` at every W (what every save did before the
+#: limit); the third has the library's default.
+EVERY = UploadOptions(stock_metadata_max_ranks=None)
 
 
 def hint(items: list[dict[MetadataIndex, StoredItem]]) -> None:
@@ -164,7 +171,9 @@ def measure_after(
         os.makedirs(first)
         later = f"{tmp}/step1"
         os.makedirs(later)
-        reports, renamed = [], []
+        third = f"{tmp}/step2"
+        os.makedirs(third)
+        reports, renamed, thirds = [], [], []
         encode_s = digest_s = 0.0
         # What DCP's finish gives rank 0: each rank's placeholders naming its items,
         # which the plan's writer columns come from (#46).
@@ -184,19 +193,10 @@ def measure_after(
             entry = ObjectEntry(shard.key, len(shard.data), crc.hexdigest())
             objects = written_objects(_results(items[r]))
             reports.append(RankReport(entry, objects, RequestStats(), digest))
-            # The later save: the same items under another attempt id (a rank's index
+            # The later saves: the same items under another attempt id (a rank's index
             # names its objects by it, and it is all that changes; same length).
-            data = shard.data.replace(ATTEMPT.encode(), LATER.encode())
-            key = shard.key.replace(ATTEMPT, LATER)
-            with open(f"{later}/{key}", "wb") as f:
-                f.write(data)
-            crc = Crc32c()
-            crc.update(data)
-            moved = tuple(
-                dataclasses.replace(o, key=o.key.replace(ATTEMPT, LATER)) for o in objects
-            )
-            entry = ObjectEntry(key, len(data), crc.hexdigest())
-            renamed.append(RankReport(entry, moved, RequestStats(), digest))
+            renamed.append(_renamed(shard.key, shard.data, objects, digest, later, LATER))
+            thirds.append(_renamed(shard.key, shard.data, objects, digest, third, THIRD))
         if not keep:
             items.clear()
             gc.collect()
@@ -213,18 +213,39 @@ def measure_after(
         row["layout_cpu_s"] = time.process_time() - t0
         assert not plan.holds_metadata, "no layout was built"
         row["layout_wall_s"] = time.perf_counter() - w0
-        saves = (("first save of the plan", reports, ATTEMPT), ("later save", renamed, LATER))
-        for n, (label, sent, attempt) in enumerate(saves):
+        saves = (
+            ("first save of the plan", reports, ATTEMPT, EVERY),
+            ("later save", renamed, LATER, EVERY),
+            ("later save, default options", thirds, THIRD, UploadOptions()),
+        )
+        for n, (label, sent, attempt, upload) in enumerate(saves):
             url_dir = f"{tmp}/step{n}"
-            row["saves"].append(_one_save(helper, plan, sent, url_dir, label, attempt))
+            row["saves"].append(_one_save(helper, plan, sent, url_dir, label, attempt, upload))
         posted = row["saves"][0].pop("bytes")["posted"]
-        row["saves"][1].pop("bytes")
+        for save in row["saves"][1:]:
+            save.pop("bytes")
         row["c10d_bytes_per_rank_max"] = max(posted)
         row["c10d_bytes_per_rank_mean"] = sum(posted) / world
     finally:
         helper.close()
         shutil.rmtree(tmp, ignore_errors=True)
     return row
+
+
+def _renamed(
+    key: str, data: bytes, objects: Any, digest: str, directory: str, attempt: str
+) -> RankReport:
+    """A rank's index object of the first save under ``attempt``, written into
+    ``directory``, and its report."""
+    data = data.replace(ATTEMPT.encode(), attempt.encode())
+    key = key.replace(ATTEMPT, attempt)
+    with open(f"{directory}/{key}", "wb") as f:
+        f.write(data)
+    crc = Crc32c()
+    crc.update(data)
+    moved = tuple(dataclasses.replace(o, key=o.key.replace(ATTEMPT, attempt)) for o in objects)
+    entry = ObjectEntry(key, len(data), crc.hexdigest())
+    return RankReport(entry, moved, RequestStats(), digest)
 
 
 def _noop() -> None:
@@ -238,6 +259,7 @@ def _one_save(
     url_dir: str,
     label: str,
     attempt: str = ATTEMPT,
+    upload: UploadOptions = EVERY,
 ) -> dict[str, Any]:
     world = len(reports)
     store = dist.HashStore()
@@ -256,7 +278,7 @@ def _one_save(
         target=types.SimpleNamespace(
             store=target,
             checkpoint_id=None,
-            upload=UploadOptions(),
+            upload=upload,
             overwrite=False,
             reuse_from=None,
             user_metadata={},
@@ -283,7 +305,8 @@ def _one_save(
         finished = time.perf_counter() - g0
         published = told[0]
     helper_cpu = _cpu_of(pid) - h0
-    assert len(manifest.objects) > world and os.path.exists(f"{url_dir}/.metadata")
+    stock = upload.writes_stock_metadata(world)
+    assert len(manifest.objects) > world and os.path.exists(f"{url_dir}/.metadata") == stock
     return {
         "label": label,
         "rank0_cpu_s": cpu,
@@ -294,7 +317,7 @@ def _one_save(
         "metadata_written_after_gather_s": finished,
         "node_cpu_s": cpu + helper_cpu,
         "helper_peak_rss_bytes": _peak_rss_of(pid) if pid else 0,
-        "metadata_bytes": os.path.getsize(f"{url_dir}/.metadata"),
+        "metadata_bytes": os.path.getsize(f"{url_dir}/.metadata") if stock else 0,
         "manifest_bytes": os.path.getsize(f"{url_dir}/manifest.json"),
         "bytes": {"posted": posted},
     }
@@ -457,7 +480,7 @@ def commit_table(rows: list[dict[str, Any]]) -> str:
     ]
     for r in rows:
         a, b = r["after"], r.get("before")
-        first, later = a["saves"]
+        first, later = a["saves"][:2]
         before = f"{b['rank0_cpu_s']:.2f} s" if b else "-"
         dcp = f"{r['dcp_global_plan_cpu_s']:.2f} s" if "dcp_global_plan_cpu_s" in r else "-"
         lines.append(
@@ -474,15 +497,16 @@ def commit_table(rows: list[dict[str, Any]]) -> str:
 
 def publish_table(rows: list[dict[str, Any]]) -> str:
     """Per save: when the outcome is published after the gather, and the CPU rank 0's
-    node spends on the commit (its process and the helper's)."""
+    node spends on the commit (its process and the helper's); the last columns, a
+    later save at the default ``stock_metadata_max_ranks``."""
     lines = [
         "| W | published after the gather: first / later save | `.metadata` written after "
         "the gather: first / later | rank 0's node CPU: first / later save | `.metadata` "
-        "| helper peak RSS |",
-        "|---|---|---|---|---|---|",
+        "| helper peak RSS | default options: published / node CPU / `.metadata` |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        first, later = r["after"]["saves"]
+        first, later, default = r["after"]["saves"]
         lines.append(
             f"| {r['world']} "
             f"| {first.get('published_after_gather_s', 0):.2f} / "
@@ -491,6 +515,8 @@ def publish_table(rows: list[dict[str, Any]]) -> str:
             f"{later.get('metadata_written_after_gather_s', 0):.2f} s "
             f"| {first.get('node_cpu_s', 0):.2f} / {later.get('node_cpu_s', 0):.2f} s "
             f"| {_mb(later['metadata_bytes'])} "
-            f"| {later.get('helper_peak_rss_bytes', 0) / 2**30:.2f} GiB |"
+            f"| {later.get('helper_peak_rss_bytes', 0) / 2**30:.2f} GiB "
+            f"| {default['published_after_gather_s']:.2f} s / {default['node_cpu_s']:.2f} s / "
+            f"{_mb(default['metadata_bytes']) if default['metadata_bytes'] else 'none'} |"
         )
     return "\n".join(lines)

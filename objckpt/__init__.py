@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from objckpt.dcp.storage_writer import ObjectStoreWriter
     from objckpt.dcp.transforms import ByteGrouping
     from objckpt.format.manifest import Manifest
+    from objckpt.ops.convert.stock import write_stock_metadata
     from objckpt.ops.maintain.retention import RetentionPolicy
     from objckpt.ops.run.backup import BackupStatus, BackupTarget
     from objckpt.ops.run.config import Config, load_config
@@ -60,6 +61,7 @@ _HOMES = {
     "UploadOptions": "objckpt.options",
     "async_save": "objckpt.pipeline.checkpointer",
     "load_config": "objckpt.ops.run.config",
+    "write_stock_metadata": "objckpt.ops.convert.stock",
 }
 
 __all__ = [
@@ -88,6 +90,7 @@ __all__ = [
     "async_save",
     "errors",
     "load_config",
+    "write_stock_metadata",
 ]
 
 

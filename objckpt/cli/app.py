@@ -25,7 +25,7 @@ from collections.abc import Iterable
 import click
 
 from objckpt.cli.demo import demo
-from objckpt.cli.export import export_command, import_command
+from objckpt.cli.export import export_command, import_command, stock_metadata_command
 from objckpt.cli.inspect import info_command, ls_command
 from objckpt.cli.maintain import cp_command, gc_command, rm_command
 from objckpt.cli.verify import verify_command
@@ -164,4 +164,5 @@ main.add_command(rm_command)
 main.add_command(cp_command)
 main.add_command(export_command)
 main.add_command(import_command)
+main.add_command(stock_metadata_command)
 main.add_command(demo)

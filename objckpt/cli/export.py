@@ -1,8 +1,11 @@
-"""The CLI's ``export`` and ``import``: between DCP checkpoints and safetensors.
+"""The CLI's conversions: ``export`` and ``import`` between DCP checkpoints and
+safetensors, and ``stock-metadata`` for stock DCP readers.
 
 ``export`` writes a committed checkpoint as Hugging Face safetensors shards (index
 last); ``import`` turns such a directory into a DCP checkpoint. Both pass each
 side's storage options on, so source and destination may live on different stores.
+``stock-metadata`` writes the ``.metadata`` a save above
+``UploadOptions.stock_metadata_max_ranks`` left out.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import click
 
 from objckpt.cli.common import CommandContext, store_command
 
-__all__ = ["export_command", "import_command"]
+__all__ = ["export_command", "import_command", "stock_metadata_command"]
 
 
 @click.command("export")
@@ -101,4 +104,23 @@ def import_command(ctx: CommandContext, src_url: str, step_url: str, keys: tuple
     ctx.emit(
         {"src": src_url, "dest": step_url, "tensors": count},
         lambda: click.echo(f"imported {count} tensors from {src_url} into {step_url}"),
+    )
+
+
+@click.command("stock-metadata")
+@click.argument("step_url")
+@store_command
+def stock_metadata_command(ctx: CommandContext, step_url: str) -> None:
+    """Write .metadata for the committed step STEP_URL, so stock DCP readers
+    (FileSystemReader, FsspecReader) load it: for a save above
+    UploadOptions.stock_metadata_max_ranks, which wrote none. Nothing is written
+    where the step has its own already. Memory and time grow with the step's items
+    (every rank's index object is read)."""
+    from objckpt.ops.convert.stock import write_stock_metadata
+
+    loc = ctx.location(step_url, "STEP_URL")
+    entry = write_stock_metadata(loc)
+    ctx.emit(
+        {"url": loc.url_of(entry.key), "size": entry.size, "crc32c": entry.crc32c},
+        lambda: click.echo(f"{loc.url_of(entry.key)}: {entry.size:,} bytes"),
     )

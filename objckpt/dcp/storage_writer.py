@@ -362,6 +362,7 @@ class ObjectStoreWriter(StorageWriter):
             user=self.user_metadata,
             checkpoint_id=self.checkpoint_id,
             base=self.reuse_from,
+            stock=self.upload.writes_stock_metadata(len(results)),
         )
 
     @classmethod

@@ -91,7 +91,12 @@ from objckpt.format.manifest import Manifest, ObjectEntry, read_manifest
 from objckpt.format.metadata_stream import MetadataStream
 from objckpt.format.ref_check import require_referenced
 from objckpt.format.refs import is_reference, step_token, stock_path
-from objckpt.format.settle import finish_commit, put_manifest, require_present
+from objckpt.format.settle import (
+    finish_commit,
+    put_manifest,
+    replaced_metadata_dropped,
+    require_present,
+)
 from objckpt.format.superseded import previous_objects
 from objckpt.writers.accounting import RequestCounter, RequestStats, counting, current_counter
 from objckpt.writers.base import ObjectStore
@@ -684,11 +689,14 @@ class Prepared:
             step 4), or None where the strategy builds it only after the commit (the
             manifest then does not name it; see :class:`CommitStrategy`).
         requests: The store requests step 2 made, for the manifest's totals.
+        stock: Whether the save writes ``.metadata`` at all (False: above
+            ``UploadOptions.stock_metadata_max_ranks``; the manifest says so).
     """
 
     doc: dict[str, Any]
     metadata: ObjectEntry | None
     requests: RequestStats
+    stock: bool = True
 
 
 class CommitStrategy(abc.ABC):
@@ -727,8 +735,10 @@ class InThread(CommitStrategy):
         attempt: str,
         overwrite: bool,
         template: tuple[StockTemplate, Callable[[], Any]] | None = None,
+        stock: bool = True,
     ) -> None:
         self._store = store
+        self._stock = stock
         self._layout = layout
         # (the plan's template, what computes this save's key: O(items), so only
         # where a template is kept or one will be), or None
@@ -742,6 +752,9 @@ class InThread(CommitStrategy):
     def prepare(self) -> Prepared:
         store = self._store
         self._superseded = previous_objects(store) if self._overwrite else set()
+        if not self._stock:
+            self._shards = []
+            return Prepared(self._layout.doc, None, RequestStats(), stock=False)
         indexes = [(s.rank, _entry(s)) for s in self._shards]
         blobs = [s.data for s in self._shards]
         self._shards = []
@@ -771,9 +784,13 @@ class InThread(CommitStrategy):
     def publish(self, named: frozenset[str]) -> bool:
         store, blob = self._store, self._blob
         self._blob = None
+        doomed = self._superseded - named
+        if not self._stock:
+            drop = replaced_metadata_dropped(store, self._superseded)
+            what = f"deleting the replaced {METADATA_KEY}"
+            return finish_commit(store, what, drop, doomed) is None
         if blob is None:
             raise InternalError("internal: InThread.publish without a prepared .metadata")
-        doomed = self._superseded - named
         write = lambda: store.put(METADATA_KEY, blob)  # noqa: E731
         return finish_commit(store, f"writing {METADATA_KEY}", write, doomed) is None
 
@@ -821,6 +838,7 @@ def commit_sequence(
             requests=None if requests is None else requests + prepared.requests,
             overwrite=overwrite,
             base=base,
+            stock_metadata=prepared.stock,
         )
     except BaseException:
         strategy.discard()
@@ -864,6 +882,7 @@ def commit_checkpoint(
     base: str | None = None,
     committed: Callable[[Manifest], None] | None = None,
     plan: GlobalPlan | None = None,
+    stock: bool = True,
 ) -> Manifest:
     """The whole commit in this thread (:class:`InThread`) from every rank's write
     results: the index objects, then the manifest, then ``.metadata``; returns the
@@ -879,6 +898,9 @@ def commit_checkpoint(
             of its own): a later save of it whose ranks' items are the same renames
             the last ``.metadata`` instead of building it (``GlobalPlan.stock``;
             the same bytes, at 10,000 tensors about half of this commit's CPU).
+        stock: Whether to write ``.metadata``
+            (``UploadOptions.writes_stock_metadata``; False: the manifest says none
+            was written, and an overwrite deletes the replaced one).
 
     Raises:
         CheckpointExistsError: Another attempt committed this URL first.
@@ -924,9 +946,9 @@ def commit_checkpoint(
         RankReport(entries.get(k) if k is not None else None, objects[rank], RequestStats())
         for rank, k in enumerate(doc["index"])
     ]
-    stock = StockLayout(doc, _properties(metadata), metadata.planner_data, storage_meta)
+    layout = StockLayout(doc, _properties(metadata), metadata.planner_data, storage_meta)
     template = None
-    if plan is not None:
+    if plan is not None and stock:
         token = plan.token
 
         def key() -> tuple[str, tuple[tuple[int, str], ...]]:
@@ -936,7 +958,7 @@ def commit_checkpoint(
         template = (plan.stock, key)
     return commit_sequence(
         store,
-        InThread(store, stock, shards, attempt, overwrite, template),
+        InThread(store, layout, shards, attempt, overwrite, template, stock),
         reports,
         attempt=attempt,
         world_size=world_size,
@@ -959,6 +981,7 @@ def commit_manifest(
     requests: RequestStats | None,
     overwrite: bool,
     base: str | None = None,
+    stock_metadata: bool = True,
 ) -> Manifest:
     """Check that every object but ``.metadata`` is there (one listing), then write the
     manifest create-only (settled by read-back): the commit. ``.metadata``, which
@@ -989,6 +1012,7 @@ def commit_manifest(
         metadata=metadata,
         user=dict(user or {}),
         requests=None if requests is None else requests + counter.snapshot(),
+        stock_metadata=stock_metadata,
     )
     put_manifest(store, manifest.to_json_bytes(), overwrite=overwrite)
     url = store.location.url

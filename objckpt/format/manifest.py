@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from objckpt.errors import ManifestError
 from objckpt.format.bounds import check_key, load_json
-from objckpt.format.layout import MANIFEST_KEY
+from objckpt.format.layout import MANIFEST_KEY, METADATA_KEY
 from objckpt.format.refs import is_reference, names_spread
 from objckpt.writers.accounting import RequestStats
 
@@ -81,6 +81,11 @@ class Manifest:
     #: Store requests the save made before this manifest's own PUT, all ranks
     #: together (None when unknown: older manifests, stores that are not counted).
     requests: RequestStats | None = None
+    #: Whether the save writes ``.metadata`` for stock DCP readers: named here, or
+    #: written after the commit (True); or not at all (False: a save above
+    #: ``UploadOptions.stock_metadata_max_ranks``, whose ``.metadata``
+    #: :func:`objckpt.write_stock_metadata` writes on demand, unnamed).
+    stock_metadata: bool = True
 
     @property
     def total_bytes(self) -> int:
@@ -135,6 +140,8 @@ class Manifest:
             doc["reused_bytes"] = reused
         if self.requests is not None:
             doc["requests"] = self.requests.to_json()
+        if not self.stock_metadata:  # absent means written (every manifest before #46's)
+            doc["stock_metadata"] = False
         return json.dumps(doc, separators=(",", ":"), sort_keys=False).encode()
 
     @classmethod
@@ -201,7 +208,12 @@ class Manifest:
             user=doc.get("user") or {},
             version=version,
             requests=RequestStats.from_json(doc.get("requests")),
+            stock_metadata=doc.get("stock_metadata", True),
         )
+        if not isinstance(manifest.stock_metadata, bool):
+            raise ManifestError(f"manifest {url}: stock_metadata must be true or false")
+        if not manifest.stock_metadata and manifest.object(METADATA_KEY) is not None:
+            raise ManifestError(f"manifest {url} names {METADATA_KEY} and says its save wrote none")
         total = doc.get("total_bytes")
         if total != manifest.total_bytes:
             raise ManifestError(f"manifest {url}: total_bytes {total!r} != sum of object sizes")

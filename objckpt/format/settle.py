@@ -53,6 +53,7 @@ __all__ = [
     "listed_sizes",
     "manifest_holder",
     "put_manifest",
+    "replaced_metadata_dropped",
     "require_present",
     "settling",
 ]
@@ -326,3 +327,17 @@ def finish_commit(
             reason,
         )
     return reason
+
+
+def replaced_metadata_dropped(
+    store: ObjectStore, superseded: Set[str]
+) -> Callable[[], None] | None:
+    """Step 4's write (:func:`finish_commit`) for a commit that writes no ``.metadata``
+    (a save above ``UploadOptions.stock_metadata_max_ranks``, a copy of one): delete
+    the replaced checkpoint's, where ``superseded`` holds one. Left, it would make a
+    stock DCP reader load the replaced checkpoint at this URL, and keep its objects
+    for good; gone, such a reader is refused naming ``.metadata`` until
+    ``objckpt stock-metadata`` writes this step's. None where there is none."""
+    if METADATA_KEY not in superseded:
+        return None
+    return lambda: store.delete(METADATA_KEY)

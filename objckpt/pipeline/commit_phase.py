@@ -282,6 +282,7 @@ class Committer:
             base=target.reuse_from,
             committed=committed,
             plan=writer.global_plan,
+            stock=target.upload.writes_stock_metadata(world),
         )
         target.close()
         return manifest

@@ -316,6 +316,8 @@ class InHelper(CommitStrategy):
         self._digests = [r.stock_digest for r in reports if r.index is not None]
         self._raw_bytes = sum(r.raw_bytes for r in reports)
         self._commit_by = commit_by
+        #: Whether the save writes ``.metadata`` (UploadOptions.stock_metadata_max_ranks).
+        self._stock = writer.target.upload.writes_stock_metadata(len(reports))
         #: Whether ``.metadata`` is built after the commit (no template applied).
         self._whole = False
 
@@ -348,20 +350,21 @@ class InHelper(CommitStrategy):
                 self._indexes,
                 target.overwrite,
                 self._digests,
+                self._stock,
             ),
             until,
             limit,
             what,
             self._attempt,
         )
-        self._whole = prepared.metadata is None
+        self._whole = self._stock and prepared.metadata is None
         doc = with_writers(
             layout.for_save(False, self._keys, storage_meta),
             layout.writers,
             self._keys,
             self._raw_bytes,
         )
-        return Prepared(doc, prepared.metadata, prepared.requests)
+        return Prepared(doc, prepared.metadata, prepared.requests, self._stock)
 
     def discard(self) -> None:
         self._helper._discard(self._attempt)

@@ -70,7 +70,7 @@ from objckpt.errors import ManifestError, UploadError
 from objckpt.format.commit import StockLayout, StockTemplate, build_stock, metadata_entry
 from objckpt.format.layout import METADATA_KEY
 from objckpt.format.manifest import ObjectEntry
-from objckpt.format.settle import SETTLE_SECONDS, finish_commit
+from objckpt.format.settle import SETTLE_SECONDS, finish_commit, replaced_metadata_dropped
 from objckpt.format.superseded import previous_objects
 from objckpt.options import UploadOptions
 from objckpt.pipeline.upload_task import worker_store
@@ -79,7 +79,14 @@ from objckpt.writers.checksum import Crc32c
 from objckpt.writers.deadline import Deadline, bounded_by
 from objckpt.writers.location import Location
 
-__all__ = ["StockLayout", "StockPrepared", "discard_stock", "prepare_stock", "publish_stock"]
+__all__ = [
+    "StockLayout",
+    "StockPrepared",
+    "discard_stock",
+    "prepare_stock",
+    "publish_stock",
+    "read_indexes",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +98,8 @@ _FETCHERS = 16
 class _Held:
     """What :func:`prepare_stock` keeps for :func:`publish_stock`, by attempt id."""
 
-    #: The ``.metadata`` renamed from the template, or None: built after the commit.
+    #: The ``.metadata`` renamed from the template, or None: built after the commit
+    #: (where ``layout`` is given), or not written (the save writes none).
     blob: bytes | bytearray | None
     #: What the replaced manifest named (with ``overwrite``).
     superseded: set[str]
@@ -129,27 +137,35 @@ def prepare_stock(
     indexes: list[tuple[int, ObjectEntry]],
     overwrite: bool,
     digests: list[str | None] | None = None,
+    stock: bool = True,
 ) -> StockPrepared:
     """Helper side, before the commit (see module doc); ``indexes`` are (rank, entry)
     as the ranks reported them, ``digests`` their ranks' ``stock_digest`` (the
-    template's test; None: built whole, after the commit).
+    template's test; None: built whole, after the commit). Without ``stock`` (a save
+    above ``UploadOptions.stock_metadata_max_ranks``) no ``.metadata`` is renamed,
+    built or written, and the template is let go; the index objects are still read
+    back where the store does not verify PUTs.
 
     Raises:
         UploadError: An index object is missing or differs from its rank's report
             (read back on a store that does not verify PUTs).
     """
     store = worker_store(location, options)
-    key = _template_key(layout, indexes, digests)
-    with _no_cyclic_gc():
-        renamed = _TEMPLATE.renamed(key, attempt, layout.storage_meta, location.url)
+    key = _template_key(layout, indexes, digests) if stock else None
+    renamed = None
+    if stock:
+        with _no_cyclic_gc():
+            renamed = _TEMPLATE.renamed(key, attempt, layout.storage_meta, location.url)
+    else:
+        _TEMPLATE.clear()  # up to 1.2 GB no save of this size renames
     with counting(RequestCounter()) as counter, bounded_by(deadline):
         # Where the store verified each rank's PUT against its CRC32C the index
         # objects are not read before the commit: its listing finds each with its
         # rank's size. Elsewhere the read-back is what proves their bytes (and a
         # build after the commit decodes the bytes read here).
-        blobs = None if store.verifies_writes else _fetch(store, indexes)
+        blobs = None if store.verifies_writes else read_indexes(store, indexes)
         superseded = previous_objects(store) if overwrite else set()
-    if renamed is not None:  # from the template (blobs, if read, were only the proof)
+    if renamed is not None or not stock:  # blobs, if read, were only the proof
         held = _Held(renamed, superseded)
     else:
         held = _Held(None, superseded, layout, list(indexes), blobs, key)
@@ -195,7 +211,7 @@ def _build(
     where they were not before it), checked against the manifest's ``writers`` (the
     plan's), and kept as the template."""
     assert held.layout is not None
-    blobs = held.blobs if held.blobs is not None else _fetch(store, held.indexes)
+    blobs = held.blobs if held.blobs is not None else read_indexes(store, held.indexes)
     _TEMPLATE.clear()  # a stale template is not kept beside a new pickle of 1 GB
     with _no_cyclic_gc():
         blob, placed = build_stock(held.layout, attempt, held.indexes, blobs, url)
@@ -211,7 +227,11 @@ def _build(
     return blob
 
 
-def _fetch(store: Any, indexes: list[tuple[int, ObjectEntry]]) -> list[bytes]:
+def read_indexes(store: Any, indexes: list[tuple[int, ObjectEntry]]) -> list[bytes]:
+    """The bytes of the (rank, entry) index objects, 16 at a time, each checked against
+    its entry's size and CRC32C (UploadError naming the object where it differs or is
+    gone)."""
+
     def get(entry: ObjectEntry) -> bytes:
         try:
             data = store.read(entry.key)
@@ -260,6 +280,13 @@ def publish_stock(
     if held is None:
         return f"the helper holds no {METADATA_KEY} for attempt {attempt} (it was restarted)"
     store = worker_store(location, options)
+    if held.blob is None and held.layout is None:  # the save writes no .metadata
+        drop = replaced_metadata_dropped(store, held.superseded)
+        bound = _after_commit(
+            SETTLE_SECONDS if settle is None else settle, f"{location.url}'s step 4"
+        )
+        what = f"deleting the replaced {METADATA_KEY}"
+        return finish_commit(store, what, drop, held.superseded - named, bound=bound)
     blob = held.blob
     failure: Exception | None = None
     if blob is None:

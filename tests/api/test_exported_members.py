@@ -33,6 +33,7 @@ def test_public_names_are_exactly_the_contract() -> None:
         "UploadOptions",
         "__version__",
         "errors",
+        "write_stock_metadata",
     }
     for name in objckpt.__all__:
         assert hasattr(objckpt, name)

@@ -301,7 +301,9 @@ def test_a_chunk_no_rank_s_index_places_is_refused() -> None:
         writer_columns(layout.placeholder, found)
 
 
-def _save_each(tmp_path: Path, world: int, urls: list[str], options: dict, **kw: int) -> list:
+def _save_each(
+    tmp_path: Path, world: int, urls: list[str], options: dict, **kw: int | None
+) -> list:
     args = ("save_each", world, str(tmp_path / "init"), urls, options, str(tmp_path / "out"))
     run_ranks(rank_commit_ranks, *args, *kw.values())
     return [json.loads((tmp_path / f"out.rank{r}.json").read_text()) for r in range(world)]
@@ -712,3 +714,47 @@ def test_a_one_rank_job_renames_its_plan_s_last_metadata_instead_of_building_it(
         for k, v in state.items():
             if k != "step":
                 assert torch.equal(got[k], v), (n, k)
+
+
+def test_a_save_above_the_world_size_limit_is_loaded_by_a_stock_reader_once_written_on_demand(
+    s3_bucket: StoreTarget, tmp_path: Path
+) -> None:
+    """#46: two ranks save through rank 0's helper with ``stock_metadata_max_ranks=1``:
+    the save commits on both with no ``.metadata`` (the manifest says so), torch's
+    ``FsspecReader`` refuses it naming ``.metadata``, ``objckpt verify`` passes it,
+    and once :func:`objckpt.write_stock_metadata` has written one (from the manifest
+    and the two index objects) torch's reader loads the saved values."""
+    from dist_helpers import full_state
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    import objckpt
+    from objckpt.format.manifest import read_manifest
+    from objckpt.ops.maintain.verify import verify_checkpoint
+
+    url = s3_bucket.url("step-0000000001")
+    records = _save_each(
+        tmp_path, 2, [url], s3_bucket.storage_options, no_helper_for=-1, stock_limit=1
+    )
+    assert all(r["outcomes"] == ["committed"] for r in records), records
+    location = Location.parse(url, s3_bucket.storage_options)
+    store = open_store(location)
+    manifest = read_manifest(store)
+    assert not manifest.stock_metadata and manifest.world_size == 2
+    assert not store.exists(".metadata")
+    assert verify_checkpoint(location).ok  # none is owed: not a failure
+    with pytest.raises(CheckpointException, match=r"\.metadata|metadata is not None"):
+        dcp_load({"step": 0}, storage_reader=FsspecReader(url, **s3_bucket.storage_options))
+
+    entry = objckpt.write_stock_metadata(location)
+    blob = store.read(".metadata")
+    assert (entry.size, entry.crc32c) == (len(blob), f"{crc32c_of(blob):08x}")
+    assert pickle.loads(blob).storage_meta.save_id == manifest.attempt
+    assert verify_checkpoint(location).ok
+    want = full_state()
+    got = {"model": {k: torch.zeros_like(v) for k, v in want.items()}, "step": 0}
+    dcp_load(got, storage_reader=FsspecReader(url, **s3_bucket.storage_options), no_dist=True)
+    assert got["step"] == 3
+    for key, value in want.items():
+        assert torch.equal(got["model"][key], value), key

@@ -42,6 +42,7 @@ def commit_via(
     base: str | None = None,
     helper: CommitHelper | None = None,
     before_commit: Any = None,
+    upload: UploadOptions | None = None,
 ) -> Manifest:
     """Commit ``results`` (one list per rank) as ``commit_checkpoint`` does, through
     ``strategy``: ``"in-thread"`` or ``"helper"`` (each rank's index object written as
@@ -53,7 +54,9 @@ def commit_via(
         helper: The helper to commit through, kept open (None: a fresh one, closed
             after): a helper that committed a plan before renames its ``.metadata``.
         before_commit: Called with the ranks' reports once their index objects are
-            written, before the helper commits (helper strategy only)."""
+            written, before the helper commits (helper strategy only).
+        upload: The save's options (whether it writes ``.metadata``)."""
+    upload = upload or UploadOptions()
     results = [list(r) for r in results]
     plan = metadata if isinstance(metadata, GlobalPlan) else GlobalPlan(metadata, results)
     if strategy == "in-thread":
@@ -67,6 +70,7 @@ def commit_via(
             user=user,
             checkpoint_id=checkpoint_id,
             base=base,
+            stock=upload.writes_stock_metadata(world_size),
         )
     assert strategy == "helper", strategy
     reports = [
@@ -76,7 +80,7 @@ def commit_via(
     target = SimpleNamespace(
         store=store,
         checkpoint_id=checkpoint_id,
-        upload=UploadOptions(),
+        upload=upload,
         overwrite=overwrite,
         user_metadata=user,
         reuse_from=base,

@@ -26,6 +26,7 @@ def save_each(
     options: dict[str, Any],
     out: str,
     no_helper_for: int = -1,
+    stock_metadata_max_ranks: int | None = 2048,
 ) -> None:
     """An async save to each of ``urls`` in turn; each rank records in
     ``<out>.rank<r>.json`` each outcome (``"committed"`` or the error), the c10d
@@ -33,7 +34,8 @@ def save_each(
     helper processes it runs, its plan-cache hits, and how many DCP ``Metadata``
     objects it holds then (rank 0's plan cache keeps the layout instead, #46). Rank 0
     cannot start a process during save number ``no_helper_for`` (its
-    ``sys.executable`` is a missing file then)."""
+    ``sys.executable`` is a missing file then); saves of more ranks than
+    ``stock_metadata_max_ranks`` write no ``.metadata``."""
     mesh = init_ranks(rank, world, init_file)
     store = dist.distributed_c10d._get_default_store()
     record: dict[str, list[Any]] = {
@@ -49,7 +51,9 @@ def save_each(
             "step": 3,
         }
         opts = objckpt.AsyncOptions(workers=1, barrier_timeout=30)
-        upload = objckpt.UploadOptions(deadline=20.0)
+        upload = objckpt.UploadOptions(
+            deadline=20.0, stock_metadata_max_ranks=stock_metadata_max_ranks
+        )
         with objckpt.AsyncCheckpointer(
             storage_options=options, upload=upload, retry=SHORT_WINDOW, async_options=opts
         ) as ckpt:

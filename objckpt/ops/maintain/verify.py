@@ -22,7 +22,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from torch.distributed.checkpoint.metadata import Metadata
 
@@ -47,7 +47,12 @@ from objckpt.format.refs import (
     referenced_step,
     require_step_directory,
 )
-from objckpt.format.settle import finish_commit, put_manifest, require_present
+from objckpt.format.settle import (
+    finish_commit,
+    put_manifest,
+    replaced_metadata_dropped,
+    require_present,
+)
 from objckpt.format.steps import parse_step
 from objckpt.format.superseded import previous_objects
 from objckpt.ops.maintain.object_check import (
@@ -245,7 +250,10 @@ def verify_checkpoint(
                 pool.map(lambda e: check_object(store, e, progress, siblings), manifest.objects)
             )
         if manifest.object(METADATA_KEY) is None:
-            checks.append(unnamed_metadata_check(store, manifest.attempt, progress))
+            check = unnamed_metadata_check(
+                store, manifest.attempt, progress, required=manifest.stock_metadata
+            )
+            checks += [] if check is None else [check]
         bad = {c.key for c in checks if c.problem}  # reported already, for their bytes
         _, refusals = check_loadable(store, manifest, skip=bad, parallel=parallel)
     finally:
@@ -259,14 +267,16 @@ def verify_checkpoint(
 
 
 def unnamed_metadata_check(
-    store: ObjectStore, attempt: str, progress: Progress | None = None
-) -> ObjectCheck:
+    store: ObjectStore, attempt: str, progress: Progress | None = None, *, required: bool = True
+) -> ObjectCheck | None:
     """The check of a ``.metadata`` the manifest does not name: one an async save of
-    several ranks built after its commit (#46, :mod:`objckpt.format.commit`). With no
-    size or CRC32C recorded for it, it must be there (stock DCP readers need it) and
-    name the manifest's ``attempt`` (its save id and its objects' names hold it): a
-    ``.metadata`` left by another attempt is reported. Its bytes are never unpickled
-    (bucket contents are untrusted)."""
+    several ranks built after its commit, or one written on demand for a save that
+    wrote none (#46, :mod:`objckpt.format.commit`). With no size or CRC32C recorded
+    for it, it must be there where the save wrote one (``required``: stock DCP
+    readers need it; otherwise None when it is not) and name the manifest's
+    ``attempt`` (its save id and its objects' names hold it): a ``.metadata`` left by
+    another attempt is reported. Its bytes are never unpickled (bucket contents are
+    untrusted)."""
     tail = b""
     found = False
     needle = attempt.encode()
@@ -280,6 +290,8 @@ def unnamed_metadata_check(
     try:
         size, crc = stream_object(store, METADATA_KEY, search, progress)
     except FileNotFoundError:
+        if not required:
+            return None
         return ObjectCheck(
             METADATA_KEY,
             0,
@@ -305,9 +317,11 @@ def _unnamed_metadata(src: ObjectStore, attempt: str) -> ObjectEntry | None:
     try:
         if not src.exists(METADATA_KEY):
             return None
-        check = unnamed_metadata_check(src, attempt)
+        check = unnamed_metadata_check(src, attempt, required=False)
     except (StoreError, OSError) as exc:
         logger.warning("%s is not copied: it could not be read (%s)", where, exc)
+        return None
+    if check is None:  # gone since
         return None
     if check.problem is not None:
         logger.warning("%s is not copied: %s", where, check.problem)
@@ -522,10 +536,10 @@ def commit_copy(
         assert metadata is not None
         copied.append(copy_object(src, dst, metadata, progress))
 
+    write: Callable[[], None] | None = None if metadata is None else copy_metadata
+    if metadata is None and not manifest.stock_metadata:  # saved without one, none since
+        write = replaced_metadata_dropped(dst, superseded)
     finish_commit(
-        dst,
-        f"copying {METADATA_KEY}",
-        None if metadata is None else copy_metadata,
-        superseded - {e.key for e in manifest.objects},
+        dst, f"copying {METADATA_KEY}", write, superseded - {e.key for e in manifest.objects}
     )
     return server_side + sum(copied)

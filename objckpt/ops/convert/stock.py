@@ -1,0 +1,121 @@
+"""``.metadata`` on demand: what makes a committed step loadable by stock DCP readers.
+
+A save above ``UploadOptions.stock_metadata_max_ranks`` writes no ``.metadata``
+(#46): the pickle holds every item of every rank (1.2 GB at 8,192 ranks of the
+scale bench's model) and costs rank 0's node about 150 CPU-s to build, for readers
+objckpt's own never need. Its manifest says so (``Manifest.stock_metadata`` False).
+:func:`write_stock_metadata` builds it afterwards, for a step someone wants to read
+with ``FileSystemReader`` or ``FsspecReader``, with the code a save builds it with
+(:func:`objckpt.format.commit.build_stock`): the manifest's layout, each rank's index
+object read and checked against the size and CRC32C the manifest records, each
+chunk's rank checked against the manifest's. Tensor properties are those the
+manifest keeps (dtype and ``requires_grad``; layout and memory format DCP's
+defaults, as every tensor a save records has them; ``pin_memory`` False).
+
+The manifest does not name it (a manifest is never rewritten), so it is checked as a
+save's unnamed ``.metadata`` is: ``objckpt verify`` reports one that names another
+attempt, ``objckpt cp`` copies it where it names this one.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch.distributed.checkpoint.metadata import StorageMeta
+
+from objckpt.errors import CheckpointExistsError, ManifestError
+from objckpt.format.commit import StockLayout, build_stock, metadata_entry
+from objckpt.format.index import decode_metadata
+from objckpt.format.layout import METADATA_KEY
+from objckpt.format.manifest import Manifest, ObjectEntry, read_manifest
+from objckpt.ops.maintain.verify import open_manifest, unnamed_metadata_check
+from objckpt.pipeline.stock_task import read_indexes
+from objckpt.writers import open_store
+from objckpt.writers.base import ObjectStore
+from objckpt.writers.location import Location
+
+__all__ = ["write_stock_metadata"]
+
+logger = logging.getLogger(__name__)
+
+
+def write_stock_metadata(url: str | Location) -> ObjectEntry:
+    """Write ``.metadata`` for the committed step at ``url``, so stock DCP readers load
+    it; returns its entry (key, size, CRC32C). Nothing is written where the step has
+    one already: named by its manifest, or unnamed and naming its attempt (a save's
+    built after its commit, or an earlier call's). One of another attempt (a replaced
+    checkpoint's) is replaced.
+
+    Memory and time are O(items) on the calling machine: every rank's index object is
+    read (58 KB each at 8,192 ranks of the scale bench's model), and the pickle is
+    built in memory (1.2 GB there) before its one PUT.
+
+    Raises:
+        CheckpointNotFoundError, CheckpointNotCommittedError: No committed step there.
+        ManifestError: A manifest without index objects (format 1: its save wrote
+            ``.metadata``), or index objects that place a chunk elsewhere than the
+            manifest.
+        UploadError: An index object is gone or holds other bytes than the manifest
+            records.
+        CheckpointExistsError: Another save overwrote the step while this one built
+            (nothing written).
+        StoreError: A read or the PUT failed.
+    """
+    location = url if isinstance(url, Location) else Location.parse(url)
+    store = open_store(location)
+    try:
+        manifest = open_manifest(store)
+        named = manifest.object(METADATA_KEY)
+        if named is not None:
+            logger.info("%s names its %s already", location.url, METADATA_KEY)
+            return named
+        check = unnamed_metadata_check(store, manifest.attempt, required=False)
+        if check is not None and check.problem is None:
+            logger.info("%s has its %s already", location.url, METADATA_KEY)
+            return ObjectEntry(METADATA_KEY, check.size, check.crc32c)
+        blob = _build(store, manifest)
+        if read_manifest(store).attempt != manifest.attempt:
+            raise CheckpointExistsError(
+                f"{location.url} was overwritten while its {METADATA_KEY} was built; "
+                "nothing was written (run it again for the new checkpoint)"
+            )
+        store.put(METADATA_KEY, blob)
+    finally:
+        store.close()
+    entry = metadata_entry(blob)
+    logger.info("wrote %s (%d bytes)", location.url_of(METADATA_KEY), entry.size)
+    return entry
+
+
+def _build(store: ObjectStore, manifest: Manifest) -> bytes:
+    """``.metadata`` of ``manifest``'s save, its writers checked against the manifest's."""
+    url = store.location.url
+    doc = dict(manifest.metadata)
+    keys = doc.get("index")
+    if not isinstance(keys, list):
+        raise ManifestError(
+            f"manifest of {url} has no index objects (format 1): its save wrote "
+            f"{METADATA_KEY}, and objckpt cannot build one without them"
+        )
+    objects = {o.key: o for o in manifest.objects}
+    indexes = []
+    for rank, key in enumerate(keys):
+        if key is None:
+            continue
+        entry = objects.get(key)
+        if entry is None:
+            raise ManifestError(f"manifest of {url} names index object {key!r} without an entry")
+        indexes.append((rank, entry))
+    metadata, _ = decode_metadata(doc, url=url, objects=objects)
+    storage_meta = metadata.storage_meta or StorageMeta(save_id=manifest.attempt)
+    layout = StockLayout(doc, {}, metadata.planner_data, storage_meta)
+    blob, placed = build_stock(layout, manifest.attempt, indexes, read_indexes(store, indexes), url)
+    state = doc.get("state_dict")
+    recorded = {f: e.get("writer") for f, e in state.items()} if isinstance(state, dict) else {}
+    wrong = sorted(f for f in placed if placed[f] != recorded.get(f))
+    if wrong:
+        raise ManifestError(
+            f"the index objects of {url} place {len(wrong)} entries on other ranks than "
+            f"its manifest does, {wrong[:3]!r} first: {METADATA_KEY} not written"
+        )
+    return blob
