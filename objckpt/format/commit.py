@@ -75,7 +75,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from objckpt._torch import storage_info
 from objckpt._version import __version__
-from objckpt.errors import InternalError, ManifestError, StoreError
+from objckpt.errors import InternalError, ManifestError, StoreError, UploadError
+from objckpt.format.bounds import check_size
 from objckpt.format.dcp_json import StoredItem, encode_storage_meta
 from objckpt.format.index import (
     IndexShard,
@@ -93,8 +94,8 @@ from objckpt.format.ref_check import require_referenced
 from objckpt.format.refs import is_reference, step_token, stock_path
 from objckpt.format.settle import (
     finish_commit,
+    finish_without_metadata,
     put_manifest,
-    replaced_metadata_dropped,
     require_present,
 )
 from objckpt.format.superseded import previous_objects
@@ -119,6 +120,7 @@ __all__ = [
     "commit_sequence",
     "metadata_entry",
     "plan_metadata",
+    "read_indexes",
     "read_manifest",
     "requests_result",
     "save_storage_meta",
@@ -137,6 +139,8 @@ _DCP_VERSION = "1.0.0"
 #: one-rank job's (2 MB at 10,000 tensors), not a node-local tier's at thousands of
 #: ranks (1.2 GB at 8,192), which rank 0's training process would hold between saves.
 IN_THREAD_TEMPLATE_BYTES = 64 << 20
+#: Index objects read at once to build ``.metadata`` (:func:`read_indexes`).
+_INDEX_FETCHERS = 16
 
 #: A rank's write results end with one entry under this name that carries the
 #: rank's request counts (not an item: the coordinator sums them for the manifest).
@@ -193,11 +197,13 @@ def write_rank_index(
     attempt: str,
     requests: Callable[[], RequestStats],
     planned: Iterable[MetadataIndex],
+    stock: bool = True,
 ) -> RankReport:
     """Step 1 on one rank (the helper-process strategy): check that the rank's write
     results place exactly the items its plan gave it (``planned``), then encode and
     PUT this rank's index object; its report (``requests`` is read after the PUT, so
-    it counts it).
+    it counts it). Without ``stock`` (the save writes no ``.metadata``) the rank
+    reports no :func:`stock_digest`: nothing would use it.
 
     The check is what lets the manifest take each chunk's writer from the global plan
     (:attr:`Layout.writers`) instead of decoding every rank's index before the commit
@@ -218,7 +224,7 @@ def write_rank_index(
     shard = encode_rank_index(items, rank, attempt)
     store.put(shard.key, shard.data)
     raw = sum(it.raw_length or 0 for it in items.values() if it.transform_descriptors)
-    digest = stock_digest(items, attempt, store.location.url)
+    digest = stock_digest(items, attempt, store.location.url) if stock else None
     return RankReport(_entry(shard), objects, requests(), digest, raw)
 
 
@@ -672,6 +678,49 @@ def build_stock(
     return stream.end(layout.storage_meta, metadata.version), writers
 
 
+def read_indexes(
+    store: ObjectStore, indexes: Sequence[tuple[int, ObjectEntry]], max_bytes: int | None = None
+) -> list[bytes]:
+    """The bytes of the (rank, entry) index objects, 16 at a time, each checked against
+    its entry's size and CRC32C (UploadError naming the object where it differs or is
+    gone): what :func:`build_stock` decodes. ``max_bytes``
+    (``ReadOptions.max_metadata_bytes``) refuses an entry larger than that before
+    anything is fetched, where the entries come from a manifest (untrusted), not from
+    the ranks of this save.
+
+    Raises:
+        ManifestError: An entry is larger than ``max_bytes``.
+        UploadError: An index object is gone or holds other bytes than its entry.
+    """
+    if max_bytes is not None:
+        for _, entry in indexes:
+            url = store.location.url_of(entry.key)
+            check_size(entry.size, max_bytes, what="index object", url=url)
+
+    def get(entry: ObjectEntry) -> bytes:
+        try:
+            data = store.read(entry.key)
+        except FileNotFoundError:
+            raise UploadError(f"index object {store.location.url_of(entry.key)} is gone") from None
+        crc = Crc32c()
+        crc.update(data)
+        if len(data) != entry.size or crc.hexdigest() != entry.crc32c:
+            raise UploadError(
+                f"index object {store.location.url_of(entry.key)} holds {len(data)} bytes "
+                f"(CRC32C {crc.hexdigest()}), not the {entry.size} bytes (CRC32C "
+                f"{entry.crc32c}) its rank wrote"
+            )
+        return data
+
+    if len(indexes) <= 1:
+        return [get(e) for _, e in indexes]
+    with concurrent.futures.ThreadPoolExecutor(
+        min(_INDEX_FETCHERS, len(indexes)), thread_name_prefix="objckpt-index-get"
+    ) as pool:  # each in a copy of this context: counted and bounded like the caller
+        futures = [pool.submit(contextvars.copy_context().run, get, e) for _, e in indexes]
+        return [f.result() for f in futures]
+
+
 def metadata_entry(blob: bytes | bytearray) -> ObjectEntry:
     """``.metadata``'s entry in the manifest's object list."""
     crc = Crc32c()
@@ -786,9 +835,7 @@ class InThread(CommitStrategy):
         self._blob = None
         doomed = self._superseded - named
         if not self._stock:
-            drop = replaced_metadata_dropped(store, self._superseded)
-            what = f"deleting the replaced {METADATA_KEY}"
-            return finish_commit(store, what, drop, doomed) is None
+            return finish_without_metadata(store, doomed) is None
         if blob is None:
             raise InternalError("internal: InThread.publish without a prepared .metadata")
         write = lambda: store.put(METADATA_KEY, blob)  # noqa: E731

@@ -50,10 +50,10 @@ __all__ = [
     "SETTLE_SECONDS",
     "create_settled",
     "finish_commit",
+    "finish_without_metadata",
     "listed_sizes",
     "manifest_holder",
     "put_manifest",
-    "replaced_metadata_dropped",
     "require_present",
     "settling",
 ]
@@ -298,6 +298,10 @@ def finish_commit(
     superseded: Set[str],
     *,
     bound: Deadline | None = None,
+    consequence: str = (
+        "stock DCP readers do not see this checkpoint yet and `objckpt verify` reports "
+        "it; objckpt's readers load it"
+    ),
 ) -> str | None:
     """Step 4 of every commit (a save's, in its thread or its helper process, a
     copy's, a promotion's, a backup's): ``write`` the new ``.metadata``, then delete
@@ -308,7 +312,8 @@ def finish_commit(
 
     Runs under ``bound``, else :func:`settling`'s. Returns None when ``.metadata``
     was written, else why not, having logged it: the checkpoint is committed all the
-    same (objckpt's readers need only the manifest), so the outcome does not change.
+    same (objckpt's readers need only the manifest), so the outcome does not change;
+    ``consequence`` says what the failure means to a reader.
     """
     reason = None
     with bounded_by(bound) if bound is not None else settling(store):
@@ -320,24 +325,29 @@ def finish_commit(
         written = reason is None and (write is not None or METADATA_KEY not in superseded)
         delete_superseded_after(store, written, set(superseded))
     if reason is not None:
-        logger.error(
-            "%s committed, but %s: stock DCP readers do not see this checkpoint yet and "
-            "`objckpt verify` reports it; objckpt's readers load it",
-            store.location.url,
-            reason,
-        )
+        logger.error("%s committed, but %s: %s", store.location.url, reason, consequence)
     return reason
 
 
-def replaced_metadata_dropped(
-    store: ObjectStore, superseded: Set[str]
-) -> Callable[[], None] | None:
-    """Step 4's write (:func:`finish_commit`) for a commit that writes no ``.metadata``
-    (a save above ``UploadOptions.stock_metadata_max_ranks``, a copy of one): delete
-    the replaced checkpoint's, where ``superseded`` holds one. Left, it would make a
-    stock DCP reader load the replaced checkpoint at this URL, and keep its objects
-    for good; gone, such a reader is refused naming ``.metadata`` until
-    ``objckpt stock-metadata`` writes this step's. None where there is none."""
-    if METADATA_KEY not in superseded:
-        return None
-    return lambda: store.delete(METADATA_KEY)
+def finish_without_metadata(
+    store: ObjectStore, superseded: Set[str], *, bound: Deadline | None = None
+) -> str | None:
+    """Step 4 of a commit that writes no ``.metadata`` (a save above
+    ``UploadOptions.stock_metadata_max_ranks``, a copy of a step without one): delete
+    whatever ``.metadata`` the URL holds, then ``superseded`` (:func:`finish_commit`).
+    Left, that ``.metadata`` (a replaced checkpoint's, a stock DCP checkpoint's this
+    one overwrote, one an interrupted ``rm`` left) would make a stock reader load
+    another checkpoint than this one at this URL, and keep the objects it points at;
+    gone, such a reader is refused naming ``.metadata`` until ``objckpt
+    stock-metadata`` writes this step's. One DELETE, whether or not there is one."""
+    return finish_commit(
+        store,
+        f"deleting the {METADATA_KEY} this checkpoint replaces",
+        lambda: store.delete(METADATA_KEY),
+        superseded,
+        bound=bound,
+        consequence=(
+            "stock DCP readers may load the checkpoint it replaced at this URL; "
+            "`objckpt verify` reports it (another attempt's); objckpt's readers load this one"
+        ),
+    )

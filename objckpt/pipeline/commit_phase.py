@@ -206,6 +206,7 @@ class Committer:
                     rank_plan.attempt,
                     lambda: writer.target.requests,
                     (i.index for i in writer.items),
+                    writer.target.upload.writes_stock_metadata(world),
                 )
             except BaseException as exc:
                 error = exc

@@ -62,7 +62,7 @@ from objckpt.format.commit import (
 )
 from objckpt.format.index import with_writers
 from objckpt.format.manifest import Manifest
-from objckpt.format.settle import SETTLE_SECONDS
+from objckpt.format.settle import SETTLE_SECONDS, finish_without_metadata
 from objckpt.options import UploadOptions
 from objckpt.pipeline import stock_task
 from objckpt.pipeline.deferred import DeferredWriter
@@ -208,6 +208,7 @@ class CommitHelper:
         commit_by: float | None = None,
         deadline: Deadline | None = None,
         writers: dict[str, Any] | None = None,
+        stock: bool = True,
     ) -> bool:
         """Step 4, after the commit: the helper writes ``.metadata`` (built whole first
         when ``writers``, the manifest's, are given: no template applied) and deletes
@@ -216,8 +217,9 @@ class CommitHelper:
         than ``commit_by`` allows, and where it builds first, everything by the bound
         step 2 had when it built it before the commit (:func:`prepare_bound`; none
         without a deadline or ``commit_by``), the PUT's settle bound starting after
-        the build. Whether ``.metadata`` was written; when not, logged here (the save
-        stays committed)."""
+        the build. Whether ``.metadata`` was written (without ``stock``: whether the
+        one the URL held was deleted); when not, logged here (the save stays
+        committed)."""
         now = time.monotonic()
         until = None  # when a build (writers given) must have ended, PUT included
         settle = SETTLE_SECONDS
@@ -240,11 +242,18 @@ class CommitHelper:
                 reason = f"no answer within {wait:g} s; the helper was stopped"
         except Exception as exc:
             reason = str(exc)
-        if reason is not None:
+        if reason is not None and stock:
             logger.error(
                 "%s committed, but its commit helper did not write .metadata (%s); stock DCP "
                 "readers do not see this checkpoint yet and `objckpt verify` reports it; "
                 "objckpt's readers load it",
+                location.url,
+                reason,
+            )
+        elif reason is not None:
+            logger.warning(
+                "%s committed, but its commit helper did not finish step 4 (%s); rank 0 "
+                "deletes the .metadata it replaces itself",
                 location.url,
                 reason,
             )
@@ -330,13 +339,15 @@ class InHelper(CommitStrategy):
         storage_meta = save_storage_meta(
             self._plan.storage_meta, store.location.url, target.checkpoint_id, self._attempt
         )
-        stock = StockLayout(
-            layout.for_save(True, self._keys, storage_meta),
-            layout.properties,
-            self._plan.planner_data,
-            storage_meta,
-            layout.token,
-        )
+        stock = None  # what building .metadata needs, where the save writes it
+        if self._stock:
+            stock = StockLayout(
+                layout.for_save(True, self._keys, storage_meta),
+                layout.properties,
+                self._plan.planner_data,
+                storage_meta,
+                layout.token,
+            )
         what = f"preparing {store.location.url}'s commit ({len(self._indexes)} index objects)"
         until, limit = prepare_bound(writer.deadline, self._commit_by)
         prepared: stock_task.StockPrepared = self._helper.bounded(
@@ -350,7 +361,6 @@ class InHelper(CommitStrategy):
                 self._indexes,
                 target.overwrite,
                 self._digests,
-                self._stock,
             ),
             until,
             limit,
@@ -372,7 +382,7 @@ class InHelper(CommitStrategy):
     def publish(self, named: frozenset[str]) -> bool:
         target = self._writer.target
         layout = self._plan.layout()
-        return self._helper.publish(
+        done = self._helper.publish(
             target.store.location,
             target.upload,
             self._attempt,
@@ -380,7 +390,14 @@ class InHelper(CommitStrategy):
             self._commit_by,
             self._writer.deadline,
             layout.writers if self._whole else None,
+            self._stock,
         )
+        if done or self._stock:
+            return done
+        # The helper did not delete the .metadata this save replaces (restarted,
+        # stopped): it needs nothing the helper held, so rank 0 does (the replaced
+        # objects stay for gc: what they were died with the helper).
+        return finish_without_metadata(target.store, frozenset()) is None
 
 
 def prepare_bound(

@@ -56,7 +56,6 @@ node-local tier) keeps its own in the plan (``GlobalPlan.stock``), where it is s
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import gc
@@ -67,15 +66,20 @@ from collections.abc import Iterator
 from typing import Any
 
 from objckpt.errors import ManifestError, UploadError
-from objckpt.format.commit import StockLayout, StockTemplate, build_stock, metadata_entry
+from objckpt.format.commit import (
+    StockLayout,
+    StockTemplate,
+    build_stock,
+    metadata_entry,
+    read_indexes,
+)
 from objckpt.format.layout import METADATA_KEY
 from objckpt.format.manifest import ObjectEntry
-from objckpt.format.settle import SETTLE_SECONDS, finish_commit, replaced_metadata_dropped
+from objckpt.format.settle import SETTLE_SECONDS, finish_commit, finish_without_metadata
 from objckpt.format.superseded import previous_objects
 from objckpt.options import UploadOptions
 from objckpt.pipeline.upload_task import worker_store
 from objckpt.writers.accounting import RequestCounter, RequestStats, counting
-from objckpt.writers.checksum import Crc32c
 from objckpt.writers.deadline import Deadline, bounded_by
 from objckpt.writers.location import Location
 
@@ -85,21 +89,18 @@ __all__ = [
     "discard_stock",
     "prepare_stock",
     "publish_stock",
-    "read_indexes",
 ]
 
 logger = logging.getLogger(__name__)
 
 _LOCK = threading.Lock()
-_FETCHERS = 16
 
 
 @dataclasses.dataclass(frozen=True)
 class _Held:
     """What :func:`prepare_stock` keeps for :func:`publish_stock`, by attempt id."""
 
-    #: The ``.metadata`` renamed from the template, or None: built after the commit
-    #: (where ``layout`` is given), or not written (the save writes none).
+    #: The ``.metadata`` renamed from the template, or None: built after the commit.
     blob: bytes | bytearray | None
     #: What the replaced manifest named (with ``overwrite``).
     superseded: set[str]
@@ -110,6 +111,9 @@ class _Held:
     indexes: list[tuple[int, ObjectEntry]] = dataclasses.field(default_factory=list)
     blobs: list[bytes] | None = None
     key: Any = None
+    #: Whether the save writes ``.metadata`` (False: above
+    #: ``UploadOptions.stock_metadata_max_ranks``; step 4 deletes any at the URL).
+    stock: bool = True
 
 
 _PREPARED: dict[str, _Held] = {}
@@ -133,27 +137,26 @@ def prepare_stock(
     options: UploadOptions,
     deadline: Deadline | None,
     attempt: str,
-    layout: StockLayout,
+    layout: StockLayout | None,
     indexes: list[tuple[int, ObjectEntry]],
     overwrite: bool,
     digests: list[str | None] | None = None,
-    stock: bool = True,
 ) -> StockPrepared:
     """Helper side, before the commit (see module doc); ``indexes`` are (rank, entry)
     as the ranks reported them, ``digests`` their ranks' ``stock_digest`` (the
-    template's test; None: built whole, after the commit). Without ``stock`` (a save
-    above ``UploadOptions.stock_metadata_max_ranks``) no ``.metadata`` is renamed,
-    built or written, and the template is let go; the index objects are still read
-    back where the store does not verify PUTs.
+    template's test; None: built whole, after the commit). Without a ``layout`` (a
+    save above ``UploadOptions.stock_metadata_max_ranks``) no ``.metadata`` is
+    renamed, built or written, and the template is let go; the index objects are
+    still read back where the store does not verify PUTs.
 
     Raises:
         UploadError: An index object is missing or differs from its rank's report
             (read back on a store that does not verify PUTs).
     """
     store = worker_store(location, options)
-    key = _template_key(layout, indexes, digests) if stock else None
+    key = None if layout is None else _template_key(layout, indexes, digests)
     renamed = None
-    if stock:
+    if layout is not None:
         with _no_cyclic_gc():
             renamed = _TEMPLATE.renamed(key, attempt, layout.storage_meta, location.url)
     else:
@@ -165,7 +168,9 @@ def prepare_stock(
         # build after the commit decodes the bytes read here).
         blobs = None if store.verifies_writes else read_indexes(store, indexes)
         superseded = previous_objects(store) if overwrite else set()
-    if renamed is not None or not stock:  # blobs, if read, were only the proof
+    if layout is None:  # blobs, if read, were only the proof
+        held = _Held(None, superseded, stock=False)
+    elif renamed is not None:
         held = _Held(renamed, superseded)
     else:
         held = _Held(None, superseded, layout, list(indexes), blobs, key)
@@ -227,37 +232,6 @@ def _build(
     return blob
 
 
-def read_indexes(store: Any, indexes: list[tuple[int, ObjectEntry]]) -> list[bytes]:
-    """The bytes of the (rank, entry) index objects, 16 at a time, each checked against
-    its entry's size and CRC32C (UploadError naming the object where it differs or is
-    gone)."""
-
-    def get(entry: ObjectEntry) -> bytes:
-        try:
-            data = store.read(entry.key)
-        except FileNotFoundError:
-            raise UploadError(f"index object {store.location.url_of(entry.key)} is gone") from None
-        crc = Crc32c()
-        crc.update(data)
-        if len(data) != entry.size or crc.hexdigest() != entry.crc32c:
-            raise UploadError(
-                f"index object {store.location.url_of(entry.key)} holds {len(data)} bytes "
-                f"(CRC32C {crc.hexdigest()}), not the {entry.size} bytes (CRC32C "
-                f"{entry.crc32c}) its rank wrote"
-            )
-        return data
-
-    if len(indexes) <= 1:
-        return [get(e) for _, e in indexes]
-    import contextvars
-
-    with concurrent.futures.ThreadPoolExecutor(
-        min(_FETCHERS, len(indexes)), thread_name_prefix="objckpt-index-get"
-    ) as pool:  # each in a copy of this context: counted and bounded like the caller
-        futures = [pool.submit(contextvars.copy_context().run, get, e) for _, e in indexes]
-        return [f.result() for f in futures]
-
-
 def publish_stock(
     location: Location,
     options: UploadOptions,
@@ -280,13 +254,10 @@ def publish_stock(
     if held is None:
         return f"the helper holds no {METADATA_KEY} for attempt {attempt} (it was restarted)"
     store = worker_store(location, options)
-    if held.blob is None and held.layout is None:  # the save writes no .metadata
-        drop = replaced_metadata_dropped(store, held.superseded)
-        bound = _after_commit(
-            SETTLE_SECONDS if settle is None else settle, f"{location.url}'s step 4"
-        )
-        what = f"deleting the replaced {METADATA_KEY}"
-        return finish_commit(store, what, drop, held.superseded - named, bound=bound)
+    if not held.stock:
+        seconds = SETTLE_SECONDS if settle is None else settle
+        bound = _after_commit(seconds, f"{location.url}'s step 4")
+        return finish_without_metadata(store, held.superseded - named, bound=bound)
     blob = held.blob
     failure: Exception | None = None
     if blob is None:

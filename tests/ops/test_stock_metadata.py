@@ -5,22 +5,26 @@ that had one, ``objckpt verify``, :func:`objckpt.write_stock_metadata` and its C
 from __future__ import annotations
 
 import json
+import logging
 import pickle
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 from click.testing import CliRunner
 from commit_strategies import STRATEGIES, commit_via, one_value_save
 
-from objckpt import write_stock_metadata
+from objckpt import ObjectStoreWriter, write_stock_metadata
 from objckpt.cli.app import main
 from objckpt.errors import CheckpointExistsError, ConfigurationError, ManifestError, UploadError
 from objckpt.format.manifest import Manifest, ObjectEntry, read_manifest
 from objckpt.ops.maintain.verify import copy_checkpoint, verify_checkpoint
-from objckpt.options import UploadOptions
+from objckpt.options import ReadOptions, UploadOptions
 from objckpt.writers import open_store
 from objckpt.writers.base import ObjectStore
+from objckpt.writers.checksum import crc32c_of
 from objckpt.writers.location import Location
 
 NONE = UploadOptions(stock_metadata_max_ranks=0)
@@ -184,8 +188,8 @@ def test_a_step_overwritten_while_its_metadata_is_built_gets_none(
     _save("in-thread", store, "1" * 16, b"value", NONE)
     built = stock._build
 
-    def overwritten_meanwhile(on: Any, manifest: Manifest) -> bytes:
-        blob = built(on, manifest)
+    def overwritten_meanwhile(on: Any, manifest: Manifest, limit: int) -> bytes:
+        blob = built(on, manifest, limit)
         _save("in-thread", store, "2" * 16, b"newer", NONE, overwrite=True)
         return blob
 
@@ -195,16 +199,150 @@ def test_a_step_overwritten_while_its_metadata_is_built_gets_none(
     assert not store.exists(".metadata")
 
 
+def test_a_step_overwritten_while_its_metadata_is_written_loses_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The manifest is read again after the PUT: a save that committed over the step
+    between the last check and the PUT wins, and the ``.metadata`` just written (the
+    replaced attempt's) is deleted."""
+    from objckpt.ops.convert import stock
+
+    store = _store(tmp_path, "step-1")
+    _save("in-thread", store, "1" * 16, b"value", NONE)
+    checks = iter([False, True])  # before the PUT: not yet; after it: overwritten
+    monkeypatch.setattr(stock, "_overwritten", lambda on, manifest: next(checks))
+    with pytest.raises(CheckpointExistsError, match=r"overwritten while its \.metadata was wr"):
+        write_stock_metadata(store.location)
+    assert not store.exists(".metadata")  # unfixed: the replaced attempt's stays
+
+
 def test_the_cli_writes_it_and_says_where(tmp_path: Path) -> None:
     """``objckpt stock-metadata URL`` writes it and reports its URL, size and CRC32C
-    (``--json``); a URL with no committed step fails naming it."""
+    (``--json``); a URL with no checkpoint exits 3 naming it."""
     store = _store(tmp_path, "step-1")
     _save("in-thread", store, "1" * 16, b"value", NONE)
     result = CliRunner().invoke(main, ["stock-metadata", "--json", store.location.url])
     assert result.exit_code == 0, result.output
     doc = json.loads(result.output)
     blob = store.read(".metadata")
-    assert doc["url"] == store.location.url_of(".metadata") and doc["size"] == len(blob)
+    assert doc == {
+        "url": store.location.url_of(".metadata"),
+        "size": len(blob),
+        "crc32c": f"{crc32c_of(blob):08x}",
+    }
     missing = f"file://{tmp_path}/never"
     result = CliRunner().invoke(main, ["stock-metadata", missing])
-    assert result.exit_code != 0 and "never" in result.output
+    assert result.exit_code == 3 and f"no checkpoint at {missing}" in result.output
+
+
+def _state() -> dict[str, Any]:
+    return {
+        "w": torch.arange(4096, dtype=torch.float32).reshape(64, 64),
+        "b": torch.ones(7, dtype=torch.bfloat16),
+        "opt": {"step": 3, "lr": torch.tensor(0.5)},
+    }
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_dcp_save_without_metadata_gets_what_its_own_save_would_have_written(
+    tmp_path: Path, compression: str | None
+) -> None:
+    """``dcp.save`` with ``ObjectStoreWriter`` (the in-thread commit): the same state
+    saved with and without ``.metadata``; the one written on demand holds what the
+    save's holds but for the attempt id and the URL (every item, chunk, location and
+    compressed item's transforms; its pickle shares fewer strings), and torch's
+    ``FileSystemReader`` loads it."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    a, b = f"file://{tmp_path}/a/step-1", f"file://{tmp_path}/b/step-1"
+    state = _state()
+    for url, limit in ((a, None), (b, 0)):
+        upload = UploadOptions(compression=compression, stock_metadata_max_ranks=limit)
+        dcp.save(state, storage_writer=ObjectStoreWriter(url, upload=upload), no_dist=True)
+    ours, theirs = (open_store(Location.parse(u), UploadOptions()) for u in (a, b))
+    assert not theirs.exists(".metadata") and not read_manifest(theirs).stock_metadata
+    with pytest.raises(FileNotFoundError, match=r"\.metadata"):
+        FileSystemReader(f"{tmp_path}/b/step-1").read_metadata()
+    write_stock_metadata(b)
+    attempts = [read_manifest(s).attempt.encode() for s in (ours, theirs)]
+    want = pickle.loads(ours.read(".metadata").replace(*attempts).replace(b"/a/", b"/b/"))
+    got_md = pickle.loads(theirs.read(".metadata"))
+    for field in ("state_dict_metadata", "planner_data", "storage_data", "storage_meta"):
+        assert getattr(got_md, field) == getattr(want, field), field
+    assert got_md.version == want.version
+    got = {"w": torch.zeros(64, 64), "b": torch.zeros(7, dtype=torch.bfloat16), "opt": {}}
+    got["opt"] = {"step": 0, "lr": torch.tensor(0.0)}
+    dcp.load(got, storage_reader=FileSystemReader(f"{tmp_path}/b/step-1"), no_dist=True)
+    assert torch.equal(got["w"], state["w"]) and torch.equal(got["b"], state["b"])
+    assert got["opt"]["step"] == 3 and torch.equal(got["opt"]["lr"], state["opt"]["lr"])
+
+
+def test_a_step_that_reuses_another_s_items_gets_a_metadata_stock_readers_follow(
+    tmp_path: Path,
+) -> None:
+    """A second step references the first's unchanged tensor (``../step-…/``): written
+    on demand, its ``.metadata`` names it as a save's does, and ``FileSystemReader``
+    (which resolves ``..``) loads the second step."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    state = {"frozen": torch.randn(256, 64), "trained": torch.zeros(8, 8), "n": 1}
+    one, two = (f"file://{tmp_path}/run/step-000000000{n}" for n in (1, 2))
+    dcp.save(state, storage_writer=ObjectStoreWriter(one, upload=NONE), no_dist=True)
+    state["trained"] += 1
+    writer = ObjectStoreWriter(two, upload=NONE, reuse_from=one)
+    dcp.save(state, storage_writer=writer, no_dist=True)
+    manifest = read_manifest(open_store(Location.parse(two), UploadOptions()))
+    assert manifest.reused_bytes > 0 and not manifest.stock_metadata
+    write_stock_metadata(two)
+    got = {"frozen": torch.zeros(256, 64), "trained": torch.zeros(8, 8), "n": 0}
+    dcp.load(got, storage_reader=FileSystemReader(two.removeprefix("file://")), no_dist=True)
+    assert torch.equal(got["frozen"], state["frozen"]) and torch.equal(
+        got["trained"], state["trained"]
+    )
+    assert got["n"] == 1
+
+
+def test_a_save_over_a_stock_dcp_checkpoint_deletes_its_metadata(tmp_path: Path) -> None:
+    """``overwrite=True`` onto a URL holding a stock DCP checkpoint (no manifest), by a
+    save that writes no ``.metadata``: the stock one is deleted, so torch's reader is
+    refused instead of loading the replaced checkpoint beside the new manifest."""
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+    path = tmp_path / "step-1"
+    dcp.save({"w": torch.zeros(3)}, storage_writer=FileSystemWriter(str(path)), no_dist=True)
+    assert (path / ".metadata").exists()
+    writer = ObjectStoreWriter(f"file://{path}", upload=NONE, overwrite=True)
+    dcp.save(_state(), storage_writer=writer, no_dist=True)
+    assert not (path / ".metadata").exists()  # unfixed: the stock checkpoint's stays
+    with pytest.raises(FileNotFoundError, match=r"\.metadata"):
+        FileSystemReader(str(path)).read_metadata()
+
+
+def test_a_helper_that_cannot_finish_step_4_leaves_rank_0_to_delete_the_replaced_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A save through the helper that writes no ``.metadata``, whose helper did not
+    finish step 4 (restarted, stopped at its bound): rank 0 deletes the ``.metadata``
+    it replaces itself, and says so."""
+    from objckpt.pipeline.coordinator import CommitHelper
+
+    store = _store(tmp_path, "step-1")
+    _save("in-thread", store, "1" * 16, b"first")
+    monkeypatch.setattr(CommitHelper, "publish", lambda *a, **k: False)
+    with caplog.at_level(logging.WARNING):
+        manifest = _save("helper", store, "2" * 16, b"second", NONE, overwrite=True)
+    assert manifest.attempt == "2" * 16 and not manifest.stock_metadata
+    assert not store.exists(".metadata")  # unfixed: the first save's stays
+
+
+def test_an_index_object_above_the_read_limit_is_refused_before_it_is_read(
+    tmp_path: Path,
+) -> None:
+    """The manifest is untrusted: an index object it records above
+    ``ReadOptions.max_metadata_bytes`` is refused naming it and the option, unread."""
+    store = _store(tmp_path, "step-1")
+    manifest = _save("in-thread", store, "1" * 16, b"value", NONE)
+    (index,) = [o for o in manifest.objects if o.key.startswith("__index_")]
+    with pytest.raises(ManifestError, match=rf"{index.key} is {index.size} bytes, more than "):
+        write_stock_metadata(store.location, read=ReadOptions(max_metadata_bytes=index.size - 1))
+    assert not store.exists(".metadata")

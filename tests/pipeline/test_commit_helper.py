@@ -327,7 +327,8 @@ def test_a_step_whose_metadata_came_after_its_commit_verifies_copies_and_survive
     one left by another attempt and a missing one by name; a copy carries it (onto a
     step whose manifest named its own too, replacing it) but not another attempt's;
     an overwrite whose manifest does not name it keeps the new one (the replaced
-    manifest named ``.metadata``, and it is replaced, never deleted as superseded)."""
+    manifest named ``.metadata``, and it is replaced, never deleted as superseded); a
+    copy that carries none deletes the destination's, then what only it pointed at."""
     from commit_strategies import commit_via, one_value_save
 
     from objckpt.ops.maintain.verify import copy_checkpoint, verify_checkpoint
@@ -382,7 +383,8 @@ def test_a_step_whose_metadata_came_after_its_commit_verifies_copies_and_survive
     copy_checkpoint(src.location, Location.parse(f"file://{tmp_path}/stale/step-1"))
     assert not store_at("stale/step-1").exists(".metadata")  # another save's: not copied
     # Over a step whose .metadata is unnamed too, none copied: the replaced .metadata
-    # stays, and so does the payload it points at (for stock readers, until gc).
+    # goes (a stock reader must not load the replaced checkpoint beside the new
+    # manifest), then the payload only it pointed at.
     under = store_at("under/step-1")
     metadata, results = one_value_save(under, "5" * 16, b"under")
     named = commit_via(
@@ -397,8 +399,8 @@ def test_a_step_whose_metadata_came_after_its_commit_verifies_copies_and_survive
     )
     assert named.object(".metadata") is None
     copy_checkpoint(src.location, under.location, overwrite=True)
-    assert pickle.loads(under.read(".metadata")).storage_meta.save_id == "5" * 16
-    assert under.exists("__0_0.5555555555555555.distcp")  # unfixed: deleted under it
+    assert not under.exists(".metadata")  # before #46's limit: the replaced one stayed
+    assert not under.exists("__0_0.5555555555555555.distcp")
     src.delete(".metadata")
     (failure,) = verify_checkpoint(src.location).failures
     assert failure.key == ".metadata" and failure.problem is not None

@@ -735,7 +735,7 @@ def test_a_save_above_the_world_size_limit_is_loaded_by_a_stock_reader_once_writ
 
     url = s3_bucket.url("step-0000000001")
     records = _save_each(
-        tmp_path, 2, [url], s3_bucket.storage_options, no_helper_for=-1, stock_limit=1
+        tmp_path, 2, [url], s3_bucket.storage_options, no_helper_for=-1, stock_metadata_max_ranks=1
     )
     assert all(r["outcomes"] == ["committed"] for r in records), records
     location = Location.parse(url, s3_bucket.storage_options)

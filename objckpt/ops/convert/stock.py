@@ -20,16 +20,18 @@ attempt, ``objckpt cp`` copies it where it names this one.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from typing import Any
 
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 from objckpt.errors import CheckpointExistsError, ManifestError
-from objckpt.format.commit import StockLayout, build_stock, metadata_entry
+from objckpt.format.commit import StockLayout, build_stock, metadata_entry, read_indexes
 from objckpt.format.index import decode_metadata
 from objckpt.format.layout import METADATA_KEY
 from objckpt.format.manifest import Manifest, ObjectEntry, read_manifest
 from objckpt.ops.maintain.verify import open_manifest, unnamed_metadata_check
-from objckpt.pipeline.stock_task import read_indexes
+from objckpt.options import ReadOptions
 from objckpt.writers import open_store
 from objckpt.writers.base import ObjectStore
 from objckpt.writers.location import Location
@@ -39,7 +41,12 @@ __all__ = ["write_stock_metadata"]
 logger = logging.getLogger(__name__)
 
 
-def write_stock_metadata(url: str | Location) -> ObjectEntry:
+def write_stock_metadata(
+    url: str | Location,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    read: ReadOptions | None = None,
+) -> ObjectEntry:
     """Write ``.metadata`` for the committed step at ``url``, so stock DCP readers load
     it; returns its entry (key, size, CRC32C). Nothing is written where the step has
     one already: named by its manifest, or unnamed and naming its attempt (a save's
@@ -47,39 +54,67 @@ def write_stock_metadata(url: str | Location) -> ObjectEntry:
     checkpoint's) is replaced.
 
     Memory and time are O(items) on the calling machine: every rank's index object is
-    read (58 KB each at 8,192 ranks of the scale bench's model), and the pickle is
-    built in memory (1.2 GB there) before its one PUT.
+    read (58 KB each at 8,192 ranks of the scale bench's model, each refused above
+    ``read.max_metadata_bytes`` before it is fetched), and the pickle is built in
+    memory (1.2 GB there) before its one PUT. The manifest is read again before the
+    PUT and after it: a save that overwrote the step meanwhile wins (nothing is
+    written, or what was written is deleted where it still names this attempt).
+    Like every overwrite of one URL by two writers at once, what a stock reader then
+    finds is not defined; objckpt's readers follow the manifest.
+
+    Args:
+        storage_options: fsspec options for ``url`` given as a string.
+        read: ``max_metadata_bytes`` bounds each index object (default: its default).
 
     Raises:
         CheckpointNotFoundError, CheckpointNotCommittedError: No committed step there.
         ManifestError: A manifest without index objects (format 1: its save wrote
-            ``.metadata``), or index objects that place a chunk elsewhere than the
-            manifest.
+            ``.metadata``), one that names a ``.metadata`` that is gone, an index
+            object above ``read.max_metadata_bytes``, or index objects that place a
+            chunk elsewhere than the manifest.
         UploadError: An index object is gone or holds other bytes than the manifest
             records.
-        CheckpointExistsError: Another save overwrote the step while this one built
-            (nothing written).
+        CheckpointExistsError: Another save overwrote the step while this one built.
         StoreError: A read or the PUT failed.
     """
-    location = url if isinstance(url, Location) else Location.parse(url)
+    if isinstance(url, Location):
+        location = url
+    else:
+        location = Location.parse(url, dict(storage_options or {}))
+    limit = (read or ReadOptions()).max_metadata_bytes
     store = open_store(location)
     try:
         manifest = open_manifest(store)
         named = manifest.object(METADATA_KEY)
         if named is not None:
+            if not store.exists(METADATA_KEY):
+                raise ManifestError(
+                    f"{location.url}'s manifest names {METADATA_KEY}, which is gone: the "
+                    "checkpoint is damaged (`objckpt verify` reports it); objckpt's "
+                    "readers load it, and it cannot be rebuilt to the recorded CRC32C"
+                )
             logger.info("%s names its %s already", location.url, METADATA_KEY)
             return named
         check = unnamed_metadata_check(store, manifest.attempt, required=False)
         if check is not None and check.problem is None:
             logger.info("%s has its %s already", location.url, METADATA_KEY)
             return ObjectEntry(METADATA_KEY, check.size, check.crc32c)
-        blob = _build(store, manifest)
-        if read_manifest(store).attempt != manifest.attempt:
+        blob = _build(store, manifest, limit)
+        if _overwritten(store, manifest):
             raise CheckpointExistsError(
                 f"{location.url} was overwritten while its {METADATA_KEY} was built; "
                 "nothing was written (run it again for the new checkpoint)"
             )
         store.put(METADATA_KEY, blob)
+        if _overwritten(store, manifest):
+            mine = unnamed_metadata_check(store, manifest.attempt, required=False)
+            if mine is not None and mine.problem is None:
+                store.delete(METADATA_KEY)
+            raise CheckpointExistsError(
+                f"{location.url} was overwritten while its {METADATA_KEY} was written; "
+                "it was deleted where it still named the replaced attempt (run it again "
+                "for the new checkpoint)"
+            )
     finally:
         store.close()
     entry = metadata_entry(blob)
@@ -87,7 +122,15 @@ def write_stock_metadata(url: str | Location) -> ObjectEntry:
     return entry
 
 
-def _build(store: ObjectStore, manifest: Manifest) -> bytes:
+def _overwritten(store: ObjectStore, manifest: Manifest) -> bool:
+    """Whether the step's manifest is another attempt's than ``manifest`` now."""
+    try:
+        return read_manifest(store).attempt != manifest.attempt
+    except FileNotFoundError:  # removed meanwhile: not this step either
+        return True
+
+
+def _build(store: ObjectStore, manifest: Manifest, limit: int) -> bytes:
     """``.metadata`` of ``manifest``'s save, its writers checked against the manifest's."""
     url = store.location.url
     doc = dict(manifest.metadata)
@@ -98,18 +141,14 @@ def _build(store: ObjectStore, manifest: Manifest) -> bytes:
             f"{METADATA_KEY}, and objckpt cannot build one without them"
         )
     objects = {o.key: o for o in manifest.objects}
-    indexes = []
-    for rank, key in enumerate(keys):
-        if key is None:
-            continue
-        entry = objects.get(key)
-        if entry is None:
-            raise ManifestError(f"manifest of {url} names index object {key!r} without an entry")
-        indexes.append((rank, entry))
+    # The load's bounded decode first (the manifest is untrusted): no tensor may claim
+    # more chunks than the index objects can place, before the build expands them all.
     metadata, _ = decode_metadata(doc, url=url, objects=objects)
+    indexes = [(rank, objects[key]) for rank, key in enumerate(keys) if key is not None]
     storage_meta = metadata.storage_meta or StorageMeta(save_id=manifest.attempt)
     layout = StockLayout(doc, {}, metadata.planner_data, storage_meta)
-    blob, placed = build_stock(layout, manifest.attempt, indexes, read_indexes(store, indexes), url)
+    blobs = read_indexes(store, indexes, limit)
+    blob, placed = build_stock(layout, manifest.attempt, indexes, blobs, url)
     state = doc.get("state_dict")
     recorded = {f: e.get("writer") for f, e in state.items()} if isinstance(state, dict) else {}
     wrong = sorted(f for f in placed if placed[f] != recorded.get(f))

@@ -22,7 +22,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 
 from torch.distributed.checkpoint.metadata import Metadata
 
@@ -49,8 +49,8 @@ from objckpt.format.refs import (
 )
 from objckpt.format.settle import (
     finish_commit,
+    finish_without_metadata,
     put_manifest,
-    replaced_metadata_dropped,
     require_present,
 )
 from objckpt.format.steps import parse_step
@@ -476,8 +476,10 @@ def commit_copy(
 ) -> int:
     """Copy ``objects`` (default: every object but ``.metadata``), check with one
     listing that all the manifest names but ``.metadata`` is at ``dst``, write the
-    manifest (settled by read-back), then copy ``.metadata``. Returns how many
-    objects went server-side.
+    manifest (settled by read-back), then copy ``.metadata``, or, where the source
+    has none (a save above ``stock_metadata_max_ranks``, a failed step 4), delete
+    the destination's: a stock reader must not load another checkpoint at ``dst``
+    than its manifest. Returns how many objects went server-side.
 
     ``.metadata`` has a fixed name, so writing it before the commit would change a
     committed destination's even when this copy then fails or loses.
@@ -536,10 +538,9 @@ def commit_copy(
         assert metadata is not None
         copied.append(copy_object(src, dst, metadata, progress))
 
-    write: Callable[[], None] | None = None if metadata is None else copy_metadata
-    if metadata is None and not manifest.stock_metadata:  # saved without one, none since
-        write = replaced_metadata_dropped(dst, superseded)
-    finish_commit(
-        dst, f"copying {METADATA_KEY}", write, superseded - {e.key for e in manifest.objects}
-    )
+    doomed = superseded - {e.key for e in manifest.objects}
+    if metadata is None:  # none to copy: none of another checkpoint's stays either
+        finish_without_metadata(dst, doomed)
+    else:
+        finish_commit(dst, f"copying {METADATA_KEY}", copy_metadata, doomed)
     return server_side + sum(copied)

@@ -38,6 +38,7 @@ Schema (every table optional except ``root``)::
     deadline = 600                          # seconds for one save's requests
     preflight_timeout = 30                  # seconds to prove the bucket writable
     compression = "zstd"                    # or "bytegroup+zstd", "zstd:1", ...
+    stock_metadata_max_ranks = 2048         # .metadata up to this world size
 
     [async]                                 # AsyncOptions: how async saves run
     workers = 1                             # upload processes per rank
