@@ -685,8 +685,8 @@ def read_indexes(
     its entry's size and CRC32C (UploadError naming the object where it differs or is
     gone): what :func:`build_stock` decodes. ``max_bytes``
     (``ReadOptions.max_metadata_bytes``) refuses an entry larger than that before
-    anything is fetched, where the entries come from a manifest (untrusted), not from
-    the ranks of this save.
+    anything is fetched, and reads no object past its entry's size, where the entries
+    come from a manifest (untrusted), not from the ranks of this save.
 
     Raises:
         ManifestError: An entry is larger than ``max_bytes``.
@@ -698,8 +698,12 @@ def read_indexes(
             check_size(entry.size, max_bytes, what="index object", url=url)
 
     def get(entry: ObjectEntry) -> bytes:
-        try:
-            data = store.read(entry.key)
+        try:  # bounded where the entries are untrusted: never more than size + 1 bytes
+            data = (
+                store.read(entry.key)
+                if max_bytes is None
+                else store.read_bounded(entry.key, entry.size)
+            )
         except FileNotFoundError:
             raise UploadError(f"index object {store.location.url_of(entry.key)} is gone") from None
         crc = Crc32c()

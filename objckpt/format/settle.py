@@ -299,8 +299,8 @@ def finish_commit(
     *,
     bound: Deadline | None = None,
     consequence: str = (
-        "stock DCP readers do not see this checkpoint yet and `objckpt verify` reports "
-        "it; objckpt's readers load it"
+        "stock DCP readers do not see this checkpoint yet (they load the one it "
+        "replaced, if any) and `objckpt verify` reports it; objckpt's readers load it"
     ),
 ) -> str | None:
     """Step 4 of every commit (a save's, in its thread or its helper process, a
@@ -339,11 +339,17 @@ def finish_without_metadata(
     one overwrote, one an interrupted ``rm`` left) would make a stock reader load
     another checkpoint than this one at this URL, and keep the objects it points at;
     gone, such a reader is refused naming ``.metadata`` until ``objckpt
-    stock-metadata`` writes this step's. One DELETE, whether or not there is one."""
+    stock-metadata`` writes this step's. One HEAD, and a DELETE where there is one (no
+    delete permission needed, no delete marker in a versioned bucket, on a new URL)."""
+
+    def drop() -> None:
+        if store.exists(METADATA_KEY):
+            store.delete(METADATA_KEY)
+
     return finish_commit(
         store,
         f"deleting the {METADATA_KEY} this checkpoint replaces",
-        lambda: store.delete(METADATA_KEY),
+        drop,
         superseded,
         bound=bound,
         consequence=(

@@ -252,8 +252,7 @@ class CommitHelper:
             )
         elif reason is not None:
             logger.warning(
-                "%s committed, but its commit helper did not finish step 4 (%s); rank 0 "
-                "deletes the .metadata it replaces itself",
+                "%s committed, but its commit helper did not finish step 4 (%s)",
                 location.url,
                 reason,
             )
@@ -395,9 +394,23 @@ class InHelper(CommitStrategy):
         if done or self._stock:
             return done
         # The helper did not delete the .metadata this save replaces (restarted,
-        # stopped): it needs nothing the helper held, so rank 0 does (the replaced
-        # objects stay for gc: what they were died with the helper).
-        return finish_without_metadata(target.store, frozenset()) is None
+        # stopped): it needs nothing the helper held, so rank 0 does, within what is
+        # left of the step's bound (the replaced objects stay for gc: what they were
+        # died with the helper).
+        url = target.store.location.url
+        seconds = SETTLE_SECONDS
+        if self._commit_by is not None:
+            seconds = min(seconds, self._commit_by - time.monotonic() - WEDGED_AFTER)
+        if seconds <= 0:
+            logger.warning(
+                "%s committed; no time is left to delete the .metadata it replaces "
+                "(`objckpt verify` reports one of another attempt)",
+                url,
+            )
+            return False
+        logger.warning("%s committed: rank 0 deletes the .metadata it replaces itself", url)
+        bound = stock_task.after_commit(seconds, f"{url}'s step 4")
+        return finish_without_metadata(target.store, frozenset(), bound=bound) is None
 
 
 def prepare_bound(

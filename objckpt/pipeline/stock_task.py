@@ -86,6 +86,7 @@ from objckpt.writers.location import Location
 __all__ = [
     "StockLayout",
     "StockPrepared",
+    "after_commit",
     "discard_stock",
     "prepare_stock",
     "publish_stock",
@@ -254,9 +255,9 @@ def publish_stock(
     if held is None:
         return f"the helper holds no {METADATA_KEY} for attempt {attempt} (it was restarted)"
     store = worker_store(location, options)
+    seconds = SETTLE_SECONDS if settle is None else settle
     if not held.stock:
-        seconds = SETTLE_SECONDS if settle is None else settle
-        bound = _after_commit(seconds, f"{location.url}'s step 4")
+        bound = after_commit(seconds, f"{location.url}'s step 4")
         return finish_without_metadata(store, held.superseded - named, bound=bound)
     blob = held.blob
     failure: Exception | None = None
@@ -266,14 +267,13 @@ def publish_stock(
             failure = UploadError(f"no time was left to build {METADATA_KEY} by its bound")
         else:
             try:
-                with bounded_by(_after_commit(left, f"building {location.url}'s {METADATA_KEY}")):
+                with bounded_by(after_commit(left, f"building {location.url}'s {METADATA_KEY}")):
                     blob = _build(store, held, attempt, location.url, writers)
             except Exception as exc:  # reported as the step's reason, below
                 failure = exc
-    seconds = SETTLE_SECONDS if settle is None else settle
     if until is not None:
         seconds = max(0.0, min(seconds, until - time.monotonic()))
-    bound = _after_commit(seconds, f"writing {location.url}'s {METADATA_KEY}")
+    bound = after_commit(seconds, f"writing {location.url}'s {METADATA_KEY}")
 
     def write() -> None:
         if failure is not None:
@@ -291,7 +291,7 @@ def publish_stock(
     )
 
 
-def _after_commit(seconds: float | None, who: str) -> Deadline | None:
+def after_commit(seconds: float | None, who: str) -> Deadline | None:
     """The bound of a step after the commit (None: none), whose messages say so."""
     bound = Deadline.start(seconds, who)
     if bound is None:

@@ -194,26 +194,103 @@ def test_a_step_overwritten_while_its_metadata_is_built_gets_none(
         return blob
 
     monkeypatch.setattr(stock, "_build", overwritten_meanwhile)
-    with pytest.raises(CheckpointExistsError, match=r"overwritten while its \.metadata was built"):
+    with pytest.raises(CheckpointExistsError, match=r"or removed while its \.metadata was built"):
         write_stock_metadata(store.location)
     assert not store.exists(".metadata")
 
 
-def test_a_step_overwritten_while_its_metadata_is_written_loses_it(
+def test_a_step_overwritten_just_before_the_put_is_reported_and_mended_by_a_rerun(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The manifest is read again after the PUT: a save that committed over the step
-    between the last check and the PUT wins, and the ``.metadata`` just written (the
-    replaced attempt's) is deleted."""
+    between the last check and the PUT makes it fail naming the replaced attempt. What
+    it wrote is left (by then it may be the new save's); ``objckpt verify`` reports it
+    as another attempt's, and running it again replaces it."""
     from objckpt.ops.convert import stock
 
     store = _store(tmp_path, "step-1")
     _save("in-thread", store, "1" * 16, b"value", NONE)
-    checks = iter([False, True])  # before the PUT: not yet; after it: overwritten
-    monkeypatch.setattr(stock, "_overwritten", lambda on, manifest: next(checks))
-    with pytest.raises(CheckpointExistsError, match=r"overwritten while its \.metadata was wr"):
+    checked = stock._overwritten
+    calls: list[bool] = []
+
+    def overwritten_after_the_check(on: Any, manifest: Manifest) -> bool:
+        answer = checked(on, manifest)
+        if not calls:  # the check before the PUT, then another save commits
+            _save("in-thread", store, "2" * 16, b"newer", NONE, overwrite=True)
+        calls.append(answer)
+        return answer
+
+    monkeypatch.setattr(stock, "_overwritten", overwritten_after_the_check)
+    with pytest.raises(CheckpointExistsError, match="may name the replaced attempt 1111"):
         write_stock_metadata(store.location)
-    assert not store.exists(".metadata")  # unfixed: the replaced attempt's stays
+    assert calls == [False, True]  # unfixed (no check after the PUT): no error
+    (failure,) = verify_checkpoint(store.location).failures
+    assert failure.key == ".metadata" and "another save's" in str(failure.problem)
+    monkeypatch.undo()
+    write_stock_metadata(store.location)
+    assert pickle.loads(store.read(".metadata")).storage_meta.save_id == "2" * 16
+    assert verify_checkpoint(store.location).ok
+
+
+def test_a_rank_of_a_save_without_metadata_reports_no_digest(tmp_path: Path) -> None:
+    """``write_rank_index(stock=False)``: the rank computes no ``stock_digest`` (O(its
+    items), for a template no save of that size keeps)."""
+    from commit_strategies import planned
+
+    from objckpt.format.commit import write_rank_index
+    from objckpt.writers.accounting import RequestStats
+
+    store = _store(tmp_path, "step-1")
+    _, results = one_value_save(store, "1" * 16, b"value")
+    with_digest, without = (
+        write_rank_index(store, results[0], 0, "1" * 16, RequestStats, planned(results[0]), s)
+        for s in (True, False)
+    )
+    assert with_digest.stock_digest is not None and without.stock_digest is None
+    assert without.index == with_digest.index
+
+
+def test_a_save_without_metadata_to_a_new_url_deletes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Step 4 looks before it deletes: on a URL with no ``.metadata`` there is no
+    DELETE (none needs delete permission, or leaves a delete marker in a versioned
+    bucket)."""
+    store = _store(tmp_path, "step-1")
+    deleted: list[str] = []
+    real = type(store).delete
+
+    def delete(self: ObjectStore, key: str) -> None:
+        deleted.append(key)
+        real(self, key)
+
+    monkeypatch.setattr(type(store), "delete", delete)
+    _save("in-thread", store, "1" * 16, b"value", NONE)
+    assert deleted == []
+
+
+def test_a_copy_whose_source_metadata_cannot_be_read_leaves_the_destination_s(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A source ``.metadata`` that cannot be read is not copied, and the destination's
+    is left as it is (a copy resumed onto itself may have written it): unlike one that
+    is absent or another attempt's, which the destination loses."""
+    from objckpt.errors import StoreError
+    from objckpt.ops.maintain import verify
+
+    src, dst = _store(tmp_path, "src/step-1"), _store(tmp_path, "dst/step-1")
+    _save("in-thread", src, "1" * 16, b"source", NONE)
+    write_stock_metadata(src.location)
+    _save("in-thread", dst, "2" * 16, b"replaced")
+    before = dst.read(".metadata")
+
+    def unreadable(*args: Any, **kwargs: Any) -> None:
+        raise StoreError("read refused")
+
+    monkeypatch.setattr(verify, "unnamed_metadata_check", unreadable)
+    copy_checkpoint(src.location, dst.location, overwrite=True)
+    assert read_manifest(dst).attempt == "1" * 16
+    assert dst.read(".metadata") == before  # with the first fix: deleted
 
 
 def test_the_cli_writes_it_and_says_where(tmp_path: Path) -> None:
@@ -333,16 +410,31 @@ def test_a_helper_that_cannot_finish_step_4_leaves_rank_0_to_delete_the_replaced
         manifest = _save("helper", store, "2" * 16, b"second", NONE, overwrite=True)
     assert manifest.attempt == "2" * 16 and not manifest.stock_metadata
     assert not store.exists(".metadata")  # unfixed: the first save's stays
+    assert "rank 0 deletes the .metadata it replaces itself" in caplog.text
 
 
 def test_an_index_object_above_the_read_limit_is_refused_before_it_is_read(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The manifest is untrusted: an index object it records above
     ``ReadOptions.max_metadata_bytes`` is refused naming it and the option, unread."""
     store = _store(tmp_path, "step-1")
     manifest = _save("in-thread", store, "1" * 16, b"value", NONE)
     (index,) = [o for o in manifest.objects if o.key.startswith("__index_")]
+    read: list[str] = []
+
+    def spy(name: str) -> Any:
+        real = getattr(type(store), name)
+
+        def reading(self: ObjectStore, key: str, *args: Any) -> Any:
+            read.append(key)
+            return real(self, key, *args)
+
+        return reading
+
+    for name in ("read", "read_bounded"):
+        monkeypatch.setattr(type(store), name, spy(name))
     with pytest.raises(ManifestError, match=rf"{index.key} is {index.size} bytes, more than "):
         write_stock_metadata(store.location, read=ReadOptions(max_metadata_bytes=index.size - 1))
+    assert index.key not in read and "manifest.json" in read
     assert not store.exists(".metadata")

@@ -54,13 +54,16 @@ def write_stock_metadata(
     checkpoint's) is replaced.
 
     Memory and time are O(items) on the calling machine: every rank's index object is
-    read (58 KB each at 8,192 ranks of the scale bench's model, each refused above
-    ``read.max_metadata_bytes`` before it is fetched), and the pickle is built in
+    read (96 KB each at 8,192 ranks of the scale bench's model, each refused above
+    ``read.max_metadata_bytes`` before it is fetched, none read past its recorded
+    size), and the pickle is built in
     memory (1.2 GB there) before its one PUT. The manifest is read again before the
-    PUT and after it: a save that overwrote the step meanwhile wins (nothing is
-    written, or what was written is deleted where it still names this attempt).
-    Like every overwrite of one URL by two writers at once, what a stock reader then
-    finds is not defined; objckpt's readers follow the manifest.
+    PUT (a save that overwrote the step meanwhile wins: nothing is written) and after
+    it (the PUT may have landed after such a save's own ``.metadata``: then it is
+    left, since it may be that save's by then, and the error says so; ``objckpt
+    verify`` reports one of another attempt, and running this again replaces it).
+    Like every overwrite of one URL by two writers at once, what a stock reader finds
+    in that window is not defined; objckpt's readers follow the manifest.
 
     Args:
         storage_options: fsspec options for ``url`` given as a string.
@@ -74,7 +77,7 @@ def write_stock_metadata(
             chunk elsewhere than the manifest.
         UploadError: An index object is gone or holds other bytes than the manifest
             records.
-        CheckpointExistsError: Another save overwrote the step while this one built.
+        CheckpointExistsError: Another save overwrote (or removed) the step meanwhile.
         StoreError: A read or the PUT failed.
     """
     if isinstance(url, Location):
@@ -102,18 +105,16 @@ def write_stock_metadata(
         blob = _build(store, manifest, limit)
         if _overwritten(store, manifest):
             raise CheckpointExistsError(
-                f"{location.url} was overwritten while its {METADATA_KEY} was built; "
-                "nothing was written (run it again for the new checkpoint)"
+                f"{location.url} was overwritten or removed while its {METADATA_KEY} was "
+                "built; nothing was written (run it again for the new checkpoint)"
             )
         store.put(METADATA_KEY, blob)
-        if _overwritten(store, manifest):
-            mine = unnamed_metadata_check(store, manifest.attempt, required=False)
-            if mine is not None and mine.problem is None:
-                store.delete(METADATA_KEY)
+        if _overwritten(store, manifest):  # not deleted: it may be the new save's by now
             raise CheckpointExistsError(
-                f"{location.url} was overwritten while its {METADATA_KEY} was written; "
-                "it was deleted where it still named the replaced attempt (run it again "
-                "for the new checkpoint)"
+                f"{location.url} was overwritten or removed while its {METADATA_KEY} was "
+                f"written: the {METADATA_KEY} there may name the replaced attempt "
+                f"{manifest.attempt} (`objckpt verify` reports it; `objckpt stock-metadata` "
+                "replaces it)"
             )
     finally:
         store.close()
@@ -123,10 +124,11 @@ def write_stock_metadata(
 
 
 def _overwritten(store: ObjectStore, manifest: Manifest) -> bool:
-    """Whether the step's manifest is another attempt's than ``manifest`` now."""
+    """Whether the step's manifest is another attempt's than ``manifest`` now (or is
+    gone, or no longer reads)."""
     try:
         return read_manifest(store).attempt != manifest.attempt
-    except FileNotFoundError:  # removed meanwhile: not this step either
+    except (FileNotFoundError, ManifestError):
         return True
 
 

@@ -307,12 +307,14 @@ def unnamed_metadata_check(
     return ObjectCheck(METADATA_KEY, size, crc, size, crc, problem)
 
 
-def _unnamed_metadata(src: ObjectStore, attempt: str) -> ObjectEntry | None:
+def _unnamed_metadata(src: ObjectStore, attempt: str) -> ObjectEntry | bool | None:
     """The entry to copy a ``.metadata`` the manifest does not name by (written after
-    the source's commit, #46): its size and CRC32C as the read that checked it found
-    them, where it names ``attempt``; None (logged) where it is not there, names
-    another attempt or cannot be read: a copy is not refused for want of what only
-    stock readers use, and the replaced step's objects then stay for its own."""
+    the source's commit, or on demand, #46): its size and CRC32C as the read that
+    checked it found them, where it names ``attempt``; None where it is not there or
+    names another attempt (logged); False where it could not be read (logged): a copy
+    is not refused for want of what only stock readers use, and it then leaves the
+    destination's ``.metadata`` as it is (it may be this very checkpoint's, where the
+    copy resumes one that got that far)."""
     where = src.location.url_of(METADATA_KEY)
     try:
         if not src.exists(METADATA_KEY):
@@ -320,7 +322,7 @@ def _unnamed_metadata(src: ObjectStore, attempt: str) -> ObjectEntry | None:
         check = unnamed_metadata_check(src, attempt, required=False)
     except (StoreError, OSError) as exc:
         logger.warning("%s is not copied: it could not be read (%s)", where, exc)
-        return None
+        return False
     if check is None:  # gone since
         return None
     if check.problem is not None:
@@ -526,21 +528,23 @@ def commit_copy(
             dst.location.url,
             len(todo) + len(refs) - len(lacking),
         )
-    metadata = manifest.object(METADATA_KEY)
+    metadata: ObjectEntry | bool | None = manifest.object(METADATA_KEY)
     if metadata is None:  # checked here, before the commit: nothing raises after it
         metadata = _unnamed_metadata(src, manifest.attempt)
     require_present(dst, rest)
     require_referenced(dst, refs)
     put_manifest(dst, manifest.to_json_bytes(), overwrite=overwrite)
     copied: list[bool] = []
-
-    def copy_metadata() -> None:
-        assert metadata is not None
-        copied.append(copy_object(src, dst, metadata, progress))
-
     doomed = superseded - {e.key for e in manifest.objects}
-    if metadata is None:  # none to copy: none of another checkpoint's stays either
-        finish_without_metadata(dst, doomed)
-    else:
+    if isinstance(metadata, ObjectEntry):
+        entry = metadata
+
+        def copy_metadata() -> None:
+            copied.append(copy_object(src, dst, entry, progress))
+
         finish_commit(dst, f"copying {METADATA_KEY}", copy_metadata, doomed)
+    elif metadata is None:  # none to copy: none of another checkpoint's stays either
+        finish_without_metadata(dst, doomed)
+    else:  # the source's could not be read: the destination's is left as it is
+        finish_commit(dst, f"copying {METADATA_KEY}", None, doomed)
     return server_side + sum(copied)
