@@ -139,7 +139,7 @@ _DCP_VERSION = "1.0.0"
 #: one-rank job's (2 MB at 10,000 tensors), not a node-local tier's at thousands of
 #: ranks (1.2 GB at 8,192), which rank 0's training process would hold between saves.
 IN_THREAD_TEMPLATE_BYTES = 64 << 20
-#: Index objects read at once to build ``.metadata`` (:func:`read_indexes`).
+#: Index objects written or read at once (:func:`_each_index`).
 _INDEX_FETCHERS = 16
 
 #: A rank's write results end with one entry under this name that carries the
@@ -301,12 +301,19 @@ def _put_index(store: ObjectStore, shards: list[IndexShard]) -> list[ObjectEntry
         store.put(shard.key, shard.data)
         return _entry(shard)
 
-    if len(shards) <= 1:
-        return [put(s) for s in shards]
+    return _each_index(put, shards)
+
+
+def _each_index(fn: Callable[[Any], ObjectEntry | bytes], items: Sequence[Any]) -> list[Any]:
+    """``fn`` of each of ``items`` (index objects written or read), in order,
+    :data:`_INDEX_FETCHERS` at a time, each in a copy of this context: its requests
+    counted and bounded like the caller's."""
+    if len(items) <= 1:
+        return [fn(i) for i in items]
     with concurrent.futures.ThreadPoolExecutor(
-        min(16, len(shards)), thread_name_prefix="objckpt-index"
-    ) as pool:  # each task in a copy of this context, so its requests are counted
-        futures = [pool.submit(contextvars.copy_context().run, put, s) for s in shards]
+        min(_INDEX_FETCHERS, len(items)), thread_name_prefix="objckpt-index"
+    ) as pool:
+        futures = [pool.submit(contextvars.copy_context().run, fn, i) for i in items]
         return [f.result() for f in futures]
 
 
@@ -716,13 +723,7 @@ def read_indexes(
             )
         return data
 
-    if len(indexes) <= 1:
-        return [get(e) for _, e in indexes]
-    with concurrent.futures.ThreadPoolExecutor(
-        min(_INDEX_FETCHERS, len(indexes)), thread_name_prefix="objckpt-index-get"
-    ) as pool:  # each in a copy of this context: counted and bounded like the caller
-        futures = [pool.submit(contextvars.copy_context().run, get, e) for _, e in indexes]
-        return [f.result() for f in futures]
+    return _each_index(get, [e for _, e in indexes])
 
 
 def metadata_entry(blob: bytes | bytearray) -> ObjectEntry:

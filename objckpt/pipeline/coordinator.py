@@ -227,8 +227,7 @@ class CommitHelper:
             until, _ = prepare_bound(deadline, commit_by)
             wait = None if until is None else max(0.0, until - now) + WEDGED_AFTER
         else:
-            if commit_by is not None:
-                settle = max(0.0, min(settle, commit_by - now - WEDGED_AFTER))
+            settle = settle_left(commit_by)
             wait = settle + WEDGED_AFTER
         reason: str | None = "it was not asked to"
         try:
@@ -398,9 +397,7 @@ class InHelper(CommitStrategy):
         # left of the step's bound (the replaced objects stay for gc: what they were
         # died with the helper).
         url = target.store.location.url
-        seconds = SETTLE_SECONDS
-        if self._commit_by is not None:
-            seconds = min(seconds, self._commit_by - time.monotonic() - WEDGED_AFTER)
+        seconds = settle_left(self._commit_by)
         if seconds <= 0:
             logger.warning(
                 "%s committed; no time is left to delete the .metadata it replaces "
@@ -411,6 +408,15 @@ class InHelper(CommitStrategy):
         logger.warning("%s committed: rank 0 deletes the .metadata it replaces itself", url)
         bound = stock_task.after_commit(seconds, f"{url}'s step 4")
         return finish_without_metadata(target.store, frozenset(), bound=bound) is None
+
+
+def settle_left(commit_by: float | None) -> float:
+    """Seconds step 4's PUT or DELETE may take after the commit: the settle bound, less
+    where ``commit_by`` (a ``time.monotonic()``) is nearer, keeping ``WEDGED_AFTER``
+    for the answer to come back (0: none left)."""
+    if commit_by is None:
+        return SETTLE_SECONDS
+    return max(0.0, min(SETTLE_SECONDS, commit_by - time.monotonic() - WEDGED_AFTER))
 
 
 def prepare_bound(
