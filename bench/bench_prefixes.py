@@ -7,8 +7,12 @@ bench puts :class:`objckpt.testing.throttle.PartitionModel` (the rates scaled do
 ``--scale`` so two cores can drive them) in front of moto through the fault proxy, and
 writes, step after step, the payload objects ``--ranks`` ranks would write (``--objects``
 each, tiny: the request count is what is measured), then reads the last step back as a
-restore would, from ``--threads`` client threads through objckpt's own ``ObjectStore``
-(its retries ride SlowDown out). Key layouts compared:
+restore would, from ``--threads`` client threads through objckpt's own ``ObjectStore``:
+each write through its upload path (``begin``/``close``, holding one of the store's
+``max_parts_in_flight`` slots, as a save's objects do), each read as one GET. Its
+retries ride SlowDown out, and its back-off (:mod:`objckpt.writers.throttle`) halves
+the requests in flight in a directory that was refused, and in all directories when
+refusals span several. Key layouts compared:
 
 * ``step``: objckpt's default, ``<root>/step-N/__<rank>_<i>.<attempt>.distcp``;
 * ``entropy``: ``UploadOptions(prefix_entropy=1)``, ``<root>/step-N/<h>/__…``;
@@ -19,8 +23,9 @@ Each save's writes run inside a save deadline, as a save's uploads do (SlowDown 
 waited out until it); the restore's reads run under the default ``RetryPolicy``, as a
 load's do, whose ``attempts`` count 503 answers: a read that meets SlowDown six times
 gives up (counted in "gave up"). Per layout and step: seconds, requests answered 503
-(throttled), reads given up, partitions after the step, and the most requests one
-partition served in one second. Results go to
+(throttled), reads given up, partitions after the step, the client's back-off
+(directory and client-wide halvings, where the client has one) and the most requests
+one partition served in one second. Results go to
 ``bench/results/prefixes-<date>-0mib.json`` and a table to stdout.
 """
 
@@ -70,19 +75,28 @@ def run_layout(proxy: FaultProxy, model: PartitionModel, layout: str, args: Any)
     rows: list[dict[str, Any]] = []
     keys: list[str] = []
 
+    def cuts() -> tuple[int, int]:
+        backoff = getattr(store, "backoff", None)  # None: a client without one
+        stats = backoff.stats() if backoff is not None else None
+        return (stats.directory_cuts, stats.client_cuts) if stats is not None else (0, 0)
+
     def measured(label: str, work: Any, items: list[str]) -> dict[str, Any]:
-        refused, splits = model.refused, model.splits
+        refused, splits, (dirs, client) = model.refused, model.splits, cuts()
         t0 = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(args.threads) as pool:
             failed = sum(not ok for ok in pool.map(work, items))
+        seconds = time.perf_counter() - t0
+        after = cuts()
         return {
             "what": label,
             "requests": len(items),
-            "seconds": time.perf_counter() - t0,
+            "seconds": seconds,
             "throttled": model.refused - refused,
             "gave_up": failed,
             "splits": model.splits - splits,
             "partitions": len(model.partitions),
+            "directory_cuts": after[0] - dirs,
+            "client_cuts": after[1] - client,
         }
 
     payload = b"x" * 64
@@ -90,7 +104,9 @@ def run_layout(proxy: FaultProxy, model: PartitionModel, layout: str, args: Any)
     def save(key: str) -> bool:
         # As a save's uploads do: inside its deadline, where SlowDown is waited out.
         with bounded_by(Deadline.start(args.deadline, f"saving {root}")):
-            store.put(key, payload)
+            upload = store.begin(key, len(payload))
+            upload.write(payload)
+            upload.close().result()
         return True
 
     def restore(key: str) -> bool:
@@ -118,15 +134,17 @@ def run_layout(proxy: FaultProxy, model: PartitionModel, layout: str, args: Any)
 
 def table(results: list[dict[str, Any]]) -> str:
     lines = [
-        "| layout | what | requests | seconds | throttled (503) | gave up | partitions after |",
-        "|---|---|---|---|---|---|---|",
+        "| layout | what | requests | seconds | throttled (503) | gave up | partitions after "
+        "| back-offs (directory / all) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for result in results:
         for row in result["rows"]:
             lines.append(
                 f"| {result['layout']} | {row['what']} | {row['requests']} "
                 f"| {row['seconds']:.1f} | {row['throttled']} | {row['gave_up']} "
-                f"| {row['partitions']} |"
+                f"| {row['partitions']} "
+                f"| {row.get('directory_cuts', 0)} / {row.get('client_cuts', 0)} |"
             )
     return "\n".join(lines)
 

@@ -13,7 +13,7 @@ account, credential and endpoint as adlfs would) with two changes:
   that sends each request under :func:`~objckpt.writers.retry.call_with_retries`:
   one retry layer, transient answers only (5xx, 429, 408, connection errors), capped
   backoff with jitter, ``give_up_after``, the save's deadline (or
-  ``RetryPolicy.request_deadline``), request counting and throttling observers, as
+  ``RetryPolicy.request_deadline``), request counting and the throttling back-off, as
   for S3 and GCS. It sits where the SDK's own retry policy sits, before signing, so
   each attempt is signed afresh.
 * the transport's connection and read timeouts are ``RetryPolicy.timeout`` (a
@@ -47,7 +47,7 @@ import asyncio
 import inspect
 import weakref
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from adlfs import AzureBlobFileSystem
 from azure.core.exceptions import HttpResponseError
@@ -55,6 +55,7 @@ from azure.core.pipeline.policies import AsyncHTTPPolicy
 from fsspec.asyn import get_loop, sync
 
 from objckpt.writers.retry import RetryingFileSystem, RetryPolicy, call_with_retries
+from objckpt.writers.throttle import Backoff, directory_of
 from objckpt.writers.transient import is_transient
 
 __all__ = ["AZURE_RETRY_OPTIONS", "ObjckptRetry", "RetryingAzureBlobFileSystem"]
@@ -97,6 +98,15 @@ def _without_query(url: str) -> str:
     return f"{parts.scheme}://{host}{port}{parts.path}" if parts.scheme else url.split("?")[0]
 
 
+def _blob_name(url: str) -> str:
+    """``container/blob`` a request is on (``container/prefix`` for a listing), for its
+    back-off directory: the URL's path (an emulator's account segment included)."""
+    parts = urlsplit(url)
+    name = unquote(parts.path).lstrip("/")
+    prefix = parse_qs(parts.query).get("prefix")
+    return f"{name}/{prefix[0]}" if prefix else name
+
+
 def _endpoint_of(url: str) -> str | None:
     parts = urlsplit(url)
     if not parts.scheme or not parts.hostname:
@@ -116,13 +126,14 @@ class ObjckptRetry(AsyncHTTPPolicy):
 
     Args:
         policy: How requests are retried.
-        observers: Told of throttled and successful requests (the filesystem's set).
+        backoff: The filesystem's throttling back-off (each attempt holds a slot of
+            its blob's directory).
     """
 
-    def __init__(self, policy: RetryPolicy, observers: Any) -> None:
+    def __init__(self, policy: RetryPolicy, backoff: Backoff) -> None:
         super().__init__()
         self.policy = policy
-        self.observers = observers
+        self.backoff = backoff
 
     async def send(self, request: Any) -> Any:
         options = request.context.options
@@ -162,7 +173,7 @@ class ObjckptRetry(AsyncHTTPPolicy):
         return await call_with_retries(
             once,
             self.policy,
-            list(self.observers),
+            self.backoff.slot(directory_of(_blob_name(str(http.url)))),
             lambda: f"Azure {method} of {target}",
             method,
             endpoint=lambda: _endpoint_of(target),
@@ -179,7 +190,7 @@ class RetryingAzureBlobFileSystem(RetryingFileSystem, AzureBlobFileSystem):
         # the SDK's retry keywords are taken out (adlfs would hand unknown options
         # to DefaultAzureCredential).
         self.retry_policy = retry_policy or RetryPolicy()
-        self._observers: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.backoff = Backoff()
         self._sdk_retry = {k: kwargs.pop(k) for k in list(kwargs) if k in AZURE_RETRY_OPTIONS}
         self._sdk_timeouts = {
             k: kwargs[k]
@@ -198,7 +209,7 @@ class RetryingAzureBlobFileSystem(RetryingFileSystem, AzureBlobFileSystem):
         if self._sdk_retry:
             out.update(self._sdk_retry)
         else:
-            out["retry_policy"] = ObjckptRetry(self.retry_policy, self._observers)
+            out["retry_policy"] = ObjckptRetry(self.retry_policy, self.backoff)
         return out
 
     def do_connect(self) -> None:

@@ -78,7 +78,7 @@ from objckpt.writers.reads import (
     read_ranges_into,
     read_whole,
 )
-from objckpt.writers.throttle import AimdLimit
+from objckpt.writers.throttle import Backoff
 from objckpt.writers.translate import precondition_failed, translate
 
 __all__ = [
@@ -245,12 +245,9 @@ class ObjectStore(abc.ABC):
         self.location = location
         self.options = options
         self._fs = fs if fs is not None else location.open_fs(fresh=True)
-        # Bounds concurrent requests and the memory held by their buffers; halves
-        # under throttling and grows back (AIMD), told by the retry layer.
-        self.limit = AimdLimit(options.max_parts_in_flight)
-        observe = getattr(self._fs, "add_observer", None)
-        if observe is not None:
-            observe(self.limit)
+        # Bounds the parts buffered for upload (memory). Requests in flight back off
+        # under throttling in the filesystem's own Backoff, per key directory.
+        self._slots = threading.Semaphore(options.max_parts_in_flight)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 
@@ -283,10 +280,18 @@ class ObjectStore(abc.ABC):
             return self._pool.submit(fn, *args)
 
     def acquire_slot(self) -> None:
-        self.limit.acquire()
+        """Wait until fewer than ``max_parts_in_flight`` parts are held for upload."""
+        self._slots.acquire()
 
     def release_slot(self, _: object = None) -> None:
-        self.limit.release()
+        self._slots.release()
+
+    @property
+    def backoff(self) -> Backoff | None:
+        """The filesystem's throttling back-off (None for a store without one, such
+        as ``file://``): what it learned is shared by every store on that client."""
+        backoff = getattr(self._fs, "backoff", None)
+        return backoff if isinstance(backoff, Backoff) else None
 
     def path(self, key: str) -> str:
         return self.location.key_path(key)

@@ -13,13 +13,45 @@ internals, pinned by ``tests/store/test_gcsclient.py`` for the supported range.
 
 from __future__ import annotations
 
+import json
 from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from gcsfs import GCSFileSystem
 
 from objckpt.writers.retry import RetryingFileSystem
 
 __all__ = ["RetryingGCSFileSystem"]
+
+#: gcsfs's simple upload: a multipart body whose first part is the object's JSON.
+_SIMPLE_UPLOAD = b"--==0=="
+
+
+def _object_name(url: str, kwargs: dict[str, Any]) -> str:
+    """``bucket/object`` a gcsfs request is on (``bucket/prefix`` for a listing, the
+    bucket where neither shows), for its :class:`~objckpt.writers.throttle.Backoff`
+    directory. gcsfs puts the object in the path (``b/B/o/NAME``, quoted), in the
+    query (a resumable upload's ``name``), in a listing's ``prefix``, or in the JSON
+    head of a simple upload's body."""
+    parts = urlsplit(url)
+    segments = parts.path.split("/")
+    if "b" not in segments:
+        return ""
+    at = segments.index("b")
+    bucket = unquote(segments[at + 1]) if at + 1 < len(segments) else ""
+    if at + 3 < len(segments) and segments[at + 2] == "o":
+        return f"{bucket}/{unquote(segments[at + 3])}"
+    named = kwargs.get("name") or parse_qs(parts.query).get("name")
+    name = named[0] if isinstance(named, list) else named
+    if name is None and isinstance(kwargs.get("prefix"), str):
+        name = kwargs["prefix"]
+    data = kwargs.get("data")
+    if name is None and isinstance(data, bytes) and data.startswith(_SIMPLE_UPLOAD):
+        end = data.find(b"\n" + _SIMPLE_UPLOAD, 1, 65536)
+        if end > 0:
+            name = json.loads(data[:end].split(b"\n\n", 1)[-1]).get("name")
+    return f"{bucket}/{name}" if isinstance(name, str) else bucket
+
 
 #: gcsfs's request coroutine without its own retry loop.
 _SINGLE_REQUEST = GCSFileSystem._request.__wrapped__
@@ -40,7 +72,11 @@ class RetryingGCSFileSystem(RetryingFileSystem, GCSFileSystem):
         async def once(m: str, p: str, *a: Any, **kw: Any) -> Any:
             return await _SINGLE_REQUEST(self, m, p, *a, **kw)
 
-        return await self._retried(once, what, method, path, *args, **kwargs)
+        try:
+            name = _object_name(self._format_path(path, args), kwargs)
+        except Exception:  # a slot's directory must not fail the request
+            name = ""
+        return await self._retried(once, what, name, method, path, *args, **kwargs)
 
     async def close_connections(self) -> None:
         """Close this filesystem's HTTP session now, on its loop (gcsfs closes it only

@@ -21,8 +21,10 @@ fsspec stores that have no such layer. A failing object therefore costs
 Deadlines (:mod:`objckpt.writers.deadline`): inside a save with one, transient
 failures are retried until it (a short outage costs its length, not the save);
 anywhere else each request with its retries is bounded by
-``RetryPolicy.request_deadline``. Each throttling answer is reported to observers,
-which is how upload concurrency backs off (:mod:`objckpt.writers.throttle`).
+``RetryPolicy.request_deadline``. Each attempt holds a slot of the filesystem's
+:class:`~objckpt.writers.throttle.Backoff` for its key's directory, which is how
+request concurrency backs off where the store answered "slow down"
+(:mod:`objckpt.writers.throttle`).
 """
 
 from __future__ import annotations
@@ -33,9 +35,8 @@ import ipaddress
 import logging
 import random
 import time
-import weakref
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sized
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Mapping, Sized
+from typing import Any
 from urllib.parse import urlsplit
 
 import tenacity
@@ -48,11 +49,11 @@ from objckpt.errors import (
 )
 from objckpt.writers.accounting import current_counter
 from objckpt.writers.deadline import Deadline, current_deadline
+from objckpt.writers.throttle import Backoff, Outcome, Slot, directory_of
 from objckpt.writers.transient import answer_of, asks_to_slow_down, is_throttle, is_transient
 from objckpt.writers.translate import describe
 
 __all__ = [
-    "RetryObserver",
     "RetryPolicy",
     "RetryingFileSystem",
     "call_with_retries",
@@ -142,14 +143,6 @@ class RetryPolicy:
             )
 
 
-class RetryObserver(Protocol):
-    """Told about every request outcome (the upload concurrency limiter is one)."""
-
-    def throttled(self) -> None: ...
-
-    def succeeded(self) -> None: ...
-
-
 #: botocore's addressing styles (``config_kwargs={"s3": {"addressing_style": ...}}``).
 _ADDRESSING_STYLES = ("auto", "path", "virtual")
 
@@ -221,7 +214,7 @@ def _backoff(policy: RetryPolicy, attempt: int) -> float:
 async def call_with_retries(
     call: Callable[..., Awaitable[Any]],
     policy: RetryPolicy,
-    observers: Iterable[RetryObserver],
+    slot: Slot | None,
     what: Callable[[], str],
     method: str,
     *args: Any,
@@ -245,8 +238,10 @@ async def call_with_retries(
     that runs out of time fails with :class:`~objckpt.errors.SaveDeadlineError` naming
     the save and the object, or :class:`~objckpt.errors.RequestDeadlineError` naming the
     object and the endpoint (``what()`` and ``endpoint()`` say which, for messages).
-    Every outcome is counted (the current
-    :class:`~objckpt.writers.accounting.RequestCounter`) and told to ``observers``.
+    Each attempt holds ``slot`` (the request's directory in its filesystem's
+    :class:`~objckpt.writers.throttle.Backoff`, None for none) while it runs, waiting
+    for it within the deadline, and tells it how it ended. Every outcome is counted
+    (the current :class:`~objckpt.writers.accounting.RequestCounter`).
     """
     deadline = current_deadline()
     until_deadline = deadline is not None
@@ -273,10 +268,8 @@ async def call_with_retries(
                 answer_of(last) if last is not None else None,
             )
         try:
-            if left is None:
-                out = await call(method, *args, **kwargs)
-            else:
-                out = await asyncio.wait_for(call(method, *args, **kwargs), left)
+            attempted = _attempt(slot, call, method, *args, **kwargs)
+            out = await (attempted if left is None else asyncio.wait_for(attempted, left))
         except Exception as exc:
             if (
                 deadline is not None
@@ -295,9 +288,6 @@ async def call_with_retries(
             last = exc
             if counter is not None:
                 counter.record(method, sent=sent, retry=retry, throttled=throttled)
-            if throttled:
-                for o in list(observers):
-                    o.throttled()
             if not is_transient(exc):
                 raise
             if deadline is not None and asks_to_slow_down(exc):
@@ -334,14 +324,33 @@ async def call_with_retries(
                 retry=retry,
                 throttled=False,
             )
-        for o in list(observers):
-            o.succeeded()
         return out
 
 
+async def _attempt(
+    slot: Slot | None, call: Callable[..., Awaitable[Any]], method: str, *args: Any, **kwargs: Any
+) -> Any:
+    """One attempt of ``call``, holding ``slot`` while it runs."""
+    if slot is None:
+        return await call(method, *args, **kwargs)
+    await slot.enter()
+    outcome: Outcome = "failed"
+    try:
+        out = await call(method, *args, **kwargs)
+        outcome = "ok"
+        return out
+    except Exception as exc:
+        if is_throttle(exc):
+            outcome = "throttled"
+        raise
+    finally:
+        slot.leave(outcome)
+
+
 class RetryingFileSystem:
-    """What objckpt's s3fs and gcsfs subclasses share: a policy, observers told of
-    throttling, and one request run under :func:`call_with_retries`. Mixed in before
+    """What objckpt's s3fs, gcsfs and adlfs subclasses share: a policy, a
+    :class:`~objckpt.writers.throttle.Backoff`, and one request run under
+    :func:`call_with_retries`. Mixed in before
     the fsspec class (``class RetryingS3FileSystem(RetryingFileSystem, S3FileSystem)``).
 
     Args:
@@ -352,26 +361,26 @@ class RetryingFileSystem:
     def __init__(self, *args: Any, retry_policy: RetryPolicy | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.retry_policy = retry_policy or RetryPolicy()
-        # Weak: a checkpointer shares one filesystem across saves, each save's store
-        # observes it, and a finished store must not be kept (or told) forever.
-        self._observers: weakref.WeakSet[Any] = weakref.WeakSet()
-
-    def add_observer(self, observer: RetryObserver) -> None:
-        """Tell ``observer`` of every throttled and every successful request."""
-        self._observers.add(observer)
+        # Shared by every store on this filesystem (a checkpointer shares one across
+        # saves): what one save learns about throttling, the next one starts from.
+        self.backoff = Backoff()
 
     async def _retried(
         self,
         call: Callable[..., Awaitable[Any]],
         what: Callable[[], str],
+        name: str,
         method: str,
         *args: Any,
         **kwargs: Any,
     ) -> Any:
+        """``call(method, *args, **kwargs)`` as one retried request on ``name``
+        (``bucket/key``, or the bucket or prefix a listing covers), whose directory
+        it holds a :attr:`backoff` slot of."""
         return await call_with_retries(
             call,
             self.retry_policy,
-            self._observers,
+            self.backoff.slot(directory_of(name)),
             what,
             method,
             *args,

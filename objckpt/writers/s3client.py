@@ -122,7 +122,8 @@ class RetryingS3FileSystem(RetryingFileSystem, S3FileSystem):
             if name in kwargs:
                 await self._require_parameter(method, name)
         try:
-            return await self._retried(call, what, method, *akwarglist, **kwargs)
+            name = f"{bucket or ''}/{key or kwargs.get('Prefix') or ''}"
+            return await self._retried(call, what, name, method, *akwarglist, **kwargs)
         except PermissionError as exc:
             if not self.requester_pays and status_code(exc) == "AccessDenied":
                 # AWS answers a request to a requester-pays bucket without

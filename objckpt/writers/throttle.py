@@ -1,78 +1,284 @@
-"""Upload concurrency that backs off under throttling and recovers (AIMD).
+"""Request concurrency that backs off where the store asked, and recovers (AIMD).
 
-S3 answers 503 SlowDown when a prefix gets more requests than it can take at
-the moment. Retrying at the same concurrency keeps the pressure on; TCP's
-answer works here too: halve the number of requests in flight on a throttling
-answer (at most once per ``cooldown``, so one burst of 503s counts once), and
-add one slot per window of successes (``1/limit`` per success). The save goes
-on at the rate the store accepts and speeds up again when it may.
+S3 answers 503 SlowDown when a partition (a range of keys) gets more requests than
+it can take at the moment; GCS and Azure answer 429 or 503 likewise. Retrying at
+the same concurrency keeps the pressure on. TCP's answer works here too: halve the
+number of requests in flight on a throttling answer (at most once per
+``cooldown``, so one burst of refusals counts once), add about one slot per window
+of successes, and lift the limit when it is back where it was cut.
+
+*Where* to halve (#46): a client cannot see the store's partitions, only the keys
+it was refused on. :class:`Backoff` keeps a limit per key *directory* (the key
+without its last component: ``bucket/root/step-5``, or a spread layout's
+``bucket/root/spread-a/step-5``), so a save throttled in one directory slows down
+there while reads and writes elsewhere in the process go on at full speed. When
+refusals come from two or more directories within one cooldown, the hot range
+spans them (a new bucket is one partition; a spread layout's first save meets
+exactly that), and the limit on all the client's requests is halved as well.
+
+One :class:`Backoff` belongs to one filesystem object (objckpt's S3, GCS and Azure
+filesystems own one each), so every store in a process that shares a client
+shares what it learned. Requests wait for a slot in arrival order within their
+directory; a directory whose head waiter cannot go does not hold up the others.
+The slot is taken and given back around each attempt by
+:func:`~objckpt.writers.retry.call_with_retries`, within the request's deadline.
+Directory limits are kept for at most ``keep`` directories that have nothing in
+flight (the oldest go first: forgetting a limit costs a few more refusals, never
+correctness).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
+import math
 import threading
 import time
+from collections import deque
+from collections.abc import Callable
+from typing import Literal
 
-__all__ = ["AimdLimit", "LimitStats"]
+__all__ = ["Backoff", "BackoffStats", "Outcome", "Slot", "directory_of"]
 
 logger = logging.getLogger(__name__)
 
+#: How an attempt ended, for :meth:`Backoff.leave`.
+Outcome = Literal["ok", "throttled", "failed"]
+
+
+def directory_of(name: str) -> str:
+    """The directory a request on ``name`` (``bucket/key``, or ``bucket/prefix/`` for
+    a listing) is limited by: ``name`` up to its last ``/`` (all of it where it has
+    none: a request on the bucket itself)."""
+    return name.rsplit("/", 1)[0] if "/" in name else name
+
 
 @dataclasses.dataclass(frozen=True)
-class LimitStats:
-    """What the limiter did: current and lowest limit, how often it backed off."""
+class BackoffStats:
+    """What a :class:`Backoff` did since it was built.
 
-    limit: float
-    lowest: float
-    decreases: int
+    Attributes:
+        directory_cuts: Times a directory's limit was halved.
+        client_cuts: Times the limit on all requests was halved (refusals from two
+            or more directories within one cooldown).
+        lowest: The lowest limit any directory or the client had; None if none was
+            ever cut.
+        limited: Directories limited now, each with its current limit.
+        client_limit: The limit on all requests now; None when there is none.
+    """
+
+    directory_cuts: int
+    client_cuts: int
+    lowest: float | None
+    limited: tuple[tuple[str, float], ...]
+    client_limit: float | None
 
 
-class AimdLimit:
-    """A counting semaphore whose size moves between 1 and ``maximum``."""
+class _Limit:
+    """One AIMD limit: None until the first cut, lifted again at its ceiling."""
 
-    def __init__(self, maximum: int, *, cooldown: float = 0.5) -> None:
-        self.maximum = maximum
-        self._limit = float(maximum)
-        self._lowest = float(maximum)
-        self._inflight = 0
-        self._decreases = 0
+    __slots__ = ("ceiling", "inflight", "last_cut", "limit", "waiting")
+
+    def __init__(self) -> None:
+        self.limit: float | None = None
+        self.ceiling = 0.0
+        self.inflight = 0
+        self.waiting = 0
+        self.last_cut = -math.inf
+
+    def fits(self) -> bool:
+        return self.limit is None or self.inflight < max(1, int(self.limit))
+
+    def cut(self, now: float, cooldown: float) -> bool:
+        """Halve (from what is in flight, the first time); False within the cooldown."""
+        if now - self.last_cut < cooldown:
+            return False
+        self.last_cut = now
+        if self.limit is None:
+            self.ceiling = float(max(2, self.inflight))
+            self.limit = self.ceiling / 2
+        else:
+            self.limit = max(1.0, self.limit / 2)
+        return True
+
+    def grow(self) -> None:
+        if self.limit is not None:
+            self.limit += 1.0 / self.limit
+            if self.limit >= self.ceiling:
+                self.limit = None
+
+    def idle(self) -> bool:
+        return self.inflight == 0 and self.waiting == 0
+
+
+class _Waiter:
+    __slots__ = ("future", "prefix", "state")
+
+    def __init__(self, prefix: str, future: asyncio.Future[None]) -> None:
+        self.prefix = prefix
+        self.future = future
+        self.state: Literal["waiting", "granted", "gone"] = "waiting"
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+class Backoff:
+    """Per-directory and client-wide AIMD limits on requests in flight.
+
+    Args:
+        cooldown: Seconds within which further refusals do not halve a limit again,
+            and within which refusals from two directories halve the client's.
+        keep: Limited directories kept while nothing is in flight in them.
+        clock: Monotonic seconds (tests give their own).
+    """
+
+    def __init__(
+        self, *, cooldown: float = 0.5, keep: int = 256, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._cooldown = cooldown
-        self._last_decrease = 0.0
-        self._cond = threading.Condition()
+        self._keep = keep
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._client = _Limit()
+        self._dirs: dict[str, _Limit] = {}
+        self._queue: deque[_Waiter] = deque()
+        #: Directory -> time of its latest refusal, within the cooldown.
+        self._refused: dict[str, float] = {}
+        self._directory_cuts = 0
+        self._client_cuts = 0
+        self._lowest: float | None = None
 
-    def acquire(self) -> None:
-        with self._cond:
-            while self._inflight >= max(1, int(self._limit)):
-                self._cond.wait()
-            self._inflight += 1
-
-    def release(self, _: object = None) -> None:
-        with self._cond:
-            self._inflight -= 1
-            self._cond.notify_all()
-
-    def throttled(self) -> None:
-        """Multiplicative decrease (once per cooldown)."""
-        with self._cond:
-            now = time.monotonic()
-            if now - self._last_decrease < self._cooldown:
+    async def enter(self, prefix: str) -> None:
+        """Wait for a slot in ``prefix``'s directory and the client's."""
+        with self._lock:
+            entry = self._dirs.get(prefix)
+            if entry is None:
+                entry = self._dirs[prefix] = _Limit()
+            if entry.fits() and self._client.fits():
+                self._take(entry)
                 return
-            self._last_decrease = now
-            before = self._limit
-            self._limit = max(1.0, self._limit / 2)
-            self._lowest = min(self._lowest, self._limit)
-            self._decreases += 1
-        logger.info("store throttling: upload concurrency %d -> %d", int(before), int(self._limit))
+            waiter = _Waiter(prefix, asyncio.get_running_loop().create_future())
+            entry.waiting += 1
+            self._queue.append(waiter)
+        try:
+            await waiter.future
+        except BaseException:
+            with self._lock:
+                if waiter.state == "granted":
+                    self._give_back(prefix, "failed")
+                elif waiter.state == "waiting":
+                    waiter.state = "gone"
+                    self._queue.remove(waiter)
+                    entry.waiting -= 1
+                    self._forget(prefix, entry)
+                    self._wake()
+            raise
 
-    def succeeded(self) -> None:
-        """Additive increase: about one slot per window of successful requests."""
-        with self._cond:
-            if self._limit < self.maximum:
-                self._limit = min(float(self.maximum), self._limit + 1.0 / self._limit)
-                self._cond.notify_all()
+    def leave(self, prefix: str, outcome: Outcome) -> None:
+        """Give back ``prefix``'s slot, telling how the attempt ended."""
+        with self._lock:
+            self._give_back(prefix, outcome)
 
-    def stats(self) -> LimitStats:
-        with self._cond:
-            return LimitStats(self._limit, self._lowest, self._decreases)
+    def slot(self, prefix: str) -> Slot:
+        """``prefix``'s slot, for one request's attempts."""
+        return Slot(self, prefix)
+
+    def stats(self) -> BackoffStats:
+        with self._lock:
+            limited = tuple(
+                (name, entry.limit) for name, entry in self._dirs.items() if entry.limit is not None
+            )
+            return BackoffStats(
+                self._directory_cuts, self._client_cuts, self._lowest, limited, self._client.limit
+            )
+
+    # -- under the lock ---------------------------------------------------------------
+    def _take(self, entry: _Limit) -> None:
+        entry.inflight += 1
+        self._client.inflight += 1
+
+    def _give_back(self, prefix: str, outcome: Outcome) -> None:
+        entry = self._dirs[prefix]
+        if outcome == "throttled":
+            self._throttled(prefix, entry)
+        elif outcome == "ok":
+            entry.grow()
+            self._client.grow()
+        entry.inflight -= 1
+        self._client.inflight -= 1
+        self._forget(prefix, entry)
+        self._wake()
+
+    def _throttled(self, prefix: str, entry: _Limit) -> None:
+        now = self._clock()
+        self._refused = {d: t for d, t in self._refused.items() if now - t < self._cooldown}
+        self._refused[prefix] = now
+        if entry.cut(now, self._cooldown):
+            self._directory_cuts += 1
+            self._note_lowest(entry)
+            logger.info("store throttling in %s: at most %d requests there", prefix, entry.limit)
+        if len(self._refused) > 1 and self._client.cut(now, self._cooldown):
+            self._client_cuts += 1
+            self._note_lowest(self._client)
+            logger.info(
+                "store throttling in %d directories: at most %d requests in all",
+                len(self._refused),
+                self._client.limit,
+            )
+
+    def _note_lowest(self, entry: _Limit) -> None:
+        assert entry.limit is not None
+        self._lowest = entry.limit if self._lowest is None else min(self._lowest, entry.limit)
+
+    def _forget(self, prefix: str, entry: _Limit) -> None:
+        """Drop an idle directory's entry (kept while limited, ``keep`` at most)."""
+        if entry.idle() and entry.limit is None:
+            del self._dirs[prefix]
+            return
+        if len(self._dirs) > self._keep:
+            for name in [n for n, e in self._dirs.items() if e.idle()]:
+                if len(self._dirs) <= self._keep:
+                    break
+                del self._dirs[name]
+
+    def _wake(self) -> None:
+        """Grant, in arrival order, every waiter whose directory and the client have
+        room: one that cannot go holds up no other directory. Run after every change
+        of a count or a limit, so a waiter left waiting has no room, and an arrival
+        that finds room overtakes no one of its own directory."""
+        if not self._queue or not self._client.fits():
+            return
+        kept: deque[_Waiter] = deque()
+        for waiter in self._queue:
+            entry = self._dirs[waiter.prefix]
+            if not (entry.fits() and self._client.fits()):
+                kept.append(waiter)
+                continue
+            entry.waiting -= 1
+            loop = waiter.future.get_loop()
+            if loop.is_closed():  # its task can never run again: nothing to hand over
+                waiter.state = "gone"
+                continue
+            waiter.state = "granted"
+            self._take(entry)
+            loop.call_soon_threadsafe(_resolve, waiter.future)
+        self._queue = kept
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """One directory's slot in a :class:`Backoff`: entered before each attempt of a
+    request and left after it, with how it ended."""
+
+    backoff: Backoff
+    prefix: str
+
+    async def enter(self) -> None:
+        await self.backoff.enter(self.prefix)
+
+    def leave(self, outcome: Outcome) -> None:
+        self.backoff.leave(self.prefix, outcome)

@@ -1,0 +1,290 @@
+"""Throttling back-off per key directory (objckpt/writers/throttle.py, #46).
+
+The rules on one event loop and a hand-stepped clock (tasks are stepped by yielding
+to the loop, never by sleeping); the directory each store's requests are charged to,
+read from the real clients' requests against moto, fake-gcs-server and Azurite; and
+a store throttled in one directory through the fault proxy, which backs off there
+and nowhere else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+import pytest
+
+from objckpt import Location, UploadOptions
+from objckpt.testing import FaultProxy, Rule
+from objckpt.testing.plugin import StoreTarget
+from objckpt.writers import open_store
+from objckpt.writers.azureclient import _blob_name
+from objckpt.writers.deadline import Deadline, bounded_by
+from objckpt.writers.gcsclient import _object_name
+from objckpt.writers.retry import RetryPolicy
+from objckpt.writers.throttle import Backoff, directory_of
+
+FAST = RetryPolicy(attempts=8, base_delay=0.01, max_delay=0.05, timeout=10)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _run(test: Callable[[Backoff, Clock], Coroutine[Any, Any, None]], **kw: Any) -> None:
+    clock = Clock()
+    asyncio.run(test(Backoff(clock=clock, **kw), clock))
+
+
+async def _steps() -> None:
+    """Let every task that can run, run (grants are handed over one loop turn later)."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def _now(entered: Awaitable[None]) -> None:
+    """A slot that must be free: fail at once if it is not (no test hangs)."""
+    await asyncio.wait_for(entered, 5)
+
+
+async def _fill(backoff: Backoff, prefix: str, n: int) -> None:
+    for _ in range(n):
+        await _now(backoff.enter(prefix))  # nothing limits yet: no wait
+
+
+def test_a_throttled_directory_is_halved_and_the_others_go_on() -> None:
+    async def test(backoff: Backoff, clock: Clock) -> None:
+        await _fill(backoff, "b/run/step-1", 8)
+        await _fill(backoff, "b/run/step-2", 8)
+        backoff.leave("b/run/step-1", "throttled")  # 8 were in flight there: at most 4
+        assert backoff.stats().limited == (("b/run/step-1", 4.0),)
+        waiter = asyncio.ensure_future(backoff.enter("b/run/step-1"))
+        await _steps()
+        assert not waiter.done()  # 7 in flight, limit 4
+        await _now(backoff.enter("b/run/step-2"))  # not limited there
+        for left in range(7, 4, -1):  # down to 4 in flight: still full
+            backoff.leave("b/run/step-1", "failed")
+            await _steps()
+            assert not waiter.done(), left
+        backoff.leave("b/run/step-1", "failed")  # 3 in flight: the waiter's turn
+        await _steps()
+        assert waiter.done()
+        stats = backoff.stats()
+        assert (stats.directory_cuts, stats.client_cuts, stats.client_limit) == (1, 0, None)
+
+    _run(test)
+
+
+def test_one_burst_of_refusals_halves_once_per_cooldown() -> None:
+    async def test(backoff: Backoff, clock: Clock) -> None:
+        await _fill(backoff, "b/d", 16)
+        for _ in range(4):  # one burst: four 503s at one moment
+            backoff.leave("b/d", "throttled")
+        assert backoff.stats().limited == (("b/d", 8.0),)
+        clock.now += 0.5
+        backoff.leave("b/d", "throttled")
+        assert backoff.stats().limited == (("b/d", 4.0),)
+        assert backoff.stats().directory_cuts == 2 and backoff.stats().lowest == 4.0
+
+    _run(test)
+
+
+def test_successes_grow_a_limit_back_and_lift_it_where_it_was_cut() -> None:
+    async def test(backoff: Backoff, clock: Clock) -> None:
+        await _fill(backoff, "b/d", 8)
+        backoff.leave("b/d", "throttled")  # ceiling 8, limit 4
+        for _ in range(4):
+            backoff.leave("b/d", "failed")  # 3 in flight
+        grown = []
+        for _ in range(7):
+            backoff.leave("b/d", "ok")
+            await _now(backoff.enter("b/d"))  # below the limit again
+            grown.append(dict(backoff.stats().limited).get("b/d"))
+        assert grown[0] == pytest.approx(4.25)
+        assert all(b is None or (a is not None and b > a) for a, b in itertools.pairwise(grown))
+        for _ in range(40):
+            backoff.leave("b/d", "ok")
+            await _now(backoff.enter("b/d"))
+        assert backoff.stats().limited == ()  # lifted at 8
+
+    _run(test)
+
+
+def test_refusals_in_two_directories_halve_every_request() -> None:
+    async def test(backoff: Backoff, clock: Clock) -> None:
+        for prefix in ("b/spread-0/step-1", "b/spread-1/step-1", "b/spread-2/step-1"):
+            await _fill(backoff, prefix, 4)
+        backoff.leave("b/spread-0/step-1", "throttled")
+        assert backoff.stats().client_limit is None  # one directory: its own limit only
+        clock.now += 0.2  # within the cooldown: the hot range spans both
+        backoff.leave("b/spread-1/step-1", "throttled")
+        stats = backoff.stats()
+        assert stats.client_cuts == 1 and stats.client_limit == 5.5  # 11 were in flight
+        # A third directory, never refused, now waits for the client's limit.
+        waiter = asyncio.ensure_future(backoff.enter("b/spread-2/step-1"))
+        await _steps()
+        assert not waiter.done()
+        for _ in range(4):
+            backoff.leave("b/spread-2/step-1", "failed")
+            await _steps()
+        assert not waiter.done()  # 6 in flight in all, fewer than 5 needed
+        backoff.leave("b/spread-0/step-1", "failed")
+        await _steps()
+        assert not waiter.done()  # 5
+        backoff.leave("b/spread-1/step-1", "failed")
+        await _steps()
+        assert waiter.done()  # 4: its turn
+
+    _run(test)
+
+
+def test_refusals_a_cooldown_apart_do_not_span_directories() -> None:
+    async def test(backoff: Backoff, clock: Clock) -> None:
+        await _fill(backoff, "b/x", 4)
+        await _fill(backoff, "b/y", 4)
+        backoff.leave("b/x", "throttled")
+        clock.now += 0.6
+        backoff.leave("b/y", "throttled")
+        assert backoff.stats().client_cuts == 0
+
+    _run(test)
+
+
+def test_a_cancelled_waiter_holds_no_slot_and_keeps_no_one_waiting() -> None:
+    async def test(backoff: Backoff, clock: Clock) -> None:
+        await _fill(backoff, "b/d", 2)
+        backoff.leave("b/d", "throttled")  # limit 1, 1 in flight
+        first = asyncio.ensure_future(backoff.enter("b/d"))
+        second = asyncio.ensure_future(backoff.enter("b/d"))
+        await _steps()
+        first.cancel()  # cancelled while waiting (a request past its deadline)
+        await _steps()
+        backoff.leave("b/d", "failed")  # the slot goes to the second waiter
+        await _steps()
+        assert second.done() and not second.cancelled()
+        # Granted, then cancelled before it ran: the slot comes back.
+        third = asyncio.ensure_future(backoff.enter("b/d"))
+        await _steps()
+        backoff.leave("b/d", "failed")  # granted to the third...
+        third.cancel()  # ...which is cancelled before it resumes
+        await _steps()
+        assert third.cancelled()
+        await _now(backoff.enter("b/d"))  # its slot was given back
+
+    _run(test)
+
+
+def test_limits_of_idle_directories_are_kept_up_to_a_bound() -> None:
+    async def test(backoff: Backoff, clock: Clock) -> None:
+        for i in range(6):
+            prefix = f"b/step-{i}"
+            await _fill(backoff, prefix, 4)
+            clock.now += 1.0
+            backoff.leave(prefix, "throttled")
+            for _ in range(3):
+                backoff.leave(prefix, "failed")
+        # Idle and limited: the oldest are forgotten past ``keep``.
+        assert [name for name, _ in backoff.stats().limited] == [f"b/step-{i}" for i in (3, 4, 5)]
+
+    _run(test, keep=3)
+
+
+def test_the_directory_of_a_request() -> None:
+    assert directory_of("bkt/run/step-5/__0_0.abc.distcp") == "bkt/run/step-5"
+    assert directory_of("bkt/run/step-5/") == "bkt/run/step-5"  # a listing of the step
+    assert directory_of("bkt/top.bin") == "bkt" and directory_of("bkt") == "bkt"
+    # GCS: gcsfs's request shapes (path, query, a listing's prefix, a simple upload).
+    base = "http://127.0.0.1:4443/storage/v1/"
+    assert _object_name(base + "b/bkt/o/run%2Fstep-5%2Fx", {}) == "bkt/run/step-5/x"
+    assert _object_name(base + "b/bkt/o/run%2Fx/compose", {}) == "bkt/run/x"
+    assert _object_name(base + "b/bkt/o", {"prefix": "run/step-5/"}) == "bkt/run/step-5/"
+    upload = "http://127.0.0.1:4443/upload/storage/v1/b/bkt/o"
+    assert _object_name(upload + "?name=run%2Fy", {}) == "bkt/run/y"
+    body = b'--==0==\nContent-Type: application/json\n\n{"name": "run/z"}\n--==0==\n\nDATA'
+    assert _object_name(upload, {"data": body}) == "bkt/run/z"
+    assert _object_name(base + "b/bkt", {}) == "bkt"
+    # Azure: the URL's path (Azurite's account segment included), a listing's prefix.
+    account = "http://127.0.0.1:10000/devstoreaccount1"
+    assert _blob_name(f"{account}/c/run/step-5/x?comp=block&blockid=QQ") == (
+        "devstoreaccount1/c/run/step-5/x"
+    )
+    assert _blob_name(f"{account}/c?restype=container&comp=list&prefix=run/") == (
+        "devstoreaccount1/c/run/"
+    )
+
+
+@pytest.fixture(params=["s3", "gcs", "azure"])
+def target(request: pytest.FixtureRequest) -> StoreTarget:
+    """A bucket on each kind of store, reached by the real client library."""
+    name = {"s3": "s3_bucket", "gcs": "fake_gcs_bucket", "azure": "az_container"}
+    return request.getfixturevalue(name[request.param])
+
+
+def test_each_stores_requests_are_charged_to_their_objects_directory(
+    target: StoreTarget, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The directory comes from the request each client really sends (an S3 key, a
+    gcsfs path, query or upload body, an Azure URL): a write, a read and a listing of
+    ``d/e/`` are all charged to ``<bucket>/<root>/d/e``."""
+    store = open_store(Location.parse(target.url("bo"), target.storage_options), UploadOptions())
+    try:
+        backoff, entered = store.backoff, []
+        assert backoff is not None
+        enter = backoff.enter
+
+        async def recorded(prefix: str) -> None:
+            entered.append(prefix)
+            await enter(prefix)
+
+        monkeypatch.setattr(backoff, "enter", recorded)
+        store.put("d/e/f.bin", b"x" * 100)
+        assert store.read("d/e/f.bin") == b"x" * 100
+        assert list(store.listing("d/e/")) == ["f.bin"]
+    finally:
+        store.close()
+    ours = [p for p in entered if "/bo/" in p + "/"]
+    # The write, the read and the listing; a client may also ask about ``d/e``
+    # itself (adlfs does, before listing it), a key in ``d``.
+    assert sum(p.endswith("t/bo/d/e") for p in ours) >= 3, entered
+    assert all(p.endswith(("t/bo/d/e", "t/bo/d")) for p in ours), entered
+
+
+def _put_all(store: Any, keys: list[str]) -> None:
+    def put(key: str) -> None:
+        with bounded_by(Deadline.start(120, "saving")):  # as a save: 503s waited out
+            store.put(key, b"y" * 64)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(put, keys))
+
+
+def test_a_store_throttled_in_one_directory_backs_off_there_only(
+    s3_bucket: StoreTarget, s3_proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    options = s3_proxy.storage_options()
+    loc = Location.parse(s3_bucket.url("throttled"), options, FAST)
+    store = open_store(loc, UploadOptions())
+    try:
+        backoff = Backoff(cooldown=60.0)  # every refusal within one cooldown
+        monkeypatch.setattr(store._fs, "backoff", backoff)
+        s3_proxy.add(Rule("PutObject", key_contains="/hot/", action="status", status=503, times=6))
+        keys = [f"{d}/{i}.bin" for i in range(24) for d in ("hot", "cold")]
+        _put_all(store, keys)
+        stats = backoff.stats()
+        assert stats.directory_cuts == 1 and stats.client_cuts == 0, stats
+        assert [name for name, _ in stats.limited] == [f"{s3_bucket.bucket}/t/throttled/hot"]
+        # Refusals in a second directory within the cooldown: every request backs off.
+        s3_proxy.add(Rule("PutObject", key_contains="/warm/", action="status", status=503, times=2))
+        _put_all(store, [f"warm/{i}.bin" for i in range(8)])
+        assert backoff.stats().client_cuts == 1
+    finally:
+        store.close()
+    assert s3_proxy.count("PutObject", faulted=True) == 8  # every refusal was ridden out
+    assert s3_proxy.count("PutObject", faulted=False) == 56  # then each was written once
