@@ -49,7 +49,7 @@ from objckpt.errors import (
 )
 from objckpt.writers.accounting import current_counter
 from objckpt.writers.deadline import Deadline, current_deadline
-from objckpt.writers.throttle import Backoff, Outcome, Slot, directory_of
+from objckpt.writers.throttle import Backoff, Slot, directory_of
 from objckpt.writers.transient import answer_of, asks_to_slow_down, is_throttle, is_transient
 from objckpt.writers.translate import describe
 
@@ -238,15 +238,61 @@ async def call_with_retries(
     that runs out of time fails with :class:`~objckpt.errors.SaveDeadlineError` naming
     the save and the object, or :class:`~objckpt.errors.RequestDeadlineError` naming the
     object and the endpoint (``what()`` and ``endpoint()`` say which, for messages).
-    Each attempt holds ``slot`` (the request's directory in its filesystem's
-    :class:`~objckpt.writers.throttle.Backoff`, None for none) while it runs, waiting
-    for it within the deadline, and tells it how it ended. Every outcome is counted
+    The request holds ``slot`` (its directory in its filesystem's
+    :class:`~objckpt.writers.throttle.Backoff`; None for none) from its first attempt
+    to its last, waits between attempts included, as TCP counts a segment waiting to
+    be sent again as in flight; it waits for the slot within the deadline, tells it of
+    each throttling answer, and of how the request ended. Every outcome is counted
     (the current :class:`~objckpt.writers.accounting.RequestCounter`).
     """
     deadline = current_deadline()
-    until_deadline = deadline is not None
-    if deadline is None:
-        deadline = Deadline.for_request(policy.request_deadline, endpoint())
+    bound = deadline
+    if bound is None:
+        bound = Deadline.for_request(policy.request_deadline, endpoint())
+    if slot is None:
+        return await _with_retries(
+            call, policy, deadline, bound, None, what, method, *args, **kwargs
+        )
+    await _hold(slot, bound, what)
+    ok = False
+    try:
+        out = await _with_retries(
+            call, policy, deadline, bound, slot, what, method, *args, **kwargs
+        )
+        ok = True
+        return out
+    finally:
+        slot.leave(ok)
+
+
+async def _hold(slot: Slot, deadline: Deadline | None, what: Callable[[], str]) -> None:
+    """Wait for ``slot`` (throttling elsewhere may have filled it) within ``deadline``."""
+    left = None if deadline is None else deadline.remaining()
+    if deadline is None or left is None:
+        await slot.enter()
+        return
+    try:
+        await asyncio.wait_for(slot.enter(), max(left, 0.0))
+    except asyncio.TimeoutError as exc:
+        raise deadline.error(
+            what(), 0, f"waiting for one of the requests in flight in {slot.prefix} to end"
+        ) from exc
+
+
+async def _with_retries(
+    call: Callable[..., Awaitable[Any]],
+    policy: RetryPolicy,
+    save_deadline: Deadline | None,
+    deadline: Deadline | None,
+    slot: Slot | None,
+    what: Callable[[], str],
+    method: str,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """:func:`call_with_retries`' loop, within ``deadline`` (``save_deadline``'s, or the
+    request's own), holding ``slot``."""
+    until_deadline = save_deadline is not None
     counter = current_counter()
     body = kwargs.get("Body")
     sent = len(body) if isinstance(body, (bytes, bytearray, memoryview, Sized)) else 0
@@ -268,7 +314,7 @@ async def call_with_retries(
                 answer_of(last) if last is not None else None,
             )
         try:
-            attempted = _attempt(slot, call, method, *args, **kwargs)
+            attempted = call(method, *args, **kwargs)
             out = await (attempted if left is None else asyncio.wait_for(attempted, left))
         except Exception as exc:
             if (
@@ -288,6 +334,8 @@ async def call_with_retries(
             last = exc
             if counter is not None:
                 counter.record(method, sent=sent, retry=retry, throttled=throttled)
+            if throttled and slot is not None:
+                slot.throttled()
             if not is_transient(exc):
                 raise
             if deadline is not None and asks_to_slow_down(exc):
@@ -325,26 +373,6 @@ async def call_with_retries(
                 throttled=False,
             )
         return out
-
-
-async def _attempt(
-    slot: Slot | None, call: Callable[..., Awaitable[Any]], method: str, *args: Any, **kwargs: Any
-) -> Any:
-    """One attempt of ``call``, holding ``slot`` while it runs."""
-    if slot is None:
-        return await call(method, *args, **kwargs)
-    await slot.enter()
-    outcome: Outcome = "failed"
-    try:
-        out = await call(method, *args, **kwargs)
-        outcome = "ok"
-        return out
-    except Exception as exc:
-        if is_throttle(exc):
-            outcome = "throttled"
-        raise
-    finally:
-        slot.leave(outcome)
 
 
 class RetryingFileSystem:

@@ -20,8 +20,9 @@ One :class:`Backoff` belongs to one filesystem object (objckpt's S3, GCS and Azu
 filesystems own one each), so every store in a process that shares a client
 shares what it learned. Requests wait for a slot in arrival order within their
 directory; a directory whose head waiter cannot go does not hold up the others.
-The slot is taken and given back around each attempt by
-:func:`~objckpt.writers.retry.call_with_retries`, within the request's deadline.
+A request holds its slot from its first attempt to its last, the waits between them
+included (:func:`~objckpt.writers.retry.call_with_retries`, which waits for it within
+the request's deadline): a request waiting to be sent again is still in flight.
 Directory limits are kept for at most ``keep`` directories that have nothing in
 flight (the oldest go first: forgetting a limit costs a few more refusals, never
 correctness).
@@ -39,12 +40,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import Literal
 
-__all__ = ["Backoff", "BackoffStats", "Outcome", "Slot", "directory_of"]
+__all__ = ["Backoff", "BackoffStats", "Slot", "directory_of"]
 
 logger = logging.getLogger(__name__)
-
-#: How an attempt ended, for :meth:`Backoff.leave`.
-Outcome = Literal["ok", "throttled", "failed"]
 
 
 def directory_of(name: str) -> str:
@@ -169,7 +167,7 @@ class Backoff:
         except BaseException:
             with self._lock:
                 if waiter.state == "granted":
-                    self._give_back(prefix, "failed")
+                    self._give_back(prefix, False)
                 elif waiter.state == "waiting":
                     waiter.state = "gone"
                     self._queue.remove(waiter)
@@ -178,10 +176,15 @@ class Backoff:
                     self._wake()
             raise
 
-    def leave(self, prefix: str, outcome: Outcome) -> None:
-        """Give back ``prefix``'s slot, telling how the attempt ended."""
+    def throttled(self, prefix: str) -> None:
+        """A request holding a slot of ``prefix`` was asked to slow down."""
         with self._lock:
-            self._give_back(prefix, outcome)
+            self._throttled(prefix, self._dirs[prefix])
+
+    def leave(self, prefix: str, ok: bool) -> None:
+        """Give back ``prefix``'s slot; ``ok``: the request succeeded."""
+        with self._lock:
+            self._give_back(prefix, ok)
 
     def slot(self, prefix: str) -> Slot:
         """``prefix``'s slot, for one request's attempts."""
@@ -201,11 +204,9 @@ class Backoff:
         entry.inflight += 1
         self._client.inflight += 1
 
-    def _give_back(self, prefix: str, outcome: Outcome) -> None:
+    def _give_back(self, prefix: str, ok: bool) -> None:
         entry = self._dirs[prefix]
-        if outcome == "throttled":
-            self._throttled(prefix, entry)
-        elif outcome == "ok":
+        if ok:
             entry.grow()
             self._client.grow()
         entry.inflight -= 1
@@ -271,8 +272,8 @@ class Backoff:
 
 @dataclasses.dataclass(frozen=True)
 class Slot:
-    """One directory's slot in a :class:`Backoff`: entered before each attempt of a
-    request and left after it, with how it ended."""
+    """One directory's slot in a :class:`Backoff`, held by one request from its first
+    attempt to its last."""
 
     backoff: Backoff
     prefix: str
@@ -280,5 +281,8 @@ class Slot:
     async def enter(self) -> None:
         await self.backoff.enter(self.prefix)
 
-    def leave(self, outcome: Outcome) -> None:
-        self.backoff.leave(self.prefix, outcome)
+    def throttled(self) -> None:
+        self.backoff.throttled(self.prefix)
+
+    def leave(self, ok: bool) -> None:
+        self.backoff.leave(self.prefix, ok)

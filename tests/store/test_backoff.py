@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import itertools
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
@@ -24,7 +25,7 @@ from objckpt.writers import open_store
 from objckpt.writers.azureclient import _blob_name
 from objckpt.writers.deadline import Deadline, bounded_by
 from objckpt.writers.gcsclient import _object_name
-from objckpt.writers.retry import RetryPolicy
+from objckpt.writers.retry import RetryPolicy, call_with_retries
 from objckpt.writers.throttle import Backoff, directory_of
 
 FAST = RetryPolicy(attempts=8, base_delay=0.01, max_delay=0.05, timeout=10)
@@ -49,7 +50,13 @@ async def _steps() -> None:
         await asyncio.sleep(0)
 
 
-async def _now(entered: Awaitable[None]) -> None:
+def _refused(backoff: Backoff, prefix: str) -> None:
+    """A request in ``prefix`` is answered SlowDown, and gives up its slot."""
+    backoff.throttled(prefix)
+    backoff.leave(prefix, False)
+
+
+async def _now(entered: Awaitable[Any]) -> None:
     """A slot that must be free: fail at once if it is not (no test hangs)."""
     await asyncio.wait_for(entered, 5)
 
@@ -63,17 +70,17 @@ def test_a_throttled_directory_is_halved_and_the_others_go_on() -> None:
     async def test(backoff: Backoff, clock: Clock) -> None:
         await _fill(backoff, "b/run/step-1", 8)
         await _fill(backoff, "b/run/step-2", 8)
-        backoff.leave("b/run/step-1", "throttled")  # 8 were in flight there: at most 4
+        _refused(backoff, "b/run/step-1")  # 8 were in flight there: at most 4
         assert backoff.stats().limited == (("b/run/step-1", 4.0),)
         waiter = asyncio.ensure_future(backoff.enter("b/run/step-1"))
         await _steps()
         assert not waiter.done()  # 7 in flight, limit 4
         await _now(backoff.enter("b/run/step-2"))  # not limited there
         for left in range(7, 4, -1):  # down to 4 in flight: still full
-            backoff.leave("b/run/step-1", "failed")
+            backoff.leave("b/run/step-1", False)
             await _steps()
             assert not waiter.done(), left
-        backoff.leave("b/run/step-1", "failed")  # 3 in flight: the waiter's turn
+        backoff.leave("b/run/step-1", False)  # 3 in flight: the waiter's turn
         await _steps()
         assert waiter.done()
         stats = backoff.stats()
@@ -82,14 +89,50 @@ def test_a_throttled_directory_is_halved_and_the_others_go_on() -> None:
     _run(test)
 
 
+def test_a_request_holds_its_slot_from_its_first_attempt_to_its_last() -> None:
+    """A request refused once waits and is sent again without queueing anew (it was in
+    flight all along), while a new request in its directory waits for the limit."""
+
+    async def test(backoff: Backoff, clock: Clock) -> None:
+        retried, go_on = asyncio.Event(), asyncio.Event()
+        attempts = 0
+
+        async def call(method: str) -> dict[str, Any]:
+            nonlocal attempts
+            attempts += 1
+            if attempts == 1:
+                raise OSError(errno.EBUSY, "SlowDown")  # s3fs's mapping of a 503
+            retried.set()
+            await go_on.wait()
+            return {}
+
+        await _fill(backoff, "b/d", 3)
+        request = asyncio.ensure_future(
+            call_with_retries(call, FAST, backoff.slot("b/d"), lambda: "PUT b/d/x", "put_object")
+        )
+        await _now(retried.wait())  # sent again with 4 in flight, over the new limit of 2
+        assert backoff.stats().limited == (("b/d", 2.0),)
+        newcomer = asyncio.ensure_future(backoff.enter("b/d"))
+        await _steps()
+        assert not newcomer.done()
+        for _ in range(2):
+            backoff.leave("b/d", False)
+        go_on.set()
+        await _now(request)  # it gives its slot back: 1 in flight, the newcomer's turn
+        await _now(newcomer)
+        assert attempts == 2
+
+    _run(test)
+
+
 def test_one_burst_of_refusals_halves_once_per_cooldown() -> None:
     async def test(backoff: Backoff, clock: Clock) -> None:
         await _fill(backoff, "b/d", 16)
         for _ in range(4):  # one burst: four 503s at one moment
-            backoff.leave("b/d", "throttled")
+            _refused(backoff, "b/d")
         assert backoff.stats().limited == (("b/d", 8.0),)
         clock.now += 0.5
-        backoff.leave("b/d", "throttled")
+        _refused(backoff, "b/d")
         assert backoff.stats().limited == (("b/d", 4.0),)
         assert backoff.stats().directory_cuts == 2 and backoff.stats().lowest == 4.0
 
@@ -99,18 +142,18 @@ def test_one_burst_of_refusals_halves_once_per_cooldown() -> None:
 def test_successes_grow_a_limit_back_and_lift_it_where_it_was_cut() -> None:
     async def test(backoff: Backoff, clock: Clock) -> None:
         await _fill(backoff, "b/d", 8)
-        backoff.leave("b/d", "throttled")  # ceiling 8, limit 4
+        _refused(backoff, "b/d")  # ceiling 8, limit 4
         for _ in range(4):
-            backoff.leave("b/d", "failed")  # 3 in flight
+            backoff.leave("b/d", False)  # 3 in flight
         grown = []
         for _ in range(7):
-            backoff.leave("b/d", "ok")
+            backoff.leave("b/d", True)
             await _now(backoff.enter("b/d"))  # below the limit again
             grown.append(dict(backoff.stats().limited).get("b/d"))
         assert grown[0] == pytest.approx(4.25)
         assert all(b is None or (a is not None and b > a) for a, b in itertools.pairwise(grown))
         for _ in range(40):
-            backoff.leave("b/d", "ok")
+            backoff.leave("b/d", True)
             await _now(backoff.enter("b/d"))
         assert backoff.stats().limited == ()  # lifted at 8
 
@@ -121,10 +164,10 @@ def test_refusals_in_two_directories_halve_every_request() -> None:
     async def test(backoff: Backoff, clock: Clock) -> None:
         for prefix in ("b/spread-0/step-1", "b/spread-1/step-1", "b/spread-2/step-1"):
             await _fill(backoff, prefix, 4)
-        backoff.leave("b/spread-0/step-1", "throttled")
+        _refused(backoff, "b/spread-0/step-1")
         assert backoff.stats().client_limit is None  # one directory: its own limit only
         clock.now += 0.2  # within the cooldown: the hot range spans both
-        backoff.leave("b/spread-1/step-1", "throttled")
+        _refused(backoff, "b/spread-1/step-1")
         stats = backoff.stats()
         assert stats.client_cuts == 1 and stats.client_limit == 5.5  # 11 were in flight
         # A third directory, never refused, now waits for the client's limit.
@@ -132,13 +175,13 @@ def test_refusals_in_two_directories_halve_every_request() -> None:
         await _steps()
         assert not waiter.done()
         for _ in range(4):
-            backoff.leave("b/spread-2/step-1", "failed")
+            backoff.leave("b/spread-2/step-1", False)
             await _steps()
         assert not waiter.done()  # 6 in flight in all, fewer than 5 needed
-        backoff.leave("b/spread-0/step-1", "failed")
+        backoff.leave("b/spread-0/step-1", False)
         await _steps()
         assert not waiter.done()  # 5
-        backoff.leave("b/spread-1/step-1", "failed")
+        backoff.leave("b/spread-1/step-1", False)
         await _steps()
         assert waiter.done()  # 4: its turn
 
@@ -149,9 +192,9 @@ def test_refusals_a_cooldown_apart_do_not_span_directories() -> None:
     async def test(backoff: Backoff, clock: Clock) -> None:
         await _fill(backoff, "b/x", 4)
         await _fill(backoff, "b/y", 4)
-        backoff.leave("b/x", "throttled")
+        _refused(backoff, "b/x")
         clock.now += 0.6
-        backoff.leave("b/y", "throttled")
+        _refused(backoff, "b/y")
         assert backoff.stats().client_cuts == 0
 
     _run(test)
@@ -160,19 +203,19 @@ def test_refusals_a_cooldown_apart_do_not_span_directories() -> None:
 def test_a_cancelled_waiter_holds_no_slot_and_keeps_no_one_waiting() -> None:
     async def test(backoff: Backoff, clock: Clock) -> None:
         await _fill(backoff, "b/d", 2)
-        backoff.leave("b/d", "throttled")  # limit 1, 1 in flight
+        _refused(backoff, "b/d")  # limit 1, 1 in flight
         first = asyncio.ensure_future(backoff.enter("b/d"))
         second = asyncio.ensure_future(backoff.enter("b/d"))
         await _steps()
         first.cancel()  # cancelled while waiting (a request past its deadline)
         await _steps()
-        backoff.leave("b/d", "failed")  # the slot goes to the second waiter
+        backoff.leave("b/d", False)  # the slot goes to the second waiter
         await _steps()
         assert second.done() and not second.cancelled()
         # Granted, then cancelled before it ran: the slot comes back.
         third = asyncio.ensure_future(backoff.enter("b/d"))
         await _steps()
-        backoff.leave("b/d", "failed")  # granted to the third...
+        backoff.leave("b/d", False)  # granted to the third...
         third.cancel()  # ...which is cancelled before it resumes
         await _steps()
         assert third.cancelled()
@@ -187,9 +230,9 @@ def test_limits_of_idle_directories_are_kept_up_to_a_bound() -> None:
             prefix = f"b/step-{i}"
             await _fill(backoff, prefix, 4)
             clock.now += 1.0
-            backoff.leave(prefix, "throttled")
+            _refused(backoff, prefix)
             for _ in range(3):
-                backoff.leave(prefix, "failed")
+                backoff.leave(prefix, False)
         # Idle and limited: the oldest are forgotten past ``keep``.
         assert [name for name, _ in backoff.stats().limited] == [f"b/step-{i}" for i in (3, 4, 5)]
 
