@@ -7,7 +7,7 @@ fsspec store; GCS composite uploads in ``gcs_compose``) and ``local`` implement 
 and ``reads`` is how every family's bytes are read back. Beside them live what every store
 request needs: ``location`` (URL parsing and filesystem clients), ``clients`` (one
 client per process and store settings), ``retry`` and ``throttle`` (retry policy,
-AIMD concurrency), ``translate`` (backend errors to objckpt's) and ``checksum``
+back-off per key directory), ``translate`` (backend errors to objckpt's) and ``checksum``
 (CRC32C). Nothing here knows about DCP or manifests.
 
 A family's module is imported when a location of its protocol is first opened: a
