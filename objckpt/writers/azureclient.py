@@ -101,7 +101,10 @@ def _without_query(url: str) -> str:
 def _blob_name(url: str) -> str:
     """``container/blob`` a request is on (``container/prefix`` for a listing), for its
     back-off directory: the URL's path (an emulator's account segment included)."""
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # a slot's directory must not fail the request
+        return ""
     name = unquote(parts.path).lstrip("/")
     prefix = parse_qs(parts.query).get("prefix")
     return f"{name}/{prefix[0]}" if prefix else name

@@ -246,36 +246,48 @@ async def call_with_retries(
     (the current :class:`~objckpt.writers.accounting.RequestCounter`).
     """
     deadline = current_deadline()
-    bound = deadline
-    if bound is None:
-        bound = Deadline.for_request(policy.request_deadline, endpoint())
+    if slot is not None and not slot.try_enter():
+        # Within a save, its deadline bounds the wait; elsewhere a request_deadline of
+        # its own (the request's starts when it is sent).
+        await _hold(
+            slot, deadline or Deadline.for_request(policy.request_deadline, endpoint()), what
+        )
+    bound = deadline or Deadline.for_request(policy.request_deadline, endpoint())
     if slot is None:
         return await _with_retries(
             call, policy, deadline, bound, None, what, method, *args, **kwargs
         )
-    await _hold(slot, bound, what)
-    ok = False
+    served = False
     try:
         out = await _with_retries(
             call, policy, deadline, bound, slot, what, method, *args, **kwargs
         )
-        ok = True
+        served = True
         return out
+    except Exception as exc:
+        served = not is_transient(exc)  # a definite answer (404, 412...): the store served it
+        raise
     finally:
-        slot.leave(ok)
+        slot.leave(served)
 
 
 async def _hold(slot: Slot, deadline: Deadline | None, what: Callable[[], str]) -> None:
-    """Wait for ``slot`` (throttling elsewhere may have filled it) within ``deadline``."""
-    left = None if deadline is None else deadline.remaining()
-    if deadline is None or left is None:
+    """Wait for ``slot``, which requests the store asked to slow down hold, within
+    ``deadline`` (None: ``RetryPolicy(request_deadline=None)``, no bound)."""
+    if deadline is None:
         await slot.enter()
         return
+    left = deadline.remaining()
+    if left <= 0:
+        raise deadline.error(what())
     try:
-        await asyncio.wait_for(slot.enter(), max(left, 0.0))
+        await asyncio.wait_for(slot.enter(), left)
     except asyncio.TimeoutError as exc:
         raise deadline.error(
-            what(), 0, f"waiting for one of the requests in flight in {slot.prefix} to end"
+            what(),
+            0,
+            "it waited to be sent while the requests in flight there were answered slowly",
+            f"SlowDown to requests in its directory {slot.prefix}",
         ) from exc
 
 

@@ -73,17 +73,32 @@ class BackoffStats:
     client_limit: float | None
 
 
-class _Limit:
-    """One AIMD limit: None until the first cut, lifted again at its ceiling."""
+class _Waiter:
+    __slots__ = ("future", "state")
 
-    __slots__ = ("ceiling", "inflight", "last_cut", "limit", "waiting")
+    def __init__(self, future: asyncio.Future[None]) -> None:
+        self.future = future
+        self.state: Literal["waiting", "granted", "gone"] = "waiting"
+
+
+class _Limit:
+    """One AIMD limit: None until a cut, lifted again at its ceiling.
+
+    After the first cut of an episode (from what was in flight, the ceiling), the
+    limit grows by one request per success up to half the ceiling (doubling per
+    window, as TCP's slow start), then by one per window up to the ceiling, where it
+    is lifted: a storm that cut it to 1 does not leave it there for thousands of
+    requests."""
+
+    __slots__ = ("ceiling", "inflight", "last_cut", "limit", "threshold", "waiters")
 
     def __init__(self) -> None:
         self.limit: float | None = None
         self.ceiling = 0.0
+        self.threshold = 0.0
         self.inflight = 0
-        self.waiting = 0
         self.last_cut = -math.inf
+        self.waiters: deque[_Waiter] = deque()
 
     def fits(self) -> bool:
         return self.limit is None or self.inflight < max(1, int(self.limit))
@@ -95,28 +110,26 @@ class _Limit:
         self.last_cut = now
         if self.limit is None:
             self.ceiling = float(max(2, self.inflight))
-            self.limit = self.ceiling / 2
+            self.limit = self.threshold = self.ceiling / 2
         else:
             self.limit = max(1.0, self.limit / 2)
         return True
 
     def grow(self) -> None:
         if self.limit is not None:
-            self.limit += 1.0 / self.limit
+            self.limit += 1.0 if self.limit < self.threshold else 1.0 / self.limit
             if self.limit >= self.ceiling:
                 self.limit = None
 
+    def forget_if_stale(self, now: float, after: float) -> bool:
+        """Lift a limit not cut for ``after`` seconds; True if it was lifted."""
+        if self.limit is not None and now - self.last_cut > after:
+            self.limit = None
+            return True
+        return False
+
     def idle(self) -> bool:
-        return self.inflight == 0 and self.waiting == 0
-
-
-class _Waiter:
-    __slots__ = ("future", "prefix", "state")
-
-    def __init__(self, prefix: str, future: asyncio.Future[None]) -> None:
-        self.prefix = prefix
-        self.future = future
-        self.state: Literal["waiting", "granted", "gone"] = "waiting"
+        return self.inflight == 0 and not self.waiters
 
 
 def _resolve(future: asyncio.Future[None]) -> None:
@@ -131,37 +144,57 @@ class Backoff:
         cooldown: Seconds within which further refusals do not halve a limit again,
             and within which refusals from two directories halve the client's.
         keep: Limited directories kept while nothing is in flight in them.
+        forget_after: Seconds after its last cut a limit is lifted by the next
+            request (the store has had time to split the range, or the load moved).
         clock: Monotonic seconds (tests give their own).
     """
 
     def __init__(
-        self, *, cooldown: float = 0.5, keep: int = 256, clock: Callable[[], float] = time.monotonic
+        self,
+        *,
+        cooldown: float = 0.5,
+        keep: int = 256,
+        forget_after: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._cooldown = cooldown
         self._keep = keep
+        self._forget_after = forget_after
         self._clock = clock
         self._lock = threading.Lock()
         self._client = _Limit()
         self._dirs: dict[str, _Limit] = {}
-        self._queue: deque[_Waiter] = deque()
+        #: Limited directories with nothing in flight, oldest first (at most ``keep``).
+        self._idle: dict[str, None] = {}
+        #: Directories with requests waiting, in the order they began to wait.
+        self._queued: dict[str, None] = {}
         #: Directory -> time of its latest refusal, within the cooldown.
         self._refused: dict[str, float] = {}
         self._directory_cuts = 0
         self._client_cuts = 0
         self._lowest: float | None = None
 
-    async def enter(self, prefix: str) -> None:
-        """Wait for a slot in ``prefix``'s directory and the client's."""
+    def try_enter(self, prefix: str) -> bool:
+        """Take a slot in ``prefix``'s directory if one is free now, without waiting."""
         with self._lock:
-            entry = self._dirs.get(prefix)
-            if entry is None:
-                entry = self._dirs[prefix] = _Limit()
-            if entry.fits() and self._client.fits():
+            entry = self._entry(prefix)
+            if not entry.waiters and entry.fits() and self._client.fits():
+                self._take(entry)
+                return True
+            self._forget(prefix, entry)
+            return False
+
+    async def enter(self, prefix: str) -> None:
+        """Wait for a slot in ``prefix``'s directory and the client's (in arrival order
+        within the directory)."""
+        with self._lock:
+            entry = self._entry(prefix)
+            if not entry.waiters and entry.fits() and self._client.fits():
                 self._take(entry)
                 return
-            waiter = _Waiter(prefix, asyncio.get_running_loop().create_future())
-            entry.waiting += 1
-            self._queue.append(waiter)
+            waiter = _Waiter(asyncio.get_running_loop().create_future())
+            entry.waiters.append(waiter)
+            self._queued[prefix] = None
         try:
             await waiter.future
         except BaseException:
@@ -170,8 +203,9 @@ class Backoff:
                     self._give_back(prefix, False)
                 elif waiter.state == "waiting":
                     waiter.state = "gone"
-                    self._queue.remove(waiter)
-                    entry.waiting -= 1
+                    entry.waiters.remove(waiter)
+                    if not entry.waiters:
+                        self._queued.pop(prefix, None)
                     self._forget(prefix, entry)
                     self._wake()
             raise
@@ -181,10 +215,11 @@ class Backoff:
         with self._lock:
             self._throttled(prefix, self._dirs[prefix])
 
-    def leave(self, prefix: str, ok: bool) -> None:
-        """Give back ``prefix``'s slot; ``ok``: the request succeeded."""
+    def leave(self, prefix: str, served: bool) -> None:
+        """Give back ``prefix``'s slot; ``served``: the store answered the request
+        (a success, or an answer such as 404 or 412 that retrying would not change)."""
         with self._lock:
-            self._give_back(prefix, ok)
+            self._give_back(prefix, served)
 
     def slot(self, prefix: str) -> Slot:
         """``prefix``'s slot, for one request's attempts."""
@@ -200,13 +235,24 @@ class Backoff:
             )
 
     # -- under the lock ---------------------------------------------------------------
+    def _entry(self, prefix: str) -> _Limit:
+        entry = self._dirs.get(prefix)
+        if entry is None:
+            entry = self._dirs[prefix] = _Limit()
+        self._idle.pop(prefix, None)
+        now = self._clock()
+        lifted = entry.forget_if_stale(now, self._forget_after)
+        if self._client.forget_if_stale(now, self._forget_after) or lifted:
+            self._wake()
+        return entry
+
     def _take(self, entry: _Limit) -> None:
         entry.inflight += 1
         self._client.inflight += 1
 
-    def _give_back(self, prefix: str, ok: bool) -> None:
+    def _give_back(self, prefix: str, served: bool) -> None:
         entry = self._dirs[prefix]
-        if ok:
+        if served:
             entry.grow()
             self._client.grow()
         entry.inflight -= 1
@@ -236,38 +282,41 @@ class Backoff:
         self._lowest = entry.limit if self._lowest is None else min(self._lowest, entry.limit)
 
     def _forget(self, prefix: str, entry: _Limit) -> None:
-        """Drop an idle directory's entry (kept while limited, ``keep`` at most)."""
-        if entry.idle() and entry.limit is None:
-            del self._dirs[prefix]
+        """An idle directory's entry goes, or is kept while limited (``keep`` at most,
+        the oldest going first)."""
+        if not entry.idle():
             return
-        if len(self._dirs) > self._keep:
-            for name in [n for n, e in self._dirs.items() if e.idle()]:
-                if len(self._dirs) <= self._keep:
-                    break
-                del self._dirs[name]
+        if entry.limit is None:
+            self._dirs.pop(prefix, None)
+            return
+        self._idle[prefix] = None
+        while len(self._idle) > self._keep:
+            oldest = next(iter(self._idle))
+            del self._idle[oldest]
+            del self._dirs[oldest]
 
     def _wake(self) -> None:
-        """Grant, in arrival order, every waiter whose directory and the client have
-        room: one that cannot go holds up no other directory. Run after every change
-        of a count or a limit, so a waiter left waiting has no room, and an arrival
-        that finds room overtakes no one of its own directory."""
-        if not self._queue or not self._client.fits():
-            return
-        kept: deque[_Waiter] = deque()
-        for waiter in self._queue:
-            entry = self._dirs[waiter.prefix]
-            if not (entry.fits() and self._client.fits()):
-                kept.append(waiter)
-                continue
-            entry.waiting -= 1
-            loop = waiter.future.get_loop()
-            if loop.is_closed():  # its task can never run again: nothing to hand over
-                waiter.state = "gone"
-                continue
-            waiter.state = "granted"
-            self._take(entry)
-            loop.call_soon_threadsafe(_resolve, waiter.future)
-        self._queue = kept
+        """Grant every waiter whose directory and the client have room, in arrival
+        order within each directory; a directory that has no room holds up no other.
+        Run after every change of a count or a limit, so a waiter left waiting has
+        no room."""
+        for prefix in list(self._queued):
+            if not self._client.fits():
+                return
+            entry = self._dirs[prefix]
+            while entry.waiters and entry.fits() and self._client.fits():
+                waiter = entry.waiters.popleft()
+                self._take(entry)
+                waiter.state = "granted"
+                try:
+                    waiter.future.get_loop().call_soon_threadsafe(_resolve, waiter.future)
+                except RuntimeError:  # its loop is closed: its task can never run again
+                    waiter.state = "gone"
+                    entry.inflight -= 1
+                    self._client.inflight -= 1
+            if not entry.waiters:
+                del self._queued[prefix]
+                self._forget(prefix, entry)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,11 +327,14 @@ class Slot:
     backoff: Backoff
     prefix: str
 
+    def try_enter(self) -> bool:
+        return self.backoff.try_enter(self.prefix)
+
     async def enter(self) -> None:
         await self.backoff.enter(self.prefix)
 
     def throttled(self) -> None:
         self.backoff.throttled(self.prefix)
 
-    def leave(self, ok: bool) -> None:
-        self.backoff.leave(self.prefix, ok)
+    def leave(self, served: bool) -> None:
+        self.backoff.leave(self.prefix, served)

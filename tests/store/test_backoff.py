@@ -13,12 +13,14 @@ import asyncio
 import concurrent.futures
 import errno
 import itertools
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import pytest
 
 from objckpt import Location, UploadOptions
+from objckpt.errors import SaveDeadlineError, StoreError
 from objckpt.testing import FaultProxy, Rule
 from objckpt.testing.plugin import StoreTarget
 from objckpt.writers import open_store
@@ -160,6 +162,87 @@ def test_successes_grow_a_limit_back_and_lift_it_where_it_was_cut() -> None:
     _run(test)
 
 
+def test_a_limit_cut_deep_grows_fast_back_to_half_where_it_was_cut() -> None:
+    async def test(backoff: Backoff, clock: Clock) -> None:
+        await _fill(backoff, "b/d", 16)
+        _refused(backoff, "b/d")  # 16 in flight: 8, and fast growth up to 8
+        for _ in range(2):
+            clock.now += 0.5
+            _refused(backoff, "b/d")  # a storm: 4, then 2
+        assert backoff.stats().limited == (("b/d", 2.0),)
+        for _ in range(11):
+            backoff.leave("b/d", False)  # 2 in flight
+        limits = []
+        for _ in range(7):
+            backoff.leave("b/d", True)
+            await _now(backoff.enter("b/d"))
+            limits.append(dict(backoff.stats().limited)["b/d"])
+        assert limits[:6] == [3.0, 4.0, 5.0, 6.0, 7.0, 8.0]  # one per success
+        assert limits[6] == pytest.approx(8.125)  # then one per window
+
+    _run(test)
+
+
+def test_a_limit_not_cut_for_a_while_is_lifted() -> None:
+    async def test(backoff: Backoff, clock: Clock) -> None:
+        await _fill(backoff, "b/d", 4)
+        _refused(backoff, "b/d")
+        assert backoff.stats().limited == (("b/d", 2.0),)
+        clock.now += 61.0  # forget_after: 60 s
+        await _now(backoff.enter("b/d"))  # 4 in flight again, no limit
+        assert backoff.stats().limited == ()
+
+    _run(test)
+
+
+def test_an_answer_that_is_not_retried_counts_as_served() -> None:
+    """A 404 (a HEAD of an object not there) is the store serving the request: it
+    grows a limit as a success does; a transient failure does not."""
+
+    async def test(backoff: Backoff, clock: Clock) -> None:
+        await _fill(backoff, "b/d", 8)
+        _refused(backoff, "b/d")  # 4, ceiling 8
+
+        async def missing(method: str) -> None:
+            raise FileNotFoundError("b/d/x")
+
+        for _ in range(4):
+            backoff.leave("b/d", False)  # 3 in flight
+        with pytest.raises(FileNotFoundError):
+            await call_with_retries(missing, FAST, backoff.slot("b/d"), lambda: "x", "head")
+        assert backoff.stats().limited == (("b/d", 4.25),)
+
+        async def reset(method: str) -> None:
+            raise ConnectionResetError("reset")
+
+        policy = RetryPolicy(attempts=1, base_delay=0.01, max_delay=0.01)
+        with pytest.raises(StoreError):
+            await call_with_retries(reset, policy, backoff.slot("b/d"), lambda: "x", "head")
+        assert backoff.stats().limited == (("b/d", 4.25),)
+
+    _run(test)
+
+
+def test_a_request_that_cannot_get_a_slot_in_time_fails_naming_its_directory() -> None:
+    async def test(backoff: Backoff, clock: Clock) -> None:
+        await _fill(backoff, "b/d", 2)
+        _refused(backoff, "b/d")  # limit 1, 1 in flight: nothing leaves
+
+        async def never(method: str) -> None:
+            raise AssertionError("sent without a slot")
+
+        waits = pytest.raises(SaveDeadlineError, match=r"SlowDown to requests in its directory b/d")
+        with waits, bounded_by(Deadline.start(0.2, "saving s3://b/d")):
+            await call_with_retries(never, FAST, backoff.slot("b/d"), lambda: "PUT x", "put")
+        spent_already = Deadline(time.monotonic() - 1.0, 5.0, "saving s3://b/d")
+        with pytest.raises(SaveDeadlineError) as spent, bounded_by(spent_already):
+            await call_with_retries(never, FAST, backoff.slot("b/d"), lambda: "PUT y", "put")
+        assert "SlowDown" not in str(spent.value)  # nothing waited: not blamed on throttling
+        assert backoff.stats().limited == (("b/d", 1.0),)
+
+    _run(test)
+
+
 def test_refusals_in_two_directories_halve_every_request() -> None:
     async def test(backoff: Backoff, clock: Clock) -> None:
         for prefix in ("b/spread-0/step-1", "b/spread-1/step-1", "b/spread-2/step-1"):
@@ -280,13 +363,13 @@ def test_each_stores_requests_are_charged_to_their_objects_directory(
     try:
         backoff, entered = store.backoff, []
         assert backoff is not None
-        enter = backoff.enter
+        try_enter = backoff.try_enter  # every request asks first
 
-        async def recorded(prefix: str) -> None:
+        def recorded(prefix: str) -> bool:
             entered.append(prefix)
-            await enter(prefix)
+            return try_enter(prefix)
 
-        monkeypatch.setattr(backoff, "enter", recorded)
+        monkeypatch.setattr(backoff, "try_enter", recorded)
         store.put("d/e/f.bin", b"x" * 100)
         assert store.read("d/e/f.bin") == b"x" * 100
         assert list(store.listing("d/e/")) == ["f.bin"]
@@ -317,12 +400,22 @@ def test_a_store_throttled_in_one_directory_backs_off_there_only(
     try:
         backoff = Backoff(cooldown=60.0)  # every refusal within one cooldown
         monkeypatch.setattr(store._fs, "backoff", backoff)
+        refused: list[str] = []
+        throttled = backoff.throttled
+
+        def recorded(prefix: str) -> None:
+            refused.append(prefix)
+            throttled(prefix)
+
+        monkeypatch.setattr(backoff, "throttled", recorded)
         s3_proxy.add(Rule("PutObject", key_contains="/hot/", action="status", status=503, times=6))
         keys = [f"{d}/{i}.bin" for i in range(24) for d in ("hot", "cold")]
         _put_all(store, keys)
         stats = backoff.stats()
+        # One halving, of the hot directory's limit (the cold one was never limited,
+        # nor was the client); successes may have lifted it since.
+        assert set(refused) == {f"{s3_bucket.bucket}/t/throttled/hot"}, refused
         assert stats.directory_cuts == 1 and stats.client_cuts == 0, stats
-        assert [name for name, _ in stats.limited] == [f"{s3_bucket.bucket}/t/throttled/hot"]
         # Refusals in a second directory within the cooldown: every request backs off.
         s3_proxy.add(Rule("PutObject", key_contains="/warm/", action="status", status=503, times=2))
         _put_all(store, [f"warm/{i}.bin" for i in range(8)])
