@@ -101,10 +101,7 @@ def _without_query(url: str) -> str:
 def _blob_name(url: str) -> str:
     """``container/blob`` a request is on (``container/prefix`` for a listing), for its
     back-off directory: the URL's path (an emulator's account segment included)."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:  # a slot's directory must not fail the request
-        return ""
+    parts = urlsplit(url)  # parsed already (the request's target): it cannot fail here
     name = unquote(parts.path).lstrip("/")
     prefix = parse_qs(parts.query).get("prefix")
     return f"{name}/{prefix[0]}" if prefix else name

@@ -246,34 +246,28 @@ async def call_with_retries(
     (the current :class:`~objckpt.writers.accounting.RequestCounter`).
     """
     deadline = current_deadline()
+    where = None if deadline is not None else endpoint()
     if slot is not None and not slot.try_enter():
         # Within a save, its deadline bounds the wait; elsewhere a request_deadline of
         # its own (the request's starts when it is sent).
-        await _hold(
-            slot, deadline or Deadline.for_request(policy.request_deadline, endpoint()), what
-        )
-    bound = deadline or Deadline.for_request(policy.request_deadline, endpoint())
-    if slot is None:
-        return await _with_retries(
-            call, policy, deadline, bound, None, what, method, *args, **kwargs
-        )
-    served = False
+        await _hold(slot, deadline or Deadline.for_request(policy.request_deadline, where), what)
     try:
+        bound = deadline or Deadline.for_request(policy.request_deadline, where)
         out = await _with_retries(
             call, policy, deadline, bound, slot, what, method, *args, **kwargs
         )
-        served = True
+        if slot is not None:
+            slot.served = True
         return out
-    except Exception as exc:
-        served = not is_transient(exc)  # a definite answer (404, 412...): the store served it
-        raise
     finally:
-        slot.leave(served)
+        if slot is not None:
+            slot.leave()
 
 
 async def _hold(slot: Slot, deadline: Deadline | None, what: Callable[[], str]) -> None:
-    """Wait for ``slot``, which requests the store asked to slow down hold, within
-    ``deadline`` (None: ``RetryPolicy(request_deadline=None)``, no bound)."""
+    """Wait for ``slot`` within ``deadline`` (None: ``RetryPolicy(request_deadline=None)``,
+    no bound): requests the client holds back after the store asked for fewer (in the
+    slot's directory, or in all where refusals came from several) are in the way."""
     if deadline is None:
         await slot.enter()
         return
@@ -286,8 +280,9 @@ async def _hold(slot: Slot, deadline: Deadline | None, what: Callable[[], str]) 
         raise deadline.error(
             what(),
             0,
-            "it waited to be sent while the requests in flight there were answered slowly",
-            f"SlowDown to requests in its directory {slot.prefix}",
+            f"not sent: it waited for a slot in {slot.prefix}, where the client holds "
+            "requests back after the store asked for fewer",
+            "SlowDown (to the requests it waited behind)",
         ) from exc
 
 
@@ -349,6 +344,8 @@ async def _with_retries(
             if throttled and slot is not None:
                 slot.throttled()
             if not is_transient(exc):
+                if slot is not None:
+                    slot.served = True  # the store's answer for good (404, 412...)
                 raise
             if deadline is not None and asks_to_slow_down(exc):
                 slowed += 1

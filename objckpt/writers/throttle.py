@@ -236,14 +236,17 @@ class Backoff:
 
     # -- under the lock ---------------------------------------------------------------
     def _entry(self, prefix: str) -> _Limit:
+        """``prefix``'s entry, made active (out of ``_idle``), stale limits lifted first
+        (and whoever that lets go, granted)."""
+        now = self._clock()
         entry = self._dirs.get(prefix)
+        lifted = entry is not None and entry.forget_if_stale(now, self._forget_after)
+        if self._client.forget_if_stale(now, self._forget_after) or lifted:
+            self._wake()
+        entry = self._dirs.get(prefix)  # waking may have forgotten it
         if entry is None:
             entry = self._dirs[prefix] = _Limit()
         self._idle.pop(prefix, None)
-        now = self._clock()
-        lifted = entry.forget_if_stale(now, self._forget_after)
-        if self._client.forget_if_stale(now, self._forget_after) or lifted:
-            self._wake()
         return entry
 
     def _take(self, entry: _Limit) -> None:
@@ -319,13 +322,21 @@ class Backoff:
                 self._forget(prefix, entry)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class Slot:
     """One directory's slot in a :class:`Backoff`, held by one request from its first
-    attempt to its last."""
+    attempt to its last.
+
+    Attributes:
+        served: Set by the retry layer when the store answered the request for good
+            (a success, or an answer retrying would not change, such as a 404): what
+            grows the limits when the slot is left. Not set for a request that gave
+            up on throttling, errors or its deadline.
+    """
 
     backoff: Backoff
     prefix: str
+    served: bool = False
 
     def try_enter(self) -> bool:
         return self.backoff.try_enter(self.prefix)
@@ -336,5 +347,5 @@ class Slot:
     def throttled(self) -> None:
         self.backoff.throttled(self.prefix)
 
-    def leave(self, served: bool) -> None:
-        self.backoff.leave(self.prefix, served)
+    def leave(self) -> None:
+        self.backoff.leave(self.prefix, self.served)

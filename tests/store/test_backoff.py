@@ -197,7 +197,8 @@ def test_a_limit_not_cut_for_a_while_is_lifted() -> None:
 
 def test_an_answer_that_is_not_retried_counts_as_served() -> None:
     """A 404 (a HEAD of an object not there) is the store serving the request: it
-    grows a limit as a success does; a transient failure does not."""
+    grows a limit as a success does; a transient failure does not, nor a request that
+    gave up on SlowDown (whose error is not transient either)."""
 
     async def test(backoff: Backoff, clock: Clock) -> None:
         await _fill(backoff, "b/d", 8)
@@ -220,6 +221,14 @@ def test_an_answer_that_is_not_retried_counts_as_served() -> None:
             await call_with_retries(reset, policy, backoff.slot("b/d"), lambda: "x", "head")
         assert backoff.stats().limited == (("b/d", 4.25),)
 
+        async def busy(method: str) -> None:
+            raise OSError(errno.EBUSY, "SlowDown")
+
+        clock.now += 1.0  # past the cooldown: the refusals below halve it once more
+        with pytest.raises(StoreError):  # given up on SlowDown: not served, no growth
+            await call_with_retries(busy, policy, backoff.slot("b/d"), lambda: "x", "head")
+        assert backoff.stats().limited == (("b/d", 2.125),)
+
     _run(test)
 
 
@@ -231,8 +240,8 @@ def test_a_request_that_cannot_get_a_slot_in_time_fails_naming_its_directory() -
         async def never(method: str) -> None:
             raise AssertionError("sent without a slot")
 
-        waits = pytest.raises(SaveDeadlineError, match=r"SlowDown to requests in its directory b/d")
-        with waits, bounded_by(Deadline.start(0.2, "saving s3://b/d")):
+        waits = pytest.raises(SaveDeadlineError, match=r"waited for a slot in b/d")
+        with waits, bounded_by(Deadline.start(2.0, "saving s3://b/d")):
             await call_with_retries(never, FAST, backoff.slot("b/d"), lambda: "PUT x", "put")
         spent_already = Deadline(time.monotonic() - 1.0, 5.0, "saving s3://b/d")
         with pytest.raises(SaveDeadlineError) as spent, bounded_by(spent_already):
