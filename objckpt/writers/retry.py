@@ -21,8 +21,9 @@ fsspec stores that have no such layer. A failing object therefore costs
 Deadlines (:mod:`objckpt.writers.deadline`): inside a save with one, transient
 failures are retried until it (a short outage costs its length, not the save);
 anywhere else each request with its retries is bounded by
-``RetryPolicy.request_deadline``. Each attempt holds a slot of the filesystem's
-:class:`~objckpt.writers.throttle.Backoff` for its key's directory, which is how
+``RetryPolicy.request_deadline``. Each request holds a slot of the filesystem's
+:class:`~objckpt.writers.throttle.Backoff` for its key's directory, from its first
+attempt to its last, which is how
 request concurrency backs off where the store answered "slow down"
 (:mod:`objckpt.writers.throttle`).
 """
@@ -254,7 +255,7 @@ async def call_with_retries(
     try:
         bound = deadline or Deadline.for_request(policy.request_deadline, where)
         out = await _with_retries(
-            call, policy, deadline, bound, slot, what, method, *args, **kwargs
+            call, policy, deadline is not None, bound, slot, what, method, *args, **kwargs
         )
         if slot is not None:
             slot.served = True
@@ -289,7 +290,7 @@ async def _hold(slot: Slot, deadline: Deadline | None, what: Callable[[], str]) 
 async def _with_retries(
     call: Callable[..., Awaitable[Any]],
     policy: RetryPolicy,
-    save_deadline: Deadline | None,
+    until_deadline: bool,
     deadline: Deadline | None,
     slot: Slot | None,
     what: Callable[[], str],
@@ -297,9 +298,8 @@ async def _with_retries(
     *args: Any,
     **kwargs: Any,
 ) -> Any:
-    """:func:`call_with_retries`' loop, within ``deadline`` (``save_deadline``'s, or the
-    request's own), holding ``slot``."""
-    until_deadline = save_deadline is not None
+    """:func:`call_with_retries`' loop, within ``deadline`` (a save's, retried
+    ``until_deadline``, or the request's own), holding ``slot``."""
     counter = current_counter()
     body = kwargs.get("Body")
     sent = len(body) if isinstance(body, (bytes, bytearray, memoryview, Sized)) else 0

@@ -178,8 +178,7 @@ class Backoff:
         """Take a slot in ``prefix``'s directory if one is free now, without waiting."""
         with self._lock:
             entry = self._entry(prefix)
-            if not entry.waiters and entry.fits() and self._client.fits():
-                self._take(entry)
+            if self._take_if_free(entry):
                 return True
             self._forget(prefix, entry)
             return False
@@ -189,8 +188,7 @@ class Backoff:
         within the directory)."""
         with self._lock:
             entry = self._entry(prefix)
-            if not entry.waiters and entry.fits() and self._client.fits():
-                self._take(entry)
+            if self._take_if_free(entry):
                 return
             waiter = _Waiter(asyncio.get_running_loop().create_future())
             entry.waiters.append(waiter)
@@ -248,6 +246,13 @@ class Backoff:
             entry = self._dirs[prefix] = _Limit()
         self._idle.pop(prefix, None)
         return entry
+
+    def _take_if_free(self, entry: _Limit) -> bool:
+        """Take a slot where no one of the directory waits and both limits have room."""
+        if entry.waiters or not (entry.fits() and self._client.fits()):
+            return False
+        self._take(entry)
+        return True
 
     def _take(self, entry: _Limit) -> None:
         entry.inflight += 1
