@@ -355,10 +355,15 @@ def test_the_directory_of_a_request() -> None:
     )
 
 
-@pytest.fixture(params=["s3", "gcs", "azure"])
+@pytest.fixture(params=["s3", "rgw", "gcs", "azure"])
 def target(request: pytest.FixtureRequest) -> StoreTarget:
     """A bucket on each kind of store, reached by the real client library."""
-    name = {"s3": "s3_bucket", "gcs": "fake_gcs_bucket", "azure": "az_container"}
+    name = {
+        "s3": "s3_bucket",
+        "rgw": "rgw_bucket",
+        "gcs": "fake_gcs_bucket",
+        "azure": "az_container",
+    }
     return request.getfixturevalue(name[request.param])
 
 
