@@ -704,9 +704,15 @@ def test_stop_ends_the_directorys_daemons_and_nothing_a_stale_pid_file_names(
     ``ceph.conf``: a stale pid file (the pid reused by another process) is left alone."""
     (tmp_path / "run").mkdir()
     conf = str(tmp_path / "ceph.conf")
-    ours = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "--conf", conf])
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    # Each child says it runs before the pid files name it: the parent's Popen returns
+    # when the child's exec has begun, before the kernel has set the new command line
+    # that ``stop_rgw`` reads (an empty one under load).
+    sleeper = "import time; print('up', flush=True); time.sleep(120)"
+    ours = subprocess.Popen([sys.executable, "-c", sleeper, "--conf", conf], stdout=subprocess.PIPE)
+    other = subprocess.Popen([sys.executable, "-c", sleeper], stdout=subprocess.PIPE)
     try:
+        for proc in (ours, other):
+            assert proc.stdout is not None and proc.stdout.readline() == b"up\n"
         (tmp_path / "run" / "client.rgw.pid").write_text(f"{ours.pid}\n")
         (tmp_path / "run" / "osd.0.pid").write_text(f"{other.pid}\n")
         stop_rgw(tmp_path)
@@ -717,3 +723,5 @@ def test_stop_ends_the_directorys_daemons_and_nothing_a_stale_pid_file_names(
         for proc in (ours, other):
             proc.kill()
             proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
