@@ -80,24 +80,55 @@ def run_layout(proxy: FaultProxy, model: PartitionModel, layout: str, args: Any)
         stats = backoff.stats() if backoff is not None else None
         return (stats.directory_cuts, stats.client_cuts) if stats is not None else (0, 0)
 
-    def measured(label: str, work: Any, items: list[str]) -> dict[str, Any]:
-        refused, splits, (dirs, client) = model.refused, model.splits, cuts()
+    def timed(work: Any, items: list[str], threads: int) -> tuple[float, int]:
+        """Seconds for ``work`` over ``items`` from ``threads`` threads, and how many failed."""
         t0 = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(args.threads) as pool:
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
             failed = sum(not ok for ok in pool.map(work, items))
-        seconds = time.perf_counter() - t0
+        return time.perf_counter() - t0, failed
+
+    def counters() -> tuple[int, int, int, tuple[int, int]]:
+        return model.refused, model.refused_writes, model.splits, cuts()
+
+    def row(label: str, items: list[str], took: tuple[float, int], before: Any) -> dict[str, Any]:
+        refused, writes, splits, (dirs, client) = before
         after = cuts()
         return {
             "what": label,
             "requests": len(items),
-            "seconds": seconds,
+            "seconds": took[0],
             "throttled": model.refused - refused,
-            "gave_up": failed,
+            "throttled_writes": model.refused_writes - writes,
+            "gave_up": took[1],
             "splits": model.splits - splits,
             "partitions": len(model.partitions),
             "directory_cuts": after[0] - dirs,
             "client_cuts": after[1] - client,
         }
+
+    def measured(label: str, work: Any, items: list[str]) -> dict[str, Any]:
+        before = counters()
+        return row(label, items, timed(work, items, args.threads), before)
+
+    def beside(new: list[str], old: list[str]) -> list[dict[str, Any]]:
+        """A save of ``new`` while ``old`` is read back (a backup or an evaluation
+        reading the last step from the job's own client): the save starts once the
+        reads are being refused, and is timed alone; the rows share the window's
+        counters (throttled: the save's row counts writes, the restore's reads)."""
+        before = counters()
+        with concurrent.futures.ThreadPoolExecutor(1) as side:
+            reading = side.submit(timed, restore, old, args.read_threads)
+            while model.refused == before[0] and not reading.done():
+                time.sleep(0.01)  # a bench, not a test: wait for the reads to be refused
+            saving = timed(save, new, args.threads)
+            read = reading.result()
+        out = [
+            row("save beside restore", new, saving, before),
+            row("restore beside save", old, read, before),
+        ]
+        writes = out[0]["throttled_writes"]
+        out[0]["throttled"], out[1]["throttled"] = writes, out[1]["throttled"] - writes
+        return out
 
     payload = b"x" * 64
 
@@ -129,6 +160,15 @@ def run_layout(proxy: FaultProxy, model: PartitionModel, layout: str, args: Any)
         log.info("%s %s", layout, rows[-1])
     rows.append(measured("restore", restore, keys))
     log.info("%s %s", layout, rows[-1])
+    if args.beside_ranks:
+        attempt = uuid.uuid4().hex[:16]
+        new = [
+            key_of(layout, args.steps + 1, r, i, attempt)
+            for r in range(args.beside_ranks)
+            for i in range(args.objects)
+        ]
+        rows.extend(beside(new, keys))
+        log.info("%s %s", layout, rows[-2:])
     return {"layout": layout, "rows": rows, "peak_per_partition_per_s": model.peak_per_second()}
 
 
@@ -155,6 +195,15 @@ def main() -> None:
     parser.add_argument("--objects", type=int, default=2, help="payload objects per rank")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=16, help="client threads (the job)")
+    parser.add_argument(
+        "--beside-ranks",
+        type=int,
+        default=0,
+        help="then save this many ranks' objects of a new step while the last is read again",
+    )
+    parser.add_argument(
+        "--read-threads", type=int, default=32, help="threads reading beside that save"
+    )
     parser.add_argument("--scale", type=float, default=0.01, help="of S3's documented rates")
     parser.add_argument("--split-after", type=float, default=2.0)
     parser.add_argument(
@@ -165,7 +214,9 @@ def main() -> None:
     smoke.add_argument(parser)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    smoke.apply(args, ranks=4, objects=4, steps=2, threads=4, scale=0.003, split_after=0.5)
+    smoke.apply(
+        args, ranks=4, objects=4, steps=2, threads=4, scale=0.003, split_after=0.5, beside_ranks=2
+    )
     logging.getLogger("objckpt").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
     os.environ.update(offline_env())

@@ -133,6 +133,7 @@ class PartitionModel:
         self._lows = [""]
         self.splits = 0
         self.refused = 0
+        self.refused_writes = 0  # of ``refused``: those of writes
         self.admitted = 0
         #: (partition, whole second) -> requests admitted then.
         self._per_second: dict[tuple[int, int], int] = {}
@@ -149,6 +150,7 @@ class PartitionModel:
                 self._per_second[slot] = self._per_second.get(slot, 0) + 1
             else:
                 self.refused += 1
+                self.refused_writes += write
                 if part.due(now):
                     self._split(part, now)
             return ok
