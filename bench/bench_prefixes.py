@@ -78,7 +78,12 @@ def run_layout(proxy: FaultProxy, model: PartitionModel, layout: str, args: Any)
     def cuts() -> tuple[int, int]:
         backoff = getattr(store, "backoff", None)  # None: a client without one
         stats = backoff.stats() if backoff is not None else None
-        return (stats.directory_cuts, stats.client_cuts) if stats is not None else (0, 0)
+        if stats is not None:
+            return stats.directory_cuts, stats.client_cuts
+        # objckpt before #46 (for before/after runs): one limit on a store's uploads,
+        # halved by any refused request of its client; counted as cuts of everything.
+        limit = getattr(store, "limit", None)
+        return (0, limit.stats().decreases) if hasattr(limit, "stats") else (0, 0)
 
     def timed(work: Any, items: list[str], threads: int) -> tuple[float, int]:
         """Seconds for ``work`` over ``items`` from ``threads`` threads, and how many failed."""
