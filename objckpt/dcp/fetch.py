@@ -91,8 +91,9 @@ def _fetch_remote(
             ends.append(end)
             owner.append(n)
             pieces.append(sinks[n].window(start - rng.start, end - start))
-    # One retry layer: each request retries itself (body included) on S3 and GCS;
-    # other stores get the whole batch retried.
+    # One retry layer: each request retries itself (body included) on S3 and GCS, and
+    # on Azure (whose SDK asks again for a chunk whose body was cut short); other
+    # stores get the whole batch retried.
     store().retrying(
         lambda: _fetch_once(batch, location, store(), keys, starts, ends, owner, pieces),
         f"reading {len(keys)} ranges of {location.url}",

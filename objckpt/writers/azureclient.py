@@ -37,23 +37,31 @@ running") and aiohttp reports the session it never closed.
 (and an async credential) on the loop while it runs, and retires adlfs's two hooks
 for this filesystem, which have nothing left to do.
 
-``do_connect``, ``_USER_AGENT`` and the attributes read there are adlfs's;
-``tests/store/test_azure_bounds.py`` pins what this module relies on.
+**Loads** write each downloaded chunk into the tensors' memory
+(:meth:`~RetryingAzureBlobFileSystem._cat_file_into`: azure-storage-blob's
+``readinto``), where adlfs's ``cat_file`` joins a range's chunks first.
+
+``do_connect``, ``_USER_AGENT``, ``split_path``, ``_timeout_kwargs`` and the
+attributes read in ``do_connect`` are adlfs's; ``tests/store/test_azure_bounds.py``
+pins what this module relies on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import inspect
+import os
 import weakref
-from typing import Any
+from typing import IO, Any, cast
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from adlfs import AzureBlobFileSystem
-from azure.core.exceptions import HttpResponseError
+from azure.core.exceptions import HttpResponseError, ResourceNotFoundError
 from azure.core.pipeline.policies import AsyncHTTPPolicy
 from fsspec.asyn import get_loop, sync
 
+from objckpt.writers.reads import SpanSink
 from objckpt.writers.retry import RetryingFileSystem, RetryPolicy, call_with_retries
 from objckpt.writers.throttle import Backoff, directory_of
 from objckpt.writers.transient import is_transient
@@ -282,6 +290,35 @@ class RetryingAzureBlobFileSystem(RetryingFileSystem, AzureBlobFileSystem):
             held = hook.peek()
             if held is not None and held[0] is self and held[1] is sync:
                 hook.detach()
+
+    async def _cat_file_into(self, path: str, start: int, end: int, sink: SpanSink) -> int:
+        """Bytes ``[start, end)`` of the blob at ``path`` written into ``sink`` chunk by
+        chunk as azure-storage-blob downloads them (its ``readinto``, to a
+        :class:`~objckpt.writers.reads.SinkFile`), where adlfs's ``cat_file`` joins
+        the chunks into one answer, which was then copied in; how many bytes the
+        answer had. One chunk at a time, as adlfs's ``cat_ranges`` asks: the ranges
+        of a batch already run concurrently. The SDK retries a chunk whose body was
+        cut short itself; each request is sent under :class:`ObjckptRetry`."""
+        if end <= start:
+            return 0
+        container, blob, version_id = self.split_path(self._strip_protocol(path))
+        async with self.service_client.get_blob_client(container=container, blob=blob) as client:
+            try:
+                download = await client.download_blob(
+                    offset=start,
+                    length=end - start,
+                    version_id=version_id,
+                    max_concurrency=1,
+                    **self._timeout_kwargs,
+                )
+            except ResourceNotFoundError as exc:  # as adlfs's cat_file says it
+                raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path) from exc
+            into = sink.file()
+            try:
+                await download.readinto(cast(IO[bytes], into))
+            finally:
+                into.close()  # a chunk still downloading writes nothing more
+            return into.received
 
     def endpoint(self) -> str | None:
         """The blob endpoint requests go to (scheme, host and port)."""

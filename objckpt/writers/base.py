@@ -79,7 +79,7 @@ from objckpt.writers.reads import (
     read_whole,
 )
 from objckpt.writers.throttle import Backoff
-from objckpt.writers.translate import precondition_failed, translate
+from objckpt.writers.translate import precondition_failed, translate, unsatisfiable_range
 
 __all__ = [
     "PROBE_KEY",
@@ -457,9 +457,15 @@ class ObjectStore(abc.ABC):
     ) -> list[int | BaseException]:
         """:meth:`read_ranges` written into ``sinks`` (one per range, each as long
         as its range): how many bytes each answer had (a longer answer is counted,
-        not written past its sink), or the range's exception in its place. Families
-        that can stream a body write each chunk once, as it arrives."""
-        return read_ranges_into(self._fs, [self.path(k) for k in keys], starts, ends, sinks)
+        not written past its sink), or the range's exception in its place. Clients
+        objckpt builds for S3, GCS and Azure (``cat_ranges_into``) write each received
+        chunk once, where it belongs; others answer whole and are copied in."""
+        paths = [self.path(k) for k in keys]
+        into = getattr(self._fs, "cat_ranges_into", None)
+        if into is None:
+            return read_ranges_into(self._fs, paths, starts, ends, sinks)
+        out = into(paths, list(starts), list(ends), list(sinks))
+        return [0 if isinstance(o, BaseException) and unsatisfiable_range(o) else o for o in out]
 
     @contextlib.contextmanager
     def open_read(self, key: str, block_size: int) -> Iterator[IO[bytes]]:

@@ -7,7 +7,12 @@ accounting. This subclass replaces gcsfs's ``_request`` (the coroutine every gcs
 request goes through) by the same function without gcsfs's retry decorator
 (``__wrapped__``), run under :func:`~objckpt.writers.retry.call_with_retries`: one
 retry loop, transient errors only (5xx, 429, connection errors; a 401 or 403 fails at
-once), bounded by the save's deadline. ``_request`` and its ``__wrapped__`` are gcsfs
+once), bounded by the save's deadline. A load's ranges are GETs of their own
+(:meth:`RetryingGCSFileSystem._cat_file_into`), sent as ``_request`` sends them, whose
+bodies are written into the tensors as they arrive instead of read whole.
+``_request`` and its ``__wrapped__``, and what ``_cat_file_into`` sends with
+(``_set_session``, ``session``, ``_get_headers``, ``_get_params``,
+``requests_timeout``, ``url``, ``gcsfs.retry.validate_response``) are gcsfs
 internals, pinned by ``tests/store/test_gcsclient.py`` for the supported range.
 """
 
@@ -18,7 +23,9 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from gcsfs import GCSFileSystem
+from gcsfs.retry import validate_response
 
+from objckpt.writers.reads import SpanSink, receive_into
 from objckpt.writers.retry import RetryingFileSystem
 
 __all__ = ["RetryingGCSFileSystem"]
@@ -77,6 +84,35 @@ class RetryingGCSFileSystem(RetryingFileSystem, GCSFileSystem):
         except Exception:  # a slot's directory must not fail the request
             name = ""
         return await self._retried(once, what, name, method, path, *args, **kwargs)
+
+    async def _cat_file_into(self, path: str, start: int, end: int, sink: SpanSink) -> int:
+        """Bytes ``[start, end)`` of the object at ``path`` written into ``sink`` as
+        they arrive (:func:`~objckpt.writers.reads.receive_into`, where gcsfs's
+        ``cat_file`` reads an answer whole, which was then copied in); how many bytes
+        the answer had. One ranged GET sent as gcsfs's ``_request`` sends it (its
+        session, headers with the credentials, parameters such as ``userProject``,
+        and timeout), run whole under the retry loop: a body cut short is one failed
+        attempt, and the next writes the sink again from its start."""
+        if end <= start:
+            return 0
+        url = self.url(path)
+        name = "/".join(self.split_path(path)[:2])
+
+        async def once(method: str, target: str) -> int:
+            await self._set_session()
+            async with self.session.request(
+                method=method,
+                url=target,
+                params=self._get_params({}),
+                headers=self._get_headers({"Range": f"bytes={start}-{end - 1}"}),
+                timeout=self.requests_timeout,
+            ) as answer:
+                if answer.status >= 300:
+                    validate_response(answer.status, await answer.read(), target)  # raises
+                    raise OSError(f"GCS answered {answer.status} to a ranged GET of {target}")
+                return await receive_into(answer.content, sink, answer.content_length)
+
+        return int(await self._retried(once, lambda: f"GCS GET of {url}", name, "GET", url))
 
     async def close_connections(self) -> None:
         """Close this filesystem's HTTP session now, on its loop (gcsfs closes it only

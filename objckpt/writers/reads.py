@@ -28,8 +28,12 @@ CPU-s per GiB, page faults of fresh buffers included, and a returned body was
 copied three times before it reached a tensor (the HTTP client joining its chunks,
 the pieces of a range joined, the copy into the tensor). On S3 a range of a MiB
 or more is received straight into that memory (:mod:`objckpt.writers.s3_direct`)
-and a shorter one streamed, each received chunk copied once to where it belongs;
-the other families read as before and copy the answer in (:func:`read_ranges_into`).
+and a shorter one streamed, each received chunk copied once to where it belongs
+(:func:`receive_into`); GCS's ranges are streamed the same way, and Azure's written
+in chunk by chunk as azure-storage-blob downloads them (its ``readinto`` to a
+:class:`SinkFile`; the SDK joins each chunk's pieces first, so two copies where
+there were three); any other fsspec store answers whole and the answer is copied
+in (:func:`read_ranges_into`).
 """
 
 from __future__ import annotations
@@ -37,18 +41,21 @@ from __future__ import annotations
 import bisect
 import inspect
 from collections.abc import Sequence
+from typing import Any
 
 from fsspec import AbstractFileSystem
 
 from objckpt.writers.translate import unsatisfiable_range
 
 __all__ = [
+    "SinkFile",
     "SpanSink",
     "read_bounded",
     "read_range",
     "read_ranges",
     "read_ranges_into",
     "read_whole",
+    "receive_into",
 ]
 
 
@@ -183,6 +190,11 @@ class SpanSink:
         self.write(0, memoryview(answer)[: self.length])
         return len(answer)
 
+    def file(self) -> SinkFile:
+        """This sink as a file written from its start (for a client that writes what
+        it receives into a file object)."""
+        return SinkFile(self)
+
     def write(self, pos: int, data: bytes | bytearray | memoryview) -> None:
         """Copy ``data`` to bytes ``[pos, pos + len(data))`` of this sink."""
         src = memoryview(data)
@@ -201,6 +213,67 @@ class SpanSink:
             done += take
             at += take
             n += 1
+
+
+class SinkFile:
+    """A :class:`SpanSink` as a file written front to back: what azure-storage-blob's
+    ``readinto`` writes each downloaded chunk to (one chunk at a time: objckpt asks
+    for no parallel chunks). Bytes past the sink's end are counted, not written, as
+    :meth:`SpanSink.fill` does. Once closed it writes nothing more, only counts: a
+    download that failed or was cancelled may leave a chunk task of the SDK running,
+    and the sink's memory is the caller's again (a retry, a fallback's load)."""
+
+    __slots__ = ("_closed", "_sink", "received")
+
+    def __init__(self, sink: SpanSink) -> None:
+        self._sink = sink
+        self._closed = False
+        #: Bytes written to this file (those past the sink's end included).
+        self.received = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        src = memoryview(data)
+        if src.format != "B" or src.ndim != 1:
+            src = src.cast("B")
+        take = max(0, min(len(src), self._sink.length - self.received))
+        if take and not self._closed:
+            self._sink.write(self.received, src[:take])
+        self.received += len(src)
+        return len(src)
+
+    def close(self) -> None:
+        self._closed = True
+
+
+async def receive_into(content: Any, sink: SpanSink, length: int | None) -> int:
+    """An aiohttp body (``ClientResponse.content``, of ``length`` bytes where its
+    Content-Length says) written into ``sink`` chunk by chunk as it is received (each
+    chunk copied once; none joined first): how many bytes it had. A body longer than
+    the sink (a store that ignored the Range) is counted, not written past the sink,
+    and not read on where its length is known. A body cut short raises (aiohttp
+    checks Content-Length)."""
+    at = 0
+    while True:
+        chunk, end_of_http_chunk = await content.readchunk()
+        if not chunk:
+            if end_of_http_chunk:
+                continue
+            return at
+        room = len(sink) - at
+        if room >= len(chunk):
+            sink.write(at, chunk)
+            at += len(chunk)
+            continue
+        sink.write(at, memoryview(chunk)[: max(room, 0)])
+        if length is not None:
+            return length
+        at += len(chunk)
+        while rest := await content.read(1 << 20):  # its length unknown: counted to its end
+            at += len(rest)
+        return at
 
 
 def read_ranges_into(

@@ -36,11 +36,12 @@ import ipaddress
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sized
+from collections.abc import Awaitable, Callable, Mapping, Sequence, Sized
 from typing import Any
 from urllib.parse import urlsplit
 
 import tenacity
+from fsspec.asyn import _run_coros_in_chunks, sync_wrapper
 
 from objckpt.errors import (
     ConfigurationError,
@@ -50,6 +51,7 @@ from objckpt.errors import (
 )
 from objckpt.writers.accounting import current_counter
 from objckpt.writers.deadline import Deadline, current_deadline
+from objckpt.writers.reads import SpanSink
 from objckpt.writers.throttle import Backoff, Slot, directory_of
 from objckpt.writers.transient import answer_of, asks_to_slow_down, is_throttle, is_transient
 from objckpt.writers.translate import describe
@@ -401,6 +403,34 @@ class RetryingFileSystem:
         # Shared by every store on this filesystem (a checkpointer shares one across
         # saves): what one save learns about throttling, the next one starts from.
         self.backoff = Backoff()
+
+    async def _cat_file_into(self, path: str, start: int, end: int, sink: SpanSink) -> int:
+        """Bytes ``[start, end)`` of ``path`` written into ``sink`` as they arrive (each
+        family's own request): how many bytes the answer had."""
+        raise NotImplementedError
+
+    async def _cat_ranges_into(
+        self,
+        paths: Sequence[str],
+        starts: Sequence[int],
+        ends: Sequence[int],
+        sinks: Sequence[SpanSink],
+    ) -> list[int | BaseException]:
+        """:meth:`_cat_file_into` of each range, as many at once as fsspec's
+        ``cat_ranges`` runs; a failed range's exception takes its place."""
+        coros = [
+            self._cat_file_into(p, s, e, k)
+            for p, s, e, k in zip(paths, starts, ends, sinks, strict=True)
+        ]
+        this: Any = self  # the fsspec filesystem this is mixed into has the batch size
+        return list(
+            await _run_coros_in_chunks(
+                coros, batch_size=this.batch_size, nofiles=True, return_exceptions=True
+            )
+        )
+
+    #: A load's ranges into their sinks (``ObjectStore.read_ranges_into``).
+    cat_ranges_into = sync_wrapper(_cat_ranges_into)
 
     async def _retried(
         self,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
 from typing import Any
 
 from objckpt.errors import BucketNotFoundError
@@ -26,9 +25,8 @@ from objckpt.writers.base import (
     OpenUpload,
 )
 from objckpt.writers.checksum import crc32c_of, crc_from_base64, to_base64
-from objckpt.writers.reads import SpanSink
 from objckpt.writers.s3_upload import S3Upload
-from objckpt.writers.translate import precondition_failed, translate, unsatisfiable_range
+from objckpt.writers.translate import precondition_failed, translate
 
 __all__ = ["S3Store"]
 
@@ -76,20 +74,6 @@ class S3Store(ObjectStore):
         """The bucket and the object key S3 requests name for ``key``."""
         bucket, _, prefix = self.path(key).partition("/")
         return bucket, prefix
-
-    def read_ranges_into(
-        self,
-        keys: Sequence[str],
-        starts: Sequence[int],
-        ends: Sequence[int],
-        sinks: Sequence[SpanSink],
-    ) -> list[int | BaseException]:
-        # Streamed: each received chunk copied once, into its sink.
-        into = getattr(self._fs, "cat_ranges_into", None)
-        if into is None:  # an s3fs filesystem objckpt did not build
-            return super().read_ranges_into(keys, starts, ends, sinks)
-        out = into([self.path(k) for k in keys], list(starts), list(ends), list(sinks))
-        return [0 if isinstance(o, BaseException) and unsatisfiable_range(o) else o for o in out]
 
     async def call(self, method: str, **kwargs: Any) -> Any:
         return await self._fs._call_s3(method, **kwargs)

@@ -34,17 +34,17 @@ which :meth:`RetryingS3FileSystem.close_connections` closes
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
-from fsspec.asyn import _run_coros_in_chunks, sync_wrapper
+from fsspec.asyn import sync_wrapper
 from s3fs import S3FileSystem
 from s3fs.core import version_id_kw
 
 from objckpt.errors import ConfigurationError
-from objckpt.writers.reads import SpanSink
+from objckpt.writers.reads import SpanSink, receive_into
 from objckpt.writers.retry import RetryingFileSystem
 from objckpt.writers.s3_direct import DIRECT_FROM, DirectGets, mirrorable
 from objckpt.writers.translate import status_code
@@ -208,27 +208,6 @@ class RetryingS3FileSystem(RetryingFileSystem, S3FileSystem):
         )
         return int(answer["ContentLength"])
 
-    async def _cat_ranges_into(
-        self,
-        paths: Sequence[str],
-        starts: Sequence[int],
-        ends: Sequence[int],
-        sinks: Sequence[SpanSink],
-    ) -> list[int | BaseException]:
-        """:meth:`_cat_file_into` of each range, concurrently (as many at once as
-        fsspec's ``cat_ranges``); a failed range's exception takes its place."""
-        coros = [
-            self._cat_file_into(p, s, e, k)
-            for p, s, e, k in zip(paths, starts, ends, sinks, strict=True)
-        ]
-        return list(
-            await _run_coros_in_chunks(
-                coros, batch_size=self.batch_size, nofiles=True, return_exceptions=True
-            )
-        )
-
-    cat_ranges_into = sync_wrapper(_cat_ranges_into)
-
     async def _direct_gets(self) -> DirectGets | None:
         """The synchronous mirror of this filesystem's client that receives large
         ranges into their sinks (:mod:`objckpt.writers.s3_direct`), built on first
@@ -286,26 +265,11 @@ class RetryingS3FileSystem(RetryingFileSystem, S3FileSystem):
 
 
 async def _stream_into(body: Any, sink: SpanSink) -> int:
-    """An answer's body written into ``sink`` chunk by chunk as aiohttp received
-    them (each chunk copied once; none joined first): how many bytes it had (those
-    past the sink's end counted, not written). Another HTTP backend's body is read
-    whole and copied in. A body cut short raises (aiohttp checks Content-Length),
-    and the retry layer asks again; one longer than the sink is not read on (the
-    count says it was longer)."""
+    """An answer's body written into ``sink`` as aiohttp receives it
+    (:func:`~objckpt.writers.reads.receive_into`); another HTTP backend's body is
+    read whole and copied in. A body cut short raises (aiohttp checks
+    Content-Length), and the retry layer asks again."""
     raw = getattr(body, "raw_stream", None)
     if not isinstance(raw, aiohttp.ClientResponse):  # httpx: its .content raises unread
         return sink.fill(await body.read())
-    at = 0
-    while True:
-        chunk, end_of_http_chunk = await raw.content.readchunk()
-        if not chunk:
-            if end_of_http_chunk:
-                continue
-            return at
-        room = len(sink) - at
-        if room < len(chunk):
-            # Longer than asked (a store that ignored the Range): counted, not read on.
-            sink.write(at, memoryview(chunk)[: max(room, 0)])
-            return at + len(chunk)
-        sink.write(at, chunk)
-        at += len(chunk)
+    return await receive_into(raw.content, sink, raw.content_length)

@@ -31,6 +31,7 @@ RESULTS = BENCH / "results"
 SMOKE: dict[str, list[str]] = {
     "bench_async.py": [],
     "bench_async_memory.py": [],
+    "bench_azure.py": [],
     "bench_compress.py": [],
     "bench_cuda.py": [],  # says "no CUDA device" and exits 0 where there is none
     "bench_faults.py": [],

@@ -15,6 +15,7 @@ import os
 
 import pytest
 import torch
+from adlfs import AzureBlobFileSystem
 from click.testing import CliRunner
 from conftest import assert_state_equal, empty_like_state
 from helpers import carried, load, save
@@ -33,6 +34,8 @@ from objckpt.testing.plugin import StoreTarget
 from objckpt.writers import azure as azure_writers
 from objckpt.writers import open_store, store_family
 from objckpt.writers.azure import AzureStore, BlockUpload
+from objckpt.writers.azureclient import RetryingAzureBlobFileSystem
+from objckpt.writers.reads import SpanSink
 
 MiB = 1024 * 1024
 NOT_ATOMIC = "check-then-write that is not atomic"
@@ -289,3 +292,47 @@ def test_a_missing_container_and_a_wrong_key_are_named_before_anything_is_staged
     with pytest.raises(BaseException) as info:
         save(_state(1), target.url("x"), target)
     assert isinstance(carried(info.value), AccessDeniedError), repr(carried(info.value))
+
+
+def test_a_loads_range_is_written_into_its_sink_as_it_downloads(
+    az_container: StoreTarget, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load's range is written into the reader's memory as azure-storage-blob
+    downloads it (``readinto``: chunk after chunk, across the sink's buffers), never
+    first joined into one answer by adlfs's ``cat_file`` and copied in after (#47).
+    Chunks are made 1 MiB so that a 5 MiB range takes several."""
+    built = RetryingAzureBlobFileSystem.client_options
+
+    def small_chunks(self: RetryingAzureBlobFileSystem) -> dict:
+        return {**built(self), "max_single_get_size": MiB, "max_chunk_get_size": MiB}
+
+    monkeypatch.setattr(RetryingAzureBlobFileSystem, "client_options", small_chunks)
+    # A client of its own (the process caches one per set of options) that the
+    # small chunks are built into.
+    options = {**az_container.storage_options, "skip_instance_cache": True}
+    store = open_store(Location.parse(az_container.url("into"), options))
+    data = os.urandom(5 * MiB + 3)
+    try:
+        assert store._fs.service_client._config.max_chunk_get_size == MiB
+        store.put("r.bin", data)
+
+        def joined(*args: object, **kwargs: object) -> bytes:
+            raise AssertionError("a range was read whole through adlfs's cat_file")
+
+        monkeypatch.setattr(AzureBlobFileSystem, "_cat_file", joined)
+        first, second = bytearray(2 * MiB + 1), bytearray(3 * MiB)
+        past, guard = bytearray(MiB), bytearray(8)
+        got = store.read_ranges_into(
+            ["r.bin", "r.bin"],
+            [2, 4 * MiB],
+            [len(data), 6 * MiB],
+            [
+                SpanSink([memoryview(first), memoryview(second)]),
+                SpanSink([memoryview(past), memoryview(guard)]).window(0, MiB),
+            ],
+        )
+    finally:
+        store.close()
+    assert got == [len(data) - 2, MiB + 3]
+    assert bytes(first + second)[: len(data) - 2] == data[2:]
+    assert bytes(past) == data[4 * MiB : 5 * MiB] and not any(guard)

@@ -181,3 +181,23 @@ def test_messages_name_the_endpoint_without_a_sas_token() -> None:
     assert fs.endpoint() == "https://acct.blob.core.windows.net"
     url = _without_query("https://acct.blob.core.windows.net/c/b?sv=x&sig=SECRET")
     assert url == "https://acct.blob.core.windows.net/c/b"
+
+
+def test_the_adlfs_and_sdk_internals_a_ranged_read_into_memory_uses_are_there() -> None:
+    """What ``_cat_file_into`` relies on: adlfs's ``split_path`` (container, blob,
+    version), its ``_timeout_kwargs`` (the transport timeouts it passes with every
+    download), and azure-storage-blob's ``readinto``, which with one chunk at a time
+    only writes to the file it is given."""
+    import inspect
+
+    from azure.storage.blob.aio import StorageStreamDownloader
+
+    fs = RetryingAzureBlobFileSystem(
+        account_name="devstoreaccount1", account_key=AZURITE_KEY, skip_instance_cache=True
+    )
+    assert fs.split_path("c/a/b.bin") == ("c", "a/b.bin", None)
+    assert isinstance(fs._timeout_kwargs, dict)
+    assert list(inspect.signature(StorageStreamDownloader.readinto).parameters) == [
+        "self",
+        "stream",
+    ]

@@ -9,6 +9,8 @@ the request s3fs would send for an empty range.
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 from conftest import assert_state_equal, empty_like_state
@@ -20,7 +22,13 @@ from objckpt.format.layout import MANIFEST_KEY
 from objckpt.testing import FaultProxy, Rule
 from objckpt.testing.plugin import StoreTarget
 from objckpt.writers import open_store
-from objckpt.writers.reads import SpanSink, read_bounded, read_range, read_ranges
+from objckpt.writers.reads import (
+    SpanSink,
+    read_bounded,
+    read_range,
+    read_ranges,
+    receive_into,
+)
 
 #: 416 InvalidRange with a message that does not say "range" (RGW sends none at all).
 TERSE_416 = Rule("GetObject", action="status", status=416, code="InvalidRange")
@@ -140,3 +148,68 @@ def test_a_tensor_is_read_in_range_size_gets_without_a_tail_of_a_few_kib(
 
 def _payload_gets(proxy: FaultProxy) -> list[str]:
     return [p for p in proxy.paths("GetObject") if p.endswith(".distcp")]
+
+
+def test_a_closed_sink_file_counts_what_it_is_given_and_writes_none_of_it() -> None:
+    """What azure-storage-blob's ``readinto`` writes to (``SinkFile``): written front
+    to back across the sink's buffers, bytes past its end counted, not written; and
+    once closed (the download failed or was cancelled, a chunk task of the SDK may
+    still run) nothing more reaches the caller's memory."""
+    first, second, guard = bytearray(3), bytearray(4), bytearray(2)
+    sink = SpanSink([memoryview(first), memoryview(second), memoryview(guard)]).window(0, 7)
+    into = sink.file()
+    assert into.write(b"abcde") == 5 and into.write(memoryview(b"fghij")) == 5
+    assert (bytes(first), bytes(second), bytes(guard)) == (b"abc", b"defg", b"\0\0")
+    assert into.received == 10
+    first[:], second[:] = b"\0" * 3, b"\0" * 4
+    late = sink.file()
+    assert late.write(b"ab") == 2
+    late.close()
+    assert late.write(b"cdefg") == 5 and late.received == 7
+    assert (bytes(first), bytes(second)) == (b"ab\0", b"\0" * 4)
+
+
+class _Body:
+    """An aiohttp body's reading surface (``readchunk``, ``read``) over fixed chunks,
+    recording how many chunks were taken."""
+
+    def __init__(self, chunks: list[bytes]) -> None:
+        self._chunks = list(chunks)
+        self.taken = 0
+
+    async def readchunk(self) -> tuple[bytes, bool]:
+        return (await self.read(-1), False)
+
+    async def read(self, n: int = -1) -> bytes:
+        if not self._chunks:
+            return b""
+        self.taken += 1
+        return self._chunks.pop(0)
+
+
+@pytest.mark.parametrize(
+    ("length", "count", "taken"),
+    [(None, 9, 4), (9, 9, 2)],
+    ids=["length-unknown-counted-to-its-end", "content-length-not-read-on"],
+)
+def test_a_body_longer_than_its_sink_is_counted_whole_and_written_no_further(
+    length: int | None, count: int, taken: int
+) -> None:
+    """``receive_into`` (S3's and GCS's streamed ranges): chunks land across the
+    sink's buffers; one that overflows the sink is written up to its end only, and
+    the answer counted whole: by its Content-Length without reading on, or to its
+    end where no length was sent, so a store that ignored the Range reads as longer
+    than asked, by exactly how much."""
+    a, b, guard = bytearray(2), bytearray(2), bytearray(3)
+    sink = SpanSink([memoryview(a), memoryview(b), memoryview(guard)]).window(0, 4)
+    body = _Body([b"ab", b"cde", b"fg", b"hi"])
+    assert asyncio.run(receive_into(body, sink, length)) == count
+    assert (bytes(a), bytes(b), bytes(guard)) == (b"ab", b"cd", b"\0\0\0")
+    assert body.taken == taken
+
+
+def test_a_body_that_fits_its_sink_is_written_whole() -> None:
+    into = bytearray(5)
+    body = _Body([b"ab", b"cde"])
+    assert asyncio.run(receive_into(body, SpanSink([memoryview(into)]), 5)) == 5
+    assert bytes(into) == b"abcde"
