@@ -37,7 +37,7 @@ from bench_gcs import against_plain
 from bench_sync import MiB, nbytes
 from record import write_record
 
-from objckpt.testing.azurite import start_azurite
+from objckpt.testing.azurite import AzuriteUnavailable, start_azurite
 
 
 def main() -> None:
@@ -55,7 +55,16 @@ def main() -> None:
     numel = args.size_mib * MiB // 4 // args.tensors
     state = {f"t{i}": torch.randn(numel) for i in range(args.tensors)}
     size = nbytes(state)
-    server = start_azurite()
+    try:
+        server = start_azurite()
+    except AzuriteUnavailable as exc:
+        # As a missing peer is: a logged line, unless this run must have Azurite
+        # (CI, `make test`), as the Azure store tests must.
+        required = (os.environ.get("CI", ""), os.environ.get("OBJCKPT_REQUIRE_AZURITE", ""))
+        if any(flag.strip().lower() not in ("", "0", "false", "no") for flag in required):
+            raise
+        logging.getLogger("bench").warning("skipping: %s (`make azurite` installs it)", exc)
+        return
     results: dict[str, Any] = {}
     try:
         server.create_container("bench")

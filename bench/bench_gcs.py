@@ -90,7 +90,7 @@ def against_plain(
     (rows ``<plain>_put``, ``<plain>_cat``): the floor for moving those bytes with that
     client, nothing checked. ``reuse_reader``: loads through one reader into tensors
     allocated and written once (a job restoring into its parameters), else through a
-    new reader each into tensors allocated once, never written (fresh pages)."""
+    new reader each into tensors allocated once (written by the warm-up load only)."""
     size = nbytes(state)
     fs = Location.parse(f"{root}/x", options).open_fs(fresh=True)
 

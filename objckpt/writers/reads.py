@@ -252,9 +252,10 @@ async def receive_into(content: Any, sink: SpanSink, length: int | None) -> int:
     """An aiohttp body (``ClientResponse.content``, of ``length`` bytes where its
     Content-Length says) written into ``sink`` chunk by chunk as it is received (each
     chunk copied once; none joined first): how many bytes it had. A body longer than
-    the sink (a store that ignored the Range) is counted, not written past the sink,
-    and not read on where its length is known. A body cut short raises (aiohttp
-    checks Content-Length)."""
+    the sink (a store that ignored the Range) is not read on: the chunk that
+    overflows is written up to the sink's end, and the count is the body's length, or
+    where none was sent what was received so far (either way more than the sink, all
+    a caller needs to know). A body cut short raises (aiohttp checks Content-Length)."""
     at = 0
     while True:
         chunk, end_of_http_chunk = await content.readchunk()
@@ -268,12 +269,7 @@ async def receive_into(content: Any, sink: SpanSink, length: int | None) -> int:
             at += len(chunk)
             continue
         sink.write(at, memoryview(chunk)[: max(room, 0)])
-        if length is not None:
-            return length
-        at += len(chunk)
-        while rest := await content.read(1 << 20):  # its length unknown: counted to its end
-            at += len(rest)
-        return at
+        return max(length or 0, at + len(chunk))  # a decoded body may outgrow its length
 
 
 def read_ranges_into(

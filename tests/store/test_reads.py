@@ -170,46 +170,50 @@ def test_a_closed_sink_file_counts_what_it_is_given_and_writes_none_of_it() -> N
 
 
 class _Body:
-    """An aiohttp body's reading surface (``readchunk``, ``read``) over fixed chunks,
-    recording how many chunks were taken."""
+    """An aiohttp body's reading surface (``readchunk``) over fixed chunks, recording
+    how many were taken; ``None`` stands for the end of an HTTP chunk (``(b"", True)``)."""
 
-    def __init__(self, chunks: list[bytes]) -> None:
+    def __init__(self, chunks: list[bytes | None]) -> None:
         self._chunks = list(chunks)
         self.taken = 0
 
     async def readchunk(self) -> tuple[bytes, bool]:
-        return (await self.read(-1), False)
-
-    async def read(self, n: int = -1) -> bytes:
         if not self._chunks:
-            return b""
+            return b"", False
         self.taken += 1
-        return self._chunks.pop(0)
+        chunk = self._chunks.pop(0)
+        return (b"", True) if chunk is None else (chunk, False)
 
 
 @pytest.mark.parametrize(
-    ("length", "count", "taken"),
-    [(None, 9, 4), (9, 9, 2)],
-    ids=["length-unknown-counted-to-its-end", "content-length-not-read-on"],
+    ("chunks", "length", "count", "taken"),
+    [
+        ([b"ab", None, b"cde", b"fg"], 7, 7, 3),
+        ([b"ab", b"cde", b"fg"], None, 5, 2),
+        ([b"abcdef", b"g"], 7, 7, 1),
+    ],
+    ids=["content-length", "no-length", "the-first-chunk-overflows"],
 )
-def test_a_body_longer_than_its_sink_is_counted_whole_and_written_no_further(
-    length: int | None, count: int, taken: int
+def test_a_body_longer_than_its_sink_is_written_to_its_end_and_not_read_on(
+    chunks: list[bytes | None], length: int | None, count: int, taken: int
 ) -> None:
     """``receive_into`` (S3's and GCS's streamed ranges): chunks land across the
-    sink's buffers; one that overflows the sink is written up to its end only, and
-    the answer counted whole: by its Content-Length without reading on, or to its
-    end where no length was sent, so a store that ignored the Range reads as longer
-    than asked, by exactly how much."""
+    sink's buffers; the one that overflows the sink is written up to its end only, and
+    the body is not read on: counted by its Content-Length, or where none was sent by
+    what came so far, either way more than the sink (a store that ignored the Range
+    reads as longer than asked)."""
     a, b, guard = bytearray(2), bytearray(2), bytearray(3)
     sink = SpanSink([memoryview(a), memoryview(b), memoryview(guard)]).window(0, 4)
-    body = _Body([b"ab", b"cde", b"fg", b"hi"])
+    body = _Body(chunks)
     assert asyncio.run(receive_into(body, sink, length)) == count
     assert (bytes(a), bytes(b), bytes(guard)) == (b"ab", b"cd", b"\0\0\0")
     assert body.taken == taken
 
 
-def test_a_body_that_fits_its_sink_is_written_whole() -> None:
+@pytest.mark.parametrize("chunks", [[b"ab", None, b"cde"], []], ids=["whole", "empty"])
+def test_a_body_that_fits_its_sink_is_written_whole(chunks: list[bytes | None]) -> None:
     into = bytearray(5)
-    body = _Body([b"ab", b"cde"])
-    assert asyncio.run(receive_into(body, SpanSink([memoryview(into)]), 5)) == 5
-    assert bytes(into) == b"abcde"
+    size = sum(len(c) for c in chunks if c)
+    body = _Body(chunks)
+    assert asyncio.run(receive_into(body, SpanSink([memoryview(into)]), size)) == size
+    assert bytes(into) == b"abcde"[:size] + b"\0" * (5 - size)
