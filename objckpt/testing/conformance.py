@@ -207,9 +207,9 @@ class StoreConformance:
         """A load's ranges of a MiB and more, read into the memory the reader lays out
         (S3, GCS and Azure write them in as received, the others copy their answers
         in): bytes land across the buffers' edges, a range the object ends inside
-        counts what it had, one past
-        the end counts none, a missing object is its error, and an answer longer than
-        its sink is counted, not written past it (the next read on the store is whole)."""
+        counts what it had, one past the end counts none, a missing object is its
+        error, and an answer longer than its sink is counted, not written past it (the
+        next read on the store is whole)."""
         data = os.urandom(3 * MiB + 7)
         store.put("big.bin", data)
         first, second = bytearray(MiB - 1), bytearray(5)

@@ -187,8 +187,18 @@ class SpanSink:
     def fill(self, answer: bytes | bytearray | memoryview) -> int:
         """A whole answer copied in from the start: its length (what does not fit is
         counted, not written: the caller compares the count with what it asked)."""
-        self.write(0, memoryview(answer)[: self.length])
-        return len(answer)
+        return self.write_fitting(0, answer)
+
+    def write_fitting(self, pos: int, data: bytes | bytearray | memoryview) -> int:
+        """Copy what of ``data`` falls inside this sink when laid at ``pos``; return
+        ``len(data)``: bytes past the sink's end are counted, never written."""
+        src = memoryview(data)
+        if src.format != "B" or src.ndim != 1:
+            src = src.cast("B")
+        take = max(0, min(len(src), self.length - pos))
+        if take:
+            self.write(pos, src[:take])
+        return len(src)
 
     def file(self) -> SinkFile:
         """This sink as a file written from its start (for a client that writes what
@@ -235,14 +245,11 @@ class SinkFile:
         return True
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
-        src = memoryview(data)
-        if src.format != "B" or src.ndim != 1:
-            src = src.cast("B")
-        take = max(0, min(len(src), self._sink.length - self.received))
-        if take and not self._closed:
-            self._sink.write(self.received, src[:take])
-        self.received += len(src)
-        return len(src)
+        n = memoryview(data).nbytes
+        if not self._closed:
+            self._sink.write_fitting(self.received, data)
+        self.received += n
+        return n
 
     def close(self) -> None:
         self._closed = True
@@ -263,13 +270,10 @@ async def receive_into(content: Any, sink: SpanSink, length: int | None) -> int:
             if end_of_http_chunk:
                 continue
             return at
-        room = len(sink) - at
-        if room >= len(chunk):
-            sink.write(at, chunk)
-            at += len(chunk)
-            continue
-        sink.write(at, memoryview(chunk)[: max(room, 0)])
-        return max(length or 0, at + len(chunk))  # a decoded body may outgrow its length
+        sink.write_fitting(at, chunk)
+        at += len(chunk)
+        if at > len(sink):  # not read on
+            return max(length or 0, at)  # a decoded body may outgrow its length
 
 
 def read_ranges_into(
