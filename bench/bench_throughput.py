@@ -26,7 +26,12 @@ method allows it), and reports the median of ``--repeats`` runs:
   ``floor_load_aiohttp`` receives through aiobotocore and aiohttp, objckpt's transport
   (each chunk copied into place); ``floor_load_readinto`` through botocore and
   ``http.client``, whose ``readinto`` receives straight into the destination, one
-  thread per GET (the limit of a receive into the tensor, #47);
+  thread per GET (the limit of a receive into the tensor, #47). The save's floor:
+  the same bytes uploaded in objckpt's default layout (objects of 64 MiB in 16 MiB
+  parts, 8 in flight, a Create and a Complete per object) with each part's CRC32C sent
+  for the store to check, ``floor_save_aiohttp`` through aiobotocore and aiohttp (the
+  body in 1 MiB views, as objckpt sends it) and ``floor_save_sendall`` through botocore
+  and ``http.client`` (each part one ``sendall`` of a view, a thread per part);
 * ``copy_limit``: a plain copy of the state into preallocated memory
   (``bench_async.copy_limit``), the floor for the default async stall;
 * ``objckpt_async_bg`` / ``dcp_async_bg``: the same with the copy in the background
@@ -454,7 +459,15 @@ def transport_floor(
     ]
     dest = bytearray(len(blob))  # written below before any timed run: in place
     view = memoryview(dest)
-    config = Config(max_pool_connections=FLOOR_IN_FLIGHT, retries={"max_attempts": 1})
+    # As objckpt configures its client: no SDK checksum (objckpt sends its own CRC32C
+    # where a request carries a payload), no payload SHA256, one attempt.
+    config = Config(
+        max_pool_connections=FLOOR_IN_FLIGHT,
+        retries={"total_max_attempts": 1},
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+        s3={"payload_signing_enabled": False},
+    )
     client_args = {
         "endpoint_url": opts["endpoint_url"],
         "aws_access_key_id": opts["key"],
@@ -522,11 +535,148 @@ def transport_floor(
             rows[name] = measure(load, lambda: None, repeats, list)
             if dest != blob:
                 raise RuntimeError(f"{name}: wrong data loaded")
+        rows.update(save_floor(bucket, memoryview(blob), client, sync, aio, loop, repeats))
     finally:
         loop.run_until_complete(made.__aexit__(None, None, None))
         loop.close()
         pool.shutdown()
         sync.close()
+    return rows
+
+
+def save_floor(
+    bucket: str, blob: memoryview, check: Any, sync: Any, aio: Any, loop: Any, repeats: int
+) -> dict[str, Any]:
+    """The save's ``floor`` rows: the state's bytes uploaded as objckpt's default
+    layout uploads them (objects of ``object_size`` in parts of ``part_size``, a
+    Create, the parts and a Complete per object, ``max_parts_in_flight`` parts in
+    flight), each part's CRC32C computed and sent for the store to check (objckpt's
+    contract), configured as objckpt configures its client (no SDK checksum, no
+    payload SHA256). ``floor_save_aiohttp`` sends through aiobotocore and aiohttp,
+    the body in 1 MiB views as objckpt sends it (:class:`StreamedBody`);
+    ``floor_save_sendall`` through botocore and ``http.client``, one thread per part
+    in flight, each part handed to the socket whole (one ``sendall`` of a view of the
+    state, no copy). Every object is read back and compared after the timed runs."""
+    import asyncio
+    import base64
+    from concurrent.futures import ThreadPoolExecutor
+
+    import crc32c
+
+    from objckpt.writers.s3_body import StreamedBody
+
+    defaults = objckpt.UploadOptions()
+    part, size, in_flight = defaults.part_size, defaults.object_size, defaults.max_parts_in_flight
+    objects = [(at, min(at + size, blob.nbytes)) for at in range(0, blob.nbytes, size)]
+    runs = iter(range(1_000_000))
+    keys: list[str] = []
+
+    def parts(start: int, end: int) -> list[tuple[int, memoryview]]:
+        starts = range(start, end, part)
+        return [(n + 1, blob[at : min(at + part, end)]) for n, at in enumerate(starts)]
+
+    def crc(data: memoryview) -> str:
+        return base64.b64encode(crc32c.crc32c(data).to_bytes(4, "big")).decode()
+
+    class WholeBody(StreamedBody):
+        """A part botocore accepts (file-like: it refuses a memoryview) whose view
+        ``sendall_whole`` hands to ``http.client``, which sends a buffer with one
+        ``sendall`` where it would copy a file-like body out in 16 KiB reads."""
+
+        def __init__(self, data: memoryview) -> None:
+            super().__init__(data)
+            self.whole = data
+
+    def sendall_whole(request: Any, **_: Any) -> None:
+        if isinstance(request.body, WholeBody):
+            request.body = request.body.whole
+
+    sync.meta.events.register("before-send.s3.UploadPart", sendall_whole)
+    pool = ThreadPoolExecutor(in_flight)
+
+    def sendall_save() -> None:
+        run = next(runs)
+        started = []
+        for n, (start, end) in enumerate(objects):
+            key = f"floor-save/{run}/{n}"
+            keys.append(key)
+            made = sync.create_multipart_upload(Bucket=bucket, Key=key, ChecksumAlgorithm="CRC32C")
+            started.append((key, made["UploadId"], start, end))
+
+        def put(key: str, upload: str, number: int, data: memoryview) -> dict[str, Any]:
+            checksum = crc(data)
+            answer = sync.upload_part(
+                Bucket=bucket,
+                Key=key,
+                UploadId=upload,
+                PartNumber=number,
+                Body=WholeBody(data),
+                ContentLength=data.nbytes,
+                ChecksumCRC32C=checksum,
+            )
+            return {"PartNumber": number, "ETag": answer["ETag"], "ChecksumCRC32C": checksum}
+
+        sent = [
+            (key, upload, [pool.submit(put, key, upload, n, d) for n, d in parts(start, end)])
+            for key, upload, start, end in started
+        ]
+        for key, upload, futures in sent:
+            done = {"Parts": [f.result() for f in futures]}
+            sync.complete_multipart_upload(
+                Bucket=bucket, Key=key, UploadId=upload, MultipartUpload=done
+            )
+
+    async def aio_object(key: str, start: int, end: int, slots: asyncio.Semaphore) -> None:
+        made = await aio.create_multipart_upload(Bucket=bucket, Key=key, ChecksumAlgorithm="CRC32C")
+        upload = made["UploadId"]
+
+        async def put(number: int, data: memoryview) -> dict[str, Any]:
+            async with slots:
+                checksum = crc(data)
+                answer = await aio.upload_part(
+                    Bucket=bucket,
+                    Key=key,
+                    UploadId=upload,
+                    PartNumber=number,
+                    Body=StreamedBody(data),
+                    ContentLength=data.nbytes,
+                    ChecksumCRC32C=checksum,
+                )
+                return {"PartNumber": number, "ETag": answer["ETag"], "ChecksumCRC32C": checksum}
+
+        done = await asyncio.gather(*(put(n, d) for n, d in parts(start, end)))
+        await aio.complete_multipart_upload(
+            Bucket=bucket, Key=key, UploadId=upload, MultipartUpload={"Parts": list(done)}
+        )
+
+    async def aio_all() -> None:
+        run, slots = next(runs), asyncio.Semaphore(in_flight)
+        named = [(f"floor-save/{run}/{n}", start, end) for n, (start, end) in enumerate(objects)]
+        keys.extend(key for key, _, _ in named)
+        await asyncio.gather(*(aio_object(key, start, end, slots) for key, start, end in named))
+
+    def aiohttp_save() -> None:
+        loop.run_until_complete(aio_all())
+
+    def forget() -> None:
+        # The last run's objects, out of the timed span (RGW's test OSD is small).
+        while keys:
+            check.delete_object(Bucket=bucket, Key=keys.pop())
+
+    rows: dict[str, Any] = {}
+    try:
+        for name, save in (
+            ("floor_save_aiohttp", aiohttp_save),
+            ("floor_save_sendall", sendall_save),
+        ):
+            rows[name] = measure(save, forget, repeats, list)
+            for n, (start, end) in enumerate(objects):
+                got = check.get_object(Bucket=bucket, Key=keys[n])["Body"].read()
+                if got != blob[start:end]:
+                    raise RuntimeError(f"{name}: object {n} stored wrong")
+        forget()
+    finally:
+        pool.shutdown()
     return rows
 
 
@@ -542,6 +692,8 @@ def table(res: dict[str, Any]) -> str:
         ("boto3 managed upload", "boto3_save", None),
         ("floor: aiohttp ranged GETs + CRC32C, into existing memory", None, "floor_load_aiohttp"),
         ("floor: http.client readinto + CRC32C, into existing memory", None, "floor_load_readinto"),
+        ("floor: aiohttp multipart upload + CRC32C per part", "floor_save_aiohttp", None),
+        ("floor: http.client sendall multipart + CRC32C per part", "floor_save_sendall", None),
         ("torch FsspecWriter/Reader", "fsspec_save", "fsspec_load"),
         ("objckpt async (commit / stall)", "objckpt_async", None),
         ("dcp.async_save thread (commit / stall)", "dcp_async", None),
