@@ -84,13 +84,16 @@ def against_plain(
     *,
     plain: str,
     reuse_reader: bool,
+    put_options: dict[str, Any] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """objckpt's save and load of ``state`` under ``root`` (``scheme://bucket``), and the
     client's own ``pipe`` and ``cat`` of objects of the checkpoint's payload sizes
     (rows ``<plain>_put``, ``<plain>_cat``): the floor for moving those bytes with that
     client, nothing checked. ``reuse_reader``: loads through one reader into tensors
     allocated and written once (a job restoring into its parameters), else through a
-    new reader each into tensors allocated once (written by the warm-up load only)."""
+    new reader each into tensors allocated once (written by the warm-up load only).
+    ``put_options``: keywords of the client's ``pipe`` that keep it checking nothing
+    where objckpt's filesystem would add a check."""
     size = nbytes(state)
     fs = Location.parse(f"{root}/x", options).open_fs(fresh=True)
 
@@ -121,7 +124,7 @@ def against_plain(
 
     def put() -> str:
         prefix = f"{bucket}/plain-{uuid.uuid4().hex[:8]}"
-        fs.pipe({f"{prefix}/{k}": b for k, b in blobs.items()})
+        fs.pipe({f"{prefix}/{k}": b for k, b in blobs.items()}, **(put_options or {}))
         return prefix
 
     out[f"{plain}_put"] = measure(put, moved, repeats)

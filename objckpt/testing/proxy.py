@@ -388,7 +388,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         decoded = self.headers.get("x-amz-decoded-content-length")
         sent = int(decoded) if decoded else len(body)
         amz = tuple(
-            sorted((k.lower(), v) for k, v in headers.items() if k.lower().startswith("x-amz-"))
+            sorted(
+                (k.lower(), v)
+                for k, v in headers.items()
+                if k.lower().startswith(("x-amz-", "x-ms-")) or k.lower() == "content-md5"
+            )
         )
         claimed = dict(amz).get("x-amz-checksum-crc32c")
         crc_ok = None
@@ -410,6 +414,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if rule is not None and rule.action == "session":
             self._session()
             return
+        if rule is not None and rule.action == "corrupt":
+            body = _damaged(body)
+            rule = None
         self.proxy._forwarding_change(+1)
         try:
             status, reason, out_headers, payload = self._forward(split, headers, body)
@@ -531,6 +538,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
 
 _ENTRY = re.compile(rb"<(Contents|CommonPrefixes|Upload)>.*?</\1>", re.DOTALL)
+
+
+def _damaged(body: bytes) -> bytes:
+    """``body`` with its middle byte inverted (an empty body stays empty: nothing to
+    damage)."""
+    if not body:
+        return body
+    at = len(body) // 2
+    return body[:at] + bytes([body[at] ^ 0xFF]) + body[at + 1 :]
 
 
 def _reversed_entries(payload: bytes) -> bytes:

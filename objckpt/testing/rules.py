@@ -14,7 +14,17 @@ from collections.abc import Mapping
 
 __all__ = ["ACTIONS", "Rule", "RuleState", "Seen"]
 
-ACTIONS = ("status", "reset", "stall", "hold", "truncate", "cut", "reorder", "session")
+ACTIONS = (
+    "status",
+    "reset",
+    "stall",
+    "hold",
+    "truncate",
+    "cut",
+    "reorder",
+    "session",
+    "corrupt",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +46,10 @@ class Rule:
             then answer a listing with its entries in reverse order, as S3 Express One
             Zone directory buckets list keys in no particular order), ``session``
             (answer a ``CreateSession`` with made-up session credentials, as S3 Express
-            One Zone does, for a server that has no such operation: moto).
+            One Zone does, for a server that has no such operation: moto), ``corrupt``
+            (forward the request with one byte of its body changed, its headers as
+            sent: a body damaged on the way, which a store that checks the
+            checksum the client sent refuses).
         nth: Break only the nth matching request (1-based).
         probability: Break each matching request with this probability.
         times: Break at most this many requests (None: no limit).
@@ -84,7 +97,8 @@ class Seen:
     fault: str | None
     #: Bytes of the request's payload (decoded from aws-chunked framing).
     sent: int = 0
-    #: The request's ``x-amz-*`` headers (checksums, payload hash), names lowercased.
+    #: The request's own headers, names lowercased: S3's ``x-amz-*`` (checksums,
+    #: payload hash), Azure's ``x-ms-*`` (``x-ms-content-crc64``), and ``Content-MD5``.
     amz: tuple[tuple[str, str], ...] = ()
     #: Whether the payload matches its ``x-amz-checksum-crc32c`` header (None: no header).
     crc32c_ok: bool | None = None

@@ -10,7 +10,8 @@ settles by reading the manifest back as on S3 and GCS
 is ours, anyone else's is ``CheckpointExistsError``.
 
 **Large objects** go up as Azure's multipart: blocks staged concurrently (Put Block,
-each with its Content-MD5, which the service checks) and made the blob in one
+each with its CRC64, which the service checks, as it checks every Put Blob's:
+:mod:`objckpt.writers.azureclient`) and made the blob in one
 Put Block List, so a reader sees either no blob or the whole of it, never a
 part (:class:`BlockUpload`). Blocks go up under the store's request limit
 (``UploadOptions.max_parts_in_flight``, AIMD like S3's parts), so the memory held is
@@ -169,18 +170,19 @@ class BlockUpload(PartedUpload):
         block_id = base64.b64encode(f"{self._prefix}-{len(self._blocks):06d}".encode()).decode()
         self._blocks.append(block_id)
         store = self._store
+        checks = store._fs.transit_check(data)  # here, not on the loop all uploads share
         store.acquire_slot()  # backpressure: at most max_parts_in_flight blocks in memory
-        fut = store.submit_coro(self._put_block(block_id, data))
+        fut = store.submit_coro(self._put_block(block_id, data, checks))
         fut.add_done_callback(store.release_slot)
         self._futures.append(
             translated_future(fut, store.location.url_of(self.key), "uploading a block of")
         )
 
-    async def _put_block(self, block_id: str, data: bytes) -> None:
+    async def _put_block(self, block_id: str, data: bytes, checks: dict[str, Any]) -> None:
+        """Stage one block, ``checks`` (its checksum, which the service checks) with it."""
         container, blob = self._store.container_blob(self.key)
         async with self._store._fs.service_client.get_blob_client(container, blob) as client:
-            # validate_content: the block's MD5 goes with it and the service checks it.
-            await client.stage_block(block_id, data, length=len(data), validate_content=True)
+            await client.stage_block(block_id, data, length=len(data), **checks)
 
     async def _commit(self) -> Any:
         container, blob = self._store.container_blob(self.key)
@@ -188,7 +190,7 @@ class BlockUpload(PartedUpload):
             return await client.commit_block_list(list(self._blocks), metadata=_BLOB_METADATA)
 
     def close(self) -> concurrent.futures.Future[None]:
-        if self._buf or not self._blocks:
+        if self._filled or not self._blocks:
             self._flush_part()
         self.crc32c = self._crc.hexdigest()
         return self._store.submit_call(self._finish)
@@ -214,7 +216,7 @@ class BlockUpload(PartedUpload):
         """Wait out blocks still in flight; staged blocks expire on their own (the
         module docstring). A block list whose answer was lost may have landed: the
         blob is deleted then."""
-        self._buf = bytearray()
+        self._drop_part()
         for fut in self._futures:
             fut.exception()
         if self._committing:

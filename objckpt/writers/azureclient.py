@@ -37,6 +37,18 @@ running") and aiohttp reports the session it never closed.
 (and an async credential) on the loop while it runs, and retires adlfs's two hooks
 for this filesystem, which have nothing left to do.
 
+**Checksums in transit.** Every Put Block and Put Blob carries a checksum of its
+body, which the service checks before it keeps anything
+(:meth:`~RetryingAzureBlobFileSystem.transit_check`): Azure's CRC64
+(``x-ms-content-crc64``, the CRC-64/NVME polynomial) where the body goes in one
+request, computed by anycrc (a C library of the ``azure`` extra; about 0.2
+CPU-s/GiB here, where Microsoft's own ``azure-storage-extensions``, which
+azure-storage-blob's ``validate_content="crc64"`` needs, costs 1.0 and the
+Content-MD5 of ``validate_content=True`` 1.8); otherwise (anycrc missing, or a
+Put Blob the SDK cuts into blocks) a Content-MD5 per request. adlfs sends Put Blob
+with neither, so a blob written in one request (a manifest, a small payload object)
+was not checked on the way.
+
 **Loads** write each downloaded chunk into the tensors' memory
 (:meth:`~RetryingAzureBlobFileSystem._cat_file_into`: azure-storage-blob's
 ``readinto``), where adlfs's ``cat_file`` joins a range's chunks first.
@@ -188,6 +200,16 @@ class ObjckptRetry(AsyncHTTPPolicy):
         )
 
 
+def _crc64_model() -> Any:
+    """anycrc's CRC-64/NVME, Azure's ``x-ms-content-crc64`` (None: anycrc is not
+    installed)."""
+    try:
+        import anycrc
+    except ImportError:
+        return None
+    return anycrc.Model("CRC64-NVME")
+
+
 class RetryingAzureBlobFileSystem(RetryingFileSystem, AzureBlobFileSystem):
     """adlfs's ``AzureBlobFileSystem`` whose requests follow a
     :class:`~objckpt.RetryPolicy` and the save's deadline, and whose connections can
@@ -205,7 +227,28 @@ class RetryingAzureBlobFileSystem(RetryingFileSystem, AzureBlobFileSystem):
             for k in ("connection_timeout", "read_timeout")
             if kwargs.get(k) is not None
         }
+        self._crc64 = _crc64_model()
         AzureBlobFileSystem.__init__(self, *args, **kwargs)
+
+    def transit_check(self, data: bytes, *, whole: bool = True) -> dict[str, Any]:
+        """The azure-storage-blob keywords that send ``data``'s checksum with it, for
+        the service to check before it keeps anything (see the module docstring):
+        its CRC64 where ``data`` goes in one request (``whole``: a Put Block, or a Put
+        Blob the SDK does not cut into blocks) and anycrc is installed, else a
+        Content-MD5 per request."""
+        if whole and self._crc64 is not None:
+            return {"transactional_content_crc64": self._crc64.calc(data).to_bytes(8, "little")}
+        return {"validate_content": True}
+
+    async def _pipe_file(self, path: str, value: Any, *args: Any, **kwargs: Any) -> Any:
+        """adlfs's Put Blob (``pipe_file``, ``mode="create"`` or not), with the body's
+        checksum (adlfs sends none). A body over the SDK's ``max_single_put_size`` goes
+        up as blocks, each with its MD5: a CRC64 of the whole would fit none of them."""
+        if not {"validate_content", "transactional_content_crc64"} & kwargs.keys():
+            config = getattr(self.service_client, "_config", None)
+            whole = len(value) <= getattr(config, "max_single_put_size", 0)
+            kwargs.update(self.transit_check(value, whole=whole))
+        return await super()._pipe_file(path, value, *args, **kwargs)
 
     def client_options(self) -> dict[str, Any]:
         """The keywords objckpt adds to the ``BlobServiceClient`` (see the module

@@ -90,7 +90,7 @@ class CompositeUpload(PartedUpload):
 
     def close(self) -> concurrent.futures.Future[None]:
         self._closed = True
-        if self._buf or not self._pieces:
+        if self._filled or not self._pieces:
             self._flush_part()
         self.crc32c = self._crc.hexdigest()
         return self._store.submit_call(self._finish)
@@ -154,7 +154,7 @@ class CompositeUpload(PartedUpload):
             logger.debug("could not delete the pieces of %s", self.key, exc_info=True)
 
     def abort(self) -> None:
-        self._buf = bytearray()
+        self._drop_part()
         for fut in self._futures:  # pieces still uploading would otherwise land later
             fut.exception()
         with self._lock:

@@ -1,7 +1,11 @@
 """Which failed store requests are worth another try, and which say "slow down".
 
 Transient: HTTP 503/SlowDown and 429, 500/InternalError, 502, 504, 408
-RequestTimeout, connection resets and refusals, timeouts, truncated responses.
+RequestTimeout, connection resets and refusals, timeouts, truncated responses, and a
+body the store refused because it did not match the checksum sent with it (S3's
+``BadDigest``, Azure's ``Md5Mismatch`` and ``Crc64Mismatch``: damaged on the way, sent
+again from the same bytes; bytes that changed under the upload fail every try, and
+``give_up_after`` ends them).
 Permanent (raised at once): 403, 404 (no bucket or key), 412 (the create-only commit
 lost), other 4xx answers, a TLS certificate the client does not trust, and a
 deadline that ran out. A transient failure that
@@ -64,7 +68,11 @@ _THROTTLE_CODES = frozenset(
         "ServerBusy",  # Azure Blob's throttling answer (503)
     }
 )
-_TRANSIENT_CODES = _THROTTLE_CODES | {"ServiceUnavailable", "InternalError", "RequestTimeout"}
+#: A body that did not match the checksum sent with it (a 400, but not the request's fault).
+_DAMAGED_CODES = frozenset({"BadDigest", "Md5Mismatch", "Crc64Mismatch"})
+_TRANSIENT_CODES = (
+    _THROTTLE_CODES | _DAMAGED_CODES | {"ServiceUnavailable", "InternalError", "RequestTimeout"}
+)
 _THROTTLE_STATUS = frozenset({429, 503})
 _TRANSIENT_STATUS = _THROTTLE_STATUS | {408, 500, 502, 504}
 

@@ -48,6 +48,7 @@ def _wrapped(cause: BaseException, outer: BaseException) -> BaseException:
         _client_error("AccessDenied", 403),
         _client_error("NoSuchKey", 404),
         _client_error("PreconditionFailed", 412),
+        _client_error("InvalidMd5", 400),  # a malformed header is sent malformed again
         _wrapped(_client_error("AccessDenied", 403), OSError(errno.EACCES, "denied")),
     ],
 )
@@ -66,6 +67,10 @@ def test_not_transient(exc: BaseException) -> None:
         # concurrency backs off, but it uses up attempts like any other failure.
         (_client_error("ServiceUnavailable", 503), True, False),
         (_client_error("InternalError", 500), False, False),
+        # A body that did not match the checksum sent with it: damaged on the way.
+        (_client_error("BadDigest", 400), False, False),
+        (_client_error("Md5Mismatch", 400), False, False),
+        (_client_error("Crc64Mismatch", 400), False, False),
         (_wrapped(_client_error("SlowDown", 503), OSError(errno.EBUSY, "SlowDown")), True, True),
         # s3fs's EBUSY without its cause: SlowDown, or a bare 503, or a 409: it counts.
         (OSError(errno.EBUSY, "busy"), True, False),
