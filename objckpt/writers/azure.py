@@ -170,7 +170,7 @@ class BlockUpload(PartedUpload):
         block_id = base64.b64encode(f"{self._prefix}-{len(self._blocks):06d}".encode()).decode()
         self._blocks.append(block_id)
         store = self._store
-        checks = store._fs.transit_check(data)  # here, not on the loop all uploads share
+        checks = store._fs.transit_check(data)  # on the writing thread, not the loop
         store.acquire_slot()  # backpressure: at most max_parts_in_flight blocks in memory
         fut = store.submit_coro(self._put_block(block_id, data, checks))
         fut.add_done_callback(store.release_slot)

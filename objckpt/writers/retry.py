@@ -53,7 +53,14 @@ from objckpt.writers.accounting import current_counter
 from objckpt.writers.deadline import Deadline, current_deadline
 from objckpt.writers.reads import SpanSink
 from objckpt.writers.throttle import Backoff, Slot, directory_of
-from objckpt.writers.transient import answer_of, asks_to_slow_down, is_throttle, is_transient
+from objckpt.writers.transient import (
+    DAMAGED_TRIES,
+    answer_of,
+    asks_to_slow_down,
+    is_damaged,
+    is_throttle,
+    is_transient,
+)
 from objckpt.writers.translate import describe
 
 __all__ = [
@@ -308,6 +315,7 @@ async def _with_retries(
     attempt = 0
     #: Attempts answered "slow down" by name, waited out under a bound (not counted).
     slowed = 0
+    damaged = 0  # attempts refused for their body's checksum
     first_failure: float | None = None
     started = time.monotonic()
     last: BaseException | None = None
@@ -351,6 +359,14 @@ async def _with_retries(
                 raise
             if deadline is not None and asks_to_slow_down(exc):
                 slowed += 1
+            damaged += is_damaged(exc)
+            if damaged >= DAMAGED_TRIES:
+                raise StoreRefusedError(
+                    f"{what()}: the store refused the body {damaged} times as not matching "
+                    "the checksum sent with it, so the bytes changed between the two "
+                    "(memory written while the save read it?) or something on the way "
+                    f"damages every request (last answer: {describe(exc)})"
+                ) from exc
             if not until_deadline and attempt - slowed >= policy.attempts:
                 since = now - (first_failure if first_failure is not None else started)
                 raise _given_up(what(), exc, attempt, since, "attempts") from exc

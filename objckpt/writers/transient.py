@@ -4,8 +4,8 @@ Transient: HTTP 503/SlowDown and 429, 500/InternalError, 502, 504, 408
 RequestTimeout, connection resets and refusals, timeouts, truncated responses, and a
 body the store refused because it did not match the checksum sent with it (S3's
 ``BadDigest``, Azure's ``Md5Mismatch`` and ``Crc64Mismatch``: damaged on the way, sent
-again from the same bytes; bytes that changed under the upload fail every try, and
-``give_up_after`` ends them).
+again from the same bytes, at most :data:`DAMAGED_TRIES` times in all, since bytes
+that changed under the upload fail every try: :func:`is_damaged`).
 Permanent (raised at once): 403, 404 (no bucket or key), 412 (the create-only commit
 lost), other 4xx answers, a TLS certificate the client does not trust, and a
 deadline that ran out. A transient failure that
@@ -28,7 +28,14 @@ import ssl
 from objckpt.errors import RequestDeadlineError, SaveDeadlineError, StoreRefusedError
 from objckpt.writers.translate import causes, service_error
 
-__all__ = ["answer_of", "asks_to_slow_down", "is_throttle", "is_transient"]
+__all__ = [
+    "DAMAGED_TRIES",
+    "answer_of",
+    "asks_to_slow_down",
+    "is_damaged",
+    "is_throttle",
+    "is_transient",
+]
 
 _TRANSIENT_ERRNOS = {errno.EBUSY, errno.EREMOTEIO, errno.ETIMEDOUT, errno.ECONNRESET, errno.EAGAIN}
 _TRANSIENT_NAMES = {
@@ -70,6 +77,10 @@ _THROTTLE_CODES = frozenset(
 )
 #: A body that did not match the checksum sent with it (a 400, but not the request's fault).
 _DAMAGED_CODES = frozenset({"BadDigest", "Md5Mismatch", "Crc64Mismatch"})
+#: Sends of one body the store refused for its checksum, the first included: damage on
+#: the way is rare (TCP and TLS check it too), so a third refusal says the bytes
+#: themselves changed between their checksum and their send.
+DAMAGED_TRIES = 3
 _TRANSIENT_CODES = (
     _THROTTLE_CODES | _DAMAGED_CODES | {"ServiceUnavailable", "InternalError", "RequestTimeout"}
 )
@@ -117,6 +128,11 @@ def asks_to_slow_down(exc: BaseException) -> bool:
     # Without the service's answer it is not known to be one: s3fs maps a bare 503,
     # ServiceUnavailable and a 409 to EBUSY as well as SlowDown (it counts).
     return code in _THROTTLE_CODES or status == 429
+
+
+def is_damaged(exc: BaseException) -> bool:
+    """The store refused a body that did not match the checksum sent with it."""
+    return _service_answer(exc)[0] in _DAMAGED_CODES
 
 
 def is_transient(exc: BaseException) -> bool:

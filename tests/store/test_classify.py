@@ -9,7 +9,7 @@ from botocore.exceptions import ClientError
 
 from objckpt.errors import AccessDeniedError, StoreError
 from objckpt.writers.retry import is_throttle, is_transient
-from objckpt.writers.transient import asks_to_slow_down
+from objckpt.writers.transient import asks_to_slow_down, is_damaged
 from objckpt.writers.translate import translate
 
 
@@ -111,3 +111,14 @@ def test_refusals_are_access_denied(exc: BaseException) -> None:
 def test_message_text_does_not_decide(exc: BaseException) -> None:
     err = translate(exc, url="s3://b/k", action="writing")
     assert type(err) is StoreError and "s3://b/k" in str(err)
+
+
+def test_a_body_refused_for_its_checksum_is_damaged_and_nothing_else_is() -> None:
+    """``is_damaged`` bounds how often such a body is sent again (the retry loop)."""
+    assert all(
+        is_damaged(_client_error(c, 400)) for c in ("BadDigest", "Md5Mismatch", "Crc64Mismatch")
+    )
+    assert not any(
+        is_damaged(e)
+        for e in (_client_error("InvalidMd5", 400), _client_error("SlowDown", 503), TimeoutError())
+    )
