@@ -575,8 +575,29 @@ def save_floor(
         starts = range(start, end, part)
         return [(n + 1, blob[at : min(at + part, end)]) for n, at in enumerate(starts)]
 
-    def crc(data: memoryview) -> str:
-        return base64.b64encode(crc32c.crc32c(data).to_bytes(4, "big")).decode()
+    def part_request(
+        key: str, upload: str, number: int, data: memoryview, body: type[StreamedBody]
+    ) -> dict[str, Any]:
+        """UploadPart's arguments: the part as a ``body``, its length and its CRC32C
+        (computed here, in the timed span)."""
+        crc = crc32c.crc32c(data)
+        return {
+            "Bucket": bucket,
+            "Key": key,
+            "UploadId": upload,
+            "PartNumber": number,
+            "Body": body(data),
+            "ContentLength": data.nbytes,
+            "ChecksumCRC32C": base64.b64encode(crc.to_bytes(4, "big")).decode(),
+        }
+
+    def part_done(asked: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+        """The part as CompleteMultipartUpload names it."""
+        return {
+            "PartNumber": asked["PartNumber"],
+            "ETag": answer["ETag"],
+            "ChecksumCRC32C": asked["ChecksumCRC32C"],
+        }
 
     class WholeBody(StreamedBody):
         """A part botocore accepts (file-like: it refuses a memoryview) whose view
@@ -604,17 +625,8 @@ def save_floor(
             started.append((key, made["UploadId"], start, end))
 
         def put(key: str, upload: str, number: int, data: memoryview) -> dict[str, Any]:
-            checksum = crc(data)
-            answer = sync.upload_part(
-                Bucket=bucket,
-                Key=key,
-                UploadId=upload,
-                PartNumber=number,
-                Body=WholeBody(data),
-                ContentLength=data.nbytes,
-                ChecksumCRC32C=checksum,
-            )
-            return {"PartNumber": number, "ETag": answer["ETag"], "ChecksumCRC32C": checksum}
+            asked = part_request(key, upload, number, data, WholeBody)
+            return part_done(asked, sync.upload_part(**asked))
 
         sent = [
             (key, upload, [pool.submit(put, key, upload, n, d) for n, d in parts(start, end)])
@@ -632,17 +644,8 @@ def save_floor(
 
         async def put(number: int, data: memoryview) -> dict[str, Any]:
             async with slots:
-                checksum = crc(data)
-                answer = await aio.upload_part(
-                    Bucket=bucket,
-                    Key=key,
-                    UploadId=upload,
-                    PartNumber=number,
-                    Body=StreamedBody(data),
-                    ContentLength=data.nbytes,
-                    ChecksumCRC32C=checksum,
-                )
-                return {"PartNumber": number, "ETag": answer["ETag"], "ChecksumCRC32C": checksum}
+                asked = part_request(key, upload, number, data, StreamedBody)
+                return part_done(asked, await aio.upload_part(**asked))
 
         done = await asyncio.gather(*(put(n, d) for n, d in parts(start, end)))
         await aio.complete_multipart_upload(
