@@ -243,7 +243,8 @@ class RetryingAzureBlobFileSystem(RetryingFileSystem, AzureBlobFileSystem):
         if whole and self._crc64 is not None:
             crc, view = None, memoryview(data).cast("B")
             # A MiB at a time: anycrc holds the GIL while it runs (~0.2 ms a MiB
-            # here), so the event loop and the other uploads get it back in between.
+            # here), so other threads get it back in between. A block's runs on the
+            # writing thread; a Put Blob's (at most two parts) on the event loop.
             for at in range(0, len(view), _CRC64_STEP):
                 crc = self._crc64.calc(view[at : at + _CRC64_STEP], crc)
             if crc is None:

@@ -363,9 +363,10 @@ async def _with_retries(
             if damaged >= DAMAGED_TRIES:
                 raise StoreRefusedError(
                     f"{what()}: the store refused the body {damaged} times as not matching "
-                    "the checksum sent with it, so the bytes changed between the two "
-                    "(memory written while the save read it?) or something on the way "
-                    f"damages every request (last answer: {describe(exc)})"
+                    "the checksum sent with it: something on the way damages every "
+                    "request, or the bytes changed between their checksum and their send "
+                    "(where they are sent from the caller's memory, as S3's parts are: "
+                    f"memory written while the save read it?) (last answer: {describe(exc)})"
                 ) from exc
             if not until_deadline and attempt - slowed >= policy.attempts:
                 since = now - (first_failure if first_failure is not None else started)
