@@ -241,14 +241,12 @@ class RetryingAzureBlobFileSystem(RetryingFileSystem, AzureBlobFileSystem):
         Blob the SDK does not cut into blocks) and anycrc is installed, else a
         Content-MD5 per request."""
         if whole and self._crc64 is not None:
-            crc, view = None, memoryview(data).cast("B")
+            crc, view = 0, memoryview(data).cast("B")  # 0: the CRC of no bytes
             # A MiB at a time: anycrc holds the GIL while it runs (~0.2 ms a MiB
             # here), so other threads get it back in between. A block's runs on the
             # writing thread; a Put Blob's (at most two parts) on the event loop.
             for at in range(0, len(view), _CRC64_STEP):
                 crc = self._crc64.calc(view[at : at + _CRC64_STEP], crc)
-            if crc is None:
-                crc = self._crc64.calc(b"")
             return {"transactional_content_crc64": crc.to_bytes(8, "little")}
         return {"validate_content": True}
 
