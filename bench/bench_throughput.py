@@ -563,7 +563,7 @@ def save_floor(
 
     import crc32c
 
-    from objckpt.writers.s3_body import StreamedBody
+    from objckpt.writers.body import StreamedBody
 
     defaults = objckpt.UploadOptions()
     part, size, in_flight = defaults.part_size, defaults.object_size, defaults.max_parts_in_flight

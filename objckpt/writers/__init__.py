@@ -1,14 +1,15 @@
 """The store layer: how bytes get onto and off each store family, behind one protocol.
 
 ``base`` is the protocol (:class:`ObjectStore`: writes, the commit, reads, ranged
-reads, listings, HEADs, deletes, and capability flags); ``s3`` (its uploads in ``s3_upload``
-and ``s3_body``), ``azure`` (Azure Blob through adlfs), ``generic`` (GCS, memory, any
-fsspec store; GCS composite uploads in ``gcs_compose``) and ``local`` implement it,
-and ``reads`` is how every family's bytes are read back. Beside them live what every store
-request needs: ``location`` (URL parsing and filesystem clients), ``clients`` (one
-client per process and store settings), ``retry`` and ``throttle`` (retry policy,
-back-off per key directory), ``translate`` (backend errors to objckpt's) and ``checksum``
-(CRC32C). Nothing here knows about DCP or manifests.
+reads, listings, HEADs, deletes, and capability flags); ``s3`` (its uploads in
+``s3_upload``), ``azure`` (Azure Blob through adlfs), ``generic`` (GCS, memory, any
+fsspec store; GCS composite uploads in ``gcs_compose``) and ``local`` implement it.
+``body`` is how S3, Azure and GCS cut a large object into parts and send each
+without copying it whole, and ``reads`` is how every family's bytes are read back.
+Beside them live what every store request needs: ``location`` (URL parsing and
+filesystem clients), ``clients`` (one client per process and store settings),
+``retry`` and ``throttle`` (retry policy, back-off per key directory), ``translate``
+(backend errors to objckpt's) and ``checksum`` (CRC32C). Nothing here knows about DCP or manifests.
 
 A family's module is imported when a location of its protocol is first opened: a
 process that saves to S3 never imports the GCS or local families, and s3fs itself is

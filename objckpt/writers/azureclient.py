@@ -73,6 +73,7 @@ from azure.core.exceptions import HttpResponseError, ResourceNotFoundError
 from azure.core.pipeline.policies import AsyncHTTPPolicy
 from fsspec.asyn import get_loop, sync, sync_wrapper
 
+from objckpt.writers.checksum import BytesLike
 from objckpt.writers.reads import SpanSink
 from objckpt.writers.retry import RetryingFileSystem, RetryPolicy, call_with_retries
 from objckpt.writers.throttle import Backoff, directory_of
@@ -234,19 +235,21 @@ class RetryingAzureBlobFileSystem(RetryingFileSystem, AzureBlobFileSystem):
         self._crc64 = _crc64_model()
         AzureBlobFileSystem.__init__(self, *args, **kwargs)
 
-    def transit_check(self, data: bytes, *, whole: bool = True) -> dict[str, Any]:
-        """The azure-storage-blob keywords that send ``data``'s checksum with it, for
-        the service to check before it keeps anything (see the module docstring):
-        its CRC64 where ``data`` goes in one request (``whole``: a Put Block, or a Put
-        Blob the SDK does not cut into blocks) and anycrc is installed, else a
-        Content-MD5 per request."""
+    def transit_check(self, *pieces: BytesLike, whole: bool = True) -> dict[str, Any]:
+        """The azure-storage-blob keywords that send the checksum of a body (``pieces``
+        back to back) with it, for the service to check before it keeps anything (see
+        the module docstring): its CRC64 where the body goes in one request
+        (``whole``: a Put Block, or a Put Blob the SDK does not cut into blocks) and
+        anycrc is installed, else a Content-MD5 per request."""
         if whole and self._crc64 is not None:
-            crc, view = 0, memoryview(data).cast("B")  # 0: the CRC of no bytes
+            crc = 0  # the CRC of no bytes
             # A MiB at a time: anycrc holds the GIL while it runs (~0.2 ms a MiB
             # here), so other threads get it back in between. A block's runs on the
             # writing thread; a Put Blob's (at most two parts) on the event loop.
-            for at in range(0, len(view), _CRC64_STEP):
-                crc = self._crc64.calc(view[at : at + _CRC64_STEP], crc)
+            for piece in pieces:
+                view = memoryview(piece).cast("B")
+                for at in range(0, len(view), _CRC64_STEP):
+                    crc = self._crc64.calc(view[at : at + _CRC64_STEP], crc)
             return {"transactional_content_crc64": crc.to_bytes(8, "little")}
         return {"validate_content": True}
 

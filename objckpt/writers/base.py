@@ -67,7 +67,7 @@ from fsspec.asyn import AsyncFileSystem, FSTimeoutError, sync
 import objckpt.writers.retry as retry
 from objckpt.errors import BucketNotFoundError
 from objckpt.options import UploadOptions
-from objckpt.writers.checksum import BytesLike, Crc32c, crc32c_of
+from objckpt.writers.checksum import BytesLike
 from objckpt.writers.deadline import Deadline, bounded_by, current_deadline
 from objckpt.writers.location import Location
 from objckpt.writers.reads import (
@@ -746,60 +746,6 @@ class ObjectStore(abc.ABC):
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None
-
-
-class PartedUpload(ObjectUpload):
-    """An upload that cuts its bytes into parts of ``part_size`` and sends each part as
-    it fills (:meth:`_flush_part`), feeding the whole object's CRC32C on the way:
-    the write side shared by stores whose large objects are parts committed in one
-    request at the end (Azure's staged blocks, GCS's composed pieces).
-
-    A part is held as the pieces written into it and joined into one ``bytes`` when it
-    is sent (the clients take ``bytes``): bytes written with :meth:`write_kept` are
-    copied once, there; bytes given to :meth:`write`, which the caller may reuse, are
-    copied when written and joined again."""
-
-    tracks_crc32c = True
-
-    def __init__(self, key: str, part_size: int) -> None:
-        super().__init__(key)
-        self._part_size = part_size
-        self._held: list[BytesLike] = []
-        self._filled = 0  # bytes held for the next part
-        self._crc = Crc32c()
-
-    def write(self, data: BytesLike) -> int:
-        return self._add(data, kept=False)
-
-    def write_kept(self, data: BytesLike) -> int:
-        return self._add(data, kept=True)
-
-    def _add(self, data: BytesLike, *, kept: bool) -> int:
-        crc = crc32c_of(data)
-        self._crc.feed(data, crc)
-        view = memoryview(data).cast("B")
-        while len(view):
-            piece = view[: self._part_size - self._filled]
-            self._held.append(piece if kept else bytes(piece))
-            self._filled += len(piece)
-            view = view[len(piece) :]
-            if self._filled == self._part_size:
-                self._flush_part()
-        return crc
-
-    def _take_part(self) -> bytes:
-        """The held bytes (a whole part, or the last one) as one ``bytes``, the part
-        emptied."""
-        held, self._held, self._filled = self._held, [], 0
-        return b"".join(held)
-
-    def _drop_part(self) -> None:
-        """Let go of the bytes held for the next part (an aborted upload)."""
-        self._held, self._filled = [], 0
-
-    @abc.abstractmethod
-    def _flush_part(self) -> None:
-        """Send :meth:`_take_part`'s bytes as the next part."""
 
 
 class BufferedUpload(ObjectUpload):

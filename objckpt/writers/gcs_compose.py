@@ -25,7 +25,9 @@ import threading
 from typing import TYPE_CHECKING
 
 from objckpt.errors import ChecksumMismatchError
-from objckpt.writers.base import PartedUpload, translated_future
+from objckpt.writers.base import translated_future
+from objckpt.writers.body import Part, PartedUpload
+from objckpt.writers.checksum import crc32c_combine, format_crc
 from objckpt.writers.translate import translate
 
 if TYPE_CHECKING:
@@ -74,9 +76,12 @@ class CompositeUpload(PartedUpload):
         self._temporary: list[str] = []  # every temporary object made so far
         self._lock = threading.Lock()
         self._closed = False
+        self._crc = 0  # of the pieces so far, combined
 
-    def _flush_part(self) -> None:
-        data = self._take_part()
+    def _part_full(self, part: Part) -> None:
+        # One ``bytes``: gcsfs builds each upload's body by concatenating it.
+        data = b"".join(part.pieces)
+        self._crc = crc32c_combine(self._crc, part.crc, part.size)
         key = piece_key(self.key, 0, len(self._pieces))
         self._pieces.append(key)
         self._sizes.append(len(data))
@@ -90,9 +95,9 @@ class CompositeUpload(PartedUpload):
 
     def close(self) -> concurrent.futures.Future[None]:
         self._closed = True
-        if self._filled or not self._pieces:
-            self._flush_part()
-        self.crc32c = self._crc.hexdigest()
+        if self._part.size or not self._pieces:
+            self._part_full(self._take_part())
+        self.crc32c = format_crc(self._crc)
         return self._store.submit_call(self._finish)
 
     def _finish(self) -> None:
@@ -154,7 +159,7 @@ class CompositeUpload(PartedUpload):
             logger.debug("could not delete the pieces of %s", self.key, exc_info=True)
 
     def abort(self) -> None:
-        self._drop_part()
+        self._take_part()
         for fut in self._futures:  # pieces still uploading would otherwise land later
             fut.exception()
         with self._lock:

@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING, Any
 from objckpt.errors import UploadError
 from objckpt.options import MAX_PARTS, S3_MAX_PUT
 from objckpt.writers.accounting import RequestCounter, counting, current_counter
-from objckpt.writers.base import ObjectUpload, translated_future
-from objckpt.writers.checksum import BytesLike, crc32c_combine, crc32c_of, format_crc, to_base64
-from objckpt.writers.s3_body import Part, StreamedBody
+from objckpt.writers.base import translated_future
+from objckpt.writers.body import Part, PartedUpload, StreamedBody
+from objckpt.writers.checksum import BytesLike, crc32c_combine, format_crc, to_base64
 from objckpt.writers.s3_settle import abort_orphans, landed, no_such_upload, refuses_parameters
 from objckpt.writers.translate import describe, translate
 
@@ -48,7 +48,7 @@ __all__ = ["S3Upload"]
 logger = logging.getLogger(__name__)
 
 
-class S3Upload(ObjectUpload):
+class S3Upload(PartedUpload):
     """One object: a single PUT when it fits in two parts (and in S3's 5 GiB limit of
     one PUT), else a multipart upload.
 
@@ -64,14 +64,10 @@ class S3Upload(ObjectUpload):
     (or ignores them) gets today's per-part checksums; the store remembers it.
     """
 
-    tracks_crc32c = True
-
     def __init__(self, store: S3Store, key: str, part_size: int) -> None:
-        super().__init__(key)
+        super().__init__(key, part_size)
         self._store = store
         self._bucket, self._obj = store.bucket_key(key)
-        self._part_size = part_size
-        self._part = Part()
         # The first full part waits here until a second one shows the object needs
         # multipart; objects up to two parts go up in a single request.
         self._held: Part | None = None
@@ -82,33 +78,6 @@ class S3Upload(ObjectUpload):
         self._full_object = False  # the store keeps the object's CRC32C
         self._lost_create = False  # a Create may have begun an upload we never heard of
         self._done = False
-
-    def write(self, data: BytesLike) -> int:
-        """Copy ``data`` into part buffers, hashing each byte once: the CRC32C of a
-        part (sent with it) and of ``data`` (returned) are built from the same pieces."""
-        return self._add(data, copy=True)
-
-    def write_kept(self, data: BytesLike) -> int:
-        """As :meth:`write`, but parts refer to ``data`` where it lies (no copy)."""
-        return self._add(data, copy=False)
-
-    def _add(self, data: BytesLike, *, copy: bool) -> int:
-        view = memoryview(data)
-        if view.format != "B" or view.ndim != 1:
-            view = view.cast("B")
-        pos, total = 0, len(view)
-        crc = 0
-        while pos < total:
-            take = min(total - pos, self._part_size - self._part.size)
-            piece = view[pos : pos + take]
-            piece_crc = crc32c_of(piece)
-            self._part.add(piece, piece_crc, copy=copy)
-            crc = crc32c_combine(crc, piece_crc, take) if pos else piece_crc
-            pos += take
-            if self._part.size == self._part_size:
-                full, self._part = self._part, Part()
-                self._part_full(full)
-        return crc
 
     def _part_full(self, full: Part) -> None:
         if self._upload_id is None and self._held is None:
@@ -197,8 +166,9 @@ class S3Upload(ObjectUpload):
             held, self._held = self._held, None
             self._send(held)
         if self._upload_id is None:
-            body = self._part if self._held is None else self._held + self._part
-            self._held, self._part = None, Part()
+            last = self._take_part()
+            body = last if self._held is None else self._held + last
+            self._held = None
             crc = body.crc
             self.crc32c = format_crc(crc)
             self._store.acquire_slot()
@@ -214,8 +184,7 @@ class S3Upload(ObjectUpload):
             fut.add_done_callback(self._store.release_slot)
             return translated_future(fut, url, "uploading")
         if self._part.size:
-            last, self._part = self._part, Part()
-            self._send(last)
+            self._send(self._take_part())
         self.crc32c = format_crc(self._crc)
         fut = self._store.submit_coro(self._complete())
         # Only now does the completion own the upload (it aborts it on failure): a
@@ -290,7 +259,7 @@ class S3Upload(ObjectUpload):
         await self._abort_orphans()
 
     def abort(self) -> None:
-        self._part = Part()
+        self._take_part()
         self._held = None
         if self._upload_id is not None and not self._done:
             self._done = True

@@ -1,14 +1,15 @@
-"""The write side shared by Azure's blocks and GCS's composed pieces
-(``PartedUpload``): parts of ``part_size`` in the order written, a ``write`` copied at
-once (the caller may reuse its buffer), a ``write_kept`` held as it lies and copied
-only when its part is sent (one copy of each byte instead of two)."""
+"""The write side shared by S3's parts, Azure's blocks and GCS's composed pieces
+(``PartedUpload``): parts of ``part_size`` in the order written, each with its CRC32C,
+a ``write`` copied at once (the caller may reuse its buffer), a ``write_kept`` held
+as it lies (a part refers to the caller's memory: no copy until it is sent, and none
+at all where the body is streamed, S3's and Azure's)."""
 
 from __future__ import annotations
 
 import concurrent.futures
 
-from objckpt.writers.base import PartedUpload
-from objckpt.writers.checksum import crc32c_of
+from objckpt.writers.body import Part, PartedUpload
+from objckpt.writers.checksum import crc32c_combine, crc32c_of, format_crc
 
 
 class Parts(PartedUpload):
@@ -16,21 +17,25 @@ class Parts(PartedUpload):
 
     def __init__(self, part_size: int) -> None:
         super().__init__("k", part_size)
-        self.parts: list[bytes] = []
+        self.held: list[Part] = []
+        self.parts: list[bytes] = []  # each part's bytes as they are when it is sent
+        self.crc = 0
 
-    def _flush_part(self) -> None:
-        self.parts.append(self._take_part())
+    def _part_full(self, part: Part) -> None:
+        self.held.append(part)
+        self.parts.append(b"".join(part.pieces))
+        self.crc = crc32c_combine(self.crc, part.crc, part.size)
 
     def close(self) -> concurrent.futures.Future[None]:
-        if self._filled:
-            self._flush_part()
-        self.crc32c = self._crc.hexdigest()
+        if self._part.size:
+            self._part_full(self._take_part())
+        self.crc32c = format_crc(self.crc)
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         done.set_result(None)
         return done
 
     def abort(self) -> None:
-        self._drop_part()
+        self._take_part()
 
 
 def test_parts_hold_what_was_written_in_order_across_part_boundaries() -> None:
@@ -41,6 +46,7 @@ def test_parts_hold_what_was_written_in_order_across_part_boundaries() -> None:
     upload.close().result()
     whole = b"".join(bytes(d) for d in written)
     assert upload.parts == [whole[at : at + 10] for at in range(0, len(whole), 10)]
+    assert [p.crc for p in upload.held] == [crc32c_of(p) for p in upload.parts]
     assert upload.crc32c == f"{crc32c_of(whole):08x}"
 
 
@@ -56,6 +62,9 @@ def test_write_copies_and_write_kept_reads_the_callers_bytes_when_the_part_is_se
     kept[:2] = b"BB"  # before its part is sent (the last part: at close)
     upload.close().result()
     assert upload.parts == [b"aaaaBBbb"]
+    # The kept bytes are referenced where they lie, not copied.
+    assert [bytes(p) for p in upload.held[0].pieces] == [b"aaaa", b"BBbb"]
+    assert upload.held[0].pieces[1].obj is kept  # type: ignore[union-attr]
 
 
 def test_an_abort_drops_what_was_held() -> None:

@@ -19,8 +19,8 @@ from objckpt.testing import MotoServer
 from objckpt.testing.plugin import StoreTarget
 from objckpt.writers import open_store
 from objckpt.writers import s3_upload as s3_writers
+from objckpt.writers.body import StreamedBody
 from objckpt.writers.location import Location
-from objckpt.writers.s3_body import StreamedBody
 
 MiB = 1024 * 1024
 
