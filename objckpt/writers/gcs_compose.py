@@ -79,17 +79,15 @@ class CompositeUpload(PartedUpload):
         self._crc = 0  # of the pieces so far, combined
 
     def _part_full(self, part: Part) -> None:
-        # One ``bytes``: gcsfs builds each upload's body by concatenating it.
-        data = b"".join(part.pieces)
         self._crc = crc32c_combine(self._crc, part.crc, part.size)
         key = piece_key(self.key, 0, len(self._pieces))
         self._pieces.append(key)
-        self._sizes.append(len(data))
+        self._sizes.append(part.size)
         with self._lock:
             self._temporary.append(key)
         store = self._store
         store.acquire_slot()  # backpressure: at most max_parts_in_flight pieces in memory
-        fut = store.submit_coro(store._fs._pipe_file(store.path(key), data))
+        fut = store.submit_coro(store._fs._put_piece(store.path(key), part.pieces, part.size))
         fut.add_done_callback(store.release_slot)
         self._futures.append(translated_future(fut, store.location.url_of(key), "uploading"))
 

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import json
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 from gcsfs import GCSFileSystem
 from gcsfs.retry import validate_response
 
+from objckpt.writers.body import StreamedBody
+from objckpt.writers.checksum import BytesLike
 from objckpt.writers.reads import SpanSink, receive_into
 from objckpt.writers.retry import RetryingFileSystem
 
@@ -84,6 +86,23 @@ class RetryingGCSFileSystem(RetryingFileSystem, GCSFileSystem):
         except Exception:  # a slot's directory must not fail the request
             name = ""
         return await self._retried(once, what, name, method, path, *args, **kwargs)
+
+    async def _put_piece(self, path: str, pieces: list[BytesLike], size: int) -> None:
+        """One object of ``size`` bytes, ``pieces`` back to back, sent where they lie
+        (a composite upload's piece): a media upload, whose body is the bytes alone,
+        streamed (:class:`~objckpt.writers.body.StreamedBody`; each retry sends it
+        from its start). gcsfs's ``pipe_file`` sends a multipart body it builds by
+        concatenation, a copy of every byte, which the event loop's transport then
+        copies again where the socket does not take it at once. A piece needs
+        none of what the multipart form adds (its own metadata)."""
+        bucket, name, _ = self.split_path(path)
+        await self._call(
+            "POST",
+            f"{self._location}/upload/storage/v1/b/{quote(bucket, safe='')}/o"
+            f"?uploadType=media&name={quote(name, safe='')}",
+            data=StreamedBody(pieces),
+            headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)},
+        )
 
     async def _cat_file_into(self, path: str, start: int, end: int, sink: SpanSink) -> int:
         """Bytes ``[start, end)`` of the object at ``path`` written into ``sink`` as

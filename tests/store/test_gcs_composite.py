@@ -4,12 +4,15 @@ fake-gcs-server (Go) and gcp-storage-emulator (Python)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 
-from objckpt import Location, UploadOptions
+from objckpt import Location, RetryPolicy, UploadOptions
 from objckpt.errors import ChecksumMismatchError
+from objckpt.testing import FaultProxy, Rule
 from objckpt.testing.plugin import StoreTarget
+from objckpt.testing.servers import FakeGcsServer
 from objckpt.writers import open_store
 from objckpt.writers.checksum import Crc32c
 from objckpt.writers.gcs_compose import CompositeUpload
@@ -87,27 +90,62 @@ def test_more_than_32_pieces_compose_through_intermediates(fake_gcs_bucket: Stor
     assert _names(store) == ["huge.distcp"]
 
 
-def test_a_damaged_piece_fails_the_object_and_leaves_nothing(
-    fake_gcs_bucket: StoreTarget, monkeypatch: pytest.MonkeyPatch
+@pytest.fixture
+def via(fake_gcs_server: FakeGcsServer, fake_gcs_bucket: StoreTarget) -> Iterator[FaultProxy]:
+    """A fault proxy in front of fake-gcs-server (pieces go up through it)."""
+    with FaultProxy(fake_gcs_server.endpoint_url) as proxy:
+        yield proxy
+
+
+def _proxied(target: StoreTarget, proxy: FaultProxy, name: str) -> GcsStore:
+    options = {**target.storage_options, "endpoint_url": proxy.endpoint_url}
+    policy = RetryPolicy(attempts=3, base_delay=0.01, max_delay=0.05, timeout=30)
+    store = open_store(
+        Location.parse(target.url(name), options, policy),
+        UploadOptions(part_size=PART, max_parts_in_flight=4),
+    )
+    assert isinstance(store, GcsStore)
+    return store
+
+
+def test_a_piece_damaged_on_the_way_fails_the_object_and_leaves_nothing(
+    fake_gcs_bucket: StoreTarget, via: FaultProxy
 ) -> None:
-    """A piece whose bytes change on the way (one byte flipped before the PUT): the
-    composite's CRC32C, computed by the server, differs from the one objckpt computed
-    while writing; the upload fails naming the object and deletes what it made."""
-    store = _store(fake_gcs_bucket, "damaged")
-    real = store._fs._pipe_file
-
-    async def flip(path: str, data: bytes, **kw: object) -> object:
-        if path.endswith("piece-0-00001"):
-            data = bytes([data[0] ^ 1]) + data[1:]
-        return await real(path, data, **kw)
-
-    monkeypatch.setattr(store._fs, "_pipe_file", flip)
+    """A piece whose bytes change on the way (one byte flipped in the request the
+    proxy forwards): the composite's CRC32C, computed by the server, differs from the
+    one objckpt computed while writing; the upload fails naming the object and
+    deletes what it made."""
+    via.add(Rule(key_contains="piece-0-00001", action="corrupt", nth=1))
+    store = _proxied(fake_gcs_bucket, via, "damaged")
     data = os.urandom(3 * PART)
-    upload = store.begin("bad.distcp", len(data))
-    upload.write(data)
-    with pytest.raises(ChecksumMismatchError, match=r"bad\.distcp: the composed object"):
+    try:
+        upload = store.begin("bad.distcp", len(data))
+        upload.write(data)
+        with pytest.raises(ChecksumMismatchError, match=r"bad\.distcp: the composed object"):
+            upload.close().result(120)
+        assert via.count("CompleteMultipartUpload", faulted=True) == 1  # the piece's POST
+        assert _names(store) == []
+    finally:
+        store.close()
+
+
+def test_a_piece_whose_request_failed_is_sent_again_whole(
+    fake_gcs_bucket: StoreTarget, via: FaultProxy
+) -> None:
+    """A piece goes up streamed from where its bytes lie; a try cut off (a reset
+    before the server saw it) is sent again from the piece's first byte, and the
+    object is what was written."""
+    via.add(Rule(key_contains="piece-0-00001", action="reset", nth=1))
+    store = _proxied(fake_gcs_bucket, via, "resent")
+    data = os.urandom(3 * PART + 99)
+    try:
+        upload = store.begin("again.distcp", len(data))
+        upload.write_kept(data)
         upload.close().result(120)
-    assert _names(store) == []
+        assert store.read("again.distcp") == data
+        assert via.count("CompleteMultipartUpload", faulted=True) == 1
+    finally:
+        store.close()
 
 
 def test_gc_removes_pieces_a_crash_left_in_a_single_checkpoint(
