@@ -751,8 +751,9 @@ class ObjectStore(abc.ABC):
 class BufferedUpload(ObjectUpload):
     """Collects the object in memory and writes it in one call on close.
 
-    Used by stores without a parallel multipart API in objckpt yet (GCS, memory,
-    any fsspec store). Memory use is the object's size.
+    Used for Azure's objects of up to two parts (one Put Blob), and by stores
+    without an upload of their own in objckpt (memory, any fsspec store). Memory use
+    is the object's size.
     """
 
     def __init__(self, store: ObjectStore, key: str, size_hint: int) -> None:

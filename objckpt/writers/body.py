@@ -33,7 +33,9 @@ class StreamedBody:
     is written a slice at a time with a drain between slices, so the copies are gone and
     each connection buffers at most one slice. botocore sees a sized, seekable stream
     (``read``/``seek``/``tell``), which it may rewind before a retry; each send streams
-    the whole body from the start.
+    the whole body from the start. ``read`` resumes where the last one stopped (an
+    SDK that hashes a body reads it 4 KiB at a time; azure-storage-blob's Content-MD5
+    does), so reading the whole body costs one pass, however many pieces it has.
 
     ``data`` is one buffer or a sequence of them (a part gathered from several
     places: a frame's head, a staged tensor's bytes, its tail), sent in order.
@@ -46,25 +48,37 @@ class StreamedBody:
         self._size = sum(v.nbytes for v in self._views)
         self._chunk = chunk
         self._pos = 0
+        self._at = (0, 0)  # the view ``_pos`` lies in, and the offset in it
 
     def __len__(self) -> int:
         return self._size
 
     def read(self, size: int | None = -1) -> bytes:
         end = self._size if size is None or size < 0 else min(self._pos + size, self._size)
-        out = bytearray()
-        start = 0
-        for view in self._views:
-            stop = start + view.nbytes
-            if stop > self._pos and start < end:
-                out += view[max(self._pos - start, 0) : min(end, stop) - start]
-            start = stop
-        self._pos += len(out)
-        return bytes(out)
+        out: list[memoryview] = []
+        index, offset = self._at
+        while self._pos < end:
+            view = self._views[index]
+            take = min(view.nbytes - offset, end - self._pos)
+            out.append(view[offset : offset + take])
+            self._pos += take
+            offset += take
+            if offset == view.nbytes:
+                index, offset = index + 1, 0
+        self._at = (index, offset)
+        return b"".join(out)
 
     def seek(self, offset: int, whence: int = 0) -> int:
         base = (0, self._pos, self._size)[whence]
         self._pos = max(0, min(base + offset, self._size))
+        left = self._pos
+        for index, view in enumerate(self._views):
+            if left < view.nbytes:
+                self._at = (index, left)
+                break
+            left -= view.nbytes
+        else:
+            self._at = (len(self._views), 0)
         return self._pos
 
     def tell(self) -> int:

@@ -1,4 +1,13 @@
-"""GCS parallel composite uploads: parts as temporary objects, then ``compose``.
+"""GCS uploads: one streamed request for an object of up to two parts
+(:class:`MediaUpload`), parallel composite uploads above (:class:`CompositeUpload`).
+
+Both send bytes where they lie
+(:meth:`~objckpt.writers.gcsclient.RetryingGCSFileSystem._put_streamed`), and both
+check the object GCS made against the CRC32C objckpt computed while the bytes were
+written: a single request's from GCS's answer to it, a composite's from a read of its
+metadata after ``compose``.
+
+Composite uploads: parts as temporary objects, then ``compose``.
 
 Why: a GCS object uploaded in one request is one stream, and a resumable upload
 takes its chunks strictly in order, so neither puts several connections to work
@@ -27,13 +36,20 @@ from typing import TYPE_CHECKING
 from objckpt.errors import ChecksumMismatchError
 from objckpt.writers.base import translated_future
 from objckpt.writers.body import Part, PartedUpload
-from objckpt.writers.checksum import crc32c_combine, format_crc
+from objckpt.writers.checksum import crc32c_combine, crc_from_base64, format_crc
 from objckpt.writers.translate import translate
 
 if TYPE_CHECKING:
     from objckpt.writers.generic import GcsStore
 
-__all__ = ["COMPOSE_LIMIT", "PIECE_MARK", "CompositeUpload", "piece_key", "piece_owner"]
+__all__ = [
+    "COMPOSE_LIMIT",
+    "PIECE_MARK",
+    "CompositeUpload",
+    "MediaUpload",
+    "piece_key",
+    "piece_owner",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +80,61 @@ def piece_owner(name: str) -> str | None:
     return match.group(1) if match else None
 
 
+class MediaUpload(PartedUpload):
+    """An object of up to two parts: held as written (a ``write_kept``'s bytes where
+    they lie) and sent in one streamed request on close. GCS answers with the object
+    it made; an object whose size or CRC32C is not what was written is deleted and
+    fails the upload (:class:`~objckpt.errors.ChecksumMismatchError`): no request
+    more than the upload itself while nothing is damaged, where gcsfs's upload
+    checked nothing."""
+
+    def __init__(self, store: GcsStore, key: str, part_size: int) -> None:
+        super().__init__(key, part_size)
+        self._store = store
+        self._parts: list[Part] = []
+        self._closed = False
+
+    def _part_full(self, part: Part) -> None:
+        self._parts.append(part)  # all of it goes in one request, on close
+
+    def close(self) -> concurrent.futures.Future[None]:
+        self._closed = True
+        body, self._parts = sum((*self._parts, self._take_part()), Part()), []
+        self.crc32c = format_crc(body.crc)
+        store = self._store
+        store.acquire_slot()
+        fut = store.submit_coro(self._send(body))
+        fut.add_done_callback(store.release_slot)
+        return translated_future(fut, store.location.url_of(self.key), "uploading")
+
+    async def _send(self, body: Part) -> None:
+        fs, path = self._store._fs, self._store.path(self.key)
+        made = await fs._put_streamed(path, body.pieces, body.size)
+        size, crc = int(made.get("size", body.size)), made.get("crc32c")
+        if size != body.size or (crc and crc_from_base64(crc) != self.crc32c):
+            url = self._store.location.url_of(self.key)
+            try:  # the damaged object goes at once, not at the caller's abort (if any)
+                await fs._rm_file(path)
+            except Exception:  # best effort: an uncommitted object is garbage for gc anyway
+                logger.debug("could not remove damaged object %s", self.key, exc_info=True)
+            raise ChecksumMismatchError(
+                f"{url}: GCS made an object of {size} bytes with CRC32C "
+                f"{crc_from_base64(crc) if crc else None}; {body.size} bytes with CRC32C "
+                f"{self.crc32c} were sent"
+            )
+
+    def abort(self) -> None:
+        self._take_part()
+        self._parts = []
+        if self._closed:  # sent, maybe made (a damaged one, or an answer lost)
+            try:
+                self._store._fs.rm_file(self._store.path(self.key))
+            except FileNotFoundError:
+                pass
+            except Exception:  # best effort: an uncommitted object is garbage for gc anyway
+                logger.debug("could not remove aborted object %s", self.key, exc_info=True)
+
+
 class CompositeUpload(PartedUpload):
     """One large GCS object, uploaded as concurrent pieces and composed on close."""
 
@@ -87,7 +158,7 @@ class CompositeUpload(PartedUpload):
             self._temporary.append(key)
         store = self._store
         store.acquire_slot()  # backpressure: at most max_parts_in_flight pieces in memory
-        fut = store.submit_coro(store._fs._put_piece(store.path(key), part.pieces, part.size))
+        fut = store.submit_coro(store._fs._put_streamed(store.path(key), part.pieces, part.size))
         fut.add_done_callback(store.release_slot)
         self._futures.append(translated_future(fut, store.location.url_of(key), "uploading"))
 

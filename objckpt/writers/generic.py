@@ -19,7 +19,7 @@ import threading
 from objckpt.errors import AccessDeniedError
 from objckpt.writers.base import PREFLIGHT_GRACE, BufferedUpload, ObjectStore, ObjectUpload
 from objckpt.writers.checksum import crc_from_base64
-from objckpt.writers.gcs_compose import CompositeUpload
+from objckpt.writers.gcs_compose import CompositeUpload, MediaUpload
 from objckpt.writers.translate import translate
 
 __all__ = ["GcsStore", "GenericStore", "MemoryStore"]
@@ -87,12 +87,12 @@ class GcsStore(GenericStore):
             )
 
     def begin(self, key: str, size_hint: int) -> ObjectUpload:
-        """Objects up to two parts go up in one request; larger ones as parallel
-        composite uploads (:mod:`objckpt.writers.gcs_compose`)."""
+        """Objects up to two parts go up in one streamed request; larger ones as
+        parallel composite uploads (:mod:`objckpt.writers.gcs_compose`)."""
         part = self.parted_part_size(size_hint)
         if part is not None:
             return CompositeUpload(self, key, part)
-        return BufferedUpload(self, key, size_hint)
+        return MediaUpload(self, key, self.options.part_size)
 
     def create(self, key: str, data: bytes, *, overwrite: bool = False) -> None:
         # A 412 may reach here by another route than gcsfs's FileExistsError.

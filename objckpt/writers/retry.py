@@ -365,8 +365,9 @@ async def _with_retries(
                     f"{what()}: the store refused the body {damaged} times as not matching "
                     "the checksum sent with it: something on the way damages every "
                     "request, or the bytes changed between their checksum and their send "
-                    "(where they are sent from the caller's memory, as S3's parts are: "
-                    f"memory written while the save read it?) (last answer: {describe(exc)})"
+                    "(a part is sent from the caller's memory, as S3's parts and Azure's "
+                    "blocks are: memory written while the save read it?) "
+                    f"(last answer: {describe(exc)})"
                 ) from exc
             if not until_deadline and attempt - slowed >= policy.attempts:
                 since = now - (first_failure if first_failure is not None else started)

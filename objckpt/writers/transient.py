@@ -80,7 +80,7 @@ _DAMAGED_CODES = frozenset({"BadDigest", "Md5Mismatch", "Crc64Mismatch"})
 #: Sends of one body the store refused for its checksum, the first included: damage on
 #: the way is rare (TCP and TLS check it too), so a third refusal says the path damages
 #: every request, or the bytes changed between their checksum and their send (S3's
-#: parts go from the caller's memory; Azure's bodies are copies, checksummed as sent).
+#: parts and Azure's blocks go from the caller's memory).
 DAMAGED_TRIES = 3
 _TRANSIENT_CODES = (
     _THROTTLE_CODES | _DAMAGED_CODES | {"ServiceUnavailable", "InternalError", "RequestTimeout"}

@@ -209,6 +209,23 @@ def _committed(azurite: Azurite, container: str, name: str) -> tuple[list[int], 
         return [b.size for b in blob.get_block_list("committed")[0]], blob.download_blob().readall()
 
 
+def test_a_large_object_that_wrote_nothing_is_an_empty_blob(
+    az_container: StoreTarget, azurite: Azurite
+) -> None:
+    """An upload begun for a large object (staged blocks) that is closed with nothing
+    written commits one empty block: an empty blob, not an error."""
+    location = Location.parse(az_container.url("empty"), az_container.storage_options)
+    store = open_store(location, UploadOptions(part_size=5 * MiB))
+    try:
+        upload = store.begin("e.bin", 100 * MiB)
+        assert isinstance(upload, BlockUpload)
+        upload.close().result(timeout=120)
+        assert upload.crc32c == "00000000"
+    finally:
+        store.close()
+    assert _committed(azurite, az_container.bucket, "t/empty/e.bin")[1] == b""
+
+
 @pytest.mark.parametrize(("tail", "blocks"), [(4_731, 3), (5 * MiB, 4)], ids=["short", "long"])
 def test_a_short_tail_is_no_block_of_its_own(
     az_container: StoreTarget, azurite: Azurite, tail: int, blocks: int

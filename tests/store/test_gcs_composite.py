@@ -12,10 +12,11 @@ from objckpt import Location, RetryPolicy, UploadOptions
 from objckpt.errors import ChecksumMismatchError
 from objckpt.testing import FaultProxy, Rule
 from objckpt.testing.plugin import StoreTarget
+from objckpt.testing.rules import Seen
 from objckpt.testing.servers import FakeGcsServer
 from objckpt.writers import open_store
 from objckpt.writers.checksum import Crc32c
-from objckpt.writers.gcs_compose import CompositeUpload
+from objckpt.writers.gcs_compose import CompositeUpload, MediaUpload
 from objckpt.writers.generic import GcsStore
 
 MiB = 1 << 20
@@ -108,6 +109,12 @@ def _proxied(target: StoreTarget, proxy: FaultProxy, name: str) -> GcsStore:
     return store
 
 
+def _uploads(proxy: FaultProxy) -> list[Seen]:
+    """The uploads the proxy saw (POSTs to the upload endpoint; the object's name is
+    in the query, which the proxy does not record)."""
+    return [s for s in proxy.seen if s.method == "POST" and s.path.startswith("/upload/")]
+
+
 def test_a_piece_damaged_on_the_way_fails_the_object_and_leaves_nothing(
     fake_gcs_bucket: StoreTarget, via: FaultProxy
 ) -> None:
@@ -123,7 +130,7 @@ def test_a_piece_damaged_on_the_way_fails_the_object_and_leaves_nothing(
         upload.write(data)
         with pytest.raises(ChecksumMismatchError, match=r"bad\.distcp: the composed object"):
             upload.close().result(120)
-        assert via.count("CompleteMultipartUpload", faulted=True) == 1  # the piece's POST
+        assert [s.fault for s in _uploads(via) if s.fault] == ["corrupt"]
         assert _names(store) == []
     finally:
         store.close()
@@ -143,7 +150,35 @@ def test_a_piece_whose_request_failed_is_sent_again_whole(
         upload.write_kept(data)
         upload.close().result(120)
         assert store.read("again.distcp") == data
-        assert via.count("CompleteMultipartUpload", faulted=True) == 1
+        faults = [s.fault for s in _uploads(via)]
+        # Three pieces (the short tail rides with the last), one of them sent twice.
+        assert faults.count("reset") == 1 and faults.count(None) == 3, faults
+    finally:
+        store.close()
+
+
+def test_a_small_object_damaged_on_the_way_fails_and_is_deleted(
+    fake_gcs_bucket: StoreTarget, via: FaultProxy
+) -> None:
+    """An object of up to two parts goes up in one streamed request; GCS answers with
+    the object it made, whose CRC32C is checked against the one computed while the
+    bytes were written: a byte flipped on the way fails the upload, naming the
+    object, and the damaged object is deleted (gcsfs's upload kept it, unchecked)."""
+    via.add(Rule(key_contains="small.distcp", action="corrupt", nth=1))
+    store = _proxied(fake_gcs_bucket, via, "small")
+    data = os.urandom(PART + 5)
+    try:
+        upload = store.begin("small.distcp", len(data))
+        assert isinstance(upload, MediaUpload)
+        upload.write_kept(data)
+        with pytest.raises(ChecksumMismatchError, match=r"small\.distcp: GCS made an object"):
+            upload.close().result(120)
+        assert _names(store) == []  # deleted by the upload itself (no abort called)
+        upload = store.begin("small.distcp", len(data))  # the next try is not damaged
+        upload.write(data)
+        upload.close().result(120)
+        assert store.read("small.distcp") == data
+        assert [s.fault for s in _uploads(via)] == ["corrupt", None]  # one request a try
     finally:
         store.close()
 

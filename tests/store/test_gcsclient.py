@@ -63,6 +63,16 @@ def test_the_gcsfs_internals_a_ranged_read_into_memory_uses_are_there() -> None:
         validate_response(404, b"", "b/k")
 
 
+def test_the_gcsfs_internals_a_streamed_upload_uses_are_there() -> None:
+    """What ``_put_streamed`` sends its media upload with: ``_call`` (which hands its
+    keywords to ``_request`` and parses the answer with ``json_out``) and the
+    endpoint's ``_location``."""
+    names = list(inspect.signature(GCSFileSystem._call).parameters)
+    assert names[:3] == ["self", "method", "path"] and "json_out" in names, names
+    fs = GCSFileSystem(token="anon", endpoint_url="http://127.0.0.1:9")
+    assert fs._location == "http://127.0.0.1:9"
+
+
 @pytest.fixture(params=["gcp-storage-emulator", "fake-gcs-server"])
 def any_gcs(request: pytest.FixtureRequest) -> StoreTarget:
     """A bucket on each GCS test server."""

@@ -218,6 +218,10 @@ def test_streamed_body_of_several_pieces_reads_seeks_and_streams_them_in_order()
     assert body.read() == whole[1286:] and body.read() == b""
     assert body.seek(2) == 2 and body.read(3) == whole[2:5]
     assert body.seek(-7, 2) == 1282 and body.read() == whole[-7:]
+    # Read in small steps (as an SDK hashing the body reads it), across every piece.
+    body.seek(0)
+    steps = list(iter(lambda: body.read(7), b""))
+    assert b"".join(steps) == whole and {len(r) for r in steps[:-1]} == {7}
 
 
 @pytest.mark.parametrize("parts", [1, 3], ids=["one-put", "multipart"])
