@@ -11,9 +11,12 @@ client), on the state dict of ``bench_sync.py``:
 * ``gcsfs_put`` / ``gcsfs_cat``: gcsfs's ``pipe`` / ``cat`` of objects of the same
   sizes as the checkpoint's payload objects (all at once, gcsfs's own batching):
   the floor for moving those bytes with gcsfs, with nothing checked.
-* ``composite`` / ``single_request``: one object of ``--object-mib`` through
-  :class:`~objckpt.writers.gcs_compose.CompositeUpload` (16 MiB pieces, 8 in flight)
-  and through one ``pipe_file`` request.
+* ``composite`` / ``single_request`` / ``media_request``: one object of
+  ``--object-mib`` through :class:`~objckpt.writers.gcs_compose.CompositeUpload`
+  (16 MiB pieces, 8 in flight), through gcsfs's ``pipe_file`` (one request, or
+  resumable chunks of 50 MiB in turn above that), and through
+  :class:`~objckpt.writers.gcs_compose.MediaUpload` (one streamed request: what
+  objckpt sends for an object of up to two parts).
 
 Every figure is the median of ``--repeats`` runs after one warm-up; CPU is this
 process's user+system seconds (the server runs in its own process), per GiB moved.
@@ -47,7 +50,7 @@ from objckpt import Location, UploadOptions
 from objckpt.testing.servers import offline_env, start_fake_gcs_server
 from objckpt.writers import open_store
 from objckpt.writers.base import BufferedUpload
-from objckpt.writers.gcs_compose import CompositeUpload
+from objckpt.writers.gcs_compose import CompositeUpload, MediaUpload
 
 log = logging.getLogger("bench")
 GiB = 1 << 30
@@ -163,21 +166,24 @@ def main() -> None:
         data = os.urandom(args.object_mib * MiB)
         opts = UploadOptions(part_size=args.part_mib * MiB, max_parts_in_flight=8)
 
-        def one_object(composite: bool) -> None:
+        def one_object(how: str) -> None:
             store = open_store(
                 Location.parse(f"gs://bench/obj-{uuid.uuid4().hex[:8]}", options), opts
             )
             upload = store.begin("big.distcp", len(data))
-            if not composite:
+            assert isinstance(upload, CompositeUpload)
+            if how == "gcsfs":
                 upload = BufferedUpload(store, "big.distcp", len(data))
-            assert isinstance(upload, CompositeUpload) == composite
+            elif how == "media":
+                upload = MediaUpload(store, "big.distcp", opts.part_size)
             for i in range(0, len(data), 8 * MiB):
                 upload.write(data[i : i + 8 * MiB])
             upload.close().result()
             store.close()
 
-        results["composite"] = measure(lambda: one_object(True), len(data), args.repeats)
-        results["single_request"] = measure(lambda: one_object(False), len(data), args.repeats)
+        results["composite"] = measure(lambda: one_object("composite"), len(data), args.repeats)
+        results["single_request"] = measure(lambda: one_object("gcsfs"), len(data), args.repeats)
+        results["media_request"] = measure(lambda: one_object("media"), len(data), args.repeats)
     finally:
         server.stop()
     fields = {"size_bytes": size, "object_bytes": args.object_mib * MiB, "results": results}
