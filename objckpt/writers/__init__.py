@@ -4,8 +4,8 @@
 reads, listings, HEADs, deletes, and capability flags); ``s3`` (its uploads in
 ``s3_upload``), ``azure`` (Azure Blob through adlfs), ``generic`` (GCS, memory, any
 fsspec store; GCS composite uploads in ``gcs_compose``) and ``local`` implement it.
-``body`` is how S3, Azure and GCS cut a large object into parts and send each
-without copying it whole, and ``reads`` is how every family's bytes are read back.
+``body`` holds a part's bytes as written and sends them without copying them whole
+(S3, Azure and GCS), and ``reads`` is how every family's bytes are read back.
 Beside them live what every store request needs: ``location`` (URL parsing and
 filesystem clients), ``clients`` (one client per process and store settings),
 ``retry`` and ``throttle`` (retry policy, back-off per key directory), ``translate``

@@ -54,9 +54,10 @@ from objckpt.writers.base import (
     BufferedUpload,
     ObjectStore,
     ObjectUpload,
+    PartedUpload,
     translated_future,
 )
-from objckpt.writers.body import Part, PartedUpload, StreamedBody
+from objckpt.writers.body import Part, StreamedBody
 from objckpt.writers.checksum import crc32c_combine, format_crc
 from objckpt.writers.translate import causes, precondition_failed, service_error, translate
 

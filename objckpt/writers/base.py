@@ -67,7 +67,8 @@ from fsspec.asyn import AsyncFileSystem, FSTimeoutError, sync
 import objckpt.writers.retry as retry
 from objckpt.errors import BucketNotFoundError
 from objckpt.options import UploadOptions
-from objckpt.writers.checksum import BytesLike
+from objckpt.writers.body import Part
+from objckpt.writers.checksum import BytesLike, crc32c_combine, crc32c_of
 from objckpt.writers.deadline import Deadline, bounded_by, current_deadline
 from objckpt.writers.location import Location
 from objckpt.writers.reads import (
@@ -746,6 +747,57 @@ class ObjectStore(abc.ABC):
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None
+
+
+class PartedUpload(ObjectUpload):
+    """An upload that cuts its bytes into parts of ``part_size`` and hands each to
+    :meth:`_part_full` as it fills: the write side of every store whose large objects
+    are parts (S3's multipart, Azure's staged blocks, GCS's composed pieces).
+
+    Each byte is hashed once: the CRC32C of a part and of a write (returned) are
+    built from the same pieces, and a subclass combines the parts' into the object's.
+    """
+
+    tracks_crc32c = True
+
+    def __init__(self, key: str, part_size: int) -> None:
+        super().__init__(key)
+        self._part_size = part_size
+        self._part = Part()
+
+    def write(self, data: BytesLike) -> int:
+        """Copy ``data`` into the part (the caller may reuse its buffer)."""
+        return self._add(data, copy=True)
+
+    def write_kept(self, data: BytesLike) -> int:
+        """As :meth:`write`, but the part refers to ``data`` where it lies (no copy)."""
+        return self._add(data, copy=False)
+
+    def _add(self, data: BytesLike, *, copy: bool) -> int:
+        view = memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        pos, total = 0, len(view)
+        crc = 0
+        while pos < total:
+            take = min(total - pos, self._part_size - self._part.size)
+            piece = view[pos : pos + take]
+            piece_crc = crc32c_of(piece)
+            self._part.add(piece, piece_crc, copy=copy)
+            crc = crc32c_combine(crc, piece_crc, take) if pos else piece_crc
+            pos += take
+            if self._part.size == self._part_size:
+                self._part_full(self._take_part())
+        return crc
+
+    def _take_part(self) -> Part:
+        """The part written so far (a whole one, or the last), a new one begun."""
+        part, self._part = self._part, Part()
+        return part
+
+    @abc.abstractmethod
+    def _part_full(self, part: Part) -> None:
+        """A part of ``part_size`` bytes was written: send it (or hold it)."""
 
 
 class BufferedUpload(ObjectUpload):

@@ -3,23 +3,22 @@ and sent without copying them whole.
 
 A part is 16 MiB by default (``UploadOptions.part_size``) and a save sends many
 at once, so every whole copy of a part costs real host memory and a pass over it.
-:class:`PartedUpload` cuts what is written into parts, each a :class:`Part`
-(small writes copied into one buffer, kept writes referenced where they lie, with
-its CRC32C); :class:`StreamedBody` hands a part's pieces to aiohttp a slice at a
-time, so neither aiohttp nor the event loop's transport copies the part whole.
+:class:`~objckpt.writers.base.PartedUpload` cuts what is written into parts, each a
+:class:`Part` (small writes copied into one buffer, kept writes referenced where they
+lie, with its CRC32C); :class:`StreamedBody` hands a part's pieces to aiohttp a slice
+at a time, so neither aiohttp nor the event loop's transport copies the part whole.
 One implementation for every store that uploads in parts, so a part is cut,
-checksummed and held the same way on each.
+checksummed and held the same way on each. It imports nothing of objckpt's but
+checksums, so every store client may use it.
 """
 
 from __future__ import annotations
 
-import abc
 from collections.abc import AsyncIterator
 
-from objckpt.writers.base import ObjectUpload
 from objckpt.writers.checksum import COMBINE_ABOVE, BytesLike, crc32c_combine, crc32c_of
 
-__all__ = ["Part", "PartedUpload", "StreamedBody"]
+__all__ = ["Part", "StreamedBody"]
 
 
 class StreamedBody:
@@ -97,8 +96,9 @@ class StreamedBody:
 class Part:
     """The bytes of one part as they arrive, with their size and CRC32C.
 
-    Copies of what :meth:`PartedUpload.write` got (consecutive small writes share
-    one buffer) and, without a copy, what :meth:`PartedUpload.write_kept` got.
+    Copies of what :meth:`~objckpt.writers.base.PartedUpload.write` got (consecutive
+    small writes share one buffer) and, without a copy, what
+    :meth:`~objckpt.writers.base.PartedUpload.write_kept` got.
     """
 
     def __init__(self) -> None:
@@ -129,54 +129,3 @@ class Part:
         joined.size = self.size + other.size
         joined.crc = crc32c_combine(self.crc, other.crc, other.size)
         return joined
-
-
-class PartedUpload(ObjectUpload):
-    """An upload that cuts its bytes into parts of ``part_size`` and hands each to
-    :meth:`_part_full` as it fills: the write side of every store whose large objects
-    are parts (S3's multipart, Azure's staged blocks, GCS's composed pieces).
-
-    Each byte is hashed once: the CRC32C of a part and of a write (returned) are
-    built from the same pieces, and a subclass combines the parts' into the object's.
-    """
-
-    tracks_crc32c = True
-
-    def __init__(self, key: str, part_size: int) -> None:
-        super().__init__(key)
-        self._part_size = part_size
-        self._part = Part()
-
-    def write(self, data: BytesLike) -> int:
-        """Copy ``data`` into the part (the caller may reuse its buffer)."""
-        return self._add(data, copy=True)
-
-    def write_kept(self, data: BytesLike) -> int:
-        """As :meth:`write`, but the part refers to ``data`` where it lies (no copy)."""
-        return self._add(data, copy=False)
-
-    def _add(self, data: BytesLike, *, copy: bool) -> int:
-        view = memoryview(data)
-        if view.format != "B" or view.ndim != 1:
-            view = view.cast("B")
-        pos, total = 0, len(view)
-        crc = 0
-        while pos < total:
-            take = min(total - pos, self._part_size - self._part.size)
-            piece = view[pos : pos + take]
-            piece_crc = crc32c_of(piece)
-            self._part.add(piece, piece_crc, copy=copy)
-            crc = crc32c_combine(crc, piece_crc, take) if pos else piece_crc
-            pos += take
-            if self._part.size == self._part_size:
-                self._part_full(self._take_part())
-        return crc
-
-    def _take_part(self) -> Part:
-        """The part written so far (a whole one, or the last), a new one begun."""
-        part, self._part = self._part, Part()
-        return part
-
-    @abc.abstractmethod
-    def _part_full(self, part: Part) -> None:
-        """A part of ``part_size`` bytes was written: send it (or hold it)."""

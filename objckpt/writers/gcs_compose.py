@@ -34,8 +34,8 @@ import threading
 from typing import TYPE_CHECKING
 
 from objckpt.errors import ChecksumMismatchError
-from objckpt.writers.base import translated_future
-from objckpt.writers.body import Part, PartedUpload
+from objckpt.writers.base import PartedUpload, translated_future
+from objckpt.writers.body import Part
 from objckpt.writers.checksum import crc32c_combine, crc_from_base64, format_crc
 from objckpt.writers.translate import translate
 

@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any
 from objckpt.errors import UploadError
 from objckpt.options import MAX_PARTS, S3_MAX_PUT
 from objckpt.writers.accounting import RequestCounter, counting, current_counter
-from objckpt.writers.base import translated_future
-from objckpt.writers.body import Part, PartedUpload, StreamedBody
+from objckpt.writers.base import PartedUpload, translated_future
+from objckpt.writers.body import Part, StreamedBody
 from objckpt.writers.checksum import BytesLike, crc32c_combine, format_crc, to_base64
 from objckpt.writers.s3_settle import abort_orphans, landed, no_such_upload, refuses_parameters
 from objckpt.writers.translate import describe, translate

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import concurrent.futures
 
-from objckpt.writers.body import Part, PartedUpload
+from objckpt.writers.base import PartedUpload
+from objckpt.writers.body import Part
 from objckpt.writers.checksum import crc32c_combine, crc32c_of, format_crc
 
 
