@@ -3,7 +3,7 @@
 ``base`` is the protocol (:class:`ObjectStore`: writes, the commit, reads, ranged
 reads, listings, HEADs, deletes, and capability flags); ``s3`` (its uploads in
 ``s3_upload``), ``azure`` (Azure Blob through adlfs), ``generic`` (GCS, memory, any
-fsspec store; GCS composite uploads in ``gcs_compose``) and ``local`` implement it.
+fsspec store; GCS's uploads in ``gcs_compose``) and ``local`` implement it.
 ``body`` holds a part's bytes as written and sends them without copying them whole
 (S3, Azure and GCS), and ``reads`` is how every family's bytes are read back.
 Beside them live what every store request needs: ``location`` (URL parsing and

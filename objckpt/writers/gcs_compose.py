@@ -83,29 +83,51 @@ def piece_owner(name: str) -> str | None:
 class MediaUpload(PartedUpload):
     """An object of up to two parts: held as written (a ``write_kept``'s bytes where
     they lie) and sent in one streamed request on close. GCS answers with the object
-    it made; an object whose size or CRC32C is not what was written is deleted and
-    fails the upload (:class:`~objckpt.errors.ChecksumMismatchError`): no request
-    more than the upload itself while nothing is damaged, where gcsfs's upload
-    checked nothing."""
+    it made; an object whose size, or CRC32C where the answer has one, is not what was
+    written is deleted and fails the upload
+    (:class:`~objckpt.errors.ChecksumMismatchError`): no request more than the upload
+    itself while nothing is damaged, where gcsfs's upload checked nothing.
+
+    An object that outgrows its size hint (a writer that cannot know its size begins
+    with 0) is handed to a :class:`CompositeUpload` when a third part fills, the two
+    held parts first: no object larger than two parts goes in one request, and the
+    memory held stays bounded as a composite upload's is."""
 
     def __init__(self, store: GcsStore, key: str, part_size: int) -> None:
         super().__init__(key, part_size)
         self._store = store
         self._parts: list[Part] = []
+        self._composite: CompositeUpload | None = None
+        self._sent: concurrent.futures.Future[None] | None = None
         self._closed = False
 
     def _part_full(self, part: Part) -> None:
-        self._parts.append(part)  # all of it goes in one request, on close
+        if self._composite is None and len(self._parts) < 2:
+            self._parts.append(part)  # all of it goes in one request, on close
+            return
+        if self._composite is None:
+            self._composite = CompositeUpload(self._store, self.key, self._part_size)
+            held, self._parts = self._parts, []
+            for earlier in held:
+                self._composite._part_full(earlier)
+        self._composite._part_full(part)
 
     def close(self) -> concurrent.futures.Future[None]:
-        self._closed = True
+        if self._composite is not None:
+            last = self._take_part()
+            if last.size:
+                self._composite._part_full(last)
+            done = self._composite.close()
+            self.crc32c = self._composite.crc32c
+            return done
         body, self._parts = sum((*self._parts, self._take_part()), Part()), []
         self.crc32c = format_crc(body.crc)
         store = self._store
         store.acquire_slot()
-        fut = store.submit_coro(self._send(body))
-        fut.add_done_callback(store.release_slot)
-        return translated_future(fut, store.location.url_of(self.key), "uploading")
+        self._closed = True  # from here an object may be made
+        self._sent = store.submit_coro(self._send(body))
+        self._sent.add_done_callback(store.release_slot)
+        return translated_future(self._sent, store.location.url_of(self.key), "uploading")
 
     async def _send(self, body: Part) -> None:
         fs, path = self._store._fs, self._store.path(self.key)
@@ -126,6 +148,11 @@ class MediaUpload(PartedUpload):
     def abort(self) -> None:
         self._take_part()
         self._parts = []
+        if self._composite is not None:
+            self._composite.abort()
+            return
+        if self._sent is not None:
+            self._sent.exception()  # the send ends first: its object would land after
         if self._closed:  # sent, maybe made (a damaged one, or an answer lost)
             try:
                 self._store._fs.rm_file(self._store.path(self.key))

@@ -1,8 +1,8 @@
 """Any fsspec store: GCS, memory, and a best-effort fallback for the rest.
 
-GCS objects larger than two parts upload as parallel composite uploads
-(:mod:`objckpt.writers.gcs_compose`); everything else is buffered and written in
-one request.
+GCS objects go up streamed (:mod:`objckpt.writers.gcs_compose`): up to two parts in
+one request, larger ones as parallel composite uploads. Every other store's objects
+are buffered and written in one request.
 
 GCS commits with ``ifGenerationMatch=0`` (gcsfs's ``mode="create"``), which the
 service enforces atomically. The memory store is process-local, so a lock makes

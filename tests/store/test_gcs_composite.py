@@ -91,6 +91,32 @@ def test_more_than_32_pieces_compose_through_intermediates(fake_gcs_bucket: Stor
     assert _names(store) == ["huge.distcp"]
 
 
+@pytest.mark.parametrize(("parts", "composed"), [(2, False), (5, True)], ids=["two", "five"])
+def test_an_object_of_unknown_size_goes_in_one_request_up_to_two_parts_then_composed(
+    gcs: StoreTarget, parts: int, composed: bool
+) -> None:
+    """A writer that cannot know an object's size begins it with a hint of 0 (a
+    torch_checkpointing file): up to two parts it is one request; a third part hands
+    it to a composite upload (never one request of any size, held whole in memory)."""
+    store = _store(gcs, f"unknown-{parts}")
+    data = os.urandom(parts * PART - 17)
+    try:
+        upload = store.begin("u.bin", 0)
+        assert isinstance(upload, MediaUpload)
+        for i in range(0, len(data), 3 * MiB + 7):
+            upload.write(data[i : i + 3 * MiB + 7])
+        upload.close().result(120)
+        assert (upload._composite is not None) is composed
+        crc = Crc32c()
+        crc.update(data)
+        assert upload.crc32c == crc.hexdigest()
+        assert store.read("u.bin") == data
+        assert store.digest("u.bin") == (len(data), crc.hexdigest())
+        assert _names(store) == ["u.bin"]  # no piece left behind
+    finally:
+        store.close()
+
+
 @pytest.fixture
 def via(fake_gcs_server: FakeGcsServer, fake_gcs_bucket: StoreTarget) -> Iterator[FaultProxy]:
     """A fault proxy in front of fake-gcs-server (pieces go up through it)."""
