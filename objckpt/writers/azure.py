@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
-import logging
 import uuid
 from typing import Any
 
@@ -62,8 +61,6 @@ from objckpt.writers.checksum import crc32c_combine, format_crc
 from objckpt.writers.translate import causes, precondition_failed, service_error, translate
 
 __all__ = ["AzureStore", "BlockUpload"]
-
-logger = logging.getLogger(__name__)
 
 #: Azure's largest block (Put Block, service versions 2019-12-12 and later):
 #: 4,000 MiB, below S3's largest part.
@@ -228,9 +225,4 @@ class BlockUpload(PartedUpload):
         for fut in self._futures:
             fut.exception()
         if self._committing:
-            try:
-                self._store._fs.rm_file(self._store.path(self.key))
-            except FileNotFoundError:
-                pass
-            except Exception:  # best effort: an uncommitted object is garbage for gc anyway
-                logger.debug("could not remove aborted blob %s", self.key, exc_info=True)
+            self._store.remove_aborted(self.key)

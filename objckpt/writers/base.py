@@ -710,6 +710,14 @@ class ObjectStore(abc.ABC):
         except Exception as exc:
             raise translate(exc, url=self.location.url_of(key), action="deleting") from exc
 
+    def remove_aborted(self, key: str) -> None:
+        """Best effort :meth:`delete` of an object an aborted upload may have made:
+        one left behind is named by no manifest, garbage for ``objckpt gc``."""
+        try:
+            self.delete(key)
+        except Exception:
+            logger.debug("could not remove aborted object %s", key, exc_info=True)
+
     def delete_many(self, keys: Sequence[str]) -> None:
         """Remove objects in batched requests where the store has them (absent ones
         are fine).
@@ -836,10 +844,7 @@ class BufferedUpload(ObjectUpload):
     def abort(self) -> None:
         self._buf = bytearray()
         if self._closed:
-            try:
-                self._store._fs.rm_file(self._store.path(self.key))
-            except Exception:  # best effort: an uncommitted object is garbage for gc anyway
-                logger.debug("could not remove aborted object %s", self.key, exc_info=True)
+            self._store.remove_aborted(self.key)
 
 
 def translated_future(

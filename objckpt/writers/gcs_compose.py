@@ -154,12 +154,7 @@ class MediaUpload(PartedUpload):
         if self._sent is not None:
             self._sent.exception()  # the send ends first: its object would land after
         if self._closed:  # sent, maybe made (a damaged one, or an answer lost)
-            try:
-                self._store._fs.rm_file(self._store.path(self.key))
-            except FileNotFoundError:
-                pass
-            except Exception:  # best effort: an uncommitted object is garbage for gc anyway
-                logger.debug("could not remove aborted object %s", self.key, exc_info=True)
+            self._store.remove_aborted(self.key)
 
 
 class CompositeUpload(PartedUpload):
