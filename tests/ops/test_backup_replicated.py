@@ -13,12 +13,12 @@ import pytest
 import torch
 from helpers import save
 
-from objckpt import Location, UploadOptions
+from objckpt import Location, UploadOptions, write_stock_metadata
 from objckpt.format.layout import METADATA_KEY, is_objckpt_payload
 from objckpt.format.manifest import read_manifest
 from objckpt.format.steps import StepPlaces, step_name
 from objckpt.ops.run.backup import BackupTarget, Replicator
-from objckpt.ops.run.backup_wait import VerifiedObjects, poll_backup
+from objckpt.ops.run.backup_wait import VerifiedObjects, poll_backup, replica_manifest
 from objckpt.testing import FaultProxy, MotoServer, Rule
 from objckpt.testing.plugin import StoreTarget
 from objckpt.writers import open_store
@@ -33,16 +33,19 @@ def replica_bucket(s3_bucket: StoreTarget, moto_server: MotoServer) -> str:
     return REPLICA
 
 
-def _save_step(s3_bucket: StoreTarget, step: int) -> str:
-    """A committed step with a multipart payload (16 MiB in 6 MiB parts) and small
-    objects; returns the step's key prefix."""
+def _save_step(s3_bucket: StoreTarget, step: int, *, stock: bool = True) -> str:
+    """A committed step with a multipart payload (16 MiB in 5 MiB parts) and small
+    objects; returns the step's key prefix. Without ``stock`` the save writes no
+    ``.metadata`` (as above ``stock_metadata_max_ranks``)."""
     g = torch.Generator().manual_seed(step)
     state = {"big": torch.randn(4 * MiB, generator=g), "small": torch.randn(100, generator=g)}
     save(
         state,
         s3_bucket.url(f"run/{step_name(step)}"),
         s3_bucket,
-        upload=UploadOptions(part_size=5 * MiB),
+        upload=UploadOptions(
+            part_size=5 * MiB, **({} if stock else {"stock_metadata_max_ranks": 0})
+        ),
     )
     return f"t/run/{step_name(step)}/"
 
@@ -162,3 +165,96 @@ def test_a_verified_object_that_changes_is_checked_again(
     finally:
         store.close()
     assert why is not None and payload in why and "CRC32C" in why
+
+
+def _unnamed_metadata_step(s3_bucket: StoreTarget) -> tuple[str, Location]:
+    """Step 1 whose ``.metadata`` no manifest names: the save wrote none and
+    ``write_stock_metadata`` wrote it after the commit, as an async save of several
+    ranks does. Returns the step's key prefix and its location."""
+    prefix = _save_step(s3_bucket, 1, stock=False)
+    primary = Location.parse(s3_bucket.url(f"run/{step_name(1)}"), s3_bucket.storage_options)
+    write_stock_metadata(primary)
+    store = open_store(primary)
+    try:
+        assert read_manifest(store).object(METADATA_KEY) is None and store.exists(METADATA_KEY)
+    finally:
+        store.close()
+    return prefix, primary
+
+
+def test_a_replica_is_not_backed_up_before_the_metadata_no_manifest_names_arrives(
+    s3_bucket: StoreTarget, moto_server: MotoServer, replica_bucket: str, s3_proxy: FaultProxy
+) -> None:
+    """The manifest and every object it names have arrived, the primary's
+    ``.metadata`` (written after the commit, named by no manifest) has not: stock DCP
+    readers could not load the replica, so the step is not counted as backed up until
+    it arrives."""
+    prefix, _ = _unnamed_metadata_step(s3_bucket)
+    client = moto_server.boto3_client()
+    late = prefix + METADATA_KEY
+    for key in _keys(client, s3_bucket.bucket, prefix):
+        if key != late:
+            _replicate(client, s3_bucket.bucket, key)
+    looks = Rule(operation="HeadObject", key_contains=late, action="stall", stall=0)
+    s3_proxy.add(looks)
+    replicator, step_1 = _replicator(s3_bucket, s3_proxy)
+    try:
+        backed_up = replicator.submit(step_1)
+        with concurrent.futures.ThreadPoolExecutor(1) as watch:
+            # Poll 2 began (poll 1 is over), or the step was counted as backed up.
+            looked = watch.submit(s3_proxy.wait_for, None, faulted=True, count=2)
+            concurrent.futures.wait([backed_up, looked], return_when="FIRST_COMPLETED")
+            assert not backed_up.done(), "backed up before the replica held .metadata"
+            looked.result()
+        assert replicator.lacking(1)  # every named object matched; .metadata missing
+        _replicate(client, s3_bucket.bucket, late)
+        replicator.wait(timeout=120)
+    finally:
+        replicator.close()
+    assert replicator.lacking(1) == []
+    assert replicator.status([])[0].error is None
+
+
+def test_a_replica_holding_another_attempt_s_metadata_is_not_in_place(
+    s3_bucket: StoreTarget, moto_server: MotoServer, replica_bucket: str
+) -> None:
+    """A ``.metadata`` left in the replica by an earlier save of the step is named:
+    stock readers would load the wrong checkpoint there."""
+    prefix, primary = _unnamed_metadata_step(s3_bucket)
+    client = moto_server.boto3_client()
+    for key in _keys(client, s3_bucket.bucket, prefix):
+        _replicate(client, s3_bucket.bucket, key)
+    client.put_object(Bucket=REPLICA, Key=prefix + METADATA_KEY, Body=b"an earlier attempt's")
+    dest = Location.parse(f"s3://{REPLICA}/{prefix.rstrip('/')}", s3_bucket.storage_options)
+    store = open_store(dest)
+    verified = VerifiedObjects()
+    try:
+        expected = replica_manifest(primary, read_manifest(store))
+        assert expected.object(METADATA_KEY) is not None
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            why = poll_backup(verified, store, expected, pool)
+            assert why is not None and METADATA_KEY in why
+            _replicate(client, s3_bucket.bucket, prefix + METADATA_KEY)
+            assert poll_backup(verified, store, expected, pool) is None
+    finally:
+        store.close()
+
+
+def test_a_step_whose_primary_has_no_metadata_is_backed_up_without_one(
+    s3_bucket: StoreTarget, moto_server: MotoServer, replica_bucket: str, s3_proxy: FaultProxy
+) -> None:
+    """A save that wrote no ``.metadata`` (above ``stock_metadata_max_ranks``) leaves
+    none to wait for: the replica is in place with the manifest's objects."""
+    prefix = _save_step(s3_bucket, 1, stock=False)
+    client = moto_server.boto3_client()
+    keys = _keys(client, s3_bucket.bucket, prefix)
+    assert prefix + METADATA_KEY not in keys
+    for key in keys:
+        _replicate(client, s3_bucket.bucket, key)
+    replicator, step_1 = _replicator(s3_bucket, s3_proxy)
+    try:
+        replicator.submit(step_1)
+        replicator.wait(timeout=120)
+    finally:
+        replicator.close()
+    assert replicator.lacking(1) == []

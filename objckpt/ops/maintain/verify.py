@@ -81,6 +81,8 @@ __all__ = [
     "copy_object",
     "open_manifest",
     "require_loadable",
+    "unnamed_metadata_check",
+    "unnamed_metadata_entry",
     "verify_checkpoint",
 ]
 
@@ -307,14 +309,14 @@ def unnamed_metadata_check(
     return ObjectCheck(METADATA_KEY, size, crc, size, crc, problem)
 
 
-def _unnamed_metadata(src: ObjectStore, attempt: str) -> ObjectEntry | bool | None:
-    """The entry to copy a ``.metadata`` the manifest does not name by (written after
-    the source's commit, or on demand, #46): its size and CRC32C as the read that
-    checked it found them, where it names ``attempt``; None where it is not there or
-    names another attempt (logged); False where it could not be read (logged): a copy
-    is not refused for want of what only stock readers use, and it then leaves the
-    destination's ``.metadata`` as it is (it may be this very checkpoint's, where the
-    copy resumes one that got that far)."""
+def unnamed_metadata_entry(src: ObjectStore, attempt: str) -> ObjectEntry | bool | None:
+    """The entry a copy or a replica of ``src`` must hold for a ``.metadata`` the
+    manifest does not name (written after the source's commit, or on demand, #46): its
+    size and CRC32C as the read that checked it found them, where it names ``attempt``;
+    None where it is not there or names another attempt (logged); False where it
+    could not be read (logged). A copy is not refused for want of what only stock
+    readers use: it then leaves the destination's ``.metadata`` as it is (it may be
+    this very checkpoint's, where the copy resumes one that got that far)."""
     where = src.location.url_of(METADATA_KEY)
     try:
         if not src.exists(METADATA_KEY):
@@ -530,7 +532,7 @@ def commit_copy(
         )
     metadata: ObjectEntry | bool | None = manifest.object(METADATA_KEY)
     if metadata is None:  # checked here, before the commit: nothing raises after it
-        metadata = _unnamed_metadata(src, manifest.attempt)
+        metadata = unnamed_metadata_entry(src, manifest.attempt)
     require_present(dst, rest)
     require_referenced(dst, refs)
     put_manifest(dst, manifest.to_json_bytes(), overwrite=overwrite)

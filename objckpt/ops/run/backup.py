@@ -12,7 +12,8 @@ target on one background thread (saves and training never wait for it):
   like a primary one. The target's own retention policy then runs there.
 * ``mode="replicated"``: the buckets replicate themselves (S3 Cross-Region
   Replication, a GCS transfer job). objckpt copies nothing; it polls until the
-  replica's manifest and objects exist and match, and only then counts the
+  replica's manifest and objects exist and match (with the primary's ``.metadata``
+  where no manifest names it), and only then counts the
   step as backed up, reading each object back at most once
   (:mod:`objckpt.ops.run.backup_wait`). Deletion there is the replication rules' business.
 
@@ -36,7 +37,7 @@ from objckpt.format.steps import committed_steps as list_committed
 from objckpt.ops.maintain.gc import delete_step
 from objckpt.ops.maintain.retention import RetentionPolicy
 from objckpt.ops.maintain.verify import copy_checkpoint, open_manifest
-from objckpt.ops.run.backup_wait import VerifiedObjects, await_backup
+from objckpt.ops.run.backup_wait import VerifiedObjects, await_backup, replica_manifest
 from objckpt.writers import open_store
 from objckpt.writers.location import Location
 
@@ -251,6 +252,7 @@ class Replicator:
                     manifest = open_manifest(store)
                 finally:
                     store.close()
+            replica: Manifest | None = None  # what a replicated target must hold, once
             for state, dest in zip(self._states, places.backups, strict=True):
                 target = state.target
                 started = time.monotonic()
@@ -259,10 +261,11 @@ class Replicator:
                         report = copy_checkpoint(source, dest, manifest=manifest)
                         how = f"{report.server_side} server-side, {report.streamed} streamed"
                     else:
+                        replica = replica or replica_manifest(source, manifest)
                         await_backup(
                             state.verified,
                             dest,
-                            manifest,
+                            replica,
                             timeout=target.replica_timeout,
                             interval=self._poll,
                         )

@@ -4,7 +4,9 @@ each object at most once.
 Why a module of its own: a ``replicated`` backup target (:mod:`objckpt.ops.run.backup`)
 is filled by the store (S3 Cross-Region Replication, a GCS transfer job), and
 objckpt only checks it, poll after poll, until the step's manifest and every object
-it names are there and match. Each object is checked by the full-object CRC32C the
+it names are there and match, and the ``.metadata`` the primary wrote after its commit
+(no manifest names it; stock DCP readers need it) where the primary holds this
+attempt's. Each object is checked by the full-object CRC32C the
 store keeps where it keeps one (one HEAD; S3 replicates the checksum objckpt's
 uploads ask for), else by reading it back across regions. Done on every poll, that
 read was the bill: a step whose last object arrives late had every other object
@@ -25,12 +27,13 @@ import time
 from collections.abc import Iterable, Sequence
 
 from objckpt.errors import BackupError
+from objckpt.format.layout import METADATA_KEY
 from objckpt.format.manifest import Manifest, ObjectEntry
-from objckpt.ops.maintain.verify import check_backup_copy
+from objckpt.ops.maintain.verify import check_backup_copy, unnamed_metadata_entry
 from objckpt.writers import ObjectStore, open_store
 from objckpt.writers.location import Location
 
-__all__ = ["VerifiedObjects", "await_backup", "poll_backup"]
+__all__ = ["VerifiedObjects", "await_backup", "poll_backup", "replica_manifest"]
 
 #: What a check found for one object: the store's (size, tag) and the manifest
 #: entry's (size, CRC32C) it matched.
@@ -97,6 +100,28 @@ class VerifiedObjects:
         return len(self._seen)
 
 
+def replica_manifest(source: Location, manifest: Manifest) -> Manifest:
+    """``manifest`` with what its replica must hold besides the objects it names: the
+    ``.metadata`` ``source`` holds for its attempt where the manifest does not name
+    it (an async save of several ranks writes it after the commit, and
+    ``write_stock_metadata`` on demand). Replication copies each object on its own
+    and in no order, so a replica whose manifest and payloads arrived may still lack
+    it, or hold another attempt's: stock DCP readers could not load it, or would load
+    the wrong checkpoint. Read once per step, as a copy reads it
+    (:func:`~objckpt.ops.maintain.verify.unnamed_metadata_entry`); where the primary
+    has none for this attempt, or it cannot be read (logged), nothing is added."""
+    if manifest.object(METADATA_KEY) is not None:
+        return manifest
+    store = open_store(source)
+    try:
+        entry = unnamed_metadata_entry(store, manifest.attempt)
+    finally:
+        store.close()
+    if not isinstance(entry, ObjectEntry):
+        return manifest
+    return dataclasses.replace(manifest, objects=(*manifest.objects, entry))
+
+
 def poll_backup(
     verified: VerifiedObjects,
     store: ObjectStore,
@@ -127,7 +152,8 @@ def await_backup(
     interval: float,
 ) -> None:
     """Poll ``dest`` every ``interval`` seconds until it holds ``manifest``'s
-    checkpoint whole; then ``verified`` keeps that step's objects only.
+    checkpoint whole (``manifest`` as :func:`replica_manifest` returns it: with the
+    primary's unnamed ``.metadata``); then ``verified`` keeps that step's objects only.
 
     Raises:
         BackupError: Not in place after ``timeout`` seconds (says what is missing).
