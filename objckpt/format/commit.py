@@ -51,8 +51,6 @@ either way ``.metadata`` is replaced, never deleted, by a later overwrite's step
 from __future__ import annotations
 
 import abc
-import concurrent.futures
-import contextvars
 import dataclasses
 import logging
 import os
@@ -102,6 +100,7 @@ from objckpt.format.superseded import previous_objects
 from objckpt.writers.accounting import RequestCounter, RequestStats, counting, current_counter
 from objckpt.writers.base import ObjectStore
 from objckpt.writers.checksum import Crc32c
+from objckpt.writers.deadline import each_in_context
 
 __all__ = [
     "IN_THREAD_TEMPLATE_BYTES",
@@ -306,15 +305,9 @@ def _put_index(store: ObjectStore, shards: list[IndexShard]) -> list[ObjectEntry
 
 def _each_index(fn: Callable[[Any], ObjectEntry | bytes], items: Sequence[Any]) -> list[Any]:
     """``fn`` of each of ``items`` (index objects written or read), in order,
-    :data:`_INDEX_FETCHERS` at a time, each in a copy of this context: its requests
-    counted and bounded like the caller's."""
-    if len(items) <= 1:
-        return [fn(i) for i in items]
-    with concurrent.futures.ThreadPoolExecutor(
-        min(_INDEX_FETCHERS, len(items)), thread_name_prefix="objckpt-index"
-    ) as pool:
-        futures = [pool.submit(contextvars.copy_context().run, fn, i) for i in items]
-        return [f.result() for f in futures]
+    :data:`_INDEX_FETCHERS` at a time, its requests counted and bounded like the
+    caller's."""
+    return each_in_context(fn, items, lanes=_INDEX_FETCHERS, name="objckpt-index")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,7 +42,7 @@ from objckpt.format.manifest import Manifest, ObjectEntry
 from objckpt.format.superseded import delete_superseded_after
 from objckpt.writers.base import ObjectStore
 from objckpt.writers.checksum import crc32c_of
-from objckpt.writers.deadline import Deadline, bounded_by, current_deadline
+from objckpt.writers.deadline import Deadline, bounded_by, current_deadline, each_in_context
 from objckpt.writers.location import Location
 from objckpt.writers.translate import describe
 
@@ -67,6 +67,9 @@ SETTLE_SECONDS = 60.0
 #: At most this many missing objects are named in an error (the count is always given).
 _NAMED = 8
 
+#: Listings :func:`listed_sizes` runs at once (spread directories, referenced steps).
+LISTINGS_AT_ONCE = 16
+
 
 @contextlib.contextmanager
 def settling(store: ObjectStore) -> Iterator[None]:
@@ -86,24 +89,32 @@ def listed_sizes(store: ObjectStore, keys: Iterable[str]) -> dict[str, int]:
     store, from one recursive listing per directory they are stored in
     (:meth:`~objckpt.writers.location.Location.listing_root`): the checkpoint's own,
     a referenced sibling step's, each spread directory's share of a step (up to 16
-    for one digit of persistent prefixes), never a HEAD per object."""
+    for one digit of persistent prefixes, 256 for two), never a HEAD per object.
+    The listings run :data:`LISTINGS_AT_ONCE` at a time where the store's client
+    allows it (:attr:`~objckpt.writers.base.ObjectStore.lists_concurrently`): one
+    after another, 256 listings were seconds of rank 0's commit."""
     here = store.location
     groups: dict[str, tuple[Location, list[str]]] = {}
     for key in keys:
         where = here.listing_root(key)
         groups.setdefault(where.url, (where, []))[1].append(key)
 
-    found: dict[str, int] = {}
-    for where, wanted in groups.values():
-        # One after another: fsspec clients' listing caches are not safe to invalidate
-        # from several threads (each listing clears its parents' entries).
+    def listed(group: tuple[Location, list[str]]) -> dict[str, int]:
+        where, wanted = group
         listing = store if where == here else store.at(where)
         sizes = {o.key: o.size for o in listing.inventory()}
         base = len(where.path.rstrip("/")) + 1
+        found = {}
         for key in wanted:
             size = sizes.get(here.key_path(key)[base:])
             if size is not None:
                 found[key] = size
+        return found
+
+    lanes = LISTINGS_AT_ONCE if store.lists_concurrently else 1
+    found: dict[str, int] = {}
+    for part in each_in_context(listed, list(groups.values()), lanes=lanes, name="objckpt-list"):
+        found.update(part)
     return found
 
 

@@ -21,8 +21,6 @@ Two ways to look, for two kinds of caller:
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextvars
 import dataclasses
 import logging
 import re
@@ -31,6 +29,7 @@ from collections.abc import Iterable
 from objckpt.errors import ConfigurationError
 from objckpt.format.layout import MANIFEST_KEY, is_objckpt_object
 from objckpt.writers.base import ObjectInfo, ObjectStore
+from objckpt.writers.deadline import each_in_context
 from objckpt.writers.location import Location, unplaced
 
 __all__ = [
@@ -186,13 +185,9 @@ def committed_steps(store: ObjectStore) -> list[StepInfo]:
     )
     if not steps:
         return []
-    workers = min(HEAD_CONCURRENCY, len(steps))
-    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="objckpt-steps") as pool:
-        # Each HEAD in a copy of this context: counted and bounded like the caller.
-        futures = [
-            pool.submit(contextvars.copy_context().run, _manifest_of, store, step) for step in steps
-        ]
-        found = [f.result() for f in futures]
+    found = each_in_context(
+        lambda step: _manifest_of(store, step), steps, lanes=HEAD_CONCURRENCY, name="objckpt-steps"
+    )
     return [info for info in found if info is not None]
 
 

@@ -252,6 +252,16 @@ class ObjectStore(abc.ABC):
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 
+    @property
+    def lists_concurrently(self) -> bool:
+        """Several threads may list through this store's client at once: it keeps no
+        listing cache (objckpt's default, ``use_listings_cache=False``). With one,
+        the invalidation before each listing (a ``pop`` of every parent directory's
+        entry, fsspec's ``DirCache``) raises ``KeyError`` where two threads pop the
+        same entry; with none, the cache is always empty and nothing races."""
+        cache = getattr(self._fs, "dircache", None)
+        return cache is None or not getattr(cache, "use_listings_cache", True)
+
     # -- helpers shared by the families ------------------------------------------------
     @property
     def is_async(self) -> bool:

@@ -20,12 +20,13 @@ in that time with :class:`RequestDeadlineError` instead of after ``attempts`` x
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import contextvars
 import dataclasses
 import time
-from collections.abc import Iterator
-from typing import Literal
+from collections.abc import Callable, Iterator, Sequence
+from typing import Literal, TypeVar
 
 from objckpt.errors import (
     RequestDeadlineError,
@@ -35,7 +36,10 @@ from objckpt.errors import (
     StoreUnreachableError,
 )
 
-__all__ = ["Deadline", "bounded_by", "current_deadline"]
+__all__ = ["Deadline", "bounded_by", "current_deadline", "each_in_context"]
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,3 +161,20 @@ def bounded_by(deadline: Deadline | None) -> Iterator[Deadline | None]:
         yield deadline
     finally:
         _CURRENT.reset(token)
+
+
+def each_in_context(
+    fn: Callable[[_T], _R], items: Sequence[_T], *, lanes: int, name: str
+) -> list[_R]:
+    """``fn`` of each of ``items``, in order, ``lanes`` at a time on threads named
+    ``name``, each in a copy of the caller's context: its requests bounded by the
+    caller's deadline and counted with the caller's requests. One item, or one lane,
+    runs on the calling thread. The first error raised is raised here, once every
+    call has ended."""
+    if len(items) <= 1 or lanes <= 1:
+        return [fn(i) for i in items]
+    with concurrent.futures.ThreadPoolExecutor(
+        min(lanes, len(items)), thread_name_prefix=name
+    ) as pool:
+        futures = [pool.submit(contextvars.copy_context().run, fn, i) for i in items]
+        return [f.result() for f in futures]

@@ -4,6 +4,7 @@ load, retention, reuse, gc, backups, ``rm`` and stock DCP readers."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import re
@@ -26,6 +27,7 @@ from objckpt.format.steps import step_name, steps_of
 from objckpt.ops.maintain.gc import collect_garbage, delete_step
 from objckpt.ops.maintain.retire import retire_steps
 from objckpt.ops.maintain.verify import copy_checkpoint, verify_checkpoint
+from objckpt.testing import FaultProxy, Rule
 from objckpt.testing.plugin import StoreTarget
 from objckpt.writers import open_store
 
@@ -355,3 +357,28 @@ def test_a_copy_keeps_the_steps_name_or_is_refused(s3_bucket: StoreTarget, tmp_p
     got = empty_like_state(_state(0))
     dcp.load(got, storage_reader=dcp.FileSystemReader(str(tmp_path / "other" / step_name(1))))
     assert_state_equal(got, _state(1))
+
+
+def test_the_commit_lists_the_spread_directories_at_once(
+    s3_bucket: StoreTarget, s3_proxy: FaultProxy
+) -> None:
+    """The commit's presence check lists the step's directory and each spread
+    directory's share of it concurrently (one after another, 256 spread directories
+    were seconds of rank 0's commit): with every listing held by the proxy, two or more
+    are in flight at once, and the check still finds every object."""
+    step = s3_bucket.url(f"run/{step_name(1)}")
+    save(_state(1), step, s3_bucket, upload=SPREAD)
+    store = open_store(Location.parse(step, s3_proxy.storage_options()), SPREAD)
+    try:
+        manifest = read_manifest(store)
+        assert len({o.key.split("/")[0] for o in manifest.objects if "/" in o.key}) > 1
+        s3_proxy.add(Rule(operation="ListObjectsV2", action="hold", stall=120))
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            checked = pool.submit(require_present, store, manifest.objects)
+            try:
+                s3_proxy.wait_for("ListObjectsV2", faulted=True, count=2, timeout=60)
+            finally:
+                s3_proxy.release()
+            checked.result(timeout=60)  # every object found: no error
+    finally:
+        store.close()
