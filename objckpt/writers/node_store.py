@@ -137,15 +137,21 @@ class NodeStore:
     def _open_dir(self, parts: list[str], create: bool) -> int:
         """A descriptor of ``root/parts...``, each component checked (and made, with
         ``create``) without following a link. The root is made when missing (a
-        replaced node's tier starts empty): it is the path the user configured."""
+        replaced node's tier starts empty): it is the path the user configured. A
+        directory made here is made durable in its parent (fsync of the parent): a
+        file committed into it after a power loss must still be found by its path."""
         if create:
             os.makedirs(self.root, exist_ok=True)
         fd = os.open(self.root, _DIR_FLAGS)
         try:
             for i, part in enumerate(parts):
                 if create:
-                    with contextlib.suppress(FileExistsError):
+                    try:
                         os.mkdir(part, dir_fd=fd)
+                    except FileExistsError:
+                        pass
+                    else:
+                        os.fsync(fd)
                 st = os.stat(part, dir_fd=fd, follow_symlinks=False)
                 if stat.S_ISLNK(st.st_mode):
                     raise self._refuse(fd, parts[:i], part)

@@ -258,3 +258,27 @@ def test_a_step_whose_primary_has_no_metadata_is_backed_up_without_one(
     finally:
         replicator.close()
     assert replicator.lacking(1) == []
+
+
+def test_a_replicated_step_listed_but_never_checked_is_lacking(
+    s3_bucket: StoreTarget, moto_server: MotoServer, replica_bucket: str, s3_proxy: FaultProxy
+) -> None:
+    """A replica whose manifest arrived before its objects (or whose objects failed
+    to replicate) lists the step: a start's listing does not count it as backed up,
+    the check does, once every object is there."""
+    prefix = _save_step(s3_bucket, 1)
+    client = moto_server.boto3_client()
+    _replicate(client, s3_bucket.bucket, prefix + "manifest.json")
+    replicator, step_1 = _replicator(s3_bucket, s3_proxy)
+    try:
+        replicator.scan()
+        assert [t.url for t in replicator.lacking(1)] == [replicator.targets[0].url]
+        assert replicator.status([])[0].latest_step is None
+        for key in _keys(client, s3_bucket.bucket, prefix):
+            _replicate(client, s3_bucket.bucket, key)
+        replicator.submit(step_1)
+        replicator.wait(timeout=120)
+        replicator.scan()  # listed and checked: held
+        assert replicator.lacking(1) == []
+    finally:
+        replicator.close()

@@ -33,6 +33,30 @@ def test_a_file_lands_whole_under_its_name_and_directories_are_made(tmp_path: Pa
     assert not [n for n in _all(tmp_path) if n.endswith(".tmp")]
 
 
+def test_each_directory_made_is_made_durable_in_its_parent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file committed into directories made for it is found by its path after a
+    power loss only if each new directory's entry reached its parent's disk: every
+    parent of a directory made is fsynced (and the file's own directory)."""
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    (tmp_path / "replicas").mkdir()  # there already: its parent is not synced for it
+    NodeStore(str(tmp_path)).write_bytes("replicas/step-0000000001/3f/a.bin", b"abc")
+    dirs = {p for p in synced if os.path.isdir(p)}
+    assert dirs == {
+        str(tmp_path / "replicas"),
+        str(tmp_path / "replicas/step-0000000001"),
+        str(tmp_path / "replicas/step-0000000001/3f"),
+    }
+
+
 @pytest.mark.parametrize(
     "link", ["replicas", "replicas/step-0000000001", "replicas/step-0000000001/3f"]
 )

@@ -8,6 +8,7 @@ The single-tier scenario (refusal naming both steps, discard, restart) is in
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import rollback_ranks
@@ -124,3 +125,69 @@ def test_a_rollback_record_names_the_discarded_copies_by_attempt_digest_and_time
     assert not record.discards(1, b'{"old": 2}', old)  # the step rolled back to stays
     assert record.discards(3, b"{}", old)  # unknown copy, committed before the rollback
     assert step_name(2) not in os.listdir(root.path)
+
+
+def test_a_discarded_copy_a_node_kept_is_not_loaded_without_replicas(
+    s3_bucket: StoreTarget, tmp_path
+) -> None:
+    """The default tier (no replicas, so no peers' survey): step 7 was saved on the
+    local tier only, the node was away when the run went back to step 5 (its copy
+    survived the discard), and a restart on it loads step 5, not the discarded copy
+    the rollback record names."""
+    root = s3_bucket.url("away")
+    local = tmp_path / "nvme"
+
+    def manager() -> CheckpointManager:
+        return CheckpointManager(
+            root,
+            storage_options=s3_bucket.storage_options,
+            async_options=AsyncOptions(workers=1),
+            local=LocalTier(str(local)),
+        )
+
+    with manager() as mgr:
+        mgr.save(5, _state(5)).wait_durable(120)
+        mgr.save(7, _state(7), promote=False).result()
+        mgr.wait_until_finished()
+        assert mgr.local_steps() == [5, 7] and mgr.all_steps() == [5]
+        shutil.copytree(local / step_name(7), tmp_path / "away")
+        assert mgr.discard_after(5) == [7]
+    shutil.copytree(tmp_path / "away", local / step_name(7))  # the node is back
+    with manager() as mgr:
+        # The start-up sweep deleted the copy the record names: the run goes on at 5.
+        assert mgr.latest_step() == 5 and not (local / step_name(7)).exists()
+        got = empty_like_state(_state(0))
+        got["step"] = None
+        assert mgr.load(got) == 5
+        assert_state_equal(got, _state(5))
+        mgr.save(6, _state(6)).wait_durable(120)
+        assert mgr.latest_step() == 6
+
+
+def test_a_restart_loads_no_discarded_copy_the_sweep_kept(s3_bucket: StoreTarget, tmp_path) -> None:
+    """The restore's own check, where the start-up sweep did not delete the copy (it
+    came back after the manager started, as a node's disk remounted late): the load
+    still takes step 5, not the discarded step 7 the record names."""
+    root = s3_bucket.url("late")
+    local = tmp_path / "nvme"
+
+    def manager() -> CheckpointManager:
+        return CheckpointManager(
+            root,
+            storage_options=s3_bucket.storage_options,
+            async_options=AsyncOptions(workers=1),
+            local=LocalTier(str(local)),
+        )
+
+    with manager() as mgr:
+        mgr.save(5, _state(5)).wait_durable(120)
+        mgr.save(7, _state(7), promote=False).result()
+        mgr.wait_until_finished()
+        shutil.copytree(local / step_name(7), tmp_path / "away")
+        assert mgr.discard_after(5) == [7]
+    with manager() as mgr:
+        shutil.copytree(tmp_path / "away", local / step_name(7))  # back after the sweep
+        got = empty_like_state(_state(0))
+        got["step"] = None
+        assert mgr.load(got) == 5
+        assert_state_equal(got, _state(5))

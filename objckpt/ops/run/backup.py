@@ -101,7 +101,8 @@ class BackupStatus:
     """How far one backup target trails the primary.
 
     Attributes:
-        latest_step: Newest step committed on the target (None: none yet).
+        latest_step: Newest step committed on the target (None: none yet); on a
+            ``replicated`` target, the newest this process checked whole there.
         steps_behind: Committed primary steps newer than ``latest_step``.
         seconds_behind: Age of the oldest of those (0 when up to date).
         error: The last failure bringing the target up to date, if any.
@@ -197,7 +198,14 @@ class Replicator:
         return tuple(s.target for s in self._states)
 
     def scan(self) -> None:
-        """List every target (which steps each holds); a failure is recorded, not raised."""
+        """List every target (which steps each holds); a failure is recorded, not raised.
+
+        A ``copy`` target holds the steps it lists: objckpt wrote each manifest there
+        last, after checking every object. A ``replicated`` target's listing proves
+        only that a manifest arrived (the store copies objects in no order, and may
+        have failed to copy some): it holds the listed steps this replicator has
+        checked, and no others, so a step listed there but not checked counts as
+        lacking (at start the manager submits the newest, and it is checked)."""
         for state in self._states:
             try:
                 steps = {s.step for s in committed_steps(state.target.location)}
@@ -207,7 +215,7 @@ class Replicator:
                     state.error = f"cannot list: {exc}"
                 continue
             with self._lock:
-                state.steps = steps
+                state.steps = steps if state.target.mode == "copy" else state.steps & steps
 
     def lacking(self, step: int) -> list[BackupTarget]:
         """Targets not known to hold ``step``."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from objckpt.dcp.collective import Collectives
 from objckpt.errors import CheckpointNotFoundError, StepOrderError, StoreError
@@ -67,6 +67,10 @@ class StepCatalog:
         # Committed on some node's tier at start (the agreed sweep), kept across
         # reloads: rank 0's listing names only what its own tier holds.
         self._on_nodes: dict[int, float] = {}
+        # Steps of copies on the nodes a rollback discarded (the agreed sweep): never
+        # taken from rank 0's listing (a copy set aside stays on its disk), until a
+        # save of this run commits that step again.
+        self._discarded: set[int] = set()
         self._finished: list[int] = []
         # The newest step committed at the last listing or started by a save since: the
         # order check's bound. Made only from the broadcast listing and the begin() calls,
@@ -87,28 +91,43 @@ class StepCatalog:
         )
         with self._lock:
             self._steps = {s.step: s for s in found}
-            self._local = {s.step: s.modified or time.time() for s in local}
+            self._local = {
+                s.step: s.modified or time.time() for s in local if s.step not in self._discarded
+            }
             for step, at in self._on_nodes.items():
                 self._local.setdefault(step, at)
             self._high = max([*self._steps, *self._local, *_some(self._high)], default=None)
 
-    def newest(self) -> tuple[int, int | None]:
+    def newest(self, loadable: Callable[[int], bool] | None = None) -> tuple[int, int | None]:
         """Rank 0: the newest committed step on any tier, and the newest durable one
-        (primary, then backups), listed now.
+        (primary, then backups), listed now. ``loadable`` is asked of the local tier's
+        steps above the durable ones, newest first, until one may be loaded (the
+        restore's rollback check); None: all may.
 
         Raises:
             CheckpointNotFoundError: No committed step anywhere.
         """
         found = self._list_primary()
         local = self._list_local()
-        with self._lock:
-            self._steps.update({s.step: s for s in found})
-            self._local.update({s.step: s.modified or time.time() for s in local})
         durable = max((s.step for s in found), default=None)
         if durable is None and self.backups:
             durable = self._newest_backed_up()
-        candidates = [s.step for s in local] + ([durable] if durable is not None else [])
-        newest = max(candidates, default=None)
+        with self._lock:
+            local = [s for s in local if s.step not in self._discarded]
+        above = sorted((s.step for s in local if durable is None or s.step > durable), reverse=True)
+        refused: set[int] = set()
+        local_step = None
+        for step in above:
+            if loadable is None or loadable(step):
+                local_step = step
+                break
+            refused.add(step)
+        with self._lock:
+            self._steps.update({s.step: s for s in found})
+            self._local.update(
+                {s.step: s.modified or time.time() for s in local if s.step not in refused}
+            )
+        newest = max((s for s in (local_step, durable) if s is not None), default=None)
         if newest is None:
             where = self.root.url
             if self.local is not None:
@@ -194,17 +213,23 @@ class StepCatalog:
         """A step committed on the local tier (now)."""
         with self._lock:
             self._local[step] = time.time()
+            self._discarded.discard(step)
             self._finished.append(step)
 
-    def note_local(self, steps: Collection[int]) -> None:
+    def note_local(self, steps: Collection[int], *, discarded: Collection[int] = ()) -> None:
         """Every rank, at start: ``steps`` are committed on some node's local tier
-        (found by the agreed sweep), whether or not rank 0's own tier holds them."""
+        (found by the agreed sweep), whether or not rank 0's own tier holds them;
+        the copies of ``discarded`` a node kept were discarded by a rollback: not the
+        run's steps, whatever rank 0's listing says."""
         now = time.time()
         with self._lock:
+            self._discarded = set(discarded) - set(steps)
+            for step in self._discarded:
+                self._local.pop(step, None)
             for step in steps:
                 self._on_nodes.setdefault(step, now)
                 self._local.setdefault(step, now)
-            self._high = max([*self._local, *_some(self._high)], default=None)
+            self._high = max([*self._steps, *self._local], default=None)
 
     def finished(self, step: int) -> None:
         """A save of ``step`` to the root ended well (see :meth:`take_finished`)."""

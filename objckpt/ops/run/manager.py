@@ -27,6 +27,7 @@ A facade holding each public method's contract over parts that own their state:
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -44,7 +45,7 @@ from objckpt.ops.run.catalog import StepCatalog
 from objckpt.ops.run.config import load_config
 from objckpt.ops.run.durable import DurableSteps
 from objckpt.ops.run.restore import Restorer
-from objckpt.ops.run.rollback import discard_after
+from objckpt.ops.run.rollback import discard_after, judge_copy
 from objckpt.ops.run.saving import SaveFlow
 from objckpt.ops.tier.local_disk import sweep
 from objckpt.ops.tier.peers import Peers
@@ -164,7 +165,14 @@ class CheckpointManager:
             # Every rank agrees; the steps committed on any node's tier are the run's
             # local steps (rank 0's own tier may not hold them all: it may run on
             # another node than before, or on a replacement).
-            self._catalog.note_local(sweep(local, self._catalog.durable_steps(), self._collectives))
+            # A node that was away during a discard_after still holds the steps it
+            # discarded: the rollback records (read by rank 0) say which.
+            records = self._collectives.from_rank0(self._restorer.rollback_records)
+            judge = None if records is None else functools.partial(judge_copy, records)
+            on_nodes, discarded = sweep(
+                local, self._catalog.durable_steps(), self._collectives, judge
+            )
+            self._catalog.note_local(on_nodes, discarded=discarded)
         # With a step to resume from, the job loads first: the upload workers (an
         # interpreter importing torch each) start once the load is done, not while
         # it runs on the same cores; without one they start now, well before the

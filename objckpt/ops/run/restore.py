@@ -70,6 +70,7 @@ from objckpt.errors import (
     StateDictMismatchError,
     StoreError,
 )
+from objckpt.format.bounds import DEFAULT_MAX_METADATA_BYTES
 from objckpt.format.layout import MANIFEST_KEY, writer_rank
 from objckpt.format.manifest import Manifest
 from objckpt.format.steps import parse_step, step_name
@@ -83,7 +84,7 @@ from objckpt.ops.run.restore_plan import (
     decide,
     holders_of,
 )
-from objckpt.ops.run.rollback import Rollback, manifest_digest, read_rollbacks
+from objckpt.ops.run.rollback import Rollback, judge_copy, manifest_digest, read_rollbacks
 from objckpt.ops.tier.local_disk import delete_local_step
 from objckpt.ops.tier.peers import (
     FileSpec,
@@ -182,7 +183,7 @@ class Restorer:
         elif step is not None:
             loaded = self._load_step(step, state_dict, read)
         else:
-            newest, durable = self._collectives.from_rank0(self._catalog.newest)
+            newest, durable = self._collectives.from_rank0(self._newest)
             loaded = self._load_or_durable(state_dict, step, read, newest, durable)
         return Loaded(loaded, refill=self._refill == loaded)
 
@@ -356,7 +357,7 @@ class Restorer:
                     held=held,
                     copies=copies,
                     durable=durable,
-                    rollbacks=self._rollbacks() if any(held) else [],
+                    rollbacks=self.rollback_records() if any(held) else [],
                     failed=frozenset(failed),
                     bad=bad,
                     excluded=self._excluded,
@@ -518,19 +519,51 @@ class Restorer:
             held.append(h)
         return views, held
 
-    def _rollbacks(self) -> list[Rollback]:
-        """Rank 0: the root's rollback records (none, with a warning, when they cannot
-        be listed: only the holders' agreement is checked then)."""
+    def rollback_records(self) -> list[Rollback] | None:
+        """Rank 0: the root's rollback records; None, with a warning, when they cannot
+        be read (then no node's copy of a step above the durable ones is loaded: it
+        may be a discarded step's)."""
         try:
             return read_rollbacks(self._catalog.root)
         except Exception as exc:
             logger.warning(
-                "cannot read the rollback records under %s (%s): a node's copy of a "
-                "discarded step is recognised only where the holders disagree",
+                "cannot read the rollback records under %s (%s): no step is loaded from "
+                "the nodes' tiers, since it may be one that was discarded",
                 self._catalog.root.url,
                 exc,
             )
-            return []
+            return None
+
+    def _newest(self) -> tuple[int, int | None]:
+        """Rank 0, without peers: the newest step on any tier and the newest durable
+        one (:meth:`StepCatalog.newest`), a copy on rank 0's local tier left out where
+        a rollback record discards it (a node that was away during ``discard_after``
+        still holds its copy), and every local copy above the durable steps where the
+        records cannot be read."""
+        records: list[Rollback] | None = None
+        read = False
+
+        def loadable(step: int) -> bool:
+            nonlocal records, read
+            if not read:
+                records, read = self.rollback_records(), True
+            if records is None:
+                return False
+            if not records:
+                return True
+            tier = self._catalog.local
+            assert tier is not None  # only asked of the local tier's steps
+            rel = f"{step_name(step)}/{MANIFEST_KEY}"
+            url = os.path.join(tier.path, rel)
+            try:
+                data = NodeStore(tier.path).read_bytes(rel, max_bytes=DEFAULT_MAX_METADATA_BYTES)
+                Manifest.from_json_bytes(data, url=url)
+            except (ManifestError, OSError) as exc:
+                logger.warning("step %d on the local tier is not loaded: %s", step, exc)
+                return False
+            return judge_copy(records, step, data, url) is None
+
+        return self._catalog.newest(loadable)
 
     def _note_damaged(self, reader: ObjectStoreReader, url: str) -> None:
         """The local copies ``reader`` found damaged, as bad copies of this rank's."""

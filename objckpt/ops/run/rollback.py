@@ -40,7 +40,7 @@ import json
 import logging
 import os
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from objckpt.dcp.collective import Collectives, is_distributed
 from objckpt.errors import ManifestError, SaveDeadlineError, StoreError
@@ -50,7 +50,7 @@ from objckpt.format.steps import step_name
 from objckpt.ops.run.catalog import StepCatalog
 from objckpt.ops.run.durable import DurableSteps
 from objckpt.ops.run.saving import SaveFlow
-from objckpt.ops.tier.local_disk import delete_local_step, list_tier
+from objckpt.ops.tier.local_disk import Verdict, delete_local_step, list_tier
 from objckpt.ops.tier.peers import list_holdings, replica_dir
 from objckpt.ops.tier.tiers import LocalTier
 from objckpt.pipeline.lifetime import run_bounded
@@ -58,7 +58,7 @@ from objckpt.writers import open_store
 from objckpt.writers.location import Location
 from objckpt.writers.translate import translate
 
-__all__ = ["ROLLBACKS_DIR", "Rollback", "discard_after", "read_rollbacks"]
+__all__ = ["ROLLBACKS_DIR", "Rollback", "discard_after", "judge_copy", "read_rollbacks"]
 
 logger = logging.getLogger(__name__)
 
@@ -300,12 +300,42 @@ def _record(root: Location, step: int, held: Mapping[int, set[bytes]]) -> None:
     logger.info("recorded the rollback to step %d at %s", step, records.url_of(key))
 
 
+def judge_copy(records: Sequence[Rollback], step: int, data: bytes, url: str) -> Verdict:
+    """What ``records`` say of a node's copy of ``step`` whose manifest is ``data``
+    (``url`` names it in messages): None, it may load; ``"stale"``, a record names it
+    (deleted where found); ``"aside"``, committed before a rollback by the clocks
+    (never loaded, never deleted on that ground). A manifest that cannot be read is
+    left to the restore, which refuses it. Logs what it sets aside."""
+    try:
+        manifest = Manifest.from_json_bytes(data, url=url)
+    except ManifestError:
+        return None
+    rolled = next((rb for rb in records if rb.discards(step, data, manifest)), None)
+    if rolled is None:
+        return None
+    named = rolled.names(step, data, manifest)
+    logger.warning(
+        "%s (step %d, attempt %s, committed %s) was discarded by discard_after(%d) at %s: "
+        "it is not loaded%s",
+        url,
+        step,
+        manifest.attempt,
+        manifest.created,
+        rolled.after,
+        rolled.at,
+        " (a rollback record names it)" if named else " (kept on disk: two clocks decide it)",
+    )
+    return "stale" if named else "aside"
+
+
 def read_rollbacks(root: Location) -> list[Rollback]:
     """Every rollback record under ``root`` (one listing, one read each); a record
-    that cannot be read is skipped with a warning.
+    that is no rollback record (bucket contents are untrusted), or was deleted since
+    the listing, is skipped with a warning.
 
     Raises:
-        StoreError: The records cannot be listed.
+        StoreError: The records cannot be listed, or one cannot be read (the store
+            failed: a record missed would let a discarded step load).
     """
     records = root.child(ROLLBACKS_DIR)
     store = open_store(records)
@@ -323,7 +353,7 @@ def read_rollbacks(root: Location) -> list[Rollback]:
                 if len(data) > DEFAULT_MAX_METADATA_BYTES:
                     raise ManifestError(f"larger than {DEFAULT_MAX_METADATA_BYTES} bytes")
                 out.append(Rollback.from_json_bytes(data, records.url_of(key)))
-            except Exception as exc:
+            except (ManifestError, FileNotFoundError) as exc:
                 logger.warning(
                     "rollback record %s is unreadable; skipped: %s", records.url_of(key), exc
                 )

@@ -44,7 +44,8 @@ import logging
 import os
 import re
 import stat
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
+from typing import Literal
 
 from objckpt.dcp.collective import Collectives, is_distributed
 from objckpt.errors import LinkRefusedError, ManifestError, ObjckptError
@@ -77,6 +78,14 @@ logger = logging.getLogger(__name__)
 _TMP = re.compile(r"\.(?P<key>.+)\.[0-9a-f]{32}\.tmp")  # fullmatch: no $
 
 
+#: What the run's rollback records say of a node's copy of a step
+#: (:func:`objckpt.ops.run.rollback.judge_copy`): None, it may load; ``"stale"``, a
+#: record names it (deleted); ``"aside"``, discarded by the clocks (kept, not loaded).
+Verdict = Literal["stale", "aside"] | None
+#: Asked of each copy above the durable steps: (step, its manifest's bytes, its path).
+CopyJudge = Callable[[int, bytes, str], Verdict]
+
+
 @dataclasses.dataclass(frozen=True)
 class TierListing:
     """One rank's local tier directory, as the start-up sweep shares it.
@@ -91,6 +100,9 @@ class TierListing:
             :func:`objckpt.ops.tier.peers.replica_dir`) holds the coordinator's manifest:
             committed, even when the coordinator's node is gone.
         replicas_present: Every replica step directory (links excluded).
+        set_aside: Committed steps a rollback discarded by the clocks: kept on disk,
+            never counted as committed (nor deleted by the sweep).
+        discarded: The steps of every copy found discarded (named or set aside).
     """
 
     path: str
@@ -100,6 +112,8 @@ class TierListing:
     error: str | None = None
     replicas_committed: frozenset[int] = frozenset()
     replicas_present: tuple[int, ...] = ()
+    set_aside: frozenset[int] = frozenset()
+    discarded: frozenset[int] = frozenset()
 
 
 def _listed(store: NodeStore, rel: str) -> list[Entry]:
@@ -276,9 +290,21 @@ def delete_local_step(path: str, keep: Collection[str] = ()) -> bool:
     return True
 
 
-def sweep(tier: LocalTier, durable: Collection[int], collectives: Collectives) -> frozenset[int]:
+def sweep(
+    tier: LocalTier,
+    durable: Collection[int],
+    collectives: Collectives,
+    judge: CopyJudge | None = None,
+) -> tuple[frozenset[int], frozenset[int]]:
     """At start, every rank together (a collective): delete the step directories that
     can never load, on every node alike.
+
+    Each rank first asks ``judge`` (the run's rollback records; None: they could
+    not be read, and nothing is judged) of each copy of a step above the durable
+    ones it holds: a copy a record names is not counted, and deleted below unless
+    another node holds a current copy of the step; one discarded by the clocks is
+    kept on disk but not counted (a node that was away during ``discard_after``
+    must not bring a discarded step back as the run's newest).
 
     A step is kept when any rank's directory holds its manifest (in the step's own
     directory or among the replicas other nodes sent), or the root holds it
@@ -288,8 +314,8 @@ def sweep(tier: LocalTier, durable: Collection[int], collectives: Collectives) -
     anywhere (each rank warns, naming it).
 
     Returns:
-        The steps committed on some rank's tier (the same on every rank; empty when
-        a listing failed).
+        The steps committed on some rank's tier (empty when a listing failed), and
+        those of the steps some rank found discarded (the same on every rank).
     """
     root = tier.location.path
     mine = list_tier(root)
@@ -302,7 +328,10 @@ def sweep(tier: LocalTier, durable: Collection[int], collectives: Collectives) -
             target,
             root,
         )
+    if judge is not None and mine.error is None:
+        mine = _judged(mine, judge, max(durable, default=None))
     views = collectives.all_gather_object(mine) if is_distributed() else [mine]
+    discarded = frozenset().union(*(v.discarded for v in views))
     failed = [(r, v) for r, v in enumerate(views) if v.error is not None]
     if failed:
         for r, v in failed:
@@ -312,11 +341,11 @@ def sweep(tier: LocalTier, durable: Collection[int], collectives: Collectives) -
                 v.path,
                 v.error,
             )
-        return frozenset()
+        return frozenset(), discarded
     on_nodes = frozenset().union(
         *(v.committed for v in views), *(v.replicas_committed for v in views)
     )
-    known = set(durable) | on_nodes
+    known = set(durable) | on_nodes | frozenset().union(*(v.set_aside for v in views))
     referenced = local_references(root, [s for s in mine.present if s in known])
     for step in mine.present:
         if step in known:
@@ -324,7 +353,9 @@ def sweep(tier: LocalTier, durable: Collection[int], collectives: Collectives) -
         path = os.path.join(root, step_name(step))
         prefix = step_name(step) + "/"
         keep = {k[len(prefix) :] for k in referenced if k.startswith(prefix)}
-        if not keep:
+        if step in discarded:
+            logger.info("deleting %s: a copy of a step a rollback discarded", path)
+        elif not keep:
             logger.info("deleting %s: a local save that never committed (a crash left it)", path)
         delete_local_step(path, keep)
     for step in mine.replicas_present:
@@ -333,7 +364,42 @@ def sweep(tier: LocalTier, durable: Collection[int], collectives: Collectives) -
         path = replica_dir(root, step)
         logger.info("deleting %s: replicas of a step no node and not the root holds", path)
         delete_local_step(path)
-    return on_nodes
+    return on_nodes, discarded
+
+
+def _judged(mine: TierListing, judge: CopyJudge, durable: int | None) -> TierListing:
+    """``mine`` once ``judge`` has seen each copy above ``durable`` (see :func:`sweep`):
+    a stale copy no longer committed (the sweep then deletes it as it deletes any
+    step no node holds, sparing what kept steps reference), a copy set aside no
+    longer committed but kept. A manifest that cannot be read stays as it is (the
+    restore refuses it)."""
+    root = mine.path
+    store = NodeStore(root)
+    stale: set[int] = set()
+    stale_replicas: set[int] = set()
+    aside: set[int] = set()
+    for step, rel, out in [
+        *((s, step_name(s), stale) for s in mine.committed),
+        *((s, f"{REPLICAS_DIR}/{step_name(s)}", stale_replicas) for s in mine.replicas_committed),
+    ]:
+        if durable is not None and step <= durable:
+            continue
+        try:
+            data = store.read_bytes(f"{rel}/{MANIFEST_KEY}", max_bytes=DEFAULT_MAX_METADATA_BYTES)
+        except (OSError, ObjckptError):
+            continue
+        verdict = judge(step, data, os.path.join(root, rel, MANIFEST_KEY))
+        if verdict == "stale":
+            out.add(step)
+        elif verdict == "aside":
+            aside.add(step)
+    return dataclasses.replace(
+        mine,
+        committed=mine.committed - stale - aside,
+        replicas_committed=mine.replicas_committed - stale_replicas - aside,
+        set_aside=frozenset(aside),
+        discarded=frozenset(stale | stale_replicas | aside),
+    )
 
 
 # -- what kept steps reference ---------------------------------------------------------
