@@ -137,9 +137,11 @@ class NodeStore:
     def _open_dir(self, parts: list[str], create: bool) -> int:
         """A descriptor of ``root/parts...``, each component checked (and made, with
         ``create``) without following a link. The root is made when missing (a
-        replaced node's tier starts empty): it is the path the user configured. A
-        directory made here is made durable in its parent (fsync of the parent): a
-        file committed into it after a power loss must still be found by its path."""
+        replaced node's tier starts empty): it is the path the user configured. Each
+        directory ``mkdir`` makes here is fsynced into its parent, so that a file
+        committed into it is found by its path after a power loss (one made by
+        another process at the same moment is that process's to make durable; the
+        root's own parents are the user's)."""
         if create:
             os.makedirs(self.root, exist_ok=True)
         fd = os.open(self.root, _DIR_FLAGS)
@@ -327,6 +329,37 @@ class NodeStore:
             os.unlink(name, dir_fd=dir_fd)
         finally:
             os.close(dir_fd)
+
+    def move_dir(self, rel: str, to: str) -> None:
+        """Rename the directory ``root/rel`` to ``root/to`` (``to``'s parents made),
+        never through a link, and make the move durable (both parents fsynced).
+
+        Raises:
+            FileNotFoundError: Nothing has the name ``rel``.
+            FileExistsError: Something has the name ``to``.
+            LinkRefusedError: ``rel``, or a component above either, is a link.
+            OSError: ``rel`` is not a directory.
+        """
+        src_fd, parents, name = self._parent(rel)
+        try:
+            st = os.stat(name, dir_fd=src_fd, follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode):
+                raise self._refuse(src_fd, parents, name)
+            if not stat.S_ISDIR(st.st_mode):
+                raise NotADirectoryError(f"{os.path.join(self.root, rel)} is not a directory")
+            dst_parts = _parts(to)
+            dst_fd = self._open_dir(dst_parts[:-1], create=True)
+            try:
+                with contextlib.suppress(FileNotFoundError):
+                    os.stat(dst_parts[-1], dir_fd=dst_fd, follow_symlinks=False)
+                    raise FileExistsError(f"{os.path.join(self.root, to)} exists")
+                os.rename(name, dst_parts[-1], src_dir_fd=src_fd, dst_dir_fd=dst_fd)
+                os.fsync(dst_fd)
+                os.fsync(src_fd)
+            finally:
+                os.close(dst_fd)
+        finally:
+            os.close(src_fd)
 
     def remove_dir(self, rel: str) -> None:
         """Remove the empty directory ``root/rel`` (a link there is refused by the

@@ -76,6 +76,22 @@ def _replicator(s3_bucket: StoreTarget, proxy: FaultProxy) -> tuple[Replicator, 
     return Replicator(primary, [target], poll_interval=0.01), step
 
 
+def _replicate_and_check(
+    s3_bucket: StoreTarget, proxy: FaultProxy, client, keys: list[str]
+) -> Replicator:
+    """Replicate ``keys`` by hand, then back step 1 up to the replica (checked through
+    ``proxy``) and wait for it; returns the closed replicator."""
+    for key in keys:
+        _replicate(client, s3_bucket.bucket, key)
+    replicator, step_1 = _replicator(s3_bucket, proxy)
+    try:
+        replicator.submit(step_1)
+        replicator.wait(timeout=120)
+    finally:
+        replicator.close()
+    return replicator
+
+
 def _payload_gets(proxy: FaultProxy) -> list[str]:
     return [p for p in proxy.paths("GetObject") if is_objckpt_payload(p.rsplit("/", 1)[-1])]
 
@@ -92,14 +108,7 @@ def test_a_replica_keeping_full_object_crc32c_is_checked_without_reading_multipa
         k for k in keys if "-" in client.head_object(Bucket=s3_bucket.bucket, Key=k)["ETag"]
     ]
     assert len(multipart) == 1
-    for key in keys:
-        _replicate(client, s3_bucket.bucket, key)
-    replicator, step_1 = _replicator(s3_bucket, s3_proxy)
-    try:
-        replicator.submit(step_1)
-        replicator.wait(timeout=120)
-    finally:
-        replicator.close()
+    _replicate_and_check(s3_bucket, s3_proxy, client, keys)
     assert [p for p in _payload_gets(s3_proxy) if p.endswith(multipart[0])] == []
     assert s3_proxy.count("HeadObject") >= len(keys)  # each object was checked
 
@@ -249,14 +258,7 @@ def test_a_step_whose_primary_has_no_metadata_is_backed_up_without_one(
     client = moto_server.boto3_client()
     keys = _keys(client, s3_bucket.bucket, prefix)
     assert prefix + METADATA_KEY not in keys
-    for key in keys:
-        _replicate(client, s3_bucket.bucket, key)
-    replicator, step_1 = _replicator(s3_bucket, s3_proxy)
-    try:
-        replicator.submit(step_1)
-        replicator.wait(timeout=120)
-    finally:
-        replicator.close()
+    replicator = _replicate_and_check(s3_bucket, s3_proxy, client, keys)
     assert replicator.lacking(1) == []
 
 

@@ -57,6 +57,24 @@ def test_each_directory_made_is_made_durable_in_its_parent(
     }
 
 
+def test_a_directory_moves_whole_never_through_a_link_nor_over_a_name(tmp_path: Path) -> None:
+    store = NodeStore(str(tmp_path))
+    store.write_bytes("step-0000000007/a.bin", b"abc")
+    store.move_dir("step-0000000007", "set-aside/step-0000000007.x")
+    assert (tmp_path / "set-aside/step-0000000007.x/a.bin").read_bytes() == b"abc"
+    assert not (tmp_path / "step-0000000007").exists()
+    store.write_bytes("step-0000000008/a.bin", b"new")
+    with pytest.raises(FileExistsError):
+        store.move_dir("step-0000000008", "set-aside/step-0000000007.x")
+    assert (tmp_path / "step-0000000008/a.bin").read_bytes() == b"new"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "step-0000000009").symlink_to(elsewhere)
+    with pytest.raises(LinkRefusedError):
+        store.move_dir("step-0000000009", "set-aside/step-0000000009.x")
+    assert (tmp_path / "step-0000000009").is_symlink() and elsewhere.is_dir()
+
+
 @pytest.mark.parametrize(
     "link", ["replicas", "replicas/step-0000000001", "replicas/step-0000000001/3f"]
 )

@@ -376,7 +376,9 @@ def test_the_commit_lists_the_spread_directories_at_once(
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             checked = pool.submit(require_present, store, manifest.objects)
             try:
-                s3_proxy.wait_for("ListObjectsV2", faulted=True, count=2, timeout=60)
+                # Well inside the client's read timeout (60 s): a listing one after
+                # another is not retried (a second request) before this gives up.
+                s3_proxy.wait_for("ListObjectsV2", faulted=True, count=2, timeout=20)
             finally:
                 s3_proxy.release()
             checked.result(timeout=60)  # every object found: no error

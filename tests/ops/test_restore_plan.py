@@ -53,7 +53,7 @@ def _survey(
     *,
     step: int | None = None,
     durable: int | None = 3,
-    rollbacks: tuple[Rollback, ...] | None = (),
+    rollbacks: tuple[Rollback, ...] = (),
     bad: tuple[BadCopy, ...] = (),
     failed: frozenset[int] = frozenset(),
 ) -> Survey:
@@ -130,18 +130,6 @@ def test_a_copy_a_rollback_record_names_is_stale_and_the_other_is_loaded() -> No
     assert plan.decision == Decision(5, 3, True, refill=True, stale=((5, manifest_digest(old)),))
     assert plan.views is not None and plan.views[2].objects == {}
     assert any("discarded by discard_after(4)" in w for w in plan.warnings)
-
-
-def test_rollback_records_that_cannot_be_read_load_no_node_copy() -> None:
-    """Both nodes hold step 5 whole and agree, but the root's rollback records could
-    not be read: the copy may be a discarded step's, so the load takes the newest
-    durable step, and says why."""
-    m5 = _manifest("a5")
-    every = _keys("a5")
-    plan = decide(_survey({5: (m5, every)}, {5: (m5, every)}, rollbacks=None))
-    assert plan.decision == Decision(3, 3, False)
-    (warning,) = plan.warnings
-    assert "step 5" in warning and "rollback records" in warning and "cannot be read" in warning
 
 
 def test_a_copy_found_bad_is_excluded_and_reported() -> None:

@@ -7,6 +7,7 @@ The single-tier scenario (refusal naming both steps, discard, restart) is in
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -127,6 +128,31 @@ def test_a_rollback_record_names_the_discarded_copies_by_attempt_digest_and_time
     assert step_name(2) not in os.listdir(root.path)
 
 
+def _tier_manager(target: StoreTarget, root: str, local) -> CheckpointManager:
+    """A manager of ``root`` with the default local tier (no replicas) at ``local``."""
+    return CheckpointManager(
+        target.url(root),
+        storage_options=target.storage_options,
+        async_options=AsyncOptions(workers=1),
+        local=LocalTier(str(local)),
+    )
+
+
+def _durable_5_local_7(mgr: CheckpointManager) -> None:
+    """Step 5 on the root and the local tier, step 7 on the local tier only."""
+    mgr.save(5, _state(5)).wait_durable(120)
+    mgr.save(7, _state(7), promote=False).result()
+    mgr.wait_until_finished()
+    assert mgr.local_steps() == [5, 7] and mgr.all_steps() == [5]
+
+
+def _load_newest(mgr: CheckpointManager, expected: int) -> None:
+    got = empty_like_state(_state(0))
+    got["step"] = None
+    assert mgr.load(got) == expected
+    assert_state_equal(got, _state(expected))
+
+
 def test_a_discarded_copy_a_node_kept_is_not_loaded_without_replicas(
     s3_bucket: StoreTarget, tmp_path
 ) -> None:
@@ -134,32 +160,16 @@ def test_a_discarded_copy_a_node_kept_is_not_loaded_without_replicas(
     local tier only, the node was away when the run went back to step 5 (its copy
     survived the discard), and a restart on it loads step 5, not the discarded copy
     the rollback record names."""
-    root = s3_bucket.url("away")
     local = tmp_path / "nvme"
-
-    def manager() -> CheckpointManager:
-        return CheckpointManager(
-            root,
-            storage_options=s3_bucket.storage_options,
-            async_options=AsyncOptions(workers=1),
-            local=LocalTier(str(local)),
-        )
-
-    with manager() as mgr:
-        mgr.save(5, _state(5)).wait_durable(120)
-        mgr.save(7, _state(7), promote=False).result()
-        mgr.wait_until_finished()
-        assert mgr.local_steps() == [5, 7] and mgr.all_steps() == [5]
+    with _tier_manager(s3_bucket, "away", local) as mgr:
+        _durable_5_local_7(mgr)
         shutil.copytree(local / step_name(7), tmp_path / "away")
         assert mgr.discard_after(5) == [7]
     shutil.copytree(tmp_path / "away", local / step_name(7))  # the node is back
-    with manager() as mgr:
+    with _tier_manager(s3_bucket, "away", local) as mgr:
         # The start-up sweep deleted the copy the record names: the run goes on at 5.
         assert mgr.latest_step() == 5 and not (local / step_name(7)).exists()
-        got = empty_like_state(_state(0))
-        got["step"] = None
-        assert mgr.load(got) == 5
-        assert_state_equal(got, _state(5))
+        _load_newest(mgr, 5)
         mgr.save(6, _state(6)).wait_durable(120)
         assert mgr.latest_step() == 6
 
@@ -167,27 +177,48 @@ def test_a_discarded_copy_a_node_kept_is_not_loaded_without_replicas(
 def test_a_restart_loads_no_discarded_copy_the_sweep_kept(s3_bucket: StoreTarget, tmp_path) -> None:
     """The restore's own check, where the start-up sweep did not delete the copy (it
     came back after the manager started, as a node's disk remounted late): the load
-    still takes step 5, not the discarded step 7 the record names."""
-    root = s3_bucket.url("late")
+    still takes step 5, not the discarded step 7 the record names, and the run's
+    steps stay its own at a later listing."""
     local = tmp_path / "nvme"
-
-    def manager() -> CheckpointManager:
-        return CheckpointManager(
-            root,
-            storage_options=s3_bucket.storage_options,
-            async_options=AsyncOptions(workers=1),
-            local=LocalTier(str(local)),
-        )
-
-    with manager() as mgr:
-        mgr.save(5, _state(5)).wait_durable(120)
-        mgr.save(7, _state(7), promote=False).result()
-        mgr.wait_until_finished()
+    with _tier_manager(s3_bucket, "late", local) as mgr:
+        _durable_5_local_7(mgr)
         shutil.copytree(local / step_name(7), tmp_path / "away")
         assert mgr.discard_after(5) == [7]
-    with manager() as mgr:
+    with _tier_manager(s3_bucket, "late", local) as mgr:
         shutil.copytree(tmp_path / "away", local / step_name(7))  # back after the sweep
-        got = empty_like_state(_state(0))
-        got["step"] = None
-        assert mgr.load(got) == 5
-        assert_state_equal(got, _state(5))
+        _load_newest(mgr, 5)
+        mgr.reload()  # lists rank 0's tier again: the refused copy stays refused
+        assert mgr.latest_step() == 5
+        mgr.save(6, _state(6)).wait_durable(120)
+
+
+def test_a_discarded_copy_no_record_names_is_set_aside_and_its_step_saved_again(
+    s3_bucket: StoreTarget, tmp_path
+) -> None:
+    """The node holding step 7 (local only: no other node had its manifest) was away
+    during discard_after(5), so the record cannot name its copy: committed before the
+    rollback, it is moved out of the step's name at the next start (kept, never
+    loaded), and the run saves steps 6 and 7 again."""
+    local = tmp_path / "nvme"
+    with _tier_manager(s3_bucket, "unnamed", local) as mgr:
+        _durable_5_local_7(mgr)
+        shutil.move(local / step_name(7), tmp_path / "away")  # the node goes away
+        # Committed well before the rollback (the record's time has whole seconds: a
+        # copy of the same second is not taken for an older one).
+        manifest = tmp_path / "away" / "manifest.json"
+        doc = json.loads(manifest.read_bytes())
+        doc["created"] = "2026-01-01T00:00:00+00:00"
+        manifest.write_text(json.dumps(doc))
+        assert mgr.discard_after(5) == []  # no node holds step 7: nothing named
+    shutil.move(tmp_path / "away", local / step_name(7))  # the node is back
+    with _tier_manager(s3_bucket, "unnamed", local) as mgr:
+        assert mgr.latest_step() == 5 and not (local / step_name(7)).exists()
+        [aside] = os.listdir(local / "set-aside")
+        assert aside.startswith(step_name(7) + ".")
+        _load_newest(mgr, 5)
+        for step in (6, 7):
+            mgr.save(step, _state(step), promote=False).result()
+        mgr.wait_until_finished()
+        assert mgr.latest_step() == 7
+    with _tier_manager(s3_bucket, "unnamed", local) as mgr:  # the new step 7 is the run's
+        _load_newest(mgr, 7)

@@ -323,12 +323,14 @@ def unnamed_metadata_entry(src: ObjectStore, attempt: str) -> ObjectEntry | bool
             return None
         check = unnamed_metadata_check(src, attempt, required=False)
     except (StoreError, OSError) as exc:
-        logger.warning("%s is not copied: it could not be read (%s)", where, exc)
+        logger.warning(
+            "%s is not copied (nor waited for in a replica): it could not be read (%s)", where, exc
+        )
         return False
     if check is None:  # gone since
         return None
     if check.problem is not None:
-        logger.warning("%s is not copied: %s", where, check.problem)
+        logger.warning("%s is not copied (nor waited for in a replica): %s", where, check.problem)
         return None
     return ObjectEntry(METADATA_KEY, check.size, check.crc32c)
 

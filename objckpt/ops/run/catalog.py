@@ -98,11 +98,14 @@ class StepCatalog:
                 self._local.setdefault(step, at)
             self._high = max([*self._steps, *self._local, *_some(self._high)], default=None)
 
-    def newest(self, loadable: Callable[[int], bool] | None = None) -> tuple[int, int | None]:
-        """Rank 0: the newest committed step on any tier, and the newest durable one
-        (primary, then backups), listed now. ``loadable`` is asked of the local tier's
-        steps above the durable ones, newest first, until one may be loaded (the
-        restore's rollback check); None: all may.
+    def newest(
+        self, loadable: Callable[[int], bool] | None = None
+    ) -> tuple[int, int | None, frozenset[int]]:
+        """Rank 0: the newest committed step on any tier, the newest durable one
+        (primary, then backups), listed now, and the local steps ``loadable`` refused.
+        ``loadable`` is asked of the local tier's steps above the durable ones, newest
+        first, until one may be loaded (the restore's rollback check); None: all may.
+        The caller hands the refused steps to every rank's :meth:`forget_local`.
 
         Raises:
             CheckpointNotFoundError: No committed step anywhere.
@@ -124,16 +127,14 @@ class StepCatalog:
             refused.add(step)
         with self._lock:
             self._steps.update({s.step: s for s in found})
-            self._local.update(
-                {s.step: s.modified or time.time() for s in local if s.step not in refused}
-            )
+            self._local.update({s.step: s.modified or time.time() for s in local})
         newest = max((s for s in (local_step, durable) if s is not None), default=None)
         if newest is None:
             where = self.root.url
             if self.local is not None:
                 where += f" or on the local tier {self.local.url}"
             raise CheckpointNotFoundError(f"no committed step under {where}")
-        return newest, durable
+        return newest, durable, frozenset(refused)
 
     def _list_primary(self) -> list[StepInfo]:
         try:
@@ -223,13 +224,25 @@ class StepCatalog:
         run's steps, whatever rank 0's listing says."""
         now = time.time()
         with self._lock:
-            self._discarded = set(discarded) - set(steps)
-            for step in self._discarded:
-                self._local.pop(step, None)
             for step in steps:
                 self._on_nodes.setdefault(step, now)
                 self._local.setdefault(step, now)
-            self._high = max([*self._steps, *self._local], default=None)
+            self._high = max([*self._local, *_some(self._high)], default=None)
+        self.forget_local(set(discarded) - set(steps))
+
+    def forget_local(self, steps: Collection[int]) -> None:
+        """Every rank alike: the local copies of ``steps`` a node holds were discarded
+        by a rollback (the restore found them): not the run's steps, at this or any
+        later listing, until a save of this run commits one of those steps again."""
+        if not steps:
+            return
+        with self._lock:
+            self._discarded |= set(steps)
+            for step in steps:
+                self._local.pop(step, None)
+                self._on_nodes.pop(step, None)
+            if self._high in self._discarded:
+                self._high = max([*self._steps, *self._local], default=None)
 
     def finished(self, step: int) -> None:
         """A save of ``step`` to the root ended well (see :meth:`take_finished`)."""

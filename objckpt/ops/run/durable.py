@@ -68,7 +68,7 @@ class DurableSteps:
         if self._replicator is None:
             return
         self._replicator.scan()
-        latest = self._catalog.latest()
+        latest = self._catalog.latest(durable=True)  # a local-only step has no root copy
         if latest is not None and self._replicator.lacking(latest):
             self._replicator.submit(self._catalog.places(latest))
 

@@ -168,7 +168,7 @@ class CheckpointManager:
             # A node that was away during a discard_after still holds the steps it
             # discarded: the rollback records (read by rank 0) say which.
             records = self._collectives.from_rank0(self._restorer.rollback_records)
-            judge = None if records is None else functools.partial(judge_copy, records)
+            judge = functools.partial(judge_copy, records) if records else None
             on_nodes, discarded = sweep(
                 local, self._catalog.durable_steps(), self._collectives, judge
             )

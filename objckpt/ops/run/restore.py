@@ -183,7 +183,8 @@ class Restorer:
         elif step is not None:
             loaded = self._load_step(step, state_dict, read)
         else:
-            newest, durable = self._collectives.from_rank0(self._newest)
+            newest, durable, refused = self._collectives.from_rank0(self._newest)
+            self._catalog.forget_local(refused)  # every rank alike: the order check's bound
             loaded = self._load_or_durable(state_dict, step, read, newest, durable)
         return Loaded(loaded, refill=self._refill == loaded)
 
@@ -340,7 +341,7 @@ class Restorer:
         views, held = self._node_listings(posted)
         try:
             try:
-                _, durable = self._catalog.newest()
+                _, durable, _ = self._catalog.newest()
             except CheckpointNotFoundError:
                 durable = None
             copies: dict[tuple[int, str], bytes | ManifestError] = {}
@@ -519,36 +520,33 @@ class Restorer:
             held.append(h)
         return views, held
 
-    def rollback_records(self) -> list[Rollback] | None:
-        """Rank 0: the root's rollback records; None, with a warning, when they cannot
-        be read (then no node's copy of a step above the durable ones is loaded: it
-        may be a discarded step's)."""
+    def rollback_records(self) -> list[Rollback]:
+        """Rank 0: the root's rollback records (none, with a warning, when they cannot
+        be listed: a load from the nodes then goes on without the root, as it must
+        when the root is down, and only the holders' agreement is checked)."""
         try:
             return read_rollbacks(self._catalog.root)
         except Exception as exc:
             logger.warning(
-                "cannot read the rollback records under %s (%s): no step is loaded from "
-                "the nodes' tiers, since it may be one that was discarded",
+                "cannot read the rollback records under %s (%s): a node's copy of a "
+                "discarded step is recognised only where the holders disagree",
                 self._catalog.root.url,
                 exc,
             )
-            return None
+            return []
 
-    def _newest(self) -> tuple[int, int | None]:
-        """Rank 0, without peers: the newest step on any tier and the newest durable
-        one (:meth:`StepCatalog.newest`), a copy on rank 0's local tier left out where
-        a rollback record discards it (a node that was away during ``discard_after``
-        still holds its copy), and every local copy above the durable steps where the
-        records cannot be read."""
+    def _newest(self) -> tuple[int, int | None, frozenset[int]]:
+        """Rank 0, without peers: the newest step on any tier, the newest durable one
+        and the local steps refused (:meth:`StepCatalog.newest`): a copy on rank 0's
+        local tier a rollback record discards is not loaded (a node that was away
+        during ``discard_after`` still holds its copy, and may have come back after
+        the start-up sweep)."""
         records: list[Rollback] | None = None
-        read = False
 
         def loadable(step: int) -> bool:
-            nonlocal records, read
-            if not read:
-                records, read = self.rollback_records(), True
+            nonlocal records
             if records is None:
-                return False
+                records = self.rollback_records()
             if not records:
                 return True
             tier = self._catalog.local
@@ -557,7 +555,6 @@ class Restorer:
             url = os.path.join(tier.path, rel)
             try:
                 data = NodeStore(tier.path).read_bytes(rel, max_bytes=DEFAULT_MAX_METADATA_BYTES)
-                Manifest.from_json_bytes(data, url=url)
             except (ManifestError, OSError) as exc:
                 logger.warning("step %d on the local tier is not loaded: %s", step, exc)
                 return False

@@ -84,8 +84,7 @@ class Survey:
         copies: The manifest bytes of the copies :func:`copies_needed` names, by
             (step, digest), or why that copy could not be read.
         durable: The newest durable step (None: none).
-        rollbacks: The root's rollback records; None when they could not be read:
-            then no node's copy is loaded (one of them may be a discarded step's).
+        rollbacks: The root's rollback records.
         failed: Steps whose load from the nodes failed earlier in this load.
         bad: The copies found bad since the last decision (gathered from every rank).
         excluded: (step, node, key) of the copies found bad earlier in this load.
@@ -100,7 +99,7 @@ class Survey:
     held: Sequence[Mapping[int, str]]
     copies: Mapping[tuple[int, str], bytes | ManifestError]
     durable: int | None
-    rollbacks: Sequence[Rollback] | None
+    rollbacks: Sequence[Rollback]
     failed: Collection[int]
     bad: Sequence[BadCopy]
     excluded: frozenset[tuple[int, int, str]]
@@ -236,12 +235,6 @@ class _Decider:
         holdings to plan from (the ranks holding a set-aside copy count as holding
         nothing of ``step``); None when no copy is left, one is unusable, or the copies
         left disagree."""
-        if self.s.rollbacks is None:
-            self.warnings.append(
-                f"step {step} on the nodes is not loaded: the rollback records under "
-                f"{self.s.root.url} cannot be read, and it may be a discarded step's copy"
-            )
-            return None
         holders: dict[str, list[int]] = {}
         for r, h in enumerate(self.s.held):
             if step in h:

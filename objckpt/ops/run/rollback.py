@@ -304,8 +304,9 @@ def judge_copy(records: Sequence[Rollback], step: int, data: bytes, url: str) ->
     """What ``records`` say of a node's copy of ``step`` whose manifest is ``data``
     (``url`` names it in messages): None, it may load; ``"stale"``, a record names it
     (deleted where found); ``"aside"``, committed before a rollback by the clocks
-    (never loaded, never deleted on that ground). A manifest that cannot be read is
-    left to the restore, which refuses it. Logs what it sets aside."""
+    (never loaded; moved out of the step's name, never deleted on that ground). A
+    manifest that cannot be read is left to the restore, which refuses it. Logs what
+    it sets aside."""
     try:
         manifest = Manifest.from_json_bytes(data, url=url)
     except ManifestError:
@@ -323,19 +324,17 @@ def judge_copy(records: Sequence[Rollback], step: int, data: bytes, url: str) ->
         manifest.created,
         rolled.after,
         rolled.at,
-        " (a rollback record names it)" if named else " (kept on disk: two clocks decide it)",
+        " (a rollback record names it)" if named else " (committed before it by the clocks)",
     )
     return "stale" if named else "aside"
 
 
 def read_rollbacks(root: Location) -> list[Rollback]:
     """Every rollback record under ``root`` (one listing, one read each); a record
-    that is no rollback record (bucket contents are untrusted), or was deleted since
-    the listing, is skipped with a warning.
+    that cannot be read is skipped with a warning.
 
     Raises:
-        StoreError: The records cannot be listed, or one cannot be read (the store
-            failed: a record missed would let a discarded step load).
+        StoreError: The records cannot be listed.
     """
     records = root.child(ROLLBACKS_DIR)
     store = open_store(records)
@@ -353,7 +352,7 @@ def read_rollbacks(root: Location) -> list[Rollback]:
                 if len(data) > DEFAULT_MAX_METADATA_BYTES:
                     raise ManifestError(f"larger than {DEFAULT_MAX_METADATA_BYTES} bytes")
                 out.append(Rollback.from_json_bytes(data, records.url_of(key)))
-            except (ManifestError, FileNotFoundError) as exc:
+            except Exception as exc:
                 logger.warning(
                     "rollback record %s is unreadable; skipped: %s", records.url_of(key), exc
                 )

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -78,6 +79,10 @@ logger = logging.getLogger(__name__)
 _TMP = re.compile(r"\.(?P<key>.+)\.[0-9a-f]{32}\.tmp")  # fullmatch: no $
 
 
+#: Where the sweep moves a node's copy of a discarded step it does not delete (a name
+#: no step has: never listed, loaded or deleted as a step).
+SET_ASIDE_DIR = "set-aside"
+
 #: What the run's rollback records say of a node's copy of a step
 #: (:func:`objckpt.ops.run.rollback.judge_copy`): None, it may load; ``"stale"``, a
 #: record names it (deleted); ``"aside"``, discarded by the clocks (kept, not loaded).
@@ -100,8 +105,9 @@ class TierListing:
             :func:`objckpt.ops.tier.peers.replica_dir`) holds the coordinator's manifest:
             committed, even when the coordinator's node is gone.
         replicas_present: Every replica step directory (links excluded).
-        set_aside: Committed steps a rollback discarded by the clocks: kept on disk,
-            never counted as committed (nor deleted by the sweep).
+        set_aside: Committed steps a rollback discarded by the clocks: moved to
+            ``set-aside/`` (a rank sharing the directory that listed it first does
+            not delete it either).
         discarded: The steps of every copy found discarded (named or set aside).
     """
 
@@ -302,8 +308,9 @@ def sweep(
     Each rank first asks ``judge`` (the run's rollback records; None: they could
     not be read, and nothing is judged) of each copy of a step above the durable
     ones it holds: a copy a record names is not counted, and deleted below unless
-    another node holds a current copy of the step; one discarded by the clocks is
-    kept on disk but not counted (a node that was away during ``discard_after``
+    another node holds a current copy of the step; one discarded by the clocks
+    (a record names only the copies some node held at the discard) is moved to
+    ``<tier>/set-aside/`` and not counted (a node that was away during ``discard_after``
     must not bring a discarded step back as the run's newest).
 
     A step is kept when any rank's directory holds its manifest (in the step's own
@@ -370,17 +377,22 @@ def sweep(
 def _judged(mine: TierListing, judge: CopyJudge, durable: int | None) -> TierListing:
     """``mine`` once ``judge`` has seen each copy above ``durable`` (see :func:`sweep`):
     a stale copy no longer committed (the sweep then deletes it as it deletes any
-    step no node holds, sparing what kept steps reference), a copy set aside no
-    longer committed but kept. A manifest that cannot be read stays as it is (the
-    restore refuses it)."""
+    step no node holds, sparing what kept steps reference); a copy set aside moved
+    to ``<tier>/set-aside/`` (kept, never loaded, and the step's name free for the
+    run to save again). A manifest that cannot be read stays as it is (the restore
+    refuses it)."""
     root = mine.path
     store = NodeStore(root)
     stale: set[int] = set()
     stale_replicas: set[int] = set()
     aside: set[int] = set()
-    for step, rel, out in [
-        *((s, step_name(s), stale) for s in mine.committed),
-        *((s, f"{REPLICAS_DIR}/{step_name(s)}", stale_replicas) for s in mine.replicas_committed),
+    aside_replicas: set[int] = set()
+    for step, rel, out, moved in [
+        *((s, step_name(s), stale, aside) for s in mine.committed),
+        *(
+            (s, f"{REPLICAS_DIR}/{step_name(s)}", stale_replicas, aside_replicas)
+            for s in mine.replicas_committed
+        ),
     ]:
         if durable is not None and step <= durable:
             continue
@@ -392,13 +404,27 @@ def _judged(mine: TierListing, judge: CopyJudge, durable: int | None) -> TierLis
         if verdict == "stale":
             out.add(step)
         elif verdict == "aside":
-            aside.add(step)
+            moved.add(step)
+            to = f"{SET_ASIDE_DIR}/{rel.replace('/', '-')}.{hashlib.sha256(data).hexdigest()[:16]}"
+            try:
+                store.move_dir(rel, to)
+                logger.warning(
+                    "moved %s to %s: a copy of a discarded step (delete it once checked)",
+                    os.path.join(root, rel),
+                    os.path.join(root, to),
+                )
+            except FileNotFoundError:  # another rank sharing the directory moved it
+                pass
+            except (OSError, ObjckptError) as exc:
+                logger.warning("could not set %s aside: %s", os.path.join(root, rel), exc)
     return dataclasses.replace(
         mine,
         committed=mine.committed - stale - aside,
-        replicas_committed=mine.replicas_committed - stale_replicas - aside,
-        set_aside=frozenset(aside),
-        discarded=frozenset(stale | stale_replicas | aside),
+        present=tuple(s for s in mine.present if s not in aside),
+        replicas_committed=mine.replicas_committed - stale_replicas - aside_replicas,
+        replicas_present=tuple(s for s in mine.replicas_present if s not in aside_replicas),
+        set_aside=frozenset(aside | aside_replicas),
+        discarded=frozenset(stale | stale_replicas | aside | aside_replicas),
     )
 
 
