@@ -222,3 +222,25 @@ def test_a_discarded_copy_no_record_names_is_set_aside_and_its_step_saved_again(
         assert mgr.latest_step() == 7
     with _tier_manager(s3_bucket, "unnamed", local) as mgr:  # the new step 7 is the run's
         _load_newest(mgr, 7)
+
+
+def test_a_copy_a_rank_sharing_the_directory_set_aside_is_not_counted(tmp_path) -> None:
+    """Ranks of a node share its tier directory: one lists step 7 as committed, another
+    moves it aside before the first reads its manifest. The first counts it as
+    discarded, neither committed nor present (nothing of it left to delete), never as
+    the run's step."""
+    from objckpt.ops.tier.local_disk import _judged, list_tier
+
+    tier = tmp_path / "nvme"
+    (tier / step_name(7)).mkdir(parents=True)
+    (tier / step_name(7) / "manifest.json").write_text("{}")
+    listed = list_tier(str(tier))
+    assert listed.committed == {7}
+    shutil.move(tier / step_name(7), tmp_path / "moved")  # the other rank's move
+
+    def never(step: int, data: bytes, url: str) -> None:
+        raise AssertionError("judged a copy it could not read")
+
+    mine = _judged(listed, never, durable=5)
+    assert mine.committed == frozenset() and 7 not in mine.present
+    assert mine.discarded == {7}

@@ -98,14 +98,11 @@ class StepCatalog:
                 self._local.setdefault(step, at)
             self._high = max([*self._steps, *self._local, *_some(self._high)], default=None)
 
-    def newest(
-        self, loadable: Callable[[int], bool] | None = None
-    ) -> tuple[int, int | None, frozenset[int]]:
-        """Rank 0: the newest committed step on any tier, the newest durable one
-        (primary, then backups), listed now, and the local steps ``loadable`` refused.
-        ``loadable`` is asked of the local tier's steps above the durable ones, newest
-        first, until one may be loaded (the restore's rollback check); None: all may.
-        The caller hands the refused steps to every rank's :meth:`forget_local`.
+    def newest(self, loadable: Callable[[int], bool] | None = None) -> tuple[int, int | None]:
+        """Rank 0: the newest committed step on any tier, and the newest durable one
+        (primary, then backups), listed now. ``loadable`` is asked of the local tier's
+        steps above the durable ones, newest first, until one may be loaded (the
+        restore's rollback check); None: all may.
 
         Raises:
             CheckpointNotFoundError: No committed step anywhere.
@@ -118,13 +115,7 @@ class StepCatalog:
         with self._lock:
             local = [s for s in local if s.step not in self._discarded]
         above = sorted((s.step for s in local if durable is None or s.step > durable), reverse=True)
-        refused: set[int] = set()
-        local_step = None
-        for step in above:
-            if loadable is None or loadable(step):
-                local_step = step
-                break
-            refused.add(step)
+        local_step = next((s for s in above if loadable is None or loadable(s)), None)
         with self._lock:
             self._steps.update({s.step: s for s in found})
             self._local.update({s.step: s.modified or time.time() for s in local})
@@ -134,7 +125,7 @@ class StepCatalog:
             if self.local is not None:
                 where += f" or on the local tier {self.local.url}"
             raise CheckpointNotFoundError(f"no committed step under {where}")
-        return newest, durable, frozenset(refused)
+        return newest, durable
 
     def _list_primary(self) -> list[StepInfo]:
         try:
@@ -214,7 +205,6 @@ class StepCatalog:
         """A step committed on the local tier (now)."""
         with self._lock:
             self._local[step] = time.time()
-            self._discarded.discard(step)
             self._finished.append(step)
 
     def note_local(self, steps: Collection[int], *, discarded: Collection[int] = ()) -> None:
@@ -222,27 +212,27 @@ class StepCatalog:
         (found by the agreed sweep), whether or not rank 0's own tier holds them;
         the copies of ``discarded`` a node kept were discarded by a rollback: not the
         run's steps, whatever rank 0's listing says."""
+        self.forget_local(set(discarded) - set(steps))
         now = time.time()
         with self._lock:
             for step in steps:
                 self._on_nodes.setdefault(step, now)
                 self._local.setdefault(step, now)
-            self._high = max([*self._local, *_some(self._high)], default=None)
-        self.forget_local(set(discarded) - set(steps))
+            # At start the bound is the broadcast listing's (the same on every rank):
+            # a discarded copy rank 0 listed must not hold the run above its steps.
+            self._high = max([*self._steps, *self._local], default=None)
 
     def forget_local(self, steps: Collection[int]) -> None:
-        """Every rank alike: the local copies of ``steps`` a node holds were discarded
-        by a rollback (the restore found them): not the run's steps, at this or any
-        later listing, until a save of this run commits one of those steps again."""
-        if not steps:
-            return
+        """Every rank alike: the copies of ``steps`` a node holds were discarded by a
+        rollback (the sweep or the restore judged them): not the run's steps at this
+        or any later listing, until a save of this run begins one of those steps.
+        The order check's bound is left as it is (a copy found after the start never
+        raised it; the start's own lowers it in :meth:`note_local`)."""
         with self._lock:
             self._discarded |= set(steps)
             for step in steps:
                 self._local.pop(step, None)
                 self._on_nodes.pop(step, None)
-            if self._high in self._discarded:
-                self._high = max([*self._steps, *self._local], default=None)
 
     def finished(self, step: int) -> None:
         """A save of ``step`` to the root ended well (see :meth:`take_finished`)."""
@@ -289,6 +279,7 @@ class StepCatalog:
             high = self._high
             if high is None or step >= high:
                 self._high = step
+                self._discarded.discard(step)  # this run's own step from now on
                 return places
         base = loaded if loaded is not None and loaded < step else None
         back = f"discard_after({base})" if base is not None else "discard_after(<the step loaded>)"

@@ -341,7 +341,7 @@ class Restorer:
         views, held = self._node_listings(posted)
         try:
             try:
-                _, durable, _ = self._catalog.newest()
+                _, durable = self._catalog.newest()
             except CheckpointNotFoundError:
                 durable = None
             copies: dict[tuple[int, str], bytes | ManifestError] = {}
@@ -536,12 +536,14 @@ class Restorer:
             return []
 
     def _newest(self) -> tuple[int, int | None, frozenset[int]]:
-        """Rank 0, without peers: the newest step on any tier, the newest durable one
-        and the local steps refused (:meth:`StepCatalog.newest`): a copy on rank 0's
-        local tier a rollback record discards is not loaded (a node that was away
-        during ``discard_after`` still holds its copy, and may have come back after
-        the start-up sweep)."""
+        """Rank 0, without peers: the newest step on any tier and the newest durable
+        one (:meth:`StepCatalog.newest`), a copy on rank 0's local tier a rollback
+        record discards left out (a node that was away during ``discard_after``
+        still holds its copy, and it may have come back after the start-up sweep),
+        and the steps of the copies so discarded (for every rank's catalog; a copy
+        that cannot be read is not loaded now, and not forgotten)."""
         records: list[Rollback] | None = None
+        discarded: set[int] = set()
 
         def loadable(step: int) -> bool:
             nonlocal records
@@ -558,9 +560,13 @@ class Restorer:
             except (ManifestError, OSError) as exc:
                 logger.warning("step %d on the local tier is not loaded: %s", step, exc)
                 return False
-            return judge_copy(records, step, data, url) is None
+            if judge_copy(records, step, data, url) is None:
+                return True
+            discarded.add(step)
+            return False
 
-        return self._catalog.newest(loadable)
+        newest, durable = self._catalog.newest(loadable)
+        return newest, durable, frozenset(discarded)
 
     def _note_damaged(self, reader: ObjectStoreReader, url: str) -> None:
         """The local copies ``reader`` found damaged, as bad copies of this rank's."""

@@ -105,10 +105,8 @@ class TierListing:
             :func:`objckpt.ops.tier.peers.replica_dir`) holds the coordinator's manifest:
             committed, even when the coordinator's node is gone.
         replicas_present: Every replica step directory (links excluded).
-        set_aside: Committed steps a rollback discarded by the clocks: moved to
-            ``set-aside/`` (a rank sharing the directory that listed it first does
-            not delete it either).
-        discarded: The steps of every copy found discarded (named or set aside).
+        discarded: The steps of every copy found discarded: named by a record, or
+            moved to ``set-aside/`` (by this rank, or by one sharing its directory).
     """
 
     path: str
@@ -118,7 +116,6 @@ class TierListing:
     error: str | None = None
     replicas_committed: frozenset[int] = frozenset()
     replicas_present: tuple[int, ...] = ()
-    set_aside: frozenset[int] = frozenset()
     discarded: frozenset[int] = frozenset()
 
 
@@ -305,8 +302,8 @@ def sweep(
     """At start, every rank together (a collective): delete the step directories that
     can never load, on every node alike.
 
-    Each rank first asks ``judge`` (the run's rollback records; None: they could
-    not be read, and nothing is judged) of each copy of a step above the durable
+    Each rank first asks ``judge`` (the run's rollback records; None: there are
+    none, or they could not be read, and nothing is judged) of each copy of a step above the durable
     ones it holds: a copy a record names is not counted, and deleted below unless
     another node holds a current copy of the step; one discarded by the clocks
     (a record names only the copies some node held at the discard) is moved to
@@ -348,11 +345,11 @@ def sweep(
                 v.path,
                 v.error,
             )
-        return frozenset(), discarded
+        return frozenset(), frozenset()
     on_nodes = frozenset().union(
         *(v.committed for v in views), *(v.replicas_committed for v in views)
     )
-    known = set(durable) | on_nodes | frozenset().union(*(v.set_aside for v in views))
+    known = set(durable) | on_nodes
     referenced = local_references(root, [s for s in mine.present if s in known])
     for step in mine.present:
         if step in known:
@@ -398,6 +395,9 @@ def _judged(mine: TierListing, judge: CopyJudge, durable: int | None) -> TierLis
             continue
         try:
             data = store.read_bytes(f"{rel}/{MANIFEST_KEY}", max_bytes=DEFAULT_MAX_METADATA_BYTES)
+        except FileNotFoundError:  # a rank sharing the directory set it aside since
+            moved.add(step)
+            continue
         except (OSError, ObjckptError):
             continue
         verdict = judge(step, data, os.path.join(root, rel, MANIFEST_KEY))
@@ -416,14 +416,19 @@ def _judged(mine: TierListing, judge: CopyJudge, durable: int | None) -> TierLis
             except FileNotFoundError:  # another rank sharing the directory moved it
                 pass
             except (OSError, ObjckptError) as exc:
-                logger.warning("could not set %s aside: %s", os.path.join(root, rel), exc)
+                logger.warning(
+                    "could not set %s aside (%s): it is not loaded, but the run cannot "
+                    "save step %d on this node until it is moved or deleted",
+                    os.path.join(root, rel),
+                    exc,
+                    step,
+                )
     return dataclasses.replace(
         mine,
         committed=mine.committed - stale - aside,
         present=tuple(s for s in mine.present if s not in aside),
         replicas_committed=mine.replicas_committed - stale_replicas - aside_replicas,
         replicas_present=tuple(s for s in mine.replicas_present if s not in aside_replicas),
-        set_aside=frozenset(aside | aside_replicas),
         discarded=frozenset(stale | stale_replicas | aside | aside_replicas),
     )
 
