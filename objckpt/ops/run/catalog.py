@@ -67,9 +67,9 @@ class StepCatalog:
         # Committed on some node's tier at start (the agreed sweep), kept across
         # reloads: rank 0's listing names only what its own tier holds.
         self._on_nodes: dict[int, float] = {}
-        # Steps of copies on the nodes a rollback discarded (the agreed sweep): never
-        # taken from rank 0's listing (a copy set aside stays on its disk), until a
-        # save of this run commits that step again.
+        # Steps of copies on the nodes a rollback discarded (the agreed sweep, the
+        # restore): never taken from rank 0's listing, until a save of this run
+        # begins that step (every rank alike).
         self._discarded: set[int] = set()
         self._finished: list[int] = []
         # The newest step committed at the last listing or started by a save since: the
